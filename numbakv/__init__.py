@@ -1,0 +1,15 @@
+"""numbakv: the KV cache of an LLM inference runtime.
+
+    import numbakv as nkv
+    cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=4, head_dim=64, capacity=1024, max_seqs=4)
+    cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+"""
+
+from .config import CacheConfig, RopeShift
+from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
+from .device import resolve_device
+
+__version__ = "0.1.0"
+
+__all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotSupportedError",
+           "StateError", "resolve_device", "__version__"]

@@ -1,0 +1,196 @@
+"""Cache configuration: validated on construction, sized before anything is allocated."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Optional, Sequence
+
+import numpy as np
+
+#: Storage dtypes by name. bfloat16 is kept as its 16-bit pattern (numpy has no bfloat16).
+STORAGE_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+                  "bfloat16": np.dtype(np.uint16)}
+MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+DEVICES = ("auto", "cpu", "cuda", "sim")
+#: The sequence bitset of a cell has this many bits (see cells.py).
+MAX_SEQS_LIMIT = 256
+
+
+def normalize_dtype(dtype, name: str = "dtype", allowed=STORAGE_DTYPES) -> str:
+    """Turn a dtype given as a string, numpy dtype or framework dtype into its canonical name."""
+    if isinstance(dtype, type):
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            pass
+    text = str(getattr(dtype, "name", dtype)).lower()
+    for prefix in ("torch.", "jnp.", "numpy.", "np.", "cupy."):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    aliases = {"half": "float16", "f16": "float16", "fp16": "float16", "float": "float32",
+               "f32": "float32", "fp32": "float32", "bf16": "bfloat16"}
+    text = aliases.get(text, text)
+    if text not in allowed:
+        raise ValueError(f"{name} must be one of {sorted(allowed)}, got {dtype!r}")
+    return text
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shapes, dtypes and limits of a cache.
+
+    K storage is ``[n_layers, n_cells, n_kv_heads, head_dim]``; V storage is
+    ``[n_layers, n_cells, n_kv_heads, v_head_dim]`` or, with ``permuted_v``,
+    ``[n_layers, n_kv_heads, v_head_dim, n_cells]``. ``capacity`` is the number of tokens each
+    sequence may keep; ``max_seqs`` how many sequences share the cache; ``max_batch`` the most
+    tokens one forward pass may add. ``cache_padding`` rounds the cell count and every ``get()``
+    range; ``mask_batch_padding`` rounds the mask's rows.
+    """
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: Optional[int] = None
+    dtype: str = "float16"
+    capacity: int = 2048
+    max_seqs: int = 1
+    max_batch: int = 512
+    cache_padding: int = 1
+    mask_batch_padding: int = 1
+    mask_dtype: str = "float32"
+    permuted_v: bool = False
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_("n_layers", _check_int("n_layers", self.n_layers, 1))
+        set_("n_kv_heads", _check_int("n_kv_heads", self.n_kv_heads, 1))
+        set_("head_dim", _check_int("head_dim", self.head_dim, 1))
+        v_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim
+        set_("v_head_dim", _check_int("v_head_dim", v_dim, 1))
+        set_("dtype", normalize_dtype(self.dtype, "dtype"))
+        set_("capacity", _check_int("capacity", self.capacity, 1))
+        set_("max_seqs", _check_int("max_seqs", self.max_seqs, 1))
+        if self.max_seqs > MAX_SEQS_LIMIT:
+            raise ValueError(f"max_seqs must be <= {MAX_SEQS_LIMIT}, got {self.max_seqs}")
+        set_("max_batch", _check_int("max_batch", self.max_batch, 1))
+        set_("cache_padding", _check_int("cache_padding", self.cache_padding, 1))
+        set_("mask_batch_padding", _check_int("mask_batch_padding", self.mask_batch_padding, 1))
+        set_("mask_dtype", normalize_dtype(self.mask_dtype, "mask_dtype", MASK_DTYPES))
+        if not isinstance(self.permuted_v, (bool, np.bool_)):
+            raise ValueError(f"permuted_v must be a bool, got {self.permuted_v!r}")
+        set_("permuted_v", bool(self.permuted_v))
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The numpy dtype the storage arrays hold (uint16 bit patterns for bfloat16)."""
+        return STORAGE_DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage_dtype.itemsize
+
+    def n_cells(self, swa_memory: Optional[int] = None) -> int:
+        """Cells the cache allocates (Ollama's Init): ``max_seqs * capacity`` without a memory
+        limit; ``max_seqs * swa_memory + max_batch`` with one; rounded up to ``cache_padding``."""
+        if swa_memory is None:
+            cells = self.max_seqs * self.capacity
+        else:
+            cells = self.max_seqs * int(swa_memory) + self.max_batch
+        return round_up(cells, self.cache_padding)
+
+    def nbytes(self, n_cells: Optional[int] = None, *, swa_memory: Optional[int] = None) -> int:
+        """Bytes of K and V storage for ``n_cells`` cells (default: what the cache allocates)."""
+        if n_cells is None:
+            n_cells = self.n_cells(swa_memory)
+        per_cell = self.n_layers * self.n_kv_heads * (self.head_dim + self.v_head_dim)
+        return int(n_cells) * per_cell * self.itemsize
+
+    def replace(self, **changes) -> "CacheConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return CacheConfig(**values)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class RopeShift:
+    """Parameters of the rotary re-rotation applied to keys whose position moves.
+
+    A stored key roped at position ``p`` rotated by ``delta`` equals the key roped at
+    ``p + delta``: pair ``i`` of the ``dim`` rotary dims turns by
+    ``delta * freq_scale * base**(-2i/dim) / freq_factors[i]``. ``neox=True`` pairs
+    ``(x[i], x[i + dim/2])`` (rotate-half, HF Llama); ``neox=False`` pairs ``(x[2i], x[2i+1])``
+    (GGUF llama). ``dim=None`` means the whole ``head_dim``. Always computed in float32; a pure
+    rotation (no YaRN magnitude scaling).
+    """
+
+    base: float = 10000.0
+    dim: Optional[int] = None
+    neox: bool = True
+    freq_scale: float = 1.0
+    freq_factors: Optional[Sequence[float]] = field(default=None)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.base, (int, float, np.floating)) and math.isfinite(self.base)
+                and self.base > 0):
+            raise ValueError(f"base must be a finite number > 0, got {self.base!r}")
+        if self.dim is not None:
+            dim = _check_int("dim", self.dim, 2)
+            if dim % 2:
+                raise ValueError(f"dim must be even, got {dim}")
+            object.__setattr__(self, "dim", dim)
+        if not (isinstance(self.freq_scale, (int, float, np.floating))
+                and math.isfinite(self.freq_scale) and self.freq_scale > 0):
+            raise ValueError(f"freq_scale must be a finite number > 0, got {self.freq_scale!r}")
+        object.__setattr__(self, "base", float(self.base))
+        object.__setattr__(self, "freq_scale", float(self.freq_scale))
+        object.__setattr__(self, "neox", bool(self.neox))
+        if self.freq_factors is not None:
+            factors = tuple(float(f) for f in np.asarray(self.freq_factors, dtype=np.float64).ravel())
+            if not all(math.isfinite(f) and f > 0 for f in factors):
+                raise ValueError("freq_factors must be finite numbers > 0")
+            if self.dim is not None and len(factors) != self.dim // 2:
+                raise ValueError(f"freq_factors must have dim/2 = {self.dim // 2} entries, "
+                                 f"got {len(factors)}")
+            object.__setattr__(self, "freq_factors", factors)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The number of rotated dims for keys of ``head_dim``; checks that it fits."""
+        dim = head_dim if self.dim is None else self.dim
+        if dim > head_dim or dim % 2:
+            raise ValueError(f"RopeShift dim must be even and <= head_dim={head_dim}, got {dim}")
+        if self.freq_factors is not None and len(self.freq_factors) != dim // 2:
+            raise ValueError(f"freq_factors must have {dim // 2} entries for rotary dim {dim}, "
+                             f"got {len(self.freq_factors)}")
+        return dim
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """``[rotary_dim // 2]`` float32 angle per unit of position for each pair."""
+        dim = self.rotary_dim(head_dim)
+        i = np.arange(dim // 2, dtype=np.float64)
+        freq = self.freq_scale * self.base ** (-2.0 * i / dim)
+        if self.freq_factors is not None:
+            freq = freq / np.asarray(self.freq_factors, dtype=np.float64)
+        return freq.astype(np.float32)
+
+
+__all__ = ["CacheConfig", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES", "normalize_dtype",
+           "round_up"]

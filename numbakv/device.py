@@ -1,0 +1,180 @@
+"""Where the cache lives: ``cuda`` (CuPy storage, Numba CUDA kernels), ``cpu`` (numpy storage,
+numba ``@njit`` twins of the kernels) or ``sim`` (numpy storage, the real ``@cuda.jit`` kernels
+run by Numba's CUDA simulator, for testing without a GPU).
+
+Also turns whatever array a caller hands in (numpy, CuPy, torch, JAX: anything speaking DLPack,
+``__cuda_array_interface__`` or ``__array_interface__``) into the device's array type without a
+copy when the memory already lives there, and wraps views for export (bfloat16 included).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _dlpack
+from .config import STORAGE_DTYPES, normalize_dtype
+from ._gpu_probe import driver_gpu_count
+
+DEVICE_NAMES = ("cpu", "cuda", "sim")
+
+
+def simulator_enabled() -> bool:
+    """True when Numba's CUDA simulator is on (``NUMBA_ENABLE_CUDASIM=1`` before numba.cuda was
+    imported): then every ``@cuda.jit`` kernel runs in Python on numpy arrays."""
+    try:
+        from numba.cuda.core import config as cuda_config
+        return bool(cuda_config.ENABLE_CUDASIM)
+    except ImportError:  # older numba-cuda layouts
+        return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_usable() -> bool:
+    """True only when a CUDA GPU really works: the driver sees a device, Numba's CUDA target is
+    live (not the simulator) and CuPy can allocate on it. CuPy imports fine on machines without a
+    driver and fails at the first allocation, so this tries one."""
+    if simulator_enabled() or driver_gpu_count() == 0:
+        return False
+    try:
+        import cupy
+        cupy.zeros(1, dtype=cupy.float32).sum().item()
+        from numba import cuda
+        return bool(cuda.is_available())
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+
+
+def resolve_device(device: str = "auto") -> str:
+    """``auto`` becomes ``sim`` when the simulator is on, ``cuda`` when a GPU works, else ``cpu``.
+    An explicit ``cuda`` or ``sim`` that cannot run raises ``ValueError`` saying why."""
+    if device == "auto":
+        if simulator_enabled():
+            return "sim"
+        return "cuda" if cuda_usable() else "cpu"
+    if device not in DEVICE_NAMES:
+        raise ValueError(f"device must be one of ('auto',) + {DEVICE_NAMES}, got {device!r}")
+    if device == "sim" and not simulator_enabled():
+        raise ValueError("device='sim' needs Numba's CUDA simulator: set NUMBA_ENABLE_CUDASIM=1 "
+                         "before numba.cuda is first imported")
+    if device == "cuda" and not cuda_usable():
+        why = ("the CUDA simulator is on" if simulator_enabled()
+               else "no usable CUDA GPU (driver, device and a CuPy allocation are all needed)")
+        raise ValueError(f"device='cuda' is not available: {why}")
+    return device
+
+
+def array_module(device: str):
+    """The array module storing data on ``device``: CuPy for ``cuda``, numpy otherwise."""
+    if resolve_device(device) == "cuda":
+        import cupy
+        return cupy
+    return np
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work (a no-op on cpu and sim)."""
+    if device == "cuda":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def dtype_name(x: Any) -> str:
+    """The canonical dtype name of an array-like (``bfloat16`` for framework bfloat16 tensors)."""
+    if isinstance(x, _dlpack.BFloat16View):
+        return "bfloat16"
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        return type(x).__name__
+    text = str(dt).lower().replace("torch.", "")
+    return {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}.get(text, text)
+
+
+def input_device(x: Any) -> str:
+    """``cuda`` when ``x``'s memory is on a GPU, ``cpu`` when on the host."""
+    if isinstance(x, np.ndarray):
+        return "cpu"
+    if _is_cupy(x) or hasattr(x, "__cuda_array_interface__"):
+        return "cuda"
+    if hasattr(x, "__dlpack_device__"):
+        dev_type = int(x.__dlpack_device__()[0])
+        return "cpu" if dev_type in (_dlpack.KDL_CPU, _dlpack.KDL_CUDA_HOST) else "cuda"
+    return "cpu"
+
+
+def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
+    """``x`` as the array type of ``device`` holding ``dtype`` (its storage dtype: uint16 bit
+    patterns for ``bfloat16``), without copying when the memory is already there.
+
+    Raises ``ValueError`` naming ``name`` when ``x`` lives on the other device or has another
+    dtype: the cache never converts dtypes or moves data between devices behind a caller's back.
+    """
+    # Fast path, paid on every put: a host array already in the storage dtype.
+    if type(x) is np.ndarray and device != "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
+        return x
+    dtype = normalize_dtype(dtype, "dtype")
+    storage_device = "cuda" if device == "cuda" else "cpu"
+    where = input_device(x)
+    if where != storage_device:
+        raise ValueError(f"{name} lives on {where} but the cache stores on {device}: move it to "
+                         f"{'the GPU' if storage_device == 'cuda' else 'the host'} first")
+    arr = _to_native(x, storage_device, name)
+    got = _native_dtype_name(arr, x)
+    if got != dtype and not (dtype == "bfloat16" and got == "uint16"):
+        raise ValueError(f"{name} must have dtype {dtype}, got {got}")
+    if dtype == "bfloat16":
+        arr = arr.view(STORAGE_DTYPES["bfloat16"])
+    return arr
+
+
+def _native_dtype_name(arr, original) -> str:
+    if getattr(arr, "_numbakv_bfloat16", False) or dtype_name(original) == "bfloat16":
+        return "bfloat16"
+    return str(arr.dtype)
+
+
+def _to_native(x: Any, storage_device: str, name: str):
+    """numpy (host) or CuPy (GPU) array over ``x``'s memory; framework bfloat16 tensors come back
+    as uint16 arrays over the same bytes."""
+    if storage_device == "cpu":
+        if isinstance(x, np.ndarray):
+            return x.view(np.uint16) if str(x.dtype) == "bfloat16" else x
+        if isinstance(x, _dlpack.BFloat16View):
+            return x.bits
+        if hasattr(x, "__dlpack__"):
+            return _dlpack.host_array_from_dlpack(x)
+        if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+            return np.asarray(x)
+        raise ValueError(f"{name} must be an array (numpy, or anything speaking DLPack or the "
+                         f"array interface), got {type(x).__name__}")
+    import cupy
+    if _is_cupy(x):
+        return x
+    if isinstance(x, _dlpack.BFloat16View):
+        return x.bits
+    if hasattr(x, "__dlpack__"):
+        return _dlpack.cupy_array_from_dlpack(x)
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    raise ValueError(f"{name} must be a GPU array (CuPy, or anything speaking DLPack or the "
+                     f"CUDA array interface), got {type(x).__name__}")
+
+
+def export_view(arr, dtype: str):
+    """What the cache hands out for a storage view: the array itself for float16/float32, or a
+    ``BFloat16View`` whose ``__dlpack__`` exports the uint16 storage as bfloat16 (so
+    ``torch.from_dlpack`` gives ``torch.bfloat16`` without a copy)."""
+    if dtype == "bfloat16":
+        return _dlpack.BFloat16View(arr)
+    return arr
+
+
+__all__ = ["simulator_enabled", "cuda_usable", "resolve_device", "array_module", "synchronize",
+           "as_array", "export_view", "dtype_name", "input_device", "DEVICE_NAMES"]

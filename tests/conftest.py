@@ -1,0 +1,59 @@
+"""Test harness: without a usable GPU, switch on Numba's CUDA simulator *before* numba.cuda is
+imported, so the same tests run the real ``@cuda.jit`` kernels everywhere (device ``sim``)."""
+
+import importlib.util
+import os
+import pathlib
+
+import pytest
+
+_probe_path = pathlib.Path(__file__).resolve().parents[1] / "numbakv" / "_gpu_probe.py"
+_spec = importlib.util.spec_from_file_location("_numbakv_gpu_probe", _probe_path)
+_probe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_probe)
+
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and _probe.driver_gpu_count() == 0:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    # numba-cuda's .pth redirector imports numba (and reads its config) at interpreter start-up,
+    # before this file runs: re-read the environment so numba.cuda sees the simulator switch.
+    import sys
+    if "numba" in sys.modules:
+        assert "numba.cuda" not in sys.modules or "numba.cuda.simulator" in sys.modules, \
+            "numba.cuda was imported before the simulator could be switched on"
+        from numba.core import config as _numba_config
+        _numba_config.reload_config()
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+#: the device that runs the @cuda.jit kernels here: the simulator or a real GPU
+KERNEL_DEVICE = "sim" if SIMULATOR else "cuda"
+ALL_DEVICES = ["cpu", KERNEL_DEVICE]
+
+
+def pytest_report_header(config):
+    return f"numbakv devices under test: {ALL_DEVICES} (CUDA simulator {'on' if SIMULATOR else 'off'})"
+
+
+@pytest.fixture(params=ALL_DEVICES)
+def device(request):
+    """Each device the suite can run here: ``cpu`` and ``sim`` (or ``cuda`` on a GPU machine)."""
+    return request.param
+
+
+@pytest.fixture
+def kernel_device():
+    return KERNEL_DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    skip_torch = pytest.mark.skip(reason="PyTorch is not installed")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "torch" in item.keywords and not have_torch:
+            item.add_marker(skip_torch)
+        if "gpu" in item.keywords and SIMULATOR:
+            item.add_marker(skip_gpu)
