@@ -8,8 +8,9 @@
 from .config import CacheConfig, RopeShift
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from .device import resolve_device
+from .simple import RotatingCache, StepCache
 
 __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotSupportedError",
-           "StateError", "resolve_device", "__version__"]
+           "StateError", "resolve_device", "StepCache", "RotatingCache", "__version__"]

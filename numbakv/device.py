@@ -98,73 +98,101 @@ def dtype_name(x: Any) -> str:
 
 
 def input_device(x: Any) -> str:
-    """``cuda`` when ``x``'s memory is on a GPU, ``cpu`` when on the host."""
+    """``cuda`` when ``x``'s memory is on a GPU, ``cpu`` when on the host (pinned host memory
+    included); for a DLPack device of another kind, ``"dlpack device <type>"``."""
     if isinstance(x, np.ndarray):
         return "cpu"
-    if _is_cupy(x) or hasattr(x, "__cuda_array_interface__"):
+    if isinstance(x, _dlpack.BFloat16View):
+        return x.device
+    if _is_cupy(x):
         return "cuda"
-    if hasattr(x, "__dlpack_device__"):
-        dev_type = int(x.__dlpack_device__()[0])
-        return "cpu" if dev_type in (_dlpack.KDL_CPU, _dlpack.KDL_CUDA_HOST) else "cuda"
-    return "cpu"
+    # DLPack first: torch's __cuda_array_interface__ raises (not AttributeError) for bfloat16
+    # and for tensors that require grad, so hasattr() on it is not a safe probe.
+    dl = _dlpack.dlpack_device(x)
+    if dl is not None:
+        if dl[0] in (_dlpack.KDL_CPU, _dlpack.KDL_CUDA_HOST):
+            return "cpu"
+        if dl[0] in (_dlpack.KDL_CUDA, _dlpack.KDL_CUDA_MANAGED):
+            return "cuda"
+        return f"dlpack device {dl[0]}"
+    try:
+        getattr(x, "__cuda_array_interface__")
+        return "cuda"
+    except AttributeError:
+        return "cpu"
+    except Exception:  # noqa: BLE001 - the attribute exists but refused this array: a GPU array
+        return "cuda"
 
 
 def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
     """``x`` as the array type of ``device`` holding ``dtype`` (its storage dtype: uint16 bit
     patterns for ``bfloat16``), without copying when the memory is already there.
 
-    Raises ``ValueError`` naming ``name`` when ``x`` lives on the other device or has another
-    dtype: the cache never converts dtypes or moves data between devices behind a caller's back.
+    Accepts numpy and CuPy arrays, torch / JAX / any DLPack tensor (contiguous or strided), raw
+    DLPack capsules, ``BFloat16View``, and for ``bfloat16`` also uint16 arrays taken as bit
+    patterns. Raises ``ValueError`` naming ``name`` when ``x`` lives on the other device, has
+    another dtype or cannot be imported: the cache never converts dtypes or moves data between
+    devices behind a caller's back.
     """
     # Fast path, paid on every put: a host array already in the storage dtype.
     if type(x) is np.ndarray and device != "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
         return x
     dtype = normalize_dtype(dtype, "dtype")
     storage_device = "cuda" if device == "cuda" else "cpu"
-    where = input_device(x)
+    try:
+        where = input_device(x)
+    except BufferError as exc:  # a raw capsule already consumed
+        raise ValueError(f"{name} could not be imported through DLPack: {exc}") from exc
     if where != storage_device:
         raise ValueError(f"{name} lives on {where} but the cache stores on {device}: move it to "
                          f"{'the GPU' if storage_device == 'cuda' else 'the host'} first")
-    arr = _to_native(x, storage_device, name)
-    got = _native_dtype_name(arr, x)
+    arr, was_bf16 = _to_native(x, storage_device, name)
+    got = "bfloat16" if was_bf16 or dtype_name(x) == "bfloat16" else str(arr.dtype)
     if got != dtype and not (dtype == "bfloat16" and got == "uint16"):
         raise ValueError(f"{name} must have dtype {dtype}, got {got}")
-    if dtype == "bfloat16":
+    if dtype == "bfloat16" and arr.dtype != STORAGE_DTYPES["bfloat16"]:
         arr = arr.view(STORAGE_DTYPES["bfloat16"])
     return arr
 
 
-def _native_dtype_name(arr, original) -> str:
-    if getattr(arr, "_numbakv_bfloat16", False) or dtype_name(original) == "bfloat16":
-        return "bfloat16"
-    return str(arr.dtype)
-
-
 def _to_native(x: Any, storage_device: str, name: str):
-    """numpy (host) or CuPy (GPU) array over ``x``'s memory; framework bfloat16 tensors come back
-    as uint16 arrays over the same bytes."""
+    """``(array, was_bfloat16)``: a numpy (host) or CuPy (GPU) array over ``x``'s memory;
+    framework bfloat16 tensors come back as uint16 arrays over the same bytes."""
     if storage_device == "cpu":
         if isinstance(x, np.ndarray):
-            return x.view(np.uint16) if str(x.dtype) == "bfloat16" else x
+            # ml_dtypes' bfloat16 (what JAX's np.asarray gives) is a numpy dtype of its own
+            if str(x.dtype) == "bfloat16":
+                return x.view(np.uint16), True
+            return x, False
         if isinstance(x, _dlpack.BFloat16View):
-            return x.bits
-        if hasattr(x, "__dlpack__"):
-            return _dlpack.host_array_from_dlpack(x)
+            return x.bits, True
+        if hasattr(x, "__dlpack__") or _dlpack.is_capsule(x):
+            return _import(x, "cpu", name)
         if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
-            return np.asarray(x)
+            return np.asarray(x), False
         raise ValueError(f"{name} must be an array (numpy, or anything speaking DLPack or the "
                          f"array interface), got {type(x).__name__}")
     import cupy
     if _is_cupy(x):
-        return x
+        if str(x.dtype) == "bfloat16":  # a CuPy build with a bfloat16 dtype
+            return x.view(cupy.uint16), True
+        return x, False
     if isinstance(x, _dlpack.BFloat16View):
-        return x.bits
-    if hasattr(x, "__dlpack__"):
-        return _dlpack.cupy_array_from_dlpack(x)
+        return x.bits, True
+    if hasattr(x, "__dlpack__") or _dlpack.is_capsule(x):
+        return _import(x, "cuda", name)
     if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
+        return cupy.asarray(x), False
     raise ValueError(f"{name} must be a GPU array (CuPy, or anything speaking DLPack or the "
                      f"CUDA array interface), got {type(x).__name__}")
+
+
+def _import(x: Any, target: str, name: str):
+    try:
+        return _dlpack.import_dlpack(x, target)
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        # e.g. torch refuses tensors that require grad; a capsule consumed twice
+        raise ValueError(f"{name} could not be imported through DLPack: {exc}") from exc
 
 
 def export_view(arr, dtype: str):
