@@ -2,5 +2,7 @@
 CPU twin sharing one element function. Importing this package registers every kernel."""
 
 from ._registry import KERNELS, KernelSpec, cuda_kernel, element, registered
+from . import _common, mask, move, put, rope  # noqa: E402,F401 - importing registers the kernels
 
-__all__ = ["KERNELS", "KernelSpec", "cuda_kernel", "element", "registered"]
+__all__ = ["KERNELS", "KernelSpec", "cuda_kernel", "element", "registered", "mask", "move",
+           "put", "rope"]

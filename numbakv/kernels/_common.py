@@ -1,0 +1,405 @@
+"""Pieces every kernel family shares: launch geometry, raw-word views for wide copies, float
+conversions for 16-bit storage, and the fast CUDA launch path.
+
+Arrays reach the kernels as *raw bits* wherever the math does not look at the values (put, move,
+mask): 16-bit data as ``uint16``, 32-bit as ``uint32`` and, where the row length, strides and
+(on a GPU) the address allow, whole 4- or 8-byte words, so one kernel serves every dtype and
+copies move 8 bytes per thread. Only the rotary kernel converts to float32.
+
+Launching: ``cpu`` runs the ``@njit`` twins on numpy arrays; ``sim`` runs the ``@cuda.jit``
+kernels through Numba's dispatcher (the simulator); ``cuda`` launches the same kernels on CuPy
+arrays. Numba's dispatcher spends tens of microseconds per launch typing and wrapping each
+argument, so on ``cuda`` each kernel is compiled once per exact signature (every array typed
+``'A'``), loaded through CuPy's driver API and launched with a flat, preallocated parameter
+buffer (:class:`FastKernel`): a few microseconds of host time per launch. The dispatcher stays as
+the fallback (``NUMBAKV_FAST_LAUNCH=0`` forces it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import struct
+import threading
+import warnings
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+from numba import types
+
+from ._registry import element
+
+#: threads per block: the simulator runs one Python thread per CUDA thread, so keep it small there
+BLOCK_CUDA = 256
+BLOCK_SIM = 32
+#: the largest grid extent along y and z (kernels loop when they need more)
+MAX_GRID_YZ = 65535
+
+#: unsigned integer dtype holding one raw element/word of each byte size
+UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
+        8: np.dtype(np.uint64)}
+
+
+def block_size(device: str) -> int:
+    return BLOCK_SIM if device == "sim" else BLOCK_CUDA
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+# --------------------------------------------------------------------------------------------
+# float conversions for 16-bit storage, shared by the CPU twins (numba has no float16 on the
+# CPU) and the CUDA kernels (bfloat16 has no numpy dtype). Integer math in int64 throughout
+# (numba widens small integers anyway); the last step casts to the storage width.
+
+# Written with conditional expressions rather than branches, so LLVM turns them into selects and
+# the CPU twins' loops vectorise.
+
+@element
+def f16_bits_to_f32(h):
+    """IEEE half (as its 16-bit pattern) to float32, exactly (subnormals, inf, NaN kept)."""
+    h = np.int64(h)
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    bits = sign | (0x7F800000 if exp == 31 else (exp + 112) << 23) | (mant << 13)
+    # zero or subnormal: mant * 2**-24 is exact in float32
+    small = np.float32(mant) * np.float32(5.9604644775390625e-08)
+    small = -small if sign != 0 else small
+    return small if exp == 0 else np.uint32(bits).view(np.float32)
+
+
+@element
+def f32_to_f16_bits(x):
+    """float32 to the 16-bit pattern of IEEE half, rounding to nearest even (as numpy does);
+    overflow gives inf, NaN stays a (quiet) NaN."""
+    b = np.int64(np.float32(x).view(np.uint32))
+    sign = (b >> 16) & 0x8000
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    ee = e - 112  # the half exponent field this value would have
+    # normal half: drop 13 mantissa bits, round to nearest even; a carry moves into the
+    # exponent (up to inf)
+    hm = m >> 13
+    rem = m & 0x1FFF
+    normal = (ee << 10) + hm + (1 if (rem > 0x1000) | ((rem == 0x1000) & ((hm & 1) != 0)) else 0)
+    # subnormal half (-10 <= ee <= 0): the implicit bit shifted down, same rounding
+    shift = min(max(14 - ee, 14), 24)
+    mm = m | 0x800000
+    hs = mm >> shift
+    rs = mm & ((1 << shift) - 1)
+    halfway = 1 << (shift - 1)
+    sub = hs + (1 if (rs > halfway) | ((rs == halfway) & ((hs & 1) != 0)) else 0)
+    out = sub if ee >= -10 else 0
+    out = normal if ee > 0 else out
+    out = 0x7C00 if ee >= 31 else out
+    out = (0x7C00 | (0x200 if m != 0 else 0)) if e == 0xFF else out
+    return np.uint16(sign | out)
+
+
+@element
+def bf16_bits_to_f32(b):
+    """bfloat16 (its 16-bit pattern) to float32: the high half of the float32 bits."""
+    return np.uint32(np.int64(b) << 16).view(np.float32)
+
+
+@element
+def f32_to_bf16_bits(x):
+    """float32 to bfloat16 bits, rounding to nearest even; NaN stays a quiet NaN."""
+    b = np.int64(np.float32(x).view(np.uint32))
+    rounded = (b + (((b >> 16) & 1) + 0x7FFF)) >> 16
+    return np.uint16(((b >> 16) | 0x40) if (b & 0x7FFFFFFF) > 0x7F800000 else rounded)
+
+
+# --------------------------------------------------------------------------------------------
+# raw-word views
+
+def word_size(row_bytes: int, itemsize: int, byte_strides: Sequence[int], ptr: Optional[int],
+              last_stride: int) -> int:
+    """The widest word (8, 4 or 2 bytes, never narrower than an element) that tiles a row of
+    ``row_bytes``: the last axis must be contiguous and every outer stride (and, on a GPU, the
+    address) a multiple of it. Falls back to the element size."""
+    if last_stride != itemsize:
+        return itemsize
+    for w in (8, 4, 2):
+        if w < itemsize:
+            break
+        if row_bytes % w:
+            continue
+        if any(s % w for s in byte_strides):
+            continue
+        if ptr is not None and ptr % w:
+            continue
+        return w
+    return itemsize
+
+
+class Desc(NamedTuple):
+    """A strided view of device memory described by numbers alone (what a Numba kernel receives
+    for an array argument), so the CUDA launch path never builds CuPy views per call."""
+    ptr: int
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+
+class _DeviceView:
+    """A :class:`Desc` as an object speaking the CUDA array interface, for Numba's dispatcher
+    (the fallback path). Not the Desc itself: Numba would type a NamedTuple as a tuple."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, d: Desc) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": d.shape, "strides": d.strides, "typestr": d.dtype.str,
+            "data": (d.ptr, False), "version": 3}
+
+
+def desc_of(arr, dtype=None) -> Desc:
+    """The descriptor of a CuPy array (optionally reinterpreted as another dtype of the same
+    itemsize)."""
+    dt = arr.dtype if dtype is None else np.dtype(dtype)
+    return Desc(int(arr.data.ptr), tuple(arr.shape), tuple(arr.strides), np.dtype(dt))
+
+
+# --------------------------------------------------------------------------------------------
+# the CUDA launch path
+
+def numba_type(x) -> types.Type:
+    """The Numba type a kernel argument is compiled for on the fast path: arrays as ``'A'``
+    layout (strided) so contiguous and strided inputs share one compiled kernel; scalars int64."""
+    if isinstance(x, Desc):
+        from numba.np.numpy_support import from_dtype
+        return types.Array(from_dtype(x.dtype), len(x.shape), "A")
+    return types.int64
+
+
+def _flatten(args: Sequence[Any]) -> List[int]:
+    """Kernel parameters as Numba lays them out: per array meminfo, parent, nitems, itemsize,
+    data, shape..., strides... (all 64-bit); per int64 scalar the value."""
+    out: List[int] = []
+    add = out.extend
+    for a in args:
+        if type(a) is Desc:
+            add((0, 0, math.prod(a.shape), a.dtype.itemsize, a.ptr))
+            add(a.shape)
+            add(a.strides)
+        else:
+            out.append(int(a))
+    return out
+
+
+def _flat_offsets(args: Sequence[Any]) -> List[int]:
+    """Where each argument starts in :func:`_flatten`'s list."""
+    out, pos = [], 0
+    for a in args:
+        out.append(pos)
+        pos += 5 + 2 * len(a.shape) if type(a) is Desc else 1
+    return out
+
+
+def _sig_key(args: Sequence[Any]) -> tuple:
+    """A cheap hashable stand-in for the Numba signature of ``args`` (building Numba types costs
+    tens of microseconds per launch)."""
+    return tuple((a.dtype, len(a.shape)) if type(a) is Desc else None for a in args)
+
+
+def _n_flat(sig: Sequence[types.Type]) -> int:
+    n = 0
+    for t in sig:
+        n += 5 + 2 * t.ndim if isinstance(t, types.Array) else 1
+    return n
+
+
+_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\((.*?)\)", re.S)
+
+
+def ptx_entry(py_func, sig: Tuple[types.Type, ...], cc: Tuple[int, int]):
+    """``(ptx, entry name, number of parameters)`` of ``py_func`` compiled for ``sig``; raises
+    unless the entry takes exactly the 64-bit parameters :func:`_flatten` produces (so the fast
+    path can never pass a kernel a misaligned argument list)."""
+    from numba import cuda
+    ptx, _ = cuda.compile_ptx(py_func, sig, cc=cc)
+    m = _ENTRY.search(ptx)
+    if m is None:
+        raise RuntimeError("no kernel entry in the PTX")
+    params = re.findall(r"\.param\s+\.(\w+)", m.group(2))
+    expected = _n_flat(sig)
+    if len(params) != expected or any(p not in ("u64", "s64", "b64") for p in params):
+        raise RuntimeError(f"unexpected kernel parameters ({len(params)} {set(params)}, "
+                           f"expected {expected} x u64)")
+    return ptx, m.group(1), expected
+
+
+class FastKernel:
+    """One kernel compiled for one exact signature and loaded with CuPy's driver API; launched
+    through ``cuLaunchKernel`` with a reusable int64 parameter buffer. Checks at load time that
+    the PTX entry takes exactly the 64-bit parameters Numba's data model says it should."""
+
+    def __init__(self, py_func, sig: Tuple[types.Type, ...], device_id: int) -> None:
+        import cupy
+        dev = cupy.cuda.Device(device_id)
+        cc_text = str(dev.compute_capability)
+        cc = (int(cc_text[:-1]), int(cc_text[-1]))
+        try:
+            ptx, name, expected = ptx_entry(py_func, sig, cc)
+        except Exception:  # noqa: BLE001 - NVVM may not know the newest arch: PTX runs forward
+            ptx, name, expected = ptx_entry(py_func, sig, (9, 0) if cc >= (9, 0) else (8, 0))
+        with dev:
+            self._module = cupy.cuda.driver.moduleLoadData(ptx.encode() + b"\0")
+            self._func = cupy.cuda.driver.moduleGetFunction(self._module, name)
+        self._values = np.zeros(expected, dtype=np.int64)
+        self._pack = struct.Struct(f"<{expected}q").pack_into
+        base = self._values.ctypes.data
+        self._pointers = np.arange(expected, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
+        self._pointers_addr = self._pointers.ctypes.data
+        self._launch = cupy.cuda.driver.launchKernel
+        self._lock = threading.Lock()
+        self.n_params = expected
+
+    def __call__(self, grid: Tuple[int, ...], block: int, stream: int, args) -> None:
+        self.launch_flat(grid, block, stream, _flatten(args))
+
+    def launch_flat(self, grid: Tuple[int, ...], block: int, stream: int, flat) -> None:
+        """Launch with the parameters already flattened (callers that cache a template)."""
+        g = tuple(grid) + (1, 1)
+        with self._lock:
+            self._pack(self._values, 0, *flat)
+            self._launch(self._func, g[0], g[1], g[2], block, 1, 1, 0, stream,
+                         self._pointers_addr, 0)
+
+
+_FAST: Dict[tuple, Optional[FastKernel]] = {}
+_FAST_LOCK = threading.Lock()
+
+
+_FAST_ENABLED = os.environ.get("NUMBAKV_FAST_LAUNCH", "1").lower() not in ("0", "", "false", "no")
+
+
+def fast_launch_enabled() -> bool:
+    """Whether ``cuda`` launches go through :class:`FastKernel` (``NUMBAKV_FAST_LAUNCH=0`` at
+    import, or :func:`set_fast_launch`, turns it off)."""
+    return _FAST_ENABLED
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Switch the fast launch path on or off (tests compare both on a GPU)."""
+    global _FAST_ENABLED
+    _FAST_ENABLED = bool(enabled)
+
+
+def _fast_kernel(kernel, args, device_id: int) -> Optional[FastKernel]:
+    key = (id(kernel), _sig_key(args), device_id)
+    fk = _FAST.get(key, False)
+    if fk is False:
+        with _FAST_LOCK:
+            fk = _FAST.get(key, False)
+            if fk is False:
+                sig = tuple(numba_type(a) for a in args)
+                try:
+                    fk = FastKernel(kernel.py_func, sig, device_id)
+                except Exception as exc:  # noqa: BLE001 - fall back to Numba's dispatcher
+                    warnings.warn(f"numbakv: fast launch of {kernel.py_func.__name__} unavailable "
+                                  f"({type(exc).__name__}: {exc}); using Numba's dispatcher",
+                                  RuntimeWarning, stacklevel=3)
+                    fk = None
+                _FAST[key] = fk
+    return fk
+
+
+def launch(device: str, kernel, grid: Tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+    """Run ``kernel`` over ``grid`` x ``block`` threads. ``args`` are numpy arrays (``sim``) or
+    :class:`Desc` views and ints (``cuda``); ints are always passed as int64."""
+    grid3 = (tuple(grid) + (1, 1))[:3]
+    if min(grid3) <= 0:
+        return
+    if device == "cuda":
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if _FAST_ENABLED:
+            fk = _fast_kernel(kernel, args, cupy.cuda.runtime.getDevice())
+            if fk is not None:
+                fk(grid3, block, stream.ptr, args)
+                return
+        from numba import cuda
+        nargs = [_DeviceView(a) if isinstance(a, Desc) else np.int64(a) for a in args]
+        nstream = cuda.external_stream(stream.ptr) if stream.ptr else cuda.default_stream()
+        kernel[grid3, block, nstream](*nargs)
+        return
+    # the simulator copies numpy arguments in and back out (and refuses strided ones): hand it
+    # its own array wrapper instead, which indexes the numpy view in place
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    nargs = [np.int64(a) if isinstance(a, (int, np.integer))
+             else FakeCUDAArray(a) if isinstance(a, np.ndarray) else a for a in args]
+    kernel[grid3, block](*nargs)
+
+
+class Prepared(NamedTuple):
+    """A kernel launch with its inputs already on the device: ``launch(device, kernel, grid,
+    block, args)``; ``keep`` holds the device buffers ``args`` point into."""
+    kernel: Any
+    grid: Tuple[int, ...]
+    block: int
+    args: tuple
+    keep: Any
+
+
+def to_device(device: str, *arrays: np.ndarray):
+    """Host arrays for a kernel: as they are on ``cpu``/``sim``; on ``cuda`` packed into one
+    buffer and copied with a single transfer, returned as :class:`Desc` views (one host-to-device
+    copy instead of one per array). The buffer is returned too: keep it alive until the kernel
+    that reads it is queued (CuPy's pool orders its reuse on the stream)."""
+    if device != "cuda":
+        return arrays, None
+    import cupy
+    parts = [np.ascontiguousarray(a) for a in arrays]
+    offsets = []
+    total = 0
+    for p in parts:
+        offsets.append(total)
+        total += -(-p.nbytes // 16) * 16 or 16
+    host = np.empty(total, dtype=np.uint8)
+    for p, off in zip(parts, offsets):
+        host[off:off + p.nbytes] = p.reshape(-1).view(np.uint8)
+    dev = cupy.empty(total, dtype=np.uint8)
+    dev.set(host, stream=cupy.cuda.get_current_stream())
+    base = int(dev.data.ptr)
+    descs = []
+    for p, off in zip(parts, offsets):
+        strides = []
+        acc = p.itemsize
+        for s in reversed(p.shape):
+            strides.append(acc)
+            acc *= s
+        descs.append(Desc(base + off, tuple(p.shape), tuple(reversed(strides)), p.dtype))
+    return tuple(descs), dev
+
+
+def device_arg(device: str, arr, dtype=None):
+    """A storage/output array as a kernel argument: itself (numpy, optionally viewed as another
+    dtype of the same size) or its :class:`Desc` on ``cuda``."""
+    if device == "cuda":
+        return desc_of(arr, dtype)
+    return arr if dtype is None else arr.view(dtype)
+
+
+__all__ = ["BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "UINT", "Desc", "FastKernel", "Prepared",
+           "ptx_entry",
+           "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "device_arg", "f16_bits_to_f32",
+           "f32_to_bf16_bits", "f32_to_f16_bits", "fast_launch_enabled", "launch",
+           "set_fast_launch",
+           "numba_type", "to_device", "word_size"]

@@ -1,0 +1,362 @@
+"""block move and cell copy: move cells' keys and values to other cells, in every layer, K and V
+in one launch (defrag plans, sequence copies).
+
+A plan is a list of moves ``(src, dst, length)``: cells ``src .. src+length-1`` go to ``dst ..
+dst+length-1``. Its meaning is sequential: the moves apply in order, each as a ``memmove`` (so a
+move whose ranges overlap is safe). Two kernels implement it:
+
+- **cells** (the fast one): when no destination cell is written twice and none is also read as
+  a source, the order cannot matter; the plan is expanded to cell pairs and every word of every
+  pair in every layer is copied by its own thread.
+- **lanes** (any plan): each thread owns one word position of a cell row in one layer (a
+  "lane") and runs the whole plan over it in order; lanes never share memory, so the sequential
+  meaning holds without any synchronisation, still in one launch.
+
+Defrag plans (holes filled from the end) never overlap, so they take the fast kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, njit, prange, types
+
+from ._common import (UINT, Desc, MAX_GRID_YZ, Prepared, block_size, cdiv, launch as _launch,
+                      to_device, word_size)
+from ._registry import cuda_kernel, element
+
+
+@element
+def move_step(src, dst, length, k):
+    """Cells ``(from, to)`` of step ``k`` of moving ``length`` cells from ``src`` to ``dst`` in
+    an order that is safe when the ranges overlap (``memmove``): backwards when moving up."""
+    if dst > src:
+        o = length - 1 - k
+    else:
+        o = k
+    return src + o, dst + o
+
+
+@element
+def copy_word(arr, layer, s, d, h, w):
+    """``arr[layer, d, h, w] = arr[layer, s, h, w]`` (``arr`` indexed ``[layer, cell, head,
+    word]`` whatever the storage layout)."""
+    arr[layer, d, h, w] = arr[layer, s, h, w]
+
+
+_move_step_cuda = move_step.cuda
+_copy_word_cuda = copy_word.cuda
+_move_step_cpu = move_step.cpu
+_copy_word_cpu = copy_word.cpu
+
+
+def _arr(dt, nd):
+    return types.Array(dt, nd, "A")
+
+
+# the word pairs that occur: K and V rows alike, or permuted V copied element-wise
+_PAIRS = [(types.uint64, types.uint64), (types.uint32, types.uint32), (types.uint16, types.uint16),
+          (types.uint64, types.uint16), (types.uint64, types.uint32)]
+_CELL_SIGS = [(_arr(kw, 4), _arr(vw, 4), _arr(types.int32, 1), _arr(types.int32, 1),
+               types.int64, types.int64) for kw, vw in _PAIRS]
+_LANE_SIGS = [(_arr(kw, 4), _arr(vw, 4), _arr(types.int64, 2), types.int64) for kw, vw in _PAIRS]
+
+
+@cuda_kernel("move_cells", _CELL_SIGS)
+def move_cells_kernel(k, v, src, dst, v_cell_fast, nxk):
+    """Copy cell ``src[c]`` to ``dst[c]`` for every pair ``c`` (no destination read or written by
+    another pair). Grid x: ``nxk`` blocks over K's row words, then V's row words (or, when V's
+    cells are its fastest axis, over pairs); y: pairs (or V row words); z: layers."""
+    bx = cuda.blockIdx.x
+    nb = cuda.blockDim.x
+    npairs = src.shape[0]
+    n_layers = k.shape[0]
+    if bx < nxk:
+        r = bx * nb + cuda.threadIdx.x
+        nh = k.shape[2]
+        nw = k.shape[3]
+        if r < nh * nw:
+            h = 0
+            if nh > 1:
+                h = r // nw
+            w = r - h * nw
+            c = cuda.blockIdx.y
+            while c < npairs:
+                s = src[c]
+                d = dst[c]
+                layer = cuda.blockIdx.z
+                while layer < n_layers:
+                    _copy_word_cuda(k, layer, s, d, h, w)
+                    layer += cuda.gridDim.z
+                c += cuda.gridDim.y
+    elif v_cell_fast == 0:
+        r = (bx - nxk) * nb + cuda.threadIdx.x
+        nh = v.shape[2]
+        nw = v.shape[3]
+        if r < nh * nw:
+            h = 0
+            if nh > 1:
+                h = r // nw
+            w = r - h * nw
+            c = cuda.blockIdx.y
+            while c < npairs:
+                s = src[c]
+                d = dst[c]
+                layer = cuda.blockIdx.z
+                while layer < n_layers:
+                    _copy_word_cuda(v, layer, s, d, h, w)
+                    layer += cuda.gridDim.z
+                c += cuda.gridDim.y
+    else:
+        c = (bx - nxk) * nb + cuda.threadIdx.x
+        if c < npairs:
+            s = src[c]
+            d = dst[c]
+            nh = v.shape[2]
+            nw = v.shape[3]
+            r = cuda.blockIdx.y
+            while r < nh * nw:
+                h = r // nw
+                w = r - h * nw
+                layer = cuda.blockIdx.z
+                while layer < n_layers:
+                    _copy_word_cuda(v, layer, s, d, h, w)
+                    layer += cuda.gridDim.z
+                r += cuda.gridDim.y
+
+
+@cuda_kernel("move_lanes", _LANE_SIGS)
+def move_lanes_kernel(k, v, moves, nxk):
+    """Run the whole plan ``moves [m, 3]`` (src, dst, length) in order, one lane (word position
+    of a cell row in one layer) per thread. Grid x: ``nxk`` blocks over K's row words, then V's;
+    z: layers."""
+    bx = cuda.blockIdx.x
+    nb = cuda.blockDim.x
+    n_layers = k.shape[0]
+    if bx < nxk:
+        r = bx * nb + cuda.threadIdx.x
+        nh = k.shape[2]
+        nw = k.shape[3]
+        if r < nh * nw:
+            h = r // nw
+            w = r - h * nw
+            layer = cuda.blockIdx.z
+            while layer < n_layers:
+                for m in range(moves.shape[0]):
+                    for step in range(moves[m, 2]):
+                        s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], step)
+                        _copy_word_cuda(k, layer, s, d, h, w)
+                layer += cuda.gridDim.z
+    else:
+        r = (bx - nxk) * nb + cuda.threadIdx.x
+        nh = v.shape[2]
+        nw = v.shape[3]
+        if r < nh * nw:
+            h = r // nw
+            w = r - h * nw
+            layer = cuda.blockIdx.z
+            while layer < n_layers:
+                for m in range(moves.shape[0]):
+                    for step in range(moves[m, 2]):
+                        s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], step)
+                        _copy_word_cuda(v, layer, s, d, h, w)
+                layer += cuda.gridDim.z
+
+
+@njit(cache=True, inline="always")
+def _move_layer_rows(arr, moves, layer):
+    """Cell-major storage: for each step, the whole cell row (contiguous) at once."""
+    for m in range(moves.shape[0]):
+        for step in range(moves[m, 2]):
+            s, d = _move_step_cpu(moves[m, 0], moves[m, 1], moves[m, 2], step)
+            for h in range(arr.shape[2]):
+                for w in range(arr.shape[3]):
+                    _copy_word_cpu(arr, layer, s, d, h, w)
+
+
+@njit(cache=True, inline="always")
+def _move_layer_lanes(arr, moves, layer):
+    """Cell-fastest (permuted V) storage: lane by lane, so the inner loop walks adjacent cells."""
+    for h in range(arr.shape[2]):
+        for w in range(arr.shape[3]):
+            for m in range(moves.shape[0]):
+                for step in range(moves[m, 2]):
+                    s, d = _move_step_cpu(moves[m, 0], moves[m, 1], moves[m, 2], step)
+                    _copy_word_cpu(arr, layer, s, d, h, w)
+
+
+@njit(cache=True)
+def move_cpu(k, v, moves, v_cell_fast):
+    """CPU twin: the plan in order, layer by layer (layers are independent)."""
+    for layer in range(k.shape[0]):
+        _move_layer_rows(k, moves, layer)
+        if v_cell_fast:
+            _move_layer_lanes(v, moves, layer)
+        else:
+            _move_layer_rows(v, moves, layer)
+
+
+@njit(cache=True, parallel=True)
+def move_cpu_parallel(k, v, moves, v_cell_fast):
+    """CPU twin, layers spread over threads."""
+    for layer in prange(k.shape[0]):
+        _move_layer_rows(k, moves, layer)
+        if v_cell_fast:
+            _move_layer_lanes(v, moves, layer)
+        else:
+            _move_layer_rows(v, moves, layer)
+
+
+#: below this many bytes moved a plan runs on one CPU thread (copies are memory-bound: one core
+#: nearly saturates the bandwidth, and the parallel form loses badly when the cores are busy;
+#: see put.PARALLEL_MIN_BYTES)
+PARALLEL_MIN_BYTES = 64 * 1024 * 1024
+
+
+def independent(moves: np.ndarray, n_cells: int) -> bool:
+    """True when no destination cell is written twice or also read: then the moves commute and
+    may all run at once."""
+    if moves.shape[0] == 0:
+        return True
+    src, dst, ln = moves[:, 0], moves[:, 1], moves[:, 2]
+    d_cov = np.zeros(n_cells + 1, dtype=np.int64)
+    np.add.at(d_cov, dst, 1)
+    np.add.at(d_cov, dst + ln, -1)
+    d_cov = np.cumsum(d_cov[:-1])
+    if d_cov.max() > 1:
+        return False
+    s_cov = np.zeros(n_cells + 1, dtype=np.int64)
+    np.add.at(s_cov, src, 1)
+    np.add.at(s_cov, src + ln, -1)
+    s_cov = np.cumsum(s_cov[:-1])
+    return not bool(np.any((d_cov > 0) & (s_cov > 0)))
+
+
+def expand(moves: np.ndarray):
+    """The plan as int32 cell pairs ``(src[c], dst[c])``."""
+    ln = moves[:, 2]
+    total = int(ln.sum())
+    first = np.repeat(np.cumsum(ln) - ln, ln)
+    offs = np.arange(total, dtype=np.int64) - first
+    return ((np.repeat(moves[:, 0], ln) + offs).astype(np.int32),
+            (np.repeat(moves[:, 1], ln) + offs).astype(np.int32))
+
+
+def normalize(moves) -> np.ndarray:
+    """int64 ``[m, 3]`` without the moves that do nothing (length 0 or src == dst)."""
+    moves = np.asarray(moves, dtype=np.int64).reshape(-1, 3)
+    keep = (moves[:, 2] > 0) & (moves[:, 0] != moves[:, 1])
+    return np.ascontiguousarray(moves[keep])
+
+
+def _row_words(shape, isz, ptr):
+    """Word size for whole cell rows of a C-contiguous ``[layers, cells, heads, dim]`` array."""
+    row = shape[2] * shape[3] * isz
+    return word_size(row, isz, (row,), ptr, isz)
+
+
+def _np_rows(arr: np.ndarray, w: int) -> np.ndarray:
+    lay, n = arr.shape[:2]
+    return arr.view(UINT[arr.itemsize]).view(UINT[w]).reshape(lay, n, 1, -1)
+
+
+def _np_cols(arr: np.ndarray) -> np.ndarray:
+    """Permuted V ``[layers, heads, dim, cells]`` as ``[layers, cells, heads, dim]``."""
+    return arr.view(UINT[arr.itemsize]).transpose(0, 3, 1, 2)
+
+
+def _desc_rows(arr, w: int) -> Desc:
+    lay, n, h, d = arr.shape
+    row = h * d * arr.itemsize
+    return Desc(int(arr.data.ptr), (lay, n, 1, row // w), (n * row, row, row, w), UINT[w])
+
+
+def _desc_cols(arr) -> Desc:
+    lay, h, d, n = arr.shape
+    isz = arr.itemsize
+    return Desc(int(arr.data.ptr), (lay, n, h, d), (h * d * n * isz, isz, d * n * isz, n * isz),
+                UINT[isz])
+
+
+def storage_args(device: str, keys, values, permuted: bool):
+    """The K and V storage as the kernels index them, ``[layer, cell, head', word]``."""
+    isz = keys.dtype.itemsize
+    cuda_dev = device == "cuda"
+    kw = _row_words(keys.shape, isz, int(keys.data.ptr) if cuda_dev else None)
+    if cuda_dev:
+        k = _desc_rows(keys, kw)
+        if permuted:
+            v = _desc_cols(values)
+        else:
+            v = _desc_rows(values, _row_words(values.shape, isz, int(values.data.ptr)))
+    else:
+        k = _np_rows(keys, kw)
+        v = _np_cols(values) if permuted else _np_rows(values, _row_words(values.shape, isz, None))
+    return k, v
+
+
+def prepare(device: str, keys, values, moves, permuted: bool):
+    """The host work of :func:`launch` for ``sim``/``cuda``: a :class:`Prepared` launch of the
+    cells kernel (independent moves) or the lanes kernel, or None when nothing moves."""
+    moves = normalize(moves)
+    if moves.shape[0] == 0:
+        return None
+    k, v = storage_args(device, keys, values, permuted)
+    nb = block_size(device)
+    n_layers = keys.shape[0]
+    krow = k.shape[2] * k.shape[3]
+    vrow = v.shape[2] * v.shape[3]
+    nxk = cdiv(krow, nb)
+    if independent(moves, keys.shape[1]):
+        src, dst = expand(moves)
+        (src_d, dst_d), keep = to_device(device, src, dst)
+        npairs = src.shape[0]
+        if permuted:
+            nxv = cdiv(npairs, nb)
+            gy = max(npairs, vrow)
+        else:
+            nxv = cdiv(vrow, nb)
+            gy = npairs
+        grid = (nxk + nxv, min(gy, MAX_GRID_YZ), min(n_layers, MAX_GRID_YZ))
+        return Prepared(move_cells_kernel, grid, nb, (k, v, src_d, dst_d, int(permuted), nxk),
+                        keep)
+    (moves_d,), keep = to_device(device, moves)
+    grid = (nxk + cdiv(vrow, nb), 1, min(n_layers, MAX_GRID_YZ))
+    return Prepared(move_lanes_kernel, grid, nb, (k, v, moves_d, nxk), keep)
+
+
+def launch(device: str, keys, values, moves, permuted: bool) -> None:
+    """Apply ``moves`` (int64 ``[m, 3]``: src, dst, length; validated by the caller) to the whole
+    K storage ``[n_layers, n_cells, n_kv_heads, head_dim]`` and V storage (same layout, or
+    ``[n_layers, n_kv_heads, v_head_dim, n_cells]`` when ``permuted``), in order, each as a
+    memmove."""
+    if device != "cpu":
+        p = prepare(device, keys, values, moves, permuted)
+        if p is not None:
+            _launch(device, p.kernel, p.grid, p.block, p.args)
+        return
+    moves = normalize(moves)
+    if moves.shape[0] == 0:
+        return
+    k, v = storage_args(device, keys, values, permuted)
+    n_cells = keys.shape[1]
+    per_cell = (keys.size + values.size) // n_cells * keys.itemsize
+    nbytes = int(moves[:, 2].sum()) * per_cell
+    fn = move_cpu_parallel if nbytes >= PARALLEL_MIN_BYTES and keys.shape[0] > 1 else move_cpu
+    fn(k, v, moves, bool(permuted))
+
+
+def copy_launch(device: str, keys, values, src, dst, permuted: bool) -> None:
+    """Copy cell ``src[i]`` to ``dst[i]`` (int32 host arrays, validated by the caller) in every
+    layer, K and V; applied in order (as one-cell moves), so chains and swaps through a shared
+    cell behave as if done one after another."""
+    src = np.asarray(src, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst, dtype=np.int64).reshape(-1)
+    moves = np.stack([src, dst, np.ones_like(src)], axis=1) if src.size else \
+        np.zeros((0, 3), dtype=np.int64)
+    launch(device, keys, values, moves, permuted)
+
+
+__all__ = ["copy_launch", "copy_word", "expand", "independent", "launch", "move_cells_kernel",
+           "move_cpu", "move_cpu_parallel", "move_lanes_kernel", "move_step", "normalize",
+           "prepare",
+           "storage_args"]

@@ -1,0 +1,371 @@
+"""put: scatter a batch's keys and values into one layer of the storage, a slot per token.
+
+``key [batch, n_kv_heads, head_dim]`` goes to ``K[layer, slot, :, :]`` and ``value [batch,
+n_kv_heads, v_head_dim]`` to ``V[layer, slot, :, :]`` (or ``V[layer, :, :, slot]`` in the permuted
+layout), K and V in one launch. A negative slot skips its token (padding), like vLLM's
+``reshape_and_cache``. Slots come either as an int32 array or as a start (``slot = start + t``,
+the contiguous placement Ollama uses; no slot array is sent to the GPU then).
+
+Data moves as raw words: 8 bytes at a time when the row length, strides and addresses allow,
+and rows of all heads as one run when the input's heads are contiguous. Inputs may be strided.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from numba import cuda, njit, prange, types
+
+from . import _common
+from ._common import (UINT, Desc, MAX_GRID_YZ, block_size, cdiv, desc_of, launch as _launch,
+                      word_size)
+from ._registry import cuda_kernel, element
+
+
+@element
+def slot_of(slots, start, t):
+    """The cell that token ``t`` goes to: ``start + t`` in contiguous mode (``start >= 0``),
+    else ``slots[t]`` (negative: skip the token)."""
+    if start >= 0:
+        return start + t
+    return np.int64(slots[t])
+
+
+@element
+def put_word(dst, src, slot, t, h, w):
+    """Copy word ``w`` of head ``h`` of batch token ``t`` into cell ``slot`` (callers skip
+    negative slots). ``dst`` is indexed ``[cell, head, word]`` whatever the storage layout."""
+    dst[slot, h, w] = src[t, h, w]
+
+
+_slot_of_cuda = slot_of.cuda
+_put_word_cuda = put_word.cuda
+_slot_of_cpu = slot_of.cpu
+_put_word_cpu = put_word.cpu
+
+
+def _arr(dt, nd):
+    return types.Array(dt, nd, "A")
+
+
+# the word pairs that occur: K and V rows alike, or permuted V copied element by element
+_PAIRS = [(types.uint64, types.uint64), (types.uint32, types.uint32), (types.uint16, types.uint16),
+          (types.uint64, types.uint16), (types.uint64, types.uint32)]
+_SIGS = [(_arr(kw, 3), _arr(vw, 3), _arr(types.int32, 1), _arr(kw, 3), _arr(vw, 3), types.int64,
+          types.int64, types.int64) for kw, vw in _PAIRS]
+
+
+@cuda_kernel("put_kv", _SIGS)
+def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_cell_fast, nxk):
+    """Grid x: ``nxk`` blocks over K's row words, then blocks over V's row words (or, when V's
+    cells are its fastest axis, over tokens); grid y: tokens (or V's row words), grid-striding.
+    Threads of a warp thus touch adjacent addresses of the storage in both layouts."""
+    bx = cuda.blockIdx.x
+    nb = cuda.blockDim.x
+    batch = k_src.shape[0]
+    if bx < nxk:
+        r = bx * nb + cuda.threadIdx.x
+        nh = k_src.shape[1]
+        nw = k_src.shape[2]
+        if r < nh * nw:
+            h = 0
+            if nh > 1:
+                h = r // nw
+            w = r - h * nw
+            t = cuda.blockIdx.y
+            while t < batch:
+                slot = _slot_of_cuda(slots, start, t)
+                if slot >= 0:
+                    _put_word_cuda(k_dst, k_src, slot, t, h, w)
+                t += cuda.gridDim.y
+    elif v_cell_fast == 0:
+        r = (bx - nxk) * nb + cuda.threadIdx.x
+        nh = v_src.shape[1]
+        nw = v_src.shape[2]
+        if r < nh * nw:
+            h = 0
+            if nh > 1:
+                h = r // nw
+            w = r - h * nw
+            t = cuda.blockIdx.y
+            while t < batch:
+                slot = _slot_of_cuda(slots, start, t)
+                if slot >= 0:
+                    _put_word_cuda(v_dst, v_src, slot, t, h, w)
+                t += cuda.gridDim.y
+    else:
+        t = (bx - nxk) * nb + cuda.threadIdx.x
+        slot = -1
+        if t < batch:
+            slot = _slot_of_cuda(slots, start, t)
+        if slot >= 0:
+            nh = v_src.shape[1]
+            nw = v_src.shape[2]
+            r = cuda.blockIdx.y
+            while r < nh * nw:
+                h = r // nw
+                w = r - h * nw
+                _put_word_cuda(v_dst, v_src, slot, t, h, w)
+                r += cuda.gridDim.y
+
+
+# The token loop is written out in both twins: factored into a helper function, Numba's
+# generated code ran about 25% slower (measured), which matters for a copy.
+
+@njit(cache=True)
+def put_kv_cpu(k_dst, v_dst, slots, k_src, v_src, start):
+    """CPU twin of :func:`put_kv_kernel`, one thread."""
+    for t in range(k_src.shape[0]):
+        slot = _slot_of_cpu(slots, start, t)
+        if slot < 0:
+            continue
+        for h in range(k_src.shape[1]):
+            for w in range(k_src.shape[2]):
+                _put_word_cpu(k_dst, k_src, slot, t, h, w)
+        for h in range(v_src.shape[1]):
+            for w in range(v_src.shape[2]):
+                _put_word_cpu(v_dst, v_src, slot, t, h, w)
+
+
+@njit(cache=True, parallel=True)
+def put_kv_cpu_parallel(k_dst, v_dst, slots, k_src, v_src, start):
+    """CPU twin of :func:`put_kv_kernel`, tokens spread over threads."""
+    for t in prange(k_src.shape[0]):
+        slot = _slot_of_cpu(slots, start, t)
+        if slot >= 0:
+            for h in range(k_src.shape[1]):
+                for w in range(k_src.shape[2]):
+                    _put_word_cpu(k_dst, k_src, slot, t, h, w)
+            for h in range(v_src.shape[1]):
+                for w in range(v_src.shape[2]):
+                    _put_word_cpu(v_dst, v_src, slot, t, h, w)
+
+
+#: below this many bytes a CPU put runs on one thread. A copy is bound by memory bandwidth, which
+#: one core nearly saturates; measured on a 2-core box, the parallel form was up to 1.7x faster
+#: when the cores were idle but 2-7x slower when other work kept them busy (OpenMP threads
+#: waiting on each other), so only very large puts go parallel.
+PARALLEL_MIN_BYTES = 64 * 1024 * 1024
+
+_NO_SLOTS = np.zeros(1, dtype=np.int32)
+_NO_SLOTS_DEV = {}
+
+
+def _plan(shape, strides, isz: int, ptr: Optional[int]):
+    """(heads flattened into one row?, word size) for an input ``[batch, heads, dim]``."""
+    _, h, d = shape
+    last = strides[2] if d > 1 else isz
+    flat = last == isz and (h == 1 or strides[1] == d * isz)
+    if flat:
+        return True, word_size(h * d * isz, isz, (strides[0],), ptr, last)
+    return False, word_size(d * isz, isz, (strides[0], strides[1]), ptr, last)
+
+
+def _np_pair(dst: np.ndarray, src: np.ndarray, flat: bool, w: int):
+    """numpy views ``dst [n_cells, heads', words]`` and ``src [batch, heads', words]``."""
+    n, h, d = dst.shape
+    b = src.shape[0]
+    wd = UINT[w]
+    dv = dst.view(UINT[dst.itemsize]).view(wd)
+    sv = src.view(UINT[src.itemsize])
+    sv = sv.view(wd) if w != src.itemsize else sv
+    if flat:
+        return dv.reshape(n, 1, -1), sv.reshape(b, 1, -1)
+    return dv, sv
+
+
+def _desc_pair(dst, src, flat: bool, w: int):
+    """:class:`Desc` twins of :func:`_np_pair` for CuPy arrays (no CuPy views built)."""
+    n, h, d = dst.shape
+    b, _, _ = src.shape
+    isz = src.itemsize
+    wd = UINT[w]
+    row = h * d * isz
+    if flat:
+        dd = Desc(int(dst.data.ptr), (n, 1, row // w), (row, row, w), wd)
+        sd = Desc(int(src.data.ptr), (b, 1, row // w), (int(src.strides[0]), row, w), wd)
+    else:
+        s = src.strides
+        last = w if w != isz else int(s[2])  # element-wise when the last axis is strided
+        dd = Desc(int(dst.data.ptr), (n, h, d * isz // w), (row, d * isz, w), wd)
+        sd = Desc(int(src.data.ptr), (b, h, d * isz // w), (int(s[0]), int(s[1]), last), wd)
+    return dd, sd
+
+
+def launch(device: str, k_dst, v_dst, slots: Optional[np.ndarray], key, value,
+           permuted: bool, start: int = -1) -> None:
+    """Write ``key [batch, n_kv_heads, head_dim]`` and ``value [batch, n_kv_heads, v_head_dim]``
+    into one layer: ``k_dst [n_cells, n_kv_heads, head_dim]`` and ``v_dst`` (``[n_cells,
+    n_kv_heads, v_head_dim]``, or ``[n_kv_heads, v_head_dim, n_cells]`` when ``permuted``), at
+    ``slots[t]`` (int32, host; negative = skip) or, when ``start >= 0``, at ``start + t``.
+    Inputs are in the storage dtype, on the storage's device, possibly strided; checked by the
+    caller (``KVStorage``)."""
+    batch = key.shape[0]
+    if batch == 0:
+        return
+    isz = k_dst.dtype.itemsize
+    if device == "cpu":
+        _launch_cpu(k_dst, v_dst, slots, key, value, permuted, int(start))
+        return
+    if device == "cuda":
+        _launch_cuda(k_dst, v_dst, slots, key, value, bool(permuted), int(start))
+        return
+    # sim: the same plan as on the GPU, materialised as numpy views
+    kflat, kw = _plan(key.shape, key.strides, isz, None)
+    vflat, vw = (False, isz) if permuted else _plan(value.shape, value.strides, isz, None)
+    kd, ks = _np_pair(k_dst, key, kflat, kw)
+    if permuted:
+        vd = v_dst.view(UINT[isz]).transpose(2, 0, 1)
+        vs = value.view(UINT[isz])
+    else:
+        vd, vs = _np_pair(v_dst, value, vflat, vw)
+    start = int(start)
+    sl = _NO_SLOTS if start >= 0 else slots
+    grid, nb, nxk = _geometry(device, ks.shape, vs.shape, permuted)
+    _launch(device, put_kv_kernel, grid, nb, (kd, vd, sl, ks, vs, start, int(permuted), nxk))
+
+
+def _geometry(device: str, ks_shape, vs_shape, permuted: bool):
+    """(grid, block, nxk) of a put: K's row words, then V's row words or tokens, along x."""
+    batch = ks_shape[0]
+    nb = block_size(device)
+    krow = ks_shape[1] * ks_shape[2]
+    vrow = vs_shape[1] * vs_shape[2]
+    nxk = cdiv(krow, nb)
+    if permuted:
+        nxv = cdiv(batch, nb)
+        gy = max(batch, vrow)
+    else:
+        nxv = cdiv(vrow, nb)
+        gy = batch
+    return (nxk + nxv, min(gy, MAX_GRID_YZ)), nb, nxk
+
+
+class _CudaPut:
+    """What a GPU put launch needs beyond five pointers and the start, worked out once per
+    (shapes, strides, alignment) and reused: every layer of every forward pass with the same
+    batch shape launches from here, patching pointers into a ready parameter list."""
+
+    __slots__ = ("descs", "grid", "block", "nxk", "permuted", "fast", "template", "ptr_idx",
+                 "start_idx")
+
+    def __init__(self, k_dst, v_dst, key, value, sl: Desc, permuted: bool, device_id: int):
+        isz = k_dst.dtype.itemsize
+        kflat, kw = _plan(key.shape, key.strides, isz, int(key.data.ptr))
+        kd, ks = _desc_pair(k_dst, key, kflat, kw)
+        if permuted:
+            hh, dv, n = v_dst.shape
+            vd = Desc(int(v_dst.data.ptr), (n, hh, dv), (isz, dv * n * isz, n * isz), UINT[isz])
+            vs = Desc(int(value.data.ptr), tuple(value.shape), tuple(value.strides), UINT[isz])
+        else:
+            vflat, vw = _plan(value.shape, value.strides, isz, int(value.data.ptr))
+            vd, vs = _desc_pair(v_dst, value, vflat, vw)
+        self.descs = (kd, vd, sl, ks, vs)
+        self.grid, self.block, self.nxk = _geometry("cuda", ks.shape, vs.shape, permuted)
+        self.permuted = int(permuted)
+        args = self.descs + (0, self.permuted, self.nxk)
+        self.fast = _common._fast_kernel(put_kv_kernel, args, device_id) \
+            if _common.fast_launch_enabled() else None
+        flat = _common._flatten(args)
+        offsets = _common._flat_offsets(args)
+        self.template = flat
+        self.ptr_idx = tuple(offsets[i] + 4 for i in range(5))  # data pointer of each array
+        self.start_idx = offsets[5]
+
+    def launch(self, ptrs, start: int, stream: int) -> None:
+        if self.fast is not None:
+            vals = self.template.copy()
+            i = self.ptr_idx
+            vals[i[0]], vals[i[1]], vals[i[2]], vals[i[3]], vals[i[4]] = ptrs
+            vals[self.start_idx] = start
+            self.fast.launch_flat(self.grid, self.block, stream, vals)
+            return
+        args = tuple(d._replace(ptr=p) for d, p in zip(self.descs, ptrs))
+        _launch("cuda", put_kv_kernel, self.grid, self.block,
+                args + (start, self.permuted, self.nxk))
+
+
+_CUDA_PLANS: dict = {}
+
+
+def _launch_cuda(k_dst, v_dst, slots, key, value, permuted: bool, start: int) -> None:
+    import cupy
+    device_id = cupy.cuda.runtime.getDevice()
+    kp = key.data.ptr
+    vp = value.data.ptr
+    sl = _dummy_slots_dev(device_id) if start >= 0 else _slots_to_device(slots, device_id)
+    pkey = (device_id, k_dst.shape, v_dst.shape, k_dst.dtype, key.shape, key.strides,
+            value.shape, value.strides, kp & 7, vp & 7, permuted, start >= 0)
+    plan = _CUDA_PLANS.get(pkey)
+    if plan is None:
+        if len(_CUDA_PLANS) > 4096:  # shapes churning: forget old plans
+            _CUDA_PLANS.clear()
+        plan = _CUDA_PLANS[pkey] = _CudaPut(k_dst, v_dst, key, value, sl, permuted, device_id)
+    plan.launch((k_dst.data.ptr, v_dst.data.ptr, sl.ptr, kp, vp), start,
+                cupy.cuda.get_current_stream().ptr)
+
+
+def _launch_cpu(k_dst, v_dst, slots, key, value, permuted: bool, start: int) -> None:
+    """The CPU twin on element-sized unsigned views of the natural storage layer arrays."""
+    if k_dst.dtype.kind != "u":
+        k_dst = k_dst.view(UINT[k_dst.dtype.itemsize])
+    if v_dst.dtype.kind != "u":
+        v_dst = v_dst.view(UINT[v_dst.dtype.itemsize])
+    launch_cpu(k_dst, v_dst.transpose(2, 0, 1) if permuted else v_dst, slots, key, value, start)
+
+
+def launch_cpu(k_cells, v_cells, slots, key, value, start: int = -1) -> None:
+    """The CPU put with the destination already as the twin indexes it: ``k_cells [n_cells,
+    n_kv_heads, head_dim]`` and ``v_cells [n_cells, n_kv_heads, v_head_dim]`` (for permuted
+    storage, the transposed view), as float32 or as unsigned views of the same width; inputs
+    of another dtype of that width are viewed to match. The storage keeps these per layer, so a put
+    costs one Numba call plus (float16) two views. No word views: LLVM vectorises the contiguous
+    inner loops anyway, and every numpy view costs host time on small batches."""
+    if key.dtype != k_cells.dtype:  # e.g. float16 data, uint16 views (no float16 in Numba's CPU)
+        key = key.view(k_cells.dtype)
+        value = value.view(v_cells.dtype)
+    if (key.size + value.size) * key.itemsize >= PARALLEL_MIN_BYTES:
+        put_kv_cpu_parallel(k_cells, v_cells, _NO_SLOTS if start >= 0 else slots, key, value,
+                            start)
+    else:
+        put_kv_cpu(k_cells, v_cells, _NO_SLOTS if start >= 0 else slots, key, value, start)
+
+_SLOT_CACHE = {}
+
+
+def _dummy_slots_dev(device_id: Optional[int] = None) -> Desc:
+    """A one-entry device int32 array standing in for the slot array in contiguous mode."""
+    if device_id is None:
+        import cupy
+        device_id = cupy.cuda.runtime.getDevice()
+    d = _NO_SLOTS_DEV.get(device_id)
+    if d is None:
+        import cupy
+        buf = cupy.zeros(1, dtype=np.int32)
+        d = (buf, desc_of(buf))
+        _NO_SLOTS_DEV[device_id] = d
+    return d[1]
+
+
+def _slots_to_device(slots: np.ndarray, device_id: Optional[int] = None) -> Desc:
+    """The slot array on the GPU. The last one sent is remembered (a forward pass puts the same
+    slots into every layer), so only the first layer of a batch pays the copy. Reusing the buffer
+    is ordered by the stream: later puts on the same stream see the new contents after the
+    earlier kernels ran."""
+    import cupy
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    raw = np.ascontiguousarray(slots, dtype=np.int32).tobytes()
+    hit = _SLOT_CACHE.get(device_id)
+    if hit is not None and hit[0] == raw:
+        return hit[2]
+    host = np.frombuffer(raw, dtype=np.int32)
+    buf = cupy.empty(host.shape, dtype=np.int32)
+    buf.set(host, stream=cupy.cuda.get_current_stream())
+    desc = desc_of(buf)
+    _SLOT_CACHE[device_id] = (raw, buf, desc)
+    return desc
+
+
+__all__ = ["launch", "launch_cpu", "put_kv_kernel", "put_kv_cpu", "put_kv_cpu_parallel", "put_word", "slot_of"]

@@ -1,0 +1,413 @@
+"""K/V storage: allocation, per-layer views, and launching the kernels on the right device.
+
+``keys`` is one array ``[n_layers, n_cells, n_kv_heads, head_dim]``; ``values`` is ``[n_layers,
+n_cells, n_kv_heads, v_head_dim]`` or, with ``config.permuted_v``, ``[n_layers, n_kv_heads,
+v_head_dim, n_cells]`` (llama.cpp's ``v_trans``, Ollama's ``PermutedV``). CuPy arrays on
+``cuda``, numpy arrays on ``cpu`` and ``sim``; bfloat16 is stored as its uint16 bit patterns.
+Storage knows nothing of cells' meaning: callers say which slots, ranges and moves.
+
+Every method checks its arguments before touching the data and raises ``ValueError`` naming
+the argument; a failed call changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import numpy as np
+from numba import njit
+
+from .config import CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, RopeShift
+from .kernels import mask as _mask
+from .kernels import move as _move
+from .kernels import put as _put
+from .kernels import rope as _rope
+
+_SEQ_WORDS = MAX_SEQS_LIMIT // 64
+
+
+def _host_ints(x, name: str, dtype=np.int32, ndim: int = 1) -> np.ndarray:
+    """``x`` as a contiguous host integer array of ``dtype`` (checked, never silently wrapped)."""
+    if type(x) is np.ndarray and x.dtype == dtype and x.ndim == ndim and x.flags.c_contiguous:
+        return x
+    if hasattr(x, "__cuda_array_interface__") or type(x).__module__.split(".")[0] == "cupy":
+        raise ValueError(f"{name} must be a host (numpy) integer array, got a GPU array")
+    arr = np.asarray(x)
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-d integer array, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "b" and dtype == np.uint8:
+            return np.ascontiguousarray(arr, dtype=np.uint8)
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype != dtype:
+        info = np.iinfo(dtype)
+        lo, hi = arr.min(), arr.max()
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"{name} values must fit {np.dtype(dtype).name}, got range "
+                             f"[{lo}, {hi}]")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+@njit(cache=True)
+def _slots_problem(slots, n_cells):
+    """0 when ``slots`` is a valid put target, 1 when one is >= n_cells, 2 when a cell repeats
+    (one pass for the usual increasing slots; a sort only otherwise)."""
+    prev = -1
+    increasing = True
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s >= n_cells:
+            return 1
+        if s >= 0:
+            if s <= prev:
+                increasing = False
+            prev = s
+    if increasing:
+        return 0
+    used = np.sort(slots)
+    for i in range(1, used.shape[0]):
+        if used[i] >= 0 and used[i] == used[i - 1]:
+            return 2
+    return 0
+
+
+class KVStorage:
+    """The K and V arrays of a cache and the kernels that update them.
+
+    ``KVStorage(config, n_cells, device)`` allocates zeroed storage (free cells inside a
+    ``get()`` range must hold finite data) on ``device`` (already resolved: ``cpu``, ``sim`` or
+    ``cuda``). Attributes: ``config``, ``n_cells``, ``device``, ``dtype`` (name), ``xp`` (numpy
+    or cupy), ``keys``, ``values``.
+    """
+
+    def __init__(self, config: CacheConfig, n_cells: int, device: str) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if isinstance(n_cells, bool) or not isinstance(n_cells, (int, np.integer)) or n_cells < 1:
+            raise ValueError(f"n_cells must be an integer >= 1, got {n_cells!r}")
+        if device not in ("cpu", "sim", "cuda"):
+            raise ValueError(f"device must be a resolved device ('cpu', 'sim' or 'cuda'), "
+                             f"got {device!r}")
+        self.config = config
+        self.n_cells = int(n_cells)
+        self.device = device
+        self.dtype = config.dtype
+        self.permuted = bool(config.permuted_v)
+        if device == "cuda":
+            import cupy
+            self.xp = cupy
+            self._device_id = cupy.cuda.runtime.getDevice()
+        else:
+            self.xp = np
+            self._device_id = None
+        L, N, H = config.n_layers, self.n_cells, config.n_kv_heads
+        D, Dv = config.head_dim, config.v_head_dim
+        sdt = config.storage_dtype
+        self.keys = self.xp.zeros((L, N, H, D), dtype=sdt)
+        vshape = (L, H, Dv, N) if self.permuted else (L, N, H, Dv)
+        self.values = self.xp.zeros(vshape, dtype=sdt)
+        self._key_shape = (H, D)
+        self._value_shape = (H, Dv)
+        # per-layer views, built once (the put path runs per layer per forward pass); the CPU
+        # twins take raw unsigned views (Numba's CPU target has no float16)
+        if device == "cpu":
+            # indexed [cell, head, dim] whatever the layout (permuted V transposed); 16-bit data
+            # as uint16 (Numba's CPU target has no float16), float32 as it is
+            raw = np.dtype(np.uint16) if sdt.itemsize == 2 else sdt
+            self._k_layers = [self.keys[i].view(raw) for i in range(L)]
+            self._v_layers = [(self.values[i].view(raw).transpose(2, 0, 1) if self.permuted
+                               else self.values[i].view(raw)) for i in range(L)]
+        else:
+            self._k_layers = [self.keys[i] for i in range(L)]
+            self._v_layers = [self.values[i] for i in range(L)]
+        self._sdt = sdt
+
+    # ---------------------------------------------------------------- basics
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V storage."""
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    def _on_device(self):
+        """Make the storage's GPU current for a launch (a no-op on cpu/sim or when it is)."""
+        if self._device_id is None:
+            return contextlib.nullcontext()
+        import cupy
+        if cupy.cuda.runtime.getDevice() == self._device_id:
+            return contextlib.nullcontext()
+        return cupy.cuda.Device(self._device_id)
+
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
+                or not 0 <= layer < self.config.n_layers:
+            raise ValueError(f"layer must be an integer in [0, {self.config.n_layers}), "
+                             f"got {layer!r}")
+        return int(layer)
+
+    def _check_data(self, x, name: str, shape_tail, batch: Optional[int]):
+        """``x`` must be an array of this storage's kind and dtype, ``[batch, *shape_tail]``."""
+        if not isinstance(x, self.xp.ndarray):
+            kind = "a CuPy array" if self.device == "cuda" else "a numpy array"
+            raise ValueError(f"{name} must be {kind} (convert it with device.as_array), "
+                             f"got {type(x).__name__}")
+        if x.dtype != self.config.storage_dtype:
+            raise ValueError(f"{name} must have the storage dtype {self.config.storage_dtype} "
+                             f"({self.dtype}), got {x.dtype}")
+        if x.ndim != 3 or tuple(x.shape[1:]) != tuple(shape_tail) or \
+                (batch is not None and x.shape[0] != batch):
+            want = ("batch" if batch is None else str(batch),) + tuple(str(s) for s in shape_tail)
+            raise ValueError(f"{name} must have shape [{', '.join(want)}], got {tuple(x.shape)}")
+
+    def _check_kv(self, key, value, batch: Optional[int]) -> int:
+        xp_array = self.xp.ndarray
+        # fast path (every put pays this): exact types, dtypes and shapes
+        if type(key) is xp_array and type(value) is xp_array and key.dtype == self._sdt \
+                and value.dtype == self._sdt and key.ndim == 3 and value.ndim == 3 \
+                and key.shape[1:] == self._key_shape and value.shape[1:] == self._value_shape \
+                and key.shape[0] == value.shape[0] and (batch is None or key.shape[0] == batch):
+            return key.shape[0]
+        self._check_data(key, "key", self._key_shape, batch)
+        self._check_data(value, "value", self._value_shape, key.shape[0])
+        return key.shape[0]
+
+    # ---------------------------------------------------------------- put
+    def put(self, layer: int, slots, key, value) -> None:
+        """Write ``key [batch, n_kv_heads, head_dim]`` and ``value [batch, n_kv_heads,
+        v_head_dim]`` (arrays of this storage, storage dtype, possibly strided) into layer
+        ``layer`` at ``slots`` (int32 host ``[batch]``; a negative slot skips its token; the
+        other slots must be distinct cells)."""
+        if type(layer) is not int or not 0 <= layer < self.config.n_layers:
+            layer = self._check_layer(layer)
+        if not (type(slots) is np.ndarray and slots.dtype == np.int32 and slots.ndim == 1):
+            slots = _host_ints(slots, "slots")
+        batch = self._check_kv(key, value, None)
+        if slots.shape[0] != batch:
+            raise ValueError(f"slots must have one entry per token ({batch}), got {slots.shape[0]}")
+        if batch == 0:
+            return
+        problem = _slots_problem(slots, self.n_cells)
+        if problem == 1:
+            raise ValueError(f"slots must be < n_cells={self.n_cells}, got {int(slots.max())}")
+        if problem == 2:
+            raise ValueError("slots must not name the same cell twice")
+        if self.device == "cpu":
+            _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], slots, key, value)
+            return
+        with self._on_device():
+            _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], slots, key,
+                        value, self.permuted)
+
+    def put_range(self, layer: int, start: int, key, value) -> None:
+        """Like :meth:`put` with slots ``start .. start + batch - 1`` (no slot array is built or
+        sent)."""
+        if type(layer) is not int or not 0 <= layer < self.config.n_layers:
+            layer = self._check_layer(layer)
+        batch = self._check_kv(key, value, None)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0 \
+                or start + batch > self.n_cells:
+            raise ValueError(f"start must be an integer with 0 <= start and start + batch "
+                             f"({batch}) <= n_cells={self.n_cells}, got {start!r}")
+        if batch == 0:
+            return
+        if self.device == "cpu":
+            _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], None, key, value,
+                            int(start))
+            return
+        with self._on_device():
+            _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
+                        value, self.permuted, start=int(start))
+
+    # ---------------------------------------------------------------- views
+    def _check_range(self, lo, hi) -> Tuple[int, int]:
+        for name, v in (("lo", lo), ("hi", hi)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if not 0 <= lo <= hi <= self.n_cells:
+            raise ValueError(f"cell range must satisfy 0 <= lo <= hi <= n_cells={self.n_cells}, "
+                             f"got lo={lo}, hi={hi}")
+        return int(lo), int(hi)
+
+    def key_view(self, layer: int, lo: int, hi: int):
+        """Keys of cells ``lo .. hi-1`` of ``layer``: a view ``[hi-lo, n_kv_heads, head_dim]``
+        of the storage (no copy; raw storage dtype)."""
+        layer = self._check_layer(layer)
+        lo, hi = self._check_range(lo, hi)
+        return self.keys[layer, lo:hi]
+
+    def value_view(self, layer: int, lo: int, hi: int):
+        """Values of cells ``lo .. hi-1``: a view ``[hi-lo, n_kv_heads, v_head_dim]``, or
+        ``[n_kv_heads, v_head_dim, hi-lo]`` when permuted (no copy)."""
+        layer = self._check_layer(layer)
+        lo, hi = self._check_range(lo, hi)
+        if self.permuted:
+            return self.values[layer, :, :, lo:hi]
+        return self.values[layer, lo:hi]
+
+    # ---------------------------------------------------------------- mask
+    def new_mask(self, rows: int, n: int):
+        """A fresh device array ``[rows, n]`` of ``config.mask_dtype`` for :meth:`fill_mask`. Not
+        reused between calls: a mask handed to a model must stay valid while the model runs, and
+        CuPy's memory pool makes a fresh one as cheap as a reused one."""
+        for name, v in (("rows", rows), ("n", n)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        return self.xp.empty((int(rows), int(n)), dtype=MASK_DTYPES[self.config.mask_dtype])
+
+    def fill_mask(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, *,
+                  window: int = -1, symmetric: bool = False, chunk: int = 0) -> None:
+        """Fill ``out [batch_padded, n]`` (float32/float16 device array) with 0 where batch token
+        ``i`` (position ``batch_pos[i]``, sequence ``batch_seq[i]``, causal test on unless
+        ``causal[i]`` is False) may attend to cell ``j`` (position ``cell_pos[j]``, sequence set
+        ``cell_seqs[j]``: uint64 ``[n, 4]``, bit ``s % 64`` of word ``s // 64``), and ``-inf``
+        elsewhere and in rows ``>= len(batch_pos)``. ``window >= 0``: sliding window (Ollama's
+        ``window + 1`` positions, or llama.cpp's symmetric ``|p - q| <= window // 2``);
+        ``chunk > 0``: chunked attention. See :func:`numbakv.kernels.mask.visible`."""
+        if not isinstance(out, self.xp.ndarray) or out.ndim != 2 or \
+                str(out.dtype) not in MASK_DTYPES:
+            raise ValueError(f"out must be a 2-d float32/float16 array of this storage's device, "
+                             f"got {type(out).__name__} "
+                             f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}")
+        rows, n = out.shape
+        cell_pos = _host_ints(cell_pos, "cell_pos")
+        cell_seqs = _host_ints(cell_seqs, "cell_seqs", np.uint64, ndim=2)
+        batch_pos = _host_ints(batch_pos, "batch_pos")
+        batch_seq = _host_ints(batch_seq, "batch_seq")
+        causal = _host_ints(causal, "causal", np.uint8)
+        if cell_pos.shape[0] != n:
+            raise ValueError(f"cell_pos must have n={n} entries (out's columns), "
+                             f"got {cell_pos.shape[0]}")
+        if cell_seqs.shape != (n, _SEQ_WORDS):
+            raise ValueError(f"cell_seqs must have shape ({n}, {_SEQ_WORDS}), "
+                             f"got {cell_seqs.shape}")
+        b = batch_pos.shape[0]
+        if b > rows:
+            raise ValueError(f"the batch ({b} tokens) must fit out's {rows} rows")
+        if batch_seq.shape[0] != b or causal.shape[0] != b:
+            raise ValueError(f"batch_seq and causal must have {b} entries (batch_pos), got "
+                             f"{batch_seq.shape[0]} and {causal.shape[0]}")
+        if b and (batch_seq.min() < 0 or batch_seq.max() >= MAX_SEQS_LIMIT):
+            raise ValueError(f"batch_seq must be in [0, {MAX_SEQS_LIMIT}), got range "
+                             f"[{batch_seq.min()}, {batch_seq.max()}]")
+        for name, v, lo in (("window", window, -1), ("chunk", chunk, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        with self._on_device():
+            _mask.launch(self.device, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
+                         window=int(window), symmetric=bool(symmetric), chunk=int(chunk))
+
+    # ---------------------------------------------------------------- moves and copies
+    def move_blocks(self, moves) -> None:
+        """Apply a defrag plan ``moves`` (int ``[m, 3]``: src, dst, length) to every layer of K
+        and V in one launch: in order, each move as a memmove (overlaps are safe)."""
+        moves = _host_ints(moves, "moves", np.int64, ndim=2) if np.asarray(moves).size \
+            else np.zeros((0, 3), dtype=np.int64)
+        if moves.shape[1:] != (3,):
+            raise ValueError(f"moves must have shape [m, 3] (src, dst, length), got {moves.shape}")
+        if moves.shape[0] == 0:
+            return
+        src, dst, ln = moves[:, 0], moves[:, 1], moves[:, 2]
+        if ln.min() < 0:
+            raise ValueError("moves' lengths must be >= 0")
+        if min(src.min(), dst.min()) < 0 or max((src + ln).max(), (dst + ln).max()) > self.n_cells:
+            raise ValueError(f"moves must stay inside the {self.n_cells} cells")
+        with self._on_device():
+            _move.launch(self.device, self.keys, self.values, moves, self.permuted)
+
+    def copy_cells(self, src, dst) -> None:
+        """Copy cell ``src[i]`` to cell ``dst[i]`` (int32 host ``[k]`` each) in every layer, K and
+        V, in one launch; applied in order, as if one copy after another."""
+        src = _host_ints(src, "src")
+        dst = _host_ints(dst, "dst")
+        if src.shape != dst.shape:
+            raise ValueError(f"src and dst must have the same length, got {src.shape[0]} and "
+                             f"{dst.shape[0]}")
+        if src.size == 0:
+            return
+        for name, a in (("src", src), ("dst", dst)):
+            if a.min() < 0 or a.max() >= self.n_cells:
+                raise ValueError(f"{name} cells must be in [0, {self.n_cells})")
+        with self._on_device():
+            _move.copy_launch(self.device, self.keys, self.values, src, dst, self.permuted)
+
+    # ---------------------------------------------------------------- rotary shift
+    def rotate(self, cells, deltas, rope: RopeShift, layers=None) -> None:
+        """Re-rotate the keys of ``cells`` (int32 host ``[k]``) by position ``deltas`` (int host
+        ``[k]``) with ``rope``'s parameters, in every layer (or ``layers``), in one launch. A
+        cell listed twice turns by the sum of its deltas."""
+        if not isinstance(rope, RopeShift):
+            raise ValueError(f"rope must be a RopeShift, got {type(rope).__name__}")
+        inv_freq = rope.inv_freq(self.config.head_dim)  # checks the rotary dim fits
+        cells = _host_ints(cells, "cells")
+        deltas = _host_ints(deltas, "deltas", np.int64)
+        if cells.shape != deltas.shape:
+            raise ValueError(f"deltas must have one entry per cell ({cells.shape[0]}), "
+                             f"got {deltas.shape[0]}")
+        if cells.size and (cells.min() < 0 or cells.max() >= self.n_cells):
+            raise ValueError(f"cells must be in [0, {self.n_cells})")
+        if layers is not None:
+            layers = _host_ints(layers, "layers")
+            if layers.size and (layers.min() < 0 or layers.max() >= self.config.n_layers):
+                raise ValueError(f"layers must be in [0, {self.config.n_layers})")
+            if np.unique(layers).size != layers.size:
+                raise ValueError("layers must not repeat")
+        if cells.size == 0:
+            return
+        with self._on_device():
+            _rope.launch(self.device, self.keys, self.dtype, cells, deltas, inv_freq, rope.neox,
+                         layers)
+
+    # ---------------------------------------------------------------- state
+    def _check_cells(self, cells, name: str = "cells", distinct: bool = False) -> np.ndarray:
+        cells = _host_ints(cells, name)
+        if cells.size and (cells.min() < 0 or cells.max() >= self.n_cells):
+            raise ValueError(f"{name} must be in [0, {self.n_cells})")
+        if distinct and np.unique(cells).size != cells.size:
+            raise ValueError(f"{name} must not repeat")
+        return cells
+
+    def _to_host(self, x) -> np.ndarray:
+        return x.get() if self.device == "cuda" else np.array(x, copy=True)
+
+    def read_cells(self, cells) -> Tuple[np.ndarray, np.ndarray]:
+        """Host copies ``(K [n_layers, k, n_kv_heads, head_dim], V [n_layers, k, n_kv_heads,
+        v_head_dim])`` of ``cells``, in the storage dtype (V in the standard layout whatever the
+        storage's)."""
+        cells = self._check_cells(cells)
+        idx = self.xp.asarray(cells.astype(np.int64))
+        k = self.keys.take(idx, axis=1)
+        if self.permuted:
+            v = self.values.take(idx, axis=3).transpose(0, 3, 1, 2)
+        else:
+            v = self.values.take(idx, axis=1)
+        return (np.ascontiguousarray(self._to_host(k)), np.ascontiguousarray(self._to_host(v)))
+
+    def write_cells(self, cells, k, v) -> None:
+        """Inverse of :meth:`read_cells`: host ``k [n_layers, len(cells), n_kv_heads, head_dim]``
+        and ``v [n_layers, len(cells), n_kv_heads, v_head_dim]`` in the storage dtype."""
+        cells = self._check_cells(cells, distinct=True)
+        cfg = self.config
+        n = cells.shape[0]
+        for name, x, d in (("k", k, cfg.head_dim), ("v", v, cfg.v_head_dim)):
+            if not isinstance(x, np.ndarray):
+                raise ValueError(f"{name} must be a host numpy array, got {type(x).__name__}")
+            want = (cfg.n_layers, n, cfg.n_kv_heads, d)
+            if x.shape != want:
+                raise ValueError(f"{name} must have shape {want}, got {x.shape}")
+            if x.dtype != cfg.storage_dtype:
+                raise ValueError(f"{name} must have the storage dtype {cfg.storage_dtype} "
+                                 f"({self.dtype}), got {x.dtype}")
+        if n == 0:
+            return
+        with self._on_device():
+            xp = self.xp
+            idx = xp.asarray(cells.astype(np.int64))
+            self.keys[:, idx] = xp.asarray(k)
+            if self.permuted:
+                vt = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+                self.values[:, :, :, idx] = xp.asarray(vt)
+            else:
+                self.values[:, idx] = xp.asarray(v)
+
+
+__all__ = ["KVStorage"]

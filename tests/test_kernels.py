@@ -1,0 +1,758 @@
+"""Every kernel family on every device here (the CPU twin and the real @cuda.jit kernel in the
+simulator, or on a GPU) against plain numpy / pure-Python references."""
+
+import numpy as np
+import pytest
+from numba import njit
+
+from numbakv.kernels import _common, mask, move, put, rope
+from helpers import as_f32, bf16_bits_to_f32, f32_to_bf16_bits, random_storage
+
+DTYPES = ["float16", "float32", "bfloat16"]
+STORAGE = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
+
+
+def xp_for(device):
+    if device == "cuda":
+        import cupy
+        return cupy
+    return np
+
+
+def to_dev(device, x):
+    return xp_for(device).asarray(x) if device == "cuda" else x
+
+
+def to_host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def bits(x):
+    x = to_host(x)
+    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
+
+
+# ------------------------------------------------------------------ float conversions
+
+_f16_to_f32 = _common.f16_bits_to_f32.cpu
+_f32_to_f16 = _common.f32_to_f16_bits.cpu
+_f32_to_bf16 = _common.f32_to_bf16_bits.cpu
+_bf16_to_f32 = _common.bf16_bits_to_f32.cpu
+
+
+@njit
+def _run_f16_to_f32(a, out):
+    for i in range(a.size):
+        out[i] = _f16_to_f32(a[i])
+
+
+@njit
+def _run_f32_to_f16(a, out):
+    for i in range(a.size):
+        out[i] = _f32_to_f16(a[i])
+
+
+@njit
+def _run_f32_to_bf16(a, out):
+    for i in range(a.size):
+        out[i] = _f32_to_bf16(a[i])
+
+
+@njit
+def _run_bf16_to_f32(a, out):
+    for i in range(a.size):
+        out[i] = _bf16_to_f32(a[i])
+
+
+def _interesting_f32(rng):
+    x = np.concatenate([
+        rng.standard_normal(20000).astype(np.float32),
+        (rng.standard_normal(5000) * 1e-5).astype(np.float32),   # half subnormals
+        (rng.standard_normal(5000) * 1e-8).astype(np.float32),   # below half's range
+        (rng.standard_normal(5000) * 6e4).astype(np.float32),    # near half's overflow
+        np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 65536, 2.0**-24,
+                  2.0**-25, 2.0**-25 * 1.0000001, 3 * 2.0**-26, 2.0**-14, 2.0**-14 * (1 - 2**-11),
+                  1.0 + 2**-11, 1.0 + 3 * 2**-11, 3e38, -3e38], dtype=np.float32),
+    ])
+    # exact ties of float32 -> half and -> bfloat16 rounding
+    ties = (rng.integers(0, 2**16, 4000).astype(np.uint32) << 16 | 0x8000).view(np.float32)
+    ties_h = ((rng.integers(0x38000000, 0x47000000, 4000).astype(np.uint32) & ~np.uint32(0x1FFF))
+              | 0x1000).view(np.float32)
+    x = np.concatenate([x, ties[np.isfinite(ties)], ties_h])
+    return x
+
+
+def test_half_conversions_match_numpy():
+    all_bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(all_bits.size, np.float32)
+    _run_f16_to_f32(all_bits, out)
+    ref = all_bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(out[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    assert np.isnan(out[nan]).all()
+
+    x = _interesting_f32(np.random.default_rng(1))
+    got = np.empty(x.size, np.uint16)
+    _run_f32_to_f16(x, got)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(got, x.astype(np.float16).view(np.uint16))
+    nanbits = np.empty(1, np.uint16)
+    _run_f32_to_f16(np.array([np.nan], np.float32), nanbits)
+    assert np.isnan(nanbits.view(np.float16)[0])
+    # the pure-Python form (what the simulator runs) agrees
+    sample = x[::97]
+    py = np.array([_common.f32_to_f16_bits.py_func(v) for v in sample], np.uint16)
+    assert np.array_equal(py, got[::97])
+
+
+def test_bfloat16_conversions_match_reference():
+    x = _interesting_f32(np.random.default_rng(2))
+    got = np.empty(x.size, np.uint16)
+    _run_f32_to_bf16(x, got)
+    assert np.array_equal(got, f32_to_bf16_bits(x))
+    back = np.empty(x.size, np.float32)
+    _run_bf16_to_f32(got, back)
+    assert np.array_equal(back.view(np.uint32), bf16_bits_to_f32(got).view(np.uint32))
+    nanbits = np.empty(1, np.uint16)
+    _run_f32_to_bf16(np.array([np.nan], np.float32), nanbits)
+    assert np.isnan(bf16_bits_to_f32(nanbits)[0])
+
+
+# ------------------------------------------------------------------ put
+
+def _input(rng, device, shape, dtype, layout):
+    """A batch input of ``shape`` in one of several memory layouts (built on the device, so a
+    GPU input keeps its strides)."""
+    b, h, d = shape
+    if layout == "contiguous":
+        return to_dev(device, random_storage(rng, shape, dtype))
+    if layout == "dim_slice":       # rows of heads not adjacent (a slice of a fused tensor)
+        return to_dev(device, random_storage(rng, (b, h, d + 4), dtype))[:, :, 2:2 + d]
+    if layout == "heads_major":     # [heads, batch, dim] transposed
+        return to_dev(device, random_storage(rng, (h, b, d), dtype)).transpose(1, 0, 2)
+    if layout == "strided_dim":     # the last axis itself strided: element-wise path
+        return to_dev(device, random_storage(rng, (b, h, 2 * d), dtype))[:, :, ::2]
+    if layout == "odd_offset":      # misaligned for wide words
+        flat = to_dev(device, random_storage(rng, (b * h * d + 1,), dtype))
+        return flat[1:].reshape(b, h, d)
+    raise AssertionError(layout)
+
+
+def _ref_put(k_store, v_store, slots, key, value, permuted):
+    k_store, v_store = k_store.copy(), v_store.copy()
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        k_store[s] = key[t]
+        if permuted:
+            v_store[:, :, s] = value[t]
+        else:
+            v_store[s] = value[t]
+    return k_store, v_store
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "dim_slice", "heads_major", "strided_dim",
+                                    "odd_offset"])
+def test_put_matches_reference(device, dtype, permuted, layout):
+    rng = np.random.default_rng(hash((dtype, permuted, layout)) % 2**32)
+    n, h, d, dv, b = 13, 2, 8, 4, 4
+    k_store = random_storage(rng, (n, h, d), dtype)
+    v_store = random_storage(rng, (h, dv, n) if permuted else (n, h, dv), dtype)
+    key = _input(rng, device, (b, h, d), dtype, layout)
+    value = _input(rng, device, (b, h, dv), dtype, layout)
+    for slots, start in ((np.array([7, -1, 0, 12], np.int32), -1), (None, 5)):
+        ks, vs = to_dev(device, k_store.copy()), to_dev(device, v_store.copy())
+        put.launch(device, ks, vs, slots, key, value, permuted, start=start)
+        eff = slots if slots is not None else np.arange(start, start + b, dtype=np.int32)
+        rk, rv = _ref_put(k_store, v_store, eff, to_host(key), to_host(value), permuted)
+        assert np.array_equal(bits(ks), bits(rk))
+        assert np.array_equal(bits(vs), bits(rv))
+
+
+def _force(monkeypatch, module, name, parallel):
+    """Pin a CPU twin to its single-thread or its parallel form whatever the size."""
+    monkeypatch.setattr(module, name, 0 if parallel else 2**62)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("batch", [1, 64, 300])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_put_cpu_large_batches(dtype, permuted, batch, parallel, monkeypatch):
+    """The CPU twin's single-thread and parallel forms on realistic row sizes."""
+    _force(monkeypatch, put, "PARALLEL_MIN_BYTES", parallel)
+    rng = np.random.default_rng(batch)
+    n, h, d, dv = 700, 4, 64, 32
+    k_store = random_storage(rng, (n, h, d), dtype)
+    v_store = random_storage(rng, (h, dv, n) if permuted else (n, h, dv), dtype)
+    key = random_storage(rng, (batch, h, d), dtype)
+    value = random_storage(rng, (batch, h, dv), dtype)
+    slots = rng.permutation(n)[:batch].astype(np.int32)
+    slots[::7] = -1
+    ks, vs = k_store.copy(), v_store.copy()
+    put.launch("cpu", ks, vs, slots, key, value, permuted)
+    rk, rv = _ref_put(k_store, v_store, slots, key, value, permuted)
+    assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
+
+
+def test_put_word_plan():
+    """Rows are copied as 8-byte words when lengths, strides and addresses allow."""
+    assert put._plan((4, 8, 128), (2048, 256, 2), 2, 4096) == (True, 8)
+    assert put._plan((4, 8, 128), (4096, 256, 2), 2, 4096) == (True, 8)   # padded batch stride
+    assert put._plan((4, 8, 128), (256, 1024, 2), 2, 4096) == (False, 8)  # heads-major
+    assert put._plan((4, 8, 128), (2048, 256, 2), 2, 4098) == (True, 2)   # misaligned on GPU
+    assert put._plan((4, 8, 3), (48, 6, 2), 2, 0) == (True, 8)
+    assert put._plan((4, 2, 3), (12, 6, 2), 2, 0) == (True, 4)
+    assert put._plan((4, 8, 64), (2048, 256, 4), 2, 0) == (False, 2)       # strided last axis
+    assert put._plan((4, 1, 64), (256, 256, 4), 2, 0) == (False, 2)       # one head, strided
+
+
+# ------------------------------------------------------------------ mask
+
+def _ref_mask(rows, cell_pos, cell_seqs, batch_pos, batch_seq, causal, window, symmetric, chunk):
+    """The visibility rules spelled out entry by entry in plain Python."""
+    n = len(cell_pos)
+    out = np.full((rows, n), -np.inf, dtype=np.float64)
+    for i in range(len(batch_pos)):
+        p, s = int(batch_pos[i]), int(batch_seq[i])
+        for j in range(n):
+            q = int(cell_pos[j])
+            has = (int(cell_seqs[j, s // 64]) >> (s % 64)) & 1
+            ok = bool(has)
+            if causal[i] and q > p:
+                ok = False
+            if chunk > 0 and q < p - p % chunk:
+                ok = False
+            if window >= 0:
+                if symmetric:
+                    if abs(p - q) > window // 2:
+                        ok = False
+                elif q < p - window:
+                    ok = False
+            if ok:
+                out[i, j] = 0.0
+    return out
+
+
+def _mask_case(rng, n, b, n_seqs):
+    cell_pos = rng.integers(-1, 40, n).astype(np.int32)
+    cell_seqs = np.zeros((n, 4), np.uint64)
+    for j in range(n):
+        for s in rng.choice(n_seqs, rng.integers(0, 3), replace=False):
+            cell_seqs[j, s // 64] |= np.uint64(1) << np.uint64(s % 64)
+    batch_pos = rng.integers(0, 40, b).astype(np.int32)
+    batch_seq = rng.integers(0, n_seqs, b).astype(np.int32)
+    for j in range(n):  # most cells hold one of the batch's sequences, so most tests bite
+        if rng.random() < 0.7:
+            s = int(rng.choice(batch_seq))
+            cell_seqs[j, s // 64] |= np.uint64(1) << np.uint64(s % 64)
+    causal = rng.integers(0, 2, b).astype(bool)
+    return cell_pos, cell_seqs, batch_pos, batch_seq, causal
+
+
+@pytest.mark.parametrize("mask_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("rule", [dict(), dict(window=5), dict(window=6, symmetric=True),
+                                  dict(chunk=8), dict(window=3, chunk=4), dict(window=0)])
+def test_mask_matches_reference(device, mask_dtype, rule):
+    rng = np.random.default_rng(len(str(rule)) + (mask_dtype == "float16"))
+    n, b, rows = 24, 3, 4
+    n_seqs = 130  # spans three bitset words
+    case = _mask_case(rng, n, b, n_seqs)
+    out = xp_for(device).full((rows, n), 7.0, dtype=mask_dtype)
+    mask.launch(device, out, *case, **rule)
+    ref = _ref_mask(rows, *case, rule.get("window", -1), rule.get("symmetric", False),
+                    rule.get("chunk", 0))
+    got = to_host(out).astype(np.float64)
+    assert np.array_equal(got, ref)
+    assert (got[b:] == -np.inf).all()  # padding rows
+
+
+def test_mask_many_row_groups(device):
+    """More rows than one GPU thread fills (ROWS_PER_THREAD), padding rows included."""
+    rng = np.random.default_rng(6)
+    rows, b, n = 2 * mask.ROWS_PER_THREAD + 5, 2 * mask.ROWS_PER_THREAD + 1, 6
+    case = _mask_case(rng, n, b, 3)
+    out = xp_for(device).zeros((rows, n), dtype="float32")
+    mask.launch(device, out, *case, chunk=16)
+    assert np.array_equal(to_host(out).astype(np.float64),
+                          _ref_mask(rows, *case, -1, False, 16))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_mask_cpu_large(parallel, monkeypatch):
+    _force(monkeypatch, mask, "PARALLEL_MIN_ENTRIES", parallel)
+    rng = np.random.default_rng(5)
+    n, b = 3000, 40
+    case = _mask_case(rng, n, b, 4)
+    out = np.empty((48, n), np.float32)
+    mask.launch("cpu", out, *case, window=20)
+    assert np.array_equal(out, _ref_mask(48, *case, 20, False, 0).astype(np.float32))
+
+
+def test_mask_packs_only_used_words():
+    cell_seqs = np.zeros((3, 4), np.uint64)
+    cell_seqs[:, 2] = [1, 2, 4]
+    cell_seqs[:, 0] = [8, 8, 8]
+    _, words, row_word, _, _, _ = mask.prepare_inputs(np.zeros(3, np.int32), cell_seqs,
+                                                      np.zeros(2), np.array([130, 131]),
+                                                      np.ones(2))
+    assert words.shape == (3, 1) and list(words[:, 0]) == [1, 2, 4]
+    assert list(row_word) == [0, 0]
+    _, words, row_word, _, _, _ = mask.prepare_inputs(np.zeros(3, np.int32), cell_seqs,
+                                                      np.zeros(2), np.array([1, 3]),
+                                                      np.ones(2))
+    assert words.shape == (3, 1) and list(words[:, 0]) == [8, 8, 8] and list(row_word) == [0, 0]
+    _, words, row_word, _, _, _ = mask.prepare_inputs(np.zeros(3, np.int32), cell_seqs,
+                                                      np.zeros(2), np.array([131, 3]),
+                                                      np.ones(2), compact=False)
+    assert words.shape == (3, 4) and list(row_word) == [2, 0]
+    _, words, row_word, _, _, _ = mask.prepare_inputs(np.zeros(3, np.int32), cell_seqs,
+                                                      np.zeros(2), np.array([131, 3]),
+                                                      np.ones(2))
+    assert words.shape == (3, 2) and list(row_word) == [1, 0]
+
+
+# ------------------------------------------------------------------ move / copy
+
+def _ref_moves(keys, values, moves, permuted):
+    keys, values = keys.copy(), values.copy()
+    for s, d, ln in moves:
+        keys[:, d:d + ln] = keys[:, s:s + ln].copy()
+        if permuted:
+            values[..., d:d + ln] = values[..., s:s + ln].copy()
+        else:
+            values[:, d:d + ln] = values[:, s:s + ln].copy()
+    return keys, values
+
+
+PLANS = {
+    "defrag": (np.array([[20, 2, 2], [17, 5, 3], [12, 9, 1]]), True),
+    "overlap_down": (np.array([[4, 1, 9]]), False),
+    "overlap_up": (np.array([[1, 4, 9]]), False),
+    "chain": (np.array([[0, 8, 3], [8, 16, 3], [16, 1, 2]]), False),
+    "dst_twice": (np.array([[0, 10, 2], [5, 11, 2]]), False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_move_matches_sequential_reference(device, dtype, permuted, plan):
+    moves, fast = PLANS[plan]
+    n = 22
+    assert move.independent(move.normalize(moves), n) is fast
+    rng = np.random.default_rng(len(plan))
+    keys = random_storage(rng, (2, n, 2, 8), dtype)
+    values = random_storage(rng, (2, 2, 4, n) if permuted else (2, n, 2, 4), dtype)
+    kd, vd = to_dev(device, keys.copy()), to_dev(device, values.copy())
+    move.launch(device, kd, vd, moves, permuted)
+    rk, rv = _ref_moves(keys, values, moves, permuted)
+    assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_copy_cells_in_order(device, permuted):
+    rng = np.random.default_rng(9)
+    n = 16
+    keys = random_storage(rng, (2, n, 2, 8), "float16")
+    values = random_storage(rng, (2, 2, 8, n) if permuted else (2, n, 2, 8), "float16")
+    for src, dst in ((np.array([0, 3, 5]), np.array([10, 11, 12])),   # independent
+                     (np.array([1, 2]), np.array([2, 3]))):            # a chain: in order
+        kd, vd = to_dev(device, keys.copy()), to_dev(device, values.copy())
+        move.copy_launch(device, kd, vd, src, dst, permuted)
+        rk, rv = _ref_moves(keys, values, [(s, d, 1) for s, d in zip(src, dst)], permuted)
+        assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_move_cpu_large(permuted, parallel, monkeypatch):
+    _force(monkeypatch, move, "PARALLEL_MIN_BYTES", parallel)
+    rng = np.random.default_rng(3)
+    n = 400
+    keys = random_storage(rng, (6, n, 4, 64), "bfloat16")
+    values = random_storage(rng, (6, 4, 32, n) if permuted else (6, n, 4, 32), "bfloat16")
+    moves = np.array([[300, 0, 50], [100, 60, 120], [390, 380, 10], [0, 350, 40]])
+    kd, vd = keys.copy(), values.copy()
+    move.launch("cpu", kd, vd, moves, permuted)
+    rk, rv = _ref_moves(keys, values, moves, permuted)
+    assert np.array_equal(kd, rk) and np.array_equal(vd, rv)
+
+
+def test_move_plan_helpers():
+    pairs = move.expand(np.array([[5, 0, 3], [9, 7, 2]]))
+    assert list(pairs[0]) == [5, 6, 7, 9, 10] and list(pairs[1]) == [0, 1, 2, 7, 8]
+    assert move.normalize([[1, 1, 4], [2, 3, 0], [0, 5, 2]]).tolist() == [[0, 5, 2]]
+    assert move.independent(np.array([[0, 4, 2], [0, 6, 2]]), 10)       # shared source is fine
+    assert not move.independent(np.array([[0, 4, 2], [4, 8, 1]]), 10)   # a destination is read
+
+
+# ------------------------------------------------------------------ rotary shift
+
+def _inv_freq_ref(dim, base, freq_scale, factors):
+    """inv_freq as models hold it (float32), from its textbook definition."""
+    i = np.arange(dim // 2, dtype=np.float64)
+    f = freq_scale / base ** (2 * i / dim)
+    if factors is not None:
+        f = f / np.asarray(factors, np.float64)
+    return f.astype(np.float32).astype(np.float64)
+
+
+def _rope_ref(x, pos, dim, neox, inv):
+    """Rotate ``x [..., cells, heads, head_dim]`` (float64) roped at positions ``pos [cells]``."""
+    x = np.array(x, dtype=np.float64)
+    ang = np.asarray(pos, np.float64)[:, None] * inv[None, :]          # [cells, dim/2]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    half = dim // 2
+    if neox:
+        i0, i1 = np.arange(half), np.arange(half) + half
+    else:
+        i0, i1 = np.arange(0, dim, 2), np.arange(1, dim, 2)
+    a, b = x[..., i0].copy(), x[..., i1].copy()
+    x[..., i0] = a * c - b * s
+    x[..., i1] = a * s + b * c
+    return x
+
+
+def _to_storage(x64, dtype):
+    x32 = x64.astype(np.float32)
+    return f32_to_bf16_bits(x32) if dtype == "bfloat16" else x32.astype(dtype)
+
+
+TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}  # relative to the data's scale
+
+ROPES = {
+    "neox": dict(base=10000.0, dim=None, neox=True, freq_scale=1.0, freq_factors=None),
+    "normal": dict(base=10000.0, dim=None, neox=False, freq_scale=1.0, freq_factors=None),
+    "partial_neox": dict(base=500000.0, dim=4, neox=True, freq_scale=0.25, freq_factors=None),
+    "partial_normal_factors": dict(base=1e6, dim=6, neox=False, freq_scale=1.0,
+                                   freq_factors=[1.0, 4.0, 32.0]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", sorted(ROPES))
+def test_rotate_equals_rope_at_new_position(device, dtype, variant):
+    from numbakv.config import RopeShift
+    params = ROPES[variant]
+    rs = RopeShift(**params)
+    n_layers, n, h, hd = 2, 10, 2, 8
+    dim = rs.rotary_dim(hd)
+    inv = _inv_freq_ref(dim, params["base"], params["freq_scale"], params["freq_factors"])
+    np.testing.assert_allclose(rs.inv_freq(hd), inv, rtol=1e-7)
+    rng = np.random.default_rng(dim + params["neox"])
+    x = rng.standard_normal((n_layers, n, h, hd))
+    pos = rng.integers(0, 3000, n)
+    stored = _to_storage(_rope_ref(x, pos, dim, params["neox"], inv), dtype)
+    cells = np.array([1, 4, 5, 8, 2], np.int32)
+    deltas = np.array([-7, 1, 2500, -300, 0])
+    keys = to_dev(device, stored.copy())
+    rope.launch(device, keys, dtype, cells, deltas, rs.inv_freq(hd), rs.neox)
+    new_pos = pos.copy()
+    new_pos[cells] += deltas
+    want = _rope_ref(x, new_pos, dim, params["neox"], inv)
+    got = as_f32(to_host(keys), dtype).astype(np.float64)
+    scale = np.abs(x).max()
+    err = np.abs(got - want)
+    assert err.max() <= TOL[dtype] * scale, err.max()
+    # cells not listed, cells with delta 0 and dims past the rotary dim keep their bits
+    untouched = np.setdiff1d(np.arange(n), cells[deltas != 0])
+    assert np.array_equal(bits(keys)[:, untouched], bits(stored)[:, untouched])
+    assert np.array_equal(bits(keys)[..., dim:], bits(stored)[..., dim:])
+    # and the rotation really moved the listed cells
+    moved = cells[deltas != 0]
+    assert np.abs(got[:, moved] - as_f32(stored, dtype)[:, moved]).max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+def test_rotate_there_and_back(device, dtype, neox):
+    rng = np.random.default_rng(11)
+    stored = random_storage(rng, (2, 6, 2, 8), dtype)
+    inv = _inv_freq_ref(8, 10000.0, 1.0, None).astype(np.float32)
+    cells = np.array([0, 2, 3, 5], np.int32)
+    deltas = np.array([5, -9, 1000, 33])
+    keys = to_dev(device, stored.copy())
+    rope.launch(device, keys, dtype, cells, deltas, inv, neox)
+    rope.launch(device, keys, dtype, cells, -deltas, inv, neox)
+    got = as_f32(to_host(keys), dtype)
+    want = as_f32(stored, dtype)
+    assert np.abs(got - want).max() <= TOL[dtype] * np.abs(want).max()
+
+
+def test_rotate_layers_subset_and_repeated_cells(device):
+    rng = np.random.default_rng(12)
+    stored = random_storage(rng, (3, 5, 2, 8), "float32")
+    inv = _inv_freq_ref(8, 10000.0, 1.0, None).astype(np.float32)
+    keys = to_dev(device, stored.copy())
+    # cell 1 listed twice: turns by the sum (3 + 4)
+    rope.launch(device, keys, "float32", np.array([1, 1, 3]), np.array([3, 4, 2]), inv, True,
+                layers=np.array([0, 2]))
+    once = to_dev(device, stored.copy())
+    rope.launch(device, once, "float32", np.array([1, 3]), np.array([7, 2]), inv, True,
+                layers=np.array([0, 2]))
+    got, ref = to_host(keys), to_host(once)
+    assert np.array_equal(got[1], stored[1])  # layer 1 untouched
+    np.testing.assert_allclose(got, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotate_cpu_twin_agrees_with_kernel(kernel_device, dtype):
+    """The CPU twin and the @cuda.jit kernel compute the same float32 math."""
+    rng = np.random.default_rng(13)
+    stored = random_storage(rng, (2, 6, 2, 8), dtype)
+    inv = _inv_freq_ref(8, 10000.0, 1.0, None).astype(np.float32)
+    cells, deltas = np.array([0, 1, 4], np.int32), np.array([3, -2, 77])
+    a = stored.copy()
+    rope.launch("cpu", a, dtype, cells, deltas, inv, False)
+    b = to_dev(kernel_device, stored.copy())
+    rope.launch(kernel_device, b, dtype, cells, deltas, inv, False)
+    fa, fb = as_f32(a, dtype), as_f32(to_host(b), dtype)
+    ulp = {"float32": 2.0**-22, "float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+    assert np.abs(fa - fb).max() <= ulp * np.abs(fa).max()
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_rotate_cpu_large(parallel, monkeypatch):
+    _force(monkeypatch, rope, "PARALLEL_MIN_PAIRS", parallel)
+    rng = np.random.default_rng(14)
+    n = 300
+    x = rng.standard_normal((4, n, 4, 64))
+    inv = _inv_freq_ref(64, 10000.0, 1.0, None)
+    pos = rng.integers(0, 1000, n)
+    stored = _rope_ref(x, pos, 64, True, inv).astype(np.float32)
+    cells = np.arange(0, n, 2, dtype=np.int32)
+    deltas = -np.ones(cells.size, np.int64) * 17
+    keys = stored.copy()
+    rope.launch("cpu", keys, "float32", cells, deltas, inv.astype(np.float32), True)
+    new_pos = pos.copy()
+    new_pos[cells] -= 17
+    assert np.abs(keys - _rope_ref(x, new_pos, 64, True, inv)).max() < 2e-5 * np.abs(x).max()
+
+
+# ------------------------------------------------------------------ the CUDA launch path, emulated
+# Without a GPU the ``cuda`` code path (CuPy arrays described by pointer/shape/strides, packed
+# host-to-device copies, cached slot buffers) still runs here: a stand-in ``cupy`` over numpy
+# memory, and the descriptors turned back into numpy views for the simulator.
+
+class _FakeDeviceArray:
+    def __init__(self, a):
+        import types as _t
+        self._a = a
+        self.data = _t.SimpleNamespace(ptr=a.ctypes.data)
+
+    shape = property(lambda self: self._a.shape)
+    strides = property(lambda self: self._a.strides)
+    dtype = property(lambda self: self._a.dtype)
+    itemsize = property(lambda self: self._a.itemsize)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+
+    def set(self, host, stream=None):
+        self._a[...] = np.asarray(host).reshape(self._a.shape)
+
+    def get(self):
+        return self._a.copy()
+
+
+def _fake_cupy():
+    import types as _t
+    m = _t.ModuleType("cupy")
+    m.ndarray = _FakeDeviceArray
+    m.empty = lambda shape, dtype: _FakeDeviceArray(np.empty(shape, dtype))
+    m.zeros = lambda shape, dtype: _FakeDeviceArray(np.zeros(shape, dtype))
+    m.cuda = _t.SimpleNamespace(runtime=_t.SimpleNamespace(getDevice=lambda: 0),
+                                get_current_stream=lambda: _t.SimpleNamespace(ptr=0))
+    return m
+
+
+def _desc_to_numpy(d):
+    import ctypes
+    span = sum((s - 1) * st for s, st in zip(d.shape, d.strides)) + d.dtype.itemsize \
+        if all(d.shape) else 0
+    buf = (ctypes.c_char * max(span, 1)).from_address(d.ptr)
+    return np.ndarray(d.shape, dtype=d.dtype, buffer=buf, strides=d.strides)
+
+
+@pytest.fixture
+def emulated_cuda(kernel_device, monkeypatch):
+    if kernel_device != "sim":
+        pytest.skip("a real GPU runs the cuda path itself")
+    import sys
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    put._SLOT_CACHE.clear()
+    put._NO_SLOTS_DEV.clear()
+    put._CUDA_PLANS.clear()
+    monkeypatch.setattr(_common, "_FAST_ENABLED", False)
+    launched = []
+
+    def fake_launch(device, kernel, grid, block, args):
+        assert device == "cuda"
+        for a in args:  # exactly what the fast path would flatten
+            assert isinstance(a, (_common.Desc, int)), type(a)
+        launched.append(kernel)
+        _common.launch("sim", kernel, grid, block,
+                       [_desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
+
+    for mod in (put, mask, move, rope):
+        monkeypatch.setattr(mod, "_launch", fake_launch)
+        monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    yield launched
+    put._SLOT_CACHE.clear()
+    put._NO_SLOTS_DEV.clear()
+    put._CUDA_PLANS.clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+def test_emulated_cuda_put(emulated_cuda, dtype, permuted):
+    rng = np.random.default_rng(21)
+    n, h, d, dv, b = 11, 2, 8, 4, 3
+    k_store = random_storage(rng, (n, h, d), dtype)
+    v_store = random_storage(rng, (h, dv, n) if permuted else (n, h, dv), dtype)
+    for layout in ("heads_major", "strided_dim", "odd_offset"):
+        key = _input(rng, "cpu", (b, h, d), dtype, layout)
+        value = _input(rng, "cpu", (b, h, dv), dtype, layout)
+        for slots, start in ((np.array([4, -1, 10], np.int32), -1), (None, 2),
+                             (np.array([4, -1, 10], np.int32), -1)):   # cached slot buffer
+            ks, vs = k_store.copy(), v_store.copy()
+            put.launch("cuda", _FakeDeviceArray(ks), _FakeDeviceArray(vs), slots,
+                       _FakeDeviceArray(key), _FakeDeviceArray(value), permuted, start=start)
+            eff = slots if slots is not None else np.arange(start, start + b, dtype=np.int32)
+            rk, rv = _ref_put(k_store, v_store, eff, key, value, permuted)
+            assert np.array_equal(bits(ks), bits(rk)), layout
+            assert np.array_equal(bits(vs), bits(rv)), layout
+    assert emulated_cuda and set(emulated_cuda) == {put.put_kv_kernel}
+
+
+def test_emulated_cuda_put_fast_path_parameters(emulated_cuda, monkeypatch):
+    """The fast path patches pointers into a cached parameter list: it must equal, value for
+    value, the list the general path builds for the same call."""
+    rng = np.random.default_rng(25)
+    recorded = []
+
+    class Recorder:
+        def launch_flat(self, grid, block, stream, vals):
+            recorded.append((tuple(grid), block, list(vals)))
+
+    general = []
+    monkeypatch.setattr(put, "_launch", lambda device, kernel, grid, block, args:
+                        general.append((tuple(grid), block, _common._flatten(args))))
+    calls = []
+    for permuted in (False, True):
+        for layout in ("contiguous", "heads_major"):
+            ks = _FakeDeviceArray(random_storage(rng, (9, 2, 8), "bfloat16"))
+            vs = _FakeDeviceArray(random_storage(rng, (2, 4, 9) if permuted else (9, 2, 4),
+                                                 "bfloat16"))
+            for slots, start in ((np.array([3, -1], np.int32), -1), (None, 4), (None, 6)):
+                key = _FakeDeviceArray(_input(rng, "cpu", (2, 2, 8), "bfloat16", layout))
+                value = _FakeDeviceArray(_input(rng, "cpu", (2, 2, 4), "bfloat16", layout))
+                calls.append((ks, vs, slots, key, value, permuted, start))
+    for fast in (False, True):  # each mode reuses its cached plans across calls
+        put._CUDA_PLANS.clear()
+        monkeypatch.setattr(_common, "_fast_kernel", lambda *a: Recorder() if fast else None)
+        monkeypatch.setattr(_common, "_FAST_ENABLED", fast)
+        for ks, vs, slots, key, value, permuted, start in calls:
+            put.launch("cuda", ks, vs, slots, key, value, permuted, start=start)
+    assert len(put._CUDA_PLANS) < len(calls)
+    assert len(recorded) == len(general) == 12
+    assert recorded == general
+
+
+@pytest.mark.parametrize("mask_dtype", ["float32", "float16"])
+def test_emulated_cuda_mask(emulated_cuda, mask_dtype):
+    rng = np.random.default_rng(22)
+    case = _mask_case(rng, 20, 3, 140)
+    out = np.full((4, 20), 3.0, mask_dtype)
+    mask.launch("cuda", _FakeDeviceArray(out), *case, window=7)
+    assert np.array_equal(out.astype(np.float64), _ref_mask(4, *case, 7, False, 0))
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("plan", ["defrag", "chain"])
+def test_emulated_cuda_move(emulated_cuda, permuted, plan):
+    moves, _ = PLANS[plan]
+    rng = np.random.default_rng(23)
+    keys = random_storage(rng, (2, 22, 2, 8), "float32")
+    values = random_storage(rng, (2, 2, 4, 22) if permuted else (2, 22, 2, 4), "float32")
+    kd, vd = keys.copy(), values.copy()
+    move.launch("cuda", _FakeDeviceArray(kd), _FakeDeviceArray(vd), moves, permuted)
+    rk, rv = _ref_moves(keys, values, moves, permuted)
+    assert np.array_equal(kd, rk) and np.array_equal(vd, rv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_cuda_rotate(emulated_cuda, dtype):
+    rng = np.random.default_rng(24)
+    stored = random_storage(rng, (2, 6, 2, 8), dtype)
+    inv = _inv_freq_ref(8, 10000.0, 1.0, None).astype(np.float32)
+    cells, deltas = np.array([0, 1, 4], np.int32), np.array([3, -2, 77])
+    a = stored.copy()
+    rope.launch("cpu", a, dtype, cells, deltas, inv, True)
+    b = stored.copy()
+    rope.launch("cuda", _FakeDeviceArray(b), dtype, cells, deltas, inv, True)
+    fa, fb = as_f32(a, dtype), as_f32(b, dtype)
+    ulp = {"float32": 2.0**-22, "float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+    assert np.abs(fa - fb).max() <= ulp * np.abs(fa).max()
+    assert not np.array_equal(bits(b), bits(stored))
+
+
+def test_fast_launch_parameter_layout_matches_ptx():
+    """The GPU fast path hands each kernel a flat list of 64-bit parameters; the PTX entry of
+    every kernel must take exactly that list (checked offline, in a process without the
+    simulator)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "from numbakv.kernels import registered, _common\n"
+        "from numbakv.kernels.ptx import _offline_device\n"
+        "with _offline_device((9, 0)):\n"
+        "    for spec in registered():\n"
+        "        sig = spec.signatures[-1]\n"
+        "        _, name, n = _common.ptx_entry(spec.py_func, sig, (9, 0))\n"
+        "        u8 = __import__('numpy').dtype('u8')\n"
+        "        args = [_common.Desc(0, (1,) * t.ndim, (8,) * t.ndim, u8)\n"
+        "                if hasattr(t, 'ndim') else 0 for t in sig]\n"
+        "        assert len(_common._flatten(args)) == n, spec.name\n"
+        "        print(spec.name, n)\n")
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from numbakv.kernels import registered
+    assert len(proc.stdout.split("\n")) - 1 == len(registered())
+
+
+@pytest.mark.gpu
+def test_cuda_fast_launch_matches_dispatcher():
+    """On a GPU: the CuPy-driver fast path and Numba's dispatcher give identical results."""
+    import cupy
+    rng = np.random.default_rng(30)
+    results = {}
+    for fast in (True, False):
+        _common.set_fast_launch(fast)
+        put._CUDA_PLANS.clear()
+        try:
+            ks = cupy.zeros((40, 4, 64), cupy.float16)
+            vs = cupy.zeros((4, 32, 40), cupy.float16)
+            key = _input(np.random.default_rng(1), "cuda", (5, 4, 64), "float16", "heads_major")
+            value = _input(np.random.default_rng(2), "cuda", (5, 4, 32), "float16", "dim_slice")
+            put.launch("cuda", ks, vs, np.array([3, -1, 9, 30, 0], np.int32), key, value, True)
+            put.launch("cuda", ks, vs, None, key, value, True, start=20)
+            keys = cupy.asarray(random_storage(rng, (3, 40, 4, 64), "bfloat16"))
+            values = cupy.asarray(random_storage(rng, (3, 40, 4, 32), "bfloat16"))
+            move.launch("cuda", keys, values, np.array([[30, 0, 5], [2, 4, 3]]), False)
+            rope.launch("cuda", keys, "bfloat16", np.array([1, 2, 3]), np.array([5, -5, 9]),
+                        _inv_freq_ref(64, 1e4, 1.0, None).astype(np.float32), True)
+            out = cupy.empty((17, 40), cupy.float16)
+            mask.launch("cuda", out, *_mask_case(np.random.default_rng(3), 40, 16, 70), window=9)
+            results[fast] = [to_host(x) for x in (ks, vs, keys, values, out)]
+        finally:
+            _common.set_fast_launch(True)
+            put._CUDA_PLANS.clear()
+    for a, b in zip(results[True], results[False]):
+        assert np.array_equal(bits(a), bits(b))
