@@ -1,0 +1,1876 @@
+"""The cell table: numbakv's metadata heart, independent of K/V data.
+
+One record per cache cell (``CELL_DTYPE``): the position of the token it holds, the rotary shift
+still pending on its key, and the set of sequences that reference it as a 256-bit bitset. A free
+cell has every sequence bit 0 (``pos = -1`` and ``shift = 0``: every operation that frees a cell
+resets it, as llama.cpp's ``llama_kv_cells::rm`` does).
+
+Semantics are Ollama's ``kvcache/causal.go`` (contiguous first-fit placement, sliding-window
+pruning of batch and idle sequences, ``Remove`` with the move-down of later positions,
+``CopyPrefix``, defrag) plus llama.cpp's sequence operations (``seq_rm`` / ``seq_cp`` /
+``seq_keep`` / ``seq_add`` / ``seq_div``, scatter placement from a rotating head). Where the
+upstreams leave a table half-edited on failure, every function here decides before it writes:
+a call that fails leaves the table exactly as it was.
+
+All work runs in module-level ``@njit`` functions over plain arrays; :class:`CellTable` is a thin
+Python class that owns the arrays, validates arguments and maps error codes to exceptions.
+
+Indexes kept in step with the cells, so that what runs every forward pass (placement, window
+pruning, the attended range) never scans the whole table:
+
+* ``occ`` -- occupancy bitmap, one bit per cell (bits past ``n_cells`` are set, so they can
+  never be part of a free run), and ``ftree``, a segment tree over its 64-cell words holding
+  (free prefix run, free suffix run, longest free run): first-fit search in O(log n).
+* ``stree`` -- for every sequence, a segment tree over blocks of ``block_size`` cells holding the
+  (min, max) position of the sequence's cells in that block: "which cells of seq s have
+  pos < t" and "leftmost / rightmost cell of s with pos >= t" cost O(log n + block_size)
+  however far the sequence is spread over the table. Stored ``[2, node, seq]`` so that a
+  rebuild touches one contiguous row per node (a ``[seq, node]`` layout puts the rows of all
+  sequences 2^k bytes apart, and their leaves thrash the same L1 sets).
+* ``sidx`` -- per sequence: first and last cell holding it, lowest and highest position
+  (``-1`` when the sequence has no cell); always exact.
+* ``meta`` -- scalars: cells in use, the scatter head, how many cells have a pending shift and
+  the cell range they lie in.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+from numba import njit
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
+
+from .errors import NotSupportedError
+
+SEQ_WORDS = 4
+#: Sequence ids are 0 .. MAX_SEQS - 1 (the bitset width).
+MAX_SEQS = 64 * SEQ_WORDS
+CELL_DTYPE = np.dtype([("pos", np.int32), ("shift", np.int32), ("seqs", np.uint64, (SEQ_WORDS,))])
+#: Largest storable position; one below int32 max so that ``pos + 1`` (Ollama's lowest position
+#: of an idle sequence) still fits an int32.
+POS_MAX = 2**31 - 2
+#: Largest table: positions, cell indices and free-run lengths all fit int32.
+MAX_CELLS = 2**30
+SHARED_SHIFT_MESSAGE = "shifting cells shared by multiple sequences not supported"
+
+_WORD = 64
+_EMPTY_MIN = 2**31 - 1          # stree min of a block that holds no cell of the sequence
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_ONE = np.uint64(1)
+_INF = 2**62                     # "no upper bound" for position ranges inside njit code
+
+# meta slots
+_M_USED = 0       # cells holding at least one sequence
+_M_HEAD = 1       # where find_scatter starts (llama.cpp's head), 0 <= head < n_cells
+_M_NSHIFT = 2     # cells with shift != 0
+_M_SHLO = 3       # every cell with shift != 0 lies in [SHLO, SHHI] (SHLO > SHHI when none)
+_M_SHHI = 4
+_M_BSHIFT = 5     # log2(block_size) of stree leaves
+_META_LEN = 8
+
+# error codes returned by the njit functions (0 = ok)
+_E_SLOT_RANGE = -1
+_E_SLOT_USED = -2
+_E_SLOT_DUP = -3
+_E_POS = -4
+_E_SEQ = -5
+_E_LEN_POS = -6
+_E_LEN_SEQ = -7
+_E_SHARED = -8
+_E_OVERFLOW = -9
+_E_SHIFT_OVERFLOW = -10
+
+_I32 = np.dtype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# bit helpers
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _bit(s):
+    return _ONE << np.uint64(s & 63)
+
+
+@njit(cache=True)
+def _has(cseqs, c, s):
+    return (cseqs[c, s >> 6] & _bit(s)) != 0
+
+
+@njit(cache=True)
+def _used(cseqs, c):
+    return (cseqs[c, 0] | cseqs[c, 1] | cseqs[c, 2] | cseqs[c, 3]) != 0
+
+
+@njit(cache=True)
+def _has_others(cseqs, c, s):
+    """Whether cell c holds a sequence other than s."""
+    sw = s >> 6
+    for w in range(SEQ_WORDS):
+        x = cseqs[c, w]
+        if w == sw:
+            x &= ~_bit(s)
+        if x != 0:
+            return True
+    return False
+
+
+@njit(cache=True)
+def _occ_test(occ, c):
+    return (occ[c >> 6] >> np.uint64(c & 63)) & _ONE != 0
+
+
+@njit(cache=True)
+def _occ_set(occ, c):
+    occ[c >> 6] |= _bit(c)
+
+
+@njit(cache=True)
+def _occ_clear(occ, c):
+    occ[c >> 6] &= ~_bit(c)
+
+
+@njit(cache=True)
+def _next_free(occ, i, n):
+    """First free cell >= i, or n."""
+    if i >= n:
+        return n
+    w = i >> 6
+    x = ~occ[w] & (_ALL << np.uint64(i & 63))
+    nw = occ.shape[0]
+    while x == 0:
+        w += 1
+        if w >= nw:
+            return n
+        x = ~occ[w]
+    c = w * 64 + np.int64(trailing_zeros(x))
+    return c if c < n else n
+
+
+@njit(cache=True)
+def _next_used(occ, i, n):
+    """First used cell >= i, or n (padding bits past n count as used, hence the clamp)."""
+    if i >= n:
+        return n
+    w = i >> 6
+    x = occ[w] & (_ALL << np.uint64(i & 63))
+    while x == 0:
+        w += 1
+        x = occ[w]          # the padding bits guarantee a stop at the last word
+    c = w * 64 + np.int64(trailing_zeros(x))
+    return c if c < n else n
+
+
+@njit(cache=True)
+def _prev_used(occ, j):
+    """Last used cell <= j (j < n_cells), or -1."""
+    if j < 0:
+        return -1
+    w = j >> 6
+    b = j & 63
+    mask = _ALL if b == 63 else ((_ONE << np.uint64(b + 1)) - _ONE)
+    x = occ[w] & mask
+    while x == 0:
+        w -= 1
+        if w < 0:
+            return -1
+        x = occ[w]
+    return w * 64 + 63 - np.int64(leading_zeros(x))
+
+
+# --------------------------------------------------------------------------------------------
+# free-run tree over occupancy words: ftree[0] free prefix, ftree[1] free suffix, ftree[2] best
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _ft_leaf(ftree, occ, w):
+    x = occ[w]
+    k = occ.shape[0] + w
+    if x == 0:
+        ftree[0, k] = 64
+        ftree[1, k] = 64
+        ftree[2, k] = 64
+        return
+    f = ~x
+    best = 0
+    while f != 0:                      # each step shortens every run of ones by one
+        f &= f >> _ONE
+        best += 1
+    ftree[0, k] = np.int64(trailing_zeros(x))
+    ftree[1, k] = np.int64(leading_zeros(x))
+    ftree[2, k] = best
+
+
+@njit(cache=True)
+def _ft_pull(ftree, k, half):
+    """Recompute node k from its children (each covering ``half`` cells); True if it changed."""
+    l = 2 * k
+    r = l + 1
+    lp = ftree[0, l]
+    ls = ftree[1, l]
+    rp = ftree[0, r]
+    rs = ftree[1, r]
+    p = lp if lp < half else half + rp
+    s = rs if rs < half else half + ls
+    b = max(max(ftree[2, l], ftree[2, r]), ls + rp)
+    if p == ftree[0, k] and s == ftree[1, k] and b == ftree[2, k]:
+        return False
+    ftree[0, k] = p
+    ftree[1, k] = s
+    ftree[2, k] = b
+    return True
+
+
+@njit(cache=True)
+def _ft_point(ftree, occ, w):
+    """Word w of occ changed: refresh its leaf and the path to the root."""
+    _ft_leaf(ftree, occ, w)
+    k = (occ.shape[0] + w) >> 1
+    half = 64
+    while k >= 1:
+        if not _ft_pull(ftree, k, half):
+            return
+        k >>= 1
+        half *= 2
+
+
+@njit(cache=True)
+def _ft_range(ftree, occ, w0, w1):
+    """Words w0..w1 (inclusive) of occ changed."""
+    nw = occ.shape[0]
+    for w in range(w0, w1 + 1):
+        _ft_leaf(ftree, occ, w)
+    lo = (nw + w0) >> 1
+    hi = (nw + w1) >> 1
+    half = 64
+    while lo >= 1:
+        for k in range(lo, hi + 1):
+            _ft_pull(ftree, k, half)
+        lo >>= 1
+        hi >>= 1
+        half *= 2
+
+
+@njit(cache=True)
+def _ft_first_fit(ftree, occ, n):
+    """Ollama's findStartLoc: start of the first run of n free cells, or -1."""
+    nw = occ.shape[0]
+    if ftree[2, 1] < n:
+        return -1
+    k = 1
+    start = 0
+    length = nw * 64
+    while k < nw:
+        half = length >> 1
+        l = 2 * k
+        if ftree[2, l] >= n:
+            k = l
+        elif ftree[1, l] + ftree[0, l + 1] >= n:
+            return start + half - ftree[1, l]
+        else:
+            k = l + 1
+            start += half
+        length = half
+    x = occ[k - nw]
+    run = 0
+    for j in range(64):
+        if (x >> np.uint64(j)) & _ONE:
+            run = 0
+        else:
+            run += 1
+            if run >= n:
+                return start + j - n + 1
+    return -1
+
+
+# --------------------------------------------------------------------------------------------
+# per-sequence position trees: stree[0, k, s] min pos, stree[1, k, s] max pos of s's cells
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _st_add(stree, s, c, p, bshift):
+    """Cell c (pos p) now holds s: widen the leaf and its ancestors."""
+    k = (stree.shape[1] >> 1) + (c >> bshift)
+    while k >= 1:
+        changed = False
+        if p < stree[0, k, s]:
+            stree[0, k, s] = p
+            changed = True
+        if p > stree[1, k, s]:
+            stree[1, k, s] = p
+            changed = True
+        if not changed:
+            return
+        k >>= 1
+
+
+@njit(cache=True)
+def _st_set_leaf(stree, s, blk, mn, mx):
+    """Set the leaf of block blk and refresh its ancestors (stops once one is unchanged)."""
+    k = (stree.shape[1] >> 1) + blk
+    stree[0, k, s] = mn
+    stree[1, k, s] = mx
+    k >>= 1
+    while k >= 1:
+        a = min(stree[0, 2 * k, s], stree[0, 2 * k + 1, s])
+        b = max(stree[1, 2 * k, s], stree[1, 2 * k + 1, s])
+        if a == stree[0, k, s] and b == stree[1, k, s]:
+            return
+        stree[0, k, s] = a
+        stree[1, k, s] = b
+        k >>= 1
+
+
+@njit(cache=True)
+def _st_leaf_from_cells(stree, cpos, cseqs, s, blk, bshift):
+    n = cpos.shape[0]
+    lo = blk << bshift
+    hi = min(lo + (1 << bshift), n)
+    w = s >> 6
+    bit = _bit(s)
+    mn = _EMPTY_MIN
+    mx = -1
+    for c in range(lo, hi):
+        if cseqs[c, w] & bit:
+            p = cpos[c]
+            if p < mn:
+                mn = p
+            if p > mx:
+                mx = p
+    k = (stree.shape[1] >> 1) + blk
+    stree[0, k, s] = mn
+    stree[1, k, s] = mx
+
+
+@njit(cache=True)
+def _st_rebuild_cells(stree, cpos, cseqs, s, c0, c1, bshift):
+    """Recompute s's leaves for the blocks covering cells c0..c1 (inclusive) and their
+    ancestors, from the cells themselves."""
+    if c1 < c0:
+        return
+    nl = stree.shape[1] >> 1
+    b0 = c0 >> bshift
+    b1 = c1 >> bshift
+    for b in range(b0, b1 + 1):
+        _st_leaf_from_cells(stree, cpos, cseqs, s, b, bshift)
+    lo = (nl + b0) >> 1
+    hi = (nl + b1) >> 1
+    while lo >= 1:
+        for k in range(lo, hi + 1):
+            stree[0, k, s] = min(stree[0, 2 * k, s], stree[0, 2 * k + 1, s])
+            stree[1, k, s] = max(stree[1, 2 * k, s], stree[1, 2 * k + 1, s])
+        lo >>= 1
+        hi >>= 1
+
+
+@njit(cache=True)
+def _st_first_leaf_min_lt(stree, s, t):
+    """Leftmost block whose lowest position of s is < t, or -1."""
+    if stree[0, 1, s] >= t:
+        return -1
+    nl = stree.shape[1] >> 1
+    k = 1
+    while k < nl:
+        k = 2 * k if stree[0, 2 * k, s] < t else 2 * k + 1
+    return k - nl
+
+
+@njit(cache=True)
+def _st_first_leaf_max_ge(stree, s, t):
+    """Leftmost block holding a cell of s with pos >= t, or -1."""
+    if stree[1, 1, s] < t:
+        return -1
+    nl = stree.shape[1] >> 1
+    k = 1
+    while k < nl:
+        k = 2 * k if stree[1, 2 * k, s] >= t else 2 * k + 1
+    return k - nl
+
+
+@njit(cache=True)
+def _st_last_leaf_max_ge(stree, s, t):
+    """Rightmost block holding a cell of s with pos >= t, or -1."""
+    if stree[1, 1, s] < t:
+        return -1
+    nl = stree.shape[1] >> 1
+    k = 1
+    while k < nl:
+        k = 2 * k + 1 if stree[1, 2 * k + 1, s] >= t else 2 * k
+    return k - nl
+
+
+@njit(cache=True)
+def _first_cell_ge(cpos, cseqs, stree, s, t, bshift):
+    """Lowest cell index holding s with pos >= t, or -1."""
+    blk = _st_first_leaf_max_ge(stree, s, t)
+    if blk < 0:
+        return -1
+    lo = blk << bshift
+    hi = min(lo + (1 << bshift), cpos.shape[0])
+    w = s >> 6
+    bit = _bit(s)
+    for c in range(lo, hi):
+        if (cseqs[c, w] & bit) != 0 and cpos[c] >= t:
+            return c
+    return -1
+
+
+@njit(cache=True)
+def _last_cell_ge(cpos, cseqs, stree, s, t, bshift):
+    """Highest cell index holding s with pos >= t, or -1."""
+    blk = _st_last_leaf_max_ge(stree, s, t)
+    if blk < 0:
+        return -1
+    lo = blk << bshift
+    hi = min(lo + (1 << bshift), cpos.shape[0])
+    w = s >> 6
+    bit = _bit(s)
+    for c in range(hi - 1, lo - 1, -1):
+        if (cseqs[c, w] & bit) != 0 and cpos[c] >= t:
+            return c
+    return -1
+
+
+@njit(cache=True)
+def _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift):
+    """Recompute s's index row from its tree (O(log n + block_size))."""
+    if stree[1, 1, s] < 0:
+        sidx[0, s] = -1
+        sidx[1, s] = -1
+        sidx[2, s] = -1
+        sidx[3, s] = -1
+        return
+    sidx[2, s] = stree[0, 1, s]
+    sidx[3, s] = stree[1, 1, s]
+    sidx[0, s] = _first_cell_ge(cpos, cseqs, stree, s, 0, bshift)
+    sidx[1, s] = _last_cell_ge(cpos, cseqs, stree, s, 0, bshift)
+
+
+@njit(cache=True)
+def _sidx_add(sidx, s, c, p):
+    if sidx[3, s] < 0:
+        sidx[0, s] = c
+        sidx[1, s] = c
+        sidx[2, s] = p
+        sidx[3, s] = p
+        return
+    if c < sidx[0, s]:
+        sidx[0, s] = c
+    if c > sidx[1, s]:
+        sidx[1, s] = c
+    if p < sidx[2, s]:
+        sidx[2, s] = p
+    if p > sidx[3, s]:
+        sidx[3, s] = p
+
+
+# --------------------------------------------------------------------------------------------
+# cell-level edits shared by the operations (indexes other than stree/sidx kept in step here)
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _set_shift(cshift, meta, c, new):
+    old = cshift[c]
+    if old == 0 and new != 0:
+        meta[_M_NSHIFT] += 1
+        if c < meta[_M_SHLO]:
+            meta[_M_SHLO] = c
+        if c > meta[_M_SHHI]:
+            meta[_M_SHHI] = c
+    elif old != 0 and new == 0:
+        meta[_M_NSHIFT] -= 1
+    cshift[c] = new
+
+
+@njit(cache=True)
+def _free_cell(cpos, cshift, cseqs, occ, meta, c):
+    """Reset cell c (whose sequence bits are already all 0) to the free state; the caller
+    refreshes ftree for its word."""
+    _set_shift(cshift, meta, c, 0)
+    cpos[c] = -1
+    for w in range(SEQ_WORDS):
+        cseqs[c, w] = 0
+    _occ_clear(occ, c)
+    meta[_M_USED] -= 1
+
+
+@njit(cache=True)
+def _drop_seq(cpos, cshift, cseqs, occ, meta, c, s):
+    """Cell c loses s; returns True if that freed the cell (ftree not yet refreshed)."""
+    cseqs[c, s >> 6] &= ~_bit(s)
+    if _used(cseqs, c):
+        return False
+    _free_cell(cpos, cshift, cseqs, occ, meta, c)
+    return True
+
+
+@njit(cache=True)
+def _st_pull_all(stree, nseq):
+    """Recompute every internal node of every sequence's tree from the leaves (the layout
+    [node, seq] makes this a contiguous min/max over sequences per node)."""
+    nl = stree.shape[1] >> 1
+    for k in range(nl - 1, 0, -1):
+        for s in range(nseq):
+            a = stree[0, 2 * k, s]
+            b = stree[0, 2 * k + 1, s]
+            stree[0, k, s] = a if a < b else b
+            a = stree[1, 2 * k, s]
+            b = stree[1, 2 * k + 1, s]
+            stree[1, k, s] = a if a > b else b
+
+
+@njit(cache=True)
+def _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
+    """Recompute every index from the cells (and normalise free cells to pos -1, shift 0)."""
+    n = cpos.shape[0]
+    nseq = sidx.shape[1]
+    bshift = meta[_M_BSHIFT]
+    nl = stree.shape[1] >> 1
+    stree[0, nl:, :] = _EMPTY_MIN
+    stree[1, nl:, :] = -1
+    nw = occ.shape[0]
+    for w in range(nw):
+        occ[w] = 0
+    used = 0
+    nshift = 0
+    shlo = n
+    shhi = -1
+    for c in range(n):
+        if (cseqs[c, 0] | cseqs[c, 1] | cseqs[c, 2] | cseqs[c, 3]) == 0:
+            if cpos[c] != -1:
+                cpos[c] = -1
+            if cshift[c] != 0:
+                cshift[c] = 0
+            continue
+        used += 1
+        occ[c >> 6] |= _bit(c)
+        if cshift[c] != 0:
+            nshift += 1
+            if c < shlo:
+                shlo = c
+            shhi = c
+        p = cpos[c]
+        k = nl + (c >> bshift)
+        for w in range(SEQ_WORDS):
+            x = cseqs[c, w]
+            while x != 0:
+                s = w * 64 + np.int64(trailing_zeros(x))
+                x &= x - _ONE
+                if p < stree[0, k, s]:
+                    stree[0, k, s] = p
+                if p > stree[1, k, s]:
+                    stree[1, k, s] = p
+    _st_pull_all(stree, nseq)
+    for s in range(nseq):
+        _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+    # cells past n_cells are permanently "used" so no free run extends into them
+    for c in range(n, nw * 64):
+        occ[c >> 6] |= _bit(c)
+    _ft_range(ftree, occ, 0, nw - 1)
+    meta[_M_USED] = used
+    meta[_M_NSHIFT] = nshift
+    meta[_M_SHLO] = shlo
+    meta[_M_SHHI] = shhi
+    if meta[_M_HEAD] >= n or meta[_M_HEAD] < 0:
+        meta[_M_HEAD] = 0
+
+
+@njit(cache=True)
+def _validate_cells(cpos, cseqs, nseq):
+    """0 if the cells can be indexed, else -(1 + first bad cell)."""
+    n = cpos.shape[0]
+    for c in range(n):
+        if not _used(cseqs, c):
+            continue
+        p = cpos[c]
+        if p < 0 or p > POS_MAX:
+            return -(1 + c)
+        for w in range(SEQ_WORDS):
+            x = cseqs[c, w]
+            if x == 0:
+                continue
+            top = w * 64 + 63 - np.int64(leading_zeros(x))
+            if top >= nseq:
+                return -(1 + c)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# placement
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _find_scatter(occ, meta, n_cells, n):
+    """llama.cpp's non-contiguous find_slot: (n free cells from the head onwards, wrapping;
+    True), or (empty, False) when fewer than n cells are free."""
+    out = np.empty(n, np.int32)
+    if n > n_cells - meta[_M_USED]:
+        return out[:0], False
+    head = meta[_M_HEAD]
+    if head > meta[_M_USED] + 2 * n:
+        head = 0          # enough free cells before the head: fill the front first
+    k = 0
+    c = _next_free(occ, head, n_cells)
+    while k < n:
+        if c >= n_cells:
+            c = _next_free(occ, 0, n_cells)
+        out[k] = c
+        k += 1
+        c = _next_free(occ, c + 1, n_cells)
+    return out, True
+
+
+@njit(cache=True)
+def _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, positions, bseqs):
+    n = cpos.shape[0]
+    nseq = sidx.shape[1]
+    b = slots.shape[0]
+    if positions.shape[0] != b:
+        return _E_LEN_POS
+    if bseqs.shape[0] != b:
+        return _E_LEN_SEQ
+    ascending = True
+    for i in range(b):
+        c = slots[i]
+        if c < 0 or c >= n:
+            return _E_SLOT_RANGE
+        if _occ_test(occ, c):
+            return _E_SLOT_USED
+        if i > 0 and c <= slots[i - 1]:
+            ascending = False
+        p = positions[i]
+        if p < 0 or p > POS_MAX:
+            return _E_POS
+        s = bseqs[i]
+        if s < 0 or s >= nseq:
+            return _E_SEQ
+    if not ascending:
+        srt = np.sort(slots)
+        for i in range(1, b):
+            if srt[i] == srt[i - 1]:
+                return _E_SLOT_DUP
+    if b == 0:
+        return 0
+    bshift = meta[_M_BSHIFT]
+    for i in range(b):
+        c = np.int64(slots[i])
+        p = np.int64(positions[i])
+        s = np.int64(bseqs[i])
+        cpos[c] = p
+        for w in range(SEQ_WORDS):
+            cseqs[c, w] = 0
+        cseqs[c, s >> 6] = _bit(s)
+        _occ_set(occ, c)
+        _st_add(stree, s, c, p, bshift)
+        _sidx_add(sidx, s, c, p)
+    meta[_M_USED] += b
+    first = np.int64(slots[0])
+    last = np.int64(slots[b - 1])
+    if ascending and (last >> 6) - (first >> 6) <= 2 * b:
+        _ft_range(ftree, occ, first >> 6, last >> 6)
+    else:
+        for i in range(b):
+            _ft_point(ftree, occ, np.int64(slots[i]) >> 6)
+    meta[_M_HEAD] = (last + 1) % n
+    return 0
+
+
+@njit(cache=True)
+def _unapply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, head):
+    """Free the cells of a batch just applied and put the head back."""
+    n = cpos.shape[0]
+    b = slots.shape[0]
+    if head < 0 or head >= n:
+        return _E_POS
+    for i in range(b):
+        c = slots[i]
+        if c < 0 or c >= n:
+            return _E_SLOT_RANGE
+        if not _occ_test(occ, c):
+            return _E_SLOT_USED
+    srt = np.sort(slots)
+    for i in range(1, b):
+        if srt[i] == srt[i - 1]:
+            return _E_SLOT_DUP
+    bshift = meta[_M_BSHIFT]
+    aff = np.zeros(SEQ_WORDS, np.uint64)
+    for i in range(b):
+        c = np.int64(slots[i])
+        for w in range(SEQ_WORDS):
+            aff[w] |= cseqs[c, w]
+            cseqs[c, w] = 0
+        _free_cell(cpos, cshift, cseqs, occ, meta, c)
+    for w in range(SEQ_WORDS):
+        x = aff[w]
+        while x != 0:
+            s = w * 64 + np.int64(trailing_zeros(x))
+            x &= x - _ONE
+            for i in range(b):
+                blk = np.int64(slots[i]) >> bshift
+                if i > 0 and blk == (np.int64(slots[i - 1]) >> bshift):
+                    continue
+                _st_leaf_from_cells(stree, cpos, cseqs, s, blk, bshift)
+                k = (stree.shape[1] >> 1) + blk
+                _st_set_leaf(stree, s, blk, stree[0, k, s], stree[1, k, s])
+            _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+    if b > 0 and srt[b - 1] - srt[0] < 128 * b:
+        _ft_range(ftree, occ, np.int64(srt[0]) >> 6, np.int64(srt[b - 1]) >> 6)
+    else:
+        for i in range(b):
+            _ft_point(ftree, occ, np.int64(slots[i]) >> 6)
+    meta[_M_HEAD] = head
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# sliding window
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _lowest_positions(sidx, positions, bseqs):
+    """Per sequence: the lowest position the batch gives it, -1 if not in the batch."""
+    nseq = sidx.shape[1]
+    lowest = np.full(nseq, -1, np.int64)
+    for i in range(positions.shape[0]):
+        s = bseqs[i]
+        p = np.int64(positions[i])
+        if lowest[s] < 0 or p < lowest[s]:
+            lowest[s] = p
+    return lowest
+
+
+@njit(cache=True)
+def _check_batch(nseq, positions, bseqs):
+    if positions.shape[0] != bseqs.shape[0]:
+        return _E_LEN_SEQ
+    for i in range(positions.shape[0]):
+        p = positions[i]
+        if p < 0 or p > POS_MAX:
+            return _E_POS
+        s = bseqs[i]
+        if s < 0 or s >= nseq:
+            return _E_SEQ
+    return 0
+
+
+@njit(cache=True)
+def _prune_window(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs, memory):
+    """Ollama's updateSlidingWindow eviction. Returns (code, undo records [k, 4] of
+    (cell, seq, pos, shift) for every sequence bit dropped, in drop order)."""
+    nseq = sidx.shape[1]
+    undo = np.empty((16, 4), np.int64)
+    code = _check_batch(nseq, positions, bseqs)
+    if code != 0:
+        return code, undo[:0]
+    lowest = _lowest_positions(sidx, positions, bseqs)
+    bshift = meta[_M_BSHIFT]
+    k = 0
+    dirty = np.empty(16, np.int64)     # occupancy words that changed (refreshed once each)
+    nd = 0
+    for s in range(nseq):
+        if sidx[3, s] < 0:
+            continue
+        low = lowest[s] if lowest[s] >= 0 else sidx[3, s] + 1   # idle: last stored pos + 1
+        t = low - memory
+        if sidx[2, s] >= t:
+            continue
+        w = s >> 6
+        bit = _bit(s)
+        edge = False
+        while True:
+            blk = _st_first_leaf_min_lt(stree, s, t)
+            if blk < 0:
+                break
+            lo = blk << bshift
+            hi = min(lo + (1 << bshift), cpos.shape[0])
+            mn = _EMPTY_MIN
+            mx = -1
+            for c in range(lo, hi):
+                if (cseqs[c, w] & bit) == 0:
+                    continue
+                p = cpos[c]
+                if p < t:
+                    if k == undo.shape[0]:
+                        grown = np.empty((2 * k, 4), np.int64)
+                        grown[:k] = undo
+                        undo = grown
+                    undo[k, 0] = c
+                    undo[k, 1] = s
+                    undo[k, 2] = p
+                    undo[k, 3] = cshift[c]
+                    k += 1
+                    if c == sidx[0, s] or c == sidx[1, s]:
+                        edge = True
+                    if _drop_seq(cpos, cshift, cseqs, occ, meta, c, s):
+                        if nd == dirty.shape[0]:
+                            grown_d = np.empty(2 * nd, np.int64)
+                            grown_d[:nd] = dirty
+                            dirty = grown_d
+                        dirty[nd] = c >> 6
+                        nd += 1
+                else:
+                    if p < mn:
+                        mn = p
+                    if p > mx:
+                        mx = p
+            _st_set_leaf(stree, s, blk, mn, mx)
+        if stree[1, 1, s] < 0 or edge:
+            _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+        else:
+            sidx[2, s] = stree[0, 1, s]
+            sidx[3, s] = stree[1, 1, s]
+    if nd > 0:
+        dw = np.sort(dirty[:nd])
+        for i in range(nd):
+            if i == 0 or dw[i] != dw[i - 1]:
+                _ft_point(ftree, occ, dw[i])
+    return 0, undo[:k]
+
+
+@njit(cache=True)
+def _undo_prune(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, undo):
+    n = cpos.shape[0]
+    nseq = sidx.shape[1]
+    for r in range(undo.shape[0]):
+        c = undo[r, 0]
+        s = undo[r, 1]
+        if c < 0 or c >= n or s < 0 or s >= nseq or undo[r, 2] < 0 or undo[r, 2] > POS_MAX \
+                or undo[r, 3] < -(2**31) or undo[r, 3] > 2**31 - 1:
+            return _E_SLOT_RANGE
+        if _has(cseqs, c, s):
+            return _E_SLOT_USED
+    bshift = meta[_M_BSHIFT]
+    for r in range(undo.shape[0] - 1, -1, -1):
+        c = undo[r, 0]
+        s = undo[r, 1]
+        p = undo[r, 2]
+        if not _used(cseqs, c):
+            cpos[c] = p
+            _set_shift(cshift, meta, c, undo[r, 3])
+            _occ_set(occ, c)
+            meta[_M_USED] += 1
+            _ft_point(ftree, occ, c >> 6)
+        cseqs[c, s >> 6] |= _bit(s)
+        _st_add(stree, s, c, cpos[c], bshift)
+        _sidx_add(sidx, s, c, cpos[c])
+    return 0
+
+
+@njit(cache=True)
+def _batch_range(cpos, cseqs, stree, sidx, meta, positions, bseqs, window):
+    """(code, lo, hi): the cells the batch's sequences may attend to, half-open."""
+    nseq = sidx.shape[1]
+    code = _check_batch(nseq, positions, bseqs)
+    if code != 0:
+        return code, 0, 0
+    lowest = _lowest_positions(sidx, positions, bseqs)
+    bshift = meta[_M_BSHIFT]
+    lo = cpos.shape[0]
+    hi = -1
+    for i in range(bseqs.shape[0]):
+        s = bseqs[i]
+        if lowest[s] < 0:          # sequence already handled
+            continue
+        low = lowest[s]
+        lowest[s] = -1
+        if sidx[3, s] < 0:
+            continue
+        cmin = sidx[0, s]
+        cmax = sidx[1, s]
+        if window < 0:
+            lo = min(lo, cmin)
+            hi = max(hi, cmax)
+            continue
+        t = low - window
+        if sidx[3, s] < t:
+            continue
+        # a sequence whose cells lie inside [lo, hi] already cannot widen it
+        if cmin < lo:
+            first = cmin if cpos[cmin] >= t else _first_cell_ge(cpos, cseqs, stree, s, t, bshift)
+            lo = min(lo, first)
+        if cmax > hi:
+            last = cmax if cpos[cmax] >= t else _last_cell_ge(cpos, cseqs, stree, s, t, bshift)
+            hi = max(hi, last)
+    if hi < 0:
+        return 0, 0, 0
+    return 0, lo, hi + 1
+
+
+# --------------------------------------------------------------------------------------------
+# sequence operations
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _shared_in_range(cpos, cseqs, sidx, s, p0, p1):
+    """Whether a cell of s with p0 <= pos < p1 is shared with another sequence."""
+    if sidx[3, s] < 0 or sidx[3, s] < p0 or sidx[2, s] >= p1:
+        return False
+    for c in range(sidx[0, s], sidx[1, s] + 1):
+        if _has(cseqs, c, s):
+            p = cpos[c]
+            if p >= p0 and p < p1 and _has_others(cseqs, c, s):
+                return True
+    return False
+
+
+@njit(cache=True)
+def _remove(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, begin, end):
+    """Ollama's Remove; end < 0 means no end. Returns (code, cells whose pos moved)."""
+    moved = np.empty(0, np.int32)
+    if sidx[3, s] < 0:
+        return 0, moved
+    has_end = end >= 0
+    d = end - begin if has_end else 0
+    if has_end and d == 0:
+        return 0, moved
+    if d > 0 and _shared_in_range(cpos, cseqs, sidx, s, end, _INF):
+        return _E_SHARED, moved
+    lo = sidx[0, s]
+    hi = sidx[1, s]
+    nmove = 0
+    if d > 0:
+        for c in range(lo, hi + 1):
+            if _has(cseqs, c, s) and cpos[c] >= end:
+                nmove += 1
+    moved = np.empty(nmove, np.int32)
+    k = 0
+    freed = False
+    for c in range(lo, hi + 1):
+        if not _has(cseqs, c, s):
+            continue
+        p = cpos[c]
+        if p >= begin and (not has_end or p < end):
+            freed |= _drop_seq(cpos, cshift, cseqs, occ, meta, c, s)
+        elif d > 0 and p >= end:
+            cpos[c] = p - d
+            _set_shift(cshift, meta, c, cshift[c] - d)
+            moved[k] = c
+            k += 1
+    if freed:
+        _ft_range(ftree, occ, lo >> 6, hi >> 6)
+    bshift = meta[_M_BSHIFT]
+    _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+    _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+    return 0, moved
+
+
+@njit(cache=True)
+def _check_shift_range(cpos, cshift, cseqs, sidx, s, p0, p1, delta, d):
+    """Before seq_add (d = 1) / seq_div (delta = 0): refuse shared cells and positions or
+    pending shifts that would overflow int32."""
+    if sidx[3, s] < 0:
+        return 0
+    for c in range(sidx[0, s], sidx[1, s] + 1):
+        if not _has(cseqs, c, s):
+            continue
+        p = cpos[c]
+        if p < p0 or p >= p1:
+            continue
+        if _has_others(cseqs, c, s):
+            return _E_SHARED
+        q = p // d + delta
+        if q > POS_MAX:
+            return _E_OVERFLOW
+        if q >= 0:
+            sh = np.int64(cshift[c]) + (q - p)
+            if sh > 2**31 - 1 or sh < -(2**31):
+                return _E_SHIFT_OVERFLOW
+    return 0
+
+
+@njit(cache=True)
+def _seq_add(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1, delta):
+    code = _check_shift_range(cpos, cshift, cseqs, sidx, s, p0, p1, delta, 1)
+    if code != 0:
+        return code
+    if sidx[3, s] < 0:
+        meta[_M_HEAD] = 0
+        return 0
+    lo = sidx[0, s]
+    hi = sidx[1, s]
+    n = cpos.shape[0]
+    new_head = n
+    for c in range(lo, hi + 1):
+        if not _has(cseqs, c, s):
+            continue
+        p = cpos[c]
+        if p < p0 or p >= p1:
+            continue
+        if p + delta < 0:
+            # llama.cpp: a cell shifted before position 0 is dropped
+            cseqs[c, s >> 6] &= ~_bit(s)
+            _free_cell(cpos, cshift, cseqs, occ, meta, c)
+            if new_head == n:
+                new_head = c
+        else:
+            cpos[c] = p + delta
+            _set_shift(cshift, meta, c, cshift[c] + delta)
+    if new_head != n:
+        _ft_range(ftree, occ, lo >> 6, hi >> 6)
+    meta[_M_HEAD] = new_head if new_head != n else 0
+    bshift = meta[_M_BSHIFT]
+    _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+    _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+    return 0
+
+
+@njit(cache=True)
+def _seq_div(cpos, cshift, cseqs, stree, sidx, meta, s, p0, p1, d):
+    code = _check_shift_range(cpos, cshift, cseqs, sidx, s, p0, p1, 0, d)
+    if code != 0 or sidx[3, s] < 0:
+        return code
+    lo = sidx[0, s]
+    hi = sidx[1, s]
+    for c in range(lo, hi + 1):
+        if not _has(cseqs, c, s):
+            continue
+        p = cpos[c]
+        if p < p0 or p >= p1:
+            continue
+        q = p // d
+        cpos[c] = q
+        _set_shift(cshift, meta, c, cshift[c] + (q - p))
+    bshift = meta[_M_BSHIFT]
+    _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+    _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+    return 0
+
+
+@njit(cache=True)
+def _seq_rm(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1):
+    """llama.cpp seq_rm; s = -1 frees every cell with p0 <= pos < p1."""
+    n = cpos.shape[0]
+    new_head = n
+    if s >= 0:
+        if sidx[3, s] < 0:
+            return
+        lo = sidx[0, s]
+        hi = sidx[1, s]
+        for c in range(lo, hi + 1):
+            if _has(cseqs, c, s):
+                p = cpos[c]
+                if p >= p0 and p < p1:
+                    if _drop_seq(cpos, cshift, cseqs, occ, meta, c, s) and new_head == n:
+                        new_head = c
+        if new_head != n:
+            _ft_range(ftree, occ, lo >> 6, hi >> 6)
+        bshift = meta[_M_BSHIFT]
+        _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+        _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+    else:
+        # free cells have pos -1 < p0: one pass over the positions finds the used ones
+        for c in range(n):
+            p = cpos[c]
+            if p >= p0 and p < p1:
+                for w in range(SEQ_WORDS):
+                    cseqs[c, w] = 0
+                _free_cell(cpos, cshift, cseqs, occ, meta, c)
+                if new_head == n:
+                    new_head = c
+        if new_head != n:
+            _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta)
+    if new_head != n and new_head < meta[_M_HEAD]:
+        meta[_M_HEAD] = new_head
+
+
+@njit(cache=True)
+def _seq_cp(cpos, cseqs, stree, sidx, meta, src, dst, p0, p1):
+    if sidx[3, src] < 0:
+        return
+    lo = sidx[0, src]
+    hi = sidx[1, src]
+    w = dst >> 6
+    bit = _bit(dst)
+    for c in range(lo, hi + 1):
+        if _has(cseqs, c, src):
+            p = cpos[c]
+            if p >= p0 and p < p1:
+                cseqs[c, w] |= bit
+    bshift = meta[_M_BSHIFT]
+    _st_rebuild_cells(stree, cpos, cseqs, dst, lo, hi, bshift)
+    _sidx_refresh(sidx, stree, cpos, cseqs, dst, bshift)
+
+
+@njit(cache=True)
+def _copy_prefix(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, src, dst, length):
+    """Ollama's CopyPrefix: dst loses every cell, then joins src's cells with pos < length."""
+    bshift = meta[_M_BSHIFT]
+    if sidx[3, dst] >= 0:
+        dlo = sidx[0, dst]
+        dhi = sidx[1, dst]
+        freed = False
+        for c in range(dlo, dhi + 1):
+            if _has(cseqs, c, dst):
+                freed |= _drop_seq(cpos, cshift, cseqs, occ, meta, c, dst)
+        if freed:
+            _ft_range(ftree, occ, dlo >> 6, dhi >> 6)
+        _st_rebuild_cells(stree, cpos, cseqs, dst, dlo, dhi, bshift)
+    if sidx[3, src] >= 0:
+        slo = sidx[0, src]
+        shi = sidx[1, src]
+        w = dst >> 6
+        bit = _bit(dst)
+        for c in range(slo, shi + 1):
+            if _has(cseqs, c, src) and cpos[c] < length:
+                cseqs[c, w] |= bit
+        _st_rebuild_cells(stree, cpos, cseqs, dst, slo, shi, bshift)
+    _sidx_refresh(sidx, stree, cpos, cseqs, dst, bshift)
+
+
+@njit(cache=True)
+def _seq_keep(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s):
+    n = cpos.shape[0]
+    new_head = n
+    sw = s >> 6
+    bit = _bit(s)
+    for c in range(n):
+        if (cseqs[c, sw] & bit) != 0:
+            for w in range(SEQ_WORDS):
+                cseqs[c, w] = 0
+            cseqs[c, sw] = bit
+        elif cpos[c] >= 0:
+            for w in range(SEQ_WORDS):
+                cseqs[c, w] = 0
+            _free_cell(cpos, cshift, cseqs, occ, meta, c)
+            if new_head == n:
+                new_head = c
+    _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta)
+    if new_head != n and new_head < meta[_M_HEAD]:
+        meta[_M_HEAD] = new_head
+
+
+@njit(cache=True)
+def _take_shifts(cshift, meta):
+    k = meta[_M_NSHIFT]
+    cells = np.empty(k, np.int32)
+    deltas = np.empty(k, np.int32)
+    if k == 0:
+        return cells, deltas
+    j = 0
+    for c in range(meta[_M_SHLO], meta[_M_SHHI] + 1):
+        if cshift[c] != 0:
+            cells[j] = c
+            deltas[j] = cshift[c]
+            cshift[c] = 0
+            j += 1
+    meta[_M_NSHIFT] = 0
+    meta[_M_SHLO] = cshift.shape[0]
+    meta[_M_SHHI] = -1
+    return cells[:j], deltas[:j]
+
+
+@njit(cache=True)
+def _cells_of(cseqs, sidx, s):
+    if sidx[3, s] < 0:
+        return np.empty(0, np.int32)
+    lo = sidx[0, s]
+    hi = sidx[1, s]
+    out = np.empty(hi - lo + 1, np.int32)
+    k = 0
+    for c in range(lo, hi + 1):
+        if _has(cseqs, c, s):
+            out[k] = c
+            k += 1
+    return out[:k].copy()
+
+
+# --------------------------------------------------------------------------------------------
+# defrag
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
+    """Moves (src, dst, length) that make the used cells 0..n_used-1, applied to the metadata.
+
+    Each hole run in [0, n_used) is filled with the last not-yet-moved used cells of the table,
+    placed in ascending order (the lowest of them first), as llama.cpp's defrag_prepare did; a
+    move is a maximal run whose sources and destinations are both contiguous, so copying any
+    move in any order carries every cell's K/V with its metadata (sources are all >= n_used,
+    destinations all < n_used: no move reads what another writes)."""
+    n = cpos.shape[0]
+    used = meta[_M_USED]
+    moves = np.empty((16, 3), np.int64)
+    m = 0
+    first_hole = _next_free(occ, 0, n)
+    if first_hole >= used:
+        return moves[:0]
+    srcbuf = np.empty(64, np.int64)
+    top = n - 1
+    i0 = first_hole
+    while i0 < used:
+        i1 = min(_next_used(occ, i0, n), used)
+        nh = i1 - i0
+        if srcbuf.shape[0] < nh:
+            srcbuf = np.empty(2 * nh, np.int64)
+        for j in range(nh):
+            top = _prev_used(occ, top)
+            srcbuf[j] = top
+            top -= 1
+        # srcbuf[nh-1] is the lowest source: it goes to i0
+        j = nh - 1
+        dst = i0
+        while j >= 0:
+            src = srcbuf[j]
+            length = 1
+            while j - length >= 0 and srcbuf[j - length] == src + length:
+                length += 1
+            if m == moves.shape[0]:
+                grown = np.empty((2 * m, 3), np.int64)
+                grown[:m] = moves
+                moves = grown
+            moves[m, 0] = src
+            moves[m, 1] = dst
+            moves[m, 2] = length
+            m += 1
+            dst += length
+            j -= length
+        i0 = _next_free(occ, i1, n)
+    # apply to the metadata; destination leaves only widen (their ancestors are recomputed
+    # below, once, for every sequence)
+    bshift = meta[_M_BSHIFT]
+    nl = stree.shape[1] >> 1
+    aff = np.zeros(SEQ_WORDS, np.uint64)
+    for r in range(m):
+        src = moves[r, 0]
+        dst = moves[r, 1]
+        for j in range(moves[r, 2]):
+            a = src + j
+            b = dst + j
+            p = cpos[a]
+            cpos[b] = p
+            cshift[b] = cshift[a]
+            for w in range(SEQ_WORDS):
+                x = cseqs[a, w]
+                cseqs[b, w] = x
+                cseqs[a, w] = 0
+                aff[w] |= x
+                k = nl + (b >> bshift)
+                while x != 0:
+                    s = w * 64 + np.int64(trailing_zeros(x))
+                    x &= x - _ONE
+                    if p < stree[0, k, s]:
+                        stree[0, k, s] = p
+                    if p > stree[1, k, s]:
+                        stree[1, k, s] = p
+            cpos[a] = -1
+            cshift[a] = 0
+    # used cells are now exactly [0, used)
+    nw = occ.shape[0]
+    for w in range(nw):
+        lo = w * 64
+        if lo + 64 <= used:
+            occ[w] = _ALL
+        elif lo >= used:
+            occ[w] = 0
+        else:
+            occ[w] = (_ONE << np.uint64(used - lo)) - _ONE
+    for c in range(n, nw * 64):
+        occ[c >> 6] |= _bit(c)
+    _ft_range(ftree, occ, 0, nw - 1)
+    # no cell is left past `used`: blocks beyond its block are empty for every sequence, its
+    # own block is recomputed for the sequences that moved out of it
+    bu = used >> bshift
+    nb = ((n - 1) >> bshift) + 1
+    if bu + 1 < nb:
+        stree[0, nl + bu + 1:nl + nb, :] = _EMPTY_MIN
+        stree[1, nl + bu + 1:nl + nb, :] = -1
+    if bu < nb:
+        for w in range(SEQ_WORDS):
+            x = aff[w]
+            while x != 0:
+                s = w * 64 + np.int64(trailing_zeros(x))
+                x &= x - _ONE
+                _st_leaf_from_cells(stree, cpos, cseqs, s, bu, bshift)
+    _st_pull_all(stree, sidx.shape[1])
+    for w in range(SEQ_WORDS):
+        x = aff[w]
+        while x != 0:
+            s = w * 64 + np.int64(trailing_zeros(x))
+            x &= x - _ONE
+            _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
+    if meta[_M_NSHIFT] > 0:
+        meta[_M_SHLO] = 0
+        meta[_M_SHHI] = used - 1
+    meta[_M_HEAD] = used if used < n else 0
+    return moves[:m]
+
+
+# --------------------------------------------------------------------------------------------
+# consistency check (tests, debugging)
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _check_consistency(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
+    """0 when every index matches the cells, else a code naming the first mismatch."""
+    n = cpos.shape[0]
+    nseq = sidx.shape[1]
+    bshift = meta[_M_BSHIFT]
+    nl = stree.shape[1] >> 1
+    used = 0
+    nshift = 0
+    for c in range(n):
+        u = _used(cseqs, c)
+        if u != _occ_test(occ, c):
+            return 1
+        if u:
+            used += 1
+            if cpos[c] < 0:
+                return 2
+            if cshift[c] != 0:
+                nshift += 1
+                if c < meta[_M_SHLO] or c > meta[_M_SHHI]:
+                    return 3
+        elif cpos[c] != -1 or cshift[c] != 0:
+            return 4
+    for c in range(n, occ.shape[0] * 64):
+        if not _occ_test(occ, c):
+            return 5
+    if used != meta[_M_USED] or nshift != meta[_M_NSHIFT]:
+        return 6
+    # free tree: rebuild a copy and compare
+    ft = np.zeros_like(ftree)
+    nw = occ.shape[0]
+    for w in range(nw):
+        _ft_leaf(ft, occ, w)
+    half = 64
+    lo = nw >> 1
+    while lo >= 1:
+        for k in range(lo, 2 * lo):
+            _ft_pull(ft, k, half)
+        lo >>= 1
+        half *= 2
+    for k in range(1, 2 * nw):
+        for j in range(3):
+            if ft[j, k] != ftree[j, k]:
+                return 7
+    for s in range(nseq):
+        mn = np.full(2 * nl, _EMPTY_MIN, np.int64)
+        mx = np.full(2 * nl, -1, np.int64)
+        cmin = -1
+        cmax = -1
+        for c in range(n):
+            if _has(cseqs, c, s):
+                k = nl + (c >> bshift)
+                mn[k] = min(mn[k], cpos[c])
+                mx[k] = max(mx[k], cpos[c])
+                if cmin < 0:
+                    cmin = c
+                cmax = c
+        for k in range(nl - 1, 0, -1):
+            mn[k] = min(mn[2 * k], mn[2 * k + 1])
+            mx[k] = max(mx[2 * k], mx[2 * k + 1])
+        for k in range(1, 2 * nl):
+            if mn[k] != stree[0, k, s] or mx[k] != stree[1, k, s]:
+                return 8
+        if sidx[0, s] != cmin or sidx[1, s] != cmax:
+            return 9
+        if cmin < 0:
+            if sidx[2, s] != -1 or sidx[3, s] != -1:
+                return 10
+        elif sidx[2, s] != mn[1] or sidx[3, s] != mx[1]:
+            return 10
+    if meta[_M_HEAD] < 0 or meta[_M_HEAD] >= n:
+        return 11
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# the Python face
+# --------------------------------------------------------------------------------------------
+
+def _int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _index_array(x, name: str) -> np.ndarray:
+    """A 1-D int32 array, without copying when x already is one (one compiled specialisation
+    per function: other integer inputs are range-checked and converted)."""
+    if type(x) is np.ndarray and x.ndim == 1 and x.dtype is _I32:
+        return x
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, np.int32)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.dtype != np.int32:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < -2**31 or hi > 2**31 - 1:
+            raise ValueError(f"{name} holds a value outside int32: {lo if lo < -2**31 else hi}")
+        a = a.astype(np.int32)
+    return a
+
+
+class SeqIndex(np.ndarray):
+    """A per-sequence index row (int64 ``[max_seqs]``, -1 for a sequence with no cell) that is
+    also callable: ``table.seq_pos_max[s]`` and ``table.seq_pos_max(s)`` (llama.cpp's
+    ``seq_pos_max``, the argument validated) read the same value."""
+
+    def __call__(self, seq: int) -> int:
+        seq = _int(seq, "seq")
+        if not 0 <= seq < self.shape[0]:
+            raise ValueError(f"seq must be in [0, {self.shape[0]}), got {seq}")
+        return int(np.ndarray.__getitem__(self, seq))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+class CellTable:
+    """The cells of a cache and the indexes kept in step with them.
+
+    Fields and their invariants:
+
+    * ``cells`` -- ``[n_cells]`` ``CELL_DTYPE``. A cell is used iff some sequence bit is set;
+      a free cell has ``pos = -1`` and ``shift = 0``. Used cells have ``0 <= pos <= POS_MAX``.
+      It may be overwritten in place (state loading) and then ``rebuild_indexes()`` called.
+    * ``seq_cell_min`` / ``seq_cell_max`` -- int64 ``[max_seqs]``: first / last cell holding the
+      sequence, -1 when it holds none.
+    * ``seq_pos_min`` / ``seq_pos_max`` -- int64 ``[max_seqs]``: lowest / highest position the
+      sequence holds, -1 when none. All four rows are :class:`SeqIndex` views, so
+      ``table.seq_pos_max(s)`` works as llama.cpp's call too.
+    * ``n_used`` -- cells holding at least one sequence.
+    * the scatter head (``head``), the pending-shift count and range, the occupancy bitmap with
+      its free-run tree and the per-sequence position trees (see the module docstring).
+
+    Every method validates its arguments before it writes; on any exception the table is
+    unchanged.
+    """
+
+    def __init__(self, n_cells: int, max_seqs: int, *, block_size: Optional[int] = None) -> None:
+        n_cells = _int(n_cells, "n_cells")
+        max_seqs = _int(max_seqs, "max_seqs")
+        if not 1 <= n_cells <= MAX_CELLS:
+            raise ValueError(f"n_cells must be in [1, {MAX_CELLS}], got {n_cells}")
+        if not 1 <= max_seqs <= MAX_SEQS:
+            raise ValueError(f"max_seqs must be in [1, {MAX_SEQS}], got {max_seqs}")
+        n_words = -(-n_cells // _WORD)
+        if block_size is None:
+            # 64-cell leaves, coarser when needed to keep the position trees within 8 MiB
+            block_size = 64
+            while max_seqs * 2 * _next_pow2(-(-n_cells // block_size)) > 2**21:
+                block_size *= 2
+        block_size = _int(block_size, "block_size")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
+        self.n_cells = n_cells
+        self.max_seqs = max_seqs
+        self.block_size = block_size
+        n_leaves = _next_pow2(-(-n_cells // block_size))
+        self._cells = np.zeros(n_cells, CELL_DTYPE)
+        self._cells["pos"] = -1
+        self._occ = np.zeros(_next_pow2(n_words), np.uint64)
+        self._ftree = np.zeros((3, 2 * self._occ.shape[0]), np.int32)
+        self._stree = np.empty((2, 2 * n_leaves, max_seqs), np.int32)
+        self._sidx = np.full((4, max_seqs), -1, np.int64)
+        self._meta = np.zeros(_META_LEN, np.int64)
+        self._meta[_M_BSHIFT] = block_size.bit_length() - 1
+        self._bind()
+        _rebuild_all(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
+                     self._sidx, self._meta)
+
+    def _bind(self) -> None:
+        """Field views of the cell records and the index rows (they alias the arrays)."""
+        self._pos = self._cells["pos"]
+        self._shift = self._cells["shift"]
+        self._seqs = self._cells["seqs"]
+        self.seq_cell_min = self._sidx[0].view(SeqIndex)
+        self.seq_cell_max = self._sidx[1].view(SeqIndex)
+        self.seq_pos_min = self._sidx[2].view(SeqIndex)
+        self.seq_pos_max = self._sidx[3].view(SeqIndex)
+
+    @property
+    def cells(self) -> np.ndarray:
+        """The raw table ``[n_cells]`` ``CELL_DTYPE`` (write in place, then rebuild_indexes)."""
+        return self._cells
+
+    @property
+    def n_used(self) -> int:
+        return int(self._meta[_M_USED])
+
+    @property
+    def n_free(self) -> int:
+        return self.n_cells - int(self._meta[_M_USED])
+
+    @property
+    def max_free_run(self) -> int:
+        """Longest run of free cells (a batch of this many tokens fits contiguously)."""
+        return int(self._ftree[2, 1])
+
+    @property
+    def head(self) -> int:
+        """Where find_scatter starts looking (llama.cpp's head)."""
+        return int(self._meta[_M_HEAD])
+
+    def copy(self) -> "CellTable":
+        """A deep copy (every array duplicated)."""
+        new = object.__new__(CellTable)
+        new.n_cells = self.n_cells
+        new.max_seqs = self.max_seqs
+        new.block_size = self.block_size
+        new._cells = self._cells.copy()
+        new._occ = self._occ.copy()
+        new._ftree = self._ftree.copy()
+        new._stree = self._stree.copy()
+        new._sidx = self._sidx.copy()
+        new._meta = self._meta.copy()
+        new._bind()
+        return new
+
+    def __deepcopy__(self, memo) -> "CellTable":
+        return self.copy()
+
+    def __getstate__(self):
+        # the index-row views are rebuilt on unpickling so they alias the new arrays
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_pos", "_shift", "_seqs", "seq_cell_min", "seq_cell_max",
+                             "seq_pos_min", "seq_pos_max")}
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._bind()
+
+    def load_cells(self, cells: np.ndarray) -> None:
+        """Replace every cell record (e.g. from saved state) and rebuild the indexes; validated
+        first, the table is unchanged on error."""
+        arr = np.asarray(cells)
+        if arr.dtype != CELL_DTYPE or arr.shape != (self.n_cells,):
+            raise ValueError(f"cells must be [{self.n_cells}] of CELL_DTYPE, got {arr.shape} "
+                             f"of {arr.dtype}")
+        self._validate(arr["pos"], arr["seqs"])
+        self._cells[...] = arr
+        self.rebuild_indexes()
+
+    def _validate(self, pos, seqs) -> None:
+        bad = _validate_cells(pos, seqs, self.max_seqs)
+        if bad < 0:
+            c = -bad - 1
+            raise ValueError(f"cells[{c}] is invalid: a used cell needs 0 <= pos <= {POS_MAX} "
+                             f"and sequence bits < max_seqs={self.max_seqs} "
+                             f"(pos={int(pos[c])})")
+
+    def rebuild_indexes(self) -> None:
+        """Recompute every index from ``cells`` (free cells are normalised to pos -1, shift 0).
+        Raises ValueError, indexes untouched, if a used cell has a negative position or a
+        sequence bit >= max_seqs."""
+        self._validate(self._pos, self._seqs)
+        _rebuild_all(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
+                     self._sidx, self._meta)
+
+    def check_consistency(self) -> None:
+        """Recompute every index from scratch and compare (O(n_cells * max_seqs); for tests)."""
+        code = _check_consistency(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                                  self._stree, self._sidx, self._meta)
+        if code:
+            raise AssertionError(f"cell table indexes out of step with the cells (code {code})")
+
+    # ---- argument checks ------------------------------------------------------------------
+
+    def _seq(self, seq, name: str = "seq", allow_all: bool = False) -> int:
+        if type(seq) is not int:
+            seq = _int(seq, name)
+        lo = -1 if allow_all else 0
+        if not lo <= seq < self.max_seqs:
+            raise ValueError(f"{name} must be in [{lo}, {self.max_seqs}), got {seq}")
+        return seq
+
+    def _cell(self, cell, name: str = "cell") -> int:
+        cell = _int(cell, name)
+        if not 0 <= cell < self.n_cells:
+            raise ValueError(f"{name} must be in [0, {self.n_cells}), got {cell}")
+        return cell
+
+    def _raise(self, code: int, names=("slots", "positions", "seqs")) -> None:
+        slots, positions, seqs = names
+        msgs = {
+            _E_SLOT_RANGE: f"{slots} must be cell indices in [0, {self.n_cells})",
+            _E_SLOT_USED: f"{slots} must be free cells (one is in use)",
+            _E_SLOT_DUP: f"{slots} must not repeat a cell",
+            _E_POS: f"{positions} must be in [0, {POS_MAX}]",
+            _E_SEQ: f"{seqs} must be sequence ids in [0, {self.max_seqs})",
+            _E_LEN_POS: f"{positions} must have one entry per slot",
+            _E_LEN_SEQ: f"{seqs} must have one entry per position",
+        }
+        raise ValueError(msgs.get(code, f"invalid argument (code {code})"))
+
+    @staticmethod
+    def _range(p0, p1) -> Tuple[int, int]:
+        """llama.cpp's convention: p0 < 0 -> 0, p1 None or < 0 -> infinity."""
+        p0 = _int(p0, "p0")
+        p1 = _INF if p1 is None else _int(p1, "p1")
+        return min(max(p0, 0), _INF), (_INF if p1 < 0 else min(p1, _INF))
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def has_seq(self, cell: int, seq: int) -> bool:
+        cell = self._cell(cell)
+        seq = self._seq(seq)
+        return bool((int(self._seqs[cell, seq >> 6]) >> (seq & 63)) & 1)
+
+    def seq_cells(self, seq: int) -> np.ndarray:
+        """int32 indices of the cells holding seq, ascending."""
+        return _cells_of(self._seqs, self._sidx, self._seq(seq))
+
+    def mask_inputs(self, lo: int, hi: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Contiguous copies of the cells [lo, hi): (pos int32 [hi-lo], seqs uint64
+        [hi-lo, SEQ_WORDS]). Free cells have pos -1 and no sequence bit."""
+        lo = _int(lo, "lo")
+        hi = _int(hi, "hi")
+        if not 0 <= lo <= hi <= self.n_cells:
+            raise ValueError(f"lo, hi must satisfy 0 <= lo <= hi <= {self.n_cells}, "
+                             f"got {lo}, {hi}")
+        return np.ascontiguousarray(self._pos[lo:hi]), np.ascontiguousarray(self._seqs[lo:hi])
+
+    # ---- placement ------------------------------------------------------------------------
+
+    def find_contiguous(self, n: int) -> int:
+        """Ollama's findStartLoc: start of the first run of n free cells, -1 if none (O(log))."""
+        if type(n) is not int:
+            n = _int(n, "n")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if n > self.n_cells:
+            return -1
+        return int(_ft_first_fit(self._ftree, self._occ, n))
+
+    def find_scatter(self, n: int) -> Optional[np.ndarray]:
+        """n free cells (int32) taken from the head onwards, wrapping (llama.cpp's find_slot
+        without contiguity); None if fewer than n are free. Changes nothing; apply_batch moves
+        the head past the last slot."""
+        n = _int(n, "n")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        out, ok = _find_scatter(self._occ, self._meta, self.n_cells, n)
+        return out if ok else None
+
+    def apply_batch(self, slots: np.ndarray, positions: np.ndarray, seqs: np.ndarray) -> None:
+        """Token i of the batch goes to cell ``slots[i]`` (which must be free) with
+        ``positions[i]``, no pending shift and only sequence ``seqs[i]``. All ``[batch]``."""
+        code = _apply_batch(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                            self._stree, self._sidx, self._meta, _index_array(slots, "slots"),
+                            _index_array(positions, "positions"), _index_array(seqs, "seqs"))
+        if code:
+            self._raise(code)
+
+    def unapply_batch(self, slots: np.ndarray, head: int) -> None:
+        """Undo :meth:`apply_batch` right after it: free ``slots`` (int ``[batch]``, each in use)
+        and set the scatter head back to ``head`` (read :attr:`head` before applying). With
+        :meth:`undo_prune` this takes back a whole start_forward without copying the table."""
+        slots = _index_array(slots, "slots")
+        head = _int(head, "head")
+        code = _unapply_batch(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                              self._stree, self._sidx, self._meta, slots, head)
+        if code == _E_POS:
+            raise ValueError(f"head must be in [0, {self.n_cells}), got {head}")
+        if code == _E_SLOT_USED:
+            raise ValueError("slots must be cells in use (one is free)")
+        if code:
+            self._raise(code)
+
+    # ---- sliding window -------------------------------------------------------------------
+
+    def prune_window(self, positions: np.ndarray, seqs: np.ndarray, memory: int) -> np.ndarray:
+        """Ollama's updateSlidingWindow eviction, before a batch is placed.
+
+        Every sequence of the batch has lowest = its lowest position in the batch; every other
+        sequence holding cells has lowest = its highest stored position + 1 (idle sequences
+        must shrink too: Ollama #10127). Cells of a sequence with ``pos < lowest - memory`` drop
+        it. ``memory < 0`` means unlimited (nothing is evicted).
+
+        Returns the undo records int64 ``[k, 4]`` (cell, seq, pos, shift) that
+        :meth:`undo_prune` takes to put everything back (e.g. when placement then fails).
+        """
+        positions = _index_array(positions, "positions")
+        seqs = _index_array(seqs, "seqs")
+        if type(memory) is not int:
+            memory = _int(memory, "memory")
+        memory = min(memory, _INF)
+        if memory < 0:
+            code = _check_batch(self.max_seqs, positions, seqs)
+            if code:
+                self._raise(code)
+            return np.zeros((0, 4), np.int64)
+        code, undo = _prune_window(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                                   self._stree, self._sidx, self._meta, positions, seqs, memory)
+        if code:
+            self._raise(code)
+        return undo
+
+    def undo_prune(self, records: np.ndarray) -> None:
+        """Put back what :meth:`prune_window` dropped (records exactly as it returned them,
+        before any other change)."""
+        rec = np.asarray(records)
+        if rec.ndim != 2 or rec.shape[1] != 4 or (rec.size and rec.dtype.kind not in "iu"):
+            raise ValueError(f"records must be [k, 4] integers, got {rec.shape} of {rec.dtype}")
+        code = _undo_prune(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                           self._stree, self._sidx, self._meta, rec.astype(np.int64, copy=False))
+        if code:
+            raise ValueError("records must name cells and sequences dropped by prune_window "
+                             "(a cell out of range or already holding its sequence)")
+
+    def batch_range(self, positions: np.ndarray, seqs: np.ndarray, window: int) -> Tuple[int, int]:
+        """The cells [lo, hi) the batch's sequences may attend to among those stored now;
+        (0, 0) when none. ``window < 0``: the union of the batch sequences' cell ranges;
+        ``window >= 0``: the cells of a batch sequence whose pos >= (lowest batch position of
+        that sequence) - window."""
+        positions = _index_array(positions, "positions")
+        seqs = _index_array(seqs, "seqs")
+        if type(window) is not int:
+            window = _int(window, "window")
+        window = min(window, _INF)
+        code, lo, hi = _batch_range(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                                    positions, seqs, window)
+        if code:
+            self._raise(code)
+        return lo, hi
+
+    # ---- sequence operations --------------------------------------------------------------
+
+    def shared_cells_moving(self, seq: int, begin: int, end: Optional[int]) -> bool:
+        """Whether remove(seq, begin, end) would refuse (a cell to move is shared)."""
+        seq = self._seq(seq)
+        begin = _int(begin, "begin")
+        if end is None:
+            return False
+        end = _int(end, "end")
+        if end <= begin:
+            return False
+        return bool(_shared_in_range(self._pos, self._seqs, self._sidx, seq, end, _INF))
+
+    def shared_cells_in(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
+        """Whether a cell of seq with p0 <= pos < p1 is shared (seq_add / seq_div would refuse)."""
+        seq = self._seq(seq)
+        p0, p1 = self._range(p0, p1)
+        return bool(_shared_in_range(self._pos, self._seqs, self._sidx, seq, p0, p1))
+
+    def remove(self, seq: int, begin: int, end: Optional[int]) -> np.ndarray:
+        """Ollama's Remove: cells of seq with begin <= pos < end drop it; with a finite end,
+        its cells with pos >= end move down by end - begin (pos and pending shift both).
+        Raises NotSupportedError, before any change, if a cell that must move is shared.
+        Returns the int32 indices of the cells whose position moved, ascending."""
+        seq = self._seq(seq)
+        begin = _int(begin, "begin")
+        if not 0 <= begin <= POS_MAX + 1:
+            raise ValueError(f"begin must be in [0, {POS_MAX + 1}], got {begin}")
+        if end is None:
+            e = -1
+        else:
+            e = _int(end, "end")
+            if e < begin:
+                raise ValueError(f"end must be None or >= begin ({begin}), got {e}")
+            e = min(e, POS_MAX + 1)      # no position reaches past this: same meaning
+        code, moved = _remove(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                              self._stree, self._sidx, self._meta, seq, begin, e)
+        if code == _E_SHARED:
+            raise NotSupportedError(SHARED_SHIFT_MESSAGE)
+        return moved
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Ollama's CopyPrefix: dst drops every cell, then joins src's cells with pos < length.
+        src == dst does nothing."""
+        src = self._seq(src, "src")
+        dst = self._seq(dst, "dst")
+        length = _int(length, "length")
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        length = min(length, POS_MAX + 1)
+        if src == dst:
+            return
+        _copy_prefix(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
+                     self._sidx, self._meta, src, dst, length)
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
+        """llama.cpp's seq_rm: cells of seq with p0 <= pos < p1 drop it (seq = -1: every cell in
+        the range is freed). p0 < 0 means 0, p1 None or < 0 means infinity. Returns True."""
+        seq = self._seq(seq, allow_all=True)
+        p0, p1 = self._range(p0, p1)
+        if p0 < p1:
+            _seq_rm(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
+                    self._sidx, self._meta, seq, p0, p1)
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
+        """llama.cpp's seq_cp: dst joins every cell of src with p0 <= pos < p1."""
+        src = self._seq(src, "src")
+        dst = self._seq(dst, "dst")
+        p0, p1 = self._range(p0, p1)
+        if src == dst or p0 >= p1:
+            return
+        _seq_cp(self._pos, self._seqs, self._stree, self._sidx, self._meta, src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        """llama.cpp's seq_keep: cells holding seq keep only seq; every other cell is freed."""
+        seq = self._seq(seq)
+        _seq_keep(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
+                  self._sidx, self._meta, seq)
+
+    def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int) -> None:
+        """llama.cpp's seq_add: cells of seq with p0 <= pos < p1 get pos += delta and
+        shift += delta; a cell whose pos would go below 0 is freed. Shared cells in the range
+        -> NotSupportedError before any change."""
+        seq = self._seq(seq)
+        p0, p1 = self._range(p0, p1)
+        delta = _int(delta, "delta")
+        if abs(delta) > POS_MAX + 1:
+            raise ValueError(f"delta must be in [-{POS_MAX + 1}, {POS_MAX + 1}], got {delta}")
+        if delta == 0 or p0 >= p1:
+            return
+        code = _seq_add(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
+                        self._sidx, self._meta, seq, p0, p1, delta)
+        if code == _E_SHARED:
+            raise NotSupportedError(SHARED_SHIFT_MESSAGE)
+        if code == _E_OVERFLOW:
+            raise ValueError(f"delta {delta} would move a position past {POS_MAX}")
+        if code == _E_SHIFT_OVERFLOW:
+            raise ValueError(f"delta {delta} would overflow a cell's pending int32 shift")
+
+    def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
+        """llama.cpp's seq_div: cells of seq with p0 <= pos < p1 get pos //= d and
+        shift += new - old. Shared cells in the range -> NotSupportedError before any change."""
+        seq = self._seq(seq)
+        p0, p1 = self._range(p0, p1)
+        d = _int(d, "d")
+        if d < 1:
+            raise ValueError(f"d must be >= 1, got {d}")
+        if d == 1 or p0 >= p1:
+            return
+        code = _seq_div(self._pos, self._shift, self._seqs, self._stree, self._sidx, self._meta,
+                        seq, p0, p1, d)
+        if code == _E_SHARED:
+            raise NotSupportedError(SHARED_SHIFT_MESSAGE)
+        if code == _E_SHIFT_OVERFLOW:
+            raise ValueError(f"d {d} would overflow a cell's pending int32 shift")
+
+    # ---- shifts ---------------------------------------------------------------------------
+
+    def has_pending_shifts(self) -> bool:
+        return self._meta[_M_NSHIFT] > 0
+
+    def take_shifts(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(cells int32 [k], deltas int32 [k]) of every cell with a pending shift, ascending;
+        their shift is reset to 0 (the caller rotates those keys by the deltas)."""
+        return _take_shifts(self._shift, self._meta)
+
+    # ---- defrag ---------------------------------------------------------------------------
+
+    def plan_defrag(self) -> np.ndarray:
+        """int64 ``[m, 3]`` block moves (src, dst, length), already applied to the metadata;
+        the caller copies K/V ``[src, src+length) -> [dst, dst+length)`` for each (in any order:
+        sources are all >= n_used, destinations all < n_used). Holes are filled from the end of
+        the table in ascending order and contiguous runs merged, so every (sequence, position)
+        keeps its own K/V. Afterwards the used cells are exactly 0 .. n_used-1."""
+        return _plan_defrag(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                            self._stree, self._sidx, self._meta)
+
+    def __repr__(self) -> str:
+        return (f"CellTable(n_cells={self.n_cells}, max_seqs={self.max_seqs}, "
+                f"n_used={self.n_used})")
+
+
+__all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
+           "SeqIndex"]
