@@ -9,8 +9,11 @@ from .config import CacheConfig, RopeShift
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from .device import resolve_device
 from .simple import RotatingCache, StepCache
+from .causal import CausalCache
+from .wrappers import EncoderCache, WrapperCache
 
 __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotSupportedError",
-           "StateError", "resolve_device", "StepCache", "RotatingCache", "__version__"]
+           "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "WrapperCache",
+           "EncoderCache", "__version__"]

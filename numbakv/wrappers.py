@@ -1,0 +1,281 @@
+"""Caches made of caches: ``WrapperCache`` (a different ``CausalCache`` per group of layers, e.g.
+Gemma 3's sliding-window layers beside its full-attention layers) and ``EncoderCache`` (the
+encoder's K/V for cross-attention, stored once and visible to every token, like Ollama's
+``encoder.go``)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .causal import CausalCache, _check_index, host_int_array
+from .config import CacheConfig, round_up
+from .device import array_module, as_array, export_view, resolve_device
+from .errors import KVCacheError, NotSupportedError
+
+
+class WrapperCache:
+    """One ``CausalCache`` per layer group; every operation fans out to all of them, all or
+    nothing, and ``set_layer`` picks the group (and the layer inside it).
+
+    Args:
+        caches: the group caches, e.g. ``[swa_cache, full_cache]``.
+        layer_groups: for each model layer, the index of its cache in ``caches``. Cache ``g``
+            must have as many layers as ``layer_groups`` names ``g``. Default: every cache sees
+            every layer (``n_layers`` equal across caches, ``set_layer_type`` picks the cache).
+    """
+
+    def __init__(self, caches: Sequence[CausalCache],
+                 layer_groups: Optional[Sequence[int]] = None) -> None:
+        caches = list(caches)
+        if not caches or not all(isinstance(c, CausalCache) for c in caches):
+            raise ValueError("caches must be a non-empty sequence of CausalCache")
+        max_seqs = {c.config.max_seqs for c in caches}
+        if len(max_seqs) != 1:
+            raise ValueError(f"caches must share max_seqs, got {sorted(max_seqs)}")
+        self.caches = caches
+        if layer_groups is None:
+            self.layer_groups = None
+            self._local = None
+        else:
+            groups = [_check_index(f"layer_groups[{i}]", g, 0, len(caches))
+                      for i, g in enumerate(layer_groups)]
+            local, counts = [], [0] * len(caches)
+            for g in groups:
+                local.append(counts[g])
+                counts[g] += 1
+            for g, cache in enumerate(caches):
+                if counts[g] != cache.config.n_layers:
+                    raise ValueError(f"layer_groups assigns {counts[g]} layers to cache {g}, "
+                                     f"which has n_layers={cache.config.n_layers}")
+            self.layer_groups = groups
+            self._local = local
+        self._current = 0
+
+    @property
+    def n_layers(self) -> int:
+        if self.layer_groups is None:
+            return self.caches[0].config.n_layers
+        return len(self.layer_groups)
+
+    def start_forward(self, positions, seqs, reserve: bool = False) -> None:
+        undos: List[Tuple[CausalCache, object]] = []
+        try:
+            for cache in self.caches:
+                undos.append((cache, cache._place(positions, seqs, reserve, undoable=True)))
+        except BaseException:
+            for cache, undo in reversed(undos):
+                cache._undo(undo)
+            raise
+        for cache in self.caches:
+            cache._finish_forward()
+
+    def set_layer_type(self, index: int) -> None:
+        """Pick the cache for the following ``set_layer``/``put``/``get`` (Ollama's
+        SetLayerType), when no ``layer_groups`` map was given."""
+        self._current = _check_index("index", index, 0, len(self.caches))
+
+    def set_layer(self, layer: int) -> None:
+        layer = _check_index("layer", layer, 0, self.n_layers)
+        if self.layer_groups is not None:
+            self._current = self.layer_groups[layer]
+            layer = self._local[layer]
+        self.caches[self._current].set_layer(layer)
+
+    def put(self, key, value) -> None:
+        self.caches[self._current].put(key, value)
+
+    def get(self):
+        return self.caches[self._current].get()
+
+    def set_causal(self, except_=None) -> None:
+        for cache in self.caches:
+            cache.set_causal(except_)
+
+    def _fan_out(self, name: str, *args):
+        """Run a sequence operation on every cache; if one raises, restore all of them."""
+        snapshots = [(c, c.cells.copy(), c.cells) for c in self.caches]
+        results = []
+        try:
+            for cache in self.caches:
+                results.append(getattr(cache, name)(*args))
+        except BaseException:
+            for cache, snapshot, _ in snapshots:
+                cache.cells = snapshot
+            raise
+        return results
+
+    def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
+        for cache in self.caches:  # check all first: a re-rotated key is not rotated back
+            cache._check_remove(seq, begin, end, dry_run=True)
+        self._fan_out("remove", seq, begin, end)
+
+    def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        self._fan_out("copy_prefix", src_seq, dst_seq, length)
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        return all(cache.can_resume(seq, pos) for cache in self.caches)
+
+    def defrag(self) -> None:
+        for cache in self.caches:
+            cache.defrag()
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
+        return all(self._fan_out("seq_rm", seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
+        self._fan_out("seq_cp", src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        self._fan_out("seq_keep", seq)
+
+    def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int) -> None:
+        self._fan_out("seq_add", seq, p0, p1, delta)
+
+    def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
+        self._fan_out("seq_div", seq, p0, p1, d)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return min(cache.seq_pos_min(seq) for cache in self.caches)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return max(cache.seq_pos_max(seq) for cache in self.caches)
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
+
+
+class EncoderCache:
+    """Cross-attention K/V from an encoder (e.g. an image encoder): stored when a forward pass
+    carries encoder output, kept for the following passes, visible to every token.
+
+    Storage: K ``[n_layers, n_enc, n_kv_heads, head_dim]`` and V ``[n_layers, n_enc, n_kv_heads,
+    v_head_dim]``, allocated for ``capacity`` encoder tokens (``config.capacity``).
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"config must be a numbakv.CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.device = resolve_device(config.device)
+        self._xp = array_module(self.device)
+        sd = config.storage_dtype
+        self.keys = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+                                    config.head_dim), dtype=sd)
+        self.values = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+                                      config.v_head_dim), dtype=sd)
+        self.encoder_len = 0            # encoder tokens stored (0: nothing cached)
+        self.encoder_pos: Optional[int] = None   # position of the input the encoder output is for
+        self._layers_written = np.zeros(config.n_layers, bool)
+        self._batch = 0
+        self._storing = False
+        self._layer = 0
+        self._closed = False
+
+    @property
+    def encoder_cached(self) -> bool:
+        return self.encoder_len > 0 and bool(self._layers_written.all())
+
+    def start_forward(self, positions, seqs, reserve: bool = False, *,
+                      encoder_pos: Optional[int] = None) -> None:
+        """Begin a forward pass; ``encoder_pos`` is the position of the input whose encoder
+        output this pass stores (``None``: the pass reuses what is cached)."""
+        self._check_open()
+        pos = host_int_array(positions, "positions")
+        sq = host_int_array(seqs, "seqs")
+        if len(pos) != len(sq) or len(pos) == 0:
+            raise ValueError("positions and seqs must have the same, non-zero length")
+        if len(pos) > self.config.max_batch:
+            raise ValueError(f"batch of {len(pos)} tokens is larger than max_batch="
+                             f"{self.config.max_batch}")
+        if encoder_pos is not None:
+            encoder_pos = _check_index("encoder_pos", encoder_pos, 0)
+        self._batch = len(pos)
+        self._reserve = bool(reserve)
+        self._storing = encoder_pos is not None and not reserve
+        if self._storing:
+            self.encoder_pos = encoder_pos
+            self._layers_written[:] = False
+
+    def set_layer(self, layer: int) -> None:
+        self._layer = _check_index("layer", layer, 0, self.config.n_layers)
+
+    def put(self, key, value) -> None:
+        """Store the encoder's keys ``[n_enc, n_kv_heads, head_dim]`` and values ``[n_enc,
+        n_kv_heads, v_head_dim]`` for the current layer (only in a pass that carries encoder
+        output)."""
+        self._check_open()
+        cfg = self.config
+        k = as_array(key, self.device, cfg.dtype, name="key")
+        v = as_array(value, self.device, cfg.dtype, name="value")
+        n = k.shape[0] if k.ndim == 3 else -1
+        if k.ndim != 3 or tuple(k.shape[1:]) != (cfg.n_kv_heads, cfg.head_dim) \
+                or not 1 <= n <= cfg.capacity:
+            raise ValueError(f"key must have shape [n_enc <= {cfg.capacity}, {cfg.n_kv_heads}, "
+                             f"{cfg.head_dim}], got {list(k.shape)}")
+        if tuple(v.shape) != (n, cfg.n_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [{n}, {cfg.n_kv_heads}, {cfg.v_head_dim}],"
+                             f" got {list(v.shape)}")
+        if not self._storing:
+            if self._reserve:
+                return
+            raise ValueError("put() needs a forward pass started with encoder_pos (this pass "
+                             "reuses the cached encoder output)")
+        if self._layers_written.any() and n != self.encoder_len:
+            raise ValueError(f"key has {n} encoder tokens but earlier layers of this pass "
+                             f"stored {self.encoder_len}")
+        self.keys[self._layer, :n] = k
+        self.values[self._layer, :n] = v
+        self.encoder_len = n
+        self._layers_written[self._layer] = True
+
+    def get(self):
+        """``(key, value, mask)``: the stored encoder K/V of the current layer and an all-visible
+        mask ``[round_up(batch, mask_batch_padding), n_enc]`` (padding rows -inf)."""
+        self._check_open()
+        if self.encoder_len == 0:
+            raise KVCacheError("no encoder output is cached")
+        n = self.encoder_len
+        cfg = self.config
+        rows = round_up(max(self._batch, 1), cfg.mask_batch_padding)
+        mask = self._xp.zeros((rows, n), dtype=np.dtype(cfg.mask_dtype))
+        mask[self._batch:] = -np.inf
+        return (export_view(self.keys[self._layer, :n], cfg.dtype),
+                export_view(self.values[self._layer, :n], cfg.dtype), mask)
+
+    def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
+        """Removing the position the encoder output belongs to drops it."""
+        self._check_open()
+        _check_index("seq", seq, 0, self.config.max_seqs)
+        begin = _check_index("begin", begin, 0)
+        end_ = None if end is None else _check_index("end", end, begin)
+        if self.encoder_pos is not None and self.encoder_pos >= begin and \
+                (end_ is None or self.encoder_pos < end_):
+            self.encoder_len = 0
+            self.encoder_pos = None
+            self._layers_written[:] = False
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        return True
+
+    def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        raise NotSupportedError("EncoderCache does not support copy_prefix")
+
+    def set_causal(self, except_=None) -> None:
+        """Cross-attention has no causal mask: accepted and ignored."""
+
+    def defrag(self) -> None:
+        """Nothing to defragment."""
+
+    def close(self) -> None:
+        self._closed = True
+        self.keys = self.values = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVCacheError("the cache is closed")
+
+
+__all__ = ["WrapperCache", "EncoderCache"]
