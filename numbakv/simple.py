@@ -229,6 +229,27 @@ class _SingleStreamCache:
             other._k[:, :, :self._n] = self._k[:, :, :self._n]
             other._v[:, :, :self._n] = self._v[:, :, :self._n]
 
+    def save_state(self, path, *, tokens=None, metadata=None) -> None:
+        """Save this cache to a safetensors file, atomically (``numbakv.state``)."""
+        from . import state
+        state.save_simple(self, path, tokens=tokens, metadata=metadata)
+
+    def state_bytes(self, *, tokens=None, metadata=None) -> bytes:
+        """What :meth:`save_state` writes, as bytes."""
+        from . import state
+        return state.simple_to_bytes(self, tokens=tokens, metadata=metadata)
+
+    @classmethod
+    def load_state(cls, source, *, device: str = "auto"):
+        """A new cache of this class from a :meth:`save_state` file path or its bytes."""
+        from . import state
+        cache = state.load_simple(source, device=device)
+        if not isinstance(cache, cls):
+            from .errors import StateError
+            raise StateError(f"the saved state holds a {type(cache).__name__}, not a "
+                             f"{cls.__name__}")
+        return cache
+
     def free(self) -> None:
         """Release the storage. The cache then behaves as a new, empty one: offset 0, and the
         shape (and the dtype, unless given to the constructor) are fixed again by the next

@@ -1,0 +1,1381 @@
+"""Saving and restoring cache state: what llama.cpp's ``state_write``/``state_read`` and mlx-lm's
+prompt-cache files do, for numbakv's caches, so a server can park a conversation and bring it
+back later, or ship a prefilled prompt to another process.
+
+Files are `safetensors <https://github.com/huggingface/safetensors>`_: an 8-byte little-endian
+header length, a JSON header (tensor dtypes, shapes and byte ranges, plus string metadata) and
+the raw tensor bytes. Any safetensors reader opens them. The metadata holds
+
+- ``format`` = ``numbakv.state``, ``version`` = ``1``,
+- ``kind``: ``causal`` (a whole ``CausalCache``, cell layout included), ``causal-seq`` (one
+  sequence), ``wrapper`` / ``wrapper-seq`` (every group cache of a ``WrapperCache``; tensors
+  prefixed ``g<i>.``), ``step`` / ``rotating`` (a ``StepCache`` / ``RotatingCache``:
+  ``keys`` / ``values`` ``[batch, n_kv_heads, n, dim]``), ``simple-list`` (a list of them, one
+  per layer as in mlx-lm's prompt-cache files; tensors prefixed ``c<i>.``),
+- ``config``: JSON of the shapes the state fits (layers, heads, dims, dtype, cells, ...),
+- ``checksum``: ``crc32:<8 hex>`` over the canonical JSON header (without the checksum) and every
+  tensor byte, so a flipped byte anywhere is caught,
+- ``meta.<key>``: the caller's string metadata.
+
+Tensors of a whole ``CausalCache``: ``cells.seqs`` uint64 ``[n_cells, words]`` (the sequence
+bitsets), ``cells.pos`` / ``cells.shift`` int32 ``[n_cells]``, and per layer ``k.<l>``
+``[n_cells, n_kv_heads, head_dim]`` and ``v.<l>`` ``[n_cells, n_kv_heads, v_head_dim]``. One
+sequence: ``positions`` int32 ``[k]`` (ascending) and ``k.<l>`` / ``v.<l>`` ``[k, ...]`` in
+position order. V is always written in the non-permuted layout, so a state loads into a cache
+with either V layout. ``tokens`` int64 ``[t]`` is there when tokens were given. bfloat16 data
+is stored as safetensors ``BF16`` (its raw bits).
+
+Saves stream layer by layer (one layer on the host at a time when the cache is on a GPU) into a
+temporary file in the target's directory, which is then renamed over the target: a save either
+fully happens or leaves the old file. Loads memory-map the file, check everything (structure,
+format version, kind, config, tensor names, dtypes and shapes, counts against the target's
+capacity, positions, the checksum) before the cache changes, then copy layer by layer straight to
+the cache's device. Bad input raises ``StateError`` saying what did not match, and the cache is
+left exactly as it was.
+
+This module knows the caches only through their attributes (it imports none of them); the caches'
+``save_state`` / ``load_state`` methods call into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import mmap
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .device import synchronize
+from .errors import KVCacheError, StateError
+
+#: ``format`` metadata value of every numbakv state.
+FORMAT = "numbakv.state"
+#: The format version this module writes and reads.
+VERSION = "1"
+#: With ``progress=None``, saves and loads of at least this many tensor bytes show a progress bar.
+PROGRESS_THRESHOLD = 64 << 20
+#: safetensors' own limit on the JSON header.
+MAX_HEADER_BYTES = 100_000_000
+#: Largest valid position (Ollama's math.MaxInt32 is "no position").
+_POS_LIMIT = 2**31 - 1
+#: Bytes handed to the checksum at a time while verifying.
+_CHUNK = 16 << 20
+
+#: safetensors dtype name -> little-endian numpy dtype (BF16 read as its 16-bit pattern).
+_ST_DTYPES: Dict[str, np.dtype] = {
+    "BOOL": np.dtype("|b1"), "U8": np.dtype("|u1"), "I8": np.dtype("|i1"),
+    "U16": np.dtype("<u2"), "I16": np.dtype("<i2"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I32": np.dtype("<i4"),
+    "F32": np.dtype("<f4"), "U64": np.dtype("<u8"), "I64": np.dtype("<i8"),
+    "F64": np.dtype("<f8"),
+}
+#: numbakv storage dtype name -> safetensors dtype name.
+_STORAGE_ST = {"float16": "F16", "float32": "F32", "bfloat16": "BF16"}
+
+_CAUSAL_KINDS = ("causal", "causal-seq")
+_WRAPPER_KINDS = ("wrapper", "wrapper-seq")
+_SIMPLE_KINDS = ("step", "rotating", "simple-list")
+KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _SIMPLE_KINDS
+
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+
+
+# ====================================================================================== writing
+@dataclass
+class _Spec:
+    """One tensor to write: its name, safetensors dtype, shape and a function giving its bytes
+    as a C-contiguous host array (called once, in file order, so only one tensor is alive)."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    produce: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ST_DTYPES[self.dtype].itemsize
+
+
+def _host_le(arr, dtype: np.dtype) -> np.ndarray:
+    """A C-contiguous little-endian host copy (or view) of a numpy/CuPy array."""
+    if not isinstance(arr, np.ndarray):  # CuPy: device -> host, one tensor at a time
+        import cupy
+        arr = cupy.ascontiguousarray(arr).get()
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def _canonical(header: dict) -> bytes:
+    """The header as the checksum sees it: without the checksum itself, keys sorted, no
+    whitespace, so any change of meaning changes it and nothing else does."""
+    meta = dict(header.get("__metadata__", {}))
+    meta.pop("checksum", None)
+    stripped = dict(header)
+    stripped["__metadata__"] = meta
+    return json.dumps(stripped, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True).encode("ascii")
+
+
+def _header_bytes(header: dict) -> bytes:
+    """The header as written: compact JSON padded with spaces so the data starts 8-aligned (the
+    8-byte length prefix + the header is a multiple of 8, as safetensors writes it)."""
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _progress_bar(total: int, progress: Optional[bool], desc: str):
+    """A tqdm bar over ``total`` bytes, or None. ``progress=None``: shown when ``total`` reaches
+    ``PROGRESS_THRESHOLD`` and stderr is a terminal."""
+    if progress is False or (progress is None and total < PROGRESS_THRESHOLD):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=None if progress is None else False, leave=False)
+
+
+def _write(out, metadata: Dict[str, str], specs: Sequence[_Spec],
+           progress: Optional[bool], preallocate: bool = False) -> int:
+    """Write a safetensors stream to the seekable binary file ``out``; returns its size.
+
+    The header goes first with a placeholder checksum of the final length; once every tensor
+    has passed through the checksum the header is written again in place. ``preallocate``
+    sizes an in-memory ``out`` once instead of letting it grow by reallocation."""
+    header: Dict[str, Any] = {"__metadata__": dict(metadata, checksum="crc32:00000000")}
+    offset = 0
+    for spec in specs:
+        end = offset + spec.nbytes
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                             "data_offsets": [offset, end]}
+        offset = end
+    total = offset
+    head = _header_bytes(header)
+    start = out.tell()
+    if preallocate:
+        out.seek(start + 8 + len(head) + total - 1)
+        out.write(b"\0")
+        out.seek(start)
+    out.write(len(head).to_bytes(8, "little"))
+    out.write(head)
+    crc = zlib.crc32(_canonical(header))
+    bar = _progress_bar(total, progress, "saving state")
+    try:
+        for spec in specs:
+            arr = spec.produce()
+            data = memoryview(arr).cast("B") if arr.size else b""
+            if len(data) != spec.nbytes:  # a bug here, never the caller's input
+                raise KVCacheError(f"tensor {spec.name} produced {len(data)} bytes, expected "
+                                   f"{spec.nbytes}")
+            crc = zlib.crc32(data, crc)
+            out.write(data)
+            del data, arr
+            if bar is not None:
+                bar.update(spec.nbytes)
+    finally:
+        if bar is not None:
+            bar.close()
+    header["__metadata__"]["checksum"] = f"crc32:{crc:08x}"
+    final = _header_bytes(header)
+    assert len(final) == len(head)
+    end = out.tell()
+    out.seek(start + 8)
+    out.write(final)
+    out.seek(end)
+    return end - start
+
+
+def _atomic_write(path, write: Callable[[Any], Any]) -> None:
+    """Run ``write(file)`` on a temporary file beside ``path``, fsync it and rename it over
+    ``path``; on any failure the temporary file is removed and ``path`` is untouched."""
+    path = _check_path(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".numbakv-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode(path))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable where the platform allows it
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def _file_mode(path: str) -> int:
+    """The mode a plainly created file would get (mkstemp makes 0600): the old file's mode when
+    it is replaced, else 0666 minus the umask."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _check_path(path) -> str:
+    if isinstance(path, (bytes, bytearray, memoryview)) or not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return os.fspath(path)
+
+
+def _base_metadata(kind: str, config: dict,
+                   metadata: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    meta = {"format": FORMAT, "version": VERSION, "kind": kind,
+            "config": json.dumps(config, sort_keys=True)}
+    for key, value in _check_metadata(metadata).items():
+        meta["meta." + key] = value
+    return meta
+
+
+def _check_metadata(metadata) -> Dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"metadata must be a mapping of str to str, got {type(metadata).__name__}")
+    out = {}
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError("metadata keys and values must be str, got "
+                             f"{key!r}: {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+def _check_tokens(tokens) -> Optional[np.ndarray]:
+    """Tokens as an int64 ``[t]`` host array (None stays None)."""
+    if tokens is None:
+        return None
+    if hasattr(tokens, "get") and type(tokens).__module__.split(".")[0] == "cupy":
+        tokens = tokens.get()
+    try:
+        arr = np.asarray(tokens)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"tokens must be a 1-D sequence of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype == object:
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+                   for t in arr):
+            raise ValueError("tokens must hold integers")
+        try:
+            return arr.astype(np.int64)
+        except OverflowError:
+            raise ValueError("tokens must fit in int64") from None
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError("tokens must fit in int64")
+    return arr.astype(np.int64)
+
+
+def _tokens_spec(tokens: Optional[np.ndarray], prefix: str = "") -> List[_Spec]:
+    if tokens is None:
+        return []
+    return [_Spec(prefix + "tokens", "I64", (len(tokens),), lambda: _host_le(tokens, "<i8"))]
+
+
+def _save(path, build: Callable[[], Tuple[Dict[str, str], List[_Spec]]],
+          progress: Optional[bool]) -> None:
+    path = _check_path(path)
+    meta, specs = build()  # every input check happens here, before a file is created
+    _atomic_write(path, lambda f: _write(f, meta, specs, progress))
+
+
+def _to_bytes(build: Callable[[], Tuple[Dict[str, str], List[_Spec]]],
+              progress: Optional[bool]) -> bytes:
+    meta, specs = build()
+    out = io.BytesIO()
+    _write(out, meta, specs, progress, preallocate=True)
+    return out.getvalue()
+
+
+# ====================================================================================== reading
+@dataclass
+class _Tensor:
+    dtype: str
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+
+class _State:
+    """A parsed, structurally valid safetensors buffer (file mapping or bytes).
+
+    ``tensor(name)`` is a read-only zero-copy numpy view of the buffer."""
+
+    def __init__(self, buf: memoryview, what: str, header: dict, data_start: int) -> None:
+        self.buf = buf
+        self.what = what
+        self.header = header
+        self.metadata: Dict[str, str] = header.get("__metadata__", {})
+        self.tensors: Dict[str, _Tensor] = {}
+        for name, info in header.items():
+            if name != "__metadata__":
+                self.tensors[name] = _Tensor(info["dtype"], tuple(info["shape"]),
+                                             *info["data_offsets"])
+        self.data_start = data_start
+        self.kind = ""
+        self.config: dict = {}
+
+    @property
+    def data_bytes(self) -> int:
+        return len(self.buf) - self.data_start
+
+    def tensor(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        dtype = _ST_DTYPES[t.dtype]
+        count = math.prod(t.shape)
+        if count == 0:
+            return np.zeros(t.shape, dtype)
+        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.data_start + t.begin)
+        return arr.reshape(t.shape)
+
+    def fail(self, message: str) -> StateError:
+        return StateError(f"{self.what}: {message}")
+
+    def expect(self, expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+               optional: Iterable[str] = ()) -> None:
+        """The tensors must be exactly ``expected`` (name -> (dtype, shape)) plus any of
+        ``optional`` names."""
+        names = set(self.tensors)
+        missing = sorted(set(expected) - names)
+        extra = sorted(names - set(expected) - set(optional))
+        if missing:
+            raise self.fail(f"tensor(s) {_short(missing)} missing")
+        if extra:
+            raise self.fail(f"unexpected tensor(s) {_short(extra)}")
+        for name, (dtype, shape) in expected.items():
+            t = self.tensors[name]
+            if t.dtype != dtype:
+                raise self.fail(f"tensor {name} has dtype {t.dtype}, expected {dtype}")
+            if tuple(t.shape) != tuple(shape):
+                raise self.fail(f"tensor {name} has shape {list(t.shape)}, expected "
+                                f"{list(shape)}")
+
+    def tokens(self, prefix: str = "") -> Optional[List[int]]:
+        name = prefix + "tokens"
+        if name not in self.tensors:
+            return None
+        t = self.tensors[name]
+        if t.dtype != "I64" or len(t.shape) != 1:
+            raise self.fail(f"tensor {name} must have dtype I64 and shape [t], got {t.dtype} "
+                            f"{list(t.shape)}")
+        return self.tensor(name).tolist()
+
+    def user_metadata(self) -> Dict[str, str]:
+        return {k[5:]: v for k, v in self.metadata.items() if k.startswith("meta.")}
+
+    def verify_checksum(self, bar=None) -> None:
+        """Recompute the checksum over the canonical header and all tensor bytes."""
+        crc = zlib.crc32(_canonical(self.header))
+        pos, end = self.data_start, len(self.buf)
+        while pos < end:
+            stop = min(pos + _CHUNK, end)
+            crc = zlib.crc32(self.buf[pos:stop], crc)
+            if bar is not None:
+                bar.update(stop - pos)
+            pos = stop
+        want = self.metadata.get("checksum", "")
+        if want != f"crc32:{crc:08x}":
+            raise self.fail(f"checksum mismatch (stored {want!r}, computed crc32:{crc:08x}): "
+                            "the data is corrupted")
+
+
+def _short(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _unique_object(pairs):
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse(buf: memoryview, what: str) -> _State:
+    """Check the safetensors structure of ``buf`` (what safetensors' own parser checks, and the
+    numbakv envelope: format, version, checksum field) and return it parsed."""
+    size = len(buf)
+    if size < 8:
+        raise StateError(f"{what}: truncated: {size} bytes, not even the 8-byte header length")
+    n = int.from_bytes(buf[:8], "little")
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise StateError(f"{what}: header length {n} is not in [1, {MAX_HEADER_BYTES}]: not a "
+                         "safetensors file, or corrupted")
+    if 8 + n > size:
+        raise StateError(f"{what}: truncated: the header needs {8 + n} bytes, the input has "
+                         f"{size}")
+    try:
+        text = bytes(buf[8:8 + n]).decode("utf-8")
+        header = json.loads(text, object_pairs_hook=_unique_object,
+                            parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise StateError(f"{what}: the header is not valid JSON ({exc}): corrupted") from None
+    if not isinstance(header, dict):
+        raise StateError(f"{what}: the header is not a JSON object: corrupted")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in meta.items()):
+        raise StateError(f"{what}: __metadata__ must map strings to strings")
+    data_start = 8 + n
+    data_len = size - data_start
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise StateError(f"{what}: tensor {name!r}: entry must have exactly dtype, shape and "
+                             "data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in _ST_DTYPES:
+            raise StateError(f"{what}: tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise StateError(f"{what}: tensor {name!r}: shape must be a list of integers >= 0, "
+                             f"got {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(_is_int(o) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise StateError(f"{what}: tensor {name!r}: data_offsets must be [begin, end] with "
+                             f"0 <= begin <= end, got {offsets!r}")
+        nbytes = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise StateError(f"{what}: tensor {name!r}: {dtype} {shape} needs {nbytes} bytes but "
+                             f"data_offsets span {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            raise StateError(f"{what}: tensor {name!r} starts at byte {begin} of the data, "
+                             f"expected {at} (tensors must tile the data without gaps or "
+                             "overlaps)")
+        at = end
+    if at != data_len:
+        if at > data_len:
+            raise StateError(f"{what}: truncated: the tensors need {at} data bytes, the input "
+                             f"has {data_len}")
+        raise StateError(f"{what}: {data_len - at} bytes after the last tensor: corrupted")
+    state = _State(buf, what, header, data_start)
+    fmt = meta.get("format")
+    if fmt != FORMAT:
+        raise state.fail(f"not a numbakv state (metadata format={fmt!r}, expected {FORMAT!r})")
+    version = meta.get("version")
+    if version != VERSION:
+        raise state.fail(f"format version {version!r} is not supported (this numbakv reads "
+                         f"version {VERSION!r})")
+    kind = meta.get("kind")
+    if kind not in KINDS:
+        raise state.fail(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
+    checksum = meta.get("checksum", "")
+    if not (checksum.startswith("crc32:") and len(checksum) == 14):
+        raise state.fail(f"checksum must be 'crc32:<8 hex digits>', got {checksum!r}")
+    try:
+        config = json.loads(meta.get("config", ""))
+    except ValueError as exc:
+        raise state.fail(f"config metadata is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise state.fail("config metadata must be a JSON object")
+    state.kind = kind
+    state.config = config
+    return state
+
+
+class _Opened:
+    """Context manager giving a parsed ``_State`` for a path (memory-mapped) or bytes."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self._file = None
+        self._map = None
+
+    def __enter__(self) -> _State:
+        src = self.source
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            buf = memoryview(src)
+            if not buf.c_contiguous:
+                raise ValueError("data must be a contiguous bytes-like object")
+            buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+            what = "state bytes"
+        else:
+            path = _check_path(src)
+            what = f"state file {path!r}"
+            self._file = open(path, "rb")
+            size = os.fstat(self._file.fileno()).st_size
+            if size == 0:
+                buf = memoryview(b"")
+            else:
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+                buf = memoryview(self._map)
+        self._buf = buf
+        try:
+            return _parse(buf, what)
+        except BaseException:
+            self.__exit__()  # `with` calls __exit__ only once __enter__ has returned
+            raise
+
+    def __exit__(self, *exc) -> None:
+        buf, self._buf = self._buf, None
+        if self._map is not None:
+            try:
+                buf.release()
+                self._map.close()
+            except BufferError:  # a view is still alive (e.g. in a traceback): the mapping
+                pass             # closes when the last one goes
+        if self._file is not None:
+            self._file.close()
+
+
+def _load_bar(state: _State, progress: Optional[bool]):
+    """One bar for both passes over the data: verifying, then copying to the cache."""
+    return _progress_bar(2 * state.data_bytes, progress, "loading state")
+
+
+def _close_bar(bar) -> None:
+    if bar is not None:
+        bar.close()
+
+
+def _cfg_int(state: _State, config: dict, key: str, *, optional: bool = False,
+             where: str = "") -> Optional[int]:
+    value = config.get(key)
+    if value is None and optional:
+        return None
+    if not _is_int(value):
+        raise state.fail(f"config{where} field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+# ====================================================================================== causal
+_SHAPE_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "v_head_dim")
+
+
+def _check_causal(cache) -> None:
+    if getattr(cache, "closed", False):
+        raise KVCacheError("the cache is closed")
+    for attr in ("config", "cells", "storage", "n_cells"):
+        if not hasattr(cache, attr):
+            raise ValueError(f"cache must be a numbakv.CausalCache, got {type(cache).__name__}")
+
+
+def _check_seq(cache, seq) -> int:
+    n = cache.config.max_seqs
+    if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) \
+            or not 0 <= int(seq) < n:
+        raise ValueError(f"seq must be None or an integer in [0, max_seqs={n}), got {seq!r}")
+    return int(seq)
+
+
+def _causal_config(cache) -> dict:
+    cfg = cache.config
+    return {"n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "v_head_dim": cfg.v_head_dim, "dtype": cfg.dtype, "permuted_v": cfg.permuted_v,
+            "capacity": cfg.capacity, "max_seqs": cfg.max_seqs, "n_cells": int(cache.n_cells),
+            "swa_window": cache.swa_window, "swa_memory": cache.swa_memory,
+            "chunk_size": cache.chunk_size}
+
+
+def _seq_words(cache) -> int:
+    shape = cache.cells.cells.dtype["seqs"].shape
+    return int(shape[0]) if shape else 1
+
+
+def _on_device(cache):
+    """The storage's GPU as the current device (CuPy indexes and copies there); a no-op on the
+    host."""
+    if cache.device == "cuda":
+        return cache.storage.keys.device
+    return contextlib.nullcontext()
+
+
+def _device_index(cache, idx: np.ndarray):
+    """Cell indices on the storage's device (fancy indexing a CuPy array wants CuPy indices)."""
+    if cache.device == "cuda":
+        import cupy
+        return cupy.asarray(idx)
+    return idx
+
+
+def _to_device(cache, arr: np.ndarray):
+    if cache.device == "cuda":
+        import cupy
+        return cupy.asarray(arr)
+    return arr
+
+
+def _v_rows(cache, layer: int, idx=None):
+    """Layer ``layer``'s V rows (all cells, or the cells ``idx``) as ``[k, n_kv_heads,
+    v_head_dim]`` on the storage's device, whatever the storage layout."""
+    v = cache.storage.values[layer]
+    if cache.config.permuted_v:
+        v = v if idx is None else v[:, :, idx]
+        return v.transpose(2, 0, 1)
+    return v if idx is None else v[idx]
+
+
+def _layer_specs(cache, prefix: str, rows: int, idx=None) -> List[_Spec]:
+    """``k.<l>`` and ``v.<l>`` for every layer, over all cells (``idx=None``) or ``idx``."""
+    cfg = cache.config
+    st = _STORAGE_ST[cfg.dtype]
+    le = _ST_DTYPES[st]
+    specs = []
+    for layer in range(cfg.n_layers):
+        def k_rows(layer=layer):
+            if rows == 0:  # an empty sequence: nothing to gather
+                return np.zeros(0, le)
+            with _on_device(cache):
+                k = cache.storage.keys[layer]
+                return _host_le(k if idx is None else k[idx], le)
+
+        def v_rows(layer=layer):
+            if rows == 0:
+                return np.zeros(0, le)
+            with _on_device(cache):
+                return _host_le(_v_rows(cache, layer, idx), le)
+
+        specs.append(_Spec(f"{prefix}k.{layer}", st, (rows, cfg.n_kv_heads, cfg.head_dim), k_rows))
+        specs.append(_Spec(f"{prefix}v.{layer}", st, (rows, cfg.n_kv_heads, cfg.v_head_dim),
+                           v_rows))
+    return specs
+
+
+def _causal_specs(cache, seq: Optional[int], prefix: str = "") -> Tuple[dict, List[_Spec]]:
+    """The config record and tensors of one CausalCache (whole, or sequence ``seq``)."""
+    # Keys still waiting for a rotation would not match the positions saved beside them.
+    cache.apply_pending_shifts()
+    config = _causal_config(cache)
+    table = cache.cells.cells
+    if seq is None:
+        n = int(cache.n_cells)
+        words = _seq_words(cache)
+        # Snapshots: the metadata must describe exactly the data written after it.
+        seqs = np.array(table["seqs"], dtype="<u8", order="C", copy=True).reshape(n, words)
+        pos = np.array(table["pos"], dtype="<i4", order="C", copy=True)
+        shift = np.array(table["shift"], dtype="<i4", order="C", copy=True)
+        specs = [_Spec(prefix + "cells.seqs", "U64", (n, words), lambda: seqs),
+                 _Spec(prefix + "cells.pos", "I32", (n,), lambda: pos),
+                 _Spec(prefix + "cells.shift", "I32", (n,), lambda: shift)]
+        specs += _layer_specs(cache, prefix, n)
+        return config, specs
+    cells = np.asarray(cache.cells.seq_cells(seq), dtype=np.int64)
+    pos = table["pos"][cells].astype(np.int64)
+    order = np.lexsort((cells, pos))
+    cells, positions = cells[order], np.ascontiguousarray(pos[order], dtype="<i4")
+    config["seq"] = seq
+    k = len(cells)
+    specs = [_Spec(prefix + "positions", "I32", (k,), lambda: positions)]
+    with _on_device(cache):
+        idx = _device_index(cache, cells) if k else None
+    specs += _layer_specs(cache, prefix, k, idx)
+    return config, specs
+
+
+def _build_causal(cache, seq, tokens, metadata):
+    def build():
+        _check_causal(cache)
+        s = None if seq is None else _check_seq(cache, seq)
+        toks = _check_tokens(tokens)
+        user = _check_metadata(metadata)
+        config, specs = _causal_specs(cache, s)
+        meta = _base_metadata("causal" if s is None else "causal-seq", config, user)
+        return meta, specs + _tokens_spec(toks)
+    return build
+
+
+def save_cache(cache, path, seq: Optional[int] = None, *, tokens=None,
+               metadata: Optional[Mapping[str, str]] = None,
+               progress: Optional[bool] = None) -> None:
+    """Save a ``CausalCache`` (``seq=None``: all of it, cell layout included) or one sequence to
+    the safetensors file ``path``, atomically (a temporary file renamed over ``path``).
+
+    ``tokens``: optional ``[t]`` integers stored beside it (the prompt, for prompt caching);
+    ``metadata``: optional str -> str. ``progress``: a progress bar (None: for payloads of at
+    least ``PROGRESS_THRESHOLD`` bytes when stderr is a terminal). Pending key rotations are
+    applied first so the saved keys match the saved positions."""
+    _save(path, _build_causal(cache, seq, tokens, metadata), progress)
+
+
+def cache_to_bytes(cache, seq: Optional[int] = None, *, tokens=None,
+                   metadata: Optional[Mapping[str, str]] = None,
+                   progress: Optional[bool] = None) -> bytes:
+    """``save_cache`` into bytes in memory (the same safetensors layout)."""
+    return _to_bytes(_build_causal(cache, seq, tokens, metadata), progress)
+
+
+class _Plan:
+    """A validated change to one CausalCache: ``commit(state, bar)`` applies it, ``rollback()``
+    takes a committed plan back (used when a later group of a WrapperCache fails)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.old_cells = cache.cells
+        self.old_forward = getattr(cache, "_forward", None)
+        self.backup: Optional[Tuple[Any, list]] = None
+
+    def rollback(self) -> None:
+        cache = self.cache
+        if self.backup is not None:
+            idx, rows = self.backup
+            with _on_device(cache):
+                for layer, (k, v) in enumerate(rows):
+                    _write_rows(cache, layer, idx, k, v)
+        cache.cells = self.old_cells
+        cache._forward = self.old_forward
+
+
+def _write_rows(cache, layer: int, idx, k, v) -> None:
+    """Write K ``[k, H, D]`` and V ``[k, H, Dv]`` rows (device arrays) to cells ``idx`` (device
+    indices) of ``layer``, or to every cell when ``idx`` is None."""
+    storage = cache.storage
+    if idx is None:
+        storage.keys[layer][...] = k
+        if cache.config.permuted_v:
+            storage.values[layer][...] = v.transpose(1, 2, 0)
+        else:
+            storage.values[layer][...] = v
+        return
+    storage.keys[layer][idx] = k
+    if cache.config.permuted_v:
+        storage.values[layer][:, :, idx] = v.transpose(1, 2, 0)
+    else:
+        storage.values[layer][idx] = v
+
+
+def _check_shapes(state: _State, cache, config: dict, where: str = "") -> None:
+    cfg = cache.config
+    for key in _SHAPE_FIELDS:
+        saved = _cfg_int(state, config, key, where=where)
+        if saved != getattr(cfg, key):
+            raise state.fail(f"{key} does not match: the state has {saved}, the cache "
+                             f"{getattr(cfg, key)}{where}")
+    if config.get("dtype") != cfg.dtype:
+        raise state.fail(f"dtype does not match: the state has {config.get('dtype')!r}, the "
+                         f"cache {cfg.dtype!r}{where}")
+
+
+def _layer_expect(cache, prefix: str, rows: int) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    cfg = cache.config
+    st = _STORAGE_ST[cfg.dtype]
+    out = {}
+    for layer in range(cfg.n_layers):
+        out[f"{prefix}k.{layer}"] = (st, (rows, cfg.n_kv_heads, cfg.head_dim))
+        out[f"{prefix}v.{layer}"] = (st, (rows, cfg.n_kv_heads, cfg.v_head_dim))
+    return out
+
+
+class _WholePlan(_Plan):
+    """Replace a CausalCache's cell table and all of its K/V."""
+
+    def __init__(self, cache, state: _State, config: dict, prefix: str, where: str) -> None:
+        super().__init__(cache)
+        self.prefix = prefix
+        n = int(cache.n_cells)
+        words = _seq_words(cache)
+        saved_cells = _cfg_int(state, config, "n_cells", where=where)
+        if saved_cells != n:
+            raise state.fail(f"n_cells does not match: the state has {saved_cells} cells, the "
+                             f"cache {n}{where} (a whole-cache state restores the exact cell "
+                             "layout; save one sequence to move it between caches of other "
+                             "sizes)")
+        expected = {prefix + "cells.seqs": ("U64", (n, words)),
+                    prefix + "cells.pos": ("I32", (n,)),
+                    prefix + "cells.shift": ("I32", (n,))}
+        expected.update(_layer_expect(cache, prefix, n))
+        self.expected = expected
+        self.n = n
+        self.words = words
+
+    def check_values(self, state: _State, where: str) -> None:
+        """Cell table consistency (after the checksum: these read the cell arrays)."""
+        cache, p = self.cache, self.prefix
+        pos = state.tensor(p + "cells.pos")
+        shift = state.tensor(p + "cells.shift")
+        seqs = state.tensor(p + "cells.seqs")
+        if len(pos) and (pos.min() < -1 or pos.max() >= _POS_LIMIT):
+            raise state.fail(f"cells.pos holds {int(pos.min())}..{int(pos.max())}, outside "
+                             f"[-1, {_POS_LIMIT}){where}")
+        used = seqs.any(axis=1)
+        if (used != (pos >= 0)).any():
+            bad = int(np.flatnonzero(used != (pos >= 0))[0])
+            raise state.fail(f"cell {bad} has position {int(pos[bad])} but "
+                             f"{'a' if used[bad] else 'no'} sequence{where} (a cell holds "
+                             "tokens exactly when its position is >= 0)")
+        if (shift[~used] != 0).any():
+            raise state.fail(f"a free cell has a pending shift{where}")
+        max_seqs = cache.config.max_seqs
+        allowed = np.zeros(self.words, np.uint64)
+        for s in range(max_seqs):
+            allowed[s // 64] |= np.uint64(1) << np.uint64(s % 64)
+        stray = seqs & ~allowed
+        if stray.any():
+            cell, word = (int(x) for x in np.argwhere(stray)[0])
+            bits = int(stray[cell, word])
+            bit = (bits & -bits).bit_length() - 1  # the lowest stray sequence
+            raise state.fail(f"cell {cell} holds sequence {word * 64 + bit}, but the cache has "
+                             f"max_seqs={max_seqs}{where}")
+        if (shift != 0).any() and getattr(cache, "shift", None) is None:
+            raise state.fail(f"the state has pending key shifts but the cache has no shift "
+                             f"function{where}")
+        records = np.zeros(self.n, cache.cells.cells.dtype)
+        records["pos"] = pos
+        records["shift"] = shift
+        records["seqs"] = seqs.reshape(records["seqs"].shape)
+        table = cache.cells.copy()
+        try:
+            table.load_cells(records)
+        except ValueError as exc:
+            raise state.fail(f"the cell table does not fit this cache{where}: {exc}") from None
+        self.table = table
+
+    def commit(self, state: _State, bar) -> None:
+        cache, p = self.cache, self.prefix
+        try:
+            with _on_device(cache):
+                for layer in range(cache.config.n_layers):
+                    k = state.tensor(f"{p}k.{layer}")
+                    v = state.tensor(f"{p}v.{layer}")
+                    _write_rows(cache, layer, None, _to_device(cache, k), _to_device(cache, v))
+                    if bar is not None:
+                        bar.update(k.nbytes + v.nbytes)
+                    del k, v
+                synchronize(cache.device)
+        except BaseException:
+            self.rollback()
+            raise
+        cache.cells = self.table
+        cache._forward = None
+
+    def rollback(self) -> None:
+        """All K/V may have been overwritten and there is no second copy to restore it from:
+        leave the cache empty (every cell free), so no cell pairs with foreign data."""
+        empty = self.old_cells.copy()
+        empty.seq_rm(-1, 0, None)
+        self.cache.cells = empty
+        self.cache._forward = None
+
+
+class _SeqPlan(_Plan):
+    """Replace sequence ``seq`` of a CausalCache with a saved sequence."""
+
+    def __init__(self, cache, state: _State, config: dict, prefix: str, where: str,
+                 seq: int) -> None:
+        super().__init__(cache)
+        self.prefix = prefix
+        self.seq = seq
+        t = state.tensors.get(prefix + "positions")
+        if t is None:
+            raise state.fail(f"tensor {prefix}positions missing")
+        if t.dtype != "I32":
+            raise state.fail(f"tensor {prefix}positions has dtype {t.dtype}, expected I32")
+        if len(t.shape) != 1:
+            raise state.fail(f"tensor {prefix}positions has shape {list(t.shape)}, expected "
+                             "[k]")
+        k = t.shape[0]
+        cap = cache.config.capacity
+        if k > cap:
+            raise state.fail(f"the sequence holds {k} positions, more than the cache's capacity "
+                             f"{cap}{where}")
+        if k > cache.n_cells:
+            raise state.fail(f"the sequence holds {k} positions, more than the cache's "
+                             f"{cache.n_cells} cells{where}")
+        expected = {prefix + "positions": ("I32", (k,))}
+        expected.update(_layer_expect(cache, prefix, k))
+        self.expected = expected
+        self.k = k
+
+    def check_values(self, state: _State, where: str) -> None:
+        cache, k, seq = self.cache, self.k, self.seq
+        pos = state.tensor(self.prefix + "positions")
+        if k:
+            if pos.min() < 0 or pos.max() >= _POS_LIMIT:
+                raise state.fail(f"positions hold {int(pos.min())}..{int(pos.max())}, outside "
+                                 f"[0, {_POS_LIMIT}){where}")
+            if k > 1 and (np.diff(pos.astype(np.int64)) < 0).any():
+                raise state.fail(f"positions are not in ascending order{where}")
+        table = cache.cells.copy()
+        seqs = table.cells["seqs"].reshape(len(table.cells), -1)
+        free_before = ~seqs.any(axis=1)
+        table.seq_rm(seq, 0, None)
+        seqs = table.cells["seqs"].reshape(len(table.cells), -1)
+        free_after = ~seqs.any(axis=1)
+        room = int(free_after.sum())
+        if k > room:
+            raise state.fail(f"the sequence needs {k} cells but only {room} are free in the "
+                             f"cache (counting those sequence {seq} holds alone){where}")
+        slots = None
+        if k:
+            # Prefer cells that were free before, so no data the cache still refers to is
+            # overwritten; fall back to the cells freed by dropping the old sequence.
+            start = int(cache.cells.find_contiguous(k))
+            if start < 0 or not free_before[start:start + k].all():
+                start = int(table.find_contiguous(k))
+            if start >= 0:
+                slots = np.arange(start, start + k, dtype=np.int32)
+            else:
+                found = table.find_scatter(k)
+                if found is None or len(found) != k:  # cannot happen: room was counted
+                    raise state.fail(f"no {k} free cells for the sequence{where}")
+                slots = np.asarray(found, dtype=np.int32)
+            # row i of the file (position pos[i]) goes to cell slots[i]
+            table.apply_batch(slots, np.array(pos, dtype=np.int32),
+                              np.full(k, seq, dtype=np.int32))
+            self.reused = slots[~free_before[slots]]
+        self.slots = slots
+        self.table = table
+
+    def commit(self, state: _State, bar) -> None:
+        with _on_device(self.cache):
+            self._commit(state, bar)
+
+    def _commit(self, state: _State, bar) -> None:
+        cache, p = self.cache, self.prefix
+        if self.k:
+            idx = _device_index(cache, self.slots.astype(np.int64))
+            if len(self.reused):
+                ridx = _device_index(cache, self.reused.astype(np.int64))
+                rows = []
+                for layer in range(cache.config.n_layers):
+                    rows.append((cache.storage.keys[layer][ridx].copy(),
+                                 _v_rows(cache, layer, ridx).copy()))
+                self.backup = (ridx, rows)
+            try:
+                for layer in range(cache.config.n_layers):
+                    k = state.tensor(f"{p}k.{layer}")
+                    v = state.tensor(f"{p}v.{layer}")
+                    _write_rows(cache, layer, idx, _to_device(cache, k), _to_device(cache, v))
+                    if bar is not None:
+                        bar.update(k.nbytes + v.nbytes)
+                synchronize(cache.device)
+            except BaseException:
+                self.rollback()
+                raise
+        cache.cells = self.table
+        cache._forward = None
+
+
+def _plan_causal(cache, state: _State, config: dict, seq: Optional[int], prefix: str = "",
+                 where: str = "") -> _Plan:
+    """Structure and config checks for one CausalCache (no data read yet)."""
+    _check_shapes(state, cache, config, where)
+    if seq is None:
+        plan: _Plan = _WholePlan(cache, state, config, prefix, where)
+    else:
+        plan = _SeqPlan(cache, state, config, prefix, where, seq)
+    return plan
+
+
+def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kind: str,
+               whole_kind: str, configs: Sequence[dict], progress: Optional[bool]) -> dict:
+    """Validate ``state`` against every cache, verify the checksum, then commit all of them."""
+    want = whole_kind if seq is None else seq_kind
+    if state.kind != want:
+        other = "a whole cache" if state.kind == whole_kind else \
+            "one sequence" if state.kind == seq_kind else f"a {state.kind!r} cache"
+        expected = "a whole cache (seq=None)" if seq is None else f"one sequence (seq={seq})"
+        raise state.fail(f"the state holds {other} (kind {state.kind!r}), but {expected} was "
+                         f"asked for (kind {want!r})")
+    multi = len(caches) > 1 or whole_kind == "wrapper"
+    plans = []
+    expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    for i, (cache, config) in enumerate(zip(caches, configs)):
+        prefix = f"g{i}." if multi else ""
+        where = f" (group {i})" if multi else ""
+        plan = _plan_causal(cache, state, config, seq, prefix, where)
+        plans.append(plan)
+        expected.update(plan.expected)
+    state.expect(expected, optional=("tokens",))
+    tokens = state.tokens()
+    bar = _load_bar(state, progress)
+    try:
+        state.verify_checksum(bar)
+        for i, plan in enumerate(plans):
+            plan.check_values(state, f" (group {i})" if multi else "")
+        done: List[_Plan] = []
+        try:
+            for plan in plans:
+                plan.commit(state, bar)
+                done.append(plan)
+        except BaseException:
+            for plan in reversed(done):
+                plan.rollback()
+            raise
+    finally:
+        _close_bar(bar)
+    return {"tokens": tokens, "metadata": state.user_metadata()}
+
+
+def _load_causal(cache, source: Source, seq, progress: Optional[bool]) -> dict:
+    _check_causal(cache)
+    s = None if seq is None else _check_seq(cache, seq)
+    with _Opened(source) as state:
+        return _load_into([cache], state, s, "causal-seq", "causal", [state.config], progress)
+
+
+def load_cache(cache, path, seq: Optional[int] = None, *,
+               progress: Optional[bool] = None) -> dict:
+    """Load a ``save_cache`` file into the ``CausalCache`` ``cache``.
+
+    ``seq=None``: the file must hold a whole cache of the same shapes and cell count; the cell
+    table and all K/V are replaced. ``seq=s``: the file must hold one sequence; it replaces what
+    ``s`` held (other sequences stay), placed in a contiguous run of free cells when there is
+    one. The capacity and V layout may differ from the saving cache's. Ends the forward pass in
+    progress. Returns ``{"tokens": list[int] | None, "metadata": dict[str, str]}``.
+
+    Raises ``StateError`` (truncated, corrupted, other version, or not fitting this cache) before
+    anything changes."""
+    return _load_causal(cache, _check_path(path), seq, progress)
+
+
+def cache_from_bytes(cache, data, seq: Optional[int] = None, *,
+                     progress: Optional[bool] = None) -> dict:
+    """``load_cache`` from bytes in memory."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
+    return _load_causal(cache, data, seq, progress)
+
+
+# ====================================================================================== wrapper
+def _check_wrapper(cache) -> list:
+    caches = getattr(cache, "caches", None)
+    if not isinstance(caches, list) or not caches:
+        raise ValueError(f"cache must be a numbakv.WrapperCache, got {type(cache).__name__}")
+    for c in caches:
+        _check_causal(c)
+    return caches
+
+
+def _build_wrapper(cache, seq, tokens, metadata):
+    def build():
+        caches = _check_wrapper(cache)
+        s = None if seq is None else _check_seq(caches[0], seq)
+        toks = _check_tokens(tokens)
+        user = _check_metadata(metadata)
+        groups, specs = [], []
+        for i, c in enumerate(caches):
+            config, group_specs = _causal_specs(c, s, prefix=f"g{i}.")
+            groups.append(config)
+            specs += group_specs
+        meta = _base_metadata("wrapper" if s is None else "wrapper-seq", {"groups": groups},
+                              user)
+        return meta, specs + _tokens_spec(toks)
+    return build
+
+
+def _load_wrapper(cache, source: Source, seq, progress: Optional[bool]) -> dict:
+    caches = _check_wrapper(cache)
+    s = None if seq is None else _check_seq(caches[0], seq)
+    with _Opened(source) as state:
+        groups = state.config.get("groups") if state.kind in _WRAPPER_KINDS else None
+        if state.kind in _WRAPPER_KINDS:
+            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+                raise state.fail("config field 'groups' must be a list of objects")
+            if len(groups) != len(caches):
+                raise state.fail(f"the state has {len(groups)} cache groups, the WrapperCache "
+                                 f"{len(caches)}")
+        else:
+            groups = [state.config] * len(caches)  # _load_into reports the kind mismatch
+        return _load_into(caches, state, s, "wrapper-seq", "wrapper", groups, progress)
+
+
+# ====================================================================================== simple
+_SIMPLE_CLASSES = {"StepCache": "step", "RotatingCache": "rotating"}
+
+
+def _is_simple(cache) -> bool:
+    return hasattr(cache, "state") and hasattr(type(cache), "from_state") and \
+        hasattr(cache, "update")
+
+
+def _simple_list(caches) -> Tuple[list, bool]:
+    """``(caches, is_list)``: one StepCache/RotatingCache, or a non-empty sequence of them (one
+    per layer, like an mlx-lm prompt cache)."""
+    if _is_simple(caches):
+        return [caches], False
+    if isinstance(caches, (list, tuple)) and caches and all(_is_simple(c) for c in caches):
+        return list(caches), True
+    raise ValueError("cache must be a numbakv.StepCache or RotatingCache, or a non-empty list of "
+                     f"them, got {type(caches).__name__}")
+
+
+def _json_scalar(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+def _simple_entry(cache, prefix: str) -> Tuple[dict, List[_Spec]]:
+    """The config record and tensors (``keys``, ``values``: ``[batch, n_kv_heads, n, dim]``) of
+    one single-stream cache, from its ``state()``."""
+    st = cache.state()
+    meta = st["meta"]
+    entry = {"class": type(cache).__name__, "offset": int(st["offset"]),
+             "meta": json.loads(json.dumps(meta, default=_json_scalar))}
+    if entry["class"] not in _SIMPLE_CLASSES:
+        raise ValueError(f"cannot save a {entry['class']}: not a StepCache or RotatingCache")
+    if st["keys"] is None:
+        return entry, []
+    sd = _STORAGE_ST[meta["dtype"]]
+    le = _ST_DTYPES[sd]
+    specs = []
+    for name in ("keys", "values"):
+        arr = st[name]
+        raw = arr.bits if type(arr).__name__ == "BFloat16View" else arr  # bfloat16 bits
+        specs.append(_Spec(prefix + name, sd, tuple(int(d) for d in raw.shape),
+                           lambda raw=raw: _host_le(raw, le)))
+    return entry, specs
+
+
+def _build_simple(caches, tokens, metadata):
+    def build():
+        items, is_list = _simple_list(caches)
+        toks = _check_tokens(tokens)
+        user = _check_metadata(metadata)
+        entries, specs = [], []
+        for i, cache in enumerate(items):
+            entry, entry_specs = _simple_entry(cache, f"c{i}." if is_list else "")
+            entries.append(entry)
+            specs += entry_specs
+        if is_list:
+            kind, config = "simple-list", {"caches": entries}
+        else:
+            kind, config = _SIMPLE_CLASSES[entries[0]["class"]], entries[0]
+        return _base_metadata(kind, config, user), specs + _tokens_spec(toks)
+    return build
+
+
+def save_simple(cache, path, *, tokens=None, metadata: Optional[Mapping[str, str]] = None,
+                progress: Optional[bool] = None) -> None:
+    """Save a ``StepCache`` / ``RotatingCache``, or a list of them (one per layer, as mlx-lm's
+    prompt-cache files hold), to the safetensors file ``path``, atomically: the stored tokens
+    ``[batch, n_kv_heads, n, head_dim]``, the offset and what ``from_state`` needs (ring index,
+    step, dtype, max_size)."""
+    _save(path, _build_simple(cache, tokens, metadata), progress)
+
+
+def simple_to_bytes(cache, *, tokens=None, metadata: Optional[Mapping[str, str]] = None,
+                    progress: Optional[bool] = None) -> bytes:
+    """``save_simple`` into bytes in memory."""
+    return _to_bytes(_build_simple(cache, tokens, metadata), progress)
+
+
+def _simple_classes():
+    from . import simple  # imported lazily: state.py sits below simple.py
+    return {"StepCache": simple.StepCache, "RotatingCache": simple.RotatingCache}
+
+
+def _simple_plan(state: _State, entry, prefix: str, where: str):
+    """Check one saved single-stream cache; returns ``(class name, expected tensors)``."""
+    if not isinstance(entry, dict):
+        raise state.fail(f"config{where} must be an object")
+    cls = entry.get("class")
+    if cls not in _SIMPLE_CLASSES:
+        raise state.fail(f"config{where} class {cls!r} is not StepCache or RotatingCache")
+    offset = entry.get("offset")
+    if not _is_int(offset) or offset < 0:
+        raise state.fail(f"config{where} offset must be an integer >= 0, got {offset!r}")
+    meta = entry.get("meta")
+    if not isinstance(meta, dict) or meta.get("kind") != cls:
+        raise state.fail(f"config{where} meta must be an object with kind {cls!r}")
+    dtype = meta.get("dtype")
+    has = [prefix + n in state.tensors for n in ("keys", "values")]
+    if not any(has):
+        return cls, {}
+    if dtype not in _STORAGE_ST:
+        raise state.fail(f"config{where} meta dtype {dtype!r} is not one of "
+                         f"{sorted(_STORAGE_ST)}")
+    sd = _STORAGE_ST[dtype]
+    k = state.tensors.get(prefix + "keys")
+    v = state.tensors.get(prefix + "values")
+    if k is None or v is None or len(k.shape) != 4 or len(v.shape) != 4 \
+            or k.shape[:3] != v.shape[:3]:
+        raise state.fail(f"tensors {prefix}keys / {prefix}values must both be there, 4-D "
+                         "[batch, n_kv_heads, n, dim] and agree on the first three dims")
+    if k.shape[2] > offset:
+        raise state.fail(f"{prefix}keys holds {k.shape[2]} tokens but the offset is {offset}")
+    return cls, {prefix + "keys": (sd, k.shape), prefix + "values": (sd, v.shape)}
+
+
+def _load_simple_state(state: _State, device: str, progress: Optional[bool]):
+    if state.kind not in _SIMPLE_KINDS:
+        raise state.fail(f"the state holds a {state.kind!r} cache, not a StepCache or "
+                         "RotatingCache")
+    if state.kind == "simple-list":
+        entries = state.config.get("caches")
+        if not isinstance(entries, list) or not entries:
+            raise state.fail("config field 'caches' must be a non-empty list")
+        prefixes = [f"c{i}." for i in range(len(entries))]
+        wheres = [f" (cache {i})" for i in range(len(entries))]
+    else:
+        entries, prefixes, wheres = [state.config], [""], [""]
+    plans = []
+    expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    for entry, prefix, where in zip(entries, prefixes, wheres):
+        cls, exp = _simple_plan(state, entry, prefix, where)
+        if state.kind != "simple-list" and _SIMPLE_CLASSES[cls] != state.kind:
+            raise state.fail(f"kind {state.kind!r} does not match class {cls!r}")
+        plans.append(cls)
+        expected.update(exp)
+    state.expect(expected, optional=("tokens",))
+    tokens = state.tokens()
+    classes = _simple_classes()
+    bar = _load_bar(state, progress)
+    try:
+        state.verify_checksum(bar)
+        caches = []
+        for cls, entry, prefix, where in zip(plans, entries, prefixes, wheres):
+            has = prefix + "keys" in state.tensors
+            values = {"keys": state.tensor(prefix + "keys") if has else None,
+                      "values": state.tensor(prefix + "values") if has else None,
+                      "offset": entry["offset"], "meta": dict(entry["meta"])}
+            try:  # from_state copies the arrays into fresh storage on `device`
+                caches.append(classes[cls].from_state(values, device=device))
+            except ValueError as exc:
+                if "device" in str(exc) and "available" in str(exc):
+                    raise  # a bad device argument, not a bad state
+                raise state.fail(f"the saved {cls} state is inconsistent{where}: "
+                                 f"{exc}") from None
+            del values
+        if bar is not None:
+            bar.update(state.data_bytes)
+    finally:
+        _close_bar(bar)
+    result = caches if state.kind == "simple-list" else caches[0]
+    return result, {"tokens": tokens, "metadata": state.user_metadata()}
+
+
+def load_simple(source: Source, *, device: str = "auto", return_info: bool = False,
+                progress: Optional[bool] = None):
+    """A new ``StepCache`` / ``RotatingCache`` (or the list of them that was saved) on
+    ``device``, rebuilt from a ``save_simple`` file (a path) or its bytes. With ``return_info``
+    returns ``(cache, {"tokens": list[int] | None, "metadata": dict[str, str]})``."""
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        source = _check_path(source)
+    from .device import resolve_device
+    device = resolve_device(device)  # a bad device is the caller's ValueError, checked first
+    with _Opened(source) as state:
+        cache, info = _load_simple_state(state, device, progress)
+    return (cache, info) if return_info else cache
+
+
+# ====================================================================================== generic
+def _cache_family(cache) -> str:
+    if cache is None:
+        return "none"
+    if hasattr(cache, "caches") and isinstance(getattr(cache, "caches"), list):
+        return "wrapper"
+    if hasattr(cache, "cells") and hasattr(cache, "storage"):
+        return "causal"
+    if _is_simple(cache) or (isinstance(cache, (list, tuple)) and cache
+                             and all(_is_simple(c) for c in cache)):
+        return "simple"
+    raise ValueError("cache must be a numbakv CausalCache, WrapperCache, StepCache or "
+                     f"RotatingCache, got {type(cache).__name__}")
+
+
+def _builder(cache, seq, tokens, metadata):
+    family = _cache_family(cache)
+    if family == "causal":
+        return _build_causal(cache, seq, tokens, metadata)
+    if family == "wrapper":
+        return _build_wrapper(cache, seq, tokens, metadata)
+    if family == "simple":
+        if seq is not None:
+            raise ValueError("seq must be None for a StepCache/RotatingCache (it holds a single "
+                             "stream)")
+        return _build_simple(cache, tokens, metadata)
+    raise ValueError("cache must be given")
+
+
+def save(cache, path, seq: Optional[int] = None, *, tokens=None,
+         metadata: Optional[Mapping[str, str]] = None, progress: Optional[bool] = None) -> None:
+    """Save any numbakv cache to the safetensors file ``path``, atomically: a ``CausalCache`` or
+    ``WrapperCache`` whole (``seq=None``) or one sequence, a ``StepCache`` / ``RotatingCache``
+    (or a list of them, one per layer) whole. ``tokens`` and str -> str ``metadata`` travel
+    with it."""
+    _save(path, _builder(cache, seq, tokens, metadata), progress)
+
+
+def to_bytes(cache, seq: Optional[int] = None, *, tokens=None,
+             metadata: Optional[Mapping[str, str]] = None,
+             progress: Optional[bool] = None) -> bytes:
+    """``save`` into bytes in memory."""
+    return _to_bytes(_builder(cache, seq, tokens, metadata), progress)
+
+
+def load(source: Source, cache=None, seq: Optional[int] = None, *, device: str = "auto",
+         progress: Optional[bool] = None) -> Tuple[Any, dict]:
+    """Load a state from a path or from bytes; returns ``(cache, {"tokens", "metadata"})``.
+
+    ``causal*`` / ``wrapper*`` states load into ``cache`` (a ``CausalCache`` / ``WrapperCache``,
+    required; ``seq`` as in ``load_cache``). ``step`` / ``rotating`` / ``simple-list`` states
+    build a new cache (or list of caches) on ``device`` (``cache`` must be None)."""
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        source = _check_path(source)
+    family = _cache_family(cache)
+    if family == "simple":
+        raise ValueError("cache must be None to load a StepCache/RotatingCache state (a new "
+                         "cache is built), or a CausalCache/WrapperCache to load into")
+    if family == "causal":
+        return cache, _load_causal(cache, source, seq, progress)
+    if family == "wrapper":
+        return cache, _load_wrapper(cache, source, seq, progress)
+    if seq is not None:
+        raise ValueError("seq needs a cache to load into")
+    from .device import resolve_device
+    device = resolve_device(device)
+    with _Opened(source) as state:
+        if state.kind not in _SIMPLE_KINDS:
+            raise ValueError(f"a {state.kind!r} state loads into an existing cache: pass "
+                             "cache=")
+        return _load_simple_state(state, device, progress)
+
+
+def read_info(source: Source, *, verify: bool = True) -> dict:
+    """What a state holds, without loading it: ``{"kind", "version", "config", "tokens",
+    "metadata", "nbytes"}`` (``nbytes``: tensor payload). ``verify`` checks the checksum too."""
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        source = _check_path(source)
+    with _Opened(source) as state:
+        if verify:
+            state.verify_checksum()
+        return {"kind": state.kind, "version": state.metadata["version"],
+                "config": state.config, "tokens": state.tokens(),
+                "metadata": state.user_metadata(), "nbytes": state.data_bytes}
+
+
+__all__ = ["save", "load", "to_bytes", "read_info", "save_cache", "load_cache", "cache_to_bytes",
+           "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes", "FORMAT",
+           "VERSION", "KINDS", "PROGRESS_THRESHOLD"]
