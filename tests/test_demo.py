@@ -1,0 +1,256 @@
+"""The demo's workload at small size, its verification (which must catch a corrupted cache), the
+occupancy picture and the ``numbakv demo`` command line."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import numbakv as nkv
+from numbakv.causal import CausalCache
+from numbakv.demo import (FREE, SHARED, DemoVerificationError, ModelConfig, TinyLlama, Workload,
+                          _RefSeq, cell_owners, reference_forward, run_demo)
+
+#: small enough for the CUDA simulator (Python per GPU thread)
+SIM_MODEL = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
+                        vocab=64)
+SMALL_MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                          vocab=128)
+
+
+def tiny(device, **over):
+    """The demo at test size: 2 layers, 4 requests, 25 steps (the simulator: 1 layer, 3 requests,
+    20 steps). Placement depends only on the workload's lengths, so these seeds were picked for
+    workloads in which a shift, a copy_prefix reuse, a finished request and a defrag all happen
+    (most seeds do at the default size; tiny workloads rarely fragment the cache)."""
+    if device == "sim":
+        kw = dict(n_seqs=3, steps=20, n_layers=1, capacity=16, model=SIM_MODEL, slots=2, seed=0)
+    else:
+        kw = dict(n_seqs=4, steps=25, n_layers=2, capacity=24, model=SMALL_MODEL, slots=2, seed=3)
+    kw.update(device=device, progress=False, plot_path=None)
+    kw.update(over)
+    return kw
+
+
+def test_demo_runs_and_verifies(device):
+    report = run_demo(**tiny(device))
+    assert report.verification.startswith("passed"), report.verification
+    assert report.shifts >= 1 and report.shifted_tokens >= 1
+    assert report.defrags >= 1
+    assert report.copy_prefix >= 1
+    assert report.served >= 1
+    # every token of every forward pass was compared with the recomputation
+    assert report.verified_tokens == report.prefill_tokens + report.decode_tokens > 0
+    assert report.checked_shifted_cells > 0
+    assert report.max_logit_err < 1e-4 and report.max_shifted_key_err < 1e-5
+    assert report.owners.shape == (report.steps_recorded, report.n_cells)
+    kinds = {kind for _, kind, _ in report.events}
+    assert {"arrive", "finish", "shift", "defrag", "copy_prefix"} <= kinds
+    table = report.table()
+    for label in ("throughput", "occupancy", "defrags", "context shifts", "copy_prefix",
+                  "sequences served", "verification"):
+        assert label in table
+
+
+def test_default_run_shows_every_feature():
+    """What ``numbakv demo`` runs by default (README's first command), on the CPU."""
+    report = run_demo(device="cpu", progress=False, plot_path=None)
+    assert report.verification.startswith("passed")
+    assert report.n_layers == 4 and report.requests == 8 and report.n_cells == 4 * 64
+    assert report.shifts >= 1 and report.defrags >= 1 and report.copy_prefix >= 1
+    assert report.served == 8 and report.final_cells == 0
+    assert report.peak_cells > report.n_cells // 2
+
+
+def test_demo_sliding_window_cpu():
+    report = run_demo(**tiny("cpu", swa_window=5))
+    assert report.verification.startswith("passed")
+    assert report.swa_window == 5
+    assert report.shifts >= 1
+    # a window memory keeps far fewer cells than max_seqs * capacity
+    assert report.n_cells < 3 * 24
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_demo_half_precision_cpu(dtype):
+    report = run_demo(**tiny("cpu", dtype=dtype, steps=20))
+    assert report.verification.startswith("passed")
+    assert report.dtype == dtype
+
+
+def _corrupt(layer, which, at_step):
+    """An after_step hook that adds 1 to one element of one cell of the busy sequence that has the
+    most tokens left to generate (so it is read again at the next step)."""
+    hits = []
+
+    def hook(cache, step, running):
+        if step != at_step or not running:
+            return
+        seq = max(running, key=running.get)
+        cache.set_layer(layer)
+        key, value, _ = cache.get()
+        lo, hi = cache.cell_range()
+        cells = cache.cells.cells[lo:hi]
+        mine = np.nonzero((cells["seqs"][:, seq // 64] >> np.uint64(seq % 64)) & np.uint64(1))[0]
+        row = int(mine[-1])
+        target = key if which == "key" else value
+        target[row, 0, 0] += 1.0
+        hits.append((step, seq, lo + row))
+    return hook, hits
+
+
+@pytest.mark.parametrize("layer,which", [(1, "value"), (0, "key"), (1, "key")])
+def test_verification_catches_a_corrupted_cell(layer, which):
+    hook, hits = _corrupt(layer, which, at_step=8)
+    with pytest.raises(DemoVerificationError) as info:
+        run_demo(**tiny("cpu", after_step=hook))
+    assert hits, "the hook never corrupted anything"
+    assert f"step {hits[0][0] + 1}:" in str(info.value)
+    if layer == 0:
+        assert "layer-0 keys" in str(info.value)
+    else:
+        assert "logits" in str(info.value)
+
+
+def test_verification_passes_with_a_hook_that_changes_nothing():
+    calls = []
+    report = run_demo(**tiny("cpu", after_step=lambda cache, step, running: calls.append(step)))
+    assert report.verification.startswith("passed")
+    assert calls == list(range(report.steps_recorded))
+
+
+def test_verification_catches_a_wrong_rotation():
+    """A cache whose shift rotates keys by the wrong angle fails the layer-0 key check."""
+    hits = []
+
+    def hook(cache, step, running):
+        if not hits:
+            cache.shift = nkv.RopeShift(base=500.0, neox=True)  # not the model's RoPE base
+            hits.append(step)
+    with pytest.raises(DemoVerificationError, match="re-rotated by a context shift"):
+        run_demo(**tiny("cpu", after_step=hook))
+
+
+def test_verification_catches_a_defrag_that_loses_data(monkeypatch):
+    """A defrag that moves the cell records but not their keys and values is caught."""
+    from numbakv.storage import KVStorage
+    monkeypatch.setattr(KVStorage, "move_blocks", lambda self, moves: None)
+    with pytest.raises(DemoVerificationError, match="layer-0"):
+        run_demo(**tiny("cpu"))
+
+
+def test_reference_is_a_full_causal_forward():
+    """Feeding the reference chunk by chunk equals one forward over all tokens (the layer input
+    of a token depends only on the tokens before it)."""
+    net = TinyLlama(SMALL_MODEL, seed=3)
+    tokens = np.random.default_rng(0).integers(0, SMALL_MODEL.vocab, 17).tolist()
+    whole = reference_forward(net, _RefSeq(2, SMALL_MODEL.d_model, np), tokens, "float32", None)
+    ref = _RefSeq(2, SMALL_MODEL.d_model, np)
+    parts = [reference_forward(net, ref, tokens[a:b], "float32", None)
+             for a, b in ((0, 5), (5, 6), (6, 13), (13, 17))]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=1e-5, atol=1e-5)
+    # a plain numpy forward of the same model, written out here, agrees too
+    x = net.embed[tokens]
+    n = len(tokens)
+    for p in net.layers:
+        h = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * p["attn_norm"]
+        out = np.zeros((n, 4 * 8), np.float32)
+        inv = 10000.0 ** (-np.arange(4) * 2 / 8)
+        def rope(t):
+            ang = np.arange(n)[:, None, None] * inv
+            a, b = t[..., :4], t[..., 4:]
+            return np.concatenate([a * np.cos(ang) - b * np.sin(ang),
+                                   a * np.sin(ang) + b * np.cos(ang)], -1)
+        q = rope((h @ p["wq"]).reshape(n, 4, 8))
+        k = rope((h @ p["wk"]).reshape(n, 2, 8))
+        v = (h @ p["wv"]).reshape(n, 2, 8)
+        for i in range(n):
+            for head in range(4):
+                s = k[:i + 1, head // 2] @ q[i, head] / np.sqrt(8)
+                w = np.exp(s - s.max())
+                out[i, head * 8:(head + 1) * 8] = (w / w.sum()) @ v[:i + 1, head // 2]
+        x = x + out @ p["wo"]
+        m = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * p["ffn_norm"]
+        g = m @ p["w_gate"]
+        x = x + (g / (1 + np.exp(-g)) * (m @ p["w_up"])) @ p["w_down"]
+    logits = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * net.final_norm @ net.w_out
+    np.testing.assert_allclose(whole, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_workload_is_deterministic_and_exercises_the_cache():
+    a = Workload.generate(8, 100, capacity=64, seed=0)
+    assert a == Workload.generate(8, 100, capacity=64, seed=0)
+    assert a != Workload.generate(8, 100, capacity=64, seed=1)
+    assert len(a.requests) == 8 and a.slots == 4
+    assert a.requests[0].system and a.requests[1].system
+    # the first request outgrows its capacity, so it must be context-shifted
+    r0 = a.requests[0]
+    assert len(a.system_prompt) + len(r0.prompt) + r0.n_decode > a.capacity
+    assert all(r.arrival <= 60 for r in a.requests)
+    with pytest.raises(ValueError, match="capacity"):
+        Workload.generate(3, 10, capacity=8)
+
+
+def test_cell_owners_matches_the_bitsets():
+    cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=1, head_dim=8, dtype="float32", capacity=8,
+                          max_seqs=3, max_batch=8, device="cpu")
+    cache = CausalCache(cfg, shift=nkv.RopeShift())
+    cache.start_forward([0, 1, 2, 0, 1], [0, 0, 0, 1, 1])
+    cache.copy_prefix(0, 2, 2)
+    owners = cell_owners(cache, {0: 10, 1: 11, 2: 12})
+    expect = []
+    for c in range(cache.n_cells):
+        seqs = [s for s in range(3)
+                if (int(cache.cells.cells["seqs"][c, s // 64]) >> (s % 64)) & 1]
+        expect.append(FREE if not seqs else SHARED if len(seqs) > 1 else 10 + seqs[0])
+    assert owners.tolist() == expect
+    assert sorted(owners.tolist()).count(SHARED) == 2
+
+
+def test_run_demo_rejects_bad_options():
+    with pytest.raises(ValueError, match="swa_window"):
+        run_demo(**tiny("cpu", swa_window=50))
+    with pytest.raises(ValueError, match="dtype"):
+        run_demo(**tiny("cpu", dtype="int8"))
+    with pytest.raises(ValueError, match="device"):
+        run_demo(**{**tiny("cpu"), "device": "tpu"})
+
+
+def test_picture_png_and_terminal(tmp_path):
+    report = run_demo(**tiny("cpu", steps=12))
+    text = report.terminal_picture(width=40, rows=6)
+    lines = text.splitlines()
+    assert len(lines) == 1 + min(6, report.steps_recorded)
+    assert all(line.count("|") == 2 for line in lines[1:])
+    pytest.importorskip("matplotlib")
+    from numbakv.demo import save_picture
+    path = tmp_path / "occupancy.png"
+    assert save_picture(report, str(path)) == str(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli_env():
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)  # as a user runs it: auto is cuda or cpu, not sim
+    return env
+
+
+def test_cli_demo_exits_zero(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "numbakv", "demo", "--seqs", "2", "--steps",
+                           "10", "--layers", "1", "--no-plot", "--quiet"],
+                          capture_output=True, text=True, env=_cli_env(), cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "verification" in proc.stdout and "passed" in proc.stdout
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_cli_demo_bad_option_exits_two(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "numbakv", "demo", "--steps", "5", "--swa",
+                           "1000", "--no-plot", "--quiet"],
+                          capture_output=True, text=True, env=_cli_env(), cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert "swa_window" in proc.stderr

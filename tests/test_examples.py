@@ -1,0 +1,34 @@
+"""The framework examples in ``examples/`` run on the CPU and check themselves: attention computed
+by the framework on ``get()``'s DLPack views equals attention without the cache."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"numbakv_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.torch
+def test_torch_decode_example(capsys):
+    pytest.importorskip("torch")
+    example = load("torch_decode")
+    assert example.main(["--device", "cpu", "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "zero-copy (torch data_ptr == the cache's view address): True" in out
+    assert out.strip().endswith("OK")
+
+
+def test_jax_decode_example(capsys):
+    pytest.importorskip("jax")
+    example = load("jax_decode")
+    assert example.main(["--device", "cpu", "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "max |diff|" in out and out.strip().endswith("OK")
