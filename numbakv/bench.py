@@ -1,0 +1,1357 @@
+"""``numbakv bench``: a quick, self-contained comparison of what a KV cache costs per decode step.
+
+Three sections, all measured in one run on one device with one dtype and one set of shapes:
+
+* **Decode step.** For ``B`` sequences each holding ``L`` tokens, one new token per sequence:
+  the cache's bookkeeping for the step, then for each of ``n_layers`` layers store the new K/V
+  ``[B, n_kv_heads, head_dim]`` and obtain the K/V (and mask, where the cache makes one) that
+  attention would read. Attention itself is not timed (it is the same for every cache).
+  Contenders: numbakv's ``CausalCache`` (``start_forward`` + per layer ``set_layer``/``put``/
+  ``get``), Hugging Face transformers' ``StaticCache`` and ``DynamicCache`` (``update`` per
+  layer, ``[B, H, 1, D]`` torch tensors), and plain "append" caches (``np.concatenate`` /
+  ``torch.cat`` per layer). Every contender is pre-filled to ``L`` tokens, checked once to
+  return the token it was given, and rolled back to ``L`` tokens after each timed step (the
+  rollback is not timed), so every timed step runs at exactly context ``L``. On the CPU numbakv
+  also runs with numba's parallel kernels held to one thread ("numbakv 1 thread"), which tells
+  what its multi-threaded paths gain or lose on this machine.
+* **Kernels.** Bytes moved per second by numbakv's put, mask fill, block move and rotary shift
+  as a fraction of a plain copy of the same bytes measured in the same run (``np.copyto`` on
+  the CPU, a CuPy device-to-device copy on a GPU; a memset for the mask).
+* **Capacity.** numbakv's per-step cost at a fixed context while the cache's capacity grows
+  from 4k to 128k cells: it should stay flat.
+
+Baselines that are not installed (torch, transformers, matplotlib for the plot) are skipped with
+a note, never replaced by something else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+#: tokens of spare room per sequence beyond the context (the timed step adds one, then rolls back)
+_MARGIN = 16
+#: a decode config is skipped when its largest contender needs more than this share of free memory
+_MEMORY_SHARE = 0.6
+
+
+# --------------------------------------------------------------------------------- settings
+@dataclass
+class BenchSettings:
+    """Everything one ``numbakv bench`` run measures; see :func:`settings_from_args`."""
+
+    device: str = "cpu"
+    dtype: str = "float16"
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    contexts: List[int] = field(default_factory=lambda: [512, 2048, 4096])
+    batches: List[int] = field(default_factory=lambda: [1, 8])
+    #: seconds of timed repetitions per measurement (at least ``min_reps`` are always taken)
+    budget: float = 0.5
+    min_reps: int = 5
+    #: capacity section: cells of the cache, the context held, and how many layers (kept small
+    #: enough that 128k cells fit in memory: the per-step bookkeeping does not depend on it)
+    capacities: List[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
+    capacity_context: int = 256
+    capacity_layers: int = 4
+    #: kernel section: tokens per put, (rows, cells) per mask, cells per move and per rotation
+    put_tokens: List[int] = field(default_factory=lambda: [1, 8, 64, 512, 4096])
+    mask_shapes: List[Tuple[int, int]] = field(default_factory=lambda: [(8, 4096), (512, 4096)])
+    move_cells: List[int] = field(default_factory=lambda: [64, 1024, 4096])
+    rotate_cells: List[int] = field(default_factory=lambda: [64, 1024, 4096])
+    kernel_layers: int = 4
+    copy_bytes: int = 64 << 20
+    quick: bool = False
+    sections: List[str] = field(default_factory=lambda: ["decode", "kernels", "capacity"])
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """Turn parsed command-line options into :class:`BenchSettings` (``--quick``: tiny shapes
+    that run in seconds; ``--full``: adds context 8192)."""
+    from .device import resolve_device
+
+    device = resolve_device(args.device)
+    if device == "sim":
+        raise ValueError("device='sim' runs kernels one Python thread at a time and measures "
+                         "nothing useful: use --device cpu or cuda")
+    s = BenchSettings(device=device, dtype=args.dtype)
+    if args.quick:
+        s.layers, s.kv_heads, s.head_dim = 2, 2, 16
+        s.contexts, s.batches = [16, 64], [1, 2]
+        s.budget, s.min_reps = 0.01, 3
+        s.capacities, s.capacity_context, s.capacity_layers = [64, 256, 1024], 16, 2
+        s.put_tokens, s.mask_shapes = [1, 8, 64], [(2, 64), (16, 256)]
+        s.move_cells, s.rotate_cells, s.kernel_layers = [8, 32], [8, 32], 2
+        s.copy_bytes = 1 << 20
+        s.quick = True
+    elif args.full:
+        s.contexts = [512, 2048, 4096, 8192]
+        s.budget = 1.0
+    if args.layers is not None:
+        s.layers = _positive("--layers", args.layers)
+    if args.kv_heads is not None:
+        s.kv_heads = _positive("--kv-heads", args.kv_heads)
+    if args.head_dim is not None:
+        s.head_dim = _positive("--head-dim", args.head_dim)
+    if args.contexts is not None:
+        s.contexts = _int_list("--contexts", args.contexts)
+    if args.batch is not None:
+        s.batches = _int_list("--batch", args.batch)
+    if args.budget is not None:
+        if not args.budget > 0:
+            raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
+        s.budget = float(args.budget)
+    if args.sections is not None:
+        names = [x.strip() for x in args.sections.split(",") if x.strip()]
+        bad = [x for x in names if x not in ("decode", "kernels", "capacity")]
+        if bad or not names:
+            raise ValueError("--sections must be a comma list of decode, kernels, capacity, "
+                             f"got {args.sections!r}")
+        s.sections = names
+    s.capacity_layers = min(s.capacity_layers, s.layers)
+    s.kernel_layers = min(s.kernel_layers, s.layers)
+    return s
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _int_list(name: str, text: str) -> List[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{name} must be a comma list of integers >= 1, got {text!r}")
+    return values
+
+
+# --------------------------------------------------------------------------------- device bits
+class _Device:
+    """Array module, synchronisation and GPU event timing for the device under test."""
+
+    def __init__(self, device: str) -> None:
+        self.name = device
+        if device == "cuda":
+            import cupy
+            self.xp = cupy
+        else:
+            self.xp = np
+
+    def sync(self) -> None:
+        if self.name == "cuda":
+            self.xp.cuda.get_current_stream().synchronize()
+            torch = _optional_torch()
+            if torch is not None and torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Hand cached GPU blocks back (CuPy's pool and torch's caching allocator would otherwise
+        keep the previous contender's memory from the next one)."""
+        if self.name != "cuda":
+            return
+        self.xp.get_default_memory_pool().free_all_blocks()
+        torch = _optional_torch()
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def asarray(self, host: np.ndarray):
+        return self.xp.asarray(host)
+
+    def free_bytes(self) -> Optional[int]:
+        if self.name == "cuda":
+            try:
+                return int(self.xp.cuda.runtime.memGetInfo()[0])
+            except Exception:  # noqa: BLE001
+                return None
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+
+def _optional_torch():
+    try:
+        import torch
+        return torch
+    except Exception:  # noqa: BLE001 - a broken torch install counts as "not installed"
+        return None
+
+
+def _torch_device(dev: _Device) -> str:
+    return "cuda" if dev.name == "cuda" else "cpu"
+
+
+def _to_torch(arr, dev: _Device):
+    """A torch tensor over ``arr``'s memory (zero-copy through DLPack)."""
+    torch = _optional_torch()
+    if dev.name == "cuda":
+        return torch.from_dlpack(arr)
+    return torch.from_numpy(arr)
+
+
+# --------------------------------------------------------------------------------- timing
+def measure(step: Callable[[], Any], reset: Optional[Callable[[], Any]] = None, *,
+            sync: Callable[[], None], budget: float, min_reps: int = 5,
+            max_reps: int = 100_000, warmup: int = 2) -> Dict[str, float]:
+    """Median wall time of ``step`` (synchronised) over repetitions after ``warmup`` calls.
+
+    ``reset`` runs after every call, untimed. Repeats until ``budget`` seconds of timed calls
+    have passed and at least ``min_reps`` were taken; a step slower than a third of the budget
+    gets no more warm-up and 3 repetitions; one slower than the whole budget counts its first
+    call and takes one more (callers make an untimed, checked call first, so it is warm): the
+    contenders that copy their whole cache every step stay affordable.
+    The garbage collector is off while timing (as in ``timeit``)."""
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - t0
+    if reset is not None:
+        reset()
+    times: List[float] = []
+    if first > budget:
+        # slower than the whole budget: callers have already made one checked, untimed call,
+        # so this one is warm and counts as a sample
+        warmup, min_reps = 0, min(min_reps, 2)
+        times.append(first)
+    elif first > budget / 3:
+        warmup, min_reps = 0, min(min_reps, 3)
+    for _ in range(max(warmup - 1, 0)):
+        step()
+        sync()
+        if reset is not None:
+            reset()
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        spent = 0.0
+        while len(times) < max_reps:
+            t0 = time.perf_counter()
+            step()
+            sync()
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            spent += dt
+            if reset is not None:
+                reset()
+            if len(times) >= min_reps and spent >= budget:
+                break
+    finally:
+        if gc_was_on:
+            gc.enable()
+    arr = np.asarray(times) * 1e6
+    return {"median_us": float(np.median(arr)), "p10_us": float(np.percentile(arr, 10)),
+            "p90_us": float(np.percentile(arr, 90)), "reps": len(times)}
+
+
+def measure_kernel(fn: Callable[[], Any], dev: _Device, budget: float,
+                   min_reps: int = 5) -> Dict[str, float]:
+    """Per-call device time of ``fn``: wall time per call on the CPU; on a GPU, CUDA events
+    around a run of calls (so launches overlap as they do in a real step), divided by the
+    count."""
+    if dev.name != "cuda":
+        return measure(fn, sync=dev.sync, budget=budget, min_reps=min_reps, warmup=3)
+    cupy = dev.xp
+    for _ in range(3):
+        fn()
+    dev.sync()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    n = 1
+    while True:  # grow the run until it lasts a tenth of the budget
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        ms = cupy.cuda.get_elapsed_time(start, end)
+        if ms / 1e3 >= budget / 10 or n >= 1 << 16:
+            break
+        n *= 4
+    samples = []
+    for _ in range(max(min_reps, 5)):
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / n)
+    arr = np.asarray(samples)
+    return {"median_us": float(np.median(arr)), "p10_us": float(np.percentile(arr, 10)),
+            "p90_us": float(np.percentile(arr, 90)), "reps": len(samples) * n}
+
+
+def measure_pair(fn: Callable[[], Any], base: Callable[[], Any], dev: _Device, budget: float,
+                 min_reps: int = 5) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Per-call time of a kernel ``fn`` and of its baseline ``base`` (a plain copy of the same
+    bytes). On the CPU the two calls alternate, so both see the same machine: a load that comes
+    and goes (other processes, memory pressure) moves both, and their ratio stays meaningful.
+    On a GPU each is timed with CUDA events (:func:`measure_kernel`)."""
+    if dev.name == "cuda":
+        return measure_kernel(fn, dev, budget, min_reps), measure_kernel(base, dev, budget,
+                                                                          min_reps)
+    for _ in range(3):
+        fn()
+        base()
+    t_fn: List[float] = []
+    t_base: List[float] = []
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        spent = 0.0
+        while len(t_fn) < 100_000:
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            base()
+            t2 = time.perf_counter()
+            t_fn.append(t1 - t0)
+            t_base.append(t2 - t1)
+            spent += t2 - t0
+            if len(t_fn) >= min_reps and spent >= 2 * budget:
+                break
+    finally:
+        if gc_was_on:
+            gc.enable()
+
+    def stats(times):
+        arr = np.asarray(times) * 1e6
+        return {"median_us": float(np.median(arr)), "p10_us": float(np.percentile(arr, 10)),
+                "p90_us": float(np.percentile(arr, 90)), "reps": len(times)}
+
+    return stats(t_fn), stats(t_base)
+
+
+# --------------------------------------------------------------------------------- contenders
+class _Contender:
+    """One KV cache under test, pre-filled to ``context`` tokens for ``batch`` sequences.
+
+    ``step()`` is one timed decode step and returns what the last layer would hand to
+    attention; ``reset()`` (untimed) brings the cache back to ``context`` tokens; ``verify(out)``
+    checks that ``out`` holds the token just stored; ``close()`` frees the memory."""
+
+    name = "?"
+    #: peak memory as a multiple of the K/V bytes at context L (copying caches hold two copies)
+    memory_factor = 1
+
+    def begin(self) -> None:
+        """Called before the contender is checked and timed (and ``end`` after)."""
+
+    def end(self) -> None:
+        pass
+
+    def step(self):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        pass
+
+    def verify(self, out) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _random(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def _prefill_block(rng: np.random.Generator, batch: int, heads: int, context: int, dim: int,
+                   dtype) -> np.ndarray:
+    """``[batch, heads, context, dim]`` filler: a small random block tiled (values only need to
+    be finite; generating gigabytes of random numbers would dominate the run)."""
+    chunk = min(context, 256)
+    block = _random(rng, (1, heads, chunk, dim), dtype)
+    reps = -(-context // chunk)
+    return np.ascontiguousarray(np.tile(block, (batch, 1, reps, 1))[:, :, :context])
+
+
+class _DecodeInputs:
+    """The new K/V of one decode step, per layer, for every contender: host numpy
+    ``[B, H, D]`` arrays plus device arrays and ``[B, H, 1, D]`` torch views of the same."""
+
+    def __init__(self, s: BenchSettings, batch: int, dev: _Device, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        dt = np.dtype(s.dtype)
+        self.host_k = [_random(rng, (batch, s.kv_heads, s.head_dim), dt) for _ in range(s.layers)]
+        self.host_v = [_random(rng, (batch, s.kv_heads, s.head_dim), dt) for _ in range(s.layers)]
+        self.k = [dev.asarray(x) for x in self.host_k]
+        self.v = [dev.asarray(x) for x in self.host_v]
+        self.k4 = [x[:, :, None, :] for x in self.k]
+        self.v4 = [x[:, :, None, :] for x in self.v]
+        self._torch: Optional[Tuple[list, list]] = None
+        self._dev = dev
+
+    def torch4(self) -> Tuple[list, list]:
+        """``[B, H, 1, D]`` torch tensors over the same memory as ``k``/``v``."""
+        if self._torch is None:
+            self._torch = ([_to_torch(x, self._dev)[:, :, None, :] for x in self.k],
+                           [_to_torch(x, self._dev)[:, :, None, :] for x in self.v])
+        return self._torch
+
+
+def _host(x) -> np.ndarray:
+    """A host numpy copy of a numpy/CuPy array or torch tensor (for checks only)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy.asnumpy(x)
+    return np.asarray(x)
+
+
+def _bhld_holds(keys, values, index: int, inputs: _DecodeInputs) -> bool:
+    """Whether ``[B, H, L, D]`` keys/values hold the last layer's new token at ``index``."""
+    k, v = _host(keys), _host(values)
+    return (k.shape[2] > index and np.array_equal(k[:, :, index, :], inputs.host_k[-1])
+            and np.array_equal(v[:, :, index, :], inputs.host_v[-1]))
+
+
+class NumbakvContender(_Contender):
+    """numbakv's ``CausalCache``: ``start_forward`` + per layer ``set_layer``/``put``/``get``."""
+
+    name = "numbakv"
+
+    def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
+                 dev: _Device, capacity: Optional[int] = None, layers: Optional[int] = None):
+        from .causal import CausalCache
+        from .config import CacheConfig
+
+        self.layers = s.layers if layers is None else layers
+        self.context, self.batch = context, batch
+        per_seq = context + _MARGIN if capacity is None else capacity // batch
+        cfg = CacheConfig(self.layers, s.kv_heads, s.head_dim, dtype=s.dtype, capacity=per_seq,
+                          max_seqs=batch, max_batch=max(512, batch), device=dev.name)
+        self.cache = CausalCache(cfg)
+        self.inputs = inputs
+        self._prefill(np.random.default_rng(1), cfg, dev)
+        self.positions = np.full(batch, context, np.int32)
+        self.seqs = np.arange(batch, dtype=np.int32)
+
+    def _prefill(self, rng, cfg, dev: _Device) -> None:
+        """Each sequence's first ``context`` tokens, in chunks of ``max_batch``."""
+        chunk = min(cfg.max_batch, self.context)
+        k = dev.asarray(_random(rng, (chunk, cfg.n_kv_heads, cfg.head_dim), np.dtype(cfg.dtype)))
+        for seq in range(self.batch):
+            for p0 in range(0, self.context, chunk):
+                n = min(chunk, self.context - p0)
+                self.cache.start_forward(np.arange(p0, p0 + n, dtype=np.int32),
+                                         np.full(n, seq, np.int32))
+                for layer in range(self.layers):
+                    self.cache.set_layer(layer)
+                    self.cache.put(k[:n], k[:n])
+
+    def step(self):
+        cache, ks, vs = self.cache, self.inputs.k, self.inputs.v
+        cache.start_forward(self.positions, self.seqs)
+        out = None
+        for layer in range(self.layers):
+            cache.set_layer(layer)
+            cache.put(ks[layer], vs[layer])
+            out = cache.get()
+        return out
+
+    def start_forward_only(self) -> None:
+        self.cache.start_forward(self.positions, self.seqs)
+
+    def layers_only(self):
+        cache, ks, vs = self.cache, self.inputs.k, self.inputs.v
+        out = None
+        for layer in range(self.layers):
+            cache.set_layer(layer)
+            cache.put(ks[layer], vs[layer])
+            out = cache.get()
+        return out
+
+    def reset(self) -> None:
+        self.cache.seq_rm(-1, self.context)
+
+    def verify(self, out) -> bool:
+        key, value, mask = (_host(x) for x in out)
+        want_k = self.inputs.host_k[self.layers - 1].reshape(self.batch, -1)
+        want_v = self.inputs.host_v[self.layers - 1].reshape(self.batch, -1)
+        flat_k, flat_v = key.reshape(len(key), -1), value.reshape(len(value), -1)
+        if mask.shape[0] < self.batch or mask.shape[1] != len(key):
+            return False
+        for b in range(self.batch):
+            rows = [r for r in np.flatnonzero(flat_k[:, 0] == want_k[b, 0])
+                    if np.array_equal(flat_k[r], want_k[b])
+                    and np.array_equal(flat_v[r], want_v[b])]
+            if not rows or mask[b, rows[-1]] != 0:
+                return False
+        # every sequence sees exactly its context plus the new token
+        visible = (mask[:self.batch] == 0).sum(axis=1)
+        return bool(np.all(visible == self.context + 1))
+
+    def close(self) -> None:
+        self.cache.close()
+        self.cache = None
+
+
+class NumbakvOneThreadContender(NumbakvContender):
+    """numbakv with numba's parallel CPU kernels held to one thread (``numba.set_num_threads``):
+    shows what the multi-threaded kernel paths (big masks, big puts) gain or, on a busy
+    machine, lose to waiting for a core."""
+
+    name = "numbakv 1 thread"
+
+    def begin(self) -> None:
+        import numba
+        self._threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+
+    def end(self) -> None:
+        import numba
+        numba.set_num_threads(self._threads)
+
+
+class NumpyAppendContender(_Contender):
+    """A plain append cache: per layer ``np.concatenate`` (``cupy.concatenate`` on a GPU) of
+    the stored ``[B, H, L, D]`` K/V with the new token, as a naive runtime would."""
+
+    memory_factor = 2
+
+    def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
+                 dev: _Device):
+        self.name = "cupy append" if dev.name == "cuda" else "numpy append"
+        xp = dev.xp
+        block = dev.asarray(_prefill_block(np.random.default_rng(2), batch, s.kv_heads, context,
+                                           s.head_dim, np.dtype(s.dtype)))
+        self.base_k = [block.copy() for _ in range(s.layers)]
+        self.base_v = [block.copy() for _ in range(s.layers)]
+        del block
+        self.cur_k, self.cur_v = list(self.base_k), list(self.base_v)
+        self.inputs, self.context, self.xp = inputs, context, xp
+
+    def step(self):
+        cat = self.xp.concatenate
+        ck, cv, k4, v4 = self.cur_k, self.cur_v, self.inputs.k4, self.inputs.v4
+        for layer in range(len(ck)):
+            ck[layer] = cat((ck[layer], k4[layer]), axis=2)
+            cv[layer] = cat((cv[layer], v4[layer]), axis=2)
+        return ck[-1], cv[-1]
+
+    def reset(self) -> None:
+        self.cur_k[:], self.cur_v[:] = self.base_k, self.base_v
+
+    def verify(self, out) -> bool:
+        return _bhld_holds(out[0], out[1], self.context, self.inputs)
+
+    def close(self) -> None:
+        self.base_k = self.base_v = self.cur_k = self.cur_v = None
+
+
+class TorchAppendContender(_Contender):
+    """A plain append cache in torch: per layer ``torch.cat`` along the sequence axis."""
+
+    memory_factor = 2
+
+    name = "torch append"
+
+    def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
+                 dev: _Device):
+        torch = _optional_torch()
+        block = _to_torch(dev.asarray(_prefill_block(np.random.default_rng(3), batch, s.kv_heads,
+                                                     context, s.head_dim, np.dtype(s.dtype))),
+                          dev)
+        self.base_k = [block.clone() for _ in range(s.layers)]
+        self.base_v = [block.clone() for _ in range(s.layers)]
+        del block
+        self.cur_k, self.cur_v = list(self.base_k), list(self.base_v)
+        self.k4, self.v4 = inputs.torch4()
+        self.inputs, self.context, self.cat = inputs, context, torch.cat
+
+    def step(self):
+        cat, ck, cv, k4, v4 = self.cat, self.cur_k, self.cur_v, self.k4, self.v4
+        for layer in range(len(ck)):
+            ck[layer] = cat((ck[layer], k4[layer]), dim=2)
+            cv[layer] = cat((cv[layer], v4[layer]), dim=2)
+        return ck[-1], cv[-1]
+
+    def reset(self) -> None:
+        self.cur_k[:], self.cur_v[:] = self.base_k, self.base_v
+
+    def verify(self, out) -> bool:
+        return _bhld_holds(out[0], out[1], self.context, self.inputs)
+
+    def close(self) -> None:
+        self.base_k = self.base_v = self.cur_k = self.cur_v = None
+
+
+def _hf_model_config(s: BenchSettings):
+    """A Llama-shaped transformers config with the benchmark's shapes (GQA 4:1)."""
+    from transformers import LlamaConfig
+    heads = s.kv_heads * 4
+    return LlamaConfig(hidden_size=heads * s.head_dim, num_attention_heads=heads,
+                       num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                       num_hidden_layers=s.layers, intermediate_size=4 * heads * s.head_dim,
+                       max_position_embeddings=1 << 20, vocab_size=32)
+
+
+def _hf_layer_tensors(cache) -> Optional[List[list]]:
+    """``[keys per layer, values per layer]`` of a DynamicCache, across transformers versions
+    (``cache.layers[i].keys`` from 4.56 on, ``cache.key_cache[i]`` before)."""
+    layers = getattr(cache, "layers", None)
+    if layers and hasattr(layers[0], "keys"):
+        return [[lay.keys for lay in layers], [lay.values for lay in layers]]
+    if hasattr(cache, "key_cache"):
+        return [list(cache.key_cache), list(cache.value_cache)]
+    return None
+
+
+def _hf_set_layer_tensors(cache, state: List[list]) -> None:
+    layers = getattr(cache, "layers", None)
+    if layers and hasattr(layers[0], "keys"):
+        for lay, k, v in zip(layers, state[0], state[1]):
+            lay.keys, lay.values = k, v
+    else:
+        cache.key_cache[:] = state[0]
+        cache.value_cache[:] = state[1]
+
+
+class HFDynamicContender(_Contender):
+    """transformers' ``DynamicCache``: ``update(k, v, layer_idx)`` per layer (a ``torch.cat``
+    of the whole layer cache with the new token)."""
+
+    memory_factor = 2
+
+    name = "HF DynamicCache"
+
+    def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
+                 dev: _Device):
+        from transformers import DynamicCache
+        block = _to_torch(dev.asarray(_prefill_block(np.random.default_rng(4), batch, s.kv_heads,
+                                                     context, s.head_dim, np.dtype(s.dtype))),
+                          dev)
+        self.cache = DynamicCache()
+        for layer in range(s.layers):
+            self.cache.update(block, block, layer)
+        del block
+        self.saved = _hf_layer_tensors(self.cache)
+        if self.saved is None:
+            raise RuntimeError("this transformers version's DynamicCache keeps its tensors where "
+                               "the bench cannot roll them back")
+        self.seen = getattr(self.cache, "_seen_tokens", None)
+        self.k4, self.v4 = inputs.torch4()
+        self.inputs, self.context, self.layers = inputs, context, s.layers
+
+    def step(self):
+        update, k4, v4 = self.cache.update, self.k4, self.v4
+        out = None
+        for layer in range(self.layers):
+            out = update(k4[layer], v4[layer], layer)
+        return out
+
+    def reset(self) -> None:
+        _hf_set_layer_tensors(self.cache, self.saved)
+        if self.seen is not None:
+            self.cache._seen_tokens = self.seen
+
+    def verify(self, out) -> bool:
+        return _bhld_holds(out[0], out[1], self.context, self.inputs)
+
+    def close(self) -> None:
+        self.cache = self.saved = None
+
+
+class HFStaticContender(_Contender):
+    """transformers' ``StaticCache``: preallocated ``[B, H, max_len, D]`` per layer, ``update``
+    writes the new token in place (``index_copy_``) and returns the whole buffers."""
+
+    name = "HF StaticCache"
+
+    def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
+                 dev: _Device):
+        import inspect
+
+        import transformers
+        torch = _optional_torch()
+        from transformers import StaticCache
+        max_len = context + _MARGIN
+        tdt = {"float16": torch.float16, "float32": torch.float32}[s.dtype]
+        params = inspect.signature(StaticCache.__init__).parameters
+        offered = {"config": _hf_model_config(s), "max_cache_len": max_len,
+                   "max_batch_size": batch, "batch_size": batch,
+                   "device": _torch_device(dev), "dtype": tdt}
+        kwargs = {k: v for k, v in offered.items() if k in params}
+        if "config" not in kwargs or "max_cache_len" not in kwargs:
+            raise RuntimeError(f"transformers {transformers.__version__}: StaticCache(...) "
+                               "signature not understood")
+        self.cache = StaticCache(**kwargs)
+        block = _to_torch(dev.asarray(_prefill_block(np.random.default_rng(5), batch, s.kv_heads,
+                                                     context, s.head_dim, np.dtype(s.dtype))),
+                          dev)
+        positions = torch.arange(context, device=_torch_device(dev))
+        for layer in range(s.layers):
+            # cache_kwargs is how transformers < 5 is told where to write; 5.x counts itself
+            self.cache.update(block, block, layer, {"cache_position": positions})
+        del block
+        self.kwargs = {"cache_position": torch.tensor([context], device=_torch_device(dev))}
+        self.counters = [lay.cumulative_length for lay in getattr(self.cache, "layers", [])
+                         if hasattr(lay, "cumulative_length")
+                         and hasattr(lay.cumulative_length, "fill_")]
+        self.k4, self.v4 = inputs.torch4()
+        self.inputs, self.context, self.layers = inputs, context, s.layers
+
+    def step(self):
+        update, k4, v4, kw = self.cache.update, self.k4, self.v4, self.kwargs
+        out = None
+        for layer in range(self.layers):
+            out = update(k4[layer], v4[layer], layer, kw)
+        return out
+
+    def reset(self) -> None:
+        for counter in self.counters:
+            counter.fill_(self.context)
+
+    def verify(self, out) -> bool:
+        return _bhld_holds(out[0], out[1], self.context, self.inputs)
+
+    def close(self) -> None:
+        self.cache = None
+
+
+#: (name, class, what it needs importable)
+CONTENDERS = [("numbakv", NumbakvContender, ()),
+              ("numbakv 1 thread", NumbakvOneThreadContender, ()),
+              ("HF StaticCache", HFStaticContender, ("torch", "transformers")),
+              ("HF DynamicCache", HFDynamicContender, ("torch", "transformers")),
+              ("numpy append", NumpyAppendContender, ()),
+              ("torch append", TorchAppendContender, ("torch",))]
+
+
+def _numba_threads_matter(dev: _Device) -> bool:
+    """Whether a one-thread numbakv row says anything: CPU kernels with more than one thread."""
+    if dev.name != "cpu":
+        return False
+    import numba
+    return numba.get_num_threads() > 1
+
+
+def _missing(modules: Sequence[str]) -> List[str]:
+    out = []
+    for mod in modules:
+        try:
+            __import__(mod)
+        except Exception:  # noqa: BLE001 - broken installs count as missing
+            out.append(mod)
+    return out
+
+
+# --------------------------------------------------------------------------------- sections
+def run_decode(s: BenchSettings, dev: _Device, notes: List[str],
+               log: Callable[[str], None]) -> List[dict]:
+    """The decode-step table: one row per (batch, context, contender)."""
+    rows: List[dict] = []
+    skipped = set()
+    available = []
+    for name, cls, needs in CONTENDERS:
+        if cls is NumbakvOneThreadContender and not _numba_threads_matter(dev):
+            continue
+        missing = _missing(needs)
+        if missing:
+            notes.append(f"{name}: skipped, {' and '.join(missing)} not installed")
+            continue
+        available.append((name, cls))
+    itemsize = np.dtype(s.dtype).itemsize
+    for batch in s.batches:
+        inputs = _DecodeInputs(s, batch, dev)
+        for context in s.contexts:
+            need = 2 * batch * (context + _MARGIN) * s.layers * s.kv_heads * s.head_dim * itemsize
+            for name, cls in available:
+                label = f"batch {batch} context {context} {name}"
+                free = dev.free_bytes()
+                if free is not None and cls.memory_factor * need > _MEMORY_SHARE * free:
+                    notes.append(f"{label}: skipped, needs {cls.memory_factor * need / 2**30:.1f}"
+                                 f" GiB and {free / 2**30:.1f} GiB is free")
+                    continue
+                try:
+                    contender = cls(s, batch, context, inputs, dev)
+                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is noted
+                    if name == "numbakv":
+                        raise
+                    if name not in skipped:
+                        notes.append(f"{name}: skipped, {type(exc).__name__}: {exc}")
+                        skipped.add(name)
+                    continue
+                try:
+                    contender.begin()
+                    out = contender.step()
+                    dev.sync()
+                    ok = bool(contender.verify(out))
+                    contender.reset()
+                    if not ok:
+                        notes.append(f"{label}: its step did not return the stored token; "
+                                     "not timed")
+                        continue
+                    res = measure(contender.step, contender.reset, sync=dev.sync,
+                                  budget=s.budget, min_reps=s.min_reps)
+                    row = {"batch": batch, "context": context, "contender": contender.name,
+                           "verified": ok, **res}
+                    if isinstance(contender, NumbakvContender):
+                        row["start_forward_us"] = measure(
+                            contender.start_forward_only, contender.reset, sync=dev.sync,
+                            budget=s.budget / 2, min_reps=s.min_reps)["median_us"]
+                        contender.start_forward_only()
+                        row["layers_us"] = measure(contender.layers_only, sync=dev.sync,
+                                                   budget=s.budget / 2,
+                                                   min_reps=s.min_reps)["median_us"]
+                        contender.reset()
+                    rows.append(row)
+                    log(f"  {label}: {res['median_us']:.1f} us/step ({res['reps']} reps)")
+                finally:
+                    contender.end()
+                    contender.close()
+                    del contender
+                    gc.collect()
+                    dev.release()
+    return rows
+
+
+def _storage(s: BenchSettings, dev: _Device, n_cells: int, layers: int):
+    from .config import CacheConfig
+    from .storage import KVStorage
+    cfg = CacheConfig(layers, s.kv_heads, s.head_dim, dtype=s.dtype, capacity=n_cells,
+                      max_seqs=1, max_batch=max(n_cells, 1), device=dev.name)
+    return cfg, KVStorage(cfg, n_cells, dev.name)
+
+
+def _copy_pair(dev: _Device, nbytes: int, fill: bool = False) -> Callable[[], None]:
+    """A plain copy (or memset) of ``nbytes``: the baseline a kernel's bandwidth is held to."""
+    xp = dev.xp
+    n = max(nbytes, 1)
+    dst = xp.zeros(n, dtype=np.uint8)
+    if fill:
+        return lambda: dst.fill(0)
+    src = xp.ones(n, dtype=np.uint8)
+    if dev.name == "cuda":
+        return lambda: xp.copyto(dst, src)  # a device-to-device copy kernel
+    return lambda: np.copyto(dst, src)
+
+
+def _kernel_row(kernel: str, size: str, nbytes: int, res: dict, base: dict,
+                host_us: Optional[float] = None) -> dict:
+    gbps = nbytes / (res["median_us"] * 1e-6) / 1e9
+    copy_gbps = nbytes / (base["median_us"] * 1e-6) / 1e9
+    row = {"kernel": kernel, "size": size, "bytes": int(nbytes), "median_us": res["median_us"],
+           "copy_us": base["median_us"], "gbps": gbps, "copy_gbps": copy_gbps,
+           "fraction": gbps / copy_gbps}
+    if host_us is not None:
+        row["host_us"] = host_us
+    return row
+
+
+def _host_cost(fn: Callable[[], None], dev: _Device, n: int = 200) -> Optional[float]:
+    """Host time per call without waiting for the GPU (what a launch costs the CPU)."""
+    if dev.name != "cuda":
+        return None
+    for _ in range(5):
+        fn()
+    dev.sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    dev.sync()
+    return dt / n * 1e6
+
+
+def run_kernels(s: BenchSettings, dev: _Device, notes: List[str],
+                log: Callable[[str], None]) -> Tuple[List[dict], dict]:
+    """Kernel bandwidth vs a plain copy of the same bytes; returns rows and the device's copy
+    bandwidth on ``copy_bytes``."""
+    from .cells import CellTable
+    from .config import RopeShift
+
+    budget = max(s.budget / 2, 0.005)
+    rng = np.random.default_rng(6)
+    dt = np.dtype(s.dtype)
+    big = measure_kernel(_copy_pair(dev, s.copy_bytes), dev, budget)
+    peak = {"bytes": s.copy_bytes, "median_us": big["median_us"],
+            "gbps": s.copy_bytes / (big["median_us"] * 1e-6) / 1e9,
+            "how": "cupy.copyto (device to device)" if dev.name == "cuda" else "np.copyto"}
+    rows: List[dict] = []
+    max_tokens = max(s.put_tokens)
+    move_cells = max(s.move_cells + s.rotate_cells)
+    n_cells = max(2 * max_tokens, 2 * move_cells, max(n for _, n in s.mask_shapes))
+    # put: one layer's K and V for n tokens, contiguous (put_range) and scattered (put)
+    _, st = _storage(s, dev, n_cells, 1)
+    try:
+        for n in s.put_tokens:
+            k = dev.asarray(_random(rng, (n, s.kv_heads, s.head_dim), dt))
+            v = dev.asarray(_random(rng, (n, s.kv_heads, s.head_dim), dt))
+            nbytes = 2 * k.nbytes
+            copy = _copy_pair(dev, nbytes)
+            fn = lambda k=k, v=v: st.put_range(0, 0, k, v)  # noqa: E731
+            rows.append(_kernel_row("put_range", f"{n} tokens", nbytes,
+                                    *measure_pair(fn, copy, dev, budget), _host_cost(fn, dev)))
+            slots_host = np.sort(rng.choice(2 * n, size=n, replace=False)).astype(np.int32)
+            fn = lambda k=k, v=v, slots=slots_host: st.put(0, slots, k, v)  # noqa: E731
+            rows.append(_kernel_row("put (scatter)", f"{n} tokens", nbytes,
+                                    *measure_pair(fn, copy, dev, budget), _host_cost(fn, dev)))
+            log(f"  put {n} tokens: {rows[-2]['fraction']:.0%} / {rows[-1]['fraction']:.0%} "
+                "of copy")
+        # mask: rows x n visible/masked entries from the cell table's mask inputs
+        for n_rows, n in s.mask_shapes:
+            table = CellTable(n, 1)
+            table.apply_batch(np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32),
+                              np.zeros(n, np.int32))
+            cell_pos, cell_seqs = table.mask_inputs(0, n)
+            bpos = np.arange(n - n_rows, n, dtype=np.int32)
+            bseq = np.zeros(n_rows, np.int32)
+            causal = np.ones(n_rows, np.uint8)
+            out = st.new_mask(n_rows, n)
+            fn = lambda out=out, cp=cell_pos, cs=cell_seqs, bp=bpos, bs=bseq, c=causal: \
+                st.fill_mask(out, cp, cs, bp, bs, c)  # noqa: E731
+            nbytes = out.nbytes
+            memset = _copy_pair(dev, nbytes, fill=True)
+            rows.append(_kernel_row("mask fill", f"{n_rows}x{n}", nbytes,
+                                    *measure_pair(fn, memset, dev, budget), _host_cost(fn, dev)))
+            log(f"  mask {n_rows}x{n}: {rows[-1]['fraction']:.0%} of memset")
+    finally:
+        st = None  # noqa: F841 (frees the storage before the next one is made)
+        gc.collect()
+        dev.release()
+    # move and rotate: every layer of a block of cells
+    cfg, st = _storage(s, dev, n_cells, s.kernel_layers)
+    try:
+        per_cell = cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) * dt.itemsize
+        for n in s.move_cells:
+            moves = np.array([[0, n, n]], dtype=np.int64)  # [src, dst, length]
+            fn = lambda moves=moves: st.move_blocks(moves)  # noqa: E731
+            nbytes = n * per_cell
+            rows.append(_kernel_row("move", f"{n} cells x {cfg.n_layers} layers", nbytes,
+                                    *measure_pair(fn, _copy_pair(dev, nbytes), dev, budget),
+                                    _host_cost(fn, dev)))
+            log(f"  move {n} cells: {rows[-1]['fraction']:.0%} of copy")
+        rope = RopeShift()
+        key_bytes = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dt.itemsize
+        for n in s.rotate_cells:
+            cells = np.arange(n, dtype=np.int32)
+            deltas = np.full(n, -3, np.int32)
+            fn = lambda c=cells, d=deltas: st.rotate(c, d, rope)  # noqa: E731
+            nbytes = n * key_bytes
+            rows.append(_kernel_row("rotate", f"{n} cells x {cfg.n_layers} layers", nbytes,
+                                    *measure_pair(fn, _copy_pair(dev, nbytes), dev, budget),
+                                    _host_cost(fn, dev)))
+            log(f"  rotate {n} cells: {rows[-1]['fraction']:.0%} of copy")
+    finally:
+        st = None  # noqa: F841 (frees the storage before the next one is made)
+        gc.collect()
+        dev.release()
+    return rows, peak
+
+
+def run_capacity(s: BenchSettings, dev: _Device, notes: List[str],
+                 log: Callable[[str], None]) -> List[dict]:
+    """numbakv's decode step at a fixed context while the cache's capacity grows."""
+    rows: List[dict] = []
+    ctx = s.capacity_context
+    for batch in s.batches:
+        inputs = _DecodeInputs(s, batch, dev, seed=7)
+        for cap in s.capacities:
+            if cap < batch * (ctx + 1):
+                continue
+            contender = NumbakvContender(s, batch, ctx, inputs, dev, capacity=cap,
+                                         layers=s.capacity_layers)
+            try:
+                out = contender.step()
+                dev.sync()
+                if not contender.verify(out):
+                    notes.append(f"capacity {cap}: numbakv's step did not return the stored "
+                                 "token; not timed")
+                    continue
+                contender.reset()
+                step = measure(contender.step, contender.reset, sync=dev.sync,
+                               budget=s.budget / 2, min_reps=s.min_reps)
+                sf = measure(contender.start_forward_only, contender.reset, sync=dev.sync,
+                             budget=s.budget / 2, min_reps=s.min_reps)
+                rows.append({"batch": batch, "capacity_cells": contender.cache.n_cells,
+                             "context": ctx, "layers": s.capacity_layers,
+                             "step_us": step["median_us"], "start_forward_us": sf["median_us"]})
+                log(f"  batch {batch} capacity {cap}: step {step['median_us']:.1f} us, "
+                    f"start_forward {sf['median_us']:.1f} us")
+            finally:
+                contender.close()
+                del contender
+                gc.collect()
+                dev.release()
+    return rows
+
+
+# --------------------------------------------------------------------------------- targets
+def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
+    """Where this run stands against the issue's targets (met / missed and by how much)."""
+    out: List[dict] = []
+    decode = results.get("decode", [])
+    table = {(r["batch"], r["context"], r["contender"]): r["median_us"] for r in decode}
+    if decode:
+        ctx = 4096 if 4096 in s.contexts else max(s.contexts)
+        note = "" if ctx == 4096 else f" (4k not run; at {ctx})"
+        for batch in s.batches:
+            ours = table.get((batch, ctx, "numbakv"))
+            for other, need in (("HF StaticCache", 1.0), ("HF DynamicCache", 20.0)):
+                theirs = table.get((batch, ctx, other))
+                target = f"{s.device} decode step >= {need:g}x {other}, batch {batch}, 4k{note}"
+                if ours is None or theirs is None:
+                    out.append({"target": target, "status": "not measured", "detail":
+                                f"{other} not run" if ours is not None else "numbakv not run"})
+                    continue
+                speedup = theirs / ours
+                out.append({"target": target, "status": "met" if speedup >= need else "missed",
+                            "value": speedup, "detail": f"{speedup:.2f}x ({ours:.0f} vs "
+                                                        f"{theirs:.0f} us/step)"})
+    kernels = results.get("kernels", [])
+    if kernels:
+        puts = [r for r in kernels if r["kernel"] == "put_range"]
+        if puts and s.device == "cpu":
+            # judged where bandwidth is the question (>= 1 MiB, prefill sizes); the worst of
+            # those counts. Decode-size puts are a few KiB: their cost is per call, shown apart.
+            big = ([r for r in puts if r["bytes"] >= 1 << 20]
+                   or [max(puts, key=lambda r: r["bytes"])])
+            worst = min(big, key=lambda r: r["fraction"])
+            sizes = ", ".join(f"{r['fraction']:.0%} at {r['size']}" for r in big)
+            out.append({"target": "CPU put >= 70% of copy bandwidth",
+                        "status": "met" if worst["fraction"] >= 0.7 else "missed",
+                        "value": worst["fraction"], "detail": f"{sizes} (>= 1 MiB puts)"})
+        if s.device == "cuda":
+            for kernel in ("put_range", "move", "rotate"):
+                rows = [r for r in kernels if r["kernel"] == kernel and r["bytes"] >= 16 << 20]
+                if not rows:
+                    out.append({"target": f"GPU {kernel} >= 85% of D2D copy for >= 16 MiB",
+                                "status": "not measured", "detail": "no size >= 16 MiB run"})
+                    continue
+                worst = min(rows, key=lambda r: r["fraction"])
+                out.append({"target": f"GPU {kernel} >= 85% of D2D copy for >= 16 MiB",
+                            "status": "met" if worst["fraction"] >= 0.85 else "missed",
+                            "value": worst["fraction"],
+                            "detail": f"worst {worst['fraction']:.0%} at {worst['size']}"})
+            hosts = [r["host_us"] for r in puts if r.get("host_us") is not None]
+            if hosts:
+                worst = max(hosts)
+                out.append({"target": "GPU host cost per put <= 10 us",
+                            "status": "met" if worst <= 10 else "missed", "value": worst,
+                            "detail": f"{worst:.1f} us (largest over put sizes)"})
+    if s.device != "cuda":
+        out.append({"target": "GPU put/move/shift >= 85% of D2D copy; host cost per put <= 10 us",
+                    "status": "not measured", "detail": "no GPU in this run"})
+    cap = results.get("capacity", [])
+    for batch in sorted({r["batch"] for r in cap}):
+        rows = sorted((r for r in cap if r["batch"] == batch), key=lambda r: r["capacity_cells"])
+        if len(rows) < 2:
+            continue
+        lo, hi = rows[0], rows[-1]
+        ratio = hi["start_forward_us"] / lo["start_forward_us"]
+        out.append({"target": f"bookkeeping at {hi['capacity_cells']} cells <= 2x at "
+                              f"{lo['capacity_cells']}, batch {batch}",
+                    "status": "met" if ratio <= 2 else "missed", "value": ratio,
+                    "detail": f"{ratio:.2f}x ({lo['start_forward_us']:.1f} -> "
+                              f"{hi['start_forward_us']:.1f} us per start_forward)"})
+    return out
+
+
+# --------------------------------------------------------------------------------- reporting
+def machine_info(dev: _Device) -> dict:
+    """What the figures were measured on."""
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu": _cpu_name(), "cores": os.cpu_count(), "device": dev.name}
+    for mod in ("numpy", "numba", "torch", "transformers", "cupy"):
+        try:
+            info[mod] = str(__import__(mod).__version__)
+        except Exception:  # noqa: BLE001
+            info[mod] = None
+    torch = _optional_torch()
+    if torch is not None:
+        info["torch_threads"] = torch.get_num_threads()
+    if dev.name == "cuda":
+        cupy = dev.xp
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        info["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _fmt_us(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def format_report(results: dict) -> str:
+    """The tables ``numbakv bench`` prints."""
+    s = results["settings"]
+    m = results["machine"]
+    lines = [f"numbakv bench: device {s['device']}, {s['dtype']}, {s['layers']} layers x "
+             f"{s['kv_heads']} kv heads x head_dim {s['head_dim']}",
+             f"machine: {m['cpu']} ({m['cores']} cores)"
+             f"{', GPU ' + m['gpu'] if m.get('gpu') else ''}"
+             f"; numpy {m['numpy']}, numba {m['numba']}, torch {m['torch'] or '-'}"
+             f"{' (' + str(m.get('torch_threads')) + ' threads)' if m.get('torch') else ''}, "
+             f"transformers {m['transformers'] or '-'}"]
+    decode = results.get("decode", [])
+    if decode:
+        names = [n for n, _, _ in CONTENDERS]
+        names = [n for n in names if any(r["contender"].replace("cupy", "numpy") == n
+                                         for r in decode)]
+        by = {(r["batch"], r["context"], r["contender"].replace("cupy", "numpy")): r
+              for r in decode}
+        lines += ["", "Decode step: median us per step (bookkeeping + per layer: store the new "
+                  "K/V, obtain the K/V [+ mask] attention reads)"]
+        w = max(15, *(len(n) for n in names))
+        head = f"{'batch':>5} {'context':>7} " + " ".join(f"{n:>{w}}" for n in names)
+        lines.append(head)
+        keys = sorted({(r["batch"], r["context"]) for r in decode})
+        for b, c in keys:
+            cells = [_fmt_us(by[(b, c, n)]["median_us"]) if (b, c, n) in by else "-"
+                     for n in names]
+            lines.append(f"{b:>5} {c:>7} " + " ".join(f"{x:>{w}}" for x in cells))
+        lines += ["", "numbakv speed-up (contender us / numbakv us; > 1: numbakv is faster)"]
+        others = [n for n in names if not n.startswith("numbakv")]
+        lines.append(f"{'batch':>5} {'context':>7} " + " ".join(f"{n:>15}" for n in others))
+        for b, c in keys:
+            ours = by.get((b, c, "numbakv"))
+            cells = []
+            for n in others:
+                theirs = by.get((b, c, n))
+                cells.append(f"{theirs['median_us'] / ours['median_us']:.2f}x"
+                             if ours and theirs else "-")
+            lines.append(f"{b:>5} {c:>7} " + " ".join(f"{x:>15}" for x in cells))
+        ours = [r for r in decode if r["contender"].startswith("numbakv")
+                and "start_forward_us" in r]
+        if ours:
+            lines += ["", f"numbakv step breakdown (us): start_forward (bookkeeping + mask) and "
+                      f"{s['layers']} x (set_layer + put + get)"]
+            lines.append(f"{'':<16} {'batch':>5} {'context':>7} {'step':>10} {'start_fwd':>10} "
+                         f"{'layers':>10} {'per layer':>10}")
+            for r in sorted(ours, key=lambda r: (r["contender"], r["batch"], r["context"])):
+                lines.append(f"{r['contender']:<16} {r['batch']:>5} {r['context']:>7} "
+                             f"{_fmt_us(r['median_us']):>10} "
+                             f"{_fmt_us(r['start_forward_us']):>10} "
+                             f"{_fmt_us(r['layers_us']):>10} "
+                             f"{_fmt_us(r['layers_us'] / s['layers']):>10}")
+    kernels = results.get("kernels", [])
+    if kernels:
+        peak = results["copy"]
+        lines += ["", f"Kernels vs a plain copy of the same bytes ({peak['how']}; "
+                  f"{peak['bytes'] / 2**20:.0f} MiB copy: {peak['gbps']:.1f} GB/s)"]
+        host = any(r.get("host_us") is not None for r in kernels)
+        lines.append(f"{'kernel':<14} {'size':<22} {'bytes':>10} {'us':>9} {'GB/s':>7} "
+                     f"{'copy GB/s':>9} {'fraction':>8}" + (f" {'host us':>8}" if host else ""))
+        for r in kernels:
+            lines.append(f"{r['kernel']:<14} {r['size']:<22} {_bytes(r['bytes']):>10} "
+                         f"{_fmt_us(r['median_us']):>9} {r['gbps']:>7.2f} "
+                         f"{r['copy_gbps']:>9.2f} {r['fraction']:>8.0%}"
+                         + (f" {_fmt_us(r.get('host_us')):>8}" if host else ""))
+    cap = results.get("capacity", [])
+    if cap:
+        lines += ["", f"Capacity: numbakv per-step cost at context {cap[0]['context']} per "
+                  f"sequence, {cap[0]['layers']} layers, as the cache grows"]
+        lines.append(f"{'batch':>5} {'cells':>8} {'step us':>10} {'start_fwd us':>12}")
+        for r in cap:
+            lines.append(f"{r['batch']:>5} {r['capacity_cells']:>8} {_fmt_us(r['step_us']):>10} "
+                         f"{_fmt_us(r['start_forward_us']):>12}")
+    targets = results.get("targets", [])
+    if targets:
+        lines += ["", "Targets"]
+        for t in targets:
+            lines.append(f"  [{t['status']:>12}] {t['target']}: {t['detail']}")
+    if results.get("notes"):
+        lines += ["", "Notes"] + [f"  - {n}" for n in results["notes"]]
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+_COLORS = [n for n, _, _ in CONTENDERS] + ["put_range", "put (scatter)", "mask fill", "move",
+                                          "rotate"]
+
+
+def _color(name: str) -> str:
+    name = name.replace("cupy", "numpy")
+    return f"C{_COLORS.index(name) % 10}" if name in _COLORS else "C9"
+
+
+def save_plot(results: dict, path: str) -> Optional[str]:
+    """Write the figure; returns None, or why it was not written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return "plot: skipped, matplotlib not installed"
+    decode, kernels, cap = (results.get(k, []) for k in ("decode", "kernels", "capacity"))
+    panels = [p for p, rows in (("decode", decode), ("kernels", kernels), ("capacity", cap))
+              if rows]
+    if not panels:
+        return "plot: nothing to plot"
+    widths = [1.6 if p == "decode" else 1.0 for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * sum(widths), 6), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    s = results["settings"]
+    for ax, panel in zip(axes[0], panels):
+        if panel == "decode":
+            styles = ["-", "--", ":", "-."]
+            for i, batch in enumerate(sorted({r["batch"] for r in decode})):
+                for name in dict.fromkeys(r["contender"] for r in decode):
+                    pts = sorted((r["context"], r["median_us"]) for r in decode
+                                 if r["batch"] == batch and r["contender"] == name)
+                    if pts:
+                        ax.plot(*zip(*pts), styles[i % 4], marker="o",
+                                label=f"{name}, batch {batch}", color=_color(name))
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context (tokens per sequence)")
+            ax.set_ylabel("us per decode step")
+            ax.set_title(f"Decode step, {s['layers']} layers, {s['device']} {s['dtype']}")
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
+        elif panel == "kernels":
+            labels = [f"{r['kernel']}\n{r['size']}" for r in kernels]
+            ax.bar(range(len(kernels)), [100 * r["fraction"] for r in kernels],
+                   color=[_color(r["kernel"]) for r in kernels])
+            ax.axhline(100, color="k", lw=0.8)
+            ax.set_xticks(range(len(kernels)))
+            ax.set_xticklabels(labels, rotation=90, fontsize=6)
+            ax.set_ylabel("% of copy bandwidth (same bytes)")
+            ax.set_title("Kernel bandwidth vs plain copy")
+        else:
+            for i, batch in enumerate(sorted({r["batch"] for r in cap})):
+                rows = sorted((r for r in cap if r["batch"] == batch),
+                              key=lambda r: r["capacity_cells"])
+                xs = [r["capacity_cells"] for r in rows]
+                ax.plot(xs, [r["step_us"] for r in rows], "-o", color=f"C{i}",
+                        label=f"step ({cap[0]['layers']} layers), batch {batch}")
+                ax.plot(xs, [r["start_forward_us"] for r in rows], "--o", color=f"C{i}",
+                        label=f"start_forward, batch {batch}")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("cache capacity (cells)")
+            ax.set_ylabel("us")
+            ax.set_title(f"Per-step cost vs capacity (context {cap[0]['context']})")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def run_bench(s: BenchSettings, log: Callable[[str], None] = lambda _: None) -> dict:
+    """Run the sections of ``s`` and return every figure as a JSON-ready dict."""
+    dev = _Device(s.device)
+    notes: List[str] = []
+    results: dict = {"settings": asdict(s), "machine": machine_info(dev), "notes": notes}
+    # machine_info imported torch and transformers: with their hundreds of thousands of objects
+    # tracked, every gc.collect() between contenders would take half a second. Freezing moves
+    # them out of the collector's sight for this run.
+    gc.collect()
+    gc.freeze()
+    try:
+        _run_sections(s, dev, notes, results, log)
+    finally:
+        gc.unfreeze()
+    results["targets"] = evaluate_targets(s, results)
+    return results
+
+
+def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
+                  log: Callable[[str], None]) -> None:
+    if s.dtype == "float16" and s.device == "cpu":
+        notes.append("float16 on the CPU: numpy and torch copy float16 as plain bytes, so "
+                     "the append and HF baselines are not slowed by missing fp16 arithmetic")
+    if "decode" in s.sections:
+        log("decode step ...")
+        results["decode"] = run_decode(s, dev, notes, log)
+        if any(r["contender"] == "numbakv" for r in results["decode"]):
+            notes.append("numbakv's step also builds the [batch, n] attention mask; HF caches "
+                         "return no mask (the model builds it outside the cache, not timed)")
+    if "kernels" in s.sections:
+        log("kernels ...")
+        results["kernels"], results["copy"] = run_kernels(s, dev, notes, log)
+    if "capacity" in s.sections:
+        log("capacity ...")
+        results["capacity"] = run_capacity(s, dev, notes, log)
+
+
+# --------------------------------------------------------------------------------- command line
+def add_parser(subparsers) -> None:
+    """Register ``numbakv bench`` on the CLI's sub-parsers."""
+    p = subparsers.add_parser(
+        "bench", help="decode-step cost vs HF StaticCache/DynamicCache and append caches, "
+                      "kernel bandwidth vs copy, cost vs capacity",
+        description=__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    p.add_argument("--dtype", default="float16", choices=("float16", "float32"))
+    p.add_argument("--layers", type=int, default=None, help="layers (default 32)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128)")
+    p.add_argument("--contexts", default=None,
+                   help="comma list of tokens per sequence (default 512,2048,4096)")
+    p.add_argument("--batch", default=None, help="comma list of sequences (default 1,8)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of timed repetitions per measurement (default 0.5)")
+    p.add_argument("--sections", default=None,
+                   help="comma list of decode, kernels, capacity (default all)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: runs in seconds")
+    p.add_argument("--full", action="store_true", help="adds context 8192, longer timing")
+    p.add_argument("--png", default="numbakv_bench.png", help="where to save the plot")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--verbose", "-v", action="store_true", help="print progress")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import sys
+    try:
+        s = settings_from_args(args)
+    except ValueError as exc:
+        print(f"numbakv bench: {exc}", file=sys.stderr)
+        return 2
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else \
+        (lambda _: None)
+    results = run_bench(s, log)
+    if not args.no_plot:
+        why = save_plot(results, args.png)
+        results["notes"].append(why if why else f"plot saved to {args.png}")
+    print(format_report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+__all__ = ["BenchSettings", "run_bench", "format_report", "save_plot", "evaluate_targets",
+           "measure", "add_parser", "main", "settings_from_args"]

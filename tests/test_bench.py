@@ -1,0 +1,166 @@
+"""``numbakv bench`` at tiny sizes: it runs, checks every contender returns what it stored before
+timing it, reports each section, skips missing baselines with a note, and judges the targets.
+No timing is asserted (performance claims live in asv_bench/ and BENCHMARKS.md)."""
+
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from numbakv import bench, cli
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_HF = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+
+QUICK = ["bench", "--quick", "--device", "cpu", "--contexts", "16,40", "--batch", "1,3"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One quick run through the command line, with its JSON, plot and printed report."""
+    out = tmp_path_factory.mktemp("bench")
+    png, js = out / "bench.png", out / "bench.json"
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(QUICK + ["--png", str(png), "--json", str(js)])
+    assert rc == 0
+    return json.loads(js.read_text()), buf.getvalue(), png
+
+
+def test_decode_rows_cover_every_contender_and_shape(quick_run):
+    res, _, _ = quick_run
+    rows = res["decode"]
+    expected = ["numbakv", "numpy append"]
+    if HAVE_TORCH:
+        expected.append("torch append")
+    if HAVE_HF:
+        expected += ["HF StaticCache", "HF DynamicCache"]
+    for batch in (1, 3):
+        for ctx in (16, 40):
+            got = {r["contender"]: r for r in rows if r["batch"] == batch and r["context"] == ctx}
+            assert set(expected) <= set(got), (batch, ctx, sorted(got))
+            for r in got.values():
+                assert r["verified"] is True
+                assert r["median_us"] > 0 and r["reps"] >= 2
+                assert r["p10_us"] <= r["median_us"] <= r["p90_us"]
+            ours = got["numbakv"]
+            assert ours["start_forward_us"] > 0 and ours["layers_us"] > 0
+    if not HAVE_TORCH:
+        assert any(n.startswith("torch append: skipped, torch not installed") for n in res["notes"])
+
+
+def test_kernel_and_capacity_sections(quick_run):
+    res, _, _ = quick_run
+    kernels = {r["kernel"] for r in res["kernels"]}
+    assert kernels == {"put_range", "put (scatter)", "mask fill", "move", "rotate"}
+    for r in res["kernels"]:
+        assert r["bytes"] > 0 and r["fraction"] > 0
+        assert r["fraction"] == pytest.approx(r["copy_us"] / r["median_us"], rel=1e-9)
+    assert res["copy"]["gbps"] > 0
+    cap = res["capacity"]
+    # quick capacities are 64, 256, 1024 cells; batch 3 at context 16 needs at least 51 cells
+    assert sorted({r["capacity_cells"] for r in cap if r["batch"] == 1}) == [64, 256, 1024]
+    assert all(r["step_us"] > 0 and r["start_forward_us"] > 0 for r in cap)
+    names = [t["target"] for t in res["targets"]]
+    assert any("bookkeeping" in n for n in names)
+    assert any("GPU" in n and "not measured" == t["status"] for n, t in zip(names, res["targets"]))
+
+
+def test_report_and_plot(quick_run):
+    res, text, png = quick_run
+    for title in ("Decode step", "numbakv speed-up", "numbakv step breakdown", "Kernels vs a "
+                  "plain copy", "Capacity", "Targets"):
+        assert title in text
+    assert res["machine"]["cores"] >= 1 and res["machine"]["numpy"] == np.__version__
+    if HAVE_MPL:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plot saved to {png}" in res["notes"]
+    else:
+        assert not png.exists()
+        assert "plot: skipped, matplotlib not installed" in res["notes"]
+
+
+def test_missing_baselines_are_skipped_with_a_note(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import now raises ImportError
+    js = tmp_path / "r.json"
+    rc = cli.main(["bench", "--quick", "--device", "cpu", "--sections", "decode", "--contexts",
+                   "8", "--batch", "1", "--no-plot", "--json", str(js)])
+    assert rc == 0
+    res = json.loads(js.read_text())
+    assert {r["contender"] for r in res["decode"]} >= {"numbakv", "numpy append"}
+    assert not any(r["contender"].startswith("HF") for r in res["decode"])
+    for name in ("HF StaticCache", "HF DynamicCache"):
+        assert any(n.startswith(f"{name}: skipped, ") and "transformers not installed" in n
+                   for n in res["notes"]), res["notes"]
+    assert "kernels" not in res and "capacity" not in res
+    assert "transformers not installed" in capsys.readouterr().out
+
+
+def test_a_contender_that_does_not_store_is_not_timed(monkeypatch, tmp_path):
+    """The bench checks each contender's step returns the token it was given before timing it:
+    an append cache that forgets to append is reported, not timed."""
+    monkeypatch.setattr(bench, "CONTENDERS",
+                        [c for c in bench.CONTENDERS if c[0] in ("numbakv", "numpy append")])
+    monkeypatch.setattr(bench.NumpyAppendContender, "step",
+                        lambda self: (self.cur_k[-1], self.cur_v[-1]))
+    s = bench.BenchSettings(device="cpu", layers=2, kv_heads=2, head_dim=8, contexts=[8],
+                            batches=[2], budget=0.001, min_reps=2, sections=["decode"])
+    res = bench.run_bench(s)
+    assert [r["contender"] for r in res["decode"]] == ["numbakv"]
+    assert any("numpy append: its step did not return the stored token" in n
+               for n in res["notes"])
+
+
+def test_measure_counts_and_resets():
+    calls = {"step": 0, "reset": 0}
+
+    def step():
+        calls["step"] += 1
+
+    def reset():
+        calls["reset"] += 1
+
+    r = bench.measure(step, reset, sync=lambda: None, budget=1e9, min_reps=3, max_reps=7,
+                      warmup=3)
+    assert r["reps"] == 7  # the budget is never reached: max_reps stops it
+    assert calls["step"] == 7 + 3 and calls["reset"] == calls["step"]
+    assert 0 <= r["p10_us"] <= r["median_us"] <= r["p90_us"]
+    # a step slower than the whole budget: its first call counts, plus one more
+    calls.update(step=0, reset=0)
+    r = bench.measure(step, reset, sync=lambda: None, budget=1e-12, min_reps=7, warmup=3)
+    assert r["reps"] == 2 and calls["step"] == 2 and calls["reset"] == 2
+
+
+def test_targets_are_judged_from_the_figures():
+    s = bench.BenchSettings(device="cpu", contexts=[512, 4096], batches=[1])
+    decode = [{"batch": 1, "context": 4096, "contender": c, "median_us": us}
+              for c, us in (("numbakv", 100.0), ("HF StaticCache", 150.0),
+                            ("HF DynamicCache", 1000.0))]
+    kernels = [{"kernel": "put_range", "size": "4096 tokens", "bytes": 16 << 20,
+                "fraction": 0.8}, {"kernel": "put_range", "size": "1 tokens", "bytes": 4096,
+                                   "fraction": 0.1}]
+    cap = [{"batch": 1, "capacity_cells": 4096, "start_forward_us": 10.0},
+           {"batch": 1, "capacity_cells": 131072, "start_forward_us": 25.0}]
+    got = {t["target"]: t for t in bench.evaluate_targets(
+        s, {"decode": decode, "kernels": kernels, "capacity": cap})}
+    static = got["cpu decode step >= 1x HF StaticCache, batch 1, 4k"]
+    assert static["status"] == "met" and static["value"] == pytest.approx(1.5)
+    dynamic = got["cpu decode step >= 20x HF DynamicCache, batch 1, 4k"]
+    assert dynamic["status"] == "missed" and dynamic["value"] == pytest.approx(10.0)
+    assert got["CPU put >= 70% of copy bandwidth"]["status"] == "met"  # judged at the largest
+    book = got["bookkeeping at 131072 cells <= 2x at 4096, batch 1"]
+    assert book["status"] == "missed" and book["value"] == pytest.approx(2.5)
+
+
+def test_bad_options_are_refused(capsys):
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--contexts", "0"]) == 2
+    assert "--contexts" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--sections", "attention"]) == 2
+    assert "--sections" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--device", "sim"]) == 2
+    assert "sim" in capsys.readouterr().err
