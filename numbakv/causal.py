@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .cells import CellTable
+from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .config import CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -75,11 +75,14 @@ class _Forward:
 
 @dataclass
 class _Undo:
-    """What ``_place`` changed, so it can be taken back."""
+    """What ``_place`` changed, so it can be taken back without having copied the table."""
 
-    cells: CellTable
     forward: Optional[_Forward]
     defrag_count: int
+    pruned: Optional[np.ndarray] = None     # prune_window's undo records
+    slots: Optional[np.ndarray] = None      # the cells apply_batch filled
+    head: int = 0                           # the scatter head before apply_batch
+    before_defrag: Optional[CellTable] = None   # the (pruned) table a defrag started from
 
 
 class CausalCache:
@@ -161,26 +164,24 @@ class CausalCache:
         self._finish_forward()
 
     def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> "_Undo":
-        """The metadata half of start_forward; with ``undoable`` it returns what a WrapperCache
-        needs to take it back if a sibling cache fails.
+        """The metadata half of start_forward; returns what ``_undo`` needs to take it back (a
+        WrapperCache does when a sibling cache fails).
 
-        Atomic without copying the table on the hot path: without a window memory nothing is
-        written before the last check that can fail (a defrag runs only when it is sure to make
-        room), so only window pruning or an undo request pays for a snapshot. Block moves copy,
-        so after a defrag the source rows still hold their data and restoring the snapshot of
-        the cell table alone undoes it."""
+        Atomic without copying the table on the hot path: window pruning returns undo records,
+        and a defrag runs only when it is sure to make room, so the one check that can fail
+        comes before it. Only an undoable pass that defrags copies the table first. Block
+        moves copy, so after a defrag the source rows still hold their data and restoring the
+        earlier table is a complete undo."""
         self._check_open()
         pos, sq = self._check_batch(positions, seqs)
         batch = len(pos)
-        undo = _Undo(self.cells, self._forward, self.defrag_count)
+        undo = _Undo(self._forward, self.defrag_count)
         if reserve:
             self._forward = _Forward(pos, sq, True, 0, 0, self.n_cells, np.ones(batch, np.uint8))
             return undo
-        if undoable or self._memory != UNLIMITED:
-            self.cells = self.cells.copy()
         try:
             if self._memory != UNLIMITED:
-                self.cells.prune_window(pos, sq, self._memory)
+                undo.pruned = self.cells.prune_window(pos, sq, self._memory)
             range_window = -1 if self._memory == UNLIMITED else self._window
             lo, hi = self.cells.batch_range(pos, sq, range_window)
             start = self.cells.find_contiguous(batch)
@@ -189,12 +190,17 @@ class CausalCache:
                     raise KVCacheFullError(
                         f"no room for a batch of {batch} tokens: {self.cells.n_used} of "
                         f"{self.n_cells} cells hold tokens (cache full)")
+                if undoable:
+                    undo.before_defrag = self.cells.copy()
                 self._defrag_plan_and_move()
                 lo, hi = self.cells.batch_range(pos, sq, range_window)
                 start = self.cells.find_contiguous(batch)
-                if start < 0:  # cannot happen after a defrag with enough free cells
+                if start < 0:  # cannot happen: a defrag leaves every free cell in one run
                     raise KVCacheFullError(f"no contiguous run of {batch} free cells")
-            self.cells.apply_batch(np.arange(start, start + batch, dtype=np.int32), pos, sq)
+            undo.head = self.cells.head
+            slots = np.arange(start, start + batch, dtype=np.int32)
+            self.cells.apply_batch(slots, pos, sq)
+            undo.slots = slots
         except BaseException:
             self._undo(undo)
             raise
@@ -219,8 +225,13 @@ class CausalCache:
         self._build_mask()
 
     def _undo(self, undo: "_Undo") -> None:
-        """Take back a ``_place`` (its own failure, or a sibling's in a WrapperCache)."""
-        self.cells = undo.cells
+        """Take back a ``_place``: its own failure part-way, or a sibling's in a WrapperCache."""
+        if undo.before_defrag is not None:
+            self.cells = undo.before_defrag
+        elif undo.slots is not None:
+            self.cells.unapply_batch(undo.slots, undo.head)
+        if undo.pruned is not None and len(undo.pruned):
+            self.cells.undo_prune(undo.pruned)
         self._forward = undo.forward
         self.defrag_count = undo.defrag_count
 
@@ -247,7 +258,7 @@ class CausalCache:
         fwd = self._forward
         rows = round_up(len(fwd.positions), self.config.mask_batch_padding)
         mask = self.storage.new_mask(rows, fwd.hi - fwd.lo)
-        cell_pos, cell_seqs = self.cells.mask_inputs(fwd.lo, fwd.hi)
+        cell_pos, cell_seqs = self.cells.mask_inputs(fwd.lo, fwd.hi, copy=False)
         self.storage.fill_mask(mask, cell_pos, cell_seqs, fwd.positions, fwd.seqs, fwd.causal,
                                window=-1 if self._window == UNLIMITED else self._window,
                                chunk=self._chunk)
@@ -330,11 +341,9 @@ class CausalCache:
         seq, begin, end = self._check_remove(seq, begin, end)
         self._atomically(lambda: self.cells.remove(seq, begin, end))
 
-    def _check_remove(self, seq, begin, end, dry_run: bool = False
-                      ) -> Tuple[int, int, Optional[int]]:
-        """The checks ``remove`` makes before it changes anything; returns its normalised
-        arguments. ``dry_run`` also tries the edit on a copy of the cell table, so every error
-        remove could raise (cells shared with another sequence) is raised here."""
+    def _check_remove(self, seq, begin, end) -> Tuple[int, int, Optional[int]]:
+        """Every check ``remove`` makes before it changes anything (so a WrapperCache can ask
+        all its caches first); returns the normalised arguments."""
         self._check_open()
         seq = self._check_seq(seq)
         begin = _check_index("begin", begin, 0)
@@ -348,8 +357,8 @@ class CausalCache:
                 raise NotSupportedError(
                     f"removing positions [{begin}, {end}) of sequence {seq} moves later "
                     "positions and needs a shift function (CausalCache(shift=...))")
-        if dry_run and end is not None:
-            self.cells.copy().remove(seq, begin, end)
+        if end is not None and self.cells.shared_cells_moving(seq, begin, end):
+            raise NotSupportedError(SHARED_SHIFT_MESSAGE)
         return seq, begin, end
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:

@@ -1616,14 +1616,18 @@ class CellTable:
         """int32 indices of the cells holding seq, ascending."""
         return _cells_of(self._seqs, self._sidx, self._seq(seq))
 
-    def mask_inputs(self, lo: int, hi: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Contiguous copies of the cells [lo, hi): (pos int32 [hi-lo], seqs uint64
-        [hi-lo, SEQ_WORDS]). Free cells have pos -1 and no sequence bit."""
+    def mask_inputs(self, lo: int, hi: int, copy: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+        """The cells [lo, hi) as (pos int32 [hi-lo], seqs uint64 [hi-lo, SEQ_WORDS]). Free cells
+        have pos -1 and no sequence bit. ``copy=False`` returns strided views of the table
+        (nothing copied; valid until the table next changes), which the CPU mask kernel reads
+        as they are."""
         lo = _int(lo, "lo")
         hi = _int(hi, "hi")
         if not 0 <= lo <= hi <= self.n_cells:
             raise ValueError(f"lo, hi must satisfy 0 <= lo <= hi <= {self.n_cells}, "
                              f"got {lo}, {hi}")
+        if not copy:
+            return self._pos[lo:hi], self._seqs[lo:hi]
         return np.ascontiguousarray(self._pos[lo:hi]), np.ascontiguousarray(self._seqs[lo:hi])
 
     # ---- placement ------------------------------------------------------------------------

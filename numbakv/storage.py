@@ -29,8 +29,8 @@ _SEQ_WORDS = MAX_SEQS_LIMIT // 64
 
 def _host_ints(x, name: str, dtype=np.int32, ndim: int = 1) -> np.ndarray:
     """``x`` as a contiguous host integer array of ``dtype`` (checked, never silently wrapped)."""
-    if type(x) is np.ndarray and x.dtype == dtype and x.ndim == ndim and x.flags.c_contiguous:
-        return x
+    if type(x) is np.ndarray and x.dtype == dtype and x.ndim == ndim:
+        return x  # strided views too: every kernel launcher takes any layout
     if hasattr(x, "__cuda_array_interface__") or type(x).__module__.split(".")[0] == "cupy":
         raise ValueError(f"{name} must be a host (numpy) integer array, got a GPU array")
     arr = np.asarray(x)

@@ -108,7 +108,7 @@ class WrapperCache:
 
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
         for cache in self.caches:  # check all first: a re-rotated key is not rotated back
-            cache._check_remove(seq, begin, end, dry_run=True)
+            cache._check_remove(seq, begin, end)
         self._fan_out("remove", seq, begin, end)
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:

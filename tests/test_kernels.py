@@ -306,12 +306,17 @@ def test_mask_packs_only_used_words():
     assert words.shape == (3, 1) and list(words[:, 0]) == [8, 8, 8] and list(row_word) == [0, 0]
     _, words, row_word, _, _, _ = mask.prepare_inputs(np.zeros(3, np.int32), cell_seqs,
                                                       np.zeros(2), np.array([131, 3]),
-                                                      np.ones(2), compact=False)
-    assert words.shape == (3, 4) and list(row_word) == [2, 0]
-    _, words, row_word, _, _, _ = mask.prepare_inputs(np.zeros(3, np.int32), cell_seqs,
-                                                      np.zeros(2), np.array([131, 3]),
                                                       np.ones(2))
     assert words.shape == (3, 2) and list(row_word) == [1, 0]
+    assert words[:, 0].tolist() == [8, 8, 8] and words[:, 1].tolist() == [1, 2, 4]
+    # strided views of the cell table's records are gathered the same way
+    table = np.zeros(3, dtype=[("pos", np.int32), ("shift", np.int32), ("seqs", np.uint64, (4,))])
+    table["pos"] = [5, 6, 7]
+    table["seqs"] = cell_seqs
+    pos, words, row_word, _, _, _ = mask.prepare_inputs(table["pos"], table["seqs"], np.zeros(2),
+                                                        np.array([131, 3]), np.ones(2))
+    assert pos.tolist() == [5, 6, 7] and pos.flags.c_contiguous
+    assert words.tolist() == [[8, 1], [8, 2], [8, 4]] and list(row_word) == [1, 0]
 
 
 # ------------------------------------------------------------------ move / copy
