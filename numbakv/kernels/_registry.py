@@ -50,5 +50,12 @@ def element(fn: Callable) -> Element:
     return Element(fn)
 
 
+def cuda_device(fn: Callable):
+    """A CUDA-only device function: thread-level code shared by the branches of a kernel (the
+    CPU twins loop differently, so it has no CPU form). Element math goes through
+    :func:`element` instead."""
+    return cuda.jit(device=True)(fn)
+
+
 def registered() -> List[KernelSpec]:
     return [KERNELS[k] for k in sorted(KERNELS)]

@@ -22,7 +22,7 @@ from numba import cuda, njit, prange, types
 
 from ._common import (UINT, Desc, MAX_GRID_YZ, Prepared, block_size, cdiv, launch as _launch,
                       to_device, word_size)
-from ._registry import cuda_kernel, element
+from ._registry import cuda_device, cuda_kernel, element
 
 
 @element
@@ -49,6 +49,31 @@ _move_step_cpu = move_step.cpu
 _copy_word_cpu = copy_word.cpu
 
 
+@cuda_device
+def copy_rows(arr, src, dst, r, c, c_step, layer0, layer_step):
+    """Word ``r`` of the ``[n_kv_heads, words]`` rows (head ``r // words``) of pairs ``c``,
+    ``c + c_step``, ... (cell ``src[c]`` to ``dst[c]``) in layers ``layer0``, ``layer0 +
+    layer_step``, ...: one GPU thread's share of K, or of V in the row layout."""
+    nh = arr.shape[2]
+    nw = arr.shape[3]
+    if r >= nh * nw:
+        return
+    h = 0
+    if nh > 1:
+        h = r // nw
+    w = r - h * nw
+    while c < src.shape[0]:
+        s = src[c]
+        d = dst[c]
+        layer = layer0
+        while layer < arr.shape[0]:
+            _copy_word_cuda(arr, layer, s, d, h, w)
+            layer += layer_step
+        c += c_step
+
+
+
+
 def _arr(dt, nd):
     return types.Array(dt, nd, "A")
 
@@ -71,41 +96,11 @@ def move_cells_kernel(k, v, src, dst, v_cell_fast, nxk):
     npairs = src.shape[0]
     n_layers = k.shape[0]
     if bx < nxk:
-        r = bx * nb + cuda.threadIdx.x
-        nh = k.shape[2]
-        nw = k.shape[3]
-        if r < nh * nw:
-            h = 0
-            if nh > 1:
-                h = r // nw
-            w = r - h * nw
-            c = cuda.blockIdx.y
-            while c < npairs:
-                s = src[c]
-                d = dst[c]
-                layer = cuda.blockIdx.z
-                while layer < n_layers:
-                    _copy_word_cuda(k, layer, s, d, h, w)
-                    layer += cuda.gridDim.z
-                c += cuda.gridDim.y
+        copy_rows(k, src, dst, bx * nb + cuda.threadIdx.x, cuda.blockIdx.y,
+                        cuda.gridDim.y, cuda.blockIdx.z, cuda.gridDim.z)
     elif v_cell_fast == 0:
-        r = (bx - nxk) * nb + cuda.threadIdx.x
-        nh = v.shape[2]
-        nw = v.shape[3]
-        if r < nh * nw:
-            h = 0
-            if nh > 1:
-                h = r // nw
-            w = r - h * nw
-            c = cuda.blockIdx.y
-            while c < npairs:
-                s = src[c]
-                d = dst[c]
-                layer = cuda.blockIdx.z
-                while layer < n_layers:
-                    _copy_word_cuda(v, layer, s, d, h, w)
-                    layer += cuda.gridDim.z
-                c += cuda.gridDim.y
+        copy_rows(v, src, dst, (bx - nxk) * nb + cuda.threadIdx.x, cuda.blockIdx.y,
+                        cuda.gridDim.y, cuda.blockIdx.z, cuda.gridDim.z)
     else:
         c = (bx - nxk) * nb + cuda.threadIdx.x
         if c < npairs:

@@ -20,7 +20,7 @@ from numba import cuda, njit, prange, types
 from . import _common
 from ._common import (UINT, Desc, MAX_GRID_YZ, block_size, cdiv, desc_of, launch as _launch,
                       word_size)
-from ._registry import cuda_kernel, element
+from ._registry import cuda_device, cuda_kernel, element
 
 
 @element
@@ -45,6 +45,28 @@ _slot_of_cpu = slot_of.cpu
 _put_word_cpu = put_word.cpu
 
 
+@cuda_device
+def put_rows(dst, src, slots, start, r, t, t_step):
+    """Word ``r`` of the ``[n_kv_heads, words]`` rows (head ``r // words``) of tokens ``t``,
+    ``t + t_step``, ... of the batch, each into its slot: one GPU thread's share of K, or of V in
+    the row layout."""
+    nh = src.shape[1]
+    nw = src.shape[2]
+    if r >= nh * nw:
+        return
+    h = 0
+    if nh > 1:
+        h = r // nw
+    w = r - h * nw
+    while t < src.shape[0]:
+        slot = _slot_of_cuda(slots, start, t)
+        if slot >= 0:
+            _put_word_cuda(dst, src, slot, t, h, w)
+        t += t_step
+
+
+
+
 def _arr(dt, nd):
     return types.Array(dt, nd, "A")
 
@@ -65,35 +87,11 @@ def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_cell_fast, nxk):
     nb = cuda.blockDim.x
     batch = k_src.shape[0]
     if bx < nxk:
-        r = bx * nb + cuda.threadIdx.x
-        nh = k_src.shape[1]
-        nw = k_src.shape[2]
-        if r < nh * nw:
-            h = 0
-            if nh > 1:
-                h = r // nw
-            w = r - h * nw
-            t = cuda.blockIdx.y
-            while t < batch:
-                slot = _slot_of_cuda(slots, start, t)
-                if slot >= 0:
-                    _put_word_cuda(k_dst, k_src, slot, t, h, w)
-                t += cuda.gridDim.y
+        put_rows(k_dst, k_src, slots, start, bx * nb + cuda.threadIdx.x, cuda.blockIdx.y,
+                       cuda.gridDim.y)
     elif v_cell_fast == 0:
-        r = (bx - nxk) * nb + cuda.threadIdx.x
-        nh = v_src.shape[1]
-        nw = v_src.shape[2]
-        if r < nh * nw:
-            h = 0
-            if nh > 1:
-                h = r // nw
-            w = r - h * nw
-            t = cuda.blockIdx.y
-            while t < batch:
-                slot = _slot_of_cuda(slots, start, t)
-                if slot >= 0:
-                    _put_word_cuda(v_dst, v_src, slot, t, h, w)
-                t += cuda.gridDim.y
+        put_rows(v_dst, v_src, slots, start, (bx - nxk) * nb + cuda.threadIdx.x,
+                       cuda.blockIdx.y, cuda.gridDim.y)
     else:
         t = (bx - nxk) * nb + cuda.threadIdx.x
         slot = -1
