@@ -119,42 +119,36 @@ def move_cells_kernel(k, v, src, dst, v_cell_fast, nxk):
                 r += cuda.gridDim.y
 
 
+@cuda_device
+def run_plan_lane(arr, moves, r, layer, layer_step):
+    """Lane ``r`` (head ``r // words``, word ``r % words``) of the rows of ``arr``: every move of
+    the plan in order, each as a memmove, in layers ``layer``, ``layer + layer_step``, ..."""
+    nh = arr.shape[2]
+    nw = arr.shape[3]
+    if r >= nh * nw:
+        return
+    h = r // nw
+    w = r - h * nw
+    while layer < arr.shape[0]:
+        for m in range(moves.shape[0]):
+            for step in range(moves[m, 2]):
+                s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], step)
+                _copy_word_cuda(arr, layer, s, d, h, w)
+        layer += layer_step
+
+
 @cuda_kernel("move_lanes", _LANE_SIGS)
 def move_lanes_kernel(k, v, moves, nxk):
     """Run the whole plan ``moves [m, 3]`` (src, dst, length) in order, one lane (word position
     of a cell row in one layer) per thread. Grid x: ``nxk`` blocks over K's row words, then V's;
     z: layers."""
     bx = cuda.blockIdx.x
-    nb = cuda.blockDim.x
-    n_layers = k.shape[0]
     if bx < nxk:
-        r = bx * nb + cuda.threadIdx.x
-        nh = k.shape[2]
-        nw = k.shape[3]
-        if r < nh * nw:
-            h = r // nw
-            w = r - h * nw
-            layer = cuda.blockIdx.z
-            while layer < n_layers:
-                for m in range(moves.shape[0]):
-                    for step in range(moves[m, 2]):
-                        s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], step)
-                        _copy_word_cuda(k, layer, s, d, h, w)
-                layer += cuda.gridDim.z
+        run_plan_lane(k, moves, bx * cuda.blockDim.x + cuda.threadIdx.x, cuda.blockIdx.z,
+                      cuda.gridDim.z)
     else:
-        r = (bx - nxk) * nb + cuda.threadIdx.x
-        nh = v.shape[2]
-        nw = v.shape[3]
-        if r < nh * nw:
-            h = r // nw
-            w = r - h * nw
-            layer = cuda.blockIdx.z
-            while layer < n_layers:
-                for m in range(moves.shape[0]):
-                    for step in range(moves[m, 2]):
-                        s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], step)
-                        _copy_word_cuda(v, layer, s, d, h, w)
-                layer += cuda.gridDim.z
+        run_plan_lane(v, moves, (bx - nxk) * cuda.blockDim.x + cuda.threadIdx.x,
+                      cuda.blockIdx.z, cuda.gridDim.z)
 
 
 @njit(cache=True, inline="always")
