@@ -72,6 +72,20 @@ def _slots_problem(slots, n_cells):
     return 0
 
 
+#: host storage alignment: JAX's CPU DLPack import copies unless data is 64-byte aligned, and
+#: numpy's allocator only guarantees 16
+HOST_ALIGN = 64
+
+
+def _host_zeros(shape, dtype, align: int = HOST_ALIGN) -> np.ndarray:
+    """Zeroed host array whose data starts on an ``align``-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buf = np.zeros(nbytes + align, dtype=np.uint8)
+    offset = (-buf.ctypes.data) % align
+    return buf[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 class KVStorage:
     """The K and V arrays of a cache and the kernels that update them.
 
@@ -104,9 +118,10 @@ class KVStorage:
         L, N, H = config.n_layers, self.n_cells, config.n_kv_heads
         D, Dv = config.head_dim, config.v_head_dim
         sdt = config.storage_dtype
-        self.keys = self.xp.zeros((L, N, H, D), dtype=sdt)
         vshape = (L, H, Dv, N) if self.permuted else (L, N, H, Dv)
-        self.values = self.xp.zeros(vshape, dtype=sdt)
+        zeros = self.xp.zeros if device == "cuda" else _host_zeros
+        self.keys = zeros((L, N, H, D), dtype=sdt)
+        self.values = zeros(vshape, dtype=sdt)
         self._key_shape = (H, D)
         self._value_shape = (H, Dv)
         # per-layer views, built once (the put path runs per layer per forward pass); the CPU

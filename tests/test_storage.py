@@ -245,3 +245,16 @@ def test_constructor_checks():
         KVStorage(cfg, 4, "auto")
     with pytest.raises(ValueError, match="config"):
         KVStorage({"n_layers": 1}, 4, "cpu")
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_host_storage_is_64_byte_aligned(permuted):
+    """JAX's CPU DLPack import is zero-copy only for 64-byte aligned data."""
+    from numbakv.config import CacheConfig
+    from numbakv.storage import KVStorage
+    for n_cells in (1, 3, 17):
+        cfg = CacheConfig(2, 3, 5, dtype="float16", capacity=n_cells, permuted_v=permuted)
+        st = KVStorage(cfg, n_cells, "cpu")
+        assert st.keys.ctypes.data % 64 == 0 and st.values.ctypes.data % 64 == 0
+        assert not st.keys.any() and not st.values.any()
+        assert st.keys.flags.c_contiguous and st.values.flags.c_contiguous
