@@ -169,9 +169,10 @@ class CausalCache:
 
         Atomic without copying the table on the hot path: window pruning returns undo records,
         and a defrag runs only when it is sure to make room, so the one check that can fail
-        comes before it. Only an undoable pass that defrags copies the table first. Block
-        moves copy, so after a defrag the source rows still hold their data and restoring the
-        earlier table is a complete undo."""
+        comes before it. A pass that defrags copies the table first. Block moves copy, so after
+        a defrag the source rows still hold their data and restoring the earlier table is a
+        complete undo. ``undoable`` is kept for callers that will call ``_undo``; every pass
+        can be undone."""
         self._check_open()
         pos, sq = self._check_batch(positions, seqs)
         batch = len(pos)
@@ -190,8 +191,9 @@ class CausalCache:
                     raise KVCacheFullError(
                         f"no room for a batch of {batch} tokens: {self.cells.n_used} of "
                         f"{self.n_cells} cells hold tokens (cache full)")
-                if undoable:
-                    undo.before_defrag = self.cells.copy()
+                # a defrag renumbers cells, so the prune records no longer apply: keep the
+                # table it starts from (defrags are rare and O(n_cells) anyway)
+                undo.before_defrag = self.cells.copy()
                 self._defrag_plan_and_move()
                 lo, hi = self.cells.batch_range(pos, sq, range_window)
                 start = self.cells.find_contiguous(batch)

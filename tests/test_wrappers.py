@@ -165,3 +165,25 @@ def test_memory_is_checked_before_allocating():
     assert cfg.nbytes() == 80 * 2**20 * 256 * 8 * 256 * 2
     with pytest.raises(ValueError, match="GiB"):
         nkv.CausalCache(cfg)
+
+
+def test_failed_move_during_defrag_changes_nothing(monkeypatch):
+    """A device error while the defrag moves data: the table must be exactly as before, or
+    cells would point at K/V the failed move never copied."""
+    cache = nkv.CausalCache(_cfg("cpu", capacity=3, max_seqs=2, max_batch=2),
+                            shift=nkv.RopeShift())
+    for pos in range(3):
+        cache.start_forward([pos, pos], [0, 1])   # cells 0..5 full, interleaved
+    cache.seq_rm(1, 0, 1)                          # frees cell 1
+    cache.seq_rm(0, 2)                             # frees cell 4: two one-cell holes
+    before = _table(cache)
+
+    def broken(moves):
+        raise RuntimeError("device error")
+    monkeypatch.setattr(cache.storage, "move_blocks", broken)
+    with pytest.raises(RuntimeError, match="device error"):
+        cache.start_forward([2, 3], [0, 0])         # needs two adjacent cells: defrag
+    assert _same(_table(cache), before)
+    monkeypatch.undo()
+    cache.start_forward([2, 3], [0, 0])
+    assert cache.defrag_count == 1
