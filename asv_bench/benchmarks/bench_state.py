@@ -61,7 +61,9 @@ class CausalState:
         self.data = state.cache_to_bytes(self.cache, self.save_seq, progress=False)
 
     def teardown(self, device, what):
-        shutil.rmtree(self.dir, ignore_errors=True)
+        # asv runs teardown after a setup that skipped (no GPU) too, before self.dir exists
+        if getattr(self, "dir", None):
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def time_save_file(self, device, what):
         state.save_cache(self.cache, self.out, self.save_seq, progress=False)
