@@ -523,30 +523,24 @@ class NumbakvOneThreadContender(NumbakvContender):
         numba.set_num_threads(self._threads)
 
 
-class NumpyAppendContender(_Contender):
-    """A plain append cache: per layer ``np.concatenate`` (``cupy.concatenate`` on a GPU) of
-    the stored ``[B, H, L, D]`` K/V with the new token, as a naive runtime would."""
+class _AppendContender(_Contender):
+    """A plain append cache: per layer, concatenate the stored ``[B, H, L, D]`` K/V with the new
+    token along the sequence axis, as a naive runtime would. Subclasses set ``base_k`` /
+    ``base_v`` (the prefilled layers), ``k4`` / ``v4`` (the new token per layer) and ``cat``."""
 
     memory_factor = 2
 
-    def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
-                 dev: _Device):
-        self.name = "cupy append" if dev.name == "cuda" else "numpy append"
-        xp = dev.xp
-        block = dev.asarray(_prefill_block(np.random.default_rng(2), batch, s.kv_heads, context,
-                                           s.head_dim, np.dtype(s.dtype)))
-        self.base_k = [block.copy() for _ in range(s.layers)]
-        self.base_v = [block.copy() for _ in range(s.layers)]
-        del block
+    def _start(self, layers: int, block, copy, inputs: _DecodeInputs, context: int) -> None:
+        self.base_k = [copy(block) for _ in range(layers)]
+        self.base_v = [copy(block) for _ in range(layers)]
         self.cur_k, self.cur_v = list(self.base_k), list(self.base_v)
-        self.inputs, self.context, self.xp = inputs, context, xp
+        self.inputs, self.context = inputs, context
 
     def step(self):
-        cat = self.xp.concatenate
-        ck, cv, k4, v4 = self.cur_k, self.cur_v, self.inputs.k4, self.inputs.v4
+        cat, ck, cv, k4, v4 = self.cat, self.cur_k, self.cur_v, self.k4, self.v4
         for layer in range(len(ck)):
-            ck[layer] = cat((ck[layer], k4[layer]), axis=2)
-            cv[layer] = cat((cv[layer], v4[layer]), axis=2)
+            ck[layer] = cat(ck[layer], k4[layer])
+            cv[layer] = cat(cv[layer], v4[layer])
         return ck[-1], cv[-1]
 
     def reset(self) -> None:
@@ -559,10 +553,22 @@ class NumpyAppendContender(_Contender):
         self.base_k = self.base_v = self.cur_k = self.cur_v = None
 
 
-class TorchAppendContender(_Contender):
-    """A plain append cache in torch: per layer ``torch.cat`` along the sequence axis."""
+class NumpyAppendContender(_AppendContender):
+    """``np.concatenate`` per layer (``cupy.concatenate`` on a GPU)."""
 
-    memory_factor = 2
+    def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
+                 dev: _Device):
+        self.name = "cupy append" if dev.name == "cuda" else "numpy append"
+        block = dev.asarray(_prefill_block(np.random.default_rng(2), batch, s.kv_heads, context,
+                                           s.head_dim, np.dtype(s.dtype)))
+        self._start(s.layers, block, lambda b: b.copy(), inputs, context)
+        concatenate = dev.xp.concatenate
+        self.cat = lambda a, b: concatenate((a, b), axis=2)
+        self.k4, self.v4 = inputs.k4, inputs.v4
+
+
+class TorchAppendContender(_AppendContender):
+    """``torch.cat`` per layer along the sequence axis."""
 
     name = "torch append"
 
@@ -572,28 +578,9 @@ class TorchAppendContender(_Contender):
         block = _to_torch(dev.asarray(_prefill_block(np.random.default_rng(3), batch, s.kv_heads,
                                                      context, s.head_dim, np.dtype(s.dtype))),
                           dev)
-        self.base_k = [block.clone() for _ in range(s.layers)]
-        self.base_v = [block.clone() for _ in range(s.layers)]
-        del block
-        self.cur_k, self.cur_v = list(self.base_k), list(self.base_v)
+        self._start(s.layers, block, lambda b: b.clone(), inputs, context)
+        self.cat = lambda a, b: torch.cat((a, b), dim=2)
         self.k4, self.v4 = inputs.torch4()
-        self.inputs, self.context, self.cat = inputs, context, torch.cat
-
-    def step(self):
-        cat, ck, cv, k4, v4 = self.cat, self.cur_k, self.cur_v, self.k4, self.v4
-        for layer in range(len(ck)):
-            ck[layer] = cat((ck[layer], k4[layer]), dim=2)
-            cv[layer] = cat((cv[layer], v4[layer]), dim=2)
-        return ck[-1], cv[-1]
-
-    def reset(self) -> None:
-        self.cur_k[:], self.cur_v[:] = self.base_k, self.base_v
-
-    def verify(self, out) -> bool:
-        return _bhld_holds(out[0], out[1], self.context, self.inputs)
-
-    def close(self) -> None:
-        self.base_k = self.base_v = self.cur_k = self.cur_v = None
 
 
 def _hf_model_config(s: BenchSettings):
