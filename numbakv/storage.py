@@ -25,6 +25,8 @@ from .kernels import put as _put
 from .kernels import rope as _rope
 
 _SEQ_WORDS = MAX_SEQS_LIMIT // 64
+#: compared as dtype objects: formatting a dtype's name costs microseconds on every forward pass
+_MASK_NP_DTYPES = tuple(MASK_DTYPES.values())
 
 
 def _host_ints(x, name: str, dtype=np.int32, ndim: int = 1) -> np.ndarray:
@@ -279,7 +281,7 @@ class KVStorage:
         ``window + 1`` positions, or llama.cpp's symmetric ``|p - q| <= window // 2``);
         ``chunk > 0``: chunked attention. See :func:`numbakv.kernels.mask.visible`."""
         if not isinstance(out, self.xp.ndarray) or out.ndim != 2 or \
-                str(out.dtype) not in MASK_DTYPES:
+                out.dtype not in _MASK_NP_DTYPES:
             raise ValueError(f"out must be a 2-d float32/float16 array of this storage's device, "
                              f"got {type(out).__name__} "
                              f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}")

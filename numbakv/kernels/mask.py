@@ -20,6 +20,7 @@ from ._registry import cuda_kernel, element
 #: raw bit patterns written for a masked entry, by mask dtype
 MASKED_BITS = {"float32": 0xFF800000, "float16": 0xFC00}
 _RAW = {"float32": np.dtype(np.uint32), "float16": np.dtype(np.uint16)}
+_NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
 
 @element
@@ -175,7 +176,7 @@ def launch(device: str, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, 
     rows, n = out.shape
     if rows == 0 or n == 0:
         return
-    dtype = str(out.dtype)
+    dtype = _NAME_OF[out.dtype]  # a dict keyed by dtype object: formatting names is slow
     raw = _RAW[dtype]
     masked = MASKED_BITS[dtype]
     batch = int(len(batch_pos))
