@@ -54,6 +54,16 @@ def cdiv(a: int, b: int) -> int:
 # CPU) and the CUDA kernels (bfloat16 has no numpy dtype). Integer math in int64 throughout
 # (numba widens small integers anyway); the last step casts to the storage width.
 
+@element
+def head_word(r, n_heads, n_words):
+    """Lane ``r`` of a ``[n_heads, n_words]`` row as ``(head, word)``; a single head needs no
+    division."""
+    h = 0
+    if n_heads > 1:
+        h = r // n_words
+    return h, r - h * n_words
+
+
 # Written with conditional expressions rather than branches, so LLVM turns them into selects and
 # the CPU twins' loops vectorise.
 
@@ -400,6 +410,6 @@ def device_arg(device: str, arr, dtype=None):
 __all__ = ["BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "UINT", "Desc", "FastKernel", "Prepared",
            "ptx_entry",
            "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "device_arg", "f16_bits_to_f32",
-           "f32_to_bf16_bits", "f32_to_f16_bits", "fast_launch_enabled", "launch",
+           "f32_to_bf16_bits", "f32_to_f16_bits", "fast_launch_enabled", "head_word", "launch",
            "set_fast_launch",
            "numba_type", "to_device", "word_size"]

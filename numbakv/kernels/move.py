@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, njit, prange, types
 
-from ._common import (UINT, Desc, MAX_GRID_YZ, Prepared, block_size, cdiv, launch as _launch,
-                      to_device, word_size)
+from ._common import (UINT, Desc, MAX_GRID_YZ, Prepared, block_size, cdiv, head_word,
+                      launch as _launch, to_device, word_size)
 from ._registry import cuda_device, cuda_kernel, element
 
 
@@ -47,6 +47,7 @@ _move_step_cuda = move_step.cuda
 _copy_word_cuda = copy_word.cuda
 _move_step_cpu = move_step.cpu
 _copy_word_cpu = copy_word.cpu
+_head_word_cuda = head_word.cuda
 
 
 @cuda_device
@@ -58,10 +59,7 @@ def copy_rows(arr, src, dst, r, c, c_step, layer0, layer_step):
     nw = arr.shape[3]
     if r >= nh * nw:
         return
-    h = 0
-    if nh > 1:
-        h = r // nw
-    w = r - h * nw
+    h, w = _head_word_cuda(r, nh, nw)
     while c < src.shape[0]:
         s = src[c]
         d = dst[c]
@@ -110,8 +108,7 @@ def move_cells_kernel(k, v, src, dst, v_cell_fast, nxk):
             nw = v.shape[3]
             r = cuda.blockIdx.y
             while r < nh * nw:
-                h = r // nw
-                w = r - h * nw
+                h, w = _head_word_cuda(r, nh, nw)
                 layer = cuda.blockIdx.z
                 while layer < n_layers:
                     _copy_word_cuda(v, layer, s, d, h, w)
@@ -127,8 +124,7 @@ def run_plan_lane(arr, moves, r, layer, layer_step):
     nw = arr.shape[3]
     if r >= nh * nw:
         return
-    h = r // nw
-    w = r - h * nw
+    h, w = _head_word_cuda(r, nh, nw)
     while layer < arr.shape[0]:
         for m in range(moves.shape[0]):
             for step in range(moves[m, 2]):

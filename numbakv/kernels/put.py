@@ -18,8 +18,8 @@ import numpy as np
 from numba import cuda, njit, prange, types
 
 from . import _common
-from ._common import (UINT, Desc, MAX_GRID_YZ, block_size, cdiv, desc_of, launch as _launch,
-                      word_size)
+from ._common import (UINT, Desc, MAX_GRID_YZ, block_size, cdiv, desc_of, head_word,
+                      launch as _launch, word_size)
 from ._registry import cuda_device, cuda_kernel, element
 
 
@@ -43,6 +43,7 @@ _slot_of_cuda = slot_of.cuda
 _put_word_cuda = put_word.cuda
 _slot_of_cpu = slot_of.cpu
 _put_word_cpu = put_word.cpu
+_head_word_cuda = head_word.cuda
 
 
 @cuda_device
@@ -54,17 +55,12 @@ def put_rows(dst, src, slots, start, r, t, t_step):
     nw = src.shape[2]
     if r >= nh * nw:
         return
-    h = 0
-    if nh > 1:
-        h = r // nw
-    w = r - h * nw
+    h, w = _head_word_cuda(r, nh, nw)
     while t < src.shape[0]:
         slot = _slot_of_cuda(slots, start, t)
         if slot >= 0:
             _put_word_cuda(dst, src, slot, t, h, w)
         t += t_step
-
-
 
 
 def _arr(dt, nd):
@@ -102,8 +98,7 @@ def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_cell_fast, nxk):
             nw = v_src.shape[2]
             r = cuda.blockIdx.y
             while r < nh * nw:
-                h = r // nw
-                w = r - h * nw
+                h, w = _head_word_cuda(r, nh, nw)
                 _put_word_cuda(v_dst, v_src, slot, t, h, w)
                 r += cuda.gridDim.y
 
