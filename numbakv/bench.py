@@ -460,14 +460,8 @@ class NumbakvContender(_Contender):
                     self.cache.put(k[:n], k[:n])
 
     def step(self):
-        cache, ks, vs = self.cache, self.inputs.k, self.inputs.v
-        cache.start_forward(self.positions, self.seqs)
-        out = None
-        for layer in range(self.layers):
-            cache.set_layer(layer)
-            cache.put(ks[layer], vs[layer])
-            out = cache.get()
-        return out
+        self.start_forward_only()
+        return self.layers_only()
 
     def start_forward_only(self) -> None:
         self.cache.start_forward(self.positions, self.seqs)
