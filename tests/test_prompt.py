@@ -495,3 +495,51 @@ def test_load_slot_checks():
     with pytest.raises(ValueError, match="token ids"):
         other.slot_bytes(0)
     assert pc.load_slot(data) == 1               # None: the LRU free slot
+
+
+# ------------------------------------------------------------------ randomized serving, verified
+def _serve(seed, multi_user, **over):
+    """Many conversations (new ones sharing a system prompt, and follow-up turns of finished
+    ones) served through a PromptCache on a small cache by the demo's run loop, every forward
+    pass checked against the recomputation without the cache (the demo's verification)."""
+    from numbakv.demo import ModelConfig, run_demo
+    model = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                        vocab=128)
+    kw = dict(n_seqs=14, steps=90, n_layers=2, capacity=24, model=model, slots=3, seed=seed,
+              device="cpu", progress=False, plot_path=None, multi_user=multi_user,
+              follow_ups=0.6)
+    kw.update(over)
+    return run_demo(**kw)
+
+
+@pytest.mark.parametrize("multi_user", [True, False], ids=["multi-user", "single-user"])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_many_conversations_equal_recomputation(seed, multi_user):
+    report = _serve(seed, multi_user)
+    assert report.verification.startswith("passed")
+    assert report.verified_tokens == report.prefill_tokens + report.decode_tokens > 0
+    # only what the prompt cache returned was prefilled, plus what a refused shift handed back
+    # (with the token a decoding request was about to feed)
+    refused = sum(kind == "reprocess" for _, kind, _ in report.events)
+    assert report.prefill_tokens <= report.prompt_evaluated + report.reprocessed + refused
+    assert report.follow_ups > 0 and report.shifts > 0
+    n_sys = max(2, 24 // 8)
+    # follow-up turns found their conversations: more reused than system prompts alone
+    assert report.prompt_reused > n_sys * report.started
+    assert (report.copy_prefix > 0) == multi_user
+
+
+def test_a_refused_shift_is_reprocessed_and_still_verifies():
+    """In this workload two follow-ups of one conversation run at once: the second forks the
+    first's 23 tokens, so a shift of either would move shared cells; the cache refuses, the
+    slot is emptied and its kept tokens are evaluated again (ReprocessError), verified."""
+    report = _serve(3, True)
+    assert report.verification.startswith("passed")
+    assert report.reprocessed > 0
+    assert any(kind == "reprocess" for _, kind, _ in report.events)
+
+
+def test_many_conversations_sliding_window():
+    report = _serve(2, True, swa_window=5)
+    assert report.verification.startswith("passed")
+    assert report.prompt_reused > 0 and report.shifts > 0
