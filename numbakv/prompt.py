@@ -33,7 +33,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -367,6 +367,9 @@ class PromptCache:
         Returns the slot. Raises ``NoSlotError`` (no free slot), ``ValueError`` (slot in use) or
         ``StateError`` (no tokens saved, or they do not match the saved positions)."""
         from . import state as state_io
+        if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+            raise ValueError(f"source must be a path or bytes (save_slot / slot_bytes output), "
+                             f"got {type(source).__name__}")
         if slot is None:
             free = [s for s in self.slots if not s.in_use]
             if not free:

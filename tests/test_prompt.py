@@ -275,8 +275,9 @@ def test_load_empties_the_slot_when_removing_the_suffix_fails():
 
 
 # ------------------------------------------------------------------ TestShiftCacheSlot
-def _full_slot(shift="rope"):
-    pc = PromptCache(make_cache(max_seqs=2, capacity=10, shift=shift), clock=Clock())
+def _full_slot(shift="rope", device="cpu"):
+    pc = PromptCache(make_cache(max_seqs=2, capacity=10, shift=shift, device=device),
+                     clock=Clock())
     tokens = list(range(1, 11))
     slot, remaining = pc.load(tokens)
     evaluate(pc.cache, slot, 0, remaining)
@@ -284,8 +285,8 @@ def _full_slot(shift="rope"):
     return pc, slot, tokens
 
 
-def test_shift_cache_slot_remove_succeeds():
-    pc, slot, tokens = _full_slot()
+def test_shift_cache_slot_remove_succeeds(device):
+    pc, slot, tokens = _full_slot(device=device)
     assert pc.shift(slot, 2) == 4               # num_ctx 10, keep 2: discard 4
     assert pc.inputs(slot) == [1, 2, 7, 8, 9, 10]
     # the cache dropped positions 2..5 and moved 6..9 down to 2..5, keys re-rotated
@@ -461,12 +462,9 @@ def test_a_saved_slot_survives_a_restart_and_is_prefix_matched(kind, as_bytes, t
     # the next turn of the conversation reuses all of it
     slot2, rem2 = restarted.load(conversation + [11, 12])
     assert (slot2, rem2) == (1, [11, 12])
+    # the restored sequence holds the saved keys (the full-attention group of the wrapper)
     holder = restarted.cache if kind == "causal" else restarted.cache.caches[1]
-    assert_holds(holder, 1, conversation) if kind == "causal" else None
-    got = seq_keys(holder, 1)
-    key, _ = token_kv(conversation, np.arange(len(conversation)))
-    np.testing.assert_allclose(np.stack([got[p] for p in range(len(conversation))]), key,
-                               atol=2e-6)
+    assert_holds(holder, 1, conversation)
 
 
 def test_load_slot_checks():
@@ -494,6 +492,8 @@ def test_load_slot_checks():
     other.slots[0].inputs = ["image"]
     with pytest.raises(ValueError, match="token ids"):
         other.slot_bytes(0)
+    with pytest.raises(ValueError, match="source"):
+        pc.load_slot(123)
     assert pc.load_slot(data) == 1               # None: the LRU free slot
 
 
