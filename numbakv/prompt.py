@@ -271,17 +271,12 @@ class PromptCache:
 
     # ------------------------------------------------------------------ per slot
     def extend(self, slot: int, inputs: Sequence[Hashable]) -> None:
-        """Record that ``inputs`` were evaluated into ``slot``'s sequence, at positions
-        ``len(self.inputs(slot))`` onwards (the cache must already hold them: checked against
-        ``seq_pos_max``)."""
+        """Record that ``inputs`` were (or are being) evaluated into ``slot``'s sequence, at
+        positions ``len(self.inputs(slot))`` onwards. Bookkeeping only, as Ollama's runner
+        appends to a slot's inputs while it builds a batch; ``save_slot`` checks the record
+        against what the cache holds."""
         state = self._slot(slot, in_use=True)
         inputs = _check_inputs("inputs", inputs, allow_empty=True)
-        total = len(state.inputs) + len(inputs)
-        held = self.cache.seq_pos_max(state.slot) + 1
-        if held < total:
-            raise ValueError(f"inputs: slot {state.slot} would hold {total} inputs but its "
-                             f"sequence holds positions up to {held - 1}; evaluate them "
-                             "(start_forward at the next positions) before extend")
         state.inputs.extend(inputs)
 
     def inputs(self, slot: int) -> list:
@@ -317,7 +312,7 @@ class PromptCache:
         If the cache refuses (``NotSupportedError``: no shift function, or cells shared with
         another sequence would move), the slot is emptied and ``ReprocessError`` is raised with
         ``inputs`` = the kept inputs, to evaluate again from position 0."""
-        state = self._slot(slot, in_use=True)
+        state = self._slot(slot)
         num_keep = self._check_keep(num_keep)
         discard = self.shift_discard(len(state.inputs), num_keep)
         if discard <= 0:

@@ -358,17 +358,19 @@ def test_every_slot_in_use_and_release_frees_one():
     assert pc.load([3])[0] == b
 
 
-def test_extend_is_checked_against_the_cache():
+def test_extend_records_inputs_of_a_slot_in_use():
     pc = PromptCache(make_cache(), clock=Clock())
     slot, rem = pc.load([1, 2, 3])
-    with pytest.raises(ValueError, match="evaluate"):
-        pc.extend(slot, rem)                     # not evaluated yet
     evaluate(pc.cache, slot, 0, rem)
-    pc.extend(slot, rem)
+    pc.extend(slot, rem[:1])
+    pc.extend(slot, np.array(rem[1:]))
     assert pc.inputs(slot) == [1, 2, 3]
+    with pytest.raises(ValueError, match="inputs"):
+        pc.extend(slot, [[4]])
     pc.release(slot)
     with pytest.raises(ValueError, match="not in use"):
         pc.extend(slot, [4])
+    assert pc.inputs(slot) == [1, 2, 3]
 
 
 def test_arguments_are_validated_before_anything_changes():
