@@ -479,7 +479,8 @@ class DemoReport:
                           f"{self.final_cells}/{self.n_cells}"),
             ("defrags", str(self.defrags)),
             ("context shifts", f"{self.shifts} ({self.shifted_tokens} tokens discarded)"),
-            ("copy_prefix reuses", f"{self.copy_prefix} (system prompt shared, not recomputed)"),
+            ("copy_prefix reuses", f"{self.copy_prefix} (prefixes of other sequences forked "
+                                   "by the prompt cache, not recomputed)"),
             ("prompt cache", f"{self.prompt_reused} prompt tokens reused, "
                              f"{self.prompt_evaluated} evaluated ({self.prompt_reuse:.0%} "
                              f"reused; {self.follow_ups} follow-up turns)"),
