@@ -11,9 +11,12 @@ from .device import resolve_device
 from .simple import RotatingCache, StepCache
 from .causal import CausalCache
 from .wrappers import EncoderCache, WrapperCache
+from .errors import NoSlotError, ReprocessError
+from .prompt import PromptCache
 
 __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotSupportedError",
            "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "WrapperCache",
            "EncoderCache", "__version__"]
+__all__ += ["PromptCache", "NoSlotError", "ReprocessError"]

@@ -7,11 +7,14 @@ CPU; no framework needed):
   ``get()``'s keys, values and mask, a SwiGLU MLP; seeded random weights, float32 math, keys and
   values stored in the cache's dtype.
 * ``Workload``: a deterministic serving trace: requests arriving and finishing at different
-  times, chunked prefill mixed with decode in the same batch, a shared system prompt that new
-  requests take from a sequence already holding it with ``copy_prefix`` (as Ollama's runner
-  reuses another slot's prefix), context shift when a sequence reaches its capacity (keep the first tokens, drop half of the rest, like Ollama's
-  runner: ``remove`` + rotary re-rotation of the keys that move), finished sequences removed,
-  and the automatic defrag when fragmentation leaves no contiguous run for a batch.
+  times, chunked prefill mixed with decode in the same batch, a shared system prompt, and
+  follow-up turns of earlier conversations. Requests are served through ``nkv.PromptCache``
+  (Ollama's runner slot logic): a new request takes the slot holding its longest prefix, a
+  shared system prompt is forked from another sequence with ``copy_prefix``, a follow-up turn
+  reuses its conversation still cached in a released slot, and context shift (keep the first
+  tokens, drop half of the rest: ``remove`` + rotary re-rotation of the keys that move) runs
+  through ``PromptCache.shift``; the automatic defrag runs when fragmentation leaves no
+  contiguous run for a batch.
 * Verification at every step: each token's logits equal a recomputation without the cache, and
   every cell a batch reads holds the layer-0 key and value of its (sequence, position), freshly
   computed from the token id and position (the keys moved by a shift included). A mismatch raises
@@ -35,6 +38,8 @@ import numpy as np
 from .causal import CausalCache
 from .config import CacheConfig, RopeShift, normalize_dtype
 from .device import array_module, resolve_device, synchronize
+from .errors import NoSlotError, ReprocessError
+from .prompt import PromptCache
 
 #: Owner codes in the occupancy picture besides request ids (>= 0).
 FREE = -1
@@ -262,12 +267,14 @@ class _RefSeq:
         self.shifted_from: Optional[int] = None  # positions >= this were moved by a shift
 
     def prefix(self, length: int) -> "_RefSeq":
-        """A new sequence holding this one's first ``length`` tokens (never moved by a shift,
-        which keeps at least those)."""
+        """A new sequence holding this one's first ``length`` tokens, as the cache's
+        ``copy_prefix`` (or a prompt cache reusing a slot's prefix) leaves them: same layer
+        inputs, same positions (those a shift moved stay marked as moved)."""
         new = _RefSeq.__new__(_RefSeq)
         new.tokens = self.tokens[:length]
         new.inputs = [a[:length] for a in self.inputs]
-        new.shifted_from = None
+        new.shifted_from = self.shifted_from if self.shifted_from is not None and \
+            self.shifted_from < length else None
         return new
 
     def drop(self, begin: int, end: int, xp) -> None:
@@ -306,13 +313,16 @@ def reference_forward(model: TinyLlama, ref: _RefSeq, new_tokens: Sequence[int],
 @dataclass(frozen=True)
 class Request:
     """One request: it arrives at step ``arrival`` with ``prompt`` (after the system prompt when
-    ``system``) and generates ``n_decode`` tokens."""
+    ``system``) and generates ``n_decode`` tokens. A follow-up turn (``follows`` = an earlier
+    request's id) starts once that request is done; its prompt is that conversation so far (what
+    the model saw, then its last generated token) followed by ``prompt``."""
 
     rid: int
     arrival: int
     prompt: Tuple[int, ...]
     n_decode: int
     system: bool
+    follows: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -332,21 +342,29 @@ class Workload:
 
     @classmethod
     def generate(cls, n_seqs: int, steps: int, *, capacity: int = 64, seed: int = 0,
-                 vocab: int = 256, slots: Optional[int] = None) -> "Workload":
+                 vocab: int = 256, slots: Optional[int] = None,
+                 follow_ups: float = 0.25) -> "Workload":
         """``n_seqs`` requests over ``steps`` steps, sized relative to ``capacity`` (the tokens a
         sequence may hold): a system prompt of ``capacity/8`` tokens; prompts of 1/8 to 1/2 of
         the capacity, prefilled in chunks of ``capacity/4`` tokens mixed with the decode tokens
         of the running requests; 1/4 to 3/4 of the capacity generated. The first request
         generates 1.5x the capacity, so it is context-shifted; the first requests arrive at
         once, the others over the first 60% of the steps; three in four use the system prompt
-        (the first two always do); at most ``slots`` (default 4) are served at a time."""
+        (the first two always do); at most ``slots`` (default 4) are served at a time. A
+        fraction ``follow_ups`` of the requests after the first two are follow-up turns of an
+        earlier conversation (drawn from their own random stream, so the rest of the trace does
+        not depend on it)."""
         if capacity < 16:
             raise ValueError(f"capacity must be >= 16 for the demo's workload, got {capacity}")
         if n_seqs < 1:
             raise ValueError(f"n_seqs must be >= 1, got {n_seqs}")
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
+        if isinstance(follow_ups, bool) or not isinstance(follow_ups, (int, float)) \
+                or not 0 <= follow_ups <= 1:
+            raise ValueError(f"follow_ups must be a fraction in [0, 1], got {follow_ups!r}")
         rng = np.random.default_rng(seed)
+        turns = np.random.default_rng([seed, 1])
         slots = min(4, n_seqs) if slots is None else slots
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -363,7 +381,12 @@ class Workload:
             if rid == 0:
                 n_decode = capacity + capacity // 2
             prompt = tuple(int(t) for t in rng.integers(0, vocab, n_prompt))
-            requests.append(Request(rid, arrivals[rid], prompt, n_decode, system))
+            follows = None
+            if rid >= 2 and turns.random() < follow_ups:
+                follows = int(turns.integers(1, rid))   # not request 0: it runs long
+                system = requests[follows].system   # the conversation starts as it did
+                prompt = prompt[:max(1, n_prompt // 2)]
+            requests.append(Request(rid, arrivals[rid], prompt, n_decode, system, follows))
         return cls(system_prompt, tuple(requests), capacity, slots, max(4, capacity // 4))
 
 
@@ -399,6 +422,10 @@ class DemoReport:
     shifts: int = 0
     shifted_tokens: int = 0
     copy_prefix: int = 0
+    prompt_reused: int = 0        # prompt tokens the prompt cache found in the cache
+    prompt_evaluated: int = 0     # prompt tokens it returned to be evaluated
+    follow_ups: int = 0           # follow-up turns started
+    reprocessed: int = 0          # tokens re-evaluated after a refused context shift
     served: int = 0
     started: int = 0
     verified_tokens: int = 0
@@ -416,6 +443,11 @@ class DemoReport:
     def steps_recorded(self) -> int:
         """Rows of ``owners``: every step, idle ones (nothing arrived yet) included."""
         return 0 if self.owners is None else len(self.owners)
+
+    @property
+    def prompt_reuse(self) -> float:
+        """Fraction of the prompt tokens the prompt cache did not have to evaluate."""
+        return self.prompt_reused / max(self.prompt_reused + self.prompt_evaluated, 1)
 
     @property
     def forward_time(self) -> float:
@@ -447,7 +479,11 @@ class DemoReport:
                           f"{self.final_cells}/{self.n_cells}"),
             ("defrags", str(self.defrags)),
             ("context shifts", f"{self.shifts} ({self.shifted_tokens} tokens discarded)"),
-            ("copy_prefix reuses", f"{self.copy_prefix} (system prompt shared, not recomputed)"),
+            ("copy_prefix reuses", f"{self.copy_prefix} (prefixes of other sequences forked "
+                                   "by the prompt cache, not recomputed)"),
+            ("prompt cache", f"{self.prompt_reused} prompt tokens reused, "
+                             f"{self.prompt_evaluated} evaluated ({self.prompt_reuse:.0%} "
+                             f"reused; {self.follow_ups} follow-up turns)"),
             ("sequences served", f"{self.served} finished of {self.requests} "
                                  f"({self.started} started)"),
             ("verification", self.verification),
@@ -515,7 +551,6 @@ class _Live:
         self.pending = pending        # tokens still to feed (prompt, or the last generated one)
         self.generated = 0
         self.prefilling = True
-        self.started = False          # its prefill has begun (system prompt shared or queued)
 
 
 def _tolerances(dtype: str) -> Tuple[float, float]:
@@ -596,7 +631,7 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
              device: str = "auto", seed: int = 0, capacity: int = 64, progress: bool = True,
              plot_path: Optional[str] = "numbakv_demo.png", *, dtype: str = "float32",
              model: Optional[ModelConfig] = None, slots: Optional[int] = None,
-             verify: bool = True,
+             verify: bool = True, multi_user: bool = True, follow_ups: float = 0.25,
              after_step: Optional[Callable[[CausalCache, int, Dict[int, int]], None]] = None
              ) -> DemoReport:
     """Serve ``n_seqs`` requests of a seeded ``Workload`` with a ``TinyLlama`` of ``n_layers``
@@ -616,6 +651,11 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
         model: shapes of the model (``n_layers`` overrides its layer count).
         slots: sequences served at once (default ``min(4, n_seqs)``).
         verify: compare with the recomputation without the cache (on by default).
+        multi_user: the prompt cache picks slots as Ollama's ``OLLAMA_MULTIUSER_CACHE`` does
+            (forking shared prefixes with ``copy_prefix``); False: the free slot with the longest
+            common prefix.
+        follow_ups: fraction of the requests that are follow-up turns of an earlier
+            conversation (see ``Workload.generate``).
         after_step: called as ``after_step(cache, step, running)`` after each step's
             verification, with ``running`` mapping each busy sequence id to the tokens its
             request still has to generate (tests use it to corrupt the cache).
@@ -629,7 +669,7 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
     if model_cfg.n_layers != n_layers:
         model_cfg = dataclasses.replace(model_cfg, n_layers=n_layers)
     work = Workload.generate(n_seqs, steps, capacity=capacity, seed=seed, vocab=model_cfg.vocab,
-                             slots=slots)
+                             slots=slots, follow_ups=follow_ups)
     if swa_window is not None:
         if isinstance(swa_window, bool) or not isinstance(swa_window, (int, np.integer)) \
                 or swa_window < 1:
@@ -653,10 +693,12 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
     cache = CausalCache(cfg, shift=net.rope_shift, swa_window=swa_window)
     report.n_cells = cache.n_cells
 
+    pc = PromptCache(cache, multi_user=multi_user)
     queue = list(work.requests)
-    free_slots = list(range(work.slots))
     live: Dict[int, _Live] = {}
-    slot_owner: Dict[int, int] = {}
+    slot_refs: Dict[int, _RefSeq] = {}      # what each slot's sequence holds, for the reference
+    slot_owner: Dict[int, int] = {}         # the request whose conversation a slot holds
+    transcripts: Dict[int, List[int]] = {}  # finished conversations, for their follow-up turns
     owners_rows: List[np.ndarray] = []
     events = report.events
     sys_prompt = list(work.system_prompt)
@@ -674,30 +716,73 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
                             defrag=report.defrags, shift=report.shifts, refresh=False)
             bar.update(1)
 
-    def _start_prefill(s: _Live) -> bool:
-        """Whether ``s`` prefills this step. A request with the system prompt first looks for a
-        sequence holding it (its first tokens never move: a shift keeps them) and shares those
-        cells with ``copy_prefix``, as Ollama's runner reuses another slot's prefix; while
-        another request is still prefilling the prompt it waits for it; else it prefills the
-        system prompt itself."""
-        if not s.req.system or s.started:
-            return True
-        for other in live.values():
-            if (other is not s and other.req.system and len(other.ref.tokens) >= n_sys
-                    and cache.seq_pos_min(other.slot) == 0):  # a window may have dropped it
-                cache.copy_prefix(other.slot, s.slot, n_sys)
-                s.ref = other.ref.prefix(n_sys)
-                report.copy_prefix += 1
-                events.append((step, "copy_prefix", f"request {s.req.rid} shares the system "
-                               f"prompt ({n_sys} tokens) of request {other.req.rid}"))
-                s.started = True
-                return True
-        if any(o is not s and o.req.system and o.started and len(o.ref.tokens) < n_sys
-               for o in live.values()):
-            return False
-        s.pending = sys_prompt + s.pending
-        s.started = True
-        return True
+    def _prompt_of(req: Request) -> Optional[List[int]]:
+        """The request's whole prompt, or None while it must wait: a follow-up until its
+        conversation is done; a new request with the system prompt while another one is still
+        prefilling it (then it can fork the prompt instead of computing it again)."""
+        if req.follows is not None:
+            if req.follows not in transcripts:
+                return None
+            return transcripts[req.follows] + list(req.prompt)
+        if req.system and any(o.req.system and o.req.follows is None and len(o.ref.tokens) < n_sys
+                              for o in live.values()):
+            return None
+        return (sys_prompt if req.system else []) + list(req.prompt)
+
+    def _admit(req: Request, prompt: List[int]) -> None:
+        """Load ``req``'s prompt into the slot the prompt cache picks; the reference takes the
+        reused prefix from the sequence the cache took it from."""
+        slot, remaining = pc.load(prompt)
+        info = pc.last_load
+        if info.reused == 0:
+            ref = _RefSeq(model_cfg.n_layers, model_cfg.d_model, xp)
+        else:
+            source = slot if info.forked_from is None else info.forked_from
+            ref = slot_refs[source].prefix(info.reused)
+        if info.forked_from is not None:
+            report.copy_prefix += 1
+            events.append((step, "copy_prefix", f"request {req.rid} shares {info.reused} tokens "
+                           f"of sequence {info.forked_from} (request "
+                           f"{slot_owner.get(info.forked_from)})"))
+        s = _Live(req, slot, ref, list(remaining))
+        live[slot] = s
+        slot_refs[slot] = ref
+        slot_owner[slot] = req.rid
+        report.started += 1
+        report.follow_ups += req.follows is not None
+        report.prompt_reused += info.reused
+        report.prompt_evaluated += len(remaining)
+        events.append((step, "arrive", f"request {req.rid} in sequence {slot}: {info.reused} of "
+                       f"{len(prompt)} prompt tokens cached"))
+
+    def _make_room(slot: int, chunk: List[int]) -> List[int]:
+        """Context shift before ``slot`` would outgrow its capacity, as Ollama's runner does
+        (``PromptCache.shift``: keep the system prompt, drop half of the rest). Returns the part
+        of ``chunk`` that fits this step; when the cache refuses the shift, the kept tokens go
+        back to be evaluated again and nothing of the request runs this step."""
+        s = live[slot]
+        have = len(s.ref.tokens)
+        if have + len(chunk) <= capacity:
+            return chunk
+        try:
+            discard = pc.shift(slot, work.num_keep)
+        except ReprocessError as exc:
+            s.ref = slot_refs[slot] = _RefSeq(model_cfg.n_layers, model_cfg.d_model, xp)
+            s.pending = list(exc.inputs) + s.pending
+            s.prefilling = True
+            report.reprocessed += len(exc.inputs)
+            events.append((step, "reprocess", f"request {s.req.rid}: the cache refused the "
+                           f"shift, {len(exc.inputs)} tokens evaluated again"))
+            return []
+        if discard:
+            keep = work.num_keep
+            s.ref.drop(keep, keep + discard, xp)
+            s.ref.shifted_from = keep
+            report.shifts += 1
+            report.shifted_tokens += discard
+            events.append((step, "shift", f"request {s.req.rid}: kept {keep}, "
+                           f"discarded {discard} of {have} tokens"))
+        return chunk[:capacity - len(s.ref.tokens)]
 
     bar = None
     if progress:
@@ -705,43 +790,34 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
         bar = tqdm(total=steps, desc="numbakv demo", unit="step", leave=True, file=sys.stderr)
     try:
         for step in range(steps):
-            # -- admit arrived requests into free sequences
-            while queue and queue[0].arrival <= step and free_slots:
-                req = queue.pop(0)
-                slot = free_slots.pop(0)
-                live[slot] = _Live(req, slot, _RefSeq(model_cfg.n_layers, model_cfg.d_model, xp),
-                                   list(req.prompt))
-                slot_owner[slot] = req.rid
-                report.started += 1
-                events.append((step, "arrive", f"request {req.rid} in sequence {slot}"))
+            # -- admit arrived requests into the slots the prompt cache picks
+            for req in [r for r in queue if r.arrival <= step]:
+                prompt = _prompt_of(req)
+                if prompt is None:
+                    continue
+                try:
+                    _admit(req, prompt)
+                except NoSlotError:  # every slot is serving a request: wait for one
+                    break
+                queue.remove(req)
             if not live and not queue:
                 break
 
-            # -- the batch: every decoding sequence's next token, then prefill chunks
+            # -- the batch: every decoding sequence's next token, then prefill chunks, each
+            # shifted first if it would overflow its sequence
             parts: List[Tuple[int, List[int]]] = []   # (sequence, tokens)
             for slot, s in live.items():
                 if not s.prefilling:
-                    parts.append((slot, s.pending[:1]))
+                    chunk = _make_room(slot, s.pending[:1])
+                    if chunk:
+                        parts.append((slot, chunk))
             budget = work.prefill_chunk
             for slot, s in live.items():
-                if s.prefilling and budget > 0 and _start_prefill(s):
-                    parts.append((slot, s.pending[:budget]))
-                    budget -= len(parts[-1][1])
-            # -- context shift, as Ollama's runner does before a sequence would overflow
-            for slot, chunk in parts:
-                s = live[slot]
-                have = len(s.ref.tokens)
-                if have + len(chunk) > capacity:
-                    keep = work.num_keep
-                    discard = max((capacity - keep) // 2 - (capacity - have),
-                                  have + len(chunk) - capacity, 1)
-                    cache.remove(slot, keep, keep + discard)
-                    s.ref.drop(keep, keep + discard, xp)
-                    s.ref.shifted_from = keep
-                    report.shifts += 1
-                    report.shifted_tokens += discard
-                    events.append((step, "shift", f"request {s.req.rid}: kept {keep}, "
-                                   f"discarded {discard} of {have} tokens"))
+                if s.prefilling and budget > 0:
+                    chunk = _make_room(slot, s.pending[:budget])
+                    if chunk:
+                        parts.append((slot, chunk))
+                        budget -= len(chunk)
             tokens, positions, seqs = [], [], []
             for slot, chunk in parts:
                 start = len(live[slot].ref.tokens)
@@ -785,6 +861,12 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
             else:  # keep the token lists in step without computing anything
                 for slot, chunk in parts:
                     live[slot].ref.tokens.extend(chunk)
+            for slot, chunk in parts:
+                pc.extend(slot, chunk)
+                if verify and pc.inputs(slot) != live[slot].ref.tokens:
+                    raise DemoVerificationError(
+                        f"step {step}: the prompt cache records other tokens for sequence "
+                        f"{slot} than it holds")
             report.verify_time += time.perf_counter() - t_verify
 
             # -- sample, advance, finish
@@ -798,16 +880,17 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
                     continue
                 s.prefilling = False
                 s.generated += 1
+                sampled = int(np.argmax(host_logits[row - 1]))
                 if s.generated >= s.req.n_decode:
-                    cache.remove(slot, 0)   # the request is done: free its cells
+                    # the request is done: its slot stays cached for later prompts
+                    transcripts[s.req.rid] = pc.inputs(slot) + [sampled]
+                    pc.release(slot)
                     del live[slot]
-                    slot_owner.pop(slot, None)
-                    free_slots.append(slot)
                     report.served += 1
                     events.append((step, "finish", f"request {s.req.rid} done: "
                                    f"{s.req.n_decode} tokens generated"))
                 else:
-                    s.pending = [int(np.argmax(host_logits[row - 1]))]
+                    s.pending = [sampled]
             _end_step()
     finally:
         if bar is not None:
@@ -828,11 +911,32 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
 def _verify_step(net: TinyLlama, cache: CausalCache, step: int, parts, logits, live,
                  dtype: str, window: Optional[int], logit_tol: float, kv_tol: float,
                  report: DemoReport) -> None:
-    """Check one step, for each sequence of the batch: (1) the rows of ``get()``'s range that
-    hold the sequence hold each position it needs exactly once, with the layer-0 key and value of
-    the token at that position recomputed from its id (keys moved by a context shift included);
-    (2) each token's logits equal ``reference_forward``'s, computed without the cache."""
+    """``verify_forward`` for one step of the demo's run."""
+    verify_forward(net, cache, parts, logits, {slot: live[slot].ref for slot, _ in parts},
+                   dtype=dtype, window=window, report=report, where=f"step {step}",
+                   names={slot: f"request {live[slot].req.rid}" for slot, _ in parts},
+                   tolerances=(logit_tol, kv_tol))
+
+
+def verify_forward(net: TinyLlama, cache: CausalCache, parts: Sequence[Tuple[int, Sequence[int]]],
+                   logits, refs: Dict[int, _RefSeq], *, dtype: str, window: Optional[int] = None,
+                   report: Optional[DemoReport] = None, where: str = "forward pass",
+                   names: Optional[Dict[int, str]] = None,
+                   tolerances: Optional[Tuple[float, float]] = None) -> DemoReport:
+    """Check a forward pass of ``net.forward_cached`` over ``parts`` (``(sequence, tokens)`` in
+    batch order; ``logits`` ``[batch, vocab]``), for each sequence: (1) the rows of ``get()``'s
+    range that hold the sequence hold each position it needs exactly once, with the layer-0 key
+    and value of the token at that position recomputed from its id (keys moved by a context shift
+    included); (2) each token's logits equal ``reference_forward``'s over ``refs[sequence]``
+    (what the sequence held before the pass; it records the new tokens), computed without the
+    cache. Raises ``DemoVerificationError`` naming ``where`` and the sequence; returns ``report``
+    (a new one when None) with the counts and largest differences added."""
     xp = net.xp
+    if report is None:
+        report = DemoReport(device=cache.device, dtype=dtype, n_layers=net.config.n_layers,
+                            swa_window=window, n_cells=cache.n_cells,
+                            capacity=cache.config.capacity, requests=0)
+    logit_tol, kv_tol = tolerances or _tolerances(dtype)
     host_logits = _to_host(logits)
     cache.set_layer(0)
     keys, values, _ = cache.get()
@@ -840,9 +944,8 @@ def _verify_step(net: TinyLlama, cache: CausalCache, step: int, parts, logits, l
     values = _to_host(from_storage(values, dtype, xp))
     row = 0
     for slot, chunk in parts:
-        s = live[slot]
-        ref = s.ref
-        who = f"request {s.req.rid}"
+        ref = refs[slot]
+        who = (names or {}).get(slot, f"sequence {slot}")
         first_new = len(ref.tokens)
         seq_tokens = np.asarray(ref.tokens + list(chunk), np.int64)
         n = len(seq_tokens)
@@ -853,7 +956,7 @@ def _verify_step(net: TinyLlama, cache: CausalCache, step: int, parts, logits, l
         if len(np.unique(pos)) != len(pos) or (pos >= n).any() or \
                 not np.isin(np.arange(need_from, n), pos).all():
             raise DemoVerificationError(
-                f"step {step}: the cells of {who} (sequence {slot}) in get()'s range hold "
+                f"{where}: the cells of {who} (sequence {slot}) in get()'s range hold "
                 f"positions {sorted(pos.tolist())}; expected each of {need_from}..{n - 1} once")
         k_exp, v_exp = net.key_value(0, net.embed[xp.asarray(seq_tokens[pos])], xp.asarray(pos))
         k_exp = _to_host(quantize(k_exp, dtype, xp))
@@ -873,7 +976,7 @@ def _verify_step(net: TinyLlama, cache: CausalCache, step: int, parts, logits, l
             bad = np.abs(keys[rows] - k_exp).reshape(len(rows), -1).max(axis=1) > \
                 kv_tol + kv_tol * np.abs(k_exp).reshape(len(rows), -1).max(axis=1)
             raise DemoVerificationError(
-                f"step {step}: layer-0 {what} of {who} (sequence {slot}) in the cache differ "
+                f"{where}: layer-0 {what} of {who} (sequence {slot}) in the cache differ "
                 f"from the ones recomputed from its tokens at their positions: max |diff| "
                 f"{max(err_k, err_v):.3g} > tolerance {kv_tol:g}"
                 + (" (keys re-rotated by a context shift)" if not ok_k and (bad & moved).any()
@@ -888,11 +991,12 @@ def _verify_step(net: TinyLlama, cache: CausalCache, step: int, parts, logits, l
         if not ok:
             bad_row = int(np.argmax(np.abs(got - expect).max(axis=1)))
             raise DemoVerificationError(
-                f"step {step}: the logits of {who} (sequence {slot}) at position "
+                f"{where}: the logits of {who} (sequence {slot}) at position "
                 f"{first_new + bad_row} differ from the recomputation without the cache: max "
                 f"|diff| {err:.3g} > tolerance {logit_tol:g}; the cache returned wrong keys, "
                 "values or mask")
         report.verified_tokens += len(chunk)
+    return report
 
 
 # ---------------------------------------------------------------------------- the picture
@@ -971,6 +1075,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="K/V storage dtype (default float32: the tightest verification)")
     p.add_argument("--seed", type=int, default=0, help="workload and weights seed")
+    p.add_argument("--single-user", action="store_true",
+                   help="prompt cache slot choice without forks (Ollama's default; the demo "
+                        "uses OLLAMA_MULTIUSER_CACHE's by default)")
     p.add_argument("--png", default="numbakv_demo.png", metavar="PATH",
                    help="where to save the occupancy picture (default numbakv_demo.png)")
     p.add_argument("--no-plot", action="store_true", help="do not save the picture")
@@ -986,6 +1093,7 @@ def main(args: argparse.Namespace) -> int:
         report = run_demo(args.seqs, args.steps, args.layers, swa_window=args.swa,
                           device=args.device, seed=args.seed, capacity=args.capacity,
                           dtype=args.dtype, progress=not args.quiet,
+                          multi_user=not args.single_user,
                           plot_path=None if args.no_plot else args.png)
     except DemoVerificationError as exc:
         print(f"numbakv demo: VERIFICATION FAILED: {exc}", file=sys.stderr)
@@ -1005,3 +1113,4 @@ def main(args: argparse.Namespace) -> int:
 __all__ = ["TinyLlama", "ModelConfig", "Workload", "Request", "DemoReport",
            "DemoVerificationError", "run_demo", "reference_forward", "cell_owners",
            "save_picture", "add_parser", "main"]
+__all__ += ["verify_forward"]

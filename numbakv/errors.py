@@ -20,4 +20,28 @@ class StateError(KVCacheError):
     cache it is loaded into."""
 
 
-__all__ = ["KVCacheError", "KVCacheFullError", "NotSupportedError", "StateError"]
+class NoSlotError(KVCacheError):
+    """Every slot of a ``PromptCache`` is in use: no sequence can take a new prompt (Ollama's
+    runner: "no available cache slots")."""
+
+
+class ReprocessError(KVCacheError):
+    """A context shift the cache refused (no shift function, or cells shared with another
+    sequence would move): the slot was emptied, and ``inputs`` (the kept inputs, in order) must
+    be evaluated into it again (Ollama's ``ErrReprocessInputs``)."""
+
+    def __init__(self, message: str = "", *, inputs) -> None:
+        self.inputs = list(inputs)
+        super().__init__(message or "the cache cannot shift this sequence: it was emptied and "
+                         f"its {len(self.inputs)} kept inputs need evaluating again")
+
+    def __reduce__(self):  # keyword-only ``inputs``: pickle through a helper
+        return (_reprocess_error, (str(self), self.inputs))
+
+
+def _reprocess_error(message: str, inputs) -> ReprocessError:
+    return ReprocessError(message, inputs=inputs)
+
+
+__all__ = ["KVCacheError", "KVCacheFullError", "NotSupportedError", "StateError", "NoSlotError",
+           "ReprocessError"]

@@ -60,7 +60,10 @@ def test_default_run_shows_every_feature():
     assert report.verification.startswith("passed")
     assert report.n_layers == 4 and report.requests == 8 and report.n_cells == 4 * 64
     assert report.shifts >= 1 and report.defrags >= 1 and report.copy_prefix >= 1
-    assert report.served == 8 and report.final_cells == 0
+    # finished conversations stay cached in their slots for later prompts (the prompt cache)
+    assert report.served == 8 and report.final_cells > 0
+    assert report.prompt_reused > 0
+    assert report.prompt_evaluated + report.reprocessed == report.prefill_tokens
     assert report.peak_cells > report.n_cells // 2
 
 
@@ -254,3 +257,34 @@ def test_cli_demo_bad_option_exits_two(tmp_path):
                           timeout=300)
     assert proc.returncode == 2
     assert "swa_window" in proc.stderr
+
+
+def test_demo_reports_prompt_cache_reuse():
+    """The workload runs through nkv.PromptCache: the summary reports prompt tokens reused vs
+    evaluated, and follow-up turns find their conversations in released slots."""
+    report = run_demo(**tiny("cpu", n_seqs=8, steps=60, follow_ups=0.6))
+    assert report.verification.startswith("passed")
+    assert report.follow_ups > 0 and report.prompt_reused > 0
+    assert report.prefill_tokens <= report.prompt_evaluated + report.reprocessed + \
+        sum(kind == "reprocess" for _, kind, _ in report.events)
+    row = next(line for line in report.table().splitlines() if line.startswith("prompt cache"))
+    assert f"{report.prompt_reused} prompt tokens reused" in row
+    assert f"{report.prompt_evaluated} evaluated" in row
+
+
+def test_demo_single_user_slot_choice_never_forks():
+    report = run_demo(**tiny("cpu", multi_user=False))
+    assert report.verification.startswith("passed")
+    assert report.copy_prefix == 0 and report.prompt_reused > 0
+
+
+def test_workload_follow_ups():
+    w = Workload.generate(12, 100, capacity=32, seed=4, follow_ups=1.0)
+    assert all(r.follows is None for r in w.requests[:2])
+    assert all(r.follows is not None and 1 <= r.follows < r.rid for r in w.requests[2:])
+    # the follow-up draws do not change the rest of the trace
+    plain = Workload.generate(12, 100, capacity=32, seed=4, follow_ups=0.0)
+    assert [r.arrival for r in w.requests] == [r.arrival for r in plain.requests]
+    assert w.system_prompt == plain.system_prompt
+    with pytest.raises(ValueError, match="follow_ups"):
+        Workload.generate(3, 10, capacity=16, follow_ups=2)
