@@ -210,7 +210,8 @@ def rope_shift_for(config, layer_type: Optional[str] = None) -> RopeShift:
         return RopeShift(base=10000.0, dim=dim, neox=neox)
     params, rope_key = _rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type")) or "default"
-    if "mrope_section" in params or getattr(config, "mrope_section", None) or "mrope" in rope_type:
+    if "mrope_section" in params or getattr(config, "mrope_section", None) or "mrope" in rope_type \
+            or _is_mrope_model(model_type):
         raise NotSupportedError(f"{model_type}: M-RoPE (multimodal sections of positions) is not a "
                                 "rotation by one position delta; context shift is not supported")
     if "dynamic" in rope_type:
@@ -237,6 +238,12 @@ def rope_shift_for(config, layer_type: Optional[str] = None) -> RopeShift:
                                 f"cannot express for {dim} rotary dims")
     plain = base ** (-2.0 * np.arange(dim // 2, dtype=np.float64) / dim)
     return RopeShift(base=base, dim=dim, neox=neox, freq_factors=plain / inv_freq)
+
+
+def _is_mrope_model(model_type: str) -> bool:
+    """Vision-language decoders with M-RoPE (Qwen2/2.5/3-VL, GLM-4V), even when the config does
+    not spell out its ``mrope_section``."""
+    return "vl" in model_type.split("_") or model_type.startswith("glm4v")
 
 
 def _check_static_longrope(config, params: dict, model_type: str) -> None:
