@@ -475,3 +475,21 @@ def test_detach_restores_the_model():
     assert_logits(full_logits(model, seq), want, "after detach")
     hf.attach(model, cache)   # and it can be attached again
     hf.detach(model)
+
+
+@pytest.mark.slow
+def test_hf_serve_example(capsys):
+    """examples/hf_serve.py: continuous batching with a shared system prompt, a context shift and
+    a saved/restored conversation, checked against the model's own forward."""
+    import importlib.util
+    import pathlib
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_serve.py"
+    spec = importlib.util.spec_from_file_location("numbakv_example_hf_serve", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example       # its dataclasses look their module up
+    spec.loader.exec_module(example)
+    assert example.main(["--device", "cpu", "--requests", "3", "--context", "28"]) == 0
+    out = capsys.readouterr().out
+    assert "context shift" in out and "restored as sequence" in out
+    assert out.strip().endswith("OK")
