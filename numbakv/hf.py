@@ -459,7 +459,11 @@ class _Binding:
         self.cache.set_layer(layer)
         self.cache.put(k, v)
         self.layer_generation[layer] = self.generation
-        return attend(query[0].transpose(0, 1), self.cache, scale=scaling, soft_cap=softcap)
+        q = query[0].transpose(0, 1)                # [q, H, D]
+        if q.dtype != want:                         # attention in the cache's dtype (a float16
+            q = q.to(want)                          # cache under a float32 model, like llama.cpp)
+        out = attend(q, self.cache, scale=scaling, soft_cap=softcap)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 def _attention_forward(module, query, key, value, attention_mask=None, dropout: float = 0.0,

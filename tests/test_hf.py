@@ -493,3 +493,18 @@ def test_hf_serve_example(capsys):
     out = capsys.readouterr().out
     assert "context shift" in out and "restored as sequence" in out
     assert out.strip().endswith("OK")
+
+
+def test_bfloat16_model():
+    """A bfloat16 model gets a bfloat16 cache (stored as bit patterns, exported as
+    torch.bfloat16) and the logits of its own bfloat16 forward, to bfloat16 precision."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    seq = list(range(1, 12))
+    want = full_logits(model, seq).float()
+    cache = hf.cache_for(model, capacity=16, device="cpu")
+    assert cache.config.dtype == "bfloat16"
+    hf.attach(model, cache)
+    got = torch.cat([run_batch(model, cache, [(0, seq[:7], 0)])[0],
+                     run_batch(model, cache, [(0, seq[7:], 7)])[0]]).float()
+    hf.detach(model)
+    assert float((got - want).abs().max()) <= 4e-2 * float(want.abs().max())
