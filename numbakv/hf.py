@@ -33,7 +33,8 @@ from .wrappers import WrapperCache
 ATTENTION_NAME = "numbakv"
 #: Model types whose rotary pairs are interleaved ``(x[2i], x[2i+1])`` (GPT-J's
 #: ``rotate_every_two``, Cohere's ``rotate_half``); every other model uses NeoX pairs.
-INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2"})
+INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "llama4",
+                                     "llama4_text"})
 #: Model types whose RoPE base is hard-coded to 10000 rather than read from the config.
 _FIXED_BASE_MODEL_TYPES = frozenset({"gptj", "codegen"})
 #: RoPE types whose frequencies transformers derives from a table: read them from its own
@@ -204,6 +205,11 @@ def rope_shift_for(config, layer_type: Optional[str] = None) -> RopeShift:
         raise NotSupportedError(
             f"{model_type}: MLA keys carry a decoupled RoPE part after the un-roped part; a "
             "RopeShift rotates leading dims only, so context shift is not supported")
+    no_rope = getattr(config, "no_rope_layers", None)
+    if no_rope is not None and not all(no_rope):
+        raise NotSupportedError(f"{model_type}: some layers use no RoPE (no_rope_layers), so one "
+                                "RopeShift cannot re-rotate every layer; context shift is not "
+                                "supported")
     neox = model_type not in INTERLEAVED_MODEL_TYPES
     if model_type in _FIXED_BASE_MODEL_TYPES:
         dim = int(getattr(config, "rotary_dim", None) or shapes.head_dim)
@@ -525,6 +531,11 @@ def attach(model, cache) -> None:
     config = _text_config(model)
     shapes = model_shapes(config)
     layers = layer_attention(config)
+    if getattr(config, "attn_temperature_tuning", False) and \
+            not all(getattr(config, "no_rope_layers", None) or [1]):
+        raise NotSupportedError(f"{config.model_type}: attention temperature tuning scales queries "
+                                "by positions counted from 0 in each call, not by position_ids, "
+                                "so a packed batch would be scaled wrongly")
     if len(layer_caches) != shapes.n_layers:
         raise ValueError(f"cache has {len(layer_caches)} layers but the model has "
                          f"{shapes.n_layers} (num_hidden_layers)")
