@@ -64,6 +64,8 @@ def _family_config(name: str, n_layers: int):
                             eos_token_id=2)
     if name == "gpt_neox":
         return T.GPTNeoXConfig(**dict(SMALL, num_hidden_layers=n_layers), rotary_pct=0.25)
+    if name == "cohere":         # interleaved pairs through the standard rotary module
+        return T.CohereConfig(**gqa, logit_scale=1.0)
     if name == "gptj":
         return T.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_head=4, n_layer=n_layers,
                             n_positions=128, rotary_dim=8, n_inner=64)
@@ -71,7 +73,7 @@ def _family_config(name: str, n_layers: int):
 
 
 FAMILIES = ["llama", "llama-linear", "llama-llama3", "llama-yarn", "mistral", "qwen2",
-            "qwen2-sliding", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "gptj"]
+            "qwen2-sliding", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "gptj", "cohere"]
 
 
 def tiny_model(name: str, n_layers: int = 2):
