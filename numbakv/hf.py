@@ -1,0 +1,670 @@
+"""Hugging Face transformers integration: serve a transformers model through a numbakv cache.
+
+    from numbakv import hf
+    cache = hf.cache_for(model, capacity=4096, max_seqs=8)      # shapes, windows, RoPE from config
+    hf.attach(model, cache)                                    # attention now reads/writes `cache`
+    cache.start_forward(positions, seqs)                       # a packed batch of many sequences
+    logits = model(input_ids=tokens[None], position_ids=positions[None]).logits[0]
+
+The model keeps its own projections, norms, RoPE, soft-capping and query scaling: numbakv only
+replaces the step between "keys and values are roped" and "attention output", through
+transformers' ``AttentionInterface`` (GPT-J, whose attention does not use that interface, through
+its ``_attn`` method). Each attention layer stores the batch's keys and values in the cache and
+attends with :func:`numbakv.attention.attend`, which reads exactly the attention the cache's mask
+defines (sequence, causal, sliding window, chunk).
+
+transformers and torch are optional (``pip install numbakv[hf]``) and imported only when a
+function of this module needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from .causal import CausalCache, host_int_array
+from .config import CacheConfig, RopeShift, normalize_dtype
+from .errors import KVCacheError, NotSupportedError
+from .wrappers import WrapperCache
+
+#: The name numbakv's attention function is registered under in transformers' AttentionInterface.
+ATTENTION_NAME = "numbakv"
+#: Model types whose rotary pairs are interleaved ``(x[2i], x[2i+1])`` (GPT-J's
+#: ``rotate_every_two``, Cohere's ``rotate_half``); every other model uses NeoX pairs.
+INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "llama4",
+                                     "llama4_text"})
+#: Model types whose RoPE base is hard-coded to 10000 rather than read from the config.
+_FIXED_BASE_MODEL_TYPES = frozenset({"gptj", "codegen"})
+#: RoPE types whose frequencies transformers derives from a table: read them from its own
+#: ``ROPE_INIT_FUNCTIONS`` and express the difference to plain RoPE as per-pair factors.
+_TABLE_ROPE_TYPES = frozenset({"llama3", "yarn", "longrope"})
+
+_BINDING_ATTR = "_numbakv_binding"        # on an attached model, its attention modules, the cache
+
+
+# ---------------------------------------------------------------------------- config reading
+def _import_torch():
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("numbakv.hf needs transformers and torch: pip install numbakv[hf]") \
+            from exc
+    return torch
+
+
+def _is_module(obj) -> bool:
+    return hasattr(obj, "named_modules") and hasattr(obj, "parameters")
+
+
+def _text_config(model_or_config):
+    """The decoder's text config of a model or config (multimodal configs hold it inside)."""
+    config = model_or_config.config if _is_module(model_or_config) else model_or_config
+    if not hasattr(config, "model_type") or not hasattr(config, "to_dict"):
+        raise ValueError("model_or_config must be a transformers model or PretrainedConfig, got "
+                         f"{type(model_or_config).__name__}")
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            config = get_text(decoder=True)
+        except TypeError:  # older transformers: no keyword
+            config = get_text()
+    return config
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The attention shapes of a model, read from its config."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+def model_shapes(model_or_config) -> ModelShapes:
+    """Layers, query heads, KV heads and head sizes of ``model_or_config``'s decoder."""
+    config = _text_config(model_or_config)
+    n_layers = int(config.num_hidden_layers)
+    n_heads = int(config.num_attention_heads)
+    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+    if getattr(config, "qk_rope_head_dim", None):        # MLA: keys are [nope | rope] parts
+        head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+    else:
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
+    v_head_dim = int(getattr(config, "v_head_dim", None) or head_dim)
+    return ModelShapes(n_layers, n_heads, n_kv, head_dim, v_head_dim)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer attends to, in numbakv's terms."""
+
+    layer_type: str                  # the config's layer type ("full_attention", ...)
+    swa_window: Optional[int]        # numbakv window: a token at p sees p - swa_window .. p
+    chunk_size: Optional[int]
+
+
+def layer_attention(model_or_config) -> List[LayerAttention]:
+    """Per layer: its type, sliding window and attention chunk.
+
+    transformers' sliding window ``W`` counts the query token (a token sees ``W`` tokens,
+    itself included), so numbakv's ``swa_window`` is ``W - 1``. ``layer_types`` decides which
+    layers slide (Gemma 2/3, Qwen2/3); without it ``sliding_window`` applies to every layer
+    (Mistral, Phi-3)."""
+    config = _text_config(model_or_config)
+    n_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * n_layers
+    if len(types) != n_layers:
+        raise ValueError(f"config.layer_types names {len(types)} layers but num_hidden_layers is "
+                         f"{n_layers}")
+    out = []
+    for i, kind in enumerate(types):
+        if kind == "full_attention":
+            out.append(LayerAttention(kind, None, None))
+        elif kind == "sliding_attention":
+            if not window:
+                raise ValueError(f"layer {i} is a sliding_attention layer but config.sliding_window"
+                                 f" is {window!r}")
+            if int(window) < 2:
+                raise NotSupportedError(f"sliding_window={window} (a token sees only itself) is "
+                                        "not a window numbakv can express")
+            out.append(LayerAttention(kind, int(window) - 1, None))
+        elif kind == "chunked_attention":
+            chunk = getattr(config, "attention_chunk_size", None)
+            if not chunk:
+                raise ValueError(f"layer {i} is a chunked_attention layer but "
+                                 f"config.attention_chunk_size is {chunk!r}")
+            out.append(LayerAttention(kind, None, int(chunk)))
+        else:
+            raise NotSupportedError(f"layer {i} has layer type {kind!r}, which keeps no KV cache "
+                                    "numbakv can hold")
+    return out
+
+
+def _rope_parameters(config, layer_type: Optional[str]) -> Tuple[dict, Optional[str]]:
+    """``(parameters, layer_type_key)``: the RoPE parameters of ``layer_type``'s layers and the
+    key transformers' RoPE functions need (``None`` when the config has one RoPE for all)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # transformers 4.x: rope_theta and rope_scaling beside each other
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        factor = getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct",
+                                                                          None)
+        if factor is not None:
+            params.setdefault("partial_rotary_factor", factor)
+    types = getattr(config, "layer_types", None)
+    if layer_type is not None and types is not None and layer_type not in types:
+        raise ValueError(f"layer_type must be one of the config's layer types {sorted(set(types))},"
+                         f" got {layer_type!r}")
+    nested = bool(params) and all(isinstance(v, dict) for v in params.values())
+    if not nested:
+        return dict(params), None
+    if layer_type is None:
+        distinct = {repr(sorted(v.items())) for v in params.values()}
+        if len(distinct) > 1:
+            raise ValueError("the config has a RoPE per layer type "
+                             f"({', '.join(sorted(params))}): pass layer_type=")
+        layer_type = next(iter(params))
+    if layer_type not in params:
+        raise ValueError(f"the config has no RoPE parameters for layer_type {layer_type!r} (it has "
+                         f"{sorted(params)})")
+    return dict(params[layer_type]), layer_type
+
+
+def rope_shift_for(config, layer_type: Optional[str] = None) -> RopeShift:
+    """The :class:`numbakv.RopeShift` that re-rotates this model's stored keys when their
+    positions move (context shift), read from the model's own RoPE definition.
+
+    Args:
+        config: a transformers config or model.
+        layer_type: for models whose RoPE differs per layer type (Gemma 3: ``"sliding_attention"``
+            with base 10k, ``"full_attention"`` with base 1M), which layers.
+
+    Reads ``rope_theta``, ``rope_parameters`` / ``rope_scaling`` (``linear`` -> ``freq_scale``;
+    ``llama3``, ``yarn`` and static ``longrope`` -> per-pair ``freq_factors`` taken from the
+    frequencies transformers itself computes; YaRN's attention factor scales keys at roping time
+    and is not applied again: the shift is a pure rotation), ``partial_rotary_factor`` (rotary
+    dims), NeoX versus interleaved pairs (GPT-J, Cohere).
+
+    Raises:
+        NotSupportedError: RoPE that is not a fixed rotation per position delta - dynamic NTK
+            (frequencies change with the sequence length), ``longrope`` that switches factor sets
+            with the length, M-RoPE (``mrope_section``), MLA's decoupled RoPE, or an unknown type.
+    """
+    config = _text_config(config)
+    model_type = getattr(config, "model_type", "")
+    shapes = model_shapes(config)
+    if getattr(config, "qk_rope_head_dim", None):
+        raise NotSupportedError(
+            f"{model_type}: MLA keys carry a decoupled RoPE part after the un-roped part; a "
+            "RopeShift rotates leading dims only, so context shift is not supported")
+    no_rope = getattr(config, "no_rope_layers", None)
+    if no_rope is not None and not all(no_rope):
+        raise NotSupportedError(f"{model_type}: some layers use no RoPE (no_rope_layers), so one "
+                                "RopeShift cannot re-rotate every layer; context shift is not "
+                                "supported")
+    neox = model_type not in INTERLEAVED_MODEL_TYPES
+    if model_type in _FIXED_BASE_MODEL_TYPES:
+        dim = int(getattr(config, "rotary_dim", None) or shapes.head_dim)
+        return RopeShift(base=10000.0, dim=dim, neox=neox)
+    params, rope_key = _rope_parameters(config, layer_type)
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if "mrope_section" in params or getattr(config, "mrope_section", None) or "mrope" in rope_type \
+            or _is_mrope_model(model_type):
+        raise NotSupportedError(f"{model_type}: M-RoPE (multimodal sections of positions) is not a "
+                                "rotation by one position delta; context shift is not supported")
+    if "dynamic" in rope_type:
+        raise NotSupportedError(
+            f"{model_type}: rope_type {rope_type!r} (dynamic NTK) changes its frequencies with the "
+            "sequence length, so a stored key cannot be re-rotated; context shift is not supported")
+    base = params.get("rope_theta", getattr(config, "rope_theta", None))
+    base = 10000.0 if base is None else float(base)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    partial = 1.0 if partial is None else float(partial)
+    dim = int(shapes.head_dim * partial)
+    if rope_type == "default":
+        return RopeShift(base=base, dim=dim, neox=neox)
+    if rope_type == "linear":
+        return RopeShift(base=base, dim=dim, neox=neox, freq_scale=1.0 / float(params["factor"]))
+    if rope_type not in _TABLE_ROPE_TYPES:
+        raise NotSupportedError(f"{model_type}: rope_type {rope_type!r} is not supported for "
+                                "context shift")
+    if rope_type == "longrope":
+        _check_static_longrope(config, params, model_type)
+    inv_freq = _transformers_inv_freq(config, rope_type, rope_key)
+    if inv_freq.shape != (dim // 2,) or not np.all(np.isfinite(inv_freq)) or (inv_freq <= 0).any():
+        raise NotSupportedError(f"{model_type}: rope_type {rope_type!r} gives frequencies numbakv "
+                                f"cannot express for {dim} rotary dims")
+    plain = base ** (-2.0 * np.arange(dim // 2, dtype=np.float64) / dim)
+    return RopeShift(base=base, dim=dim, neox=neox, freq_factors=plain / inv_freq)
+
+
+def _is_mrope_model(model_type: str) -> bool:
+    """Vision-language decoders with M-RoPE (Qwen2/2.5/3-VL, GLM-4V), even when the config does
+    not spell out its ``mrope_section``."""
+    return "vl" in model_type.split("_") or model_type.startswith("glm4v")
+
+
+def _check_static_longrope(config, params: dict, model_type: str) -> None:
+    """LongRoPE uses ``short_factor`` up to ``original_max_position_embeddings`` and
+    ``long_factor`` beyond, chosen per forward pass: only a model that never switches has one
+    rotation per delta."""
+    short, long_ = params.get("short_factor"), params.get("long_factor")
+    original = params.get("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None))
+    longest = getattr(config, "max_position_embeddings", None)
+    if short is None or long_ is None:
+        raise ValueError(f"{model_type}: longrope parameters need short_factor and long_factor")
+    same = np.allclose(np.asarray(short, np.float64), np.asarray(long_, np.float64), rtol=0,
+                       atol=0)
+    if not same and (original is None or longest is None or longest > original):
+        raise NotSupportedError(
+            f"{model_type}: longrope switches from short_factor to long_factor past "
+            f"original_max_position_embeddings={original} (max_position_embeddings={longest}); "
+            "keys roped under one factor set cannot be re-rotated under the other, so context "
+            "shift is not supported")
+
+
+def _transformers_inv_freq(config, rope_type: str, rope_key: Optional[str]) -> np.ndarray:
+    """The frequencies the model computes (transformers' own RoPE init function), float64."""
+    _import_torch()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    fn = ROPE_INIT_FUNCTIONS[rope_type]
+    kwargs = {} if rope_key is None else {"layer_type": rope_key}
+    inv_freq, _ = fn(config, None, **kwargs)
+    return inv_freq.detach().to("cpu").double().numpy()
+
+
+# ---------------------------------------------------------------------------- cache_for
+def _model_dtype(model) -> Optional[str]:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype)
+    return None
+
+
+def _model_device(model) -> Optional[str]:
+    for p in model.parameters():
+        return "cuda" if p.device.type == "cuda" else "cpu"
+    return None
+
+
+def cache_for(model_or_config, *, capacity: int, max_seqs: int = 1, max_batch: int = 512,
+              dtype=None, device: str = "auto", shift: Any = "auto",
+              swa_memory: Optional[int] = None, **kw) -> Union[CausalCache, WrapperCache]:
+    """A cache shaped for ``model_or_config``: layers, KV heads and head sizes, sliding windows
+    and chunks, and the RoPE re-rotation for context shift, all from the model's config.
+
+    Models whose layers all attend the same way get one :class:`CausalCache`. Models that mix
+    them (Gemma 2/3 sliding + full layers, ``layer_types``) get a :class:`WrapperCache` with one
+    ``CausalCache`` per kind of layer, ``layer_groups`` mapping model layers to them, and each
+    group its own window and RoPE shift (Gemma 3's local and global bases).
+
+    Args:
+        model_or_config: a transformers model or its config.
+        capacity, max_seqs, max_batch: as in :class:`numbakv.CacheConfig`.
+        dtype: K/V dtype; ``None``: the model's parameter dtype (a config's ``dtype``, else
+            float32). Keys and values of another dtype are converted when stored.
+        device: ``"auto"`` with a model: where the model's parameters are; else as in
+            ``CacheConfig``.
+        shift: ``"auto"``: :func:`rope_shift_for` per layer group, or ``None`` where the model's
+            RoPE cannot be re-rotated (then ``remove`` from the middle raises
+            ``NotSupportedError``); ``None``; or a ``RopeShift``/callable used for every group.
+        swa_memory: window memory of the sliding groups (``CausalCache(swa_memory=)``).
+        **kw: any other :class:`numbakv.CacheConfig` field, passed through: ``cache_padding``,
+            ``mask_batch_padding``, ``permuted_v``, and - once quantized storage lands -
+            ``k_dtype="q8_0", v_dtype="q8_0"``.
+
+    Returns:
+        a ``CausalCache``, or a ``WrapperCache`` for models mixing layer kinds.
+    """
+    config = _text_config(model_or_config)
+    model = model_or_config if _is_module(model_or_config) else None
+    known = {f.name for f in fields(CacheConfig)}
+    reserved = {"n_layers", "n_kv_heads", "head_dim", "v_head_dim"}
+    unknown = sorted(set(kw) - known)
+    if unknown or reserved & set(kw):
+        bad = unknown or sorted(reserved & set(kw))
+        raise ValueError(f"cache_for got unexpected option(s) {bad}: shapes come from the model; "
+                         f"extra options must be CacheConfig fields "
+                         f"{sorted(known - reserved - {'capacity', 'max_seqs', 'max_batch'})}")
+    shapes = model_shapes(config)
+    layers = layer_attention(config)
+    if dtype is None:
+        dtype = (_model_dtype(model) if model is not None else None) \
+            or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    dtype = normalize_dtype(dtype, "dtype")
+    if device == "auto" and model is not None:
+        device = _model_device(model) or "auto"
+    if not (shift in ("auto", None) or isinstance(shift, RopeShift) or callable(shift)):
+        raise ValueError(f"shift must be 'auto', None, a RopeShift or a callable, got {shift!r}")
+
+    groups: Dict[Tuple[str, Optional[int], Optional[int]], List[int]] = {}
+    for i, la in enumerate(layers):
+        groups.setdefault((la.layer_type, la.swa_window, la.chunk_size), []).append(i)
+    caches, group_of = [], [0] * len(layers)
+    for g, ((layer_type, window, chunk), members) in enumerate(groups.items()):
+        cfg = CacheConfig(n_layers=len(members), n_kv_heads=shapes.n_kv_heads,
+                          head_dim=shapes.head_dim, v_head_dim=shapes.v_head_dim, dtype=dtype,
+                          capacity=capacity, max_seqs=max_seqs, max_batch=max_batch,
+                          device=device, **kw)
+        caches.append(CausalCache(cfg, shift=_group_shift(shift, config, layer_type),
+                                  swa_window=window,
+                                  swa_memory=swa_memory if window is not None else None,
+                                  chunk_size=chunk))
+        for i in members:
+            group_of[i] = g
+    if len(caches) == 1:
+        return caches[0]
+    return WrapperCache(caches, layer_groups=group_of)
+
+
+def _group_shift(shift, config, layer_type: str):
+    if shift != "auto":
+        return shift
+    try:
+        return rope_shift_for(config, layer_type)
+    except NotSupportedError:
+        return None  # the cache then refuses context shift with NotSupportedError
+
+
+# ---------------------------------------------------------------------------- attach / detach
+def _layer_caches(cache) -> List[CausalCache]:
+    """For each model layer, the ``CausalCache`` that holds it."""
+    if isinstance(cache, CausalCache):
+        return [cache] * cache.config.n_layers
+    if isinstance(cache, WrapperCache):
+        if cache.layer_groups is None:
+            raise ValueError("cache is a WrapperCache without layer_groups; hf.attach needs the "
+                             "layer -> cache map (hf.cache_for builds it)")
+        return [cache.caches[g] for g in cache.layer_groups]
+    raise ValueError(f"cache must be a numbakv CausalCache or WrapperCache, got "
+                     f"{type(cache).__name__}")
+
+
+def _attention_modules(model) -> Dict[int, Any]:
+    """``{layer_idx: attention module}`` of the decoder."""
+    found: Dict[int, Any] = {}
+    for name, module in model.named_modules():
+        idx = getattr(module, "layer_idx", None)
+        if not type(module).__name__.endswith("Attention") or isinstance(idx, bool) \
+                or not isinstance(idx, int):
+            continue
+        if idx in found:
+            raise NotSupportedError(f"two attention modules claim layer {idx} ({name}); "
+                                    "cross-attention models are not supported by hf.attach")
+        found[idx] = module
+    return found
+
+
+def _uses_attention_interface(module) -> bool:
+    import sys
+    mod = sys.modules.get(type(module).__module__)
+    return mod is not None and hasattr(mod, "ALL_ATTENTION_FUNCTIONS")
+
+
+def _module_head_dim(module) -> Optional[int]:
+    for attr in ("head_dim", "head_size"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+_TORCH_DTYPES = {"float16": "float16", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+@dataclass
+class _Binding:
+    """What ``attach`` set up, and what ``detach`` undoes."""
+
+    model: Any
+    cache: Any
+    layer_caches: List[CausalCache]
+    storage_dtypes: List[Any]                       # torch dtype each layer's K/V is stored in
+    modules: Dict[int, Any]
+    configs: List[Tuple[Any, Any, Any]]             # (config, old attn impl, old use_cache)
+    hook: Any = None
+    generation: int = 0                             # start_forward calls since attach
+    layer_generation: List[int] = field(default_factory=list)
+    positions: Optional[np.ndarray] = None          # the last start_forward's positions
+
+    def begin_layer(self, layer: int, n_tokens: int) -> None:
+        if self.generation == 0:
+            raise KVCacheError("no forward pass: call cache.start_forward(positions, seqs) before "
+                               "running the attached model")
+        if self.layer_generation[layer] == self.generation:
+            raise KVCacheError(f"layer {layer} already ran in this forward pass: call "
+                               "cache.start_forward(positions, seqs) before every model call")
+        if self.positions is not None and n_tokens != len(self.positions):
+            raise ValueError(f"the model got {n_tokens} tokens but cache.start_forward was given "
+                             f"{len(self.positions)} positions: input_ids must be the packed batch "
+                             "[1, batch]")
+
+    def store_and_attend(self, layer: int, query, key, value, scaling, softcap):
+        """query ``[1, H, q, D]``, key/value ``[1, KVH, q, D]`` (roped) -> ``[q, H, Dv]``."""
+        from .attention import attend
+        if query.shape[0] != 1:
+            raise ValueError(f"numbakv runs one packed batch: input_ids must be [1, tokens], got "
+                             f"a batch of {query.shape[0]} rows")
+        self.begin_layer(layer, query.shape[2])
+        k = key[0].transpose(0, 1)                  # [q, KVH, D]
+        v = value[0].transpose(0, 1)
+        want = self.storage_dtypes[layer]
+        if k.dtype != want:
+            k = k.to(want)
+        if v.dtype != want:
+            v = v.to(want)
+        self.cache.set_layer(layer)
+        self.cache.put(k, v)
+        self.layer_generation[layer] = self.generation
+        q = query[0].transpose(0, 1)                # [q, H, D]
+        if q.dtype != want:                         # attention in the cache's dtype (a float16
+            q = q.to(want)                          # cache under a float32 model, like llama.cpp)
+        out = attend(q, self.cache, scale=scaling, soft_cap=softcap)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _attention_forward(module, query, key, value, attention_mask=None, dropout: float = 0.0,
+                       scaling: Optional[float] = None, sliding_window=None, softcap=None,
+                       **kwargs):
+    """transformers' attention-function signature: query ``[1, H, q, D]``, key/value
+    ``[1, KVH, q, D]`` -> ``(out [1, q, H, Dv], None)``. The cache's mask replaces
+    ``attention_mask`` and ``sliding_window`` (checked against the cache at attach time)."""
+    binding = getattr(module, _BINDING_ATTR, None)
+    if binding is None:
+        raise KVCacheError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
+                           "uses numbakv attention but is not attached: call hf.attach(model, "
+                           "cache)")
+    out = binding.store_and_attend(module.layer_idx, query, key, value, scaling, softcap)
+    return out.unsqueeze(0), None
+
+
+def _gptj_attn(module, binding: _Binding):
+    """A replacement for GPT-J's ``_attn(query, key, value, attention_mask)`` (query/key/value
+    ``[1, H, q, D]`` -> ``([1, H, q, D], None)``, scores scaled by ``1 / scale_attn``)."""
+    scale = 1.0 / float(module.scale_attn)
+
+    def _attn(query, key, value, attention_mask=None, *args, **kwargs):
+        out = binding.store_and_attend(module.layer_idx, query, key, value, scale, None)
+        return out.transpose(0, 1).unsqueeze(0), None
+    return _attn
+
+
+def attach(model, cache) -> None:
+    """Route every attention layer of ``model`` through ``cache``.
+
+    After ``attach``, one call of the model is one forward pass of the cache::
+
+        cache.start_forward(positions, seqs)
+        logits = model(input_ids=tokens[None], position_ids=positions[None]).logits[0]
+
+    ``tokens``, ``positions`` and ``seqs`` are ``[batch]``: any mix of prefills and decodes of
+    many sequences packed in one row. Each layer stores its roped keys and values (converted to
+    the cache's dtype) and attends through :func:`numbakv.attention.attend`; the model's
+    projections, norms, RoPE, soft-capping and query scaling are its own. The model's own
+    ``use_cache`` is switched off while attached (numbakv is the cache).
+
+    Raises:
+        ValueError: ``model`` is already attached, ``cache`` is attached to another model, or the
+            cache's layers, KV heads, head sizes or windows do not match the model's.
+        NotSupportedError: an attention implementation numbakv cannot take over.
+    """
+    torch = _import_torch()
+    from transformers import AttentionInterface
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a transformers model (torch.nn.Module), got "
+                         f"{type(model).__name__}")
+    if getattr(model, _BINDING_ATTR, None) is not None:
+        raise ValueError("model is already attached to a numbakv cache: call hf.detach(model) "
+                         "first")
+    layer_caches = _layer_caches(cache)
+    if getattr(cache, _BINDING_ATTR, None) is not None:
+        raise ValueError("cache is already attached to a model: call hf.detach(that model) first")
+    config = _text_config(model)
+    shapes = model_shapes(config)
+    layers = layer_attention(config)
+    if getattr(config, "attn_temperature_tuning", False) and \
+            not all(getattr(config, "no_rope_layers", None) or [1]):
+        raise NotSupportedError(f"{config.model_type}: attention temperature tuning scales queries "
+                                "by positions counted from 0 in each call, not by position_ids, "
+                                "so a packed batch would be scaled wrongly")
+    if len(layer_caches) != shapes.n_layers:
+        raise ValueError(f"cache has {len(layer_caches)} layers but the model has "
+                         f"{shapes.n_layers} (num_hidden_layers)")
+    modules = _attention_modules(model)
+    if sorted(modules) != list(range(shapes.n_layers)):
+        raise NotSupportedError(f"found attention modules for layers {sorted(modules)}, expected "
+                                f"0..{shapes.n_layers - 1}")
+    for layer, module in modules.items():
+        _check_layer(layer, module, layer_caches[layer], shapes, layers[layer])
+
+    binding = _Binding(model, cache, layer_caches,
+                       [getattr(torch, layer_cache.config.dtype) for layer_cache in layer_caches],
+                       modules, [], layer_generation=[-1] * shapes.n_layers)
+    AttentionInterface.register(ATTENTION_NAME, _attention_forward)
+    seen = {}
+    for cfg in [model.config] + [m.config for m in modules.values() if hasattr(m, "config")]:
+        if id(cfg) not in seen:
+            seen[id(cfg)] = cfg
+            binding.configs.append((cfg, getattr(cfg, "_attn_implementation_internal", None),
+                                    getattr(cfg, "use_cache", None)))
+    for cfg, _, _ in binding.configs:
+        # set the internal field directly: the property setter would recurse into sub-configs
+        # (a vision tower keeps its own attention)
+        cfg._attn_implementation_internal = ATTENTION_NAME
+        if hasattr(cfg, "use_cache"):
+            cfg.use_cache = False
+    for module in modules.values():
+        setattr(module, _BINDING_ATTR, binding)
+        if not _uses_attention_interface(module):
+            module._attn = _gptj_attn(module, binding)
+
+    original_start = cache.start_forward
+
+    def start_forward(positions, seqs, reserve: bool = False) -> None:
+        original_start(positions, seqs, reserve)
+        binding.positions = host_int_array(positions, "positions")
+        binding.generation += 1
+
+    start_forward.__doc__ = original_start.__doc__
+    cache.start_forward = start_forward
+    binding.hook = model.register_forward_pre_hook(_position_check(binding), with_kwargs=True)
+    setattr(cache, _BINDING_ATTR, binding)
+    setattr(model, _BINDING_ATTR, binding)
+
+
+def _check_layer(layer: int, module, layer_cache: CausalCache, shapes: ModelShapes,
+                 la: LayerAttention) -> None:
+    cfg = layer_cache.config
+    head_dim = _module_head_dim(module) or shapes.head_dim
+    if cfg.n_kv_heads != shapes.n_kv_heads:
+        raise ValueError(f"layer {layer}: the model has {shapes.n_kv_heads} KV heads but the "
+                         f"cache has n_kv_heads={cfg.n_kv_heads}")
+    if cfg.head_dim != head_dim:
+        raise ValueError(f"layer {layer}: the model's head size is {head_dim} but the cache has "
+                         f"head_dim={cfg.head_dim}")
+    if cfg.v_head_dim != shapes.v_head_dim:
+        raise ValueError(f"layer {layer}: the model's value head size is {shapes.v_head_dim} but "
+                         f"the cache has v_head_dim={cfg.v_head_dim}")
+    if layer_cache.swa_window != la.swa_window:
+        want = "no sliding window" if la.swa_window is None else \
+            f"a sliding window of {la.swa_window + 1} tokens (swa_window={la.swa_window})"
+        raise ValueError(f"layer {layer} ({la.layer_type}) attends with {want} but its cache has "
+                         f"swa_window={layer_cache.swa_window}: build it with hf.cache_for(model)")
+    if layer_cache.chunk_size != la.chunk_size:
+        raise ValueError(f"layer {layer} ({la.layer_type}) has attention chunk {la.chunk_size} but "
+                         f"its cache has chunk_size={layer_cache.chunk_size}")
+    if not _uses_attention_interface(module) and not (hasattr(module, "_attn")
+                                                      and hasattr(module, "scale_attn")):
+        raise NotSupportedError(f"{type(module).__name__} does not route through transformers' "
+                                "AttentionInterface")
+    if type(module).__name__.endswith("FlashAttention2"):
+        raise NotSupportedError(f"{type(module).__name__}: load the model with "
+                                "attn_implementation='eager' before hf.attach")
+
+
+def _position_check(binding: _Binding):
+    """A forward pre-hook: the model's ``position_ids`` must be the positions the cache placed
+    (else RoPE and the mask would disagree, silently)."""
+
+    def hook(module, args, kwargs):
+        if binding.generation == 0:
+            raise KVCacheError("no forward pass: call cache.start_forward(positions, seqs) "
+                               "before running the attached model")
+        expected = binding.positions
+        given = kwargs.get("position_ids")
+        if given is None:
+            if not np.array_equal(expected, np.arange(len(expected))):
+                raise ValueError("position_ids is missing: pass position_ids=positions[None] "
+                                 "(the positions given to cache.start_forward)")
+            return None
+        got = given.detach().reshape(-1).to("cpu").numpy()
+        if got.shape != expected.shape or not np.array_equal(got, expected):
+            raise ValueError(f"position_ids {got.tolist()[:8]}... differ from the positions given "
+                             f"to cache.start_forward {expected.tolist()[:8]}...: pass "
+                             "position_ids=positions[None]")
+        return None
+    return hook
+
+
+def detach(model) -> None:
+    """Undo :func:`attach`: the model's attention implementation, ``use_cache`` and the cache's
+    ``start_forward`` are as they were. Raises ``ValueError`` when ``model`` is not attached."""
+    binding = getattr(model, _BINDING_ATTR, None)
+    if binding is None:
+        raise ValueError("model is not attached to a numbakv cache")
+    for cfg, impl, use_cache in binding.configs:
+        cfg._attn_implementation_internal = impl
+        if use_cache is not None:
+            cfg.use_cache = use_cache
+    for module in binding.modules.values():
+        if _BINDING_ATTR in vars(module):
+            delattr(module, _BINDING_ATTR)
+        if "_attn" in vars(module):
+            del module._attn
+    if binding.hook is not None:
+        binding.hook.remove()
+    if "start_forward" in vars(binding.cache):
+        del binding.cache.start_forward
+    if _BINDING_ATTR in vars(binding.cache):
+        delattr(binding.cache, _BINDING_ATTR)
+    delattr(model, _BINDING_ATTR)
+
+
+def attached_cache(model):
+    """The cache ``model`` is attached to, or ``None``."""
+    binding = getattr(model, _BINDING_ATTR, None)
+    return None if binding is None else binding.cache
+
+
+__all__ = ["ATTENTION_NAME", "INTERLEAVED_MODEL_TYPES", "ModelShapes", "LayerAttention",
+           "model_shapes", "layer_attention", "rope_shift_for", "cache_for", "attach", "detach",
+           "attached_cache"]
