@@ -240,8 +240,11 @@ def _row_words(shape, isz, ptr):
 
 
 def _np_rows(arr: np.ndarray, w: int) -> np.ndarray:
+    """Cell rows ``[layers, cells, 1, row words]``: the heads are joined into one row *before*
+    viewing as ``w``-byte words, because :func:`_row_words` sized ``w`` from the whole row (a
+    head's own row, e.g. 17 float32, need not be a multiple of it)."""
     lay, n = arr.shape[:2]
-    return arr.view(UINT[arr.itemsize]).view(UINT[w]).reshape(lay, n, 1, -1)
+    return arr.view(UINT[arr.itemsize]).reshape(lay, n, 1, -1).view(UINT[w])
 
 
 def _np_cols(arr: np.ndarray) -> np.ndarray:

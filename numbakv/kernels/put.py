@@ -160,11 +160,16 @@ def _np_pair(dst: np.ndarray, src: np.ndarray, flat: bool, w: int):
     n, h, d = dst.shape
     b = src.shape[0]
     wd = UINT[w]
-    dv = dst.view(UINT[dst.itemsize]).view(wd)
+    dv = dst.view(UINT[dst.itemsize])
     sv = src.view(UINT[src.itemsize])
-    sv = sv.view(wd) if w != src.itemsize else sv
     if flat:
-        return dv.reshape(n, 1, -1), sv.reshape(b, 1, -1)
+        # heads joined into one row first: ``w`` was sized from the whole row, which a single
+        # head's row (e.g. 3 halves) need not be a multiple of
+        # (_plan's ``flat`` guarantees these reshapes are views, never copies)
+        dv, sv = dv.reshape(n, 1, -1), sv.reshape(b, 1, -1)
+    if w != dst.itemsize:
+        dv = dv.view(wd)
+        sv = sv.view(wd)
     return dv, sv
 
 
