@@ -73,6 +73,82 @@ def test_resolve_device(kernel_device):
         dev.resolve_device("gpu0")
 
 
+@pytest.fixture
+def gpu_machine_without_cupy(monkeypatch):
+    """The driver sees 2 GPUs, the simulator is off and ``import cupy`` fails."""
+    monkeypatch.setattr(dev, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(dev, "driver_gpu_count", lambda: 2)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import raises ImportError
+    dev._reset_probe()
+    yield
+    dev._reset_probe()
+
+
+def test_auto_warns_once_naming_the_extra_when_cupy_is_missing(gpu_machine_without_cupy):
+    import warnings
+    with pytest.warns(RuntimeWarning, match=re.escape(dev.GPU_EXTRA)) as rec:
+        assert dev.resolve_device("auto") == "cpu"
+    assert "sees 2 GPU" in str(rec[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dev.resolve_device("auto") == "cpu"   # once per process, not per cache
+    with pytest.raises(ValueError, match="CuPy is not importable"):
+        dev.resolve_device("cuda")
+
+
+def test_no_gpu_means_no_warning(monkeypatch):
+    import warnings
+    monkeypatch.setattr(dev, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(dev, "driver_gpu_count", lambda: 0)
+    dev._reset_probe()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dev.resolve_device("auto") == "cpu"
+    finally:
+        dev._reset_probe()
+
+
+def test_a_failed_gpu_probe_is_not_cached_forever(gpu_machine_without_cupy, monkeypatch):
+    import types
+    assert dev.cuda_status()[0] is False
+    fake = types.ModuleType("cupy")
+    fake.float32 = np.float32
+    fake.zeros = lambda n, dtype: np.zeros(n, dtype)
+    monkeypatch.setitem(sys.modules, "cupy", fake)        # CuPy appears (installed meanwhile)
+    assert dev.cuda_status()[0] is False                  # within the retry interval: remembered
+    monkeypatch.setattr(dev, "PROBE_RETRY_S", 0.0)
+    from numba import cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    assert dev.cuda_status() == (True, "")               # retried, and the success is kept
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert dev.cuda_usable()
+
+
+class _CudaTensor:
+    """Any DLPack producer whose memory is on a CUDA device (a torch CUDA tensor, say)."""
+    shape = (1, 2, 4)
+    dtype = np.dtype(np.float16)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kw):
+        raise AssertionError("must be refused before any import")
+
+
+def test_cuda_input_on_a_cpu_cache_says_so(gpu_machine_without_cupy):
+    with pytest.raises(ValueError) as err:
+        dev.as_array(_CudaTensor(), "cpu", "float16", name="key")
+    text = str(err.value)
+    assert "key is a CUDA GPU tensor but this cache stores on the CPU" in text
+    assert "CuPy is not importable" in text and dev.GPU_EXTRA in text
+    cache = nkv.CausalCache(CacheConfig(1, 2, 4, capacity=4, device="cpu"))
+    cache.start_forward([0], [0])
+    with pytest.raises(ValueError, match="CUDA GPU tensor but this cache stores on the CPU"):
+        cache.put(_CudaTensor(), _CudaTensor())
+
+
 def test_as_array_zero_copy_and_checks():
     x = np.zeros((3, 2, 4), np.float16)
     y = dev.as_array(x, "cpu", "float16", name="key")
