@@ -704,34 +704,6 @@ def test_emulated_cuda_rotate(emulated_cuda, dtype):
     assert not np.array_equal(bits(b), bits(stored))
 
 
-def test_fast_launch_parameter_layout_matches_ptx():
-    """The GPU fast path hands each kernel a flat list of 64-bit parameters; the PTX entry of
-    every kernel must take exactly that list (checked offline, in a process without the
-    simulator)."""
-    import os
-    import subprocess
-    import sys
-    code = (
-        "from numbakv.kernels import registered, _common\n"
-        "from numbakv.kernels.ptx import _offline_device\n"
-        "with _offline_device((9, 0)):\n"
-        "    for spec in registered():\n"
-        "        sig = spec.signatures[-1]\n"
-        "        _, name, n = _common.ptx_entry(spec.py_func, sig, (9, 0))\n"
-        "        u8 = __import__('numpy').dtype('u8')\n"
-        "        args = [_common.Desc(0, (1,) * t.ndim, (8,) * t.ndim, u8)\n"
-        "                if hasattr(t, 'ndim') else 0 for t in sig]\n"
-        "        assert len(_common._flatten(args)) == n, spec.name\n"
-        "        print(spec.name, n)\n")
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    from numbakv.kernels import registered
-    assert len(proc.stdout.split("\n")) - 1 == len(registered())
-
-
 @pytest.mark.gpu
 def test_cuda_fast_launch_matches_dispatcher():
     """On a GPU: the CuPy-driver fast path and Numba's dispatcher give identical results."""
