@@ -542,35 +542,7 @@ def test_rotate_cpu_large(parallel, monkeypatch):
 # host-to-device copies, cached slot buffers) still runs here: a stand-in ``cupy`` over numpy
 # memory, and the descriptors turned back into numpy views for the simulator.
 
-class _FakeDeviceArray:
-    def __init__(self, a):
-        import types as _t
-        self._a = a
-        self.data = _t.SimpleNamespace(ptr=a.ctypes.data)
-
-    shape = property(lambda self: self._a.shape)
-    strides = property(lambda self: self._a.strides)
-    dtype = property(lambda self: self._a.dtype)
-    itemsize = property(lambda self: self._a.itemsize)
-    size = property(lambda self: self._a.size)
-    ndim = property(lambda self: self._a.ndim)
-
-    def set(self, host, stream=None):
-        self._a[...] = np.asarray(host).reshape(self._a.shape)
-
-    def get(self):
-        return self._a.copy()
-
-
-def _fake_cupy():
-    import types as _t
-    m = _t.ModuleType("cupy")
-    m.ndarray = _FakeDeviceArray
-    m.empty = lambda shape, dtype: _FakeDeviceArray(np.empty(shape, dtype))
-    m.zeros = lambda shape, dtype: _FakeDeviceArray(np.zeros(shape, dtype))
-    m.cuda = _t.SimpleNamespace(runtime=_t.SimpleNamespace(getDevice=lambda: 0),
-                                get_current_stream=lambda: _t.SimpleNamespace(ptr=0))
-    return m
+from fake_cupy import FakeDeviceArray as _FakeDeviceArray, fake_cupy as _fake_cupy  # noqa: E402
 
 
 def _desc_to_numpy(d):

@@ -255,22 +255,43 @@ def ptx_entry(py_func, sig: Tuple[types.Type, ...], cc: Tuple[int, int]):
     return ptx, m.group(1), expected
 
 
+def device_cc(device_id: int) -> Tuple[int, int]:
+    """Compute capability ``(major, minor)`` of CUDA device ``device_id`` (through CuPy)."""
+    import cupy
+    text = str(cupy.cuda.Device(device_id).compute_capability)
+    return int(text[:-1]), int(text[-1])
+
+
+def load_image(ptx: str, cc: Tuple[int, int]) -> Tuple[bytes, str]:
+    """``(image, kind)`` to hand ``cuModuleLoadData``: a cubin linked by nvJitLink for exactly
+    ``sm_XY`` when nvJitLink is available (``kind`` ``"cubin"``), else the NUL-terminated PTX
+    (``"ptx"``). A cubin loads on any driver that knows the architecture; PTX from NVVM 12.9
+    (``.version 8.8``) needs a 12.9+ driver (R575+), and older drivers (R535-R570) would refuse
+    every kernel and push each launch onto Numba's dispatcher."""
+    try:
+        from .ptx import link_cubin
+        return link_cubin(ptx, cc)[0], "cubin"
+    except Exception:  # noqa: BLE001 - no nvJitLink / cuda.core: the driver JITs the PTX
+        return ptx.encode() + b"\0", "ptx"
+
+
 class FastKernel:
-    """One kernel compiled for one exact signature and loaded with CuPy's driver API; launched
-    through ``cuLaunchKernel`` with a reusable int64 parameter buffer. Checks at load time that
-    the PTX entry takes exactly the 64-bit parameters Numba's data model says it should."""
+    """One kernel compiled for one exact signature, linked to a cubin for the device's compute
+    capability (:func:`load_image`) and loaded with CuPy's driver API; launched through
+    ``cuLaunchKernel`` with a reusable int64 parameter buffer. Checks at load time that the PTX
+    entry takes exactly the 64-bit parameters Numba's data model says it should."""
 
     def __init__(self, py_func, sig: Tuple[types.Type, ...], device_id: int) -> None:
         import cupy
         dev = cupy.cuda.Device(device_id)
-        cc_text = str(dev.compute_capability)
-        cc = (int(cc_text[:-1]), int(cc_text[-1]))
+        cc = device_cc(device_id)
         try:
             ptx, name, expected = ptx_entry(py_func, sig, cc)
         except Exception:  # noqa: BLE001 - NVVM may not know the newest arch: PTX runs forward
             ptx, name, expected = ptx_entry(py_func, sig, (9, 0) if cc >= (9, 0) else (8, 0))
+        image, self.image_kind = load_image(ptx, cc)
         with dev:
-            self._module = cupy.cuda.driver.moduleLoadData(ptx.encode() + b"\0")
+            self._module = cupy.cuda.driver.moduleLoadData(image)
             self._func = cupy.cuda.driver.moduleGetFunction(self._module, name)
         self._values = np.zeros(expected, dtype=np.int64)
         self._pack = struct.Struct(f"<{expected}q").pack_into
@@ -312,23 +333,44 @@ def set_fast_launch(enabled: bool) -> None:
     _FAST_ENABLED = bool(enabled)
 
 
-def _fast_kernel(kernel, args, device_id: int) -> Optional[FastKernel]:
-    key = (id(kernel), _sig_key(args), device_id)
+def _sig_key_of(sig: Sequence[types.Type]) -> tuple:
+    """:func:`_sig_key` of the arguments a Numba signature describes."""
+    from numba.np.numpy_support import as_dtype
+    return tuple((np.dtype(as_dtype(t.dtype)), t.ndim) if isinstance(t, types.Array) else None
+                 for t in sig)
+
+
+def _load(kernel, key: tuple, sig, device_id: int) -> Optional[FastKernel]:
     fk = _FAST.get(key, False)
     if fk is False:
         with _FAST_LOCK:
             fk = _FAST.get(key, False)
             if fk is False:
-                sig = tuple(numba_type(a) for a in args)
                 try:
-                    fk = FastKernel(kernel.py_func, sig, device_id)
+                    fk = FastKernel(kernel.py_func, tuple(sig), device_id)
                 except Exception as exc:  # noqa: BLE001 - fall back to Numba's dispatcher
                     warnings.warn(f"numbakv: fast launch of {kernel.py_func.__name__} unavailable "
                                   f"({type(exc).__name__}: {exc}); using Numba's dispatcher",
-                                  RuntimeWarning, stacklevel=3)
+                                  RuntimeWarning, stacklevel=4)
                     fk = None
                 _FAST[key] = fk
     return fk
+
+
+def _fast_kernel(kernel, args, device_id: int) -> Optional[FastKernel]:
+    key = (id(kernel), _sig_key(args), device_id)
+    fk = _FAST.get(key, False)
+    if fk is False:
+        fk = _load(kernel, key, [numba_type(a) for a in args], device_id)
+    return fk
+
+
+def preload(kernel, sig: Sequence[types.Type], device_id: int) -> Optional[FastKernel]:
+    """Compile, link and load ``kernel`` for ``sig`` on ``device_id`` now (a cache's warm-up), so
+    the first launch with arguments of that signature finds it ready."""
+    if not _FAST_ENABLED:
+        return None
+    return _load(kernel, (id(kernel), _sig_key_of(sig), device_id), sig, device_id)
 
 
 def launch(device: str, kernel, grid: Tuple[int, ...], block: int, args: Sequence[Any]) -> None:
@@ -368,11 +410,82 @@ class Prepared(NamedTuple):
     keep: Any
 
 
+class HostStaging:
+    """Pinned host buffers through which one stream's host-to-device inputs travel, reused.
+
+    A pageable copy makes the driver stage the bytes itself and returns only when it is done
+    (and is refused during CUDA-graph capture); a copy from pinned memory is truly asynchronous,
+    so a buffer may be refilled only after the copy that last read it has run. Each buffer
+    carries an event recorded after its copy; :meth:`take` reuses the first whose event has
+    passed, else adds a buffer (up to :data:`MAX_BUFFERS`, then waits for the oldest). While the
+    stream is capturing a graph no event is queried (that would be an illegal implicit
+    synchronisation): a new buffer is taken and kept for the cache's lifetime, since every replay
+    of the graph reads it again."""
+
+    MAX_BUFFERS = 8
+
+    def __init__(self) -> None:
+        self._free: List[list] = []    # [nbytes, pinned memory, host view, event]
+        self._busy: List[list] = []
+        self.captured: List[Any] = []  # buffers a captured graph reads: never reused
+
+    @staticmethod
+    def _new(nbytes: int) -> list:
+        import cupy
+        cap = max(4096, 1 << (int(nbytes) - 1).bit_length())
+        mem = cupy.cuda.alloc_pinned_memory(cap)
+        return [cap, mem, np.frombuffer(mem, np.uint8, cap), None]
+
+    def take(self, nbytes: int, stream) -> list:
+        """A pinned buffer of at least ``nbytes`` whose previous copy has completed."""
+        if stream.is_capturing():
+            slot = self._new(nbytes)
+            self.captured.append(slot)
+            return slot
+        still = []
+        for slot in self._busy:  # retire every buffer whose copy has run
+            (self._free if slot[3] is None or slot[3].done else still).append(slot)
+        self._busy = still
+        for i, slot in enumerate(self._free):
+            if slot[0] >= nbytes:
+                return self._free.pop(i)
+        if len(self._free) + len(self._busy) >= self.MAX_BUFFERS:
+            if self._free:
+                self._free.pop(0)  # too small: make room for a bigger one
+            else:
+                oldest = self._busy.pop(0)
+                oldest[3].synchronize()  # the GPU is MAX_BUFFERS launches behind: wait
+        return self._new(nbytes)
+
+    def give_back(self, slot: list, stream) -> None:
+        """``slot``'s copy has been queued on ``stream``: mark it busy until that has run."""
+        if stream.is_capturing():
+            return  # kept in ``captured``
+        import cupy
+        if slot[3] is None:
+            slot[3] = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+        slot[3].record(stream)
+        self._busy.append(slot)
+
+
+_STAGING: Dict[tuple, HostStaging] = {}
+
+
+def staging_for(stream, device_id: int) -> HostStaging:
+    """The :class:`HostStaging` of a stream (by its handle) on a device."""
+    key = (device_id, int(stream.ptr))
+    st = _STAGING.get(key)
+    if st is None:
+        st = _STAGING[key] = HostStaging()
+    return st
+
+
 def to_device(device: str, *arrays: np.ndarray):
     """Host arrays for a kernel: as they are on ``cpu``/``sim``; on ``cuda`` packed into one
-    buffer and copied with a single transfer, returned as :class:`Desc` views (one host-to-device
-    copy instead of one per array). The buffer is returned too: keep it alive until the kernel
-    that reads it is queued (CuPy's pool orders its reuse on the stream)."""
+    pinned, reused host buffer (:class:`HostStaging`) and copied asynchronously, with a single
+    transfer, on the current stream into one device buffer; returned as :class:`Desc` views. The
+    device buffer is returned too: keep it alive until the kernel that reads it is queued (CuPy's
+    pool orders its reuse on the stream)."""
     if device != "cuda":
         return arrays, None
     import cupy
@@ -382,11 +495,15 @@ def to_device(device: str, *arrays: np.ndarray):
     for p in parts:
         offsets.append(total)
         total += -(-p.nbytes // 16) * 16 or 16
-    host = np.empty(total, dtype=np.uint8)
+    stream = cupy.cuda.get_current_stream()
+    staging = staging_for(stream, cupy.cuda.runtime.getDevice())
+    slot = staging.take(total, stream)
+    host = slot[2]
     for p, off in zip(parts, offsets):
         host[off:off + p.nbytes] = p.reshape(-1).view(np.uint8)
     dev = cupy.empty(total, dtype=np.uint8)
-    dev.set(host, stream=cupy.cuda.get_current_stream())
+    dev.data.copy_from_host_async(host.ctypes.data, total, stream)
+    staging.give_back(slot, stream)
     base = int(dev.data.ptr)
     descs = []
     for p, off in zip(parts, offsets):
@@ -407,7 +524,8 @@ def device_arg(device: str, arr, dtype=None):
     return arr if dtype is None else arr.view(dtype)
 
 
-__all__ = ["BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "UINT", "Desc", "FastKernel", "Prepared",
+__all__ = ["BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "UINT", "Desc", "FastKernel", "HostStaging",
+           "Prepared", "device_cc", "load_image", "preload", "staging_for",
            "ptx_entry",
            "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "device_arg", "f16_bits_to_f32",
            "f32_to_bf16_bits", "f32_to_f16_bits", "fast_launch_enabled", "head_word", "launch",

@@ -355,14 +355,13 @@ def _slots_to_device(slots: np.ndarray, device_id: Optional[int] = None) -> Desc
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
     raw = np.ascontiguousarray(slots, dtype=np.int32).tobytes()
-    hit = _SLOT_CACHE.get(device_id)
+    # per stream: a buffer written on one stream must not be read by a kernel on another
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    hit = _SLOT_CACHE.get(key)
     if hit is not None and hit[0] == raw:
         return hit[2]
-    host = np.frombuffer(raw, dtype=np.int32)
-    buf = cupy.empty(host.shape, dtype=np.int32)
-    buf.set(host, stream=cupy.cuda.get_current_stream())
-    desc = desc_of(buf)
-    _SLOT_CACHE[device_id] = (raw, buf, desc)
+    (desc,), buf = _common.to_device("cuda", np.frombuffer(raw, dtype=np.int32))
+    _SLOT_CACHE[key] = (raw, buf, desc)
     return desc
 
 
