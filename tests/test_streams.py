@@ -240,3 +240,24 @@ def test_warm_up_loads_every_kernel_the_first_forward_needs(fake_gpu, monkeypatc
         st.rotate(np.array([0, 1], np.int32), np.array([3, -2]), RopeShift(dim=8))
         assert set(loads) <= warmed, (dtype, permuted, set(loads) - warmed)
         assert len({k[0] for k in loads}) == 5
+
+
+def test_causal_cache_use_stream_on_the_cpu():
+    import numbakv as nkv
+    cache = nkv.CausalCache(CacheConfig(1, 1, 4, capacity=4, device="cpu"))
+    cache.use_stream(None)
+    with pytest.raises(ValueError, match="stream"):
+        cache.use_stream(0x1234)
+
+
+@pytest.mark.torch
+def test_torch_stream_example_runs(capsys):
+    pytest.importorskip("torch")
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_stream.py"
+    spec = importlib.util.spec_from_file_location("torch_stream", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--steps", "3"]) == 0
+    assert capsys.readouterr().out.startswith("ok: 3 steps on cpu")
