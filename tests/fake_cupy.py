@@ -142,6 +142,7 @@ def fake_cupy(device_cc: str = "80"):
         Event=Event,
         alloc_pinned_memory=lambda n: _pinned(n, m.log),
         Device=lambda i=0: _t.SimpleNamespace(compute_capability=device_cc,
+                                              attributes={"MultiProcessorCount": 2},
                                               __enter__=lambda *a: None,
                                               __exit__=lambda *a: None),
     )

@@ -705,3 +705,119 @@ def test_cuda_fast_launch_matches_dispatcher():
             put._CUDA_PLANS.clear()
     for a, b in zip(results[True], results[False]):
         assert np.array_equal(bits(a), bits(b))
+
+
+# ------------------------------------------------------------------ launch geometry
+# Every launcher's blocks against its useful work, for the shapes the issue measured and for
+# random ones: each index space gets exactly the blocks its items fill (the last one partial),
+# capped at the SM-sized grid beyond which threads loop.
+
+H100_CAP = 132 * _common.BLOCKS_PER_SM
+
+
+def _space_ok(blocks, items, block, cap):
+    """``blocks`` is right for ``items`` work items: all useful (< one block of slack) or capped."""
+    if items == 0:
+        return blocks == 0
+    return blocks == min(-(-items // block), cap) and (blocks - 1) * block < items
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_put_geometry_blocks_match_useful_work(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.choice([1, 3, 31, 32, 33, 512, 4096, 100_000]))
+    kh, kw = int(rng.integers(1, 9)), int(rng.integers(1, 65))
+    vh, vw = int(rng.integers(1, 9)), int(rng.integers(1, 65))
+    for permuted in (False, True):
+        grid, nb, nbk, mode = put.geometry("cuda", (batch, kh, kw), (batch, vh, vw), permuted,
+                                           H100_CAP)
+        assert len(grid) == 1 and nb == _common.BLOCK_CUDA
+        assert _space_ok(nbk, batch * kh * kw, nb, H100_CAP)
+        nbv = grid[0] - nbk
+        if mode == put.V_CELLS_TILED:
+            assert permuted and batch >= put.TILE and vh * vw >= put.TILE
+            tiles = -(-batch // put.TILE) * -(-(vh * vw) // put.TILE)
+            assert nbv == min(tiles, H100_CAP)
+            # only edge tiles are partial: at least a quarter of all tile slots are useful
+            assert batch * vh * vw >= 0.25 * tiles * put.TILE ** 2
+        else:
+            assert mode == (put.V_CELLS_DIRECT if permuted else put.V_ROWS)
+            assert _space_ok(nbv, batch * vh * vw, nb, H100_CAP)
+
+
+def test_put_geometry_the_measured_cases():
+    """Issue 15: a decode put (1 token, 8 KV heads x 128 float16: K as 8-byte words, permuted V
+    element-wise) launched 2,048 blocks for 1,280 useful threads."""
+    grid, nb, nbk, mode = put.geometry("cuda", (1, 1, 256), (1, 8, 128), True, H100_CAP)
+    useful = 256 + 8 * 128
+    assert grid[0] * nb < useful + 2 * nb and mode == put.V_CELLS_DIRECT
+    # a 32k-token prefill: both spaces capped at the SM-sized grid, V through tiles
+    grid, nb, nbk, mode = put.geometry("cuda", (32768, 1, 256), (32768, 8, 128), True, H100_CAP)
+    assert nbk == H100_CAP and grid[0] - nbk == H100_CAP and mode == put.V_CELLS_TILED
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_move_geometry_defrag_of_100k_cells_x_32_layers(permuted):
+    """Issue 15: such a defrag launched ~822M blocks, 807M of them idle. K and V now have their
+    own index spaces: each gets the blocks its work fills, at most the SM-sized cap."""
+    k_shape = (32, 100_000, 1, 256)                       # K rows as 8-byte words
+    v_shape = (32, 100_000, 8, 128) if permuted else (32, 100_000, 1, 256)
+    grid, nbk = move.cells_geometry(k_shape, v_shape, 100_000, 256, H100_CAP)
+    assert grid == (2 * H100_CAP,) and nbk == H100_CAP
+    for npairs in (1, 7, 300):
+        grid, nbk = move.cells_geometry(k_shape, v_shape, npairs, 256, H100_CAP)
+        assert _space_ok(nbk, 32 * npairs * 256, 256, H100_CAP)
+        assert _space_ok(grid[0] - nbk, 32 * npairs * v_shape[2] * v_shape[3], 256, H100_CAP)
+    grid, nbk = move.lanes_geometry(k_shape, v_shape, 256, H100_CAP)
+    assert _space_ok(nbk, 32 * 256, 256, H100_CAP)
+    assert _space_ok(grid[0] - nbk, 32 * v_shape[2] * v_shape[3], 256, H100_CAP)
+
+
+@pytest.mark.parametrize("cells,layers,heads,half", [(1, 1, 1, 1), (3, 32, 8, 64),
+                                                     (100_000, 32, 8, 64), (5, 1, 2, 3)])
+def test_rope_geometry_blocks_match_useful_work(cells, layers, heads, half):
+    grid = rope.geometry(cells, layers, heads, half, 256, H100_CAP)
+    assert len(grid) == 1 and _space_ok(grid[0], cells * layers * heads * half, 256, H100_CAP)
+
+
+def test_the_prepared_launches_use_those_geometries(kernel_device):
+    """The move and rope launchers hand the kernels the grids the geometry functions give."""
+    rng = np.random.default_rng(9)
+    keys = random_storage(rng, (3, 40, 2, 8), "float16")
+    values = random_storage(rng, (3, 2, 4, 40), "float16")
+    cap = _common.max_blocks(kernel_device)
+    nb = _common.block_size(kernel_device)
+    p = move.prepare(kernel_device, keys, values, np.array([[30, 0, 5]]), True)
+    k, v = move.storage_args(kernel_device, keys, values, True)
+    assert p.kernel is move.move_cells_kernel
+    assert (p.grid, p.args[-1]) == move.cells_geometry(k.shape, v.shape, 5, nb, cap)
+    p = move.prepare(kernel_device, keys, values, np.array([[0, 1, 3], [1, 0, 1]]), True)
+    assert p.kernel is move.move_lanes_kernel
+    assert (p.grid, p.args[-1]) == move.lanes_geometry(k.shape, v.shape, nb, cap)
+    p = rope.prepare(kernel_device, keys, "float16", np.array([1, 2, 3]), np.array([1, 1, 2]),
+                     np.ones(4, np.float32), True)
+    assert p.grid == rope.geometry(3, 3, 2, 4, nb, cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "heads_major"])
+def test_put_permuted_v_through_shared_memory_tiles(kernel_device, dtype, layout):
+    """A prefill-sized batch with a row of >= TILE elements takes the tiled path (edge tiles in
+    both directions, skipped tokens, grid-striding over more tiles than the simulator's cap)."""
+    rng = np.random.default_rng(77)
+    n, h, d, dv, b = 90, 3, 4, 13, 70      # V row of 39 elements: 3 x 2 tiles
+    _, _, _, mode = put.geometry(kernel_device, (b, 1, h * d), (b, h, dv), True,
+                                 _common.max_blocks(kernel_device))
+    assert mode == put.V_CELLS_TILED
+    k_store = random_storage(rng, (n, h, d), dtype)
+    v_store = random_storage(rng, (h, dv, n), dtype)
+    key = _input(rng, kernel_device, (b, h, d), dtype, layout)
+    value = _input(rng, kernel_device, (b, h, dv), dtype, layout)
+    slots = rng.permutation(n)[:b].astype(np.int32)
+    slots[::9] = -1
+    for sl, start in ((slots, -1), (None, 11)):
+        ks, vs = to_dev(kernel_device, k_store.copy()), to_dev(kernel_device, v_store.copy())
+        put.launch(kernel_device, ks, vs, sl, key, value, True, start=start)
+        eff = sl if sl is not None else np.arange(start, start + b, dtype=np.int32)
+        rk, rv = _ref_put(k_store, v_store, eff, to_host(key), to_host(value), True)
+        assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))

@@ -45,6 +45,40 @@ def block_size(device: str) -> int:
     return BLOCK_SIM if device == "sim" else BLOCK_CUDA
 
 
+#: resident blocks per SM a grid-striding launch is sized for: 8 blocks of 256 threads fill an
+#: SM's 2,048 thread slots (sm_80/sm_90); larger work loops inside each thread instead of
+#: launching idle or queued blocks
+BLOCKS_PER_SM = 8
+#: the simulator's cap (Python threads): small, so the tests exercise the grid-stride loops
+SIM_MAX_BLOCKS = 4
+_SM_COUNT: Dict[int, int] = {}
+
+
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_id`` (cached)."""
+    n = _SM_COUNT.get(device_id)
+    if n is None:
+        import cupy
+        n = _SM_COUNT[device_id] = int(
+            cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return n
+
+
+def max_blocks(device: str) -> int:
+    """The most blocks one index space of a grid-striding launch gets on ``device``: enough to
+    fill every SM (:data:`BLOCKS_PER_SM` per SM) on ``cuda``."""
+    if device == "cuda":
+        import cupy
+        return sm_count(cupy.cuda.runtime.getDevice()) * BLOCKS_PER_SM
+    return SIM_MAX_BLOCKS
+
+
+def flat_blocks(items: int, block: int, cap: int) -> int:
+    """Blocks for a flattened index space of ``items`` work items (one per thread, the rest
+    grid-strided): every block has work; at most ``cap`` blocks."""
+    return min(cdiv(items, block), int(cap)) if items > 0 else 0
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
@@ -524,7 +558,8 @@ def device_arg(device: str, arr, dtype=None):
     return arr if dtype is None else arr.view(dtype)
 
 
-__all__ = ["BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "UINT", "Desc", "FastKernel", "HostStaging",
+__all__ = ["BLOCKS_PER_SM", "BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "SIM_MAX_BLOCKS", "flat_blocks",
+           "max_blocks", "sm_count", "UINT", "Desc", "FastKernel", "HostStaging",
            "Prepared", "device_cc", "load_image", "preload", "staging_for",
            "ptx_entry",
            "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "device_arg", "f16_bits_to_f32",

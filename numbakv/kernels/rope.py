@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, njit, prange, types
 
-from ._common import (MAX_GRID_YZ, Prepared, bf16_bits_to_f32, block_size, cdiv, device_arg,
+from . import _common
+from ._common import (Prepared, bf16_bits_to_f32, block_size, cdiv, device_arg,
                       f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, launch as _launch,
                       to_device)
 from ._registry import cuda_kernel, element
@@ -93,32 +94,32 @@ _SIGS = [(_arr(dt, 4), _arr(types.int32, 1), _arr(types.int32, 1), _arr(types.in
 
 @cuda_kernel("rope_shift", _SIGS)
 def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind):
-    """Grid x: (head, pair) of a key row; y: cells (grid-striding); z: layers (grid-striding).
-    ``keys [n_layers, n_cells, n_kv_heads, head_dim]``; cell ``cells[c]`` turns by the angles of
-    table row ``tab[c]``."""
+    """One flattened index space ``(listed cell, layer, head, pair)``, pair fastest (a warp
+    turns adjacent pairs of one key row), grid-striding. ``keys [n_layers, n_cells, n_kv_heads,
+    head_dim]``; cell ``cells[c]`` turns by the angles of table row ``tab[c]``."""
     half = cos_t.shape[1]
-    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if r >= keys.shape[2] * half:
-        return
-    h = r // half
-    p = r - h * half
-    i0, i1 = _pair_cuda(p, half, neox)
-    c = cuda.blockIdx.y
-    while c < cells.shape[0]:
+    row = keys.shape[2] * half
+    per_cell = layers.shape[0] * row
+    total = cells.shape[0] * per_cell
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    step = cuda.gridDim.x * cuda.blockDim.x
+    while i < total:
+        c = i // per_cell
+        rest = i - c * per_cell
+        z = rest // row
+        r = rest - z * row
+        h = r // half
+        p = r - h * half
+        i0, i1 = _pair_cuda(p, half, neox)
         cell = cells[c]
         u = tab[c]
-        cs = cos_t[u, p]
-        sn = sin_t[u, p]
-        z = cuda.blockIdx.z
-        while z < layers.shape[0]:
-            layer = layers[z]
-            a = _load_cuda(keys[layer, cell, h, i0], kind)
-            b = _load_cuda(keys[layer, cell, h, i1], kind)
-            a2, b2 = _rotate_cuda(a, b, cs, sn)
-            _store_cuda(keys, layer, cell, h, i0, a2, kind)
-            _store_cuda(keys, layer, cell, h, i1, b2, kind)
-            z += cuda.gridDim.z
-        c += cuda.gridDim.y
+        layer = layers[z]
+        a = _load_cuda(keys[layer, cell, h, i0], kind)
+        b = _load_cuda(keys[layer, cell, h, i1], kind)
+        a2, b2 = _rotate_cuda(a, b, cos_t[u, p], sin_t[u, p])
+        _store_cuda(keys, layer, cell, h, i0, a2, kind)
+        _store_cuda(keys, layer, cell, h, i1, b2, kind)
+        i += step
 
 
 @njit(cache=True, inline="always")
@@ -248,10 +249,16 @@ def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, 
     view_dtype, kind = storage_kind(device, dtype)
     dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
     nb = block_size(device)
-    grid = (cdiv(keys.shape[2] * inv_freq.size, nb), min(cells.size, MAX_GRID_YZ),
-            min(layers.size, MAX_GRID_YZ))
+    grid = geometry(cells.size, layers.size, keys.shape[2], inv_freq.size, nb,
+                    _common.max_blocks(device))
     args = (device_arg(device, keys, view_dtype),) + tuple(dev_in) + (int(bool(neox)), kind)
     return Prepared(rope_shift_kernel, grid, nb, args, keep)
+
+
+def geometry(n_cells: int, n_layers: int, n_heads: int, half: int, block: int, cap: int):
+    """The grid of a rotation: one thread per (cell, layer, head, pair) item, at most ``cap``
+    blocks (grid-striding beyond)."""
+    return (_common.flat_blocks(n_cells * n_layers * n_heads * half, block, cap),)
 
 
 def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
