@@ -821,3 +821,89 @@ def test_put_permuted_v_through_shared_memory_tiles(kernel_device, dtype, layout
         eff = sl if sl is not None else np.arange(start, start + b, dtype=np.int32)
         rk, rv = _ref_put(k_store, v_store, eff, to_host(key), to_host(value), True)
         assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
+
+
+# ------------------------------------------------------------------ float16 through F16C (CPU)
+
+@pytest.mark.skipif(not _common.cpu_has_f16c(), reason="this CPU converts halves in software")
+def test_hardware_half_conversions_are_bit_identical_with_numpy():
+    """Every half to float32, and float32 values covering normals, subnormals, halfway cases,
+    overflow to inf, inf and every kind of NaN (quiet, signalling, payload-less after the
+    shift) to half: bit for bit what numpy gives."""
+    from numba import njit
+    up_hw, down_hw = _common.f16_bits_to_f32_hw, _common.f32_to_f16_bits_hw
+
+    @njit
+    def up(a, out):
+        for i in range(a.size):
+            out[i] = up_hw(a[i])
+
+    @njit
+    def down(a, out):
+        for i in range(a.size):
+            out[i] = down_hw(a[i])
+    halves = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(halves.size, np.float32)
+    up(halves, got)
+    assert np.array_equal(got.view(np.uint32), halves.view(np.float16).astype(np.float32)
+                          .view(np.uint32))
+    rng = np.random.default_rng(5)
+    bits32 = np.concatenate([
+        rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+        np.arange(0x7F800000, 0x7F800000 + 20_000, dtype=np.uint32),       # inf, sNaNs
+        np.arange(0xFFC00000, 0xFFC00000 + 20_000, dtype=np.uint32),       # quiet NaNs
+        np.arange(0x7F800001, 0x7F802001, dtype=np.uint32),                 # payload below half's
+        np.arange(0x33000000 - 4096, 0x38800000 + 4096, 16, dtype=np.uint32),  # subnormal halves
+        np.arange(0x477FE000 - 4096, 0x47800000 + 4096, dtype=np.uint32),  # around the largest half
+        np.array([0, 0x80000000], np.uint32)])
+    floats = bits32.view(np.float32)
+    out = np.empty(floats.size, np.uint16)
+    down(floats, out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = floats.astype(np.float16).view(np.uint16)
+    bad = out != want
+    assert not bad.any(), [hex(x) for x in bits32[bad][:5]]
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_f16_rotation_on_the_cpu_hardware_and_software_agree(neox, monkeypatch):
+    """The F16C twin and the software twin give the same bits (specials included); without
+    F16C the CPU falls back to the software conversions."""
+    rng = np.random.default_rng(11)
+    stored = rng.standard_normal((2, 9, 3, 16)).astype(np.float16)
+    specials = np.array([np.inf, -np.inf, np.nan, 6e-8, -6e-8, 65504, 1e-5, 0.0], np.float16)
+    stored[1, 4, 0, :8] = specials
+    stored.view(np.uint16)[0, 2, 1, 3] = 0x7C01   # a signalling NaN
+    inv = _inv_freq_ref(16, 10000.0, 1.0, None).astype(np.float32)
+    cells, deltas = np.array([0, 2, 4, 8], np.int32), np.array([5, -7, 1000, 3])
+    results = {}
+    for hw in ([True, False] if _common.cpu_has_f16c() else [False]):
+        monkeypatch.setattr(rope, "F16_HW", hw)
+        assert rope.storage_kind("cpu", "float16")[1] == (rope.KIND_F16_HW if hw
+                                                          else rope.KIND_F16_BITS)
+        k = stored.copy()
+        rope.launch("cpu", k, "float16", cells, deltas, inv, neox)
+        results[hw] = k.view(np.uint16)
+    if len(results) == 2:
+        # equal bits, except NaN payloads: the hardware twin keeps numpy's NaN bits (the payload
+        # carried through), the software conversion makes every NaN 0x7E00 (sign kept)
+        hw, sw = results[True], results[False]
+        nan = (sw & 0x7C00) == 0x7C00
+        nan &= (sw & 0x3FF) != 0
+        assert nan.sum() >= 2 and np.array_equal(nan, ((hw & 0x7C00) == 0x7C00) & ((hw & 0x3FF) != 0))
+        assert np.array_equal(hw[~nan], sw[~nan]) and np.array_equal(hw[nan] >> 15, sw[nan] >> 15)
+    assert not np.array_equal(results[False], stored.view(np.uint16))
+
+
+def test_f16c_detection_follows_numbas_cpu_target(monkeypatch):
+    import platform
+    from numba.core import config as nb_config
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 only")
+    monkeypatch.setattr(nb_config, "CPU_FEATURES", "+avx2,-f16c")
+    assert not _common.cpu_has_f16c()
+    monkeypatch.setattr(nb_config, "CPU_FEATURES", "+avx2,+f16c")
+    assert _common.cpu_has_f16c()
+    monkeypatch.setattr(nb_config, "CPU_FEATURES", None)
+    monkeypatch.setattr(nb_config, "CPU_NAME", "generic")
+    assert not _common.cpu_has_f16c()

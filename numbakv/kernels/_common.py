@@ -158,6 +158,85 @@ def f32_to_bf16_bits(x):
 
 
 # --------------------------------------------------------------------------------------------
+# float16 on the CPU through the hardware: LLVM's half-precision conversions (``fpext half to
+# float``, ``fptrunc float to half``), which x86 CPUs with F16C run as vcvtph2ps / vcvtps2ph (8
+# or 16 lanes at a time once LLVM vectorises the loop) and AArch64 as fcvt. The hardware quiets
+# signalling NaNs where numpy's conversion keeps them signalling, so one select per value puts
+# numpy's NaN bits back: the results are bit-identical with numpy's for every input.
+
+def cpu_has_f16c() -> bool:
+    """Whether Numba's CPU target converts halves in hardware: x86 with F16C in the features
+    Numba compiles for (the host's unless ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` say
+    otherwise), or AArch64. Without it LLVM would call compiler-rt helpers Numba may not link."""
+    import platform
+    from numba.core import config as nb_config
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64", "i686", "x86"):
+        return False
+    if nb_config.CPU_FEATURES is not None:
+        return "+f16c" in str(nb_config.CPU_FEATURES)
+    if nb_config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+from numba.extending import intrinsic as _intrinsic  # noqa: E402
+
+
+@_intrinsic
+def _hw_half_to_float(typingctx, h):
+    """uint16 bits -> float32 through LLVM's ``fpext half to float``."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@_intrinsic
+def _hw_float_to_half(typingctx, x):
+    """float32 -> uint16 bits through LLVM's ``fptrunc float to half`` (round to nearest even)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+def _f16_to_f32_hw(h):
+    """IEEE half bits to float32 in hardware, exactly as numpy (signalling NaNs stay
+    signalling)."""
+    f = np.float32(_hw_half_to_float(h)).view(np.uint32)
+    snan = ((h & 0x7C00) == 0x7C00) & ((h & 0x3FF) != 0) & ((h & 0x200) == 0)
+    return np.uint32(f & np.uint32(0xFFBFFFFF) if snan else f).view(np.float32)
+
+
+def _f32_to_f16_hw(x):
+    """float32 to IEEE half bits in hardware (round to nearest even), NaNs as numpy makes them:
+    sign, 0x7C00 and the top 10 payload bits (0x7C01 when those are all zero)."""
+    h = _hw_float_to_half(x)
+    b = np.float32(x).view(np.uint32)
+    payload = np.uint16((b >> 13) & 0x3FF)
+    nan_bits = np.uint16(((b >> 16) & 0x8000) | 0x7C00 | (payload if payload != 0 else 1))
+    return nan_bits if (b & 0x7FFFFFFF) > 0x7F800000 else h
+
+
+def _njit_inline(fn):
+    from numba import njit
+    return njit(inline="always", cache=False)(fn)
+
+
+f16_bits_to_f32_hw = _njit_inline(_f16_to_f32_hw)
+f32_to_f16_bits_hw = _njit_inline(_f32_to_f16_hw)
+
+
+# --------------------------------------------------------------------------------------------
 # raw-word views
 
 def word_size(row_bytes: int, itemsize: int, byte_strides: Sequence[int], ptr: Optional[int],
@@ -558,7 +637,7 @@ def device_arg(device: str, arr, dtype=None):
     return arr if dtype is None else arr.view(dtype)
 
 
-__all__ = ["BLOCKS_PER_SM", "BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "SIM_MAX_BLOCKS", "flat_blocks",
+__all__ = ["cpu_has_f16c", "f16_bits_to_f32_hw", "f32_to_f16_bits_hw", "BLOCKS_PER_SM", "BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "SIM_MAX_BLOCKS", "flat_blocks",
            "max_blocks", "sm_count", "UINT", "Desc", "FastKernel", "HostStaging",
            "Prepared", "device_cc", "load_image", "preload", "staging_for",
            "ptx_entry",

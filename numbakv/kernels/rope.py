@@ -26,8 +26,9 @@ from ._common import (Prepared, bf16_bits_to_f32, block_size, cdiv, device_arg,
                       to_device)
 from ._registry import cuda_kernel, element
 
-#: how the kernel reads the storage: native floats, float16 bit patterns, bfloat16 bit patterns
-KIND_FLOAT, KIND_F16_BITS, KIND_BF16_BITS = 0, 1, 2
+#: how the kernel reads the storage: native floats, float16 bit patterns, bfloat16 bit patterns;
+#: on the CPU also float16 bit patterns converted by the hardware (F16C), the default there
+KIND_FLOAT, KIND_F16_BITS, KIND_BF16_BITS, KIND_F16_HW = 0, 1, 2, 3
 
 # njit forms of the conversions: element functions may call njit functions on both targets
 _f16_to_f32 = f16_bits_to_f32.cpu
@@ -139,6 +140,56 @@ def _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c):
                 _store_cpu(keys, layer, cell, h, i1, b2, kind)
 
 
+_f16_hw_to_f32 = _common.f16_bits_to_f32_hw
+_f32_to_f16_hw = _common.f32_to_f16_bits_hw
+
+
+@njit(cache=True, inline="always")
+def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c):
+    """:func:`_rotate_cell_cpu` for float16 bit patterns converted by the CPU's half-precision
+    instructions (bit-identical with the software conversion and numpy). Written per head row
+    with the pairing decided outside the pair loop, so the loop runs on contiguous runs (NeoX:
+    the two halves of the row) and LLVM vectorises it into vcvtph2ps / vcvtps2ph (measured 5x
+    faster than the generic element form)."""
+    half = cos_t.shape[1]
+    cell = cells[c]
+    u = tab[c]
+    cs = cos_t[u]
+    sn = sin_t[u]
+    for z in range(layers.shape[0]):
+        layer = layers[z]
+        for h in range(keys.shape[2]):
+            row = keys[layer, cell, h]
+            if neox != 0:
+                for p in range(half):
+                    a = _f16_hw_to_f32(row[p])
+                    b = _f16_hw_to_f32(row[p + half])
+                    row[p] = _f32_to_f16_hw(a * cs[p] - b * sn[p])
+                    row[p + half] = _f32_to_f16_hw(a * sn[p] + b * cs[p])
+            else:
+                for p in range(half):
+                    a = _f16_hw_to_f32(row[2 * p])
+                    b = _f16_hw_to_f32(row[2 * p + 1])
+                    row[2 * p] = _f32_to_f16_hw(a * cs[p] - b * sn[p])
+                    row[2 * p + 1] = _f32_to_f16_hw(a * sn[p] + b * cs[p])
+
+
+@njit(cache=True)
+def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox):
+    for c in range(cells.shape[0]):
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c)
+
+
+@njit(cache=True, parallel=True)
+def _rope_cpu_f16hw_par(keys, cells, tab, layers, cos_t, sin_t, neox):
+    for c in prange(cells.shape[0]):
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c)
+
+
+#: float16 rotations on the CPU use the hardware conversions where Numba's target has them
+F16_HW = _common.cpu_has_f16c()
+
+
 # The CPU twins come in one compiled form per storage kind (a constant, so the conversion
 # branches fold away and the pair loop vectorises: measured 2-8x faster than passing the kind).
 
@@ -180,7 +231,8 @@ def _rope_cpu_bf16_par(keys, cells, tab, layers, cos_t, sin_t, neox):
 
 _CPU_TWINS = {KIND_FLOAT: (_rope_cpu_float, _rope_cpu_float_par),
               KIND_F16_BITS: (_rope_cpu_f16, _rope_cpu_f16_par),
-              KIND_BF16_BITS: (_rope_cpu_bf16, _rope_cpu_bf16_par)}
+              KIND_BF16_BITS: (_rope_cpu_bf16, _rope_cpu_bf16_par),
+              KIND_F16_HW: (_rope_cpu_f16hw, _rope_cpu_f16hw_par)}
 
 
 def rope_shift_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, parallel=False):
@@ -212,7 +264,7 @@ def storage_kind(device: str, dtype: str):
         return np.dtype(np.uint16), KIND_BF16_BITS
     if dtype == "float16":
         if device == "cpu":
-            return np.dtype(np.uint16), KIND_F16_BITS
+            return np.dtype(np.uint16), KIND_F16_HW if F16_HW else KIND_F16_BITS
         return np.dtype(np.float16), KIND_FLOAT
     return np.dtype(np.float32), KIND_FLOAT
 
@@ -285,7 +337,7 @@ def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
                    parallel=n_pairs >= PARALLEL_MIN_PAIRS and cells.size > 1)
 
 
-__all__ = ["KIND_BF16_BITS", "KIND_F16_BITS", "KIND_FLOAT", "launch", "load_f32", "pair_index",
+__all__ = ["F16_HW", "KIND_BF16_BITS", "KIND_F16_BITS", "KIND_F16_HW", "KIND_FLOAT", "launch", "load_f32", "pair_index",
            "prepare",
            "rope_shift_cpu", "rope_shift_kernel", "rotate_pair",
            "storage_kind", "store_f32", "tables"]
