@@ -225,9 +225,10 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
             ok, why = cuda_status() if device == "cpu" else (False, "")
             hint = (f" (device='auto' could not use the GPU: {why})" if why and "driver sees" in why
                     and "no GPU" not in why else "")
-            raise ValueError(f"{name} is a CUDA GPU tensor but this cache stores on the CPU "
-                             f"(device={device!r}){hint}: create the cache with device='cuda' "
-                             f"(needs {GPU_EXTRA}) or move {name} to the host first")
+            raise ValueError(f"{name} lives on cuda but the cache stores on cpu: {name} is a "
+                             f"CUDA GPU tensor and this cache is on the CPU{hint}; create the "
+                             f"cache with device='cuda' (needs {GPU_EXTRA}) or move {name} to "
+                             f"the host first")
         raise ValueError(f"{name} lives on {where} but the cache stores on {device}: move it to "
                          f"{'the GPU' if storage_device == 'cuda' else 'the host'} first")
     arr, was_bf16 = _to_native(x, storage_device, name)

@@ -13,6 +13,7 @@ the argument; a failed call changes nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional, Tuple
 
 import numpy as np
@@ -189,7 +190,8 @@ class KVStorage:
         self._pending: list = []      # inputs of queued launches not yet covered by an event
         self._retired: list = []      # [(event, objects)], oldest first
         self._last_mask = None
-        if device == "cuda":
+        if device == "cuda" and os.environ.get("NUMBAKV_WARM_UP", "1").lower() not in \
+                ("0", "false", "no"):
             self.warm_up()
 
     # ---------------------------------------------------------------- basics

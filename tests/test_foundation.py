@@ -141,11 +141,11 @@ def test_cuda_input_on_a_cpu_cache_says_so(gpu_machine_without_cupy):
     with pytest.raises(ValueError) as err:
         dev.as_array(_CudaTensor(), "cpu", "float16", name="key")
     text = str(err.value)
-    assert "key is a CUDA GPU tensor but this cache stores on the CPU" in text
+    assert "key is a CUDA GPU tensor and this cache is on the CPU" in text
     assert "CuPy is not importable" in text and dev.GPU_EXTRA in text
     cache = nkv.CausalCache(CacheConfig(1, 2, 4, capacity=4, device="cpu"))
     cache.start_forward([0], [0])
-    with pytest.raises(ValueError, match="CUDA GPU tensor but this cache stores on the CPU"):
+    with pytest.raises(ValueError, match="CUDA GPU tensor and this cache is on the CPU"):
         cache.put(_CudaTensor(), _CudaTensor())
 
 

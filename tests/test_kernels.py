@@ -907,3 +907,18 @@ def test_f16c_detection_follows_numbas_cpu_target(monkeypatch):
     monkeypatch.setattr(nb_config, "CPU_FEATURES", None)
     monkeypatch.setattr(nb_config, "CPU_NAME", "generic")
     assert not _common.cpu_has_f16c()
+
+
+def test_mask_geometry_blocks_match_useful_work(monkeypatch):
+    """The mask launcher (kernels/mask.py): x blocks cover the cells with less than one block of
+    slack, y covers the rows ROWS_PER_THREAD at a time."""
+    grids = []
+    monkeypatch.setattr(mask, "_launch", lambda device, kernel, grid, block, args:
+                        grids.append((tuple(grid), block)))
+    rng = np.random.default_rng(4)
+    for n, rows in ((1, 1), (37, 3), (4096, 512), (300, 17)):
+        case = _mask_case(rng, n, min(rows, 8), 100)
+        mask.launch("sim", np.empty((rows, n), np.float32), *case)
+        (gx, gy), nb = grids[-1]
+        assert (gx - 1) * nb < n <= gx * nb
+        assert (gy - 1) * mask.ROWS_PER_THREAD < rows <= gy * mask.ROWS_PER_THREAD
