@@ -74,6 +74,7 @@ class FakeDeviceArray:
 
     def _copy_in(self, src_ptr, nbytes, stream):
         import ctypes
+        src_ptr = src_ptr if isinstance(src_ptr, int) else src_ptr.value  # as CuPy accepts
         ctypes.memmove(self._a.ctypes.data, src_ptr, nbytes)
         if self._m is not None:
             self._m.log.append(("h2d", stream.ptr, nbytes, src_ptr))

@@ -17,6 +17,7 @@ the fallback (``NUMBAKV_FAST_LAUNCH=0`` forces it).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import re
@@ -615,7 +616,8 @@ def to_device(device: str, *arrays: np.ndarray):
     for p, off in zip(parts, offsets):
         host[off:off + p.nbytes] = p.reshape(-1).view(np.uint8)
     dev = cupy.empty(total, dtype=np.uint8)
-    dev.data.copy_from_host_async(host.ctypes.data, total, stream)
+    # a c_void_p: CuPy < 13.x reads ``mem.value``; newer versions take it too
+    dev.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), total, stream)
     staging.give_back(slot, stream)
     base = int(dev.data.ptr)
     descs = []
