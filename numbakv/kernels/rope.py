@@ -145,12 +145,12 @@ _f32_to_f16_hw = _common.f32_to_f16_bits_hw
 
 
 @njit(cache=True, inline="always")
-def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c):
+def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi):
     """:func:`_rotate_cell_cpu` for float16 bit patterns converted by the CPU's half-precision
-    instructions (bit-identical with the software conversion and numpy). Written per head row
-    with the pairing decided outside the pair loop, so the loop runs on contiguous runs (NeoX:
-    the two halves of the row) and LLVM vectorises it into vcvtph2ps / vcvtps2ph (measured 5x
-    faster than the generic element form)."""
+    instructions (bit-identical with numpy's conversions). Staged per head row through float32
+    scratch ``lo``/``hi`` (``[n/2]`` each): each of the five loops is a plain contiguous pass
+    that LLVM vectorises (vcvtph2ps, the float32 rotation, vcvtps2ph); measured ~10x faster
+    than the per-element form."""
     half = cos_t.shape[1]
     cell = cells[c]
     u = tab[c]
@@ -162,28 +162,43 @@ def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c):
             row = keys[layer, cell, h]
             if neox != 0:
                 for p in range(half):
-                    a = _f16_hw_to_f32(row[p])
-                    b = _f16_hw_to_f32(row[p + half])
-                    row[p] = _f32_to_f16_hw(a * cs[p] - b * sn[p])
-                    row[p + half] = _f32_to_f16_hw(a * sn[p] + b * cs[p])
+                    lo[p] = _f16_hw_to_f32(row[p])
+                for p in range(half):
+                    hi[p] = _f16_hw_to_f32(row[p + half])
             else:
                 for p in range(half):
-                    a = _f16_hw_to_f32(row[2 * p])
-                    b = _f16_hw_to_f32(row[2 * p + 1])
-                    row[2 * p] = _f32_to_f16_hw(a * cs[p] - b * sn[p])
-                    row[2 * p + 1] = _f32_to_f16_hw(a * sn[p] + b * cs[p])
+                    lo[p] = _f16_hw_to_f32(row[2 * p])
+                    hi[p] = _f16_hw_to_f32(row[2 * p + 1])
+            for p in range(half):
+                a = lo[p]
+                b = hi[p]
+                lo[p] = a * cs[p] - b * sn[p]
+                hi[p] = a * sn[p] + b * cs[p]
+            if neox != 0:
+                for p in range(half):
+                    row[p] = _f32_to_f16_hw(lo[p])
+                for p in range(half):
+                    row[p + half] = _f32_to_f16_hw(hi[p])
+            else:
+                for p in range(half):
+                    row[2 * p] = _f32_to_f16_hw(lo[p])
+                    row[2 * p + 1] = _f32_to_f16_hw(hi[p])
 
 
 @njit(cache=True)
 def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox):
+    lo = np.empty(cos_t.shape[1], np.float32)
+    hi = np.empty(cos_t.shape[1], np.float32)
     for c in range(cells.shape[0]):
-        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c)
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi)
 
 
 @njit(cache=True, parallel=True)
 def _rope_cpu_f16hw_par(keys, cells, tab, layers, cos_t, sin_t, neox):
     for c in prange(cells.shape[0]):
-        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c)
+        lo = np.empty(cos_t.shape[1], np.float32)
+        hi = np.empty(cos_t.shape[1], np.float32)
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi)
 
 
 #: float16 rotations on the CPU use the hardware conversions where Numba's target has them
