@@ -109,6 +109,20 @@ def _pinned(nbytes, log):
     return bytearray(nbytes)
 
 
+class _FakeDevice:
+    """``cupy.cuda.Device(i)``: its compute capability and SM count, and a context manager."""
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+        self.attributes = {"MultiProcessorCount": 2}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def fake_cupy(device_cc: str = "80"):
     """A module object to put in ``sys.modules['cupy']``."""
     m = _t.ModuleType("cupy")
@@ -142,9 +156,6 @@ def fake_cupy(device_cc: str = "80"):
         ExternalStream=external,
         Event=Event,
         alloc_pinned_memory=lambda n: _pinned(n, m.log),
-        Device=lambda i=0: _t.SimpleNamespace(compute_capability=device_cc,
-                                              attributes={"MultiProcessorCount": 2},
-                                              __enter__=lambda *a: None,
-                                              __exit__=lambda *a: None),
+        Device=lambda i=0: _FakeDevice(device_cc),
     )
     return m

@@ -922,3 +922,44 @@ def test_mask_geometry_blocks_match_useful_work(monkeypatch):
         (gx, gy), nb = grids[-1]
         assert (gx - 1) * nb < n <= gx * nb
         assert (gy - 1) * mask.ROWS_PER_THREAD < rows <= gy * mask.ROWS_PER_THREAD
+
+
+def test_fast_kernel_loads_a_cubin_for_the_device_and_caches_it(tmp_path):
+    """Without a GPU: a stand-in CuPy driver receives what FastKernel loads. It must be a cubin
+    (ELF) linked for the device's compute capability (e_flags' low byte: 80 / 90), and a second
+    process-like load must come from the disk cache without compiling."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import sys, struct, types\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from fake_cupy import fake_cupy\n"
+        "for cc in ('80', '90'):\n"
+        "    cp = fake_cupy(device_cc=cc)\n"
+        "    loaded = []\n"
+        "    cp.cuda.driver = types.SimpleNamespace(\n"
+        "        moduleLoadData=lambda image: loaded.append(image) or 'module',\n"
+        "        moduleGetFunction=lambda m, name: ('fn', name), launchKernel=None)\n"
+        "    sys.modules['cupy'] = cp\n"
+        "    from numbakv.kernels import _common, put\n"
+        "    from numbakv.kernels.ptx import _offline_device\n"
+        "    sig = put._SIGS[0]\n"
+        "    with _offline_device((int(cc[0]), int(cc[1]))):\n"
+        "        fk = _common.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
+        "    assert fk.image_kind == 'cubin' and loaded[0][:4] == b'\\x7fELF'\n"
+        "    assert struct.unpack_from('<I', loaded[0], 48)[0] & 0xFF == int(cc)\n"
+        "    real = _common.ptx_entry\n"
+        "    _common.ptx_entry = lambda *a: (_ for _ in ()).throw(AssertionError('compiled'))\n"
+        "    fk2 = _common.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
+        "    assert loaded[1] == loaded[0] and fk2.n_params == fk.n_params\n"
+        "    _common.ptx_entry = real\n"
+        "print('ok')\n")
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env["NUMBAKV_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    assert len(list(tmp_path.iterdir())) == 2

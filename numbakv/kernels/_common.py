@@ -389,6 +389,79 @@ def load_image(ptx: str, cc: Tuple[int, int]) -> Tuple[bytes, str]:
         return ptx.encode() + b"\0", "ptx"
 
 
+_SOURCE_HASH: List[str] = []
+
+
+def _kernels_source_hash() -> str:
+    """A digest of every kernel module's source and of the compiler versions: a cached cubin is
+    used only by the exact code and toolchain that built it."""
+    if not _SOURCE_HASH:
+        import hashlib
+        import pathlib
+        import numba
+        h = hashlib.sha256()
+        for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+        try:
+            from importlib.metadata import version
+            h.update(version("numba-cuda").encode())
+        except Exception:  # noqa: BLE001
+            pass
+        h.update(numba.__version__.encode())
+        _SOURCE_HASH.append(h.hexdigest()[:24])
+    return _SOURCE_HASH[0]
+
+
+def image_cache_dir() -> Optional[str]:
+    """Where linked kernels are kept between processes (``NUMBAKV_CACHE_DIR``, default
+    ``~/.cache/numbakv/kernels``; ``NUMBAKV_CACHE_DIR=""`` turns the cache off)."""
+    d = os.environ.get("NUMBAKV_CACHE_DIR")
+    if d is None:
+        d = os.path.join(os.path.expanduser("~"), ".cache", "numbakv", "kernels")
+    return d or None
+
+
+def _image_path(py_func, sig, cc) -> Optional[str]:
+    d = image_cache_dir()
+    if d is None:
+        return None
+    import hashlib
+    text = f"{py_func.__module__}.{py_func.__qualname__}|{sig}|{cc}|{_kernels_source_hash()}"
+    return os.path.join(d, hashlib.sha256(text.encode()).hexdigest()[:32] + ".bin")
+
+
+def cached_image(py_func, sig: Tuple[types.Type, ...], cc: Tuple[int, int]):
+    """``(image, kind, entry name, number of parameters)`` of ``py_func`` for ``sig`` on a device
+    of compute capability ``cc``: from the disk cache when this code and toolchain linked it
+    before (the warm-up of a later process then costs a file read instead of NVVM + nvJitLink),
+    else compiled, linked and stored (best effort: an unwritable cache only costs time)."""
+    import pickle
+    path = _image_path(py_func, sig, cc)
+    if path is not None and os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                image, kind, name, expected = pickle.load(f)
+            if isinstance(image, bytes) and kind in ("cubin", "ptx"):
+                return image, kind, name, int(expected)
+        except Exception:  # noqa: BLE001 - a damaged entry: rebuild it
+            pass
+    try:
+        ptx, name, expected = ptx_entry(py_func, sig, cc)
+    except Exception:  # noqa: BLE001 - NVVM may not know the newest arch: PTX runs forward
+        ptx, name, expected = ptx_entry(py_func, sig, (9, 0) if cc >= (9, 0) else (8, 0))
+    image, kind = load_image(ptx, cc)
+    if path is not None and kind == "cubin":
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump((image, kind, name, expected), f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return image, kind, name, expected
+
+
 class FastKernel:
     """One kernel compiled for one exact signature, linked to a cubin for the device's compute
     capability (:func:`load_image`) and loaded with CuPy's driver API; launched through
@@ -399,11 +472,7 @@ class FastKernel:
         import cupy
         dev = cupy.cuda.Device(device_id)
         cc = device_cc(device_id)
-        try:
-            ptx, name, expected = ptx_entry(py_func, sig, cc)
-        except Exception:  # noqa: BLE001 - NVVM may not know the newest arch: PTX runs forward
-            ptx, name, expected = ptx_entry(py_func, sig, (9, 0) if cc >= (9, 0) else (8, 0))
-        image, self.image_kind = load_image(ptx, cc)
+        image, self.image_kind, name, expected = cached_image(py_func, tuple(sig), cc)
         with dev:
             self._module = cupy.cuda.driver.moduleLoadData(image)
             self._func = cupy.cuda.driver.moduleGetFunction(self._module, name)
