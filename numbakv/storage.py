@@ -251,8 +251,9 @@ class KVStorage:
         whose event has passed. Skipped while the stream is capturing a graph (recording there
         would bind the event to the graph; querying would be an implicit synchronisation)."""
         import cupy
+        from .kernels._common import capturing
         stream = self._stream if self._stream is not None else cupy.cuda.get_current_stream()
-        if stream.is_capturing():
+        if capturing(stream):
             return
         retired = self._retired
         while retired and retired[0][0].done:

@@ -261,3 +261,21 @@ def test_torch_stream_example_runs(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--device", "cpu", "--steps", "3"]) == 0
     assert capsys.readouterr().out.startswith("ok: 3 steps on cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_side_stream_race_on_a_gpu():
+    """Issue 15's repro on real hardware: K/V produced on a torch side stream while the NULL
+    stream is busy, put, freed and their memory reused at once; the cache must hold what was
+    put."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_stream.py"
+    spec = importlib.util.spec_from_file_location("torch_stream", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cuda", "--steps", "32"]) == 0

@@ -593,6 +593,16 @@ class Prepared(NamedTuple):
     keep: Any
 
 
+def capturing(stream) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph. Asking about the legacy NULL stream while
+    another stream captures in global mode is itself an error: counted as capturing (then
+    nothing queries or synchronises)."""
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001
+        return True
+
+
 class HostStaging:
     """Pinned host buffers through which one stream's host-to-device inputs travel, reused.
 
@@ -621,7 +631,7 @@ class HostStaging:
 
     def take(self, nbytes: int, stream) -> list:
         """A pinned buffer of at least ``nbytes`` whose previous copy has completed."""
-        if stream.is_capturing():
+        if capturing(stream):
             slot = self._new(nbytes)
             self.captured.append(slot)
             return slot
@@ -642,7 +652,7 @@ class HostStaging:
 
     def give_back(self, slot: list, stream) -> None:
         """``slot``'s copy has been queued on ``stream``: mark it busy until that has run."""
-        if stream.is_capturing():
+        if capturing(stream):
             return  # kept in ``captured``
         import cupy
         if slot[3] is None:
