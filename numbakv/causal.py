@@ -576,6 +576,14 @@ class CausalCache:
         return state.cache_from_bytes(self, data, seq, progress=progress)
 
     # ------------------------------------------------------------------ misc
+    def use_stream(self, stream) -> None:
+        """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a
+        CuPy stream, a torch stream (``torch.cuda.current_stream()``) or a raw ``cudaStream_t``
+        int; None goes back to CuPy's current stream. The rules are those of
+        :meth:`numbakv.storage.KVStorage.use_stream`. On cpu/sim only None is accepted."""
+        self._check_open()
+        self.storage.use_stream(stream)
+
     def close(self) -> None:
         """Release the storage; any later call raises ``KVCacheError``."""
         self._closed = True

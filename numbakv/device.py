@@ -9,9 +9,11 @@ copy when the memory already lives there, and wraps views for export (bfloat16 i
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Any
+import threading
+import time
+import warnings
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -32,20 +34,91 @@ def simulator_enabled() -> bool:
         return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=1)
-def cuda_usable() -> bool:
-    """True only when a CUDA GPU really works: the driver sees a device, Numba's CUDA target is
-    live (not the simulator) and CuPy can allocate on it. CuPy imports fine on machines without a
-    driver and fails at the first allocation, so this tries one."""
-    if simulator_enabled() or driver_gpu_count() == 0:
-        return False
+#: what to install for the GPU path (named in warnings and errors)
+GPU_EXTRA = "numbakv[cuda]"
+#: a failed probe is trusted this long before it is tried again (a transient failure, e.g. a GPU
+#: still being brought up or CuPy installed by a running notebook, must not stick for the
+#: process's lifetime); a success is kept
+PROBE_RETRY_S = 2.0
+
+_probe_lock = threading.Lock()
+_probe_ok = False
+_probe_failed_at = -1e300
+_probe_reason = ""
+_warned_missing_cupy = False
+
+
+def _probe() -> Tuple[bool, str]:
+    """One real attempt: ``(usable, why not)``."""
+    if simulator_enabled():
+        return False, "the CUDA simulator is on"
+    n = driver_gpu_count()
+    if n == 0:
+        return False, "the CUDA driver sees no GPU"
     try:
         import cupy
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install raising anything
+        return False, (f"the CUDA driver sees {n} GPU(s) but CuPy is not importable "
+                       f"({type(exc).__name__}: {exc}); install {GPU_EXTRA}")
+    try:
         cupy.zeros(1, dtype=cupy.float32).sum().item()
+    except Exception as exc:  # noqa: BLE001
+        return False, (f"the CUDA driver sees {n} GPU(s) but CuPy cannot allocate on one "
+                       f"({type(exc).__name__}: {exc}); check that the CuPy build matches the "
+                       f"driver ({GPU_EXTRA})")
+    try:
         from numba import cuda
-        return bool(cuda.is_available())
-    except Exception:  # noqa: BLE001 - any failure means "not usable"
-        return False
+        if not cuda.is_available():
+            return False, "Numba's CUDA target reports no usable GPU"
+    except Exception as exc:  # noqa: BLE001
+        return False, f"Numba's CUDA target failed ({type(exc).__name__}: {exc})"
+    return True, ""
+
+
+def cuda_status() -> Tuple[bool, str]:
+    """``(usable, why not)`` for the GPU path: the driver sees a device, CuPy can allocate on it
+    and Numba's CUDA target is live (not the simulator). CuPy imports fine on machines without a
+    driver and fails at the first allocation, so this tries one. A success is remembered; a
+    failure only for :data:`PROBE_RETRY_S` seconds."""
+    global _probe_ok, _probe_failed_at, _probe_reason
+    if _probe_ok:
+        return True, ""
+    with _probe_lock:
+        if _probe_ok:
+            return True, ""
+        now = time.monotonic()
+        if now - _probe_failed_at < PROBE_RETRY_S:
+            return False, _probe_reason
+        ok, reason = _probe()
+        if ok:
+            _probe_ok = True
+        else:
+            _probe_failed_at, _probe_reason = time.monotonic(), reason
+        return ok, reason
+
+
+def cuda_usable() -> bool:
+    """True only when a CUDA GPU really works (see :func:`cuda_status`)."""
+    return cuda_status()[0]
+
+
+def _reset_probe() -> None:
+    """Forget what the probe found (tests; also after installing CuPy in a running process)."""
+    global _probe_ok, _probe_failed_at, _probe_reason, _warned_missing_cupy
+    with _probe_lock:
+        _probe_ok, _probe_failed_at, _probe_reason = False, -1e300, ""
+        _warned_missing_cupy = False
+
+
+def _auto_cpu_warning(reason: str) -> None:
+    """``auto`` fell back to the CPU although the driver sees a GPU: say so once per process,
+    naming the extra to install (silently running a GPU machine's cache on the CPU costs 10-100x)."""
+    global _warned_missing_cupy
+    if _warned_missing_cupy or "driver sees" not in reason or "no GPU" in reason:
+        return
+    _warned_missing_cupy = True
+    warnings.warn(f"numbakv: device='auto' chose the CPU: {reason}", RuntimeWarning,
+                  stacklevel=4)
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -54,16 +127,19 @@ def resolve_device(device: str = "auto") -> str:
     if device == "auto":
         if simulator_enabled():
             return "sim"
-        return "cuda" if cuda_usable() else "cpu"
+        ok, reason = cuda_status()
+        if not ok:
+            _auto_cpu_warning(reason)
+        return "cuda" if ok else "cpu"
     if device not in DEVICE_NAMES:
         raise ValueError(f"device must be one of ('auto',) + {DEVICE_NAMES}, got {device!r}")
     if device == "sim" and not simulator_enabled():
         raise ValueError("device='sim' needs Numba's CUDA simulator: set NUMBA_ENABLE_CUDASIM=1 "
                          "before numba.cuda is first imported")
-    if device == "cuda" and not cuda_usable():
-        why = ("the CUDA simulator is on" if simulator_enabled()
-               else "no usable CUDA GPU (driver, device and a CuPy allocation are all needed)")
-        raise ValueError(f"device='cuda' is not available: {why}")
+    if device == "cuda":
+        ok, why = cuda_status()
+        if not ok:
+            raise ValueError(f"device='cuda' is not available: {why}")
     return device
 
 
@@ -144,6 +220,15 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
     except BufferError as exc:  # a raw capsule already consumed
         raise ValueError(f"{name} could not be imported through DLPack: {exc}") from exc
     if where != storage_device:
+        if where == "cuda" and storage_device == "cpu":
+            # the usual cause: device='auto' on a GPU machine without CuPy
+            ok, why = cuda_status() if device == "cpu" else (False, "")
+            hint = (f" (device='auto' could not use the GPU: {why})" if why and "driver sees" in why
+                    and "no GPU" not in why else "")
+            raise ValueError(f"{name} lives on cuda but the cache stores on cpu: {name} is a "
+                             f"CUDA GPU tensor and this cache is on the CPU{hint}; create the "
+                             f"cache with device='cuda' (needs {GPU_EXTRA}) or move {name} to "
+                             f"the host first")
         raise ValueError(f"{name} lives on {where} but the cache stores on {device}: move it to "
                          f"{'the GPU' if storage_device == 'cuda' else 'the host'} first")
     arr, was_bf16 = _to_native(x, storage_device, name)
@@ -204,5 +289,5 @@ def export_view(arr, dtype: str):
     return arr
 
 
-__all__ = ["simulator_enabled", "cuda_usable", "resolve_device", "array_module", "synchronize",
+__all__ = ["simulator_enabled", "cuda_usable", "cuda_status", "GPU_EXTRA", "resolve_device", "array_module", "synchronize",
            "as_array", "export_view", "dtype_name", "input_device", "DEVICE_NAMES"]

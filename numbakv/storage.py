@@ -13,6 +13,7 @@ the argument; a failed call changes nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional, Tuple
 
 import numpy as np
@@ -88,6 +89,51 @@ def _host_zeros(shape, dtype, align: int = HOST_ALIGN) -> np.ndarray:
     return buf[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
+class _CudaScope:
+    """Enter the storage's device (when another is current) and its stream (when one is set)."""
+
+    __slots__ = ("device_id", "stream", "_dev", "_entered")
+
+    def __init__(self, device_id: int, stream) -> None:
+        self.device_id = device_id
+        self.stream = stream
+
+    def __enter__(self):
+        import cupy
+        self._dev = None
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            self._dev = cupy.cuda.Device(self.device_id)
+            self._dev.__enter__()
+        if self.stream is not None:
+            self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.stream.__exit__(*exc)
+        if self._dev is not None:
+            self._dev.__exit__(*exc)
+        return False
+
+
+def _as_cupy_stream(stream, device_id: int):
+    """A CuPy stream for ``stream`` (CuPy stream, torch stream, raw ``cudaStream_t`` int or
+    None)."""
+    if stream is None:
+        return None
+    import cupy
+    if type(stream).__module__.split(".")[0] == "cupy":
+        return stream
+    if hasattr(stream, "ptr") and hasattr(stream, "is_capturing") and \
+            hasattr(stream, "__enter__"):
+        return stream  # a CuPy-compatible stream object
+    handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream / ExternalStream
+    if isinstance(handle, bool) or not isinstance(handle, (int, np.integer)) or handle < 0:
+        raise ValueError(f"stream must be a CuPy stream, a torch CUDA stream or a cudaStream_t "
+                         f"handle (int), got {type(stream).__name__}")
+    return cupy.cuda.ExternalStream(int(handle), device_id)
+
+
 class KVStorage:
     """The K and V arrays of a cache and the kernels that update them.
 
@@ -139,6 +185,14 @@ class KVStorage:
             self._k_layers = [self.keys[i] for i in range(L)]
             self._v_layers = [self.values[i] for i in range(L)]
         self._sdt = sdt
+        # the stream contract (cuda only; see use_stream): None = CuPy's current stream
+        self._stream = None
+        self._pending: list = []      # inputs of queued launches not yet covered by an event
+        self._retired: list = []      # [(event, objects)], oldest first
+        self._last_mask = None
+        if device == "cuda" and os.environ.get("NUMBAKV_WARM_UP", "1").lower() not in \
+                ("0", "false", "no"):
+            self.warm_up()
 
     # ---------------------------------------------------------------- basics
     @property
@@ -147,14 +201,102 @@ class KVStorage:
         return int(self.keys.nbytes + self.values.nbytes)
 
     def _on_device(self):
-        """Make the storage's GPU current for a launch (a no-op on cpu/sim or when it is)."""
+        """Make the storage's GPU and stream current for launches and copies (a no-op on
+        cpu/sim)."""
         if self._device_id is None:
             return contextlib.nullcontext()
-        import cupy
-        if cupy.cuda.runtime.getDevice() == self._device_id:
-            return contextlib.nullcontext()
-        return cupy.cuda.Device(self._device_id)
+        return _CudaScope(self._device_id, self._stream)
 
+    # ---------------------------------------------------------------- streams (cuda)
+    def use_stream(self, stream) -> None:
+        """Run every launch and copy of this storage on ``stream`` from now on.
+
+        ``stream``: a CuPy stream (``cupy.cuda.Stream`` / ``ExternalStream``), a torch stream
+        (anything with an integer ``cuda_stream``, e.g. ``torch.cuda.current_stream()``), a raw
+        ``cudaStream_t`` handle as an int, or None for CuPy's current stream at each call (the
+        default). The rules, for callers on other streams:
+
+        - Inputs given to ``put`` are kept referenced until an event recorded on this stream
+          after their copy has passed, so an allocator (torch's caching allocator included) can
+          not hand their memory out while the kernel may still read it.
+        - Masks from :meth:`new_mask` (and whatever a caller passes to :meth:`retire`, e.g. page
+          tables) stay referenced until an event recorded at the *next* forward pass has passed:
+          attention that read them must be queued on this stream (or ordered before it) by then.
+        - Host-to-device inputs travel through pinned, reused buffers (asynchronous copies).
+        - While the stream captures a CUDA graph, nothing synchronises or queries events.
+        - Outputs (``get()`` views) are ready in this stream's order: consumers on another stream
+          must wait on it (``torch.cuda.current_stream().wait_stream(...)``) or share it.
+        """
+        if self.device != "cuda":
+            if stream is None:
+                return
+            raise ValueError(f"stream applies to a cuda cache; this one stores on {self.device}")
+        self._flush_pending()
+        self._stream = _as_cupy_stream(stream, self._device_id)
+
+    @property
+    def stream(self):
+        """The CuPy stream launches go on (None: CuPy's current stream at each call)."""
+        return self._stream
+
+    def retire(self, *objects) -> None:
+        """Keep ``objects`` (device buffers a launch or a consumer may still read) referenced until
+        an event recorded on this storage's stream at the next forward pass has passed. A no-op on
+        cpu/sim."""
+        if self.device == "cuda":
+            self._pending.extend(objects)
+
+    def _flush_pending(self) -> None:
+        """Cover the pending objects with one event on the stream and drop every retired group
+        whose event has passed. Skipped while the stream is capturing a graph (recording there
+        would bind the event to the graph; querying would be an implicit synchronisation)."""
+        import cupy
+        from .kernels._common import capturing
+        stream = self._stream if self._stream is not None else cupy.cuda.get_current_stream()
+        if capturing(stream):
+            return
+        retired = self._retired
+        while retired and retired[0][0].done:
+            retired.pop(0)
+        if self._pending:
+            ev = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+            ev.record(stream)
+            retired.append((ev, self._pending))
+            self._pending = []
+
+    def warm_up(self) -> None:
+        """Compile, link and load the kernels this storage launches (the put and mask kernels by
+        launching them on no data, block moves and the rotary shift for the storage's word
+        types), so that the first forward pass does not pay for it. Called by the constructor on
+        ``cuda``."""
+        from .kernels import _common
+        cfg = self.config
+        xp = self.xp
+        sdt = self._sdt
+        with self._on_device():
+            # put: one token with slot -1 writes nothing but runs the kernel of contiguous inputs
+            key = xp.zeros((1, cfg.n_kv_heads, cfg.head_dim), dtype=sdt)
+            value = xp.zeros((1, cfg.n_kv_heads, cfg.v_head_dim), dtype=sdt)
+            self.put(0, np.array([-1], np.int32), key, value)
+            # mask: one padding row over one cell
+            for mdt in (MASK_DTYPES[self.config.mask_dtype],):
+                out = xp.empty((1, 1), dtype=mdt)
+                self.fill_mask(out, np.zeros(1, np.int32), np.zeros((1, _SEQ_WORDS), np.uint64),
+                               np.zeros(0, np.int32), np.zeros(0, np.int32),
+                               np.zeros(0, np.uint8))
+            if not _common.fast_launch_enabled():
+                return
+            k, v = _move.storage_args("cuda", self.keys, self.values, self.permuted)
+            i32 = _common.Desc(0, (1,), (4,), np.dtype(np.int32))
+            i64 = _common.Desc(0, (1, 3), (24, 8), np.dtype(np.int64))
+            sigs = [(_move.move_cells_kernel, (k, v, i32, i32, 0, 0)),
+                    (_move.move_lanes_kernel, (k, v, i64, 0))]
+            view_dtype, _ = _rope.storage_kind("cuda", self.dtype)
+            f32 = _common.Desc(0, (1, 1), (4, 4), np.dtype(np.float32))
+            kd = _common.desc_of(self.keys, view_dtype)
+            sigs.append((_rope.rope_shift_kernel, (kd, i32, i32, i32, f32, f32, 0, 0)))
+            for kernel, args in sigs:
+                _common.preload(kernel, [_common.numba_type(a) for a in args], self._device_id)
     def _check_layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                 or not 0 <= layer < self.config.n_layers:
@@ -214,6 +356,17 @@ class KVStorage:
         with self._on_device():
             _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], slots, key,
                         value, self.permuted)
+            if self.device == "cuda":
+                self._keep_inputs(key, value)
+
+    def _keep_inputs(self, key, value) -> None:
+        """Hold a put's inputs until the stream has run past it (see :meth:`use_stream`); one
+        event covers up to 64 puts, so this costs a list append per put."""
+        pending = self._pending
+        pending.append(key)
+        pending.append(value)
+        if len(pending) >= 128:
+            self._flush_pending()
 
     def put_range(self, layer: int, start: int, key, value) -> None:
         """Like :meth:`put` with slots ``start .. start + batch - 1`` (no slot array is built or
@@ -234,6 +387,8 @@ class KVStorage:
         with self._on_device():
             _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
                         value, self.permuted, start=int(start))
+            if self.device == "cuda":
+                self._keep_inputs(key, value)
 
     # ---------------------------------------------------------------- views
     def _check_range(self, lo, hi) -> Tuple[int, int]:
@@ -269,6 +424,14 @@ class KVStorage:
         for name, v in (("rows", rows), ("n", n)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.device == "cuda":  # the previous mask may still be read by attention
+            with self._on_device():
+                if self._last_mask is not None:
+                    self._pending.append(self._last_mask)
+                self._flush_pending()
+                mask = self.xp.empty((int(rows), int(n)), dtype=MASK_DTYPES[self.config.mask_dtype])
+            self._last_mask = mask
+            return mask
         return self.xp.empty((int(rows), int(n)), dtype=MASK_DTYPES[self.config.mask_dtype])
 
     def fill_mask(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, *,
@@ -384,19 +547,23 @@ class KVStorage:
         return cells
 
     def _to_host(self, x) -> np.ndarray:
-        return x.get() if self.device == "cuda" else np.array(x, copy=True)
+        if self.device == "cuda":
+            with self._on_device():  # in this stream's order (get() waits for it)
+                return x.get()
+        return np.array(x, copy=True)
 
     def read_cells(self, cells) -> Tuple[np.ndarray, np.ndarray]:
         """Host copies ``(K [n_layers, k, n_kv_heads, head_dim], V [n_layers, k, n_kv_heads,
         v_head_dim])`` of ``cells``, in the storage dtype (V in the standard layout whatever the
         storage's)."""
         cells = self._check_cells(cells)
-        idx = self.xp.asarray(cells.astype(np.int64))
-        k = self.keys.take(idx, axis=1)
-        if self.permuted:
-            v = self.values.take(idx, axis=3).transpose(0, 3, 1, 2)
-        else:
-            v = self.values.take(idx, axis=1)
+        with self._on_device():
+            idx = self.xp.asarray(cells.astype(np.int64))
+            k = self.keys.take(idx, axis=1)
+            if self.permuted:
+                v = self.values.take(idx, axis=3).transpose(0, 3, 1, 2)
+            else:
+                v = self.values.take(idx, axis=1)
         return (np.ascontiguousarray(self._to_host(k)), np.ascontiguousarray(self._to_host(v)))
 
     def write_cells(self, cells, k, v) -> None:

@@ -142,6 +142,11 @@ class WrapperCache:
     def seq_pos_max(self, seq: int) -> int:
         return max(cache.seq_pos_max(seq) for cache in self.caches)
 
+    def use_stream(self, stream) -> None:
+        """Queue every group's GPU work on ``stream`` (see :meth:`CausalCache.use_stream`)."""
+        for cache in self.caches:
+            cache.use_stream(stream)
+
     def close(self) -> None:
         for cache in self.caches:
             cache.close()

@@ -73,6 +73,82 @@ def test_resolve_device(kernel_device):
         dev.resolve_device("gpu0")
 
 
+@pytest.fixture
+def gpu_machine_without_cupy(monkeypatch):
+    """The driver sees 2 GPUs, the simulator is off and ``import cupy`` fails."""
+    monkeypatch.setattr(dev, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(dev, "driver_gpu_count", lambda: 2)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import raises ImportError
+    dev._reset_probe()
+    yield
+    dev._reset_probe()
+
+
+def test_auto_warns_once_naming_the_extra_when_cupy_is_missing(gpu_machine_without_cupy):
+    import warnings
+    with pytest.warns(RuntimeWarning, match=re.escape(dev.GPU_EXTRA)) as rec:
+        assert dev.resolve_device("auto") == "cpu"
+    assert "sees 2 GPU" in str(rec[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dev.resolve_device("auto") == "cpu"   # once per process, not per cache
+    with pytest.raises(ValueError, match="CuPy is not importable"):
+        dev.resolve_device("cuda")
+
+
+def test_no_gpu_means_no_warning(monkeypatch):
+    import warnings
+    monkeypatch.setattr(dev, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(dev, "driver_gpu_count", lambda: 0)
+    dev._reset_probe()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dev.resolve_device("auto") == "cpu"
+    finally:
+        dev._reset_probe()
+
+
+def test_a_failed_gpu_probe_is_not_cached_forever(gpu_machine_without_cupy, monkeypatch):
+    import types
+    assert dev.cuda_status()[0] is False
+    fake = types.ModuleType("cupy")
+    fake.float32 = np.float32
+    fake.zeros = lambda n, dtype: np.zeros(n, dtype)
+    monkeypatch.setitem(sys.modules, "cupy", fake)        # CuPy appears (installed meanwhile)
+    assert dev.cuda_status()[0] is False                  # within the retry interval: remembered
+    monkeypatch.setattr(dev, "PROBE_RETRY_S", 0.0)
+    from numba import cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    assert dev.cuda_status() == (True, "")               # retried, and the success is kept
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert dev.cuda_usable()
+
+
+class _CudaTensor:
+    """Any DLPack producer whose memory is on a CUDA device (a torch CUDA tensor, say)."""
+    shape = (1, 2, 4)
+    dtype = np.dtype(np.float16)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kw):
+        raise AssertionError("must be refused before any import")
+
+
+def test_cuda_input_on_a_cpu_cache_says_so(gpu_machine_without_cupy):
+    with pytest.raises(ValueError) as err:
+        dev.as_array(_CudaTensor(), "cpu", "float16", name="key")
+    text = str(err.value)
+    assert "key is a CUDA GPU tensor and this cache is on the CPU" in text
+    assert "CuPy is not importable" in text and dev.GPU_EXTRA in text
+    cache = nkv.CausalCache(CacheConfig(1, 2, 4, capacity=4, device="cpu"))
+    cache.start_forward([0], [0])
+    with pytest.raises(ValueError, match="CUDA GPU tensor and this cache is on the CPU"):
+        cache.put(_CudaTensor(), _CudaTensor())
+
+
 def test_as_array_zero_copy_and_checks():
     x = np.zeros((3, 2, 4), np.float16)
     y = dev.as_array(x, "cpu", "float16", name="key")
@@ -94,15 +170,67 @@ def _ptx_env():
     return env
 
 
-def test_every_kernel_compiles_to_ptx_for_sm80_and_sm90():
-    """Runs in a fresh process: the simulator (on in this one) has no PTX compiler."""
-    proc = subprocess.run([sys.executable, "-m", "numbakv.kernels.ptx"], env=_ptx_env(),
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+def test_every_kernel_compiles_links_and_passes_ptxas_for_sm80_and_sm90():
+    """Runs in a fresh process (the simulator, on in this one, has no PTX compiler): every
+    kernel x signature x {sm_80, sm_90} compiled to PTX, linked to a cubin by nvJitLink (ptxas)
+    and refused on any spill, stack frame, local memory, .extern, parameter-space overflow or
+    more than ptx.MAX_REGISTERS registers; the fast-launch parameter layout of every signature
+    is checked against Numba's data model by order."""
+    from numbakv.kernels import ptx, registered
+    proc = subprocess.run([sys.executable, "-m", "numbakv.kernels.ptx", "--check"],
+                          env=_ptx_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    from numbakv.kernels import registered
     for spec in registered():
         assert re.search(rf"^{re.escape(spec.name)}: .*sm_80, sm_90$", proc.stdout, re.M), \
-            f"{spec.name} missing from PTX report:\n{proc.stdout}"
+            f"{spec.name} missing from the report:\n{proc.stdout}"
+        for k in range(len(spec.signatures)):
+            for cc in ("sm_80", "sm_90"):
+                m = re.search(rf"^  sig {k} {cc}: (\d+) registers, 0 B stack, 0/0 B spilled, "
+                              rf"0 B lmem$", proc.stdout.split(f"{spec.name}:")[1], re.M)
+                assert m and int(m.group(1)) <= ptx.MAX_REGISTERS, (spec.name, k, cc)
+
+
+def test_ptxas_report_checks_catch_what_they_must():
+    """The checks themselves fail on the things they guard against (pure text, no compiler)."""
+    from numbakv.kernels import ptx
+    log = ("ptxas info    : Function properties for k\nptxas         .     16 bytes stack frame, "
+           "8 bytes spill stores, 4 bytes spill loads\nptxas info    : Used 72 registers\n"
+           "info    : used 72 registers, used 0 barriers, 16 stack, 0 bytes smem, 24 bytes lmem")
+    res = ptx.parse_resources(log)
+    assert res == ptx.Resources(72, 16, 8, 4, 24)
+    found = " ".join(ptx.resource_problems(res))
+    for needle in ("spills", "stack", "local memory", "registers"):
+        assert needle in found
+    assert ptx.resource_problems(ptx.Resources(40, 0, 0, 0, 0)) == []
+    clean = ".visible .entry k(\n .param .u64 k_param_0\n)\n{ ret; }"
+    assert ptx.ptx_problems(clean) == []
+    bad = ".extern .func (.param .b32 r) __nv_sinf\n" + clean.replace(
+        "{ ret; }", "{ .local .align 4 .b8 __local_depot0[8]; ret; }")
+    assert ptx.ptx_problems(bad) == [".extern declaration", ".local memory"]
+    many = ".visible .entry k(\n" + ",\n".join(f" .param .u64 p{i}" for i in range(513)) + ")"
+    assert "parameters" in ptx.ptx_problems(many)[0]
+    with pytest.raises(RuntimeError, match="no register count"):
+        ptx.parse_resources("nothing here")
+
+
+def test_parameter_layout_check_catches_a_swapped_field():
+    """layout_problems compares by order: a fast path that swapped nitems and the data pointer
+    (same count) must be reported, for a 1-d and a 4-d array signature."""
+    code = (
+        "from numbakv.kernels import ptx, _common, registered\n"
+        "sigs = [s for spec in registered() for s in spec.signatures]\n"
+        "assert all(ptx.layout_problems(s) == [] for s in sigs)\n"
+        "orig = _common._flatten\n"
+        "def swapped(args):\n"
+        "    out = orig(args)\n"
+        "    out[2], out[4] = out[4], out[2]\n"
+        "    return out\n"
+        "_common._flatten = swapped\n"
+        "assert all(ptx.layout_problems(s) for s in sigs)\n"
+        "print('ok', len(sigs))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_ptx_env(), capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
 
 
 def test_no_kernel_escapes_the_registry():

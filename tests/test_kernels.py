@@ -542,35 +542,7 @@ def test_rotate_cpu_large(parallel, monkeypatch):
 # host-to-device copies, cached slot buffers) still runs here: a stand-in ``cupy`` over numpy
 # memory, and the descriptors turned back into numpy views for the simulator.
 
-class _FakeDeviceArray:
-    def __init__(self, a):
-        import types as _t
-        self._a = a
-        self.data = _t.SimpleNamespace(ptr=a.ctypes.data)
-
-    shape = property(lambda self: self._a.shape)
-    strides = property(lambda self: self._a.strides)
-    dtype = property(lambda self: self._a.dtype)
-    itemsize = property(lambda self: self._a.itemsize)
-    size = property(lambda self: self._a.size)
-    ndim = property(lambda self: self._a.ndim)
-
-    def set(self, host, stream=None):
-        self._a[...] = np.asarray(host).reshape(self._a.shape)
-
-    def get(self):
-        return self._a.copy()
-
-
-def _fake_cupy():
-    import types as _t
-    m = _t.ModuleType("cupy")
-    m.ndarray = _FakeDeviceArray
-    m.empty = lambda shape, dtype: _FakeDeviceArray(np.empty(shape, dtype))
-    m.zeros = lambda shape, dtype: _FakeDeviceArray(np.zeros(shape, dtype))
-    m.cuda = _t.SimpleNamespace(runtime=_t.SimpleNamespace(getDevice=lambda: 0),
-                                get_current_stream=lambda: _t.SimpleNamespace(ptr=0))
-    return m
+from fake_cupy import FakeDeviceArray as _FakeDeviceArray, fake_cupy as _fake_cupy  # noqa: E402
 
 
 def _desc_to_numpy(d):
@@ -704,34 +676,6 @@ def test_emulated_cuda_rotate(emulated_cuda, dtype):
     assert not np.array_equal(bits(b), bits(stored))
 
 
-def test_fast_launch_parameter_layout_matches_ptx():
-    """The GPU fast path hands each kernel a flat list of 64-bit parameters; the PTX entry of
-    every kernel must take exactly that list (checked offline, in a process without the
-    simulator)."""
-    import os
-    import subprocess
-    import sys
-    code = (
-        "from numbakv.kernels import registered, _common\n"
-        "from numbakv.kernels.ptx import _offline_device\n"
-        "with _offline_device((9, 0)):\n"
-        "    for spec in registered():\n"
-        "        sig = spec.signatures[-1]\n"
-        "        _, name, n = _common.ptx_entry(spec.py_func, sig, (9, 0))\n"
-        "        u8 = __import__('numpy').dtype('u8')\n"
-        "        args = [_common.Desc(0, (1,) * t.ndim, (8,) * t.ndim, u8)\n"
-        "                if hasattr(t, 'ndim') else 0 for t in sig]\n"
-        "        assert len(_common._flatten(args)) == n, spec.name\n"
-        "        print(spec.name, n)\n")
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    from numbakv.kernels import registered
-    assert len(proc.stdout.split("\n")) - 1 == len(registered())
-
-
 @pytest.mark.gpu
 def test_cuda_fast_launch_matches_dispatcher():
     """On a GPU: the CuPy-driver fast path and Numba's dispatcher give identical results."""
@@ -761,3 +705,261 @@ def test_cuda_fast_launch_matches_dispatcher():
             put._CUDA_PLANS.clear()
     for a, b in zip(results[True], results[False]):
         assert np.array_equal(bits(a), bits(b))
+
+
+# ------------------------------------------------------------------ launch geometry
+# Every launcher's blocks against its useful work, for the shapes the issue measured and for
+# random ones: each index space gets exactly the blocks its items fill (the last one partial),
+# capped at the SM-sized grid beyond which threads loop.
+
+H100_CAP = 132 * _common.BLOCKS_PER_SM
+
+
+def _space_ok(blocks, items, block, cap):
+    """``blocks`` is right for ``items`` work items: all useful (< one block of slack) or capped."""
+    if items == 0:
+        return blocks == 0
+    return blocks == min(-(-items // block), cap) and (blocks - 1) * block < items
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_put_geometry_blocks_match_useful_work(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.choice([1, 3, 31, 32, 33, 512, 4096, 100_000]))
+    kh, kw = int(rng.integers(1, 9)), int(rng.integers(1, 65))
+    vh, vw = int(rng.integers(1, 9)), int(rng.integers(1, 65))
+    for permuted in (False, True):
+        grid, nb, nbk, mode = put.geometry("cuda", (batch, kh, kw), (batch, vh, vw), permuted,
+                                           H100_CAP)
+        assert len(grid) == 1 and nb == _common.BLOCK_CUDA
+        assert _space_ok(nbk, batch * kh * kw, nb, H100_CAP)
+        nbv = grid[0] - nbk
+        if mode == put.V_CELLS_TILED:
+            assert permuted and batch >= put.TILE and vh * vw >= put.TILE
+            tiles = -(-batch // put.TILE) * -(-(vh * vw) // put.TILE)
+            assert nbv == min(tiles, H100_CAP)
+            # only edge tiles are partial: at least a quarter of all tile slots are useful
+            assert batch * vh * vw >= 0.25 * tiles * put.TILE ** 2
+        else:
+            assert mode == (put.V_CELLS_DIRECT if permuted else put.V_ROWS)
+            assert _space_ok(nbv, batch * vh * vw, nb, H100_CAP)
+
+
+def test_put_geometry_the_measured_cases():
+    """Issue 15: a decode put (1 token, 8 KV heads x 128 float16: K as 8-byte words, permuted V
+    element-wise) launched 2,048 blocks for 1,280 useful threads."""
+    grid, nb, nbk, mode = put.geometry("cuda", (1, 1, 256), (1, 8, 128), True, H100_CAP)
+    useful = 256 + 8 * 128
+    assert grid[0] * nb < useful + 2 * nb and mode == put.V_CELLS_DIRECT
+    # a 32k-token prefill: both spaces capped at the SM-sized grid, V through tiles
+    grid, nb, nbk, mode = put.geometry("cuda", (32768, 1, 256), (32768, 8, 128), True, H100_CAP)
+    assert nbk == H100_CAP and grid[0] - nbk == H100_CAP and mode == put.V_CELLS_TILED
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_move_geometry_defrag_of_100k_cells_x_32_layers(permuted):
+    """Issue 15: such a defrag launched ~822M blocks, 807M of them idle. K and V now have their
+    own index spaces: each gets the blocks its work fills, at most the SM-sized cap."""
+    k_shape = (32, 100_000, 1, 256)                       # K rows as 8-byte words
+    v_shape = (32, 100_000, 8, 128) if permuted else (32, 100_000, 1, 256)
+    grid, nbk = move.cells_geometry(k_shape, v_shape, 100_000, 256, H100_CAP)
+    assert grid == (2 * H100_CAP,) and nbk == H100_CAP
+    for npairs in (1, 7, 300):
+        grid, nbk = move.cells_geometry(k_shape, v_shape, npairs, 256, H100_CAP)
+        assert _space_ok(nbk, 32 * npairs * 256, 256, H100_CAP)
+        assert _space_ok(grid[0] - nbk, 32 * npairs * v_shape[2] * v_shape[3], 256, H100_CAP)
+    grid, nbk = move.lanes_geometry(k_shape, v_shape, 256, H100_CAP)
+    assert _space_ok(nbk, 32 * 256, 256, H100_CAP)
+    assert _space_ok(grid[0] - nbk, 32 * v_shape[2] * v_shape[3], 256, H100_CAP)
+
+
+@pytest.mark.parametrize("cells,layers,heads,half", [(1, 1, 1, 1), (3, 32, 8, 64),
+                                                     (100_000, 32, 8, 64), (5, 1, 2, 3)])
+def test_rope_geometry_blocks_match_useful_work(cells, layers, heads, half):
+    grid = rope.geometry(cells, layers, heads, half, 256, H100_CAP)
+    assert len(grid) == 1 and _space_ok(grid[0], cells * layers * heads * half, 256, H100_CAP)
+
+
+def test_the_prepared_launches_use_those_geometries(kernel_device):
+    """The move and rope launchers hand the kernels the grids the geometry functions give."""
+    rng = np.random.default_rng(9)
+    keys = random_storage(rng, (3, 40, 2, 8), "float16")
+    values = random_storage(rng, (3, 2, 4, 40), "float16")
+    cap = _common.max_blocks(kernel_device)
+    nb = _common.block_size(kernel_device)
+    p = move.prepare(kernel_device, keys, values, np.array([[30, 0, 5]]), True)
+    k, v = move.storage_args(kernel_device, keys, values, True)
+    assert p.kernel is move.move_cells_kernel
+    assert (p.grid, p.args[-1]) == move.cells_geometry(k.shape, v.shape, 5, nb, cap)
+    p = move.prepare(kernel_device, keys, values, np.array([[0, 1, 3], [1, 0, 1]]), True)
+    assert p.kernel is move.move_lanes_kernel
+    assert (p.grid, p.args[-1]) == move.lanes_geometry(k.shape, v.shape, nb, cap)
+    p = rope.prepare(kernel_device, keys, "float16", np.array([1, 2, 3]), np.array([1, 1, 2]),
+                     np.ones(4, np.float32), True)
+    assert p.grid == rope.geometry(3, 3, 2, 4, nb, cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "heads_major"])
+def test_put_permuted_v_through_shared_memory_tiles(kernel_device, dtype, layout):
+    """A prefill-sized batch with a row of >= TILE elements takes the tiled path (edge tiles in
+    both directions, skipped tokens, grid-striding over more tiles than the simulator's cap)."""
+    rng = np.random.default_rng(77)
+    n, h, d, dv, b = 90, 3, 4, 13, 70      # V row of 39 elements: 3 x 2 tiles
+    _, _, _, mode = put.geometry(kernel_device, (b, 1, h * d), (b, h, dv), True,
+                                 _common.max_blocks(kernel_device))
+    assert mode == put.V_CELLS_TILED
+    k_store = random_storage(rng, (n, h, d), dtype)
+    v_store = random_storage(rng, (h, dv, n), dtype)
+    key = _input(rng, kernel_device, (b, h, d), dtype, layout)
+    value = _input(rng, kernel_device, (b, h, dv), dtype, layout)
+    slots = rng.permutation(n)[:b].astype(np.int32)
+    slots[::9] = -1
+    for sl, start in ((slots, -1), (None, 11)):
+        ks, vs = to_dev(kernel_device, k_store.copy()), to_dev(kernel_device, v_store.copy())
+        put.launch(kernel_device, ks, vs, sl, key, value, True, start=start)
+        eff = sl if sl is not None else np.arange(start, start + b, dtype=np.int32)
+        rk, rv = _ref_put(k_store, v_store, eff, to_host(key), to_host(value), True)
+        assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
+
+
+# ------------------------------------------------------------------ float16 through F16C (CPU)
+
+@pytest.mark.skipif(not _common.cpu_has_f16c(), reason="this CPU converts halves in software")
+def test_hardware_half_conversions_are_bit_identical_with_numpy():
+    """Every half to float32, and float32 values covering normals, subnormals, halfway cases,
+    overflow to inf, inf and every kind of NaN (quiet, signalling, payload-less after the
+    shift) to half: bit for bit what numpy gives."""
+    from numba import njit
+    up_hw, down_hw = _common.f16_bits_to_f32_hw, _common.f32_to_f16_bits_hw
+
+    @njit
+    def up(a, out):
+        for i in range(a.size):
+            out[i] = up_hw(a[i])
+
+    @njit
+    def down(a, out):
+        for i in range(a.size):
+            out[i] = down_hw(a[i])
+    halves = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(halves.size, np.float32)
+    up(halves, got)
+    assert np.array_equal(got.view(np.uint32), halves.view(np.float16).astype(np.float32)
+                          .view(np.uint32))
+    rng = np.random.default_rng(5)
+    bits32 = np.concatenate([
+        rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+        np.arange(0x7F800000, 0x7F800000 + 20_000, dtype=np.uint32),       # inf, sNaNs
+        np.arange(0xFFC00000, 0xFFC00000 + 20_000, dtype=np.uint32),       # quiet NaNs
+        np.arange(0x7F800001, 0x7F802001, dtype=np.uint32),                 # payload below half's
+        np.arange(0x33000000 - 4096, 0x38800000 + 4096, 16, dtype=np.uint32),  # subnormal halves
+        np.arange(0x477FE000 - 4096, 0x47800000 + 4096, dtype=np.uint32),  # around the largest half
+        np.array([0, 0x80000000], np.uint32)])
+    floats = bits32.view(np.float32)
+    out = np.empty(floats.size, np.uint16)
+    down(floats, out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = floats.astype(np.float16).view(np.uint16)
+    bad = out != want
+    assert not bad.any(), [hex(x) for x in bits32[bad][:5]]
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_f16_rotation_on_the_cpu_hardware_and_software_agree(neox, monkeypatch):
+    """The F16C twin and the software twin give the same bits (specials included); without
+    F16C the CPU falls back to the software conversions."""
+    rng = np.random.default_rng(11)
+    stored = rng.standard_normal((2, 9, 3, 16)).astype(np.float16)
+    specials = np.array([np.inf, -np.inf, np.nan, 6e-8, -6e-8, 65504, 1e-5, 0.0], np.float16)
+    stored[1, 4, 0, :8] = specials
+    stored.view(np.uint16)[0, 2, 1, 3] = 0x7C01   # a signalling NaN
+    inv = _inv_freq_ref(16, 10000.0, 1.0, None).astype(np.float32)
+    cells, deltas = np.array([0, 2, 4, 8], np.int32), np.array([5, -7, 1000, 3])
+    results = {}
+    for hw in ([True, False] if _common.cpu_has_f16c() else [False]):
+        monkeypatch.setattr(rope, "F16_HW", hw)
+        assert rope.storage_kind("cpu", "float16")[1] == (rope.KIND_F16_HW if hw
+                                                          else rope.KIND_F16_BITS)
+        k = stored.copy()
+        rope.launch("cpu", k, "float16", cells, deltas, inv, neox)
+        results[hw] = k.view(np.uint16)
+    if len(results) == 2:
+        # equal bits, except NaN payloads: the hardware twin keeps numpy's NaN bits (the payload
+        # carried through), the software conversion makes every NaN 0x7E00 (sign kept)
+        hw, sw = results[True], results[False]
+        nan = (sw & 0x7C00) == 0x7C00
+        nan &= (sw & 0x3FF) != 0
+        assert nan.sum() >= 2 and np.array_equal(nan, ((hw & 0x7C00) == 0x7C00) & ((hw & 0x3FF) != 0))
+        assert np.array_equal(hw[~nan], sw[~nan]) and np.array_equal(hw[nan] >> 15, sw[nan] >> 15)
+    assert not np.array_equal(results[False], stored.view(np.uint16))
+
+
+def test_f16c_detection_follows_numbas_cpu_target(monkeypatch):
+    import platform
+    from numba.core import config as nb_config
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 only")
+    monkeypatch.setattr(nb_config, "CPU_FEATURES", "+avx2,-f16c")
+    assert not _common.cpu_has_f16c()
+    monkeypatch.setattr(nb_config, "CPU_FEATURES", "+avx2,+f16c")
+    assert _common.cpu_has_f16c()
+    monkeypatch.setattr(nb_config, "CPU_FEATURES", None)
+    monkeypatch.setattr(nb_config, "CPU_NAME", "generic")
+    assert not _common.cpu_has_f16c()
+
+
+def test_mask_geometry_blocks_match_useful_work(monkeypatch):
+    """The mask launcher (kernels/mask.py): x blocks cover the cells with less than one block of
+    slack, y covers the rows ROWS_PER_THREAD at a time."""
+    grids = []
+    monkeypatch.setattr(mask, "_launch", lambda device, kernel, grid, block, args:
+                        grids.append((tuple(grid), block)))
+    rng = np.random.default_rng(4)
+    for n, rows in ((1, 1), (37, 3), (4096, 512), (300, 17)):
+        case = _mask_case(rng, n, min(rows, 8), 100)
+        mask.launch("sim", np.empty((rows, n), np.float32), *case)
+        (gx, gy), nb = grids[-1]
+        assert (gx - 1) * nb < n <= gx * nb
+        assert (gy - 1) * mask.ROWS_PER_THREAD < rows <= gy * mask.ROWS_PER_THREAD
+
+
+def test_fast_kernel_loads_a_cubin_for_the_device_and_caches_it(tmp_path):
+    """Without a GPU: a stand-in CuPy driver receives what FastKernel loads. It must be a cubin
+    (ELF) linked for the device's compute capability (e_flags' low byte: 80 / 90), and a second
+    process-like load must come from the disk cache without compiling."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import sys, struct, types\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from fake_cupy import fake_cupy\n"
+        "for cc in ('80', '90'):\n"
+        "    cp = fake_cupy(device_cc=cc)\n"
+        "    loaded = []\n"
+        "    cp.cuda.driver = types.SimpleNamespace(\n"
+        "        moduleLoadData=lambda image: loaded.append(image) or 'module',\n"
+        "        moduleGetFunction=lambda m, name: ('fn', name), launchKernel=None)\n"
+        "    sys.modules['cupy'] = cp\n"
+        "    from numbakv.kernels import _common, put\n"
+        "    from numbakv.kernels.ptx import _offline_device\n"
+        "    sig = put._SIGS[0]\n"
+        "    with _offline_device((int(cc[0]), int(cc[1]))):\n"
+        "        fk = _common.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
+        "    assert fk.image_kind == 'cubin' and loaded[0][:4] == b'\\x7fELF'\n"
+        "    assert struct.unpack_from('<I', loaded[0], 48)[0] & 0xFF == int(cc)\n"
+        "    real = _common.ptx_entry\n"
+        "    _common.ptx_entry = lambda *a: (_ for _ in ()).throw(AssertionError('compiled'))\n"
+        "    fk2 = _common.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
+        "    assert loaded[1] == loaded[0] and fk2.n_params == fk.n_params\n"
+        "    _common.ptx_entry = real\n"
+        "print('ok')\n")
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env["NUMBAKV_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    assert len(list(tmp_path.iterdir())) == 2

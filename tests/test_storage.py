@@ -258,3 +258,41 @@ def test_host_storage_is_64_byte_aligned(permuted):
         assert st.keys.ctypes.data % 64 == 0 and st.values.ctypes.data % 64 == 0
         assert not st.keys.any() and not st.values.any()
         assert st.keys.flags.c_contiguous and st.values.flags.c_contiguous
+
+
+# Shapes whose per-head row is not a multiple of the word the whole cell row allows (issue 17):
+# a head of 17 float32 / 34 halves / 3 halves, single-element heads, and V narrower than K.
+ODD_SHAPES = [(2, 34, 34), (2, 17, 17), (2, 1, 1), (2, 3, 3), (2, 8, 6), (3, 5, 7)]
+
+
+@pytest.mark.parametrize("heads,head_dim,v_head_dim", ODD_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+def test_odd_head_shapes_put_move_copy(device, heads, head_dim, v_head_dim, dtype, permuted):
+    """Any shape the config accepts works on every device: put (strided and contiguous
+    inputs), put_range, block moves and cell copies land exactly where a numpy reference says."""
+    cfg = CacheConfig(2, heads, head_dim, v_head_dim=v_head_dim, dtype=dtype, permuted_v=permuted)
+    st = KVStorage(cfg, 9, device)
+    rng = np.random.default_rng(head_dim * 7 + heads)
+    k = random_storage(rng, (2, 9, heads, head_dim), dtype)
+    v = random_storage(rng, (2, 9, heads, v_head_dim), dtype)
+    key = random_storage(rng, (3, heads, head_dim), dtype)
+    wide = random_storage(rng, (3, heads, v_head_dim + 1), dtype)
+    value = wide[:, :, :v_head_dim]                      # a strided input
+    st.write_cells(np.arange(9), k, v)
+    st.put(1, np.array([7, -1, 2], np.int32), dev(st, key), dev(st, value))
+    k[1, [7, 2]] = key[[0, 2]]
+    v[1, [7, 2]] = value[[0, 2]]
+    st.put_range(0, 4, dev(st, key), dev(st, np.ascontiguousarray(value)))
+    k[0, 4:7] = key
+    v[0, 4:7] = value
+    st.move_blocks(np.array([[4, 0, 3], [7, 8, 1]]))
+    for s, d, ln in ((4, 0, 3), (7, 8, 1)):
+        k[:, d:d + ln] = k[:, s:s + ln].copy()
+        v[:, d:d + ln] = v[:, s:s + ln].copy()
+    st.copy_cells(np.array([8, 1]), np.array([3, 5]))
+    k[:, [3, 5]] = k[:, [8, 1]]
+    v[:, [3, 5]] = v[:, [8, 1]]
+    rk, rv = st.read_cells(np.arange(9))
+    assert np.array_equal(rk.view(np.uint8), k.view(np.uint8))
+    assert np.array_equal(rv.view(np.uint8), v.view(np.uint8))

@@ -392,3 +392,99 @@ class KernelRotateGPU:
         """The kernel alone (tables already on the GPU)."""
         return _gpu_time(self.cp, self.d2d) / _gpu_time(self.cp, self.kernel_only)
     track_rotate_kernel_vs_d2d.unit = "fraction of CuPy D2D copy"
+
+
+# ------------------------------------------------------------------ issue 15 / issue 12 item 5
+
+class KernelRotateF16CPU:
+    """float16 rotary shift on the CPU: the F16C twin against the software-conversion twin and
+    against ``np.copyto`` of the same key bytes (4 layers x 4096 cells x 8 x 128 = 32 MiB;
+    target: >= 1x copyto)."""
+
+    def setup(self):
+        from numbakv.kernels import rope as _rope
+        if not _rope.F16_HW:
+            raise NotImplementedError("this CPU target has no hardware half conversions")
+        self.rope = _rope
+        rng = np.random.default_rng(0)
+        self.keys = rng.standard_normal((4, 4096, N_KV_HEADS, HEAD_DIM)).astype(np.float16)
+        self.src = self.keys.copy()
+        self.dst = np.empty_like(self.keys)
+        self.cells = np.arange(4096, dtype=np.int32)
+        self.deltas = np.full(4096, -3, dtype=np.int64)
+        self.inv = RopeShift().inv_freq(HEAD_DIM)
+        self.hw()
+        self.sw()
+        np.copyto(self.dst, self.src)
+
+    def _run(self, hw):
+        old = self.rope.F16_HW
+        self.rope.F16_HW = hw
+        try:
+            self.rope.launch("cpu", self.keys, "float16", self.cells, self.deltas, self.inv, True)
+        finally:
+            self.rope.F16_HW = old
+
+    def hw(self):
+        self._run(True)
+
+    def sw(self):
+        self._run(False)
+
+    def copyto(self):
+        np.copyto(self.dst, self.src)
+
+    def time_rotate_f16c(self):
+        self.hw()
+
+    def track_f16c_vs_copyto(self):
+        return _best_ratio(self.hw, self.copyto, min_time=1e-2, repeats=3)
+    track_f16c_vs_copyto.unit = "fraction of np.copyto bandwidth"
+
+    def track_f16c_vs_software(self):
+        return _best_ratio(self.hw, self.sw, min_time=1e-2, repeats=3)
+    track_f16c_vs_software.unit = "x faster than software conversion"
+
+
+class KernelStreamGPU:
+    """Host cost of the stream contract: one decode put (1 token) on a side stream set with
+    use_stream (input kept alive, event every 64 puts) and a permuted-V prefill put through the
+    shared-memory tiles vs a D2D copy of the same bytes."""
+
+    def setup(self):
+        cupy = _cuda_or_skip()
+        self.cp = cupy
+        cfg = CacheConfig(1, N_KV_HEADS, HEAD_DIM, dtype="float16", capacity=32768,
+                          permuted_v=True)
+        self.st = KVStorage(cfg, 32768, "cuda")
+        self.side = cupy.cuda.Stream(non_blocking=True)
+        self.st.use_stream(self.side)
+        self.key1 = cupy.zeros((1, N_KV_HEADS, HEAD_DIM), cupy.float16)
+        self.keyp = cupy.random.standard_normal((4096, N_KV_HEADS, HEAD_DIM)).astype(cupy.float16)
+        self.a = cupy.empty_like(self.keyp)
+        self.b = cupy.empty_like(self.keyp)
+        self.put1()
+        self.putp()
+        self.side.synchronize()
+
+    def put1(self):
+        self.st.put_range(0, 7, self.key1, self.key1)
+
+    def putp(self):
+        self.st.put_range(0, 100, self.keyp, self.keyp)
+
+    def d2d(self):
+        self.a[...] = self.keyp
+        self.b[...] = self.keyp
+
+    def track_side_stream_put_host_us(self):
+        n = 500
+        t = timeit.timeit(self.put1, number=n) / n
+        self.side.synchronize()
+        return t * 1e6
+    track_side_stream_put_host_us.unit = "us"
+
+    def track_permuted_prefill_put_vs_d2d(self):
+        with self.side:
+            return _gpu_time(self.cp, self.d2d) / _gpu_time(self.cp, self.putp)
+    track_permuted_prefill_put_vs_d2d.unit = "fraction of CuPy D2D copy"

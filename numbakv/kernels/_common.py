@@ -17,6 +17,7 @@ the fallback (``NUMBAKV_FAST_LAUNCH=0`` forces it).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import re
@@ -43,6 +44,40 @@ UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
 
 def block_size(device: str) -> int:
     return BLOCK_SIM if device == "sim" else BLOCK_CUDA
+
+
+#: resident blocks per SM a grid-striding launch is sized for: 8 blocks of 256 threads fill an
+#: SM's 2,048 thread slots (sm_80/sm_90); larger work loops inside each thread instead of
+#: launching idle or queued blocks
+BLOCKS_PER_SM = 8
+#: the simulator's cap (Python threads): small, so the tests exercise the grid-stride loops
+SIM_MAX_BLOCKS = 4
+_SM_COUNT: Dict[int, int] = {}
+
+
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_id`` (cached)."""
+    n = _SM_COUNT.get(device_id)
+    if n is None:
+        import cupy
+        n = _SM_COUNT[device_id] = int(
+            cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return n
+
+
+def max_blocks(device: str) -> int:
+    """The most blocks one index space of a grid-striding launch gets on ``device``: enough to
+    fill every SM (:data:`BLOCKS_PER_SM` per SM) on ``cuda``."""
+    if device == "cuda":
+        import cupy
+        return sm_count(cupy.cuda.runtime.getDevice()) * BLOCKS_PER_SM
+    return SIM_MAX_BLOCKS
+
+
+def flat_blocks(items: int, block: int, cap: int) -> int:
+    """Blocks for a flattened index space of ``items`` work items (one per thread, the rest
+    grid-strided): every block has work; at most ``cap`` blocks."""
+    return min(cdiv(items, block), int(cap)) if items > 0 else 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -121,6 +156,85 @@ def f32_to_bf16_bits(x):
     b = np.int64(np.float32(x).view(np.uint32))
     rounded = (b + (((b >> 16) & 1) + 0x7FFF)) >> 16
     return np.uint16(((b >> 16) | 0x40) if (b & 0x7FFFFFFF) > 0x7F800000 else rounded)
+
+
+# --------------------------------------------------------------------------------------------
+# float16 on the CPU through the hardware: LLVM's half-precision conversions (``fpext half to
+# float``, ``fptrunc float to half``), which x86 CPUs with F16C run as vcvtph2ps / vcvtps2ph (8
+# or 16 lanes at a time once LLVM vectorises the loop) and AArch64 as fcvt. The hardware quiets
+# signalling NaNs where numpy's conversion keeps them signalling, so one select per value puts
+# numpy's NaN bits back: the results are bit-identical with numpy's for every input.
+
+def cpu_has_f16c() -> bool:
+    """Whether Numba's CPU target converts halves in hardware: x86 with F16C in the features
+    Numba compiles for (the host's unless ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` say
+    otherwise), or AArch64. Without it LLVM would call compiler-rt helpers Numba may not link."""
+    import platform
+    from numba.core import config as nb_config
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64", "i686", "x86"):
+        return False
+    if nb_config.CPU_FEATURES is not None:
+        return "+f16c" in str(nb_config.CPU_FEATURES)
+    if nb_config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+from numba.extending import intrinsic as _intrinsic  # noqa: E402
+
+
+@_intrinsic
+def _hw_half_to_float(typingctx, h):
+    """uint16 bits -> float32 through LLVM's ``fpext half to float``."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@_intrinsic
+def _hw_float_to_half(typingctx, x):
+    """float32 -> uint16 bits through LLVM's ``fptrunc float to half`` (round to nearest even)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+def _f16_to_f32_hw(h):
+    """IEEE half bits to float32 in hardware, exactly as numpy (signalling NaNs stay
+    signalling)."""
+    f = np.float32(_hw_half_to_float(h)).view(np.uint32)
+    snan = ((h & 0x7C00) == 0x7C00) & ((h & 0x3FF) != 0) & ((h & 0x200) == 0)
+    return np.uint32(f & np.uint32(0xFFBFFFFF) if snan else f).view(np.float32)
+
+
+def _f32_to_f16_hw(x):
+    """float32 to IEEE half bits in hardware (round to nearest even), NaNs as numpy makes them:
+    sign, 0x7C00 and the top 10 payload bits (0x7C01 when those are all zero)."""
+    h = _hw_float_to_half(x)
+    b = np.float32(x).view(np.uint32)
+    payload = np.uint16((b >> 13) & 0x3FF)
+    nan_bits = np.uint16(((b >> 16) & 0x8000) | 0x7C00 | (payload if payload != 0 else 1))
+    return nan_bits if (b & 0x7FFFFFFF) > 0x7F800000 else h
+
+
+def _njit_inline(fn):
+    from numba import njit
+    return njit(inline="always", cache=False)(fn)
+
+
+f16_bits_to_f32_hw = _njit_inline(_f16_to_f32_hw)
+f32_to_f16_bits_hw = _njit_inline(_f32_to_f16_hw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,22 +369,112 @@ def ptx_entry(py_func, sig: Tuple[types.Type, ...], cc: Tuple[int, int]):
     return ptx, m.group(1), expected
 
 
+def device_cc(device_id: int) -> Tuple[int, int]:
+    """Compute capability ``(major, minor)`` of CUDA device ``device_id`` (through CuPy)."""
+    import cupy
+    text = str(cupy.cuda.Device(device_id).compute_capability)
+    return int(text[:-1]), int(text[-1])
+
+
+def load_image(ptx: str, cc: Tuple[int, int]) -> Tuple[bytes, str]:
+    """``(image, kind)`` to hand ``cuModuleLoadData``: a cubin linked by nvJitLink for exactly
+    ``sm_XY`` when nvJitLink is available (``kind`` ``"cubin"``), else the NUL-terminated PTX
+    (``"ptx"``). A cubin loads on any driver that knows the architecture; PTX from NVVM 12.9
+    (``.version 8.8``) needs a 12.9+ driver (R575+), and older drivers (R535-R570) would refuse
+    every kernel and push each launch onto Numba's dispatcher."""
+    try:
+        from .ptx import link_cubin
+        return link_cubin(ptx, cc)[0], "cubin"
+    except Exception:  # noqa: BLE001 - no nvJitLink / cuda.core: the driver JITs the PTX
+        return ptx.encode() + b"\0", "ptx"
+
+
+_SOURCE_HASH: List[str] = []
+
+
+def _kernels_source_hash() -> str:
+    """A digest of every kernel module's source and of the compiler versions: a cached cubin is
+    used only by the exact code and toolchain that built it."""
+    if not _SOURCE_HASH:
+        import hashlib
+        import pathlib
+        import numba
+        h = hashlib.sha256()
+        for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+        try:
+            from importlib.metadata import version
+            h.update(version("numba-cuda").encode())
+        except Exception:  # noqa: BLE001
+            pass
+        h.update(numba.__version__.encode())
+        _SOURCE_HASH.append(h.hexdigest()[:24])
+    return _SOURCE_HASH[0]
+
+
+def image_cache_dir() -> Optional[str]:
+    """Where linked kernels are kept between processes (``NUMBAKV_CACHE_DIR``, default
+    ``~/.cache/numbakv/kernels``; ``NUMBAKV_CACHE_DIR=""`` turns the cache off)."""
+    d = os.environ.get("NUMBAKV_CACHE_DIR")
+    if d is None:
+        d = os.path.join(os.path.expanduser("~"), ".cache", "numbakv", "kernels")
+    return d or None
+
+
+def _image_path(py_func, sig, cc) -> Optional[str]:
+    d = image_cache_dir()
+    if d is None:
+        return None
+    import hashlib
+    text = f"{py_func.__module__}.{py_func.__qualname__}|{sig}|{cc}|{_kernels_source_hash()}"
+    return os.path.join(d, hashlib.sha256(text.encode()).hexdigest()[:32] + ".bin")
+
+
+def cached_image(py_func, sig: Tuple[types.Type, ...], cc: Tuple[int, int]):
+    """``(image, kind, entry name, number of parameters)`` of ``py_func`` for ``sig`` on a device
+    of compute capability ``cc``: from the disk cache when this code and toolchain linked it
+    before (the warm-up of a later process then costs a file read instead of NVVM + nvJitLink),
+    else compiled, linked and stored (best effort: an unwritable cache only costs time)."""
+    import pickle
+    path = _image_path(py_func, sig, cc)
+    if path is not None and os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                image, kind, name, expected = pickle.load(f)
+            if isinstance(image, bytes) and kind in ("cubin", "ptx"):
+                return image, kind, name, int(expected)
+        except Exception:  # noqa: BLE001 - a damaged entry: rebuild it
+            pass
+    try:
+        ptx, name, expected = ptx_entry(py_func, sig, cc)
+    except Exception:  # noqa: BLE001 - NVVM may not know the newest arch: PTX runs forward
+        ptx, name, expected = ptx_entry(py_func, sig, (9, 0) if cc >= (9, 0) else (8, 0))
+    image, kind = load_image(ptx, cc)
+    if path is not None and kind == "cubin":
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump((image, kind, name, expected), f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return image, kind, name, expected
+
+
 class FastKernel:
-    """One kernel compiled for one exact signature and loaded with CuPy's driver API; launched
-    through ``cuLaunchKernel`` with a reusable int64 parameter buffer. Checks at load time that
-    the PTX entry takes exactly the 64-bit parameters Numba's data model says it should."""
+    """One kernel compiled for one exact signature, linked to a cubin for the device's compute
+    capability (:func:`load_image`) and loaded with CuPy's driver API; launched through
+    ``cuLaunchKernel`` with a reusable int64 parameter buffer. Checks at load time that the PTX
+    entry takes exactly the 64-bit parameters Numba's data model says it should."""
 
     def __init__(self, py_func, sig: Tuple[types.Type, ...], device_id: int) -> None:
         import cupy
         dev = cupy.cuda.Device(device_id)
-        cc_text = str(dev.compute_capability)
-        cc = (int(cc_text[:-1]), int(cc_text[-1]))
-        try:
-            ptx, name, expected = ptx_entry(py_func, sig, cc)
-        except Exception:  # noqa: BLE001 - NVVM may not know the newest arch: PTX runs forward
-            ptx, name, expected = ptx_entry(py_func, sig, (9, 0) if cc >= (9, 0) else (8, 0))
+        cc = device_cc(device_id)
+        image, self.image_kind, name, expected = cached_image(py_func, tuple(sig), cc)
         with dev:
-            self._module = cupy.cuda.driver.moduleLoadData(ptx.encode() + b"\0")
+            self._module = cupy.cuda.driver.moduleLoadData(image)
             self._func = cupy.cuda.driver.moduleGetFunction(self._module, name)
         self._values = np.zeros(expected, dtype=np.int64)
         self._pack = struct.Struct(f"<{expected}q").pack_into
@@ -312,23 +516,44 @@ def set_fast_launch(enabled: bool) -> None:
     _FAST_ENABLED = bool(enabled)
 
 
-def _fast_kernel(kernel, args, device_id: int) -> Optional[FastKernel]:
-    key = (id(kernel), _sig_key(args), device_id)
+def _sig_key_of(sig: Sequence[types.Type]) -> tuple:
+    """:func:`_sig_key` of the arguments a Numba signature describes."""
+    from numba.np.numpy_support import as_dtype
+    return tuple((np.dtype(as_dtype(t.dtype)), t.ndim) if isinstance(t, types.Array) else None
+                 for t in sig)
+
+
+def _load(kernel, key: tuple, sig, device_id: int) -> Optional[FastKernel]:
     fk = _FAST.get(key, False)
     if fk is False:
         with _FAST_LOCK:
             fk = _FAST.get(key, False)
             if fk is False:
-                sig = tuple(numba_type(a) for a in args)
                 try:
-                    fk = FastKernel(kernel.py_func, sig, device_id)
+                    fk = FastKernel(kernel.py_func, tuple(sig), device_id)
                 except Exception as exc:  # noqa: BLE001 - fall back to Numba's dispatcher
                     warnings.warn(f"numbakv: fast launch of {kernel.py_func.__name__} unavailable "
                                   f"({type(exc).__name__}: {exc}); using Numba's dispatcher",
-                                  RuntimeWarning, stacklevel=3)
+                                  RuntimeWarning, stacklevel=4)
                     fk = None
                 _FAST[key] = fk
     return fk
+
+
+def _fast_kernel(kernel, args, device_id: int) -> Optional[FastKernel]:
+    key = (id(kernel), _sig_key(args), device_id)
+    fk = _FAST.get(key, False)
+    if fk is False:
+        fk = _load(kernel, key, [numba_type(a) for a in args], device_id)
+    return fk
+
+
+def preload(kernel, sig: Sequence[types.Type], device_id: int) -> Optional[FastKernel]:
+    """Compile, link and load ``kernel`` for ``sig`` on ``device_id`` now (a cache's warm-up), so
+    the first launch with arguments of that signature finds it ready."""
+    if not _FAST_ENABLED:
+        return None
+    return _load(kernel, (id(kernel), _sig_key_of(sig), device_id), sig, device_id)
 
 
 def launch(device: str, kernel, grid: Tuple[int, ...], block: int, args: Sequence[Any]) -> None:
@@ -368,11 +593,92 @@ class Prepared(NamedTuple):
     keep: Any
 
 
+def capturing(stream) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph. Asking about the legacy NULL stream while
+    another stream captures in global mode is itself an error: counted as capturing (then
+    nothing queries or synchronises)."""
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+class HostStaging:
+    """Pinned host buffers through which one stream's host-to-device inputs travel, reused.
+
+    A pageable copy makes the driver stage the bytes itself and returns only when it is done
+    (and is refused during CUDA-graph capture); a copy from pinned memory is truly asynchronous,
+    so a buffer may be refilled only after the copy that last read it has run. Each buffer
+    carries an event recorded after its copy; :meth:`take` reuses the first whose event has
+    passed, else adds a buffer (up to :data:`MAX_BUFFERS`, then waits for the oldest). While the
+    stream is capturing a graph no event is queried (that would be an illegal implicit
+    synchronisation): a new buffer is taken and kept for the cache's lifetime, since every replay
+    of the graph reads it again."""
+
+    MAX_BUFFERS = 8
+
+    def __init__(self) -> None:
+        self._free: List[list] = []    # [nbytes, pinned memory, host view, event]
+        self._busy: List[list] = []
+        self.captured: List[Any] = []  # buffers a captured graph reads: never reused
+
+    @staticmethod
+    def _new(nbytes: int) -> list:
+        import cupy
+        cap = max(4096, 1 << (int(nbytes) - 1).bit_length())
+        mem = cupy.cuda.alloc_pinned_memory(cap)
+        return [cap, mem, np.frombuffer(mem, np.uint8, cap), None]
+
+    def take(self, nbytes: int, stream) -> list:
+        """A pinned buffer of at least ``nbytes`` whose previous copy has completed."""
+        if capturing(stream):
+            slot = self._new(nbytes)
+            self.captured.append(slot)
+            return slot
+        still = []
+        for slot in self._busy:  # retire every buffer whose copy has run
+            (self._free if slot[3] is None or slot[3].done else still).append(slot)
+        self._busy = still
+        for i, slot in enumerate(self._free):
+            if slot[0] >= nbytes:
+                return self._free.pop(i)
+        if len(self._free) + len(self._busy) >= self.MAX_BUFFERS:
+            if self._free:
+                self._free.pop(0)  # too small: make room for a bigger one
+            else:
+                oldest = self._busy.pop(0)
+                oldest[3].synchronize()  # the GPU is MAX_BUFFERS launches behind: wait
+        return self._new(nbytes)
+
+    def give_back(self, slot: list, stream) -> None:
+        """``slot``'s copy has been queued on ``stream``: mark it busy until that has run."""
+        if capturing(stream):
+            return  # kept in ``captured``
+        import cupy
+        if slot[3] is None:
+            slot[3] = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+        slot[3].record(stream)
+        self._busy.append(slot)
+
+
+_STAGING: Dict[tuple, HostStaging] = {}
+
+
+def staging_for(stream, device_id: int) -> HostStaging:
+    """The :class:`HostStaging` of a stream (by its handle) on a device."""
+    key = (device_id, int(stream.ptr))
+    st = _STAGING.get(key)
+    if st is None:
+        st = _STAGING[key] = HostStaging()
+    return st
+
+
 def to_device(device: str, *arrays: np.ndarray):
     """Host arrays for a kernel: as they are on ``cpu``/``sim``; on ``cuda`` packed into one
-    buffer and copied with a single transfer, returned as :class:`Desc` views (one host-to-device
-    copy instead of one per array). The buffer is returned too: keep it alive until the kernel
-    that reads it is queued (CuPy's pool orders its reuse on the stream)."""
+    pinned, reused host buffer (:class:`HostStaging`) and copied asynchronously, with a single
+    transfer, on the current stream into one device buffer; returned as :class:`Desc` views. The
+    device buffer is returned too: keep it alive until the kernel that reads it is queued (CuPy's
+    pool orders its reuse on the stream)."""
     if device != "cuda":
         return arrays, None
     import cupy
@@ -382,11 +688,16 @@ def to_device(device: str, *arrays: np.ndarray):
     for p in parts:
         offsets.append(total)
         total += -(-p.nbytes // 16) * 16 or 16
-    host = np.empty(total, dtype=np.uint8)
+    stream = cupy.cuda.get_current_stream()
+    staging = staging_for(stream, cupy.cuda.runtime.getDevice())
+    slot = staging.take(total, stream)
+    host = slot[2]
     for p, off in zip(parts, offsets):
         host[off:off + p.nbytes] = p.reshape(-1).view(np.uint8)
     dev = cupy.empty(total, dtype=np.uint8)
-    dev.set(host, stream=cupy.cuda.get_current_stream())
+    # a c_void_p: CuPy < 13.x reads ``mem.value``; newer versions take it too
+    dev.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), total, stream)
+    staging.give_back(slot, stream)
     base = int(dev.data.ptr)
     descs = []
     for p, off in zip(parts, offsets):
@@ -407,7 +718,9 @@ def device_arg(device: str, arr, dtype=None):
     return arr if dtype is None else arr.view(dtype)
 
 
-__all__ = ["BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "UINT", "Desc", "FastKernel", "Prepared",
+__all__ = ["cpu_has_f16c", "f16_bits_to_f32_hw", "f32_to_f16_bits_hw", "BLOCKS_PER_SM", "BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "SIM_MAX_BLOCKS", "flat_blocks",
+           "max_blocks", "sm_count", "UINT", "Desc", "FastKernel", "HostStaging",
+           "Prepared", "device_cc", "load_image", "preload", "staging_for",
            "ptx_entry",
            "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "device_arg", "f16_bits_to_f32",
            "f32_to_bf16_bits", "f32_to_f16_bits", "fast_launch_enabled", "head_word", "launch",

@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, njit, prange, types
 
-from ._common import (UINT, Desc, MAX_GRID_YZ, Prepared, block_size, cdiv, head_word,
+from . import _common
+from ._common import (UINT, Desc, Prepared, block_size, cdiv, head_word,
                       launch as _launch, to_device, word_size)
 from ._registry import cuda_device, cuda_kernel, element
 
@@ -51,25 +52,43 @@ _head_word_cuda = head_word.cuda
 
 
 @cuda_device
-def copy_rows(arr, src, dst, r, c, c_step, layer0, layer_step):
-    """Word ``r`` of the ``[n_kv_heads, words]`` rows (head ``r // words``) of pairs ``c``,
-    ``c + c_step``, ... (cell ``src[c]`` to ``dst[c]``) in layers ``layer0``, ``layer0 +
-    layer_step``, ...: one GPU thread's share of K, or of V in the row layout."""
+def copy_flat(arr, src, dst, i, step):
+    """Items ``i``, ``i + step``, ... of the flattened ``(layer, pair, row word)`` space, row word
+    fastest (a warp copies adjacent words of one cell row): word ``r`` of cell ``src[c]`` to cell
+    ``dst[c]`` in layer ``l``. One GPU thread's share of K, or of V in the row layout."""
     nh = arr.shape[2]
     nw = arr.shape[3]
-    if r >= nh * nw:
-        return
-    h, w = _head_word_cuda(r, nh, nw)
-    while c < src.shape[0]:
-        s = src[c]
-        d = dst[c]
-        layer = layer0
-        while layer < arr.shape[0]:
-            _copy_word_cuda(arr, layer, s, d, h, w)
-            layer += layer_step
-        c += c_step
+    row = nh * nw
+    npairs = src.shape[0]
+    per_layer = npairs * row
+    total = arr.shape[0] * per_layer
+    while i < total:
+        layer = i // per_layer
+        rest = i - layer * per_layer
+        c = rest // row
+        r = rest - c * row
+        h, w = _head_word_cuda(r, nh, nw)
+        _copy_word_cuda(arr, layer, src[c], dst[c], h, w)
+        i += step
 
 
+@cuda_device
+def copy_flat_cells(arr, src, dst, i, step):
+    """Like :func:`copy_flat` over ``(layer, row element, pair)``, pair fastest: for permuted V,
+    whose cells are its fastest axis, a warp reads and writes adjacent cells (the plans' runs)."""
+    nh = arr.shape[2]
+    nw = arr.shape[3]
+    npairs = src.shape[0]
+    per_layer = npairs * nh * nw
+    total = arr.shape[0] * per_layer
+    while i < total:
+        layer = i // per_layer
+        rest = i - layer * per_layer
+        r = rest // npairs
+        c = rest - r * npairs
+        h, w = _head_word_cuda(r, nh, nw)
+        _copy_word_cuda(arr, layer, src[c], dst[c], h, w)
+        i += step
 
 
 def _arr(dt, nd):
@@ -85,66 +104,54 @@ _LANE_SIGS = [(_arr(kw, 4), _arr(vw, 4), _arr(types.int64, 2), types.int64) for 
 
 
 @cuda_kernel("move_cells", _CELL_SIGS)
-def move_cells_kernel(k, v, src, dst, v_cell_fast, nxk):
+def move_cells_kernel(k, v, src, dst, v_cell_fast, nbk):
     """Copy cell ``src[c]`` to ``dst[c]`` for every pair ``c`` (no destination read or written by
-    another pair). Grid x: ``nxk`` blocks over K's row words, then V's row words (or, when V's
-    cells are its fastest axis, over pairs); y: pairs (or V row words); z: layers."""
+    another pair), every layer. K and V each over their own flattened index space: the first
+    ``nbk`` blocks grid-stride over K's, the rest over V's (cell-fastest when V's cells are its
+    fastest axis)."""
     bx = cuda.blockIdx.x
     nb = cuda.blockDim.x
-    npairs = src.shape[0]
-    n_layers = k.shape[0]
-    if bx < nxk:
-        copy_rows(k, src, dst, bx * nb + cuda.threadIdx.x, cuda.blockIdx.y,
-                        cuda.gridDim.y, cuda.blockIdx.z, cuda.gridDim.z)
-    elif v_cell_fast == 0:
-        copy_rows(v, src, dst, (bx - nxk) * nb + cuda.threadIdx.x, cuda.blockIdx.y,
-                        cuda.gridDim.y, cuda.blockIdx.z, cuda.gridDim.z)
+    if bx < nbk:
+        copy_flat(k, src, dst, bx * nb + cuda.threadIdx.x, nbk * nb)
+        return
+    nbv = cuda.gridDim.x - nbk
+    i = (bx - nbk) * nb + cuda.threadIdx.x
+    if v_cell_fast == 0:
+        copy_flat(v, src, dst, i, nbv * nb)
     else:
-        c = (bx - nxk) * nb + cuda.threadIdx.x
-        if c < npairs:
-            s = src[c]
-            d = dst[c]
-            nh = v.shape[2]
-            nw = v.shape[3]
-            r = cuda.blockIdx.y
-            while r < nh * nw:
-                h, w = _head_word_cuda(r, nh, nw)
-                layer = cuda.blockIdx.z
-                while layer < n_layers:
-                    _copy_word_cuda(v, layer, s, d, h, w)
-                    layer += cuda.gridDim.z
-                r += cuda.gridDim.y
+        copy_flat_cells(v, src, dst, i, nbv * nb)
 
 
 @cuda_device
-def run_plan_lane(arr, moves, r, layer, layer_step):
-    """Lane ``r`` (head ``r // words``, word ``r % words``) of the rows of ``arr``: every move of
-    the plan in order, each as a memmove, in layers ``layer``, ``layer + layer_step``, ..."""
+def run_plan_lane(arr, moves, i, step):
+    """Lanes ``i``, ``i + step``, ... of the flattened ``(layer, row word)`` space of ``arr``:
+    every move of the plan in order, each as a memmove, on that word of every cell row."""
     nh = arr.shape[2]
     nw = arr.shape[3]
-    if r >= nh * nw:
-        return
-    h, w = _head_word_cuda(r, nh, nw)
-    while layer < arr.shape[0]:
+    row = nh * nw
+    total = arr.shape[0] * row
+    while i < total:
+        layer = i // row
+        r = i - layer * row
+        h, w = _head_word_cuda(r, nh, nw)
         for m in range(moves.shape[0]):
-            for step in range(moves[m, 2]):
-                s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], step)
+            for st in range(moves[m, 2]):
+                s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], st)
                 _copy_word_cuda(arr, layer, s, d, h, w)
-        layer += layer_step
+        i += step
 
 
 @cuda_kernel("move_lanes", _LANE_SIGS)
-def move_lanes_kernel(k, v, moves, nxk):
+def move_lanes_kernel(k, v, moves, nbk):
     """Run the whole plan ``moves [m, 3]`` (src, dst, length) in order, one lane (word position
-    of a cell row in one layer) per thread. Grid x: ``nxk`` blocks over K's row words, then V's;
-    z: layers."""
+    of a cell row in one layer) per thread: the first ``nbk`` blocks over K's lanes, the rest over
+    V's."""
     bx = cuda.blockIdx.x
-    if bx < nxk:
-        run_plan_lane(k, moves, bx * cuda.blockDim.x + cuda.threadIdx.x, cuda.blockIdx.z,
-                      cuda.gridDim.z)
+    nb = cuda.blockDim.x
+    if bx < nbk:
+        run_plan_lane(k, moves, bx * nb + cuda.threadIdx.x, nbk * nb)
     else:
-        run_plan_lane(v, moves, (bx - nxk) * cuda.blockDim.x + cuda.threadIdx.x,
-                      cuda.blockIdx.z, cuda.gridDim.z)
+        run_plan_lane(v, moves, (bx - nbk) * nb + cuda.threadIdx.x, (cuda.gridDim.x - nbk) * nb)
 
 
 @njit(cache=True, inline="always")
@@ -240,8 +247,11 @@ def _row_words(shape, isz, ptr):
 
 
 def _np_rows(arr: np.ndarray, w: int) -> np.ndarray:
+    """Cell rows ``[layers, cells, 1, row words]``: the heads are joined into one row *before*
+    viewing as ``w``-byte words, because :func:`_row_words` sized ``w`` from the whole row (a
+    head's own row, e.g. 17 float32, need not be a multiple of it)."""
     lay, n = arr.shape[:2]
-    return arr.view(UINT[arr.itemsize]).view(UINT[w]).reshape(lay, n, 1, -1)
+    return arr.view(UINT[arr.itemsize]).reshape(lay, n, 1, -1).view(UINT[w])
 
 
 def _np_cols(arr: np.ndarray) -> np.ndarray:
@@ -287,26 +297,33 @@ def prepare(device: str, keys, values, moves, permuted: bool):
         return None
     k, v = storage_args(device, keys, values, permuted)
     nb = block_size(device)
-    n_layers = keys.shape[0]
-    krow = k.shape[2] * k.shape[3]
-    vrow = v.shape[2] * v.shape[3]
-    nxk = cdiv(krow, nb)
+    cap = _common.max_blocks(device)
     if independent(moves, keys.shape[1]):
         src, dst = expand(moves)
         (src_d, dst_d), keep = to_device(device, src, dst)
-        npairs = src.shape[0]
-        if permuted:
-            nxv = cdiv(npairs, nb)
-            gy = max(npairs, vrow)
-        else:
-            nxv = cdiv(vrow, nb)
-            gy = npairs
-        grid = (nxk + nxv, min(gy, MAX_GRID_YZ), min(n_layers, MAX_GRID_YZ))
-        return Prepared(move_cells_kernel, grid, nb, (k, v, src_d, dst_d, int(permuted), nxk),
+        grid, nbk = cells_geometry(k.shape, v.shape, src.shape[0], nb, cap)
+        return Prepared(move_cells_kernel, grid, nb, (k, v, src_d, dst_d, int(permuted), nbk),
                         keep)
     (moves_d,), keep = to_device(device, moves)
-    grid = (nxk + cdiv(vrow, nb), 1, min(n_layers, MAX_GRID_YZ))
-    return Prepared(move_lanes_kernel, grid, nb, (k, v, moves_d, nxk), keep)
+    grid, nbk = lanes_geometry(k.shape, v.shape, nb, cap)
+    return Prepared(move_lanes_kernel, grid, nb, (k, v, moves_d, nbk), keep)
+
+
+def cells_geometry(k_shape, v_shape, npairs: int, block: int, cap: int):
+    """``(grid, nbk)`` of the cells kernel over storage viewed ``[layers, cells, heads',
+    words]``: K's ``layers x pairs x row words`` items and V's likewise, each its own blocks (at
+    most ``cap``, grid-striding beyond)."""
+    nbk = _common.flat_blocks(k_shape[0] * npairs * k_shape[2] * k_shape[3], block, cap)
+    nbv = _common.flat_blocks(v_shape[0] * npairs * v_shape[2] * v_shape[3], block, cap)
+    return (nbk + nbv,), nbk
+
+
+def lanes_geometry(k_shape, v_shape, block: int, cap: int):
+    """``(grid, nbk)`` of the lanes kernel: one thread per (layer, row word) lane of K, then
+    of V."""
+    nbk = _common.flat_blocks(k_shape[0] * k_shape[2] * k_shape[3], block, cap)
+    nbv = _common.flat_blocks(v_shape[0] * v_shape[2] * v_shape[3], block, cap)
+    return (nbk + nbv,), nbk
 
 
 def launch(device: str, keys, values, moves, permuted: bool) -> None:

@@ -1,17 +1,134 @@
-"""Compile every registered kernel to PTX for the target GPUs, with or without a GPU present.
+"""Compile every registered kernel to PTX for the target GPUs, link it to a cubin with
+nvJitLink and check what the GPU compiler says, with or without a GPU present.
 
-Run as ``python -m numbakv.kernels.ptx`` (prints one line per kernel and exits non-zero on any
-failure). Needs Numba's real CUDA target: not available while the simulator is on.
+Run as ``python -m numbakv.kernels.ptx`` (PTX only) or ``python -m numbakv.kernels.ptx --check``
+(every kernel x signature x target also linked to a cubin by nvJitLink, i.e. run through ptxas,
+and refused on any register spill, stack frame, local memory, ``.extern`` declaration, parameter
+space over the limit, registers above :data:`MAX_REGISTERS`, or a fast-launch parameter layout
+that differs from Numba's data model). Prints one line per kernel and exits non-zero on any
+failure. Needs Numba's real CUDA target: not available while the simulator is on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import types
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 TARGETS: Tuple[Tuple[int, int], ...] = ((8, 0), (9, 0))
+
+#: the register bound every kernel must stay under at every target: 64 keeps a 256-thread block
+#: at full occupancy headroom (64K registers per SM hold 4 such blocks) and is well above what
+#: the kernels use today (ptxas reports 18-54), so a change that blows up a kernel's register
+#: use fails the check instead of silently halving occupancy
+MAX_REGISTERS = 64
+#: kernel parameter space on sm_70+ (CUDA < 12.1 drivers; 32 KB needs 12.1+ and sm_70+)
+MAX_PARAM_BYTES = 4096
+
+
+class Resources(NamedTuple):
+    """What ptxas reports for one kernel entry."""
+    registers: int
+    stack: int
+    spill_stores: int
+    spill_loads: int
+    local_bytes: int
+
+
+def link_cubin(ptx: str, cc: Tuple[int, int]) -> Tuple[bytes, str]:
+    """``(cubin, info log)``: ``ptx`` linked by nvJitLink (through ``cuda.core``) for ``sm_XY``.
+    Runs without a GPU or driver; a cubin loads on any driver that supports the architecture,
+    whatever PTX ISA version the toolkit emitted."""
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    linker = Linker(ObjectCode.from_ptx(ptx.encode()),
+                    options=LinkerOptions(arch=f"sm_{cc[0]}{cc[1]}", verbose=True))
+    cubin = linker.link("cubin")
+    return bytes(cubin.code), linker.get_info_log() or ""
+
+
+_REGS = re.compile(r"[Uu]sed (\d+) registers")
+_STACK = re.compile(r"(\d+) bytes stack frame")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_LMEM = re.compile(r"(\d+) bytes lmem")
+
+
+def parse_resources(info_log: str) -> Resources:
+    """The resource figures of a one-kernel link's verbose log (ptxas's and nvJitLink's lines;
+    the largest figure where both report)."""
+    def biggest(rx, group=1):
+        found = [int(m.group(group)) for m in rx.finditer(info_log)]
+        if not found and rx is _REGS:
+            raise RuntimeError(f"no register count in the link log:\n{info_log}")
+        return max(found, default=0)
+    return Resources(biggest(_REGS), biggest(_STACK), biggest(_SPILL, 1), biggest(_SPILL, 2),
+                     biggest(_LMEM))
+
+
+def ptx_problems(ptx: str) -> List[str]:
+    """What the PTX itself must not contain: calls out of the module (``.extern``: a libdevice
+    or runtime function the driver would have to resolve), local memory (``.local``) and a
+    parameter space over :data:`MAX_PARAM_BYTES`."""
+    out = []
+    if re.search(r"^\s*\.extern\b", ptx, re.M):
+        out.append(".extern declaration")
+    if re.search(r"\.local\b", ptx):
+        out.append(".local memory")
+    params = re.findall(r"\.param\s+\.([a-z]+)(\d+)", ptx)
+    nbytes = sum(int(bits) // 8 for _, bits in params)
+    if nbytes > MAX_PARAM_BYTES:
+        out.append(f"{nbytes} bytes of parameters (> {MAX_PARAM_BYTES})")
+    return out
+
+
+def resource_problems(res: Resources) -> List[str]:
+    out = []
+    if res.spill_stores or res.spill_loads:
+        out.append(f"register spills ({res.spill_stores} B stored, {res.spill_loads} B loaded)")
+    if res.stack:
+        out.append(f"{res.stack} B stack frame")
+    if res.local_bytes:
+        out.append(f"{res.local_bytes} B local memory")
+    if res.registers > MAX_REGISTERS:
+        out.append(f"{res.registers} registers (> {MAX_REGISTERS})")
+    return out
+
+
+def layout_problems(sig) -> List[str]:
+    """Whether :func:`numbakv.kernels._common._flatten` lays out the arguments of ``sig`` exactly
+    as Numba's CUDA data model does, *by order*: each array as meminfo, parent, nitems, itemsize,
+    data, shape..., strides...; each scalar as its value. Distinct sentinel values stand in for
+    every field, so swapping any two (say nitems and data) is caught, not just a wrong count."""
+    import numpy as np
+    from numba import types as nbtypes
+    from numba.cuda.descriptor import cuda_target
+    from . import _common
+    ctx = cuda_target.target_context
+    args, expected = [], []
+    for i, t in enumerate(sig):
+        if isinstance(t, nbtypes.Array):
+            shape = tuple(3 + 2 * i + j for j in range(t.ndim))
+            strides = tuple(1000 * (i + 1) + 8 * j for j in range(t.ndim))
+            dt = np.dtype(str(t.dtype))
+            d = _common.Desc(0x10000 * (i + 1), shape, strides, dt)
+            args.append(d)
+            values = {"meminfo": [0], "parent": [0], "nitems": [int(np.prod(shape))],
+                      "itemsize": [dt.itemsize], "data": [d.ptr], "shape": list(shape),
+                      "strides": list(strides)}
+            for field in ctx.data_model_manager[t]._fields:
+                expected.extend(values[field])
+        else:
+            args.append(70000 + i)
+            expected.append(70000 + i)
+    packed = len(ctx.get_arg_packer(sig).argument_types)
+    flat = _common._flatten(args)
+    out = []
+    if flat != expected:
+        out.append(f"parameter layout {flat} != data model {expected}")
+    if packed != len(flat):
+        out.append(f"{len(flat)} flat parameters but the data model packs {packed}")
+    return out
 
 
 @contextlib.contextmanager
@@ -54,18 +171,77 @@ def compile_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[Tuple[str,
     return results
 
 
+def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[str]]:
+    """Every kernel x signature x target: PTX compiled, checked (:func:`ptx_problems`), linked to
+    a cubin by nvJitLink and its resources checked (:func:`resource_problems`), plus the
+    fast-launch parameter layout and count (:func:`layout_problems`,
+    :func:`numbakv.kernels._common.ptx_entry`). Returns per kernel the lines to print; raises
+    ``RuntimeError`` listing every problem found."""
+    from numba import cuda
+    from ..device import simulator_enabled
+    from . import _common, registered
+    if simulator_enabled():
+        raise RuntimeError("the check needs Numba's CUDA target; the simulator is on "
+                           "(unset NUMBA_ENABLE_CUDASIM)")
+    have_gpu = False
+    try:
+        have_gpu = bool(cuda.is_available())
+    except Exception:  # noqa: BLE001
+        have_gpu = False
+    report: Dict[str, List[str]] = {}
+    problems: List[str] = []
+    for spec in registered():
+        for k, sig in enumerate(spec.signatures):
+            where = f"{spec.name}[{k}]"
+            problems += [f"{where}: {p}" for p in layout_problems(sig)]
+            for cc in targets:
+                tag = f"sm_{cc[0]}{cc[1]}"
+                ctx = contextlib.nullcontext() if have_gpu else _offline_device(cc)
+                with ctx:
+                    try:
+                        ptx, _, _ = _common.ptx_entry(spec.py_func, sig, cc)
+                    except Exception as exc:  # noqa: BLE001
+                        problems.append(f"{where} {tag}: {type(exc).__name__}: {exc}")
+                        continue
+                problems += [f"{where} {tag}: {p}" for p in ptx_problems(ptx)]
+                try:
+                    _, log = link_cubin(ptx, cc)
+                    res = parse_resources(log)
+                except Exception as exc:  # noqa: BLE001
+                    problems.append(f"{where} {tag}: link failed: {type(exc).__name__}: {exc}")
+                    continue
+                problems += [f"{where} {tag}: {p}" for p in resource_problems(res)]
+                report.setdefault(spec.name, []).append(
+                    f"  sig {k} {tag}: {res.registers} registers, {res.stack} B stack, "
+                    f"{res.spill_stores}/{res.spill_loads} B spilled, {res.local_bytes} B lmem")
+    if problems:
+        raise RuntimeError("\n".join(problems))
+    return report
+
+
 def main(argv=None) -> int:
     from . import registered
+    argv = sys.argv[1:] if argv is None else list(argv)
+    check = "--check" in argv
     try:
-        compiled = compile_all()
+        if check:
+            details = check_all()
+            compiled = {(name, cc): "" for name in details for cc in TARGETS}
+        else:
+            details = {}
+            compiled = compile_all()
     except Exception as exc:  # noqa: BLE001
-        print(f"PTX compilation failed: {type(exc).__name__}: {exc}")
+        print(f"{'check' if check else 'PTX compilation'} failed: {type(exc).__name__}: {exc}")
         return 1
     for spec in registered():
         ccs = sorted({cc for (name, cc) in compiled if name == spec.name})
         print(f"{spec.name}: {len(spec.signatures)} signature(s) -> "
               + ", ".join(f"sm_{a}{b}" for a, b in ccs))
-    print(f"ok: {len(registered())} kernels")
+        for line in details.get(spec.name, []):
+            print(line)
+    print(f"ok: {len(registered())} kernels"
+          + (f" (linked by nvJitLink; <= {MAX_REGISTERS} registers, no spills, stack, local "
+             f"memory or .extern)" if check else ""))
     return 0
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, njit, prange, types
 
 from . import _common
-from ._common import (UINT, Desc, MAX_GRID_YZ, block_size, cdiv, desc_of, head_word,
+from ._common import (UINT, Desc, block_size, cdiv, desc_of, head_word,
                       launch as _launch, word_size)
 from ._registry import cuda_device, cuda_kernel, element
 
@@ -46,21 +46,89 @@ _put_word_cpu = put_word.cpu
 _head_word_cuda = head_word.cuda
 
 
+#: permuted V goes through shared-memory tiles of TILE tokens x TILE row elements: read along a
+#: token's row (coalesced), written along cells (coalesced); below TILE tokens or row elements a
+#: tile would be mostly idle, and the direct token-fastest path is used
+TILE = 32
+TILE_PITCH = TILE + 1  # a padded row of the shared tile: no bank conflicts on the transposed read
+V_ROWS, V_CELLS_DIRECT, V_CELLS_TILED = 0, 1, 2
+
+
 @cuda_device
-def put_rows(dst, src, slots, start, r, t, t_step):
-    """Word ``r`` of the ``[n_kv_heads, words]`` rows (head ``r // words``) of tokens ``t``,
-    ``t + t_step``, ... of the batch, each into its slot: one GPU thread's share of K, or of V in
-    the row layout."""
+def put_flat(dst, src, slots, start, i, step):
+    """Items ``i``, ``i + step``, ... of the flattened ``(token, row word)`` space of ``src
+    [batch, heads', words]``, row word fastest (a warp reads and writes adjacent words of one
+    row), each into its token's slot: one GPU thread's share of K, or of V in the row layout."""
     nh = src.shape[1]
     nw = src.shape[2]
-    if r >= nh * nw:
-        return
-    h, w = _head_word_cuda(r, nh, nw)
-    while t < src.shape[0]:
+    row = nh * nw
+    total = src.shape[0] * row
+    while i < total:
+        t = i // row
+        r = i - t * row
         slot = _slot_of_cuda(slots, start, t)
         if slot >= 0:
+            h, w = _head_word_cuda(r, nh, nw)
             _put_word_cuda(dst, src, slot, t, h, w)
-        t += t_step
+        i += step
+
+
+@cuda_device
+def put_flat_cells(dst, src, slots, start, i, step):
+    """Like :func:`put_flat` over ``(row element, token)``, token fastest: a warp writes adjacent
+    cells of permuted V (few tokens: a decode step)."""
+    batch = src.shape[0]
+    nh = src.shape[1]
+    nw = src.shape[2]
+    total = batch * nh * nw
+    while i < total:
+        r = i // batch
+        t = i - r * batch
+        slot = _slot_of_cuda(slots, start, t)
+        if slot >= 0:
+            h, w = _head_word_cuda(r, nh, nw)
+            _put_word_cuda(dst, src, slot, t, h, w)
+        i += step
+
+
+@cuda_device
+def put_tiles(dst, src, slots, start, tile, tile_step, tid, nb):
+    """Permuted V through shared memory: tile ``tile`` (then ``tile + tile_step``, ...) of TILE
+    tokens x TILE row elements is read row-wise (adjacent threads, adjacent elements of a
+    token's row) and written cell-wise (adjacent threads, adjacent tokens' cells). Every thread
+    of the block calls this (it synchronises the block)."""
+    batch = src.shape[0]
+    nh = src.shape[1]
+    nw = src.shape[2]
+    row = nh * nw
+    n_r = (row + TILE - 1) // TILE
+    n_tiles = ((batch + TILE - 1) // TILE) * n_r
+    buf = cuda.shared.array((TILE, TILE_PITCH), types.uint32)
+    while tile < n_tiles:
+        tt = tile // n_r
+        t0 = tt * TILE
+        r0 = (tile - tt * n_r) * TILE
+        k = tid
+        while k < TILE * TILE:
+            tl = k // TILE
+            rl = k - tl * TILE
+            if t0 + tl < batch and r0 + rl < row:
+                h, w = _head_word_cuda(r0 + rl, nh, nw)
+                buf[tl, rl] = src[t0 + tl, h, w]
+            k += nb
+        cuda.syncthreads()
+        k = tid
+        while k < TILE * TILE:
+            rl = k // TILE
+            tl = k - rl * TILE
+            if t0 + tl < batch and r0 + rl < row:
+                slot = _slot_of_cuda(slots, start, t0 + tl)
+                if slot >= 0:
+                    h, w = _head_word_cuda(r0 + rl, nh, nw)
+                    dst[slot, h, w] = buf[tl, rl]
+            k += nb
+        cuda.syncthreads()
+        tile += tile_step
 
 
 def _arr(dt, nd):
@@ -75,32 +143,25 @@ _SIGS = [(_arr(kw, 3), _arr(vw, 3), _arr(types.int32, 1), _arr(kw, 3), _arr(vw, 
 
 
 @cuda_kernel("put_kv", _SIGS)
-def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_cell_fast, nxk):
-    """Grid x: ``nxk`` blocks over K's row words, then blocks over V's row words (or, when V's
-    cells are its fastest axis, over tokens); grid y: tokens (or V's row words), grid-striding.
-    Threads of a warp thus touch adjacent addresses of the storage in both layouts."""
+def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_mode, nbk):
+    """K and V in one launch, each over its own flattened index space (no block idles because
+    the other is larger): the first ``nbk`` blocks grid-stride over K's ``(token, row word)``
+    items, the rest over V's, as rows (``v_mode`` 0), token-fastest cells of permuted V (1) or
+    shared-memory tiles of permuted V (2)."""
     bx = cuda.blockIdx.x
     nb = cuda.blockDim.x
-    batch = k_src.shape[0]
-    if bx < nxk:
-        put_rows(k_dst, k_src, slots, start, bx * nb + cuda.threadIdx.x, cuda.blockIdx.y,
-                       cuda.gridDim.y)
-    elif v_cell_fast == 0:
-        put_rows(v_dst, v_src, slots, start, (bx - nxk) * nb + cuda.threadIdx.x,
-                       cuda.blockIdx.y, cuda.gridDim.y)
+    tid = cuda.threadIdx.x
+    if bx < nbk:
+        put_flat(k_dst, k_src, slots, start, bx * nb + tid, nbk * nb)
+        return
+    vb = bx - nbk
+    nbv = cuda.gridDim.x - nbk
+    if v_mode == 0:
+        put_flat(v_dst, v_src, slots, start, vb * nb + tid, nbv * nb)
+    elif v_mode == 1:
+        put_flat_cells(v_dst, v_src, slots, start, vb * nb + tid, nbv * nb)
     else:
-        t = (bx - nxk) * nb + cuda.threadIdx.x
-        slot = -1
-        if t < batch:
-            slot = _slot_of_cuda(slots, start, t)
-        if slot >= 0:
-            nh = v_src.shape[1]
-            nw = v_src.shape[2]
-            r = cuda.blockIdx.y
-            while r < nh * nw:
-                h, w = _head_word_cuda(r, nh, nw)
-                _put_word_cuda(v_dst, v_src, slot, t, h, w)
-                r += cuda.gridDim.y
+        put_tiles(v_dst, v_src, slots, start, vb, nbv, tid, nb)
 
 
 # The token loop is written out in both twins: factored into a helper function, Numba's
@@ -160,11 +221,16 @@ def _np_pair(dst: np.ndarray, src: np.ndarray, flat: bool, w: int):
     n, h, d = dst.shape
     b = src.shape[0]
     wd = UINT[w]
-    dv = dst.view(UINT[dst.itemsize]).view(wd)
+    dv = dst.view(UINT[dst.itemsize])
     sv = src.view(UINT[src.itemsize])
-    sv = sv.view(wd) if w != src.itemsize else sv
     if flat:
-        return dv.reshape(n, 1, -1), sv.reshape(b, 1, -1)
+        # heads joined into one row first: ``w`` was sized from the whole row, which a single
+        # head's row (e.g. 3 halves) need not be a multiple of
+        # (_plan's ``flat`` guarantees these reshapes are views, never copies)
+        dv, sv = dv.reshape(n, 1, -1), sv.reshape(b, 1, -1)
+    if w != dst.itemsize:
+        dv = dv.view(wd)
+        sv = sv.view(wd)
     return dv, sv
 
 
@@ -215,24 +281,27 @@ def launch(device: str, k_dst, v_dst, slots: Optional[np.ndarray], key, value,
         vd, vs = _np_pair(v_dst, value, vflat, vw)
     start = int(start)
     sl = _NO_SLOTS if start >= 0 else slots
-    grid, nb, nxk = _geometry(device, ks.shape, vs.shape, permuted)
-    _launch(device, put_kv_kernel, grid, nb, (kd, vd, sl, ks, vs, start, int(permuted), nxk))
+    grid, nb, nbk, v_mode = geometry(device, ks.shape, vs.shape, permuted,
+                                     _common.max_blocks(device))
+    _launch(device, put_kv_kernel, grid, nb, (kd, vd, sl, ks, vs, start, v_mode, nbk))
 
 
-def _geometry(device: str, ks_shape, vs_shape, permuted: bool):
-    """(grid, block, nxk) of a put: K's row words, then V's row words or tokens, along x."""
+def geometry(device: str, ks_shape, vs_shape, permuted: bool, cap: int):
+    """``(grid, block, nbk, v_mode)`` of a put whose K source is viewed ``ks_shape [batch,
+    heads', words]`` and V source ``vs_shape``: ``nbk`` blocks over K's items, then V's blocks
+    (rows, token-fastest cells, or one block per TILE x TILE tile of permuted V); each space gets
+    the blocks its items fill, at most ``cap`` (grid-striding beyond)."""
     batch = ks_shape[0]
     nb = block_size(device)
-    krow = ks_shape[1] * ks_shape[2]
-    vrow = vs_shape[1] * vs_shape[2]
-    nxk = cdiv(krow, nb)
-    if permuted:
-        nxv = cdiv(batch, nb)
-        gy = max(batch, vrow)
+    nbk = _common.flat_blocks(batch * ks_shape[1] * ks_shape[2], nb, cap)
+    v_row = vs_shape[1] * vs_shape[2]
+    if not permuted:
+        v_mode, nbv = V_ROWS, _common.flat_blocks(batch * v_row, nb, cap)
+    elif batch >= TILE and v_row >= TILE:
+        v_mode, nbv = V_CELLS_TILED, min(cdiv(batch, TILE) * cdiv(v_row, TILE), cap)
     else:
-        nxv = cdiv(vrow, nb)
-        gy = batch
-    return (nxk + nxv, min(gy, MAX_GRID_YZ)), nb, nxk
+        v_mode, nbv = V_CELLS_DIRECT, _common.flat_blocks(batch * v_row, nb, cap)
+    return (nbk + nbv,), nb, nbk, v_mode
 
 
 class _CudaPut:
@@ -240,7 +309,7 @@ class _CudaPut:
     (shapes, strides, alignment) and reused: every layer of every forward pass with the same
     batch shape launches from here, patching pointers into a ready parameter list."""
 
-    __slots__ = ("descs", "grid", "block", "nxk", "permuted", "fast", "template", "ptr_idx",
+    __slots__ = ("descs", "grid", "block", "nbk", "v_mode", "fast", "template", "ptr_idx",
                  "start_idx")
 
     def __init__(self, k_dst, v_dst, key, value, sl: Desc, permuted: bool, device_id: int):
@@ -255,9 +324,9 @@ class _CudaPut:
             vflat, vw = _plan(value.shape, value.strides, isz, int(value.data.ptr))
             vd, vs = _desc_pair(v_dst, value, vflat, vw)
         self.descs = (kd, vd, sl, ks, vs)
-        self.grid, self.block, self.nxk = _geometry("cuda", ks.shape, vs.shape, permuted)
-        self.permuted = int(permuted)
-        args = self.descs + (0, self.permuted, self.nxk)
+        self.grid, self.block, self.nbk, self.v_mode = geometry(
+            "cuda", ks.shape, vs.shape, permuted, _common.max_blocks("cuda"))
+        args = self.descs + (0, self.v_mode, self.nbk)
         self.fast = _common._fast_kernel(put_kv_kernel, args, device_id) \
             if _common.fast_launch_enabled() else None
         flat = _common._flatten(args)
@@ -276,7 +345,7 @@ class _CudaPut:
             return
         args = tuple(d._replace(ptr=p) for d, p in zip(self.descs, ptrs))
         _launch("cuda", put_kv_kernel, self.grid, self.block,
-                args + (start, self.permuted, self.nxk))
+                args + (start, self.v_mode, self.nbk))
 
 
 _CUDA_PLANS: dict = {}
@@ -350,14 +419,13 @@ def _slots_to_device(slots: np.ndarray, device_id: Optional[int] = None) -> Desc
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
     raw = np.ascontiguousarray(slots, dtype=np.int32).tobytes()
-    hit = _SLOT_CACHE.get(device_id)
+    # per stream: a buffer written on one stream must not be read by a kernel on another
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    hit = _SLOT_CACHE.get(key)
     if hit is not None and hit[0] == raw:
         return hit[2]
-    host = np.frombuffer(raw, dtype=np.int32)
-    buf = cupy.empty(host.shape, dtype=np.int32)
-    buf.set(host, stream=cupy.cuda.get_current_stream())
-    desc = desc_of(buf)
-    _SLOT_CACHE[device_id] = (raw, buf, desc)
+    (desc,), buf = _common.to_device("cuda", np.frombuffer(raw, dtype=np.int32))
+    _SLOT_CACHE[key] = (raw, buf, desc)
     return desc
 
 

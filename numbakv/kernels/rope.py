@@ -20,13 +20,15 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, njit, prange, types
 
-from ._common import (MAX_GRID_YZ, Prepared, bf16_bits_to_f32, block_size, cdiv, device_arg,
+from . import _common
+from ._common import (Prepared, bf16_bits_to_f32, block_size, cdiv, device_arg,
                       f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, launch as _launch,
                       to_device)
 from ._registry import cuda_kernel, element
 
-#: how the kernel reads the storage: native floats, float16 bit patterns, bfloat16 bit patterns
-KIND_FLOAT, KIND_F16_BITS, KIND_BF16_BITS = 0, 1, 2
+#: how the kernel reads the storage: native floats, float16 bit patterns, bfloat16 bit patterns;
+#: on the CPU also float16 bit patterns converted by the hardware (F16C), the default there
+KIND_FLOAT, KIND_F16_BITS, KIND_BF16_BITS, KIND_F16_HW = 0, 1, 2, 3
 
 # njit forms of the conversions: element functions may call njit functions on both targets
 _f16_to_f32 = f16_bits_to_f32.cpu
@@ -93,32 +95,32 @@ _SIGS = [(_arr(dt, 4), _arr(types.int32, 1), _arr(types.int32, 1), _arr(types.in
 
 @cuda_kernel("rope_shift", _SIGS)
 def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind):
-    """Grid x: (head, pair) of a key row; y: cells (grid-striding); z: layers (grid-striding).
-    ``keys [n_layers, n_cells, n_kv_heads, head_dim]``; cell ``cells[c]`` turns by the angles of
-    table row ``tab[c]``."""
+    """One flattened index space ``(listed cell, layer, head, pair)``, pair fastest (a warp
+    turns adjacent pairs of one key row), grid-striding. ``keys [n_layers, n_cells, n_kv_heads,
+    head_dim]``; cell ``cells[c]`` turns by the angles of table row ``tab[c]``."""
     half = cos_t.shape[1]
-    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if r >= keys.shape[2] * half:
-        return
-    h = r // half
-    p = r - h * half
-    i0, i1 = _pair_cuda(p, half, neox)
-    c = cuda.blockIdx.y
-    while c < cells.shape[0]:
+    row = keys.shape[2] * half
+    per_cell = layers.shape[0] * row
+    total = cells.shape[0] * per_cell
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    step = cuda.gridDim.x * cuda.blockDim.x
+    while i < total:
+        c = i // per_cell
+        rest = i - c * per_cell
+        z = rest // row
+        r = rest - z * row
+        h = r // half
+        p = r - h * half
+        i0, i1 = _pair_cuda(p, half, neox)
         cell = cells[c]
         u = tab[c]
-        cs = cos_t[u, p]
-        sn = sin_t[u, p]
-        z = cuda.blockIdx.z
-        while z < layers.shape[0]:
-            layer = layers[z]
-            a = _load_cuda(keys[layer, cell, h, i0], kind)
-            b = _load_cuda(keys[layer, cell, h, i1], kind)
-            a2, b2 = _rotate_cuda(a, b, cs, sn)
-            _store_cuda(keys, layer, cell, h, i0, a2, kind)
-            _store_cuda(keys, layer, cell, h, i1, b2, kind)
-            z += cuda.gridDim.z
-        c += cuda.gridDim.y
+        layer = layers[z]
+        a = _load_cuda(keys[layer, cell, h, i0], kind)
+        b = _load_cuda(keys[layer, cell, h, i1], kind)
+        a2, b2 = _rotate_cuda(a, b, cos_t[u, p], sin_t[u, p])
+        _store_cuda(keys, layer, cell, h, i0, a2, kind)
+        _store_cuda(keys, layer, cell, h, i1, b2, kind)
+        i += step
 
 
 @njit(cache=True, inline="always")
@@ -136,6 +138,71 @@ def _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c):
                 a2, b2 = _rotate_cpu(a, b, cos_t[u, p], sin_t[u, p])
                 _store_cpu(keys, layer, cell, h, i0, a2, kind)
                 _store_cpu(keys, layer, cell, h, i1, b2, kind)
+
+
+_f16_hw_to_f32 = _common.f16_bits_to_f32_hw
+_f32_to_f16_hw = _common.f32_to_f16_bits_hw
+
+
+@njit(cache=True, inline="always")
+def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi):
+    """:func:`_rotate_cell_cpu` for float16 bit patterns converted by the CPU's half-precision
+    instructions (bit-identical with numpy's conversions). Staged per head row through float32
+    scratch ``lo``/``hi`` (``[n/2]`` each): each of the five loops is a plain contiguous pass
+    that LLVM vectorises (vcvtph2ps, the float32 rotation, vcvtps2ph); measured ~10x faster
+    than the per-element form."""
+    half = cos_t.shape[1]
+    cell = cells[c]
+    u = tab[c]
+    cs = cos_t[u]
+    sn = sin_t[u]
+    for z in range(layers.shape[0]):
+        layer = layers[z]
+        for h in range(keys.shape[2]):
+            row = keys[layer, cell, h]
+            if neox != 0:
+                for p in range(half):
+                    lo[p] = _f16_hw_to_f32(row[p])
+                for p in range(half):
+                    hi[p] = _f16_hw_to_f32(row[p + half])
+            else:
+                for p in range(half):
+                    lo[p] = _f16_hw_to_f32(row[2 * p])
+                    hi[p] = _f16_hw_to_f32(row[2 * p + 1])
+            for p in range(half):
+                a = lo[p]
+                b = hi[p]
+                lo[p] = a * cs[p] - b * sn[p]
+                hi[p] = a * sn[p] + b * cs[p]
+            if neox != 0:
+                for p in range(half):
+                    row[p] = _f32_to_f16_hw(lo[p])
+                for p in range(half):
+                    row[p + half] = _f32_to_f16_hw(hi[p])
+            else:
+                for p in range(half):
+                    row[2 * p] = _f32_to_f16_hw(lo[p])
+                    row[2 * p + 1] = _f32_to_f16_hw(hi[p])
+
+
+@njit(cache=True)
+def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox):
+    lo = np.empty(cos_t.shape[1], np.float32)
+    hi = np.empty(cos_t.shape[1], np.float32)
+    for c in range(cells.shape[0]):
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi)
+
+
+@njit(cache=True, parallel=True)
+def _rope_cpu_f16hw_par(keys, cells, tab, layers, cos_t, sin_t, neox):
+    for c in prange(cells.shape[0]):
+        lo = np.empty(cos_t.shape[1], np.float32)
+        hi = np.empty(cos_t.shape[1], np.float32)
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi)
+
+
+#: float16 rotations on the CPU use the hardware conversions where Numba's target has them
+F16_HW = _common.cpu_has_f16c()
 
 
 # The CPU twins come in one compiled form per storage kind (a constant, so the conversion
@@ -179,7 +246,8 @@ def _rope_cpu_bf16_par(keys, cells, tab, layers, cos_t, sin_t, neox):
 
 _CPU_TWINS = {KIND_FLOAT: (_rope_cpu_float, _rope_cpu_float_par),
               KIND_F16_BITS: (_rope_cpu_f16, _rope_cpu_f16_par),
-              KIND_BF16_BITS: (_rope_cpu_bf16, _rope_cpu_bf16_par)}
+              KIND_BF16_BITS: (_rope_cpu_bf16, _rope_cpu_bf16_par),
+              KIND_F16_HW: (_rope_cpu_f16hw, _rope_cpu_f16hw_par)}
 
 
 def rope_shift_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, parallel=False):
@@ -211,7 +279,7 @@ def storage_kind(device: str, dtype: str):
         return np.dtype(np.uint16), KIND_BF16_BITS
     if dtype == "float16":
         if device == "cpu":
-            return np.dtype(np.uint16), KIND_F16_BITS
+            return np.dtype(np.uint16), KIND_F16_HW if F16_HW else KIND_F16_BITS
         return np.dtype(np.float16), KIND_FLOAT
     return np.dtype(np.float32), KIND_FLOAT
 
@@ -248,10 +316,16 @@ def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, 
     view_dtype, kind = storage_kind(device, dtype)
     dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
     nb = block_size(device)
-    grid = (cdiv(keys.shape[2] * inv_freq.size, nb), min(cells.size, MAX_GRID_YZ),
-            min(layers.size, MAX_GRID_YZ))
+    grid = geometry(cells.size, layers.size, keys.shape[2], inv_freq.size, nb,
+                    _common.max_blocks(device))
     args = (device_arg(device, keys, view_dtype),) + tuple(dev_in) + (int(bool(neox)), kind)
     return Prepared(rope_shift_kernel, grid, nb, args, keep)
+
+
+def geometry(n_cells: int, n_layers: int, n_heads: int, half: int, block: int, cap: int):
+    """The grid of a rotation: one thread per (cell, layer, head, pair) item, at most ``cap``
+    blocks (grid-striding beyond)."""
+    return (_common.flat_blocks(n_cells * n_layers * n_heads * half, block, cap),)
 
 
 def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
@@ -278,7 +352,7 @@ def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
                    parallel=n_pairs >= PARALLEL_MIN_PAIRS and cells.size > 1)
 
 
-__all__ = ["KIND_BF16_BITS", "KIND_F16_BITS", "KIND_FLOAT", "launch", "load_f32", "pair_index",
+__all__ = ["F16_HW", "KIND_BF16_BITS", "KIND_F16_BITS", "KIND_F16_HW", "KIND_FLOAT", "launch", "load_f32", "pair_index",
            "prepare",
            "rope_shift_cpu", "rope_shift_kernel", "rotate_pair",
            "storage_kind", "store_f32", "tables"]

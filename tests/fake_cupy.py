@@ -1,0 +1,161 @@
+"""A stand-in ``cupy`` over host memory, so the ``cuda`` code paths (descriptors, packed
+host-to-device copies through pinned staging buffers, streams, events, kernel preloading) run
+without a GPU. It records what a real GPU would be asked to do: every async copy with its
+stream, every event recorded, every stream context entered."""
+
+from __future__ import annotations
+
+import types as _t
+
+import numpy as np
+
+
+class FakeEvent:
+    """An event whose completion the test controls (``done`` is False until ``complete()``; a
+    real event completes when the GPU reaches it)."""
+
+    log = None  # the owning module's call log
+
+    def __init__(self, block=False, disable_timing=True, interprocess=False):
+        self.done = True
+        self.recorded_on = None
+
+    def record(self, stream=None):
+        self.recorded_on = stream
+        self.done = not getattr(stream, "hold_events", False)
+        if self.log is not None:
+            self.log.append(("record", getattr(stream, "ptr", None)))
+        if stream is not None:
+            stream.events.append(self)
+
+    def complete(self):
+        self.done = True
+
+    def synchronize(self):
+        if self.log is not None:
+            self.log.append(("event_sync", getattr(self.recorded_on, "ptr", None)))
+        self.done = True
+
+
+class FakeStream:
+    """A CUDA stream: a handle (``ptr``), whether it is capturing a graph, and (like CuPy's
+    streams) a context manager making it current."""
+
+    def __init__(self, module, ptr: int, capturing: bool = False):
+        self._m = module
+        self.ptr = ptr
+        self.capturing = capturing
+        self.hold_events = False   # events recorded on it stay pending until complete()
+        self.events = []
+        self.synchronized = 0
+
+    def is_capturing(self):
+        return self.capturing
+
+    def synchronize(self):
+        if self.capturing:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: synchronize while capturing")
+        self.synchronized += 1
+        self._m.log.append(("stream_sync", self.ptr))
+
+    def __enter__(self):
+        self._m._stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._m._stack.pop()
+
+
+class FakeDeviceArray:
+    def __init__(self, a, module=None):
+        self._a = a
+        self._m = module
+        self.data = _t.SimpleNamespace(ptr=a.ctypes.data, copy_from_host_async=self._copy_in)
+
+    def _copy_in(self, src_ptr, nbytes, stream):
+        import ctypes
+        src_ptr = src_ptr if isinstance(src_ptr, int) else src_ptr.value  # as CuPy accepts
+        ctypes.memmove(self._a.ctypes.data, src_ptr, nbytes)
+        if self._m is not None:
+            self._m.log.append(("h2d", stream.ptr, nbytes, src_ptr))
+
+    shape = property(lambda self: self._a.shape)
+    strides = property(lambda self: self._a.strides)
+    dtype = property(lambda self: self._a.dtype)
+    itemsize = property(lambda self: self._a.itemsize)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+
+    def __getitem__(self, idx):
+        return FakeDeviceArray(self._a[idx], self._m)
+
+    def view(self, dtype):
+        return FakeDeviceArray(self._a.view(dtype), self._m)
+
+    def transpose(self, *axes):
+        return FakeDeviceArray(self._a.transpose(*axes), self._m)
+
+    def set(self, host, stream=None):
+        self._a[...] = np.asarray(host).reshape(self._a.shape)
+
+    def get(self):
+        return self._a.copy()
+
+
+def _pinned(nbytes, log):
+    """Pinned host memory: a buffer numpy can wrap (``np.frombuffer``), as CuPy's is."""
+    log.append(("pinned_alloc", nbytes))
+    return bytearray(nbytes)
+
+
+class _FakeDevice:
+    """``cupy.cuda.Device(i)``: its compute capability and SM count, and a context manager."""
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+        self.attributes = {"MultiProcessorCount": 2}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fake_cupy(device_cc: str = "80"):
+    """A module object to put in ``sys.modules['cupy']``."""
+    m = _t.ModuleType("cupy")
+    m.log = []
+    m._stack = []
+    null = FakeStream(m, 0)
+    m.null_stream = null
+
+    class Event(FakeEvent):
+        log = m.log
+
+    def current():
+        return m._stack[-1] if m._stack else null
+
+    def external(ptr, device_id=-1):
+        return FakeStream(m, int(ptr))
+
+    def wrap(a):
+        return FakeDeviceArray(a, m)
+
+    m.ndarray = FakeDeviceArray
+    m.float32 = np.float32
+    m.uint16 = np.uint16
+    m.empty = lambda shape, dtype=np.float32: wrap(np.empty(shape, dtype))
+    m.zeros = lambda shape, dtype=np.float32: wrap(np.zeros(shape, dtype))
+    m.asarray = lambda a: wrap(np.array(a))
+    m.cuda = _t.SimpleNamespace(
+        runtime=_t.SimpleNamespace(getDevice=lambda: 0),
+        get_current_stream=current,
+        Stream=lambda non_blocking=False: FakeStream(m, 0x5000 + len(m.log)),
+        ExternalStream=external,
+        Event=Event,
+        alloc_pinned_memory=lambda n: _pinned(n, m.log),
+        Device=lambda i=0: _FakeDevice(device_cc),
+    )
+    return m

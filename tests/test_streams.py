@@ -1,0 +1,281 @@
+"""The stream contract of a ``cuda`` storage, checked without a GPU: a stand-in CuPy
+(tests/fake_cupy.py) records streams, events, pinned buffers and copies, and the kernels run in
+Numba's simulator on the memory the descriptors point to."""
+
+import gc
+import sys
+import types
+import weakref
+
+import numpy as np
+import pytest
+
+from numbakv.config import CacheConfig, RopeShift
+from numbakv.kernels import _common, mask, move, put, rope
+from numbakv.storage import KVStorage
+from fake_cupy import FakeDeviceArray, fake_cupy
+from helpers import random_storage
+
+
+def _desc_to_numpy(d):
+    import ctypes
+    span = sum((s - 1) * st for s, st in zip(d.shape, d.strides)) + d.dtype.itemsize \
+        if all(d.shape) else 0
+    buf = (ctypes.c_char * max(span, 1)).from_address(d.ptr)
+    return np.ndarray(d.shape, dtype=d.dtype, buffer=buf, strides=d.strides)
+
+
+@pytest.fixture
+def fake_gpu(kernel_device, monkeypatch):
+    """``(cupy stand-in, launches)``: every launch recorded as (kernel name, stream handle)."""
+    if kernel_device != "sim":
+        pytest.skip("a real GPU runs the cuda path itself")
+    cp = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(_common, "_FAST_ENABLED", False)
+    for cache in (put._SLOT_CACHE, put._NO_SLOTS_DEV, put._CUDA_PLANS, _common._STAGING):
+        cache.clear()
+    launches = []
+
+    def fake_launch(device, kernel, grid, block, args):
+        assert device == "cuda"
+        launches.append((kernel.py_func.__name__, cp.cuda.get_current_stream().ptr))
+        _common.launch("sim", kernel, grid, block,
+                       [_desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
+
+    for mod in (put, mask, move, rope):
+        monkeypatch.setattr(mod, "_launch", fake_launch)
+        monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    yield cp, launches
+    for cache in (put._SLOT_CACHE, put._NO_SLOTS_DEV, put._CUDA_PLANS, _common._STAGING):
+        cache.clear()
+
+
+def _storage(dtype="float16", permuted=False):
+    cfg = CacheConfig(2, 2, 8, v_head_dim=4, dtype=dtype, permuted_v=permuted)
+    return KVStorage(cfg, 12, "cuda")
+
+
+def _every_operation(st, cp, rng):
+    key = FakeDeviceArray(random_storage(rng, (3, 2, 8), "float16"), cp)
+    value = FakeDeviceArray(random_storage(rng, (3, 2, 4), "float16"), cp)
+    st.put(1, np.array([9, -1, 4], np.int32), key, value)
+    st.put_range(0, 5, key, value)
+    out = st.new_mask(4, 6)
+    st.fill_mask(out, np.arange(6, dtype=np.int32), np.ones((6, 4), np.uint64),
+                 np.array([5], np.int32), np.array([0], np.int32), np.array([1], np.uint8))
+    st.move_blocks(np.array([[5, 0, 3]]))
+    st.rotate(np.array([0, 1], np.int32), np.array([3, -2]), RopeShift(dim=8))
+    return key, value
+
+
+class _TorchStream:
+    """What torch.cuda.current_stream() looks like to numbakv: an int ``cuda_stream``."""
+
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+@pytest.mark.parametrize("make", [lambda cp: 0x1234, lambda cp: _TorchStream(0x777),
+                                  lambda cp: cp.cuda.ExternalStream(0x999)],
+                         ids=["raw-handle", "torch-stream", "cupy-stream"])
+def test_every_launch_and_copy_goes_on_the_chosen_stream(fake_gpu, make):
+    cp, launches = fake_gpu
+    st = _storage()
+    stream = make(cp)
+    handle = getattr(stream, "cuda_stream", getattr(stream, "ptr", stream))
+    st.use_stream(stream)
+    assert st.stream.ptr == handle
+    launches.clear()
+    cp.log.clear()
+    key, _ = _every_operation(st, cp, np.random.default_rng(0))
+    names = {name for name, _ in launches}
+    assert {"put_kv_kernel", "mask_fill_kernel", "move_cells_kernel",
+            "rope_shift_kernel"} <= names
+    assert {ptr for _, ptr in launches} == {handle}
+    copies = [e for e in cp.log if e[0] == "h2d"]
+    assert copies and {e[1] for e in copies} == {handle}
+    # the data landed (put at slots 9 and 4 of layer 1, then the range at 5.. of layer 0)
+    assert np.array_equal(st.keys._a[1, 9], key._a[0])
+
+
+def test_put_inputs_stay_alive_until_an_event_on_the_stream_passed(fake_gpu):
+    cp, _ = fake_gpu
+    st = _storage()
+    stream = cp.cuda.ExternalStream(0x42)
+    stream.hold_events = True   # the GPU is behind: events stay pending until complete()
+    st.use_stream(stream)
+    rng = np.random.default_rng(1)
+    key = FakeDeviceArray(random_storage(rng, (2, 2, 8), "float16"), cp)
+    value = FakeDeviceArray(random_storage(rng, (2, 2, 4), "float16"), cp)
+    refs = [weakref.ref(key), weakref.ref(value)]
+    st.put(0, np.array([1, 2], np.int32), key, value)
+    del key, value
+    gc.collect()
+    assert all(r() is not None for r in refs)          # queued, not yet consumed
+    st.new_mask(1, 1)                                   # next forward: an event covers them
+    gc.collect()
+    assert all(r() is not None for r in refs)          # the event has not passed
+    for ev in stream.events:
+        ev.complete()
+    st.new_mask(1, 1)
+    gc.collect()
+    assert all(r() is None for r in refs)              # released once the stream ran past
+
+
+def test_a_mask_is_not_recycled_before_the_stream_consumed_it(fake_gpu):
+    cp, _ = fake_gpu
+    st = _storage()
+    stream = cp.cuda.ExternalStream(0x43)
+    stream.hold_events = True
+    st.use_stream(stream)
+    first = st.new_mask(2, 3)
+    ref = weakref.ref(first)
+    table = FakeDeviceArray(np.zeros(4, np.int32), cp)   # e.g. a page table
+    table_ref = weakref.ref(table)
+    st.retire(table)
+    del first, table
+    st.new_mask(2, 3)   # the next forward pass
+    gc.collect()
+    assert ref() is not None and table_ref() is not None
+    for ev in stream.events:
+        ev.complete()
+    st.new_mask(2, 3)
+    gc.collect()
+    assert ref() is None and table_ref() is None
+
+
+def test_host_inputs_travel_through_pinned_reused_buffers(fake_gpu):
+    cp, _ = fake_gpu
+    st = _storage()
+    stream = cp.cuda.ExternalStream(0x44)
+    st.use_stream(stream)
+    stream.hold_events = True
+    cp.log.clear()
+    out = st.new_mask(2, 6)
+    args = (np.arange(6, dtype=np.int32), np.ones((6, 4), np.uint64), np.array([5], np.int32),
+            np.array([0], np.int32), np.array([1], np.uint8))
+    st.fill_mask(out, *args)
+    st.fill_mask(out, *args)
+    srcs = [e[3] for e in cp.log if e[0] == "h2d"]
+    assert len(srcs) == 2 and srcs[0] != srcs[1]   # the first buffer's copy may not have run
+    for ev in stream.events:
+        ev.complete()
+    st.fill_mask(out, *args)
+    srcs = [e[3] for e in cp.log if e[0] == "h2d"]
+    assert srcs[2] in srcs[:2]                      # reused once its copy has passed
+    assert sum(e[0] == "pinned_alloc" for e in cp.log) == 2
+    pinned = _common._STAGING[(0, 0x44)]
+    assert all(slot[0] >= 16 for slot in pinned._free + pinned._busy)
+
+
+def test_no_implicit_synchronisation_while_capturing_a_graph(fake_gpu):
+    cp, launches = fake_gpu
+    st = _storage()
+    stream = cp.cuda.ExternalStream(0x45)
+    st.use_stream(stream)
+    stream.capturing = True
+    cp.log.clear()
+    launches.clear()
+    _every_operation(st, cp, np.random.default_rng(2))
+    st.new_mask(1, 1)
+    kinds = {e[0] for e in cp.log}
+    assert "h2d" in kinds and launches                      # the work was queued (captured)
+    assert not kinds & {"record", "event_sync", "stream_sync"}, kinds
+    staged = _common._STAGING[(0, 0x45)]
+    assert staged.captured and not staged._free and not staged._busy   # kept for replays
+    stream.capturing = False
+    st.new_mask(1, 1)                                        # after capture: covered by an event
+    assert ("record", 0x45) in cp.log
+
+
+def test_use_stream_checks_its_argument(fake_gpu):
+    st = _storage()
+    for bad in ("stream", -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream"):
+            st.use_stream(bad)
+    assert st.stream is None
+    cpu = KVStorage(CacheConfig(1, 1, 4), 4, "cpu")
+    cpu.use_stream(None)
+    with pytest.raises(ValueError, match="stream applies to a cuda cache"):
+        cpu.use_stream(0x1234)
+
+
+def test_warm_up_loads_every_kernel_the_first_forward_needs(fake_gpu, monkeypatch):
+    """Constructing a cuda storage compiles and loads the kernels (signatures) that puts, masks,
+    block moves (both kernels) and rotations of that storage then launch: none is loaded later."""
+    cp, _ = fake_gpu
+    loads = []
+
+    def record(kernel, key, sig, device_id):
+        loads.append(key)
+        return None   # no GPU: the dispatcher (the simulator here) runs the launch
+    monkeypatch.setattr(_common, "_load", record)
+    monkeypatch.setattr(_common, "_FAST_ENABLED", True)
+    real = put._launch
+
+    def launch_via_fast_path(device, kernel, grid, block, args):
+        _common._fast_kernel(kernel, args, 0)   # what the real launcher asks first
+        real(device, kernel, grid, block, args)
+    for mod in (put, mask, move, rope):
+        monkeypatch.setattr(mod, "_launch", launch_via_fast_path)
+    for dtype, permuted in (("float16", False), ("bfloat16", True), ("float32", True)):
+        loads.clear()
+        cfg = CacheConfig(2, 2, 8, v_head_dim=4, dtype=dtype, permuted_v=permuted)
+        st = KVStorage(cfg, 12, "cuda")
+        warmed = set(loads)
+        assert {k[0] for k in warmed} >= {id(put.put_kv_kernel), id(mask.mask_fill_kernel),
+                                          id(move.move_cells_kernel), id(move.move_lanes_kernel),
+                                          id(rope.rope_shift_kernel)}
+        loads.clear()
+        rng = np.random.default_rng(3)
+        key = FakeDeviceArray(random_storage(rng, (3, 2, 8), dtype), cp)
+        value = FakeDeviceArray(random_storage(rng, (3, 2, 4), dtype), cp)
+        st.put(1, np.array([9, -1, 4], np.int32), key, value)
+        st.put_range(0, 5, key, value)
+        st.fill_mask(st.new_mask(2, 6), np.arange(6, dtype=np.int32), np.ones((6, 4), np.uint64),
+                     np.array([5], np.int32), np.array([0], np.int32), np.array([1], np.uint8))
+        st.move_blocks(np.array([[5, 0, 3]]))            # independent: the cells kernel
+        st.move_blocks(np.array([[0, 1, 3], [1, 0, 1]]))  # overlapping: the lanes kernel
+        st.rotate(np.array([0, 1], np.int32), np.array([3, -2]), RopeShift(dim=8))
+        assert set(loads) <= warmed, (dtype, permuted, set(loads) - warmed)
+        assert len({k[0] for k in loads}) == 5
+
+
+def test_causal_cache_use_stream_on_the_cpu():
+    import numbakv as nkv
+    cache = nkv.CausalCache(CacheConfig(1, 1, 4, capacity=4, device="cpu"))
+    cache.use_stream(None)
+    with pytest.raises(ValueError, match="stream"):
+        cache.use_stream(0x1234)
+
+
+@pytest.mark.torch
+def test_torch_stream_example_runs(capsys):
+    pytest.importorskip("torch")
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_stream.py"
+    spec = importlib.util.spec_from_file_location("torch_stream", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--steps", "3"]) == 0
+    assert capsys.readouterr().out.startswith("ok: 3 steps on cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_side_stream_race_on_a_gpu():
+    """Issue 15's repro on real hardware: K/V produced on a torch side stream while the NULL
+    stream is busy, put, freed and their memory reused at once; the cache must hold what was
+    put."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_stream.py"
+    spec = importlib.util.spec_from_file_location("torch_stream", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cuda", "--steps", "32"]) == 0
