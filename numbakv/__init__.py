@@ -10,10 +10,11 @@ from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateErro
 from .device import resolve_device
 from .simple import RotatingCache, StepCache
 from .causal import CausalCache
+from .streams import StreamCache  # registers itself for CacheConfig(unified=False)
 from .wrappers import EncoderCache, WrapperCache
 
 __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotSupportedError",
-           "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "WrapperCache",
+           "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "StreamCache", "WrapperCache",
            "EncoderCache", "__version__"]
