@@ -10,6 +10,7 @@ from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateErro
 from .device import resolve_device
 from .simple import RotatingCache, StepCache
 from .causal import CausalCache
+from .streams import StreamCache  # registers itself for CacheConfig(unified=False)
 from .wrappers import EncoderCache, WrapperCache
 from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
@@ -17,6 +18,6 @@ from .prompt import PromptCache
 __version__ = "0.1.0"
 
 __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotSupportedError",
-           "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "WrapperCache",
+           "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "StreamCache", "WrapperCache",
            "EncoderCache", "__version__"]
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]

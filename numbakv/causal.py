@@ -104,9 +104,20 @@ class CausalCache:
         chunk_size: chunked attention ``C``: a token at ``p`` sees ``p - p % C .. p``.
     """
 
+    #: the class that serves ``CacheConfig(unified=False)`` (``streams.StreamCache`` registers
+    #: itself here: an outer module, so this one never imports it)
+    _stream_class: Optional[type] = None
+
+    def __new__(cls, config: CacheConfig = None, *args, **kwargs):
+        if cls is CausalCache and isinstance(config, CacheConfig) and not config.unified:
+            if CausalCache._stream_class is None:  # pragma: no cover - numbakv imports streams
+                raise NotSupportedError("per-sequence streams need numbakv.streams imported")
+            return super().__new__(CausalCache._stream_class)
+        return super().__new__(cls)
+
     def __init__(self, config: CacheConfig, *, shift: Union[None, RopeShift, ShiftFn] = None,
                  swa_window: Optional[int] = None, swa_memory: Optional[int] = None,
-                 chunk_size: Optional[int] = None) -> None:
+                 chunk_size: Optional[int] = None, _storage_factory=None) -> None:
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a numbakv.CacheConfig, got {type(config).__name__}")
         if shift is not None and not isinstance(shift, RopeShift) and not callable(shift):
@@ -136,13 +147,16 @@ class CausalCache:
         self.chunk_size = chunk or None
         self.shift = shift
         self.n_cells = config.n_cells(self.swa_memory)
-        _check_memory(config, self.n_cells, self.device)
+        if _storage_factory is None:
+            _check_memory(config, self.n_cells, self.device)
 
         self._window = window
         self._memory = memory
         self._chunk = chunk
         self.cells = CellTable(self.n_cells, config.max_seqs)
-        self.storage = KVStorage(config, self.n_cells, self.device)
+        # a stream of a per-sequence cache works on its slice of the streams' one allocation
+        self.storage = KVStorage(config, self.n_cells, self.device) if _storage_factory is None \
+            else _storage_factory(self.n_cells, self.device)
         self._xp = array_module(self.device)
         self._layer = 0
         self._forward: Optional[_Forward] = None

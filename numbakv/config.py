@@ -73,6 +73,9 @@ class CacheConfig:
     mask_dtype: str = "float32"
     permuted_v: bool = False
     device: str = "auto"
+    #: ``False``: llama.cpp's per-sequence streams (``kv_unified = false``): every sequence its
+    #: own ``capacity`` cells (or window memory + batch), K/V ``[n_layers, n_streams, cells, ...]``
+    unified: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -93,6 +96,9 @@ class CacheConfig:
         if not isinstance(self.permuted_v, (bool, np.bool_)):
             raise ValueError(f"permuted_v must be a bool, got {self.permuted_v!r}")
         set_("permuted_v", bool(self.permuted_v))
+        if not isinstance(self.unified, (bool, np.bool_)):
+            raise ValueError(f"unified must be a bool, got {self.unified!r}")
+        set_("unified", bool(self.unified))
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
 
@@ -105,9 +111,26 @@ class CacheConfig:
     def itemsize(self) -> int:
         return self.storage_dtype.itemsize
 
+    @property
+    def n_streams(self) -> int:
+        """Cell pools: one per sequence with ``unified=False``, else one shared by all."""
+        return 1 if self.unified else self.max_seqs
+
+    def cells_per_stream(self, swa_memory: Optional[int] = None) -> int:
+        """Cells of one stream: what ``n_cells`` gives a one-sequence cache (``capacity``, or
+        ``swa_memory + max_batch`` with a window memory, as llama.cpp sizes each SWA stream),
+        rounded up to ``cache_padding``. Equals ``n_cells`` for a unified cache."""
+        if self.unified:
+            return self.n_cells(swa_memory)
+        return self.replace(max_seqs=1, unified=True).n_cells(swa_memory)
+
     def n_cells(self, swa_memory: Optional[int] = None) -> int:
         """Cells the cache allocates (Ollama's Init): ``max_seqs * capacity`` without a memory
-        limit; ``max_seqs * swa_memory + max_batch`` with one; rounded up to ``cache_padding``."""
+        limit; ``max_seqs * swa_memory + max_batch`` with one; rounded up to ``cache_padding``.
+        With ``unified=False``: ``max_seqs`` streams of ``cells_per_stream`` cells each (pass
+        the window memory of one stream)."""
+        if not self.unified:
+            return self.max_seqs * self.cells_per_stream(swa_memory)
         if swa_memory is None:
             cells = self.max_seqs * self.capacity
         else:

@@ -81,8 +81,9 @@ _STORAGE_ST = {"float16": "F16", "float32": "F32", "bfloat16": "BF16"}
 
 _CAUSAL_KINDS = ("causal", "causal-seq")
 _WRAPPER_KINDS = ("wrapper", "wrapper-seq")
+_STREAM_KINDS = ("streams",)
 _SIMPLE_KINDS = ("step", "rotating", "simple-list")
-KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _SIMPLE_KINDS
+KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _STREAM_KINDS + _SIMPLE_KINDS
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
@@ -1007,7 +1008,7 @@ def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kin
         expected = "a whole cache (seq=None)" if seq is None else f"one sequence (seq={seq})"
         raise state.fail(f"the state holds {other} (kind {state.kind!r}), but {expected} was "
                          f"asked for (kind {want!r})")
-    multi = len(caches) > 1 or whole_kind == "wrapper"
+    multi = len(caches) > 1 or whole_kind in ("wrapper", "streams")
     plans = []
     expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
     for i, (cache, config) in enumerate(zip(caches, configs)):
@@ -1108,6 +1109,89 @@ def _load_wrapper(cache, source: Source, seq, progress: Optional[bool]) -> dict:
         else:
             groups = [state.config] * len(caches)  # _load_into reports the kind mismatch
         return _load_into(caches, state, s, "wrapper-seq", "wrapper", groups, progress)
+
+
+# ====================================================================================== streams
+def _check_streams(cache) -> list:
+    streams = getattr(cache, "streams", None)
+    if not isinstance(streams, list) or not streams:
+        raise ValueError(f"cache must be a per-sequence stream cache, got {type(cache).__name__}")
+    if getattr(cache, "closed", False):
+        raise KVCacheError("the cache is closed")
+    return streams
+
+
+def _build_streams(cache, tokens, metadata):
+    """A whole stream cache: every stream's cells and K/V as group ``g{s}`` (kind ``streams``)."""
+    def build():
+        streams = _check_streams(cache)
+        toks = _check_tokens(tokens)
+        user = _check_metadata(metadata)
+        groups, specs = [], []
+        for i, c in enumerate(streams):
+            config, group_specs = _causal_specs(c, None, prefix=f"g{i}.")
+            groups.append(config)
+            specs += group_specs
+        return _base_metadata("streams", {"groups": groups}, user), specs + _tokens_spec(toks)
+    return build
+
+
+def _stream_of(cache, seq):
+    """The one-sequence cache that holds ``seq`` (its sequence id there is 0)."""
+    return _check_streams(cache)[_check_seq(cache, seq)]
+
+
+def save_streams(cache, path, seq: Optional[int] = None, *, tokens=None,
+                 metadata: Optional[Mapping[str, str]] = None,
+                 progress: Optional[bool] = None) -> None:
+    """``save_cache`` for a per-sequence stream cache: the whole cache (kind ``streams``) or one
+    sequence (kind ``causal-seq``, the file a unified cache writes, so it loads into either)."""
+    if seq is not None:
+        return save_cache(_stream_of(cache, seq), path, 0, tokens=tokens, metadata=metadata,
+                          progress=progress)
+    _save(path, _build_streams(cache, tokens, metadata), progress)
+
+
+def streams_to_bytes(cache, seq: Optional[int] = None, *, tokens=None,
+                     metadata: Optional[Mapping[str, str]] = None,
+                     progress: Optional[bool] = None) -> bytes:
+    """``save_streams`` into bytes."""
+    if seq is not None:
+        return cache_to_bytes(_stream_of(cache, seq), 0, tokens=tokens, metadata=metadata,
+                              progress=progress)
+    return _to_bytes(_build_streams(cache, tokens, metadata), progress)
+
+
+def _load_streams(cache, source: Source, seq, progress: Optional[bool]) -> dict:
+    if seq is not None:
+        return _load_causal(_stream_of(cache, seq), source, 0, progress)
+    streams = _check_streams(cache)
+    with _Opened(source) as state:
+        groups = state.config.get("groups") if state.kind in _STREAM_KINDS else None
+        if state.kind in _STREAM_KINDS:
+            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+                raise state.fail("config field 'groups' must be a list of objects")
+            if len(groups) != len(streams):
+                raise state.fail(f"the state has {len(groups)} streams, the cache "
+                                 f"{len(streams)}")
+        else:
+            groups = [state.config] * len(streams)  # _load_into reports the kind mismatch
+        return _load_into(streams, state, None, "streams", "streams", groups, progress)
+
+
+def load_streams(cache, path, seq: Optional[int] = None, *,
+                 progress: Optional[bool] = None) -> dict:
+    """``load_cache`` for a per-sequence stream cache: a whole ``streams`` state, or one
+    sequence saved by any CausalCache (unified or streams) into ``seq``'s stream."""
+    return _load_streams(cache, _check_path(path), seq, progress)
+
+
+def streams_from_bytes(cache, data, seq: Optional[int] = None, *,
+                       progress: Optional[bool] = None) -> dict:
+    """``load_streams`` from bytes in memory."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
+    return _load_streams(cache, data, seq, progress)
 
 
 # ====================================================================================== simple

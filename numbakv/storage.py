@@ -172,9 +172,22 @@ class KVStorage:
         self.values = zeros(vshape, dtype=sdt)
         self._key_shape = (H, D)
         self._value_shape = (H, Dv)
-        # per-layer views, built once (the put path runs per layer per forward pass); the CPU
-        # twins take raw unsigned views (Numba's CPU target has no float16)
-        if device == "cpu":
+        self._sdt = sdt
+        self._bind_layers()
+        # the stream contract (cuda only; see use_stream): None = CuPy's current stream
+        self._stream = None
+        self._pending: list = []      # inputs of queued launches not yet covered by an event
+        self._retired: list = []      # [(event, objects)], oldest first
+        self._last_mask = None
+        if device == "cuda" and os.environ.get("NUMBAKV_WARM_UP", "1").lower() not in \
+                ("0", "false", "no"):
+            self.warm_up()
+
+    def _bind_layers(self) -> None:
+        """Per-layer views, built once (the put path runs per layer per forward pass); the CPU
+        twins take raw unsigned views (Numba's CPU target has no float16)."""
+        L, sdt = self.config.n_layers, self._sdt
+        if self.device == "cpu":
             # indexed [cell, head, dim] whatever the layout (permuted V transposed); 16-bit data
             # as uint16 (Numba's CPU target has no float16), float32 as it is
             raw = np.dtype(np.uint16) if sdt.itemsize == 2 else sdt
@@ -184,15 +197,24 @@ class KVStorage:
         else:
             self._k_layers = [self.keys[i] for i in range(L)]
             self._v_layers = [self.values[i] for i in range(L)]
-        self._sdt = sdt
-        # the stream contract (cuda only; see use_stream): None = CuPy's current stream
-        self._stream = None
-        self._pending: list = []      # inputs of queued launches not yet covered by an event
-        self._retired: list = []      # [(event, objects)], oldest first
-        self._last_mask = None
-        if device == "cuda" and os.environ.get("NUMBAKV_WARM_UP", "1").lower() not in \
-                ("0", "false", "no"):
-            self.warm_up()
+
+    def cell_slice(self, lo: int, hi: int) -> "KVStorage":
+        """A storage over cells ``[lo, hi)`` of this one, sharing its arrays (no copy): cell
+        ``c`` of the slice is cell ``lo + c`` here. Used for llama.cpp's per-sequence streams,
+        where each stream's cache works on its own slice of one allocation."""
+        lo, hi = self._check_range(lo, hi)
+        if hi <= lo:
+            raise ValueError(f"cell_slice needs lo < hi, got [{lo}, {hi})")
+        part = object.__new__(KVStorage)
+        part.__dict__.update(self.__dict__)
+        part.n_cells = hi - lo
+        part.keys = self.keys[:, lo:hi]
+        part.values = self.values[..., lo:hi] if self.permuted else self.values[:, lo:hi]
+        part._bind_layers()
+        # its own in-flight bookkeeping (the stream handle itself is shared: use_stream on the
+        # parent's owner sets every slice)
+        part._pending, part._retired, part._last_mask = [], [], None
+        return part
 
     # ---------------------------------------------------------------- basics
     @property

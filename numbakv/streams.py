@@ -1,0 +1,529 @@
+"""llama.cpp's per-sequence streams (``CacheConfig(unified=False)``, llama.cpp's default
+``kv_unified = false`` since PR #14363): every sequence owns a stream of contiguous cells, so
+attention over one sequence never reads another sequence's cells.
+
+``nkv.CausalCache(CacheConfig(..., unified=False))`` builds a :class:`StreamCache`. Each stream is
+a one-sequence ``CausalCache`` (its own cell table, first-fit placement, window pruning, defrag on
+a full stream, re-rotation on ``remove``), and all streams share one K/V allocation:
+
+* K ``[n_layers, n_streams * cells_per_stream, n_kv_heads, head_dim]``, i.e. ``[n_layers,
+  n_streams, cells_per_stream, n_kv_heads, head_dim]`` (a reshape, no copy);
+* V likewise, or with ``permuted_v`` ``[n_layers, n_kv_heads, v_head_dim, n_streams *
+  cells_per_stream]`` (each stream's cells one contiguous run of every (head, dim) row).
+
+``cells_per_stream`` is what a one-sequence cache needs: ``capacity``, or with a window memory
+``swa_memory + max_batch`` (llama.cpp sizes each SWA stream ``n_swa + n_ubatch``), rounded up to
+``cache_padding``. Sequence ``s`` lives in stream ``s``.
+
+``get()`` returns ``key [n_b, n_kv, n_kv_heads, head_dim]`` (row ``b`` = stream
+``seq_ids[b]``), ``value`` likewise (permuted: ``[n_b, n_kv_heads, v_head_dim, n_kv]``) and
+``mask [n_b, rows, n_kv]``, where ``seq_ids`` are the batch's sequences in order of first
+appearance, row ``r`` of stream ``b`` is the batch token ``token_order[qo_indptr[b] + r]``
+(``page_table()``'s grouping), ``rows`` the most tokens any sequence has in the batch (padded to
+``mask_batch_padding``) and ``n_kv`` the largest attended range of the batch's streams, from
+cell 0, padded to ``cache_padding``. When the batch's sequence ids are consecutive and
+ascending (``[3, 4, 5]``), key and value are zero-copy views of the storage; otherwise they are
+gathered (one copy of ``n_b * n_kv`` rows per ``get()``, measured in BENCHMARKS.md).
+
+Copies between streams (``seq_cp``, ``copy_prefix`` from one sequence to another) copy only the
+copied cells' K/V, in every layer, in one launch (llama.cpp copies whole stream buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from .causal import CausalCache, _check_memory, _check_index, UNLIMITED
+from .config import CacheConfig, round_up
+from .device import array_module, as_array, export_view, resolve_device
+from .errors import KVCacheError, KVCacheFullError, NotSupportedError
+from .storage import KVStorage
+
+
+def group_batch(seqs: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(seq_ids, qo_indptr, token_order)`` of a batch's sequence ids ``seqs`` (int ``[batch]``):
+    the distinct sequences in order of first appearance (int32 ``[n_b]``), CSR offsets (int32
+    ``[n_b + 1]``) and batch indices grouped by sequence, each group in batch order (int32
+    ``[batch]``) - the grouping ``page_table()`` uses."""
+    seqs = np.asarray(seqs)
+    uniq, first, inverse = np.unique(seqs, return_index=True, return_inverse=True)
+    by_first = np.argsort(first, kind="stable")       # unique ids in order of first appearance
+    rank = np.empty_like(by_first)
+    rank[by_first] = np.arange(len(by_first))
+    group = rank[inverse.reshape(-1)]
+    token_order = np.argsort(group, kind="stable").astype(np.int32)
+    counts = np.bincount(group, minlength=len(uniq))
+    qo_indptr = np.zeros(len(uniq) + 1, np.int32)
+    np.cumsum(counts, out=qo_indptr[1:])
+    return uniq[by_first].astype(np.int32), qo_indptr, token_order
+
+
+@dataclass
+class _StreamForward:
+    """The forward pass in progress over the batch's streams."""
+
+    seq_ids: np.ndarray        # int32 [n_b]
+    qo_indptr: np.ndarray      # int32 [n_b + 1]
+    token_order: np.ndarray    # int32 [batch]
+    groups: List[np.ndarray]   # batch indices of each stream's tokens, batch order
+    reserve: bool
+    consecutive: bool          # seq_ids == seq_ids[0] + arange(n_b): get() hands out views
+    identity: bool             # one stream holding the whole batch in batch order
+    n_kv: int = 0
+    mask: Any = None
+
+
+@dataclass
+class _StreamUndo:
+    """What ``_place`` did, for ``_undo`` (a failing stream, or a WrapperCache sibling)."""
+
+    forward: Optional[_StreamForward]
+    placed: list               # [(stream index, the stream's own undo)]
+
+
+class StreamCache(CausalCache):
+    """A ``CausalCache`` whose sequences each own a stream of cells (``unified=False``).
+
+    Built by ``nkv.CausalCache(config)`` when ``config.unified`` is False; the arguments are
+    ``CausalCache``'s (``shift``, ``swa_window``, ``swa_memory``, ``chunk_size``), applied to
+    every stream. Every public method of ``CausalCache`` works, with the stream layout of
+    ``get()`` described in the module docstring. ``streams[s]`` is sequence ``s``'s one-sequence
+    cache (its sequence id there is 0); use the methods here rather than those.
+    """
+
+    def __init__(self, config: CacheConfig, *, shift=None, swa_window: Optional[int] = None,
+                 swa_memory: Optional[int] = None, chunk_size: Optional[int] = None) -> None:
+        if not isinstance(config, CacheConfig) or config.unified:
+            raise ValueError("StreamCache needs a numbakv.CacheConfig with unified=False")
+        self.config = config
+        self.device = resolve_device(config.device)
+        self._xp = array_module(self.device)
+        stream_config = config.replace(max_seqs=1, unified=True)
+        self.n_streams = config.max_seqs
+        self._pool: Optional[KVStorage] = None
+        self.streams: List[CausalCache] = []
+
+        def slice_of_pool(n_cells: int, device: str) -> KVStorage:
+            # the first stream sizes the pool for all of them, checked before allocating
+            if self._pool is None:
+                _check_memory(stream_config, n_cells * self.n_streams, device)
+                self._pool = KVStorage(stream_config, n_cells * self.n_streams, device)
+            s = len(self.streams)
+            return self._pool.cell_slice(s * n_cells, (s + 1) * n_cells)
+
+        for _ in range(self.n_streams):
+            self.streams.append(CausalCache(stream_config, shift=shift, swa_window=swa_window,
+                                            swa_memory=swa_memory, chunk_size=chunk_size,
+                                            _storage_factory=slice_of_pool))
+        first = self.streams[0]
+        self.shift = first.shift
+        self.swa_window, self.swa_memory, self.chunk_size = \
+            first.swa_window, first.swa_memory, first.chunk_size
+        self._window, self._memory, self._chunk = first._window, first._memory, first._chunk
+        self.cells_per_stream = first.n_cells
+        self.n_cells = self.cells_per_stream * self.n_streams
+        self.storage = self._pool
+        L, S, C = config.n_layers, self.n_streams, self.cells_per_stream
+        H, D, Dv = config.n_kv_heads, config.head_dim, config.v_head_dim
+        # [layer, stream, cell, head, dim] views of the pool (reshapes, no copies)
+        self._k5 = self._pool.keys.reshape(L, S, C, H, D)
+        self._v5 = (self._pool.values.reshape(L, H, Dv, S, C) if config.permuted_v
+                    else self._pool.values.reshape(L, S, C, H, Dv))
+        self._layer = 0
+        self._forward: Optional[_StreamForward] = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def defrag_count(self) -> int:
+        """Defrags run so far, over all streams."""
+        return sum(s.defrag_count for s in self.streams)
+
+    @defrag_count.setter
+    def defrag_count(self, value: int) -> None:  # CausalCache.__init__ is not run; kept settable
+        pass
+
+    @property
+    def n_used(self) -> int:
+        """Cells holding a token, over all streams."""
+        return sum(s.n_used for s in self.streams)
+
+    def _stream(self, seq, name: str = "seq") -> Tuple[int, CausalCache]:
+        self._check_open()
+        s = _check_index(name, seq, 0, self.n_streams)
+        return s, self.streams[s]
+
+    @contextlib.contextmanager
+    def _in_stream(self, s: int):
+        """Re-raise a stream's error naming the user's sequence and its stream (inside a stream
+        every sequence is sequence 0)."""
+        try:
+            yield
+        except (ValueError, KVCacheError) as e:
+            text = str(e).replace("sequence 0", f"sequence {s}")
+            if type(e) in (ValueError, KVCacheError, KVCacheFullError, NotSupportedError):
+                raise type(e)(f"stream {s}: {text}") from e
+            raise
+
+    def _stream_offset(self, s: int) -> int:
+        return s * self.cells_per_stream
+
+    # ------------------------------------------------------------------ forward pass
+    def start_forward(self, positions, seqs, reserve: bool = False) -> None:
+        """Place a batch: each token in its own sequence's stream (first-fit, window pruning
+        and defrag per stream). Raises ``KVCacheFullError`` naming the stream that has no room;
+        then nothing has changed in any stream."""
+        undo = self._place(positions, seqs, reserve)
+        try:
+            self._finish_forward()
+        except BaseException:
+            self._undo(undo)
+            raise
+
+    def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> _StreamUndo:
+        self._check_open()
+        if not isinstance(reserve, (bool, np.bool_)):
+            raise ValueError(f"reserve must be a bool, got {reserve!r}")
+        pos, sq = self._check_batch(positions, seqs)
+        seq_ids, qo_indptr, token_order = group_batch(sq)
+        groups = [token_order[qo_indptr[b]:qo_indptr[b + 1]] for b in range(len(seq_ids))]
+        undo = _StreamUndo(self._forward, [])
+        zeros = np.zeros(len(pos), np.int32)
+        s = -1
+        try:
+            for b, s in enumerate(seq_ids.tolist()):
+                idx = groups[b]
+                with self._in_stream(s):
+                    undo.placed.append((s, self.streams[s]._place(
+                        pos[idx], zeros[:len(idx)], bool(reserve), undoable=True)))
+        except BaseException:
+            self._undo(undo)
+            raise
+        n_b = len(seq_ids)
+        consecutive = bool(n_b == 1 or np.all(np.diff(seq_ids) == 1))
+        identity = n_b == 1
+        self._forward = _StreamForward(seq_ids, qo_indptr, token_order, groups, bool(reserve),
+                                       consecutive, identity)
+        return undo
+
+    def _undo(self, undo: _StreamUndo) -> None:
+        for s, stream_undo in reversed(undo.placed):
+            self.streams[s]._undo(stream_undo)
+        self._forward = undo.forward
+
+    def _finish_forward(self) -> None:
+        fwd = self._forward
+        for s in fwd.seq_ids.tolist():
+            with self._in_stream(s):
+                self.streams[s]._finish_forward()
+        self._build_mask()
+
+    def _build_mask(self) -> None:
+        """``[n_b, rows, n_kv]``: each stream's own mask (built by its cache over its get()
+        range) placed at its cells; everything else -inf (all 0 in a reserve pass)."""
+        fwd = self._forward
+        cfg = self.config
+        ranges, masks = [], []
+        for s in fwd.seq_ids.tolist():
+            stream = self.streams[s]
+            ranges.append(stream.cell_range())
+            masks.append(stream._forward.mask)
+        n_kv = min(round_up(max(hi for _, hi in ranges), cfg.cache_padding),
+                   self.cells_per_stream)
+        counts = np.diff(fwd.qo_indptr)
+        rows = round_up(int(counts.max()), cfg.mask_batch_padding)
+        n_b = len(fwd.seq_ids)
+        first = masks[0]
+        mask = self._xp.empty((n_b, rows, n_kv), dtype=first.dtype)
+        mask[...] = 0 if fwd.reserve else -np.inf
+        if not fwd.reserve:
+            for b, ((lo, hi), m) in enumerate(zip(ranges, masks)):
+                mask[b, :counts[b], lo:hi] = m[:counts[b]]
+        fwd.n_kv = n_kv
+        fwd.mask = mask
+
+    def set_layer(self, layer: int) -> None:
+        """Choose the layer that ``put`` and ``get`` work on."""
+        self._check_open()
+        self._layer = _check_index("layer", layer, 0, self.config.n_layers)
+
+    def set_causal(self, except_=None) -> None:
+        """Drop the future-position test for these batch indices until the next
+        ``start_forward`` (``None`` restores it for all)."""
+        fwd = self._require_forward("set_causal")
+        batch = len(fwd.token_order)
+        drop = np.zeros(batch, bool)
+        if except_ is not None:
+            from .causal import host_int_array
+            idx = host_int_array(except_, "except_")
+            if idx.size and (idx.min() < 0 or idx.max() >= batch):
+                raise ValueError(f"except_ must hold batch indices in [0, {batch}), got "
+                                 f"{idx.tolist()}")
+            drop[idx] = True
+        for b, s in enumerate(fwd.seq_ids.tolist()):
+            local = np.nonzero(drop[fwd.groups[b]])[0]
+            self.streams[s].set_causal(local if local.size else None)
+        if not fwd.reserve:
+            self._build_mask()
+
+    def put(self, key, value) -> None:
+        """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values ``[batch,
+        n_kv_heads, v_head_dim]`` (batch order) for the current layer, each token into its
+        sequence's stream."""
+        fwd = self._require_forward("put")
+        cfg = self.config
+        k = as_array(key, self.device, cfg.dtype, name="key")
+        v = as_array(value, self.device, cfg.dtype, name="value")
+        batch = len(fwd.token_order)
+        if tuple(k.shape) != (batch, cfg.n_kv_heads, cfg.head_dim):
+            raise ValueError(f"key must have shape [batch={batch}, n_kv_heads={cfg.n_kv_heads}, "
+                             f"head_dim={cfg.head_dim}], got {list(k.shape)}")
+        if tuple(v.shape) != (batch, cfg.n_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [batch={batch}, n_kv_heads="
+                             f"{cfg.n_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
+                             f"{list(v.shape)}")
+        if fwd.reserve:
+            return
+        for b, s in enumerate(fwd.seq_ids.tolist()):
+            stream = self.streams[s]
+            stream.set_layer(self._layer)
+            if fwd.identity:
+                stream.put(k, v)
+            else:
+                idx = fwd.groups[b]
+                stream.put(k[idx], v[idx])
+
+    def get(self):
+        """``(key, value, mask)`` of the current layer in the stream layout: key ``[n_b, n_kv,
+        n_kv_heads, head_dim]``, value likewise (permuted: ``[n_b, n_kv_heads, v_head_dim,
+        n_kv]``), mask ``[n_b, rows, n_kv]`` (0 visible, -inf masked). Zero-copy views when the
+        batch's sequence ids are consecutive and ascending, else gathered copies."""
+        fwd = self._require_forward("get")
+        n_kv, layer, ids = fwd.n_kv, self._layer, fwd.seq_ids
+        k5, v5 = self._k5[layer], self._v5[layer]
+        if fwd.consecutive:
+            s0, s1 = int(ids[0]), int(ids[0]) + len(ids)
+            key = k5[s0:s1, :n_kv]
+            value = (v5[:, :, s0:s1, :n_kv].transpose(2, 0, 1, 3) if self.config.permuted_v
+                     else v5[s0:s1, :n_kv])
+        else:
+            take = ids if self._xp is np else self._xp.asarray(ids)
+            key = k5[take, :n_kv]
+            value = (v5[:, :, take, :n_kv].transpose(2, 0, 1, 3) if self.config.permuted_v
+                     else v5[take, :n_kv])
+        dtype = self.config.dtype
+        return export_view(key, dtype), export_view(value, dtype), fwd.mask
+
+    def cell_range(self) -> Tuple[int, int]:
+        """``(0, n_kv)``: every stream's ``get()`` rows are its cells ``0 .. n_kv - 1``."""
+        fwd = self._require_forward("cell_range")
+        return 0, fwd.n_kv
+
+    # ------------------------------------------------------------------ sequences
+    def _end_forward(self) -> None:
+        self._forward = None
+
+    def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
+        """Ollama's ``Remove`` inside ``seq``'s stream (later positions move down and their keys
+        are re-rotated)."""
+        s, stream = self._stream(seq)
+        with self._in_stream(s):
+            stream.remove(0, begin, end)
+        self._end_forward()
+
+    def _check_remove(self, seq, begin, end) -> Tuple[int, int, Optional[int]]:
+        s, stream = self._stream(seq)
+        with self._in_stream(s):
+            _, begin, end = stream._check_remove(0, begin, end)
+        return s, begin, end
+
+    def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        """Make ``dst_seq`` hold exactly ``src_seq``'s first ``length`` positions: their K/V
+        cells are copied into ``dst_seq``'s stream (every layer, one launch)."""
+        src, _ = self._stream(src_seq, "src_seq")
+        dst, _ = self._stream(dst_seq, "dst_seq")
+        length = _check_index("length", length, 0)
+        if src == dst:
+            with self._in_stream(src):
+                self.streams[src].copy_prefix(0, 0, length)
+        else:
+            self._copy_between(src, dst, 0, length, replace=True)
+        self._end_forward()
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
+        """Give ``dst`` ``src``'s positions in ``[p0, p1)``: copied cells in ``dst``'s stream
+        (positions ``dst`` already holds are a ``ValueError``)."""
+        s_src, _ = self._stream(src, "src")
+        s_dst, _ = self._stream(dst, "dst")
+        p0, p1 = self._check_span(p0, p1)
+        if s_src != s_dst:
+            self._copy_between(s_src, s_dst, p0, UNLIMITED if p1 is None else p1, replace=False)
+        self._end_forward()
+
+    def _cells_in(self, s: int, p0: int, p1: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Cells of stream ``s`` (its one sequence) with ``p0 <= pos < p1``, ascending by
+        position, and their positions."""
+        stream = self.streams[s]
+        lo, hi = stream.cells.seq_cell_min[0], stream.cells.seq_cell_max[0]
+        if hi < 0:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        pos = stream.cells.cells["pos"][lo:hi + 1]
+        cells = np.nonzero((pos >= p0) & (pos < p1))[0]
+        order = np.argsort(pos[cells], kind="stable")
+        cells = (cells[order] + lo).astype(np.int32)
+        return cells, pos[cells - lo].astype(np.int32)
+
+    def _copy_between(self, src: int, dst: int, p0: int, p1: int, replace: bool) -> None:
+        """Copy stream ``src``'s cells with positions in ``[p0, p1)`` into stream ``dst`` (after
+        emptying it when ``replace``): checked first, so a refusal changes nothing."""
+        source, target = self.streams[src], self.streams[dst]
+        cells, positions = self._cells_in(src, p0, p1)
+        n = len(cells)
+        if not replace and n:
+            have, _ = self._cells_in(dst, int(positions.min()), int(positions.max()) + 1)
+            if len(have) and np.isin(target.cells.cells["pos"][have], positions).any():
+                raise ValueError(f"seq_cp: sequence {dst} already holds some of positions "
+                                 f"[{p0}, {p1}) of sequence {src}; seq_rm them first")
+        free_after = self.cells_per_stream - (0 if replace else target.n_used)
+        if n > free_after:
+            raise KVCacheFullError(f"stream {dst}: copying {n} cells of sequence {src} needs "
+                                   f"{n} free cells, it has {free_after}")
+        if n:
+            source.apply_pending_shifts()  # the copied keys must carry their rotations
+        if replace:
+            target.seq_rm(0, 0, None)
+        if n == 0:
+            return
+        start = target.cells.find_contiguous(n)
+        if start < 0:
+            target.defrag()
+            start = target.cells.find_contiguous(n)
+        slots = np.arange(start, start + n, dtype=np.int32)
+        target.cells.apply_batch(slots, positions, np.zeros(n, np.int32))
+        self.storage.copy_cells(cells + self._stream_offset(src),
+                                slots + self._stream_offset(dst))
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        """Whether ``seq`` can continue at ``pos`` with what its stream holds."""
+        s, stream = self._stream(seq)
+        with self._in_stream(s):
+            return stream.can_resume(0, pos)
+
+    def defrag(self) -> None:
+        """Defragment every stream (each keeps its cells' K/V with them)."""
+        self._check_open()
+        for stream in self.streams:
+            stream.defrag()
+        self._end_forward()
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
+        """Remove positions ``[p0, p1)`` of ``seq`` (``-1``: every stream)."""
+        self._check_open()
+        seq = self._check_seq(seq, allow_all=True)
+        p0, p1 = self._check_span(p0, p1)
+        targets = self.streams if seq == -1 else [self.streams[seq]]
+        for stream in targets:
+            stream.seq_rm(0, p0, p1)
+        self._end_forward()
+        return True
+
+    def seq_keep(self, seq: int) -> None:
+        """Empty every stream but ``seq``'s."""
+        s, _ = self._stream(seq)
+        for i, stream in enumerate(self.streams):
+            if i != s:
+                stream.seq_rm(0, 0, None)
+        self._end_forward()
+
+    def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int) -> None:
+        """llama.cpp's ``seq_add`` inside ``seq``'s stream."""
+        s, stream = self._stream(seq)
+        with self._in_stream(s):
+            stream.seq_add(0, p0, p1, delta)
+        self._end_forward()
+
+    def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
+        """llama.cpp's ``seq_div`` inside ``seq``'s stream."""
+        s, stream = self._stream(seq)
+        with self._in_stream(s):
+            stream.seq_div(0, p0, p1, d)
+        self._end_forward()
+
+    def seq_pos_min(self, seq: int) -> int:
+        """Lowest position ``seq`` holds, -1 when empty."""
+        s, stream = self._stream(seq)
+        return stream.seq_pos_min(0)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Highest position ``seq`` holds, -1 when empty."""
+        s, stream = self._stream(seq)
+        return stream.seq_pos_max(0)
+
+    def apply_pending_shifts(self) -> None:
+        """Apply every stream's pending key rotations now."""
+        self._check_open()
+        for stream in self.streams:
+            stream.apply_pending_shifts()
+
+    def use_stream(self, stream) -> None:
+        """Queue every stream's GPU work on ``stream`` (see ``CausalCache.use_stream``): the
+        streams share one allocation and one CUDA stream."""
+        self._check_open()
+        self._pool.use_stream(stream)
+        for sub in self.streams:
+            sub.use_stream(stream)
+
+    # ------------------------------------------------------------------ state
+    def save_state(self, path, seq: Optional[int] = None, *, tokens=None, metadata=None,
+                   progress: Optional[bool] = None) -> None:
+        """Save the whole cache (every stream) or one sequence (the same file a unified cache
+        writes for a sequence, so it loads into either kind)."""
+        from . import state
+        state.save_streams(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
+
+    def load_state(self, path, seq: Optional[int] = None, *,
+                   progress: Optional[bool] = None) -> dict:
+        """Load a whole stream cache (``seq=None``) or one sequence saved by any CausalCache."""
+        from . import state
+        out = state.load_streams(self, path, seq, progress=progress)
+        self._end_forward()
+        return out
+
+    def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
+                    progress: Optional[bool] = None) -> bytes:
+        """``save_state`` into bytes."""
+        from . import state
+        return state.streams_to_bytes(self, seq, tokens=tokens, metadata=metadata,
+                                      progress=progress)
+
+    def load_state_bytes(self, data, seq: Optional[int] = None, *,
+                         progress: Optional[bool] = None) -> dict:
+        """``load_state`` from bytes."""
+        from . import state
+        out = state.streams_from_bytes(self, data, seq, progress=progress)
+        self._end_forward()
+        return out
+
+    def close(self) -> None:
+        """Free the storage; every later call raises."""
+        for stream in self.streams:
+            stream.close()
+        self._closed = True
+        self._forward = None
+        self._pool = self.storage = self._k5 = self._v5 = None
+
+    def __repr__(self) -> str:
+        c = self.config
+        state = "closed" if self._closed else f"{self.n_used}/{self.n_cells} cells used"
+        return (f"StreamCache({c.n_layers} layers x {self.n_streams} streams x "
+                f"{self.cells_per_stream} cells, {c.n_kv_heads}x{c.head_dim} {c.dtype}, "
+                f"device={self.device}, {state})")
+
+
+CausalCache._stream_class = StreamCache
+
+__all__ = ["StreamCache", "group_batch"]

@@ -1,0 +1,352 @@
+"""Per-sequence streams (``CacheConfig(unified=False)``): sizing, the stream layout of ``get()``,
+placement and refusals per stream, copies between streams, state, and a random workload run in
+lockstep with a unified cache whose attention it must reproduce token for token."""
+
+import numpy as np
+import pytest
+
+import numbakv as nkv
+from numbakv import KVCacheFullError, NotSupportedError
+from numbakv.streams import StreamCache, group_batch
+
+H, D = 2, 8
+
+
+def stream_cfg(device="cpu", **kw):
+    base = dict(dtype="float32", capacity=16, max_seqs=3, max_batch=8, device=device,
+                unified=False)
+    base.update(kw)
+    return nkv.CacheConfig(2, H, D, **base)
+
+
+def kv(rng, n, dim=D):
+    return rng.standard_normal((n, H, dim)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------- sizing
+def test_sizing_and_memory_accounting():
+    cfg = stream_cfg(capacity=10, cache_padding=4)
+    assert cfg.n_streams == 3 and cfg.cells_per_stream() == 12 and cfg.n_cells() == 36
+    assert cfg.nbytes() == 36 * 2 * H * (D + D) * 4
+    c = nkv.CausalCache(cfg)
+    assert isinstance(c, StreamCache) and isinstance(c, nkv.CausalCache)
+    assert c.cells_per_stream == 12 and c.n_cells == 36
+    assert c.storage.keys.shape == (2, 36, H, D)
+    # sliding window: each stream holds its own window memory plus one batch (llama.cpp)
+    w = nkv.CausalCache(stream_cfg(capacity=64), swa_window=4)
+    assert w.cells_per_stream == 4 + 8 and w.n_cells == 3 * 12
+    assert w.swa_memory == 4
+    assert nkv.CacheConfig(1, 1, 8, unified=True).n_streams == 1
+    with pytest.raises(ValueError, match="unified must be a bool"):
+        nkv.CacheConfig(1, 1, 8, unified="no")
+
+
+def test_group_batch_matches_page_table_grouping():
+    ids, qo, order = group_batch(np.array([4, 1, 4, 2, 1, 4]))
+    assert ids.tolist() == [4, 1, 2]
+    assert qo.tolist() == [0, 3, 5, 6]
+    assert order.tolist() == [0, 2, 5, 1, 4, 3]
+    assert ids.dtype == qo.dtype == order.dtype == np.int32
+
+
+# ------------------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("permuted", [False, True])
+def test_get_layout_views_and_gathers(device, permuted):
+    rng = np.random.default_rng(0)
+    c = nkv.CausalCache(stream_cfg(device, permuted_v=permuted, max_seqs=4))
+    pos = [0, 1, 2, 0, 1, 0]
+    seqs = [1, 1, 1, 2, 2, 3]
+    c.start_forward(pos, seqs)
+    k, v = kv(rng, 6), kv(rng, 6)
+    c.set_layer(1)
+    c.put(k, v)
+    key, value, mask = c.get()
+    assert key.shape == (3, 3, H, D)
+    assert value.shape == ((3, H, D, 3) if permuted else (3, 3, H, D))
+    assert mask.shape == (3, 3, 3)
+    # consecutive ascending sequences: zero-copy views of the pool
+    assert np.shares_memory(np.asarray(key), c.storage.keys)
+    vals = np.asarray(value).transpose(0, 3, 1, 2) if permuted else np.asarray(value)
+    for b, (lo, n) in enumerate([(0, 3), (3, 2), (5, 1)]):
+        np.testing.assert_array_equal(np.asarray(key)[b, :n], k[lo:lo + n])
+        np.testing.assert_array_equal(vals[b, :n], v[lo:lo + n])
+    m = np.asarray(mask)
+    assert np.array_equal(m[0] == 0, np.tril(np.ones((3, 3), bool)))
+    assert np.isneginf(m[1, 2]).all() and np.isneginf(m[2, 1:]).all()
+    assert m[2, 0, 0] == 0 and np.isneginf(m[2, 0, 1:]).all()
+    # sequences out of order: gathered rows, same content, stream order = first appearance
+    c.start_forward([3, 2], [1, 3])
+    c.set_layer(1)
+    k2 = kv(rng, 2)
+    c.put(k2, k2)
+    key, value, mask = c.get()
+    assert not np.shares_memory(np.asarray(key), c.storage.keys)
+    np.testing.assert_array_equal(np.asarray(key)[0, 3], k2[0])
+    np.testing.assert_array_equal(np.asarray(key)[1, :1], k[5:6])
+    np.testing.assert_array_equal(np.asarray(key)[1, 1], k2[1])
+    assert mask.shape == (2, 1, 4)
+
+
+def test_bfloat16_streams_export_as_bfloat16():
+    torch = pytest.importorskip("torch")
+    c = nkv.CausalCache(stream_cfg(dtype="bfloat16"))
+    c.start_forward([0, 0], [0, 1])
+    c.set_layer(0)
+    x = torch.randn(2, H, D, dtype=torch.bfloat16)
+    c.put(x, x)
+    key, _, _ = c.get()
+    t = torch.from_dlpack(key)
+    assert t.dtype == torch.bfloat16 and t.shape == (2, 1, H, D)
+    assert torch.equal(t[:, 0], x)
+
+
+# ------------------------------------------------------------------------------------- placement
+def test_full_stream_names_the_stream_and_changes_nothing():
+    c = nkv.CausalCache(stream_cfg(capacity=4, max_batch=4))
+    c.start_forward([0, 1, 2, 0], [0, 0, 0, 1])
+    before = [s.cells.cells.copy() for s in c.streams]
+    with pytest.raises(KVCacheFullError, match="stream 0"):
+        c.start_forward([0, 1, 3, 4], [2, 2, 0, 0])   # stream 2 fits, stream 0 does not
+    for s, b in zip(c.streams, before):
+        np.testing.assert_array_equal(s.cells.cells, b)
+    assert c.seq_pos_max(2) == -1
+    c.start_forward([3], [0])                           # exactly fills stream 0
+    assert c.seq_pos_max(0) == 3
+
+
+def test_sequence_ids_are_checked():
+    c = nkv.CausalCache(stream_cfg())
+    with pytest.raises(ValueError, match="seqs"):
+        c.start_forward([0], [3])
+    for call in (lambda: c.seq_pos_max(3), lambda: c.remove(-1, 0),
+                 lambda: c.copy_prefix(0, 5, 1), lambda: c.can_resume(7, 0)):
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(ValueError, match="reserve"):
+        c.start_forward([0], [0], reserve="False")
+
+
+def test_reserve_pass_sizes_the_worst_case():
+    c = nkv.CausalCache(stream_cfg())
+    c.start_forward([0, 1, 2], [0, 1, 1], reserve=True)
+    c.set_layer(0)
+    z = np.zeros((3, H, D), np.float32)
+    c.put(z, z)
+    key, _, mask = c.get()
+    assert key.shape == (2, 16, H, D) and mask.shape == (2, 2, 16)
+    assert (np.asarray(mask) == 0).all()
+    assert c.n_used == 0
+
+
+# ------------------------------------------------------------------------------------- copies
+def test_copy_prefix_copies_only_the_prefix_and_forks_are_independent(device):
+    rng = np.random.default_rng(1)
+    c = nkv.CausalCache(stream_cfg(device), shift=nkv.RopeShift())
+    c.start_forward(list(range(5)), [0] * 5)
+    ks = []
+    for layer in range(2):
+        c.set_layer(layer)
+        k = kv(rng, 5)
+        ks.append(k)
+        c.put(k, k)
+    c.copy_prefix(0, 2, 3)
+    assert (c.seq_pos_min(2), c.seq_pos_max(2)) == (0, 2)
+    assert c.streams[2].n_used == 3                      # only what was copied
+    c.start_forward([3], [2])
+    for layer in range(2):
+        c.set_layer(layer)
+        c.put(kv(rng, 1), kv(rng, 1))
+        key, value, mask = c.get()
+        np.testing.assert_array_equal(np.asarray(key)[0, :3], ks[layer][:3])
+    # a fork owns its cells: shifting the source does not touch it (unlike shared cells)
+    c.remove(0, 0, 1)
+    assert c.seq_pos_max(0) == 3 and c.seq_pos_max(2) == 3
+    c.start_forward([4], [2])
+    c.set_layer(0)
+    c.put(kv(rng, 1), kv(rng, 1))
+    np.testing.assert_array_equal(np.asarray(c.get()[0])[0, :3], ks[0][:3])
+
+
+def test_seq_cp_adds_ranges_and_refuses_overlaps():
+    rng = np.random.default_rng(2)
+    c = nkv.CausalCache(stream_cfg())
+    c.start_forward([0, 1, 2, 3], [0] * 4)
+    c.set_layer(0)
+    k = kv(rng, 4)
+    c.put(k, k)
+    c.seq_cp(0, 1, 2, 4)
+    assert (c.seq_pos_min(1), c.seq_pos_max(1)) == (2, 3)
+    with pytest.raises(ValueError, match="already holds"):
+        c.seq_cp(0, 1, 0, 3)
+    assert (c.seq_pos_min(1), c.seq_pos_max(1), c.streams[1].n_used) == (2, 3, 2)
+    c.seq_cp(0, 1, 0, 2)
+    assert c.streams[1].n_used == 4
+    c.start_forward([4], [1])
+    c.set_layer(0)
+    c.put(k[:1], k[:1])
+    key = np.asarray(c.get()[0])[0]
+    pos = c.streams[1].cells.cells["pos"]
+    for p in range(4):
+        np.testing.assert_array_equal(key[int(np.nonzero(pos == p)[0][0])], k[p])
+    c.seq_cp(1, 1)  # the same stream: nothing to copy
+
+
+def test_sequence_operations_per_stream():
+    c = nkv.CausalCache(stream_cfg(), shift=nkv.RopeShift())
+    c.start_forward([0, 1, 2, 0, 1, 0], [0, 0, 0, 1, 1, 2])
+    c.seq_add(0, 1, None, 3)
+    assert c.seq_pos_max(0) == 5 and c.seq_pos_max(1) == 1
+    c.seq_div(0, 4, None, 2)
+    assert c.seq_pos_max(0) == 2
+    c.seq_keep(1)
+    assert [c.seq_pos_max(s) for s in range(3)] == [-1, 1, -1]
+    c.seq_rm(-1)
+    assert c.n_used == 0
+    c.start_forward([0, 1], [2, 2])
+    assert c.can_resume(2, 2) and c.seq_pos_min(2) == 0
+    with pytest.raises(ValueError, match="put\\(\\) needs a forward pass"):
+        c.remove(2, 1)
+        c.put(np.zeros((2, H, D), np.float32), np.zeros((2, H, D), np.float32))
+
+
+def test_remove_without_shift_names_the_sequence():
+    c = nkv.CausalCache(stream_cfg())
+    c.start_forward([0, 1, 2], [2, 2, 2])
+    with pytest.raises(NotSupportedError, match="stream 2: .*sequence 2"):
+        c.remove(2, 0, 1)
+
+
+# ------------------------------------------------------------------------------------- state
+def test_state_round_trips(tmp_path):
+    rng = np.random.default_rng(3)
+    c = nkv.CausalCache(stream_cfg())
+    c.start_forward([0, 1, 2, 0, 1], [0, 0, 0, 2, 2])
+    c.set_layer(1)
+    k = kv(rng, 5)
+    c.put(k, k)
+    # one sequence: the same file a unified cache writes, so it loads into either kind
+    one = c.state_bytes(2, tokens=[7, 8])
+    unified = nkv.CausalCache(nkv.CacheConfig(2, H, D, dtype="float32", capacity=16, max_seqs=4,
+                                              device="cpu"))
+    assert unified.load_state_bytes(one, 3)["tokens"] == [7, 8]
+    assert unified.seq_pos_max(3) == 1
+    back = unified.state_bytes(3)
+    c.load_state_bytes(back, 1)
+    assert (c.seq_pos_min(1), c.seq_pos_max(1)) == (0, 1)
+    c.start_forward([2], [1])
+    c.set_layer(1)
+    c.put(k[:1], k[:1])
+    np.testing.assert_array_equal(np.asarray(c.get()[0])[0, :2], k[3:5])
+    # the whole cache
+    path = tmp_path / "streams.safetensors"
+    c.save_state(path)
+    d = nkv.CausalCache(stream_cfg())
+    d.load_state(path)
+    assert [d.seq_pos_max(s) for s in range(3)] == [2, 2, 1]
+    for a, b in zip(c.streams, d.streams):
+        np.testing.assert_array_equal(a.cells.cells, b.cells.cells)
+    np.testing.assert_array_equal(c.storage.keys, d.storage.keys)
+    with pytest.raises(nkv.StateError):
+        unified.load_state(path)             # a stream file is not a unified cache
+
+
+# ------------------------------------------------------------------------------------- lockstep
+def attention(key, value, mask_rows, q):
+    """softmax(q.k + mask) v per head, float64: ``key [n, H, D]``, ``mask_rows [t, n]``."""
+    scores = np.einsum("thd,nhd->thn", q, key) + mask_rows[:, None, :]
+    scores -= scores.max(axis=-1, keepdims=True)
+    w = np.exp(scores)
+    w /= w.sum(axis=-1, keepdims=True)
+    return np.einsum("thn,nhd->thd", w, value)
+
+
+def unified_outputs(cache, q, batch):
+    key, value, mask = cache.get()
+    if cache.config.permuted_v:                      # [H, Dv, n] -> [n, H, Dv]
+        value = np.asarray(value).transpose(2, 0, 1)
+    return attention(np.asarray(key, np.float64), np.asarray(value, np.float64),
+                     np.asarray(mask, np.float64)[:batch], q)
+
+
+def stream_outputs(cache, q, batch):
+    key, value, mask = cache.get()
+    if cache.config.permuted_v:                      # [n_b, H, Dv, n_kv] -> [n_b, n_kv, H, Dv]
+        value = np.asarray(value).transpose(0, 3, 1, 2)
+    fwd = cache._forward
+    out = np.empty((batch, H, D))
+    for b in range(len(fwd.seq_ids)):
+        rows = fwd.token_order[fwd.qo_indptr[b]:fwd.qo_indptr[b + 1]]
+        out[rows] = attention(np.asarray(key, np.float64)[b], np.asarray(value, np.float64)[b],
+                              np.asarray(mask, np.float64)[b, :len(rows)], q[rows])
+    return out
+
+
+@pytest.mark.parametrize("variant", ["plain", "window", "chunk-permuted"])
+def test_random_workload_matches_unified_cache(device, variant):
+    """Random batches, removals with re-rotation, forks, seq ops and defrags on a stream cache
+    and a unified cache side by side: every token's attention output is the same."""
+    rng = np.random.default_rng({"plain": 10, "window": 11, "chunk-permuted": 12}[variant])
+    S, cap, batch_max = 3, 24, 6
+    kw = dict(dtype="float32", capacity=cap, max_seqs=S, max_batch=batch_max, device=device,
+              permuted_v=variant == "chunk-permuted", cache_padding=2)
+    cache_kw = dict(shift=nkv.RopeShift(),
+                    swa_window=3 if variant == "window" else None,
+                    chunk_size=4 if variant == "chunk-permuted" else None)
+    uni = nkv.CausalCache(nkv.CacheConfig(2, H, D, **kw), **cache_kw)
+    st = nkv.CausalCache(nkv.CacheConfig(2, H, D, unified=False, **kw), **cache_kw)
+    steps = 25 if device == "cpu" else 10
+    checked = 0
+    for _ in range(steps):
+        op = rng.choice(["batch", "batch", "batch", "remove", "fork", "seqop", "defrag"])
+        if op == "batch":
+            seqs, pos = [], []
+            for s in rng.choice(S, size=rng.integers(1, S + 1), replace=False):
+                nxt = max(uni.seq_pos_max(int(s)), st.seq_pos_max(int(s))) + 1
+                n = int(rng.integers(1, 3))
+                if nxt + n > cap - batch_max or len(pos) + n > batch_max:
+                    continue
+                if nxt and not (uni.can_resume(int(s), nxt) and st.can_resume(int(s), nxt)):
+                    continue  # rewound past what a window memory kept (the two sizes differ)
+                seqs += [int(s)] * n
+                pos += list(range(nxt, nxt + n))
+            if not pos:
+                continue
+            uni.start_forward(pos, seqs)
+            st.start_forward(pos, seqs)
+            for layer in range(2):
+                k, v, q = kv(rng, len(pos)), kv(rng, len(pos)), kv(rng, len(pos))
+                for c in (uni, st):
+                    c.set_layer(layer)
+                    c.put(k, v)
+                np.testing.assert_allclose(stream_outputs(st, q, len(pos)),
+                                           unified_outputs(uni, q, len(pos)),
+                                           rtol=1e-5, atol=1e-5)
+                checked += 1
+        elif op == "remove":
+            s = int(rng.integers(S))
+            top = uni.seq_pos_max(s)
+            if top < 2 or variant == "window" or uni.cells.shared_cells_in(s):
+                continue  # the unified cache refuses to shift shared cells; streams own theirs
+            b = int(rng.integers(0, top))
+            for c in (uni, st):
+                c.remove(s, b, b + 1)
+        elif op == "fork":
+            src, dst = (int(x) for x in rng.choice(S, 2, replace=False))
+            n = int(rng.integers(0, uni.seq_pos_max(src) + 2))
+            if variant == "window":
+                continue
+            for c in (uni, st):
+                c.copy_prefix(src, dst, n)
+        elif op == "seqop":
+            s = int(rng.integers(S))
+            p0 = int(rng.integers(0, 4))
+            for c in (uni, st):
+                c.seq_rm(s, p0, None)
+        else:
+            for c in (uni, st):
+                c.defrag()
+        for s in range(S):
+            if variant != "window":
+                assert uni.seq_pos_max(s) == st.seq_pos_max(s)
+                assert uni.seq_pos_min(s) == st.seq_pos_min(s)
+    assert checked > 0
