@@ -57,9 +57,9 @@ def _bound_element(names: dict):
             g.update({k: getattr(v, form) for k, v in names.items()})
             return pytypes.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__,
                                         fn.__closure__)
-        e = element(fn)
-        e.cpu = njit(inline="always", cache=False)(bound("cpu"))
-        e.cuda = cuda.jit(device=True)(bound("cuda"))
+        e = element(bound("cpu"))
+        e.cuda = element(bound("cuda")).cuda  # compiled lazily: only the used forms build
+        e.py_func = fn
         return e
     return wrap
 
@@ -75,7 +75,7 @@ def f32_to_e4m3(x):
     """float32 to float8_e4m3fn bits: round to nearest even, saturate to +-448, NaN kept."""
     b = np.int64(np.float32(x).view(np.uint32))
     sign = (b >> 24) & 0x80
-    a = np.abs(np.float32(x))
+    a = abs(np.float32(x))
     out = 0x7F
     if a == a:  # not NaN
         if a >= np.float32(448.0):
@@ -134,7 +134,7 @@ def quantize_block(x, t, xh, j0, kind, q, layer, cell, h, b0, fmt, scale):
     finite = True
     for i in range(32):
         v = _load(x[t, xh, j0 + i], kind)
-        a = np.abs(v)
+        a = abs(v)
         if not (a <= _FLT_MAX):
             finite = False
         elif i == 0 or a > amax:  # the first of equal magnitudes wins, as in ggml
@@ -158,7 +158,7 @@ def quantize_block(x, t, xh, j0, kind, q, layer, cell, h, b0, fmt, scale):
     if fmt == 1:
         for i in range(32):
             y = _load(x[t, xh, j0 + i], kind) * inv
-            a = np.abs(y)
+            a = abs(y)
             fl = np.int64(a)  # floor (a >= 0); then half away from zero as ggml's roundf
             r = fl + np.int64(np.float32(2.0) * (a - np.float32(fl)))
             r = -r if y < np.float32(0.0) else r
