@@ -215,6 +215,9 @@ class CacheConfig:
 
     def replace(self, **changes) -> "CacheConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for side in ("k_dtype", "v_dtype"):  # a side that follows dtype keeps following it
+            if "dtype" in changes and side not in changes and values[side] == self.dtype:
+                values[side] = None
         values.update(changes)
         return CacheConfig(**values)
 

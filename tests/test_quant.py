@@ -119,6 +119,9 @@ def test_config_rejects_bad_quantized_settings():
     with pytest.raises(ValueError, match="v_scale"):
         nkv.CacheConfig(2, 1, 64, v_dtype="float8_e4m3", v_scale=[1.0, 2.0, 3.0])
     assert nkv.CacheConfig(2, 1, 64, k_scale=[0.5, 2]).k_scale == (0.5, 2.0)
+    # a side that defaulted to dtype follows a new dtype; a quantized one stays
+    mixed = nkv.CacheConfig(1, 1, 64, v_dtype="q4_0").replace(dtype="float32")
+    assert (mixed.k_dtype, mixed.v_dtype) == ("float32", "q4_0")
     cfg = nkv.CacheConfig(1, 1, 64, k_dtype="q8_0", device="cpu")
     with pytest.raises(ValueError, match="shift"):
         nkv.CausalCache(cfg, shift=lambda layer, k, d: k)
