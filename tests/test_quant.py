@@ -140,7 +140,7 @@ def test_ggml_blocks_bit_exact(device, kind, dtype):
                        max_seqs=1)
     xin = x.astype(np.float32)
     if dtype == "bfloat16":
-        import torch
+        torch = pytest.importorskip("torch")  # the bfloat16 reference rounding
         xt = torch.from_numpy(xin).to(torch.bfloat16)
         seen = xt.float().numpy()
         k_in = v_in = xt
@@ -167,6 +167,7 @@ def test_ggml_blocks_bit_exact(device, kind, dtype):
         np.testing.assert_array_equal(host(v).view(np.uint8), want.astype(dtype).view(np.uint8))
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_float8_bit_exact_with_ml_dtypes_and_torch(device, dtype):
     """stored = x / scale as float8_e4m3fn (nearest even), per-layer scales, saturation at 448;
@@ -507,6 +508,8 @@ def _llama_logits(k_dtype: "str | None", prompt, steps):
     return torch.cat(logits).numpy()
 
 
+@pytest.mark.slow
+@pytest.mark.torch
 def test_tiny_llama_through_quantized_caches():
     """A tiny random-weight Llama (2 layers, 4 heads, 2 KV heads, head_dim 64) prefilling 24
     tokens and decoding 6 through a numbakv cache: with float16 K/V it matches the model's own
