@@ -46,6 +46,7 @@ BLOCK_BYTES = {FMT_Q8_0: 34, FMT_Q4_0: 18, FMT_F8: 1}
 #: the longest key row the rotary shift takes (a float32 row per GPU thread in local memory)
 MAX_ROTATE_DIM = 1024
 
+
 def _bound_element(names: dict):
     """:func:`element`, with the helper names ``fn`` calls bound per target: an element function
     that takes arrays must call the same target's form of the next one (the simulator hands
