@@ -535,3 +535,22 @@ def test_tiny_llama_through_quantized_caches():
     assert errors["float8_e4m3"] < 0.15
     assert errors["q4_0"] < 0.5
     assert errors["q8_0"] < errors["q4_0"]
+
+
+@pytest.mark.parametrize("kinds", [("q8_0", "float8_e4m3"), ("q4_0", "float16")])
+def test_storage_put_with_slots(device, kinds):
+    """KVStorage.put with a slot per token (scatter; a negative slot skips its token) on a
+    quantized storage, K and V each in its own type."""
+    from numbakv.storage import KVStorage
+    cfg = nkv.CacheConfig(2, 2, 32, capacity=8, k_dtype=kinds[0], v_dtype=kinds[1],
+                          device=device)
+    st = KVStorage(cfg, 8, device)
+    x = np.random.default_rng(10).standard_normal((3, 2, 32)).astype(np.float16)
+    st.put(1, np.array([5, -1, 2], np.int32), x, -x)
+    k, v = (host(a) for a in st.quantized_views(1, 0, 8))
+    for got, kind, src in ((k, kinds[0], x), (v, kinds[1], -x)):
+        want = (ref_quantize(in_dtype(src, "float16"), kind) if kind != "float16"
+                else src.view(np.uint8))
+        np.testing.assert_array_equal(got[[5, 2]], want[[0, 2]])
+        assert not got[[0, 1, 3, 4, 6, 7]].any()  # untouched cells stay zero
+    assert not host(st.keys[0]).any()              # other layers too
