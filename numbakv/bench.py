@@ -112,10 +112,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         s.budget = float(args.budget)
     if args.sections is not None:
         names = [x.strip() for x in args.sections.split(",") if x.strip()]
-        bad = [x for x in names if x not in ("decode", "kernels", "capacity")]
+        bad = [x for x in names if x not in ("decode", "kernels", "capacity", "quant")]
         if bad or not names:
             raise ValueError("--sections must be a comma list of decode, kernels, capacity, "
-                             f"got {args.sections!r}")
+                             f"quant, got {args.sections!r}")
         s.sections = names
     s.capacity_layers = min(s.capacity_layers, s.layers)
     s.kernel_layers = min(s.kernel_layers, s.layers)
@@ -978,6 +978,62 @@ def run_capacity(s: BenchSettings, dev: _Device, notes: List[str],
     return rows
 
 
+# --------------------------------------------------------------------------------- quantized K/V
+QUANT_KINDS = ("q8_0", "q4_0", "float8_e4m3")
+
+
+def run_quant(s: BenchSettings, dev: _Device, notes: List[str],
+              log: Callable[[str], None]) -> List[dict]:
+    """Quantized K/V (``k_dtype = v_dtype`` each of :data:`QUANT_KINDS`), one layer: memory per
+    token against float16, and put (quantize), get (dequantize ``n`` cells into the scratch) and
+    rotate (dequantize, rotate, requantize the keys) against a plain copy of the same tokens'
+    ``dtype`` bytes, i.e. what a float cache moves for the same work (K and V for put/get, K for
+    rotate)."""
+    from .config import CacheConfig, RopeShift
+    from .storage import KVStorage
+
+    rows: List[dict] = []
+    dim = -(-s.head_dim // 32) * 32  # ggml blocks need a multiple of 32
+    if dim != s.head_dim:
+        notes.append(f"quant: head_dim {s.head_dim} is not a multiple of 32; measured at {dim}")
+    tokens = max(t for t in s.put_tokens if t <= 4096)
+    n_cells = max(tokens, max(s.rotate_cells))
+    rng = np.random.default_rng(11)
+    f16 = CacheConfig(1, s.kv_heads, dim, dtype="float16", capacity=1)
+    for kind in QUANT_KINDS:
+        cfg = CacheConfig(1, s.kv_heads, dim, dtype=s.dtype, capacity=n_cells,
+                          max_batch=n_cells, device=dev.name, k_dtype=kind, v_dtype=kind)
+        st = KVStorage(cfg, n_cells, dev.name)
+        per_token = cfg.nbytes(1)
+        row_mem = {"kernel": f"{kind} memory", "bytes_per_token": per_token,
+                   "f16_bytes_per_token": f16.nbytes(1),
+                   "memory_fraction": per_token / f16.nbytes(1)}
+        rows.append(row_mem)
+        x = dev.xp.asarray(rng.standard_normal((tokens, s.kv_heads, dim))
+                           .astype(s.dtype))
+        float_bytes = 2 * x.nbytes
+        res, base = measure_pair(lambda: st.put_range(0, 0, x, x),
+                                 _copy_pair(dev, float_bytes), dev, s.budget, s.min_reps)
+        rows.append(_kernel_row(f"{kind} put", f"{tokens} tokens", float_bytes, res, base))
+        res, base = measure_pair(lambda: st.dequantized_views(0, 0, tokens),
+                                 _copy_pair(dev, float_bytes), dev, s.budget, s.min_reps)
+        rows.append(_kernel_row(f"{kind} get", f"{tokens} cells", float_bytes, res, base))
+        n_rot = max(s.rotate_cells)
+        cells = np.arange(n_rot, dtype=np.int32)
+        deltas = np.full(n_rot, -3, dtype=np.int64)
+        rope = RopeShift()
+        key_bytes = n_rot * s.kv_heads * dim * cfg.itemsize
+        res, base = measure_pair(lambda: st.rotate(cells, deltas, rope),
+                                 _copy_pair(dev, key_bytes), dev, s.budget, s.min_reps)
+        rows.append(_kernel_row(f"{kind} rotate", f"{n_rot} cells", key_bytes, res, base))
+        log(f"  {kind}: memory {row_mem['memory_fraction']:.3f} of f16, put "
+            f"{rows[-3]['fraction']:.0%}, get {rows[-2]['fraction']:.0%}, rotate "
+            f"{rows[-1]['fraction']:.0%} of copy")
+        del st
+        dev.release()
+    return rows
+
+
 # --------------------------------------------------------------------------------- targets
 def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
     """Where this run stands against the issue's targets (met / missed and by how much)."""
@@ -1031,6 +1087,22 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                 out.append({"target": "GPU host cost per put <= 10 us",
                             "status": "met" if worst <= 10 else "missed", "value": worst,
                             "detail": f"{worst:.1f} us (largest over put sizes)"})
+    quant = [r for r in results.get("quant", []) if "fraction" in r]
+    if quant:
+        device = "GPU" if s.device == "cuda" else "CPU"
+        worst = min(quant, key=lambda r: r["fraction"])
+        out.append({"target": f"{device} quantized put/get/rotate >= 50% of a copy of the same "
+                              f"{s.dtype} bytes",
+                    "status": "met" if worst["fraction"] >= 0.5 else "missed",
+                    "value": worst["fraction"],
+                    "detail": ", ".join(f"{r['kernel']} {r['fraction']:.0%}" for r in quant)})
+    for r in results.get("quant", []):
+        if "memory_fraction" in r:
+            want = {"q8_0": 34 / 64, "q4_0": 18 / 64, "float8_e4m3": 0.5}[r["kernel"].split()[0]]
+            out.append({"target": f"{r['kernel']} per token = {want:.4f} of float16",
+                        "status": "met" if abs(r["memory_fraction"] - want) < 1e-12
+                        else "missed", "value": r["memory_fraction"],
+                        "detail": f"{r['bytes_per_token']} vs {r['f16_bytes_per_token']} bytes"})
     if s.device != "cuda":
         out.append({"target": "GPU put/move/shift >= 85% of D2D copy; host cost per put <= 10 us",
                     "status": "not measured", "detail": "no GPU in this run"})
@@ -1152,6 +1224,15 @@ def format_report(results: dict) -> str:
                          f"{_fmt_us(r['median_us']):>9} {r['gbps']:>7.2f} "
                          f"{r['copy_gbps']:>9.2f} {r['fraction']:>8.0%}"
                          + (f" {_fmt_us(r.get('host_us')):>8}" if host else ""))
+    quant = [r for r in results.get("quant", []) if "fraction" in r]
+    if quant:
+        lines += ["", "Quantized K/V vs a plain copy of the same float bytes (one layer)"]
+        lines.append(f"{'kernel':<20} {'size':<14} {'bytes':>10} {'us':>9} {'GB/s':>7} "
+                     f"{'copy GB/s':>9} {'fraction':>8}")
+        for r in quant:
+            lines.append(f"{r['kernel']:<20} {r['size']:<14} {_bytes(r['bytes']):>10} "
+                         f"{_fmt_us(r['median_us']):>9} {r['gbps']:>7.2f} "
+                         f"{r['copy_gbps']:>9.2f} {r['fraction']:>8.0%}")
     cap = results.get("capacity", [])
     if cap:
         lines += ["", f"Capacity: numbakv per-step cost at context {cap[0]['context']} per "
@@ -1284,6 +1365,9 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "capacity" in s.sections:
         log("capacity ...")
         results["capacity"] = run_capacity(s, dev, notes, log)
+    if "quant" in s.sections:
+        log("quantized K/V ...")
+        results["quant"] = run_quant(s, dev, notes, log)
 
 
 # --------------------------------------------------------------------------------- command line
@@ -1304,7 +1388,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed repetitions per measurement (default 0.5)")
     p.add_argument("--sections", default=None,
-                   help="comma list of decode, kernels, capacity (default all)")
+                   help="comma list of decode, kernels, capacity, quant (default: the first three)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: runs in seconds")
     p.add_argument("--full", action="store_true", help="adds context 8192, longer timing")
     p.add_argument("--png", default="numbakv_bench.png", help="where to save the plot")

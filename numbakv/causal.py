@@ -125,6 +125,9 @@ class CausalCache:
                              f"(layer, key, deltas) -> key, got {shift!r}")
         if isinstance(shift, RopeShift):
             shift.rotary_dim(config.head_dim)  # raises when it does not fit the keys
+        elif shift is not None and config.k_quantized:
+            raise ValueError(f"shift must be None or a numbakv.RopeShift when keys are quantized "
+                             f"(k_dtype={config.k_dtype!r}); a shift callable needs float keys")
         window = UNLIMITED if swa_window in (None, 0) else _check_index("swa_window", swa_window, 1)
         if swa_memory is None:
             memory = window
@@ -329,9 +332,21 @@ class CausalCache:
         bfloat16."""
         fwd = self._require_forward("get")
         dtype = self.config.dtype
+        if self.storage.quantized:  # dequantized into a scratch the next get() reuses
+            key, value = self.storage.dequantized_views(self._layer, fwd.lo, fwd.hi)
+            return export_view(key, dtype), export_view(value, dtype), fwd.mask
         key = self.storage.key_view(self._layer, fwd.lo, fwd.hi)
         value = self.storage.value_view(self._layer, fwd.lo, fwd.hi)
         return export_view(key, dtype), export_view(value, dtype), fwd.mask
+
+    def get_quantized(self):
+        """``(key, value)`` raw storage rows of ``get()``'s cell range for the current layer:
+        ``uint8 [n, n_kv_heads, bytes_per_row]`` zero-copy views, ggml's block layout for q8_0
+        (34 bytes per 32 values) and q4_0 (18), one float8_e4m3fn byte per value for
+        float8_e4m3 (stored = x / scale), and the little-endian bytes of a float side."""
+        fwd = self._require_forward("get_quantized")
+        k, v = self.storage.quantized_views(self._layer, fwd.lo, fwd.hi)
+        return export_view(k, "uint8"), export_view(v, "uint8")
 
     def cell_range(self) -> Tuple[int, int]:
         """The cells ``get()`` covers in this forward pass, half-open: row ``r`` is cell

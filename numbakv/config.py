@@ -12,6 +12,11 @@ import numpy as np
 STORAGE_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
                   "bfloat16": np.dtype(np.uint16)}
 MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+#: Quantized K/V storage types (``k_dtype``/``v_dtype``): name -> (values per block, bytes per
+#: block). q8_0 and q4_0 are ggml's block formats (an f16 scale then 32 int8s, or 16 bytes of
+#: nibbles); float8_e4m3 is one float8_e4m3fn byte per value (a "block" of one) with a per-layer
+#: scale, vLLM's fp8 KV cache.
+QUANT_TYPES = {"q8_0": (32, 34), "q4_0": (32, 18), "float8_e4m3": (1, 1)}
 DEVICES = ("auto", "cpu", "cuda", "sim")
 #: The sequence bitset of a cell has this many bits (see cells.py).
 MAX_SEQS_LIMIT = 256
@@ -31,9 +36,44 @@ def normalize_dtype(dtype, name: str = "dtype", allowed=STORAGE_DTYPES) -> str:
     aliases = {"half": "float16", "f16": "float16", "fp16": "float16", "float": "float32",
                "f32": "float32", "fp32": "float32", "bf16": "bfloat16"}
     text = aliases.get(text, text)
+    if allowed is QUANT_TYPES or allowed is KV_TYPES:
+        text = {"fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3", "float8_e4m3fn": "float8_e4m3",
+                "q8": "q8_0", "q4": "q4_0"}.get(text, text)
     if text not in allowed:
         raise ValueError(f"{name} must be one of {sorted(allowed)}, got {dtype!r}")
     return text
+
+
+#: every name ``k_dtype``/``v_dtype`` takes
+KV_TYPES = dict(STORAGE_DTYPES, **QUANT_TYPES)
+
+
+def row_bytes(kv_dtype: str, dim: int) -> int:
+    """Bytes one ``(cell, head)`` row of ``dim`` values takes in storage type ``kv_dtype``."""
+    if kv_dtype in QUANT_TYPES:
+        per_block, block_bytes = QUANT_TYPES[kv_dtype]
+        return dim // per_block * block_bytes
+    return dim * STORAGE_DTYPES[kv_dtype].itemsize
+
+
+def _check_scale(name: str, value, n_layers: int) -> "float | tuple":
+    """A positive finite float, or a sequence of ``n_layers`` of them (a tuple, so the frozen
+    config stays hashable)."""
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        if not (math.isfinite(float(value)) and float(value) > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        return float(value)
+    try:
+        arr = np.asarray(value, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a float or a sequence of n_layers={n_layers} floats, "
+                         f"got {value!r}") from None
+    if np.asarray(value).ndim != 1 or arr.size != n_layers:
+        raise ValueError(f"{name} must be a float or a sequence of n_layers={n_layers} floats, "
+                         f"got {arr.size} values")
+    if not (np.isfinite(arr).all() and (arr > 0).all()):
+        raise ValueError(f"{name} values must be finite numbers > 0, got {arr.tolist()}")
+    return tuple(float(x) for x in arr)
 
 
 def _check_int(name: str, value, minimum: int) -> int:
@@ -76,6 +116,10 @@ class CacheConfig:
     #: ``False``: llama.cpp's per-sequence streams (``kv_unified = false``): every sequence its
     #: own ``capacity`` cells (or window memory + batch), K/V ``[n_layers, n_streams, cells, ...]``
     unified: bool = True
+    k_dtype: Optional[str] = None
+    v_dtype: Optional[str] = None
+    k_scale: "float | Sequence[float]" = 1.0
+    v_scale: "float | Sequence[float]" = 1.0
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -101,6 +145,54 @@ class CacheConfig:
         set_("unified", bool(self.unified))
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        self._check_kv_types(set_)
+
+    def _check_kv_types(self, set_) -> None:
+        """``k_dtype``/``v_dtype``: ``dtype`` (the default) or a quantized type; ggml blocks need
+        the row length to be a multiple of 32; a quantized V cannot be stored permuted (its
+        blocks run along ``v_head_dim``; llama.cpp likewise needs flash attention, i.e. no
+        transposed V, for a quantized V)."""
+        for name, dim_name in (("k_dtype", "head_dim"), ("v_dtype", "v_head_dim")):
+            value = getattr(self, name)
+            kind = self.dtype if value is None else normalize_dtype(value, name, KV_TYPES)
+            if kind in STORAGE_DTYPES and kind != self.dtype:
+                raise ValueError(f"{name} must be dtype ({self.dtype!r}) or one of "
+                                 f"{sorted(QUANT_TYPES)}, got {value!r} (a float storage type "
+                                 "other than dtype is not supported)")
+            per_block = QUANT_TYPES.get(kind, (1, 0))[0]
+            dim = getattr(self, dim_name)
+            if dim % per_block:
+                raise ValueError(f"{dim_name} must be a multiple of {per_block} for {name}="
+                                 f"{kind!r} (ggml blocks run along it), got {dim}")
+            set_(name, kind)
+        if self.permuted_v and self.v_dtype in QUANT_TYPES:
+            raise ValueError(f"permuted_v=True needs a float v_dtype, got v_dtype="
+                             f"{self.v_dtype!r} (quantized blocks run along v_head_dim)")
+        set_("k_scale", _check_scale("k_scale", self.k_scale, self.n_layers))
+        set_("v_scale", _check_scale("v_scale", self.v_scale, self.n_layers))
+
+    @property
+    def k_quantized(self) -> bool:
+        """Whether keys are stored in a quantized type (``k_dtype`` in ``QUANT_TYPES``)."""
+        return self.k_dtype in QUANT_TYPES
+
+    @property
+    def v_quantized(self) -> bool:
+        return self.v_dtype in QUANT_TYPES
+
+    @property
+    def k_row_bytes(self) -> int:
+        """Bytes of one ``(cell, head)`` key row in storage."""
+        return row_bytes(self.k_dtype, self.head_dim)
+
+    @property
+    def v_row_bytes(self) -> int:
+        return row_bytes(self.v_dtype, self.v_head_dim)
+
+    def layer_scales(self, which: str) -> np.ndarray:
+        """float32 ``[n_layers]``: ``k_scale`` (``which="k"``) or ``v_scale`` per layer."""
+        value = self.k_scale if which == "k" else self.v_scale
+        return np.broadcast_to(np.asarray(value, dtype=np.float32), (self.n_layers,)).copy()
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -141,11 +233,14 @@ class CacheConfig:
         """Bytes of K and V storage for ``n_cells`` cells (default: what the cache allocates)."""
         if n_cells is None:
             n_cells = self.n_cells(swa_memory)
-        per_cell = self.n_layers * self.n_kv_heads * (self.head_dim + self.v_head_dim)
-        return int(n_cells) * per_cell * self.itemsize
+        per_cell = self.n_layers * self.n_kv_heads * (self.k_row_bytes + self.v_row_bytes)
+        return int(n_cells) * per_cell
 
     def replace(self, **changes) -> "CacheConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for side in ("k_dtype", "v_dtype"):  # a side that follows dtype keeps following it
+            if "dtype" in changes and side not in changes and values[side] == self.dtype:
+                values[side] = None
         values.update(changes)
         return CacheConfig(**values)
 
@@ -215,5 +310,5 @@ class RopeShift:
         return freq.astype(np.float32)
 
 
-__all__ = ["CacheConfig", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES", "normalize_dtype",
-           "round_up"]
+__all__ = ["CacheConfig", "KV_TYPES", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
+           "normalize_dtype", "round_up", "row_bytes"]

@@ -79,6 +79,17 @@ _ST_DTYPES: Dict[str, np.dtype] = {
 #: numbakv storage dtype name -> safetensors dtype name.
 _STORAGE_ST = {"float16": "F16", "float32": "F32", "bfloat16": "BF16"}
 
+
+def _side_format(cfg, which: str) -> Tuple[str, int]:
+    """(safetensors dtype, row length) of the saved K (``which="k"``) or V rows: the storage's
+    own representation, so quantized sides are saved as their raw ggml/float8 blocks
+    (``U8 [rows, n_kv_heads, row_bytes]``) and restored bit for bit."""
+    if which == "k":
+        quantized, dim, row = cfg.k_quantized, cfg.head_dim, cfg.k_row_bytes
+    else:
+        quantized, dim, row = cfg.v_quantized, cfg.v_head_dim, cfg.v_row_bytes
+    return ("U8", row) if quantized else (_STORAGE_ST[cfg.dtype], dim)
+
 _CAUSAL_KINDS = ("causal", "causal-seq")
 _WRAPPER_KINDS = ("wrapper", "wrapper-seq")
 _STREAM_KINDS = ("streams",)
@@ -606,7 +617,15 @@ def _causal_config(cache) -> dict:
             "v_head_dim": cfg.v_head_dim, "dtype": cfg.dtype, "permuted_v": cfg.permuted_v,
             "capacity": cfg.capacity, "max_seqs": cfg.max_seqs, "n_cells": int(cache.n_cells),
             "swa_window": cache.swa_window, "swa_memory": cache.swa_memory,
-            "chunk_size": cache.chunk_size}
+            "chunk_size": cache.chunk_size, **_quant_config(cfg)}
+
+
+def _quant_config(cfg) -> dict:
+    """The storage types of K and V and their float8 scales (a list per layer, or one float):
+    raw blocks mean nothing without them."""
+    return {"k_dtype": cfg.k_dtype, "v_dtype": cfg.v_dtype,
+            "k_scale": list(cfg.k_scale) if isinstance(cfg.k_scale, tuple) else cfg.k_scale,
+            "v_scale": list(cfg.v_scale) if isinstance(cfg.v_scale, tuple) else cfg.v_scale}
 
 
 def _seq_words(cache) -> int:
@@ -650,26 +669,25 @@ def _v_rows(cache, layer: int, idx=None):
 def _layer_specs(cache, prefix: str, rows: int, idx=None) -> List[_Spec]:
     """``k.<l>`` and ``v.<l>`` for every layer, over all cells (``idx=None``) or ``idx``."""
     cfg = cache.config
-    st = _STORAGE_ST[cfg.dtype]
-    le = _ST_DTYPES[st]
+    (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
+    k_le, v_le = _ST_DTYPES[k_st], _ST_DTYPES[v_st]
     specs = []
     for layer in range(cfg.n_layers):
         def k_rows(layer=layer):
             if rows == 0:  # an empty sequence: nothing to gather
-                return np.zeros(0, le)
+                return np.zeros(0, k_le)
             with _on_device(cache):
                 k = cache.storage.keys[layer]
-                return _host_le(k if idx is None else k[idx], le)
+                return _host_le(k if idx is None else k[idx], k_le)
 
         def v_rows(layer=layer):
             if rows == 0:
-                return np.zeros(0, le)
+                return np.zeros(0, v_le)
             with _on_device(cache):
-                return _host_le(_v_rows(cache, layer, idx), le)
+                return _host_le(_v_rows(cache, layer, idx), v_le)
 
-        specs.append(_Spec(f"{prefix}k.{layer}", st, (rows, cfg.n_kv_heads, cfg.head_dim), k_rows))
-        specs.append(_Spec(f"{prefix}v.{layer}", st, (rows, cfg.n_kv_heads, cfg.v_head_dim),
-                           v_rows))
+        specs.append(_Spec(f"{prefix}k.{layer}", k_st, (rows, cfg.n_kv_heads, k_row), k_rows))
+        specs.append(_Spec(f"{prefix}v.{layer}", v_st, (rows, cfg.n_kv_heads, v_row), v_rows))
     return specs
 
 
@@ -785,15 +803,22 @@ def _check_shapes(state: _State, cache, config: dict, where: str = "") -> None:
     if config.get("dtype") != cfg.dtype:
         raise state.fail(f"dtype does not match: the state has {config.get('dtype')!r}, the "
                          f"cache {cfg.dtype!r}{where}")
+    # states written before quantized K/V existed hold float rows of `dtype`, scale 1
+    saved = {"k_dtype": cfg.dtype, "v_dtype": cfg.dtype, "k_scale": 1.0, "v_scale": 1.0}
+    saved.update({k: config[k] for k in saved if k in config})
+    for key, value in _quant_config(cfg).items():
+        if saved[key] != value:
+            raise state.fail(f"{key} does not match: the state has {saved[key]!r}, the cache "
+                             f"{value!r}{where}")
 
 
 def _layer_expect(cache, prefix: str, rows: int) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
     cfg = cache.config
-    st = _STORAGE_ST[cfg.dtype]
+    (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
     out = {}
     for layer in range(cfg.n_layers):
-        out[f"{prefix}k.{layer}"] = (st, (rows, cfg.n_kv_heads, cfg.head_dim))
-        out[f"{prefix}v.{layer}"] = (st, (rows, cfg.n_kv_heads, cfg.v_head_dim))
+        out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.n_kv_heads, k_row))
+        out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.n_kv_heads, v_row))
     return out
 
 

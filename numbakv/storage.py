@@ -23,6 +23,7 @@ from .config import CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, RopeShift
 from .kernels import mask as _mask
 from .kernels import move as _move
 from .kernels import put as _put
+from .kernels import quant as _quant
 from .kernels import rope as _rope
 
 _SEQ_WORDS = MAX_SEQS_LIMIT // 64
@@ -168,8 +169,16 @@ class KVStorage:
         sdt = config.storage_dtype
         vshape = (L, H, Dv, N) if self.permuted else (L, N, H, Dv)
         zeros = self.xp.zeros if device == "cuda" else _host_zeros
-        self.keys = zeros((L, N, H, D), dtype=sdt)
-        self.values = zeros(vshape, dtype=sdt)
+        # quantized sides: raw blocks, uint8 [L, N, H, row_bytes] (see kernels/quant.py)
+        self.k_quantized = config.k_quantized
+        self.v_quantized = config.v_quantized
+        self.quantized = self.k_quantized or self.v_quantized
+        self.keys = (zeros((L, N, H, config.k_row_bytes), dtype=np.uint8) if self.k_quantized
+                     else zeros((L, N, H, D), dtype=sdt))
+        self.values = (zeros((L, N, H, config.v_row_bytes), dtype=np.uint8) if self.v_quantized
+                       else zeros(vshape, dtype=sdt))
+        if self.quantized:
+            self._init_quantized()
         self._key_shape = (H, D)
         self._value_shape = (H, Dv)
         self._sdt = sdt
@@ -191,8 +200,10 @@ class KVStorage:
             # indexed [cell, head, dim] whatever the layout (permuted V transposed); 16-bit data
             # as uint16 (Numba's CPU target has no float16), float32 as it is
             raw = np.dtype(np.uint16) if sdt.itemsize == 2 else sdt
-            self._k_layers = [self.keys[i].view(raw) for i in range(L)]
-            self._v_layers = [(self.values[i].view(raw).transpose(2, 0, 1) if self.permuted
+            self._k_layers = [self.keys[i] if self.k_quantized else self.keys[i].view(raw)
+                              for i in range(L)]
+            self._v_layers = [(self.values[i] if self.v_quantized
+                               else self.values[i].view(raw).transpose(2, 0, 1) if self.permuted
                                else self.values[i].view(raw)) for i in range(L)]
         else:
             self._k_layers = [self.keys[i] for i in range(L)]
@@ -372,6 +383,9 @@ class KVStorage:
             raise ValueError(f"slots must be < n_cells={self.n_cells}, got {int(slots.max())}")
         if problem == 2:
             raise ValueError("slots must not name the same cell twice")
+        if self.quantized:
+            self._put_quantized(layer, slots, -1, key, value)
+            return
         if self.device == "cpu":
             _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], slots, key, value)
             return
@@ -401,6 +415,9 @@ class KVStorage:
             raise ValueError(f"start must be an integer with 0 <= start and start + batch "
                              f"({batch}) <= n_cells={self.n_cells}, got {start!r}")
         if batch == 0:
+            return
+        if self.quantized:
+            self._put_quantized(layer, None, int(start), key, value)
             return
         if self.device == "cpu":
             _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], None, key, value,
@@ -513,6 +530,9 @@ class KVStorage:
             raise ValueError("moves' lengths must be >= 0")
         if min(src.min(), dst.min()) < 0 or max((src + ln).max(), (dst + ln).max()) > self.n_cells:
             raise ValueError(f"moves must stay inside the {self.n_cells} cells")
+        if self.quantized:
+            self._move_quantized(moves)
+            return
         with self._on_device():
             _move.launch(self.device, self.keys, self.values, moves, self.permuted)
 
@@ -529,6 +549,9 @@ class KVStorage:
         for name, a in (("src", src), ("dst", dst)):
             if a.min() < 0 or a.max() >= self.n_cells:
                 raise ValueError(f"{name} cells must be in [0, {self.n_cells})")
+        if self.quantized:  # in order, as one-cell moves (what move.copy_launch does)
+            self._move_quantized(np.stack([src, dst, np.ones_like(src)], axis=1).astype(np.int64))
+            return
         with self._on_device():
             _move.copy_launch(self.device, self.keys, self.values, src, dst, self.permuted)
 
@@ -555,9 +578,100 @@ class KVStorage:
                 raise ValueError("layers must not repeat")
         if cells.size == 0:
             return
+        if self.k_quantized:
+            if self.config.head_dim > _quant.MAX_ROTATE_DIM:
+                raise ValueError(f"the rotary shift on quantized keys takes head_dim <= "
+                                 f"{_quant.MAX_ROTATE_DIM}, got {self.config.head_dim}")
+            with self._on_device():
+                _quant.rope_launch(self.device, self.keys, self.config.head_dim, cells, deltas,
+                                   inv_freq, rope.neox, self._k_fmt, self._k_scales, layers)
+            return
         with self._on_device():
             _rope.launch(self.device, self.keys, self.dtype, cells, deltas, inv_freq, rope.neox,
                          layers)
+
+    # ---------------------------------------------------------------- quantized K/V
+    def _init_quantized(self) -> None:
+        """Formats, per-layer scales (on the device) and the lazily allocated dequantize
+        scratch of a cache with a quantized side."""
+        cfg = self.config
+        self._k_fmt = _quant.FORMATS.get(cfg.k_dtype, 0)
+        self._v_fmt = _quant.FORMATS.get(cfg.v_dtype, 0)
+        self._k_scales = self.xp.asarray(cfg.layer_scales("k"))
+        self._v_scales = self.xp.asarray(cfg.layer_scales("v"))
+        #: ``[n_cells, n_kv_heads, dim]`` in ``dtype``, reused by every dequantizing get()
+        self._k_scratch = None
+        self._v_scratch = None
+
+    def _put_quantized(self, layer: int, slots, start: int, key, value) -> None:
+        """put/put_range for a cache with a quantized side (inputs checked): the quantized
+        side through the quantize kernel, a float side by a plain array copy."""
+        with self._on_device():
+            for quantized, fmt, scales, store, x in (
+                    (self.k_quantized, self._k_fmt, self._k_scales, self.keys, key),
+                    (self.v_quantized, self._v_fmt, self._v_scales, self.values, value)):
+                if quantized:
+                    _quant.put_launch(self.device, store, layer, x, slots, start, fmt, scales,
+                                      self.dtype)
+                    continue
+                if slots is None:
+                    idx, rows = slice(start, start + x.shape[0]), x
+                else:
+                    keep = slots >= 0
+                    idx = self.xp.asarray(slots[keep].astype(np.int64))
+                    rows = x if keep.all() else x[self.xp.asarray(np.flatnonzero(keep))]
+                if store is self.values and self.permuted:
+                    store[layer][:, :, idx] = rows.transpose(1, 2, 0)
+                else:
+                    store[layer][idx] = rows
+
+    def dequantized_views(self, layer: int, lo: int, hi: int):
+        """``(key, value)`` of cells ``lo .. hi-1`` of ``layer`` in the cache's ``dtype`` (raw
+        storage dtype, as :meth:`key_view`): a quantized side is dequantized into this storage's
+        scratch, which the next call overwrites; a float side is a view of the storage."""
+        layer = self._check_layer(layer)
+        lo, hi = self._check_range(lo, hi)
+        cfg = self.config
+        out = []
+        with self._on_device():
+            for quantized, which, dim in ((self.k_quantized, "k", cfg.head_dim),
+                                          (self.v_quantized, "v", cfg.v_head_dim)):
+                if not quantized:
+                    out.append(self.key_view(layer, lo, hi) if which == "k"
+                               else self.value_view(layer, lo, hi))
+                    continue
+                name = f"_{which}_scratch"
+                scratch = getattr(self, name)
+                if scratch is None:
+                    zeros = self.xp.zeros if self.device == "cuda" else _host_zeros
+                    scratch = zeros((self.n_cells, cfg.n_kv_heads, dim), dtype=self._sdt)
+                    setattr(self, name, scratch)
+                view = scratch[:hi - lo]
+                _quant.get_launch(self.device, self.keys if which == "k" else self.values,
+                                  layer, lo, view, getattr(self, f"_{which}_fmt"),
+                                  getattr(self, f"_{which}_scales"), self.dtype)
+                out.append(view)
+        return out[0], out[1]
+
+    def quantized_views(self, layer: int, lo: int, hi: int):
+        """Raw rows ``(key, value)`` of cells ``lo .. hi-1``: uint8 ``[hi-lo, n_kv_heads,
+        row_bytes]`` views for a quantized side (ggml block layout); a float side is viewed as
+        its bytes, ``[hi-lo, n_kv_heads, dim * itemsize]`` (not when stored permuted)."""
+        layer = self._check_layer(layer)
+        lo, hi = self._check_range(lo, hi)
+        k = self.keys[layer, lo:hi]
+        if self.permuted:
+            raise ValueError("get_quantized() needs V in the row layout (permuted_v=False)")
+        v = self.values[layer, lo:hi]
+        return k if self.k_quantized else k.view(np.uint8), \
+            v if self.v_quantized else v.view(np.uint8)
+
+    def _move_quantized(self, moves: np.ndarray) -> None:
+        """A move plan (validated) on a cache with a quantized side: each array on its raw bytes,
+        in order (K, then V: the arrays are independent)."""
+        with self._on_device():
+            _quant.move_launch(self.device, self.keys, moves)
+            _quant.move_launch(self.device, self.values, moves, 3 if self.permuted else 1)
 
     # ---------------------------------------------------------------- state
     def _check_cells(self, cells, name: str = "cells", distinct: bool = False) -> np.ndarray:
@@ -594,14 +708,16 @@ class KVStorage:
         cells = self._check_cells(cells, distinct=True)
         cfg = self.config
         n = cells.shape[0]
-        for name, x, d in (("k", k, cfg.head_dim), ("v", v, cfg.v_head_dim)):
+        v_row = self.values.shape[2] if self.permuted else self.values.shape[3]
+        for name, x, d, dt in (("k", k, self.keys.shape[3], self.keys.dtype),
+                               ("v", v, v_row, self.values.dtype)):
             if not isinstance(x, np.ndarray):
                 raise ValueError(f"{name} must be a host numpy array, got {type(x).__name__}")
             want = (cfg.n_layers, n, cfg.n_kv_heads, d)
             if x.shape != want:
                 raise ValueError(f"{name} must have shape {want}, got {x.shape}")
-            if x.dtype != cfg.storage_dtype:
-                raise ValueError(f"{name} must have the storage dtype {cfg.storage_dtype} "
+            if x.dtype != dt:
+                raise ValueError(f"{name} must have the storage dtype {dt} "
                                  f"({self.dtype}), got {x.dtype}")
         if n == 0:
             return

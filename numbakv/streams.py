@@ -99,6 +99,10 @@ class StreamCache(CausalCache):
                  swa_memory: Optional[int] = None, chunk_size: Optional[int] = None) -> None:
         if not isinstance(config, CacheConfig) or config.unified:
             raise ValueError("StreamCache needs a numbakv.CacheConfig with unified=False")
+        if config.k_quantized or config.v_quantized:
+            raise NotSupportedError(
+                f"quantized K/V (k_dtype={config.k_dtype!r}, v_dtype={config.v_dtype!r}) is not "
+                "supported with unified=False yet: use a unified cache or a float dtype")
         self.config = config
         self.device = resolve_device(config.device)
         self._xp = array_module(self.device)

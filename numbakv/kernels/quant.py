@@ -1,0 +1,551 @@
+"""quantized K/V: quantize on put, dequantize a cell range, the rotary shift on quantized keys,
+and raw moves of quantized (or any) storage rows.
+
+Storage of a quantized side is ``uint8 [n_layers, n_cells, n_kv_heads, row_bytes]``, one row per
+(cell, head), its blocks running along the head dim:
+
+- ``q8_0`` (ggml): per 32 values an f16 scale ``d = amax / 127`` (little-endian) then 32 int8s
+  ``round(x * (1/d))`` (half away from zero), 34 bytes.
+- ``q4_0`` (ggml): per 32 values an f16 ``d = m / -8`` (``m`` the signed value of largest
+  magnitude, the first one on ties) then 16 bytes: ``min(15, int(x * (1/d) + 8.5))``, element
+  ``j`` in the low nibble of byte ``j`` and element ``j + 16`` in the high nibble, 18 bytes.
+- ``float8_e4m3``: one float8_e4m3fn byte per value, ``stored = x / scale`` with a per-layer
+  scale (vLLM's fp8 KV cache), rounded to nearest even, saturating at +-448 (CUDA's
+  ``__NV_SATFINITE``, which vLLM uses): infinities become +-448, NaN stays NaN (0x7F/0xFF).
+
+All math is float32, exactly as ggml's reference (``ggml_quantize_row_q8_0_ref``; numpy's
+``gguf.quants``) does it, so blocks are bit-identical to ggml's for finite inputs. **Non-finite
+inputs** (ggml leaves them undefined): a q8_0/q4_0 block holding a NaN or an infinity is stored
+with a NaN scale (f16 0x7E00) and zero quants, so every value of that block dequantizes to NaN
+(what the gguf reference gives for a NaN block) instead of becoming finite garbage.
+
+Dequantized values are ``d * q`` (float32) then rounded to the cache's ``dtype``. The rotary
+shift dequantizes a key row into float32, rotates it with :mod:`.rope`'s pair math and
+requantizes it, in one pass per (layer, cell, head): ``quantize(rotate(dequantize(k)))``.
+"""
+
+from __future__ import annotations
+
+import types as pytypes
+
+import numpy as np
+from numba import cuda, njit, types
+
+from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, device_arg, f16_bits_to_f32,
+                      f32_to_bf16_bits, f32_to_f16_bits, launch as _launch, to_device)
+from ._registry import cuda_kernel, element
+from .move import move_step, normalize
+from .rope import load_f32, pair_index, rotate_pair, storage_kind, tables
+
+#: storage formats (kernel argument ``fmt``)
+FMT_Q8_0, FMT_Q4_0, FMT_F8 = 1, 2, 3
+FORMATS = {"q8_0": FMT_Q8_0, "q4_0": FMT_Q4_0, "float8_e4m3": FMT_F8}
+#: values per block and bytes per block of each format (a float8 "block" is one value)
+BLOCK_VALUES = {FMT_Q8_0: 32, FMT_Q4_0: 32, FMT_F8: 1}
+BLOCK_BYTES = {FMT_Q8_0: 34, FMT_Q4_0: 18, FMT_F8: 1}
+#: the longest key row the rotary shift takes (a float32 row per GPU thread in local memory)
+MAX_ROTATE_DIM = 1024
+
+
+def _bound_element(names: dict):
+    """:func:`element`, with the helper names ``fn`` calls bound per target: an element function
+    that takes arrays must call the same target's form of the next one (the simulator hands
+    kernels array wrappers that CPU ``@njit`` code cannot take). ``names`` maps a helper's name
+    to its :class:`Element`; the CPU form sees each ``.cpu``, the CUDA form each ``.cuda``."""
+    def wrap(fn):
+        def bound(form):
+            g = dict(fn.__globals__)
+            g.update({k: getattr(v, form) for k, v in names.items()})
+            return pytypes.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__,
+                                        fn.__closure__)
+        e = element(bound("cpu"))
+        e.cuda = element(bound("cuda")).cuda  # compiled lazily: only the used forms build
+        e.py_func = fn
+        return e
+    return wrap
+
+
+_FLT_MAX = np.float32(3.4028234663852886e38)
+
+
+# --------------------------------------------------------------------------------------------
+# float8_e4m3fn conversions (bias 7, 3 mantissa bits, no infinities, max 448, NaN 0x7F)
+
+@element
+def f32_to_e4m3(x):
+    """float32 to float8_e4m3fn bits: round to nearest even, saturate to +-448, NaN kept."""
+    b = np.int64(np.float32(x).view(np.uint32))
+    sign = (b >> 24) & 0x80
+    a = abs(np.float32(x))
+    out = 0x7F
+    if a == a:  # not NaN
+        if a >= np.float32(448.0):
+            out = 0x7E
+        elif a >= np.float32(0.015625):  # normal: 2**-6 and up
+            e = ((b >> 23) & 0xFF) - 127
+            m = b & 0x7FFFFF
+            keep = m >> 20
+            rem = m & 0xFFFFF
+            up = 1 if (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) != 0)) else 0
+            out = ((e + 7) << 3) + keep + up  # a mantissa carry moves into the exponent
+        else:  # subnormal: k * 2**-9, k in 0..8 (8 is the smallest normal, 0x08)
+            y = a * np.float32(512.0)
+            k = np.int64(y)
+            r = y - np.float32(k)
+            if (r > np.float32(0.5)) | ((r == np.float32(0.5)) & ((k & 1) != 0)):
+                k += 1
+            out = k
+    return np.uint8(sign | out)
+
+
+@element
+def e4m3_to_f32(v):
+    """float8_e4m3fn bits to float32 (exact)."""
+    v = np.int64(v)
+    e = (v >> 3) & 0xF
+    m = v & 0x7
+    if (v & 0x7F) == 0x7F:
+        y = np.float32(np.nan)
+    elif e == 0:
+        y = np.float32(m) * np.float32(0.001953125)  # 2**-9
+    else:
+        bits = ((e + 120) << 23) | (m << 20)
+        y = np.uint32(bits).view(np.float32)
+    return -y if (v & 0x80) != 0 else y
+
+
+#: the helpers of the block math (bound per target by _bound_element)
+_BLOCK_HELPERS = {"_f16_to_f32": f16_bits_to_f32, "_f32_to_f16": f32_to_f16_bits,
+                  "_f32_to_bf16": f32_to_bf16_bits, "_to_e4m3": f32_to_e4m3,
+                  "_from_e4m3": e4m3_to_f32, "_load": load_f32}
+
+
+# --------------------------------------------------------------------------------------------
+# block math (element functions: one block of one (cell, head) row; rows are 1-d views, which
+# the CPU twins index about 25x faster than 4-d arrays - measured)
+
+@_bound_element(_BLOCK_HELPERS)
+def quantize_block(x, j0, n, kind, q, b0, fmt, scale):
+    """Quantize values ``x[j0 : j0 + block]`` (a row stored as ``kind``, see rope.load_f32)
+    into the block at byte ``b0`` of the byte row ``q`` (uint8) in format ``fmt``. A ggml
+    block is 32 values; float8 has no blocks, so ``n`` values (bytes) are done in one call."""
+    if fmt == 3:
+        for i in range(n):
+            q[b0 + i] = _to_e4m3(_load(x[j0 + i], kind) / scale)
+        return
+    amax = np.float32(0.0)
+    vmax = np.float32(0.0)
+    finite = True
+    for i in range(32):
+        v = _load(x[j0 + i], kind)
+        a = abs(v)
+        if not (a <= _FLT_MAX):
+            finite = False
+        elif i == 0 or a > amax:  # the first of equal magnitudes wins, as in ggml
+            amax = a
+            vmax = v
+    n_q = 32 if fmt == 1 else 16
+    if not finite:
+        q[b0] = np.uint8(0x00)  # f16 NaN 0x7E00, little-endian
+        q[b0 + 1] = np.uint8(0x7E)
+        for i in range(n_q):
+            q[b0 + 2 + i] = np.uint8(0)
+        return
+    if fmt == 1:
+        d = amax / np.float32(127.0)
+    else:
+        d = vmax / np.float32(-8.0)
+    inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    bits = np.int64(_f32_to_f16(d))
+    q[b0] = np.uint8(bits & 0xFF)
+    q[b0 + 1] = np.uint8(bits >> 8)
+    if fmt == 1:
+        for i in range(32):
+            y = _load(x[j0 + i], kind) * inv
+            a = abs(y)
+            fl = np.int64(a)  # floor (a >= 0); then half away from zero as ggml's roundf
+            r = fl + np.int64(np.float32(2.0) * (a - np.float32(fl)))
+            r = -r if y < np.float32(0.0) else r
+            q[b0 + 2 + i] = np.uint8(r & 0xFF)
+    else:
+        for i in range(16):
+            lo = np.int64(_load(x[j0 + i], kind) * inv + np.float32(8.5))
+            hi = np.int64(_load(x[j0 + 16 + i], kind) * inv + np.float32(8.5))
+            q[b0 + 2 + i] = np.uint8(min(15, lo) | (min(15, hi) << 4))
+
+
+@_bound_element(_BLOCK_HELPERS)
+def dequantize_block(q, b0, n, fmt, scale, out, j0, kind):
+    """The block at byte ``b0`` of the byte row ``q`` as values ``out[j0 : j0 + block]``
+    (float32 math, stored as ``kind``); float8: ``n`` values in one call. The stores are written
+    out here, not called: a helper taking the array per value cost the CPU twin 20x
+    (measured)."""
+    if fmt == 3:
+        for i in range(n):
+            y = _from_e4m3(q[b0 + i]) * scale
+            if kind == 1:
+                out[j0 + i] = _f32_to_f16(y)
+            elif kind == 2:
+                out[j0 + i] = _f32_to_bf16(y)
+            else:
+                out[j0 + i] = y
+        return
+    d = _f16_to_f32(np.int64(q[b0]) | (np.int64(q[b0 + 1]) << 8))
+    for half in range(1 if fmt == 1 else 2):
+        shift = 4 * half
+        for i in range(32 if fmt == 1 else 16):
+            if fmt == 1:
+                y = d * np.float32(np.int8(q[b0 + 2 + i]))
+            else:
+                y = d * np.float32(((np.int64(q[b0 + 2 + i]) >> shift) & 0xF) - 8)
+            j = j0 + 16 * half + i
+            if kind == 1:
+                out[j] = _f32_to_f16(y)
+            elif kind == 2:
+                out[j] = _f32_to_bf16(y)
+            else:
+                out[j] = y
+
+
+@_bound_element({"_dequantize": dequantize_block, "_quantize": quantize_block,
+                 "_pair": pair_index, "_rotate": rotate_pair})
+def rotate_row(q, work, dim, fmt, scale, cos_t, sin_t, u, neox):
+    """The quantized key row ``q`` (bytes of ``dim`` values) turned by table row ``u`` of the
+    cos/sin tables: dequantized into ``work`` (float32, ``>= dim``), rotated pair by pair with
+    rope.py's math, requantized in place."""
+    per = dim if fmt == 3 else 32  # float8: the whole row as one "block"
+    nbytes = dim if fmt == 3 else (34 if fmt == 1 else 18)
+    for blk in range(dim // per):
+        _dequantize(q, blk * nbytes, per, fmt, scale, work, blk * per, 0)
+    half = cos_t.shape[1]
+    for p in range(half):
+        i0, i1 = _pair(p, half, neox)
+        a2, b2 = _rotate(work[i0], work[i1], cos_t[u, p], sin_t[u, p])
+        work[i0] = a2
+        work[i1] = b2
+    for blk in range(dim // per):
+        _quantize(work, blk * per, per, 0, q, blk * nbytes, fmt, scale)
+
+
+_quantize_cpu = quantize_block.cpu
+_dequantize_cpu = dequantize_block.cpu
+_quantize_cuda = quantize_block.cuda
+_dequantize_cuda = dequantize_block.cuda
+_rotate_row_cpu = rotate_row.cpu
+_rotate_row_cuda = rotate_row.cuda
+_move_step_cuda = move_step.cuda
+_move_step_cpu = move_step.cpu
+
+
+def _arr(dt, nd):
+    return types.Array(dt, nd, "A")
+
+
+_IN_TYPES = (types.float16, types.float32, types.uint16)
+_PUT_SIGS = [(_arr(types.uint8, 4), _arr(dt, 3), _arr(types.int32, 1), types.int64, types.int64,
+              types.int64, _arr(types.float32, 1), types.int64) for dt in _IN_TYPES]
+_GET_SIGS = [(_arr(types.uint8, 4), types.int64, types.int64, types.int64,
+              _arr(types.float32, 1), _arr(dt, 3), types.int64) for dt in _IN_TYPES]
+_ROPE_SIGS = [(_arr(types.uint8, 4), _arr(types.int32, 1), _arr(types.int32, 1),
+               _arr(types.int32, 1), _arr(types.float32, 2), _arr(types.float32, 2), types.int64,
+               types.int64, _arr(types.float32, 1), types.int64)]
+_MOVE_SIGS = [(_arr(w, 4), _arr(types.int64, 2)) for w in (types.uint8, types.uint16,
+                                                           types.uint32, types.uint64)]
+
+
+# --------------------------------------------------------------------------------------------
+# put: quantize a batch into one layer
+
+@cuda_kernel("quant_put", _PUT_SIGS)
+def quant_put_kernel(q, x, slots, start, layer, fmt, scales, kind):
+    """Grid x: (head, block) of a row; y: tokens (grid-striding). Token ``t`` goes to cell
+    ``start + t`` (``start >= 0``) or ``slots[t]`` (negative: skipped)."""
+    per = 1 if fmt == 3 else 32
+    nbytes = 1 if fmt == 3 else (34 if fmt == 1 else 18)
+    nblk = x.shape[2] // per
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r >= x.shape[1] * nblk:
+        return
+    h = r // nblk
+    blk = r - h * nblk
+    scale = scales[layer]
+    t = cuda.blockIdx.y
+    while t < x.shape[0]:
+        cell = start + t if start >= 0 else np.int64(slots[t])
+        if cell >= 0:
+            _quantize_cuda(x[t, h], blk * per, per, kind, q[layer, cell, h], blk * nbytes, fmt,
+                           scale)
+        t += cuda.gridDim.y
+
+
+# The CPU twins run their loops once per format with the format a literal (an inlined body per
+# branch), so the per-value format tests fold away: measured 10x faster than a runtime format.
+
+@njit(inline="always")
+def _put_rows_cpu(q, x, slots, start, layer, fmt, scale, kind):
+    per = x.shape[2] if fmt == 3 else 32  # float8: a whole row per call
+    nbytes = x.shape[2] if fmt == 3 else (34 if fmt == 1 else 18)
+    nblk = x.shape[2] // per
+    for t in range(x.shape[0]):
+        cell = start + t if start >= 0 else np.int64(slots[t])
+        if cell < 0:
+            continue
+        for h in range(x.shape[1]):
+            x_row = x[t, h]
+            q_row = q[layer, cell, h]
+            for blk in range(nblk):
+                _quantize_cpu(x_row, blk * per, per, kind, q_row, blk * nbytes, fmt, scale)
+
+
+@njit(cache=True)
+def quant_put_cpu(q, x, slots, start, layer, fmt, scales, kind):
+    """CPU twin of :func:`quant_put_kernel`."""
+    scale = scales[layer]
+    if fmt == 1:
+        _put_rows_cpu(q, x, slots, start, layer, 1, scale, kind)
+    elif fmt == 2:
+        _put_rows_cpu(q, x, slots, start, layer, 2, scale, kind)
+    else:
+        _put_rows_cpu(q, x, slots, start, layer, 3, scale, kind)
+
+
+# --------------------------------------------------------------------------------------------
+# get: dequantize cells lo .. lo + n - 1 of one layer into out [n, heads, dim]
+
+@cuda_kernel("quant_get", _GET_SIGS)
+def quant_get_kernel(q, layer, lo, fmt, scales, out, kind):
+    """Grid x: (head, block); y: cells (grid-striding)."""
+    per = 1 if fmt == 3 else 32
+    nbytes = 1 if fmt == 3 else (34 if fmt == 1 else 18)
+    nblk = out.shape[2] // per
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r >= out.shape[1] * nblk:
+        return
+    h = r // nblk
+    blk = r - h * nblk
+    scale = scales[layer]
+    c = cuda.blockIdx.y
+    while c < out.shape[0]:
+        _dequantize_cuda(q[layer, lo + c, h], blk * nbytes, per, fmt, scale, out[c, h],
+                         blk * per, kind)
+        c += cuda.gridDim.y
+
+
+@njit(inline="always")
+def _get_rows_cpu(q, layer, lo, fmt, scale, out, kind):
+    per = out.shape[2] if fmt == 3 else 32  # float8: a whole row per call
+    nbytes = out.shape[2] if fmt == 3 else (34 if fmt == 1 else 18)
+    nblk = out.shape[2] // per
+    for c in range(out.shape[0]):
+        for h in range(out.shape[1]):
+            q_row = q[layer, lo + c, h]
+            out_row = out[c, h]
+            for blk in range(nblk):
+                _dequantize_cpu(q_row, blk * nbytes, per, fmt, scale, out_row, blk * per, kind)
+
+
+@njit(cache=True)
+def quant_get_cpu(q, layer, lo, fmt, scales, out, kind):
+    """CPU twin of :func:`quant_get_kernel` (one inlined body per format, see put)."""
+    scale = scales[layer]
+    if fmt == 1:
+        _get_rows_cpu(q, layer, lo, 1, scale, out, kind)
+    elif fmt == 2:
+        _get_rows_cpu(q, layer, lo, 2, scale, out, kind)
+    else:
+        _get_rows_cpu(q, layer, lo, 3, scale, out, kind)
+
+
+# --------------------------------------------------------------------------------------------
+# rotary shift on quantized keys
+
+@cuda_kernel("quant_rope_shift", _ROPE_SIGS)
+def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+    """Grid x: heads; y: cells (grid-striding); z: layers (grid-striding). Each thread
+    dequantizes one key row into local float32, rotates it and requantizes it."""
+    h = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if h >= q.shape[2]:
+        return
+    work = cuda.local.array(MAX_ROTATE_DIM, np.float32)
+    c = cuda.blockIdx.y
+    while c < cells.shape[0]:
+        z = cuda.blockIdx.z
+        while z < layers.shape[0]:
+            layer = layers[z]
+            _rotate_row_cuda(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t, sin_t,
+                             tab[c], neox)
+            z += cuda.gridDim.z
+        c += cuda.gridDim.y
+
+
+@njit(inline="always")
+def _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+    work = np.empty(dim, np.float32)
+    for c in range(cells.shape[0]):
+        for z in range(layers.shape[0]):
+            layer = layers[z]
+            for h in range(q.shape[2]):
+                _rotate_row_cpu(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t,
+                                sin_t, tab[c], neox)
+
+
+@njit(cache=True)
+def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+    """CPU twin of :func:`quant_rope_kernel` (one inlined body per format, see put)."""
+    if fmt == 1:
+        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 1)
+    elif fmt == 2:
+        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 2)
+    else:
+        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# raw moves: a plan of (src, dst, length) moves over one array's raw words, in order
+
+@cuda_kernel("quant_move", _MOVE_SIGS)
+def raw_move_kernel(arr, moves):
+    """``arr [layers, cells, heads', words]`` (any strides); grid x: lanes (head', word);
+    z: layers (grid-striding). Each lane runs the whole plan in order (each move a memmove), so
+    the plan's sequential meaning holds without synchronisation."""
+    nh = arr.shape[2]
+    nw = arr.shape[3]
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r >= nh * nw:
+        return
+    h = r // nw
+    w = r - h * nw
+    layer = cuda.blockIdx.z
+    while layer < arr.shape[0]:
+        for m in range(moves.shape[0]):
+            for step in range(moves[m, 2]):
+                s, d = _move_step_cuda(moves[m, 0], moves[m, 1], moves[m, 2], step)
+                arr[layer, d, h, w] = arr[layer, s, h, w]
+        layer += cuda.gridDim.z
+
+
+@njit(cache=True)
+def raw_move_cpu(arr, moves):
+    """CPU twin of :func:`raw_move_kernel` (whole rows per step)."""
+    for layer in range(arr.shape[0]):
+        for m in range(moves.shape[0]):
+            for step in range(moves[m, 2]):
+                s, d = _move_step_cpu(moves[m, 0], moves[m, 1], moves[m, 2], step)
+                for h in range(arr.shape[2]):
+                    for w in range(arr.shape[3]):
+                        arr[layer, d, h, w] = arr[layer, s, h, w]
+
+
+# --------------------------------------------------------------------------------------------
+# launchers (inputs validated by the caller: KVStorage)
+
+def _kind(device: str, dtype: str):
+    return storage_kind(device, dtype)
+
+
+def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scales,
+               dtype: str) -> None:
+    """Quantize ``x [batch, n_kv_heads, dim]`` (the cache's ``dtype``) into layer ``layer`` of
+    ``q [n_layers, n_cells, n_kv_heads, row_bytes]`` (uint8) at ``slots`` (int32 host; negative
+    skips) or, when ``start >= 0``, at ``start + t``; ``scales`` float32 ``[n_layers]``."""
+    batch = x.shape[0]
+    if batch == 0:
+        return
+    view_dtype, kind = _kind(device, dtype)
+    if slots is None:
+        slots = np.zeros(1, np.int32)
+    if device == "cpu":
+        quant_put_cpu(q, x.view(view_dtype), slots, int(start), int(layer), fmt, scales, kind)
+        return
+    (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
+    nb = block_size(device)
+    nblk = x.shape[2] // BLOCK_VALUES[fmt]
+    grid = (cdiv(x.shape[1] * nblk, nb), min(batch, MAX_GRID_YZ))
+    _launch(device, quant_put_kernel, grid, nb,
+            (device_arg(device, q), device_arg(device, x, view_dtype), slots_d, int(start),
+             int(layer), fmt, device_arg(device, scales), kind))
+    del keep
+
+
+def get_launch(device: str, q, layer: int, lo: int, out, fmt: int, scales, dtype: str) -> None:
+    """Dequantize cells ``lo .. lo + len(out) - 1`` of layer ``layer`` into ``out [n,
+    n_kv_heads, dim]`` (the cache's ``dtype``)."""
+    n = out.shape[0]
+    if n == 0:
+        return
+    view_dtype, kind = _kind(device, dtype)
+    if device == "cpu":
+        quant_get_cpu(q, int(layer), int(lo), fmt, scales, out.view(view_dtype), kind)
+        return
+    nb = block_size(device)
+    nblk = out.shape[2] // BLOCK_VALUES[fmt]
+    grid = (cdiv(out.shape[1] * nblk, nb), min(n, MAX_GRID_YZ))
+    _launch(device, quant_get_kernel, grid, nb,
+            (device_arg(device, q), int(layer), int(lo), fmt, device_arg(device, scales),
+             device_arg(device, out, view_dtype), kind))
+
+
+def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, fmt: int,
+                scales, layers=None) -> None:
+    """Rotate quantized keys ``q [n_layers, n_cells, n_kv_heads, row_bytes]`` (``dim`` values a
+    row) of ``cells`` by ``deltas`` (a cell listed twice turns by the sum; zero deltas are
+    skipped), in ``layers`` (all when None): dequantize, rotate in float32, requantize."""
+    from .rope import _merge
+    cells, deltas = _merge(cells, deltas)
+    layers = (np.arange(q.shape[0], dtype=np.int32) if layers is None
+              else np.asarray(layers, dtype=np.int32).reshape(-1))
+    inv_freq = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
+    if cells.size == 0 or layers.size == 0 or inv_freq.size == 0:
+        return
+    tab, cos_t, sin_t = tables(deltas, inv_freq)
+    if device == "cpu":
+        quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, int(bool(neox)), int(dim), scales,
+                       fmt)
+        return
+    dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
+    nb = block_size(device)
+    grid = (cdiv(q.shape[2], nb), min(cells.size, MAX_GRID_YZ), min(layers.size, MAX_GRID_YZ))
+    _launch(device, quant_rope_kernel, grid, nb,
+            (device_arg(device, q),) + tuple(dev_in) + (int(bool(neox)), int(dim),
+                                                       device_arg(device, scales), fmt))
+    del keep
+
+
+def raw_words(arr, cell_axis: int = 1):
+    """``arr`` (a storage array ``[layers, cells, heads, dim]``, or permuted V ``[layers, heads,
+    dim, cells]`` with ``cell_axis=3``) as ``[layers, cells, heads', words]`` of unsigned words:
+    whole rows in 8/4/2-byte words where they tile, else per element."""
+    isz = arr.dtype.itemsize
+    u = arr.view(UINT[isz])
+    if cell_axis == 3:
+        return u.transpose(0, 3, 1, 2)
+    lay, n = arr.shape[:2]
+    row = int(np.prod(arr.shape[2:])) * isz
+    for w in (8, 4, 2, 1):
+        if row % w == 0 and (arr.data.ptr if hasattr(arr.data, "ptr") else 0) % w == 0:
+            return u.reshape(lay, n, -1).view(UINT[w]).reshape(lay, n, 1, row // w)
+    return u
+
+
+def move_launch(device: str, arr, moves, cell_axis: int = 1) -> None:
+    """Apply the plan ``moves`` (int ``[m, 3]``: src, dst, length; in order, each a memmove) to
+    every layer of one storage array, on its raw bytes."""
+    moves = normalize(moves)
+    if moves.shape[0] == 0:
+        return
+    words = raw_words(arr, cell_axis)
+    if device == "cpu":
+        raw_move_cpu(words, moves)
+        return
+    (moves_d,), keep = to_device(device, moves)
+    nb = block_size(device)
+    grid = (cdiv(words.shape[2] * words.shape[3], nb), 1, min(words.shape[0], MAX_GRID_YZ))
+    _launch(device, raw_move_kernel, grid, nb, (device_arg(device, words), moves_d))
+    del keep
+
+
+__all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "FORMATS",
+           "MAX_ROTATE_DIM", "dequantize_block", "e4m3_to_f32", "f32_to_e4m3", "get_launch",
+           "move_launch", "put_launch", "quant_get_kernel", "quant_put_kernel",
+           "quant_rope_kernel", "quantize_block", "raw_move_kernel", "raw_words", "rope_launch",
+           "rotate_row"]
