@@ -21,3 +21,12 @@ class StateError(KVCacheError):
 
 
 __all__ = ["KVCacheError", "KVCacheFullError", "NotSupportedError", "StateError"]
+
+
+class ConcurrentUseError(KVCacheError):
+    """A second thread entered a cache while another thread was inside one of its methods. A
+    cache is meant for one thread at a time (as Ollama's and llama.cpp's are): use a lock
+    around it, or one cache per thread."""
+
+
+__all__ += ["ConcurrentUseError"]
