@@ -606,7 +606,9 @@ def _read_file(path: str, what: str) -> memoryview:
     gives short or inconsistent bytes that the parser or the checksum rejects, never a crash.
     OS errors become ``StateError`` naming the path."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (a regular file ignores it)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise StateError(f"{what}: not a regular file")
@@ -744,7 +746,8 @@ def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
 def _fingerprint_diff(saved: Any, current: Any, path: str = "") -> Optional[Tuple[str, Any, Any]]:
     """The first field (dotted path) where the saved fingerprint differs from the cache's."""
     if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current), key=lambda k: (k != "type", str(k))):
+        # the cache's field order (the shift's type first), then fields only the state has
+        for key in list(current) + [k for k in saved if k not in current]:
             diff = _fingerprint_diff(saved.get(key, _MISSING), current.get(key, _MISSING),
                                      f"{path}.{key}" if path else str(key))
             if diff is not None:
