@@ -1088,10 +1088,8 @@ class _SeqPlan(_Plan):
             raise state.fail(f"tensor {prefix}positions has shape {list(t.shape)}, expected "
                              "[k]")
         k = t.shape[0]
-        cap = cache.config.capacity
-        if k > cap:
-            raise state.fail(f"the sequence holds {k} positions, more than the cache's capacity "
-                             f"{cap}{where}")
+        # not bounded by `capacity`: a sequence may hold more than that when others leave room
+        # (Ollama's cells are shared), and a cache must be able to reload its own sequences
         if k > cache.n_cells:
             raise state.fail(f"the sequence holds {k} positions, more than the cache's "
                              f"{cache.n_cells} cells{where}")
@@ -1603,6 +1601,6 @@ def read_info(source: Source, *, verify: bool = True) -> dict:
                 "metadata": state.user_metadata(), "nbytes": state.data_bytes}
 
 
-__all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache", "load_cache", "cache_to_bytes",
-           "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes", "FORMAT",
-           "VERSION", "KINDS", "PROGRESS_THRESHOLD"]
+__all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache", "load_cache",
+           "cache_to_bytes", "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes",
+           "FORMAT", "VERSION", "KINDS", "PROGRESS_THRESHOLD"]

@@ -622,9 +622,11 @@ def test_positions_must_be_valid(states, target):
 def test_counts_bounded_by_the_target(target):
     rng = np.random.default_rng(13)
     big = make("cpu", capacity=40, max_seqs=1)
-    fill(big, 0, range(12), rng)
+    fill(big, 0, range(16), rng)
+    fill(big, 0, range(16, 30), rng)
+    refused(target, big.state_bytes(0), 1, "24 cells")  # 30 > the target's 3 x 8 cells
+    big.seq_rm(0, 12)
     data = big.state_bytes(0)
-    refused(target, data, 1, "capacity")              # 12 > capacity 8
     roomy = make("cpu", capacity=12, max_seqs=2)      # 24 cells
     fill(roomy, 0, range(14), rng)
     fill(roomy, 1, range(3), rng)
