@@ -6,7 +6,8 @@
 """
 
 from .config import CacheConfig, RopeShift
-from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
+from .errors import (ConcurrentUseError, KVCacheError, KVCacheFullError, NotSupportedError,
+                     StateError)
 from .device import resolve_device
 from .simple import RotatingCache, StepCache
 from .causal import CausalCache
@@ -17,3 +18,4 @@ __version__ = "0.1.0"
 __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotSupportedError",
            "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "WrapperCache",
            "EncoderCache", "__version__"]
+__all__ += ["ConcurrentUseError"]
