@@ -15,6 +15,7 @@ public call (measured in tests/test_reliability.py and reported in BENCHMARKS.md
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import Callable, Iterable, TypeVar
 
@@ -34,17 +35,49 @@ def _busy(obj) -> ConcurrentUseError:
 
 
 def _guarded(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        lock = self._thread_guard
-        if not lock.acquire(False):
-            raise _busy(self)
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            lock.release()
+    """``method`` wrapped in the check, with the same parameter list (so no ``*args/**kwargs``
+    repacking on the hot path: that doubled the cost of the check)."""
+    params, call = _signature_source(method)
+    source = (f"def guarded({params}):\n"
+              f"    lock = self._thread_guard\n"
+              f"    if not lock.acquire(False):\n"
+              f"        raise busy(self)\n"
+              f"    try:\n"
+              f"        return method({call})\n"
+              f"    finally:\n"
+              f"        lock.release()\n")
+    namespace = {"method": method, "busy": _busy}
+    exec(source, namespace)  # noqa: S102 - source built from parameter names only
+    guarded = functools.wraps(method)(namespace["guarded"])
+    guarded.__defaults__ = method.__defaults__
+    guarded.__kwdefaults__ = method.__kwdefaults__
     guarded.__numbakv_guarded__ = True
     return guarded
+
+
+def _signature_source(method: Callable):
+    """``(parameter list, call arguments)`` as source text: names only (defaults are copied onto
+    the wrapper), so ``f(self, a, b=1, *rest, c, **kw)`` gives ``"self, a, b, *rest, c, **kw"``
+    and ``"self, a, b, *rest, c=c, **kw"``."""
+    params, call, star = [], [], False
+    for p in inspect.signature(method).parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            call.append(f"*{p.name}")
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            params.append(f"**{p.name}")
+            call.append(f"**{p.name}")
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star:
+                params.append("*")
+                star = True
+            params.append(p.name)
+            call.append(f"{p.name}={p.name}")
+        else:
+            params.append(p.name)
+            call.append(p.name)
+    return ", ".join(params), ", ".join(call)
 
 
 def one_thread_at_a_time(cls: T, *, skip: Iterable[str] = ()) -> T:
