@@ -31,7 +31,7 @@ fully happens or leaves the old file. Loads read the file into memory (never a s
 another process may truncate or rewrite the file while it is read, which through a mapping
 means SIGBUS or bytes changed after they were verified), check everything (structure, format
 version, kind, config, model fingerprint, tensor names, dtypes and shapes, counts against the
-target's capacity, positions, the checksum) before the cache changes, then copy from exactly
+target's cells, positions, the checksum) before the cache changes, then copy from exactly
 the verified bytes layer by layer to the cache's device. Bad input of any kind (truncated,
 rewritten while read, corrupted, hostile headers) raises ``StateError`` saying what did not
 match, OS errors become ``StateError`` naming the path (the ``OSError`` as ``__cause__``), and
