@@ -369,7 +369,7 @@ class CausalCache:
         all its caches first); returns the normalised arguments."""
         self._check_open()
         seq = self._check_seq(seq)
-        begin = _check_index("begin", begin, 0)
+        begin = _check_index("begin", begin, 0, UNLIMITED)
         if end is not None:
             end = _check_index("end", end, begin)
             if end >= UNLIMITED:
@@ -390,7 +390,7 @@ class CausalCache:
         self._check_open()
         src = self._check_seq(src_seq, "src_seq")
         dst = self._check_seq(dst_seq, "dst_seq")
-        length = _check_index("length", length, 0)
+        length = _check_index("length", length, 0, UNLIMITED + 1)
         self.cells.copy_prefix(src, dst, length)
 
     def can_resume(self, seq: int, pos: int) -> bool:
@@ -398,7 +398,7 @@ class CausalCache:
         memory limit; else only when ``pos``'s window lies inside what ``seq`` still holds."""
         self._check_open()
         seq = self._check_seq(seq)
-        pos = _check_index("pos", pos, 0)
+        pos = _check_index("pos", pos, 0, UNLIMITED)
         if self._memory == UNLIMITED:
             return True
         first, last = self.cells.seq_pos_min(seq), self.cells.seq_pos_max(seq)
@@ -449,7 +449,7 @@ class CausalCache:
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
-        delta = _check_index("delta", delta, -UNLIMITED)
+        delta = _check_index("delta", delta, -UNLIMITED, UNLIMITED)
         if delta == 0:
             return
         self._require_shift_for(seq, p0, p1, "seq_add")
@@ -461,7 +461,7 @@ class CausalCache:
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
-        d = _check_index("d", d, 1)
+        d = _check_index("d", d, 1, UNLIMITED)
         if d == 1:
             return
         self._require_shift_for(seq, p0, p1, "seq_div")

@@ -309,6 +309,7 @@ def _tokens_spec(tokens: Optional[np.ndarray], prefix: str = "") -> List[_Spec]:
 def _save(path, build: Callable[[], Tuple[Dict[str, str], List[_Spec]]],
           progress: Optional[bool]) -> None:
     path = _check_path(path)
+    _check_progress(progress)
     meta, specs = build()  # every input check happens here, before a file is created
     try:
         _atomic_write(path, lambda f: _write(f, meta, specs, progress))
@@ -322,6 +323,7 @@ def _os_reason(exc: OSError) -> str:
 
 def _to_bytes(build: Callable[[], Tuple[Dict[str, str], List[_Spec]]],
               progress: Optional[bool]) -> bytes:
+    _check_progress(progress)
     meta, specs = build()
     out = io.BytesIO()
     _write(out, meta, specs, progress, preallocate=True)
@@ -1239,6 +1241,11 @@ def _validate_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq
     return plans, tokens, bar
 
 
+def _check_progress(progress) -> None:
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise ValueError(f"progress must be None or a bool, got {progress!r}")
+
+
 def _check_strict(strict) -> bool:
     if not isinstance(strict, (bool, np.bool_)):
         raise ValueError(f"strict must be a bool, got {strict!r}")
@@ -1250,6 +1257,7 @@ def _load_causal(cache, source: Source, seq, progress: Optional[bool],
     _check_causal(cache)
     s = None if seq is None else _check_seq(cache, seq)
     strict = _check_strict(strict)
+    _check_progress(progress)
     with _Opened(source) as state:
         return _load_into([cache], state, s, "causal-seq", "causal", [state.config], progress,
                           strict)
@@ -1315,6 +1323,7 @@ def _load_wrapper(cache, source: Source, seq, progress: Optional[bool],
     caches = _check_wrapper(cache)
     s = None if seq is None else _check_seq(caches[0], seq)
     strict = _check_strict(strict)
+    _check_progress(progress)
     with _Opened(source) as state:
         groups = state.config.get("groups") if state.kind in _WRAPPER_KINDS else None
         if state.kind in _WRAPPER_KINDS:
@@ -1508,6 +1517,7 @@ def load_simple(source: Source, *, device: str = "auto", return_info: bool = Fal
         source = _check_path(source)
     from .device import resolve_device
     device = resolve_device(device)  # a bad device is the caller's ValueError, checked first
+    _check_progress(progress)
     with _Opened(source) as state:
         cache, info = _load_simple_state(state, device, progress)
     return (cache, info) if return_info else cache
@@ -1569,6 +1579,7 @@ def load(source: Source, cache=None, seq: Optional[int] = None, *, device: str =
     if not isinstance(source, (bytes, bytearray, memoryview)):
         source = _check_path(source)
     strict = _check_strict(strict)
+    _check_progress(progress)
     family = _cache_family(cache)
     if family == "simple":
         raise ValueError("cache must be None to load a StepCache/RotatingCache state (a new "

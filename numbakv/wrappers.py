@@ -376,7 +376,7 @@ class EncoderCache:
         """Removing the position the encoder output belongs to drops it."""
         self._check_open()
         _check_index("seq", seq, 0, self.config.max_seqs)
-        begin = _check_index("begin", begin, 0)
+        begin = _check_index("begin", begin, 0, UNLIMITED)
         end_ = None if end is None else _check_index("end", end, begin)
         if self.encoder_pos is not None and self.encoder_pos >= begin and \
                 (end_ is None or self.encoder_pos < end_):
@@ -389,7 +389,7 @@ class EncoderCache:
         arguments and that the cache is open."""
         self._check_open()
         _check_index("seq", seq, 0, self.config.max_seqs)
-        _check_index("pos", pos, 0)
+        _check_index("pos", pos, 0, UNLIMITED)
         return True
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:

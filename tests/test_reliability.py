@@ -441,3 +441,105 @@ def test_memory_check_respects_rlimit_as():
                          capture_output=True, text=True, timeout=300)
     assert "REFUSED" in out.stdout, out.stdout + out.stderr
     assert "RLIMIT_AS" in out.stdout and "GiB" in out.stdout
+
+
+# ============================================================================ argument sweep
+def _garbage():
+    torch = pytest.importorskip("torch")
+    return {"ragged": [[0, 1], [2]], "meta": torch.zeros(2, dtype=torch.int64, device="meta"),
+            "object": object(), "str": "abc", "none": None, "nan": float("nan"), "huge": 2**70,
+            "neg": -5, "bool": True, "float": 1.5, "dict": {1: 2}, "nested": [[[1]]],
+            "meta3": torch.zeros(2, 2, 8, device="meta"),
+            "meta4": torch.zeros(1, 2, 2, 8, device="meta")}
+
+
+def _sweep_caches():
+    def causal():
+        c = nkv.CausalCache(_cfg(), shift=nkv.RopeShift())
+        _fill(c, 0, range(2), np.random.default_rng(6))
+        c.start_forward([2, 3], [0, 0])
+        return c
+
+    def wrapper():
+        w = nkv.WrapperCache([nkv.CausalCache(_cfg(), shift=nkv.RopeShift()),
+                              nkv.CausalCache(_cfg(), shift=nkv.RopeShift())])
+        _fill(w, 0, range(2), np.random.default_rng(7))
+        w.start_forward([2, 3], [0, 0])
+        return w
+
+    def encoder():
+        e = nkv.EncoderCache(_cfg())
+        e.start_forward([0, 1], [0, 0], encoder_pos=0)
+        return e
+
+    def step():
+        s = nkv.StepCache(step=4, device="cpu")
+        s.update(np.ones((1, H, 2, D), np.float32), np.ones((1, H, 2, D), np.float32))
+        return s
+
+    def rotating():
+        r = nkv.RotatingCache(4, step=2, device="cpu")
+        r.update(np.ones((1, H, 2, D), np.float32), np.ones((1, H, 2, D), np.float32))
+        return r
+    seq_ops = ["remove", "copy_prefix", "can_resume", "seq_rm", "seq_cp", "seq_keep", "seq_add",
+               "seq_div", "seq_pos_min", "seq_pos_max", "state_bytes"]
+    return {"causal": (causal, ["start_forward", "set_layer", "put", "set_causal"] + seq_ops
+                       + ["load_state_bytes", "save_state"]),
+            "wrapper": (wrapper, ["start_forward", "set_layer_type", "set_layer", "put",
+                                  "set_causal", "save_state"] + seq_ops),
+            "encoder": (encoder, ["start_forward", "set_layer", "put", "remove", "can_resume",
+                                  "set_causal"]),
+            "step": (step, ["update", "trim", "state_bytes"]),
+            "rotating": (rotating, ["update", "trim", "state_bytes"])}
+
+
+_GOOD = {"positions": [2, 3], "seqs": [0, 0], "reserve": False, "layer": 0, "except_": [0],
+         "seq": 0, "begin": 0, "end": 1, "src_seq": 0, "dst_seq": 1, "length": 1, "pos": 1,
+         "src": 0, "dst": 1, "p0": 0, "p1": 1, "delta": 1, "d": 2, "tokens": [1],
+         "metadata": {"a": "b"}, "strict": True, "index": 0, "encoder_pos": 0, "n": 1,
+         "progress": False}
+
+
+def _observable(cache):
+    if isinstance(cache, nkv.WrapperCache):
+        return [_snapshot(c) for c in cache.caches]
+    if isinstance(cache, nkv.CausalCache):
+        return [_snapshot(cache)]
+    return None
+
+
+@pytest.mark.parametrize("kind", ["causal", "wrapper", "encoder", "step", "rotating"])
+def test_every_public_argument_rejects_garbage_naming_it(kind, tmp_path):
+    """Each argument of each public method, given garbage of every kind (ragged lists, torch
+    `meta` tensors, objects, strings, None, NaN, huge and negative numbers, bools, dicts):
+    a ValueError or KVCacheError whose message names the argument, and (for the cell caches)
+    nothing changed."""
+    import inspect
+    make, methods = _sweep_caches()[kind]
+    good = dict(_GOOD, path=str(tmp_path / "s.st"),
+                key=np.ones((2, H, D), np.float32), value=np.ones((2, H, D), np.float32),
+                keys=np.ones((1, H, 1, D), np.float32), values=np.ones((1, H, 1, D), np.float32))
+    failures = []
+    for name in methods:
+        params = [p for p in inspect.signature(getattr(type(make()), name)).parameters
+                  if p != "self"]
+        for arg in params:
+            for label, bad in _garbage().items():
+                cache = make()
+                kwargs = {p: good[p] for p in params if p in good}
+                if name == "load_state_bytes":
+                    kwargs["data"] = cache.state_bytes(0)
+                kwargs[arg] = bad
+                before = _observable(cache)
+                try:
+                    getattr(cache, name)(**kwargs)
+                except (ValueError, KVCacheError) as exc:
+                    if arg.rstrip("_") not in str(exc):
+                        failures.append((name, arg, label, str(exc)[:100]))
+                    after = _observable(cache)
+                    if before is not None:
+                        for a, b in zip(after, before):
+                            _assert_same(a, b)
+                except Exception as exc:  # noqa: BLE001 - the failure this test looks for
+                    failures.append((name, arg, label, f"{type(exc).__name__}: {exc}"[:100]))
+    assert not failures, failures
