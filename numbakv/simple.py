@@ -16,7 +16,9 @@ Everything returned is a view of the cache's storage, valid until the next call 
 the cache (a later update may overwrite or reallocate it): copy it to keep it.
 
 Every public call validates its arguments before it changes anything; bad input raises
-``ValueError`` naming the argument, and leaves the cache as it was.
+``ValueError`` naming the argument, and leaves the cache as it was. Storage growth of 1 MiB or
+more is checked against the memory left first. A cache is for one thread at a time: a second
+thread calling in while another is inside raises ``ConcurrentUseError``.
 """
 
 from __future__ import annotations

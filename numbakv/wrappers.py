@@ -256,7 +256,9 @@ class EncoderCache:
     carries encoder output, kept for the following passes, visible to every token.
 
     Storage: K ``[n_layers, n_enc, n_kv_heads, head_dim]`` and V ``[n_layers, n_enc, n_kv_heads,
-    v_head_dim]``, allocated for ``capacity`` encoder tokens (``config.capacity``).
+    v_head_dim]``, allocated for ``capacity`` encoder tokens (``config.capacity``), after checking
+    that they (and a mask at ``max_batch``) fit the memory left. One thread at a time, like
+    every cache.
     """
 
     def __init__(self, config: CacheConfig) -> None:
