@@ -509,12 +509,13 @@ def _observable(cache):
 
 
 @pytest.mark.parametrize("kind", ["causal", "wrapper", "encoder", "step", "rotating"])
-def test_every_public_argument_rejects_garbage_naming_it(kind, tmp_path):
+def test_every_public_argument_rejects_garbage_naming_it(kind, tmp_path, monkeypatch):
     """Each argument of each public method, given garbage of every kind (ragged lists, torch
     `meta` tensors, objects, strings, None, NaN, huge and negative numbers, bools, dicts):
     a ValueError or KVCacheError whose message names the argument, and (for the cell caches)
     nothing changed."""
     import inspect
+    monkeypatch.chdir(tmp_path)   # a garbage string is still a valid relative path to save to
     make, methods = _sweep_caches()[kind]
     good = dict(_GOOD, path=str(tmp_path / "s.st"),
                 key=np.ones((2, H, D), np.float32), value=np.ones((2, H, D), np.float32),
