@@ -6,7 +6,8 @@
 """
 
 from .config import CacheConfig, RopeShift
-from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
+from .errors import (ConcurrentUseError, KVCacheError, KVCacheFullError, NotSupportedError,
+                     StateError)
 from .device import resolve_device
 from .simple import RotatingCache, StepCache
 from .causal import CausalCache
@@ -21,3 +22,4 @@ __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotS
            "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "StreamCache", "WrapperCache",
            "EncoderCache", "__version__"]
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
+__all__ += ["ConcurrentUseError"]

@@ -9,6 +9,7 @@ cell's metadata with another cell's K/V (defrag included).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
@@ -18,6 +19,7 @@ import numpy as np
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .config import CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
+from ._guard import one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
 from .storage import KVStorage
 
@@ -39,7 +41,26 @@ def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
 
 
 def host_int_array(values, name: str) -> np.ndarray:
-    """A 1-D int64 host copy of integer values given as a list, numpy/CuPy array or tensor."""
+    """A 1-D int64 host copy of integer values given as a list, numpy/CuPy array or tensor.
+    Anything that cannot be read as one (ragged lists, tensors on a ``meta`` device, objects)
+    is a ``ValueError`` naming ``name``."""
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
+        return values.astype(np.int64, copy=False)  # the common case, checked cheaply
+    try:
+        arr = _host_array(values)
+    except Exception as exc:  # noqa: BLE001 - whatever the foreign object raised
+        raise ValueError(f"{name} must be a 1-D sequence of integers, got "
+                         f"{type(values).__name__} that cannot be read as one: {exc}") from exc
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _host_array(values) -> np.ndarray:
     if hasattr(values, "__cuda_array_interface__") or type(values).__module__.startswith("cupy"):
         import cupy
         values = cupy.asnumpy(cupy.asarray(values))
@@ -49,14 +70,7 @@ def host_int_array(values, name: str) -> np.ndarray:
             values = cupy.asnumpy(cupy.from_dlpack(values))
         else:
             values = np.from_dlpack(values)
-    arr = np.asarray(values)
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    return np.asarray(values)
 
 
 @dataclass
@@ -85,8 +99,12 @@ class _Undo:
     before_defrag: Optional[CellTable] = None   # the (pruned) table a defrag started from
 
 
+@one_thread_at_a_time
 class CausalCache:
     """A KV cache for causal attention over many sequences sharing one pool of cells.
+
+    One thread at a time: a second thread calling in while another is inside raises
+    ``ConcurrentUseError`` (see ``numbakv._guard``).
 
     Storage: K ``[n_layers, n_cells, n_kv_heads, head_dim]``; V the same with ``v_head_dim`` or,
     with ``config.permuted_v``, ``[n_layers, n_kv_heads, v_head_dim, n_cells]``.
@@ -191,6 +209,8 @@ class CausalCache:
         complete undo. ``undoable`` is kept for callers that will call ``_undo``; every pass
         can be undone."""
         self._check_open()
+        if not isinstance(reserve, (bool, np.bool_)):
+            raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos, sq = self._check_batch(positions, seqs)
         batch = len(pos)
         undo = _Undo(self._forward, self.defrag_count)
@@ -285,6 +305,7 @@ class CausalCache:
 
     def set_layer(self, layer: int) -> None:
         """Choose the layer that ``put`` and ``get`` work on."""
+        self._check_open()
         self._layer = _check_index("layer", layer, 0, self.config.n_layers)
 
     def set_causal(self, except_: Optional[Sequence[int]] = None) -> None:
@@ -377,7 +398,7 @@ class CausalCache:
         all its caches first); returns the normalised arguments."""
         self._check_open()
         seq = self._check_seq(seq)
-        begin = _check_index("begin", begin, 0)
+        begin = _check_index("begin", begin, 0, UNLIMITED)
         if end is not None:
             end = _check_index("end", end, begin)
             if end >= UNLIMITED:
@@ -398,7 +419,7 @@ class CausalCache:
         self._check_open()
         src = self._check_seq(src_seq, "src_seq")
         dst = self._check_seq(dst_seq, "dst_seq")
-        length = _check_index("length", length, 0)
+        length = _check_index("length", length, 0, UNLIMITED + 1)
         self.cells.copy_prefix(src, dst, length)
 
     def can_resume(self, seq: int, pos: int) -> bool:
@@ -406,7 +427,7 @@ class CausalCache:
         memory limit; else only when ``pos``'s window lies inside what ``seq`` still holds."""
         self._check_open()
         seq = self._check_seq(seq)
-        pos = _check_index("pos", pos, 0)
+        pos = _check_index("pos", pos, 0, UNLIMITED)
         if self._memory == UNLIMITED:
             return True
         first, last = self.cells.seq_pos_min(seq), self.cells.seq_pos_max(seq)
@@ -457,7 +478,7 @@ class CausalCache:
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
-        delta = _check_index("delta", delta, -UNLIMITED)
+        delta = _check_index("delta", delta, -UNLIMITED, UNLIMITED)
         if delta == 0:
             return
         self._require_shift_for(seq, p0, p1, "seq_add")
@@ -469,7 +490,7 @@ class CausalCache:
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
-        d = _check_index("d", d, 1)
+        d = _check_index("d", d, 1, UNLIMITED)
         if d == 1:
             return
         self._require_shift_for(seq, p0, p1, "seq_div")
@@ -584,12 +605,14 @@ class CausalCache:
         from . import state
         state.save_cache(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *,
+    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
                    progress: Optional[bool] = None) -> dict:
         """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
-        (replacing what ``seq`` held). Returns the saved tokens and metadata."""
+        (replacing what ``seq`` held). Returns the saved tokens and metadata. ``strict``: a
+        state saved by a cache with another model fingerprint (shift, window, memory, chunk,
+        dtypes, head shapes) raises ``StateError`` naming the field."""
         from . import state
-        return state.load_cache(self, path, seq, progress=progress)
+        return state.load_cache(self, path, seq, strict=strict, progress=progress)
 
     def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
                     progress: Optional[bool] = None) -> bytes:
@@ -598,11 +621,12 @@ class CausalCache:
         return state.cache_to_bytes(self, seq, tokens=tokens, metadata=metadata,
                                     progress=progress)
 
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *,
+    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
                          progress: Optional[bool] = None) -> dict:
-        """Load ``state_bytes`` output: the whole cache, or the saved sequence as ``seq``."""
+        """Load ``state_bytes`` output: the whole cache, or the saved sequence as ``seq``
+        (``strict`` as in ``load_state``)."""
         from . import state
-        return state.cache_from_bytes(self, data, seq, progress=progress)
+        return state.cache_from_bytes(self, data, seq, strict=strict, progress=progress)
 
     # ------------------------------------------------------------------ misc
     def use_stream(self, stream) -> None:
@@ -644,29 +668,32 @@ class CausalCache:
                 f"{cfg.dtype}, device={self.device}{extra})")
 
 
+_TABLE_SAMPLE_CELLS = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _table_bytes_per_cell(max_seqs: int) -> float:
+    """Host bytes per cell of a cell table with its indexes, measured on a sample table (the
+    per-sequence trees shrink per cell as tables grow, so this bounds large tables from
+    above)."""
+    from ._memory import nbytes_of
+    return nbytes_of(CellTable(_TABLE_SAMPLE_CELLS, max_seqs)) / _TABLE_SAMPLE_CELLS
+
+
 def _check_memory(config: CacheConfig, n_cells: int, device: str) -> None:
-    """Refuse, before allocating, a cache larger than the memory the device has free."""
-    need = config.nbytes(n_cells)
-    have = None
-    if device == "cuda":
-        try:
-            import cupy
-            have = cupy.cuda.runtime.memGetInfo()[0]
-        except Exception:  # noqa: BLE001
-            have = None
-    else:
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        have = int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            have = None
-    if have is not None and need > have:
-        raise ValueError(f"the cache needs {need / 2**30:.2f} GiB of K/V storage "
-                         f"({n_cells} cells) but {device} has {have / 2**30:.2f} GiB free: "
-                         "lower capacity, max_seqs or n_layers (CacheConfig.nbytes() sizes it)")
+    """Refuse, before allocating anything, a cache larger than the memory left: K/V storage and
+    the worst-case mask (a reserve pass: ``round_up(max_batch, mask_batch_padding)`` rows over
+    every cell) on the cache's device; the cell table with its indexes and one copy of it as
+    scratch (the snapshot a defragmenting pass keeps for its undo) on the host."""
+    from ._memory import check_memory
+    mask_rows = round_up(config.max_batch, config.mask_batch_padding)
+    mask_bytes = mask_rows * n_cells * np.dtype(config.mask_dtype).itemsize
+    table_bytes = math.ceil(_table_bytes_per_cell(config.max_seqs) * n_cells)
+    check_memory(f"the cache ({n_cells} cells)", device,
+                 {"K/V storage": config.nbytes(n_cells), "mask at max_batch": mask_bytes},
+                 {"cell table": table_bytes, "scratch (table snapshot)": table_bytes},
+                 hint="lower capacity, max_seqs, max_batch or n_layers "
+                      "(CacheConfig.nbytes() sizes the K/V)")
 
 
 __all__ = ["CausalCache", "UNLIMITED"]

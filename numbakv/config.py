@@ -248,6 +248,28 @@ class CacheConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _freq_factors(value) -> tuple:
+    """``freq_factors`` as a tuple of finite floats > 0, from a 1-D sequence or array; anything
+    else (a mapping, a string, nested or 2-D data, non-numbers) is a ValueError naming it."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__") \
+            and not hasattr(value, "__array__") and not hasattr(value, "__dlpack__"):
+        raise ValueError(f"freq_factors must be a 1-D sequence of numbers, got "
+                         f"{type(value).__name__}")
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - ragged lists, foreign tensors, ...
+        raise ValueError(f"freq_factors must be a 1-D sequence of numbers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"freq_factors must be 1-D (one factor per rotary pair), got shape "
+                         f"{arr.shape}")
+    if arr.size and arr.dtype.kind not in "iuf":
+        raise ValueError(f"freq_factors must hold real numbers, got dtype {arr.dtype}")
+    factors = tuple(float(f) for f in arr.astype(np.float64))
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ValueError("freq_factors must be finite numbers > 0")
+    return factors
+
+
 @dataclass(frozen=True)
 class RopeShift:
     """Parameters of the rotary re-rotation applied to keys whose position moves.
@@ -267,7 +289,8 @@ class RopeShift:
     freq_factors: Optional[Sequence[float]] = field(default=None)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.base, (int, float, np.floating)) and math.isfinite(self.base)
+        if not (isinstance(self.base, (int, float, np.integer, np.floating))
+                and not isinstance(self.base, (bool, np.bool_)) and math.isfinite(self.base)
                 and self.base > 0):
             raise ValueError(f"base must be a finite number > 0, got {self.base!r}")
         if self.dim is not None:
@@ -275,16 +298,18 @@ class RopeShift:
             if dim % 2:
                 raise ValueError(f"dim must be even, got {dim}")
             object.__setattr__(self, "dim", dim)
-        if not (isinstance(self.freq_scale, (int, float, np.floating))
+        if not (isinstance(self.freq_scale, (int, float, np.integer, np.floating))
+                and not isinstance(self.freq_scale, (bool, np.bool_))
                 and math.isfinite(self.freq_scale) and self.freq_scale > 0):
             raise ValueError(f"freq_scale must be a finite number > 0, got {self.freq_scale!r}")
         object.__setattr__(self, "base", float(self.base))
         object.__setattr__(self, "freq_scale", float(self.freq_scale))
+        if not isinstance(self.neox, (bool, np.bool_)):
+            raise ValueError(f"neox must be a bool (True: rotate-half pairs, False: interleaved), "
+                             f"got {self.neox!r}")
         object.__setattr__(self, "neox", bool(self.neox))
         if self.freq_factors is not None:
-            factors = tuple(float(f) for f in np.asarray(self.freq_factors, dtype=np.float64).ravel())
-            if not all(math.isfinite(f) and f > 0 for f in factors):
-                raise ValueError("freq_factors must be finite numbers > 0")
+            factors = _freq_factors(self.freq_factors)
             if self.dim is not None and len(factors) != self.dim // 2:
                 raise ValueError(f"freq_factors must have dim/2 = {self.dim // 2} entries, "
                                  f"got {len(factors)}")

@@ -213,6 +213,20 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
     # Fast path, paid on every put: a host array already in the storage dtype.
     if type(x) is np.ndarray and device != "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
         return x
+    try:
+        return _as_array(x, device, dtype, name)
+    except ValueError as exc:
+        if str(exc).startswith(name):
+            raise
+        # e.g. numpy on a ragged list, DLPack on a tensor of an unknown ("meta") device
+        raise ValueError(f"{name} could not be read as an array: {exc}") from exc
+    except (TypeError, RuntimeError, BufferError, AttributeError, NotImplementedError,
+            OverflowError) as exc:
+        raise ValueError(f"{name} could not be read as an array ({type(x).__name__}): "
+                         f"{exc}") from exc
+
+
+def _as_array(x: Any, device: str, dtype: str, name: str):
     dtype = normalize_dtype(dtype, "dtype")
     storage_device = "cuda" if device == "cuda" else "cpu"
     try:

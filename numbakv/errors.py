@@ -43,5 +43,11 @@ def _reprocess_error(message: str, inputs) -> ReprocessError:
     return ReprocessError(message, inputs=inputs)
 
 
+class ConcurrentUseError(KVCacheError):
+    """A second thread entered a cache while another thread was inside one of its methods. A
+    cache is meant for one thread at a time (as Ollama's and llama.cpp's are): use a lock
+    around it, or one cache per thread."""
+
+
 __all__ = ["KVCacheError", "KVCacheFullError", "NotSupportedError", "StateError", "NoSlotError",
-           "ReprocessError"]
+           "ReprocessError", "ConcurrentUseError"]

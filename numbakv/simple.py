@@ -16,7 +16,9 @@ Everything returned is a view of the cache's storage, valid until the next call 
 the cache (a later update may overwrite or reallocate it): copy it to keep it.
 
 Every public call validates its arguments before it changes anything; bad input raises
-``ValueError`` naming the argument, and leaves the cache as it was.
+``ValueError`` naming the argument, and leaves the cache as it was. Storage growth of 1 MiB or
+more is checked against the memory left first. A cache is for one thread at a time: a second
+thread calling in while another is inside raises ``ConcurrentUseError``.
 """
 
 from __future__ import annotations
@@ -25,10 +27,15 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from ._guard import one_thread_at_a_time
+from ._memory import check_memory
 from .config import STORAGE_DTYPES, normalize_dtype, round_up
 from .device import array_module, as_array, dtype_name, export_view, input_device, resolve_device
 
 __all__ = ["StepCache", "RotatingCache"]
+
+#: allocations of at least this many bytes are checked against the memory left first
+_CHECKED_ALLOC = 1 << 20
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -151,6 +158,10 @@ class _SingleStreamCache:
     def _alloc(self, geom, cap: int, dtype: str):
         b, h, dk, dv = geom
         sd = STORAGE_DTYPES[dtype]
+        nbytes = b * h * cap * (dk + dv) * sd.itemsize
+        if nbytes >= _CHECKED_ALLOC:  # small growth steps cannot matter; skip reading /proc
+            check_memory(f"{type(self).__name__} storage for {cap} tokens", self._device,
+                         {"K/V storage": nbytes}, hint="lower step or max_size")
         # Slots past the stored tokens are never handed out, so they need no zeroing.
         return (self._xp.empty((b, h, cap, dk), dtype=sd),
                 self._xp.empty((b, h, cap, dv), dtype=sd))
@@ -263,6 +274,7 @@ class _SingleStreamCache:
                 f"dtype={self._dtype}, device={self._device!r}, {geom})")
 
 
+@one_thread_at_a_time
 class StepCache(_SingleStreamCache):
     """A growing cache for one stream of ``[batch, n_kv_heads, L, head_dim]`` K/V tensors
     (Ollama MLX runner's ``KVCache``). Storage grows to the next multiple of ``step`` tokens.
@@ -330,6 +342,7 @@ class StepCache(_SingleStreamCache):
         return cache
 
 
+@one_thread_at_a_time
 class RotatingCache(_SingleStreamCache):
     """A sliding-window cache bounded by ``max_size`` tokens (Ollama MLX runner's and mlx-lm's
     ``RotatingKVCache``): every token attends to at most ``max_size`` tokens, itself included.

@@ -27,11 +27,19 @@ is stored as safetensors ``BF16`` (its raw bits).
 
 Saves stream layer by layer (one layer on the host at a time when the cache is on a GPU) into a
 temporary file in the target's directory, which is then renamed over the target: a save either
-fully happens or leaves the old file. Loads memory-map the file, check everything (structure,
-format version, kind, config, tensor names, dtypes and shapes, counts against the target's
-capacity, positions, the checksum) before the cache changes, then copy layer by layer straight to
-the cache's device. Bad input raises ``StateError`` saying what did not match, and the cache is
-left exactly as it was.
+fully happens or leaves the old file. Loads read the file into memory (never a shared mapping:
+another process may truncate or rewrite the file while it is read, which through a mapping
+means SIGBUS or bytes changed after they were verified), check everything (structure, format
+version, kind, config, model fingerprint, tensor names, dtypes and shapes, counts against the
+target's cells, positions, the checksum) before the cache changes, then copy from exactly
+the verified bytes layer by layer to the cache's device. Bad input of any kind (truncated,
+rewritten while read, corrupted, hostile headers) raises ``StateError`` saying what did not
+match, OS errors become ``StateError`` naming the path (the ``OSError`` as ``__cause__``), and
+the cache is left exactly as it was.
+
+The model fingerprint (``config.fingerprint``, see :func:`fingerprint`) records the shift
+definition, window, memory, chunk, dtypes and head shapes of each cache; a strict load (the
+default) into a cache whose fingerprint differs raises ``StateError`` naming the field.
 
 This module knows the caches only through their attributes (it imports none of them); the caches'
 ``save_state`` / ``load_state`` methods call into it.
@@ -43,8 +51,8 @@ import contextlib
 import io
 import json
 import math
-import mmap
 import os
+import stat
 import tempfile
 import zlib
 from dataclasses import dataclass
@@ -313,12 +321,21 @@ def _tokens_spec(tokens: Optional[np.ndarray], prefix: str = "") -> List[_Spec]:
 def _save(path, build: Callable[[], Tuple[Dict[str, str], List[_Spec]]],
           progress: Optional[bool]) -> None:
     path = _check_path(path)
+    _check_progress(progress)
     meta, specs = build()  # every input check happens here, before a file is created
-    _atomic_write(path, lambda f: _write(f, meta, specs, progress))
+    try:
+        _atomic_write(path, lambda f: _write(f, meta, specs, progress))
+    except OSError as exc:  # missing directory, no permission, a directory in the way, ENOSPC
+        raise StateError(f"state file {path!r}: cannot write it: {_os_reason(exc)}") from exc
+
+
+def _os_reason(exc: OSError) -> str:
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
 def _to_bytes(build: Callable[[], Tuple[Dict[str, str], List[_Spec]]],
               progress: Optional[bool]) -> bytes:
+    _check_progress(progress)
     meta, specs = build()
     out = io.BytesIO()
     _write(out, meta, specs, progress, preallocate=True)
@@ -439,9 +456,34 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+@contextlib.contextmanager
+def _untrusted(what: str):
+    """Reading what a state says: any failure but our own is a ``StateError`` naming the input
+    (a hostile header can make the JSON parser recurse too deep, numbers overflow, arithmetic on
+    absurd shapes run out of memory, or a field of an unexpected type reach code that expected
+    another). ``KVCacheError`` passes through: it is already ours."""
+    try:
+        yield
+    except KVCacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - everything else the input can provoke
+        raise StateError(f"{what}: the state cannot be read: {type(exc).__name__}: "
+                         f"{_clip(str(exc))} (corrupted or not made by numbakv)") from exc
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _parse(buf: memoryview, what: str) -> _State:
     """Check the safetensors structure of ``buf`` (what safetensors' own parser checks, and the
-    numbakv envelope: format, version, checksum field) and return it parsed."""
+    numbakv envelope: format, version, checksum field) and return it parsed. Every failure is a
+    ``StateError``."""
+    with _untrusted(what):
+        return _parse_checked(buf, what)
+
+
+def _parse_checked(buf: memoryview, what: str) -> _State:
     size = len(buf)
     if size < 8:
         raise StateError(f"{what}: truncated: {size} bytes, not even the 8-byte header length")
@@ -457,7 +499,11 @@ def _parse(buf: memoryview, what: str) -> _State:
         header = json.loads(text, object_pairs_hook=_unique_object,
                             parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise StateError(f"{what}: the header is not valid JSON ({exc}): corrupted") from None
+        raise StateError(f"{what}: the header is not valid JSON ({_clip(str(exc))}): "
+                         "corrupted") from None
+    except RecursionError:
+        raise StateError(f"{what}: the header nests JSON too deeply: corrupted or hostile") \
+            from None
     if not isinstance(header, dict):
         raise StateError(f"{what}: the header is not a JSON object: corrupted")
     meta = header.get("__metadata__", {})
@@ -516,9 +562,12 @@ def _parse(buf: memoryview, what: str) -> _State:
     if not (checksum.startswith("crc32:") and len(checksum) == 14):
         raise state.fail(f"checksum must be 'crc32:<8 hex digits>', got {checksum!r}")
     try:
-        config = json.loads(meta.get("config", ""))
+        config = json.loads(meta.get("config", ""), parse_constant=_reject_constant)
     except ValueError as exc:
-        raise state.fail(f"config metadata is not valid JSON ({exc})") from None
+        raise state.fail(f"config metadata is not valid JSON ({_clip(str(exc))})") from None
+    except RecursionError:
+        raise state.fail("config metadata nests JSON too deeply: corrupted or hostile") \
+            from None
     if not isinstance(config, dict):
         raise state.fail("config metadata must be a JSON object")
     state.kind = kind
@@ -527,12 +576,16 @@ def _parse(buf: memoryview, what: str) -> _State:
 
 
 class _Opened:
-    """Context manager giving a parsed ``_State`` for a path (memory-mapped) or bytes."""
+    """Context manager giving a parsed ``_State`` for a path or bytes.
+
+    A path is read into memory once (``_read_file``): what is verified is exactly what is
+    committed, whatever another process does to the file meanwhile. Immutable ``bytes`` are used
+    in place; a mutable buffer (bytearray, writable memoryview) is copied first, for the same
+    reason."""
 
     def __init__(self, source: Source) -> None:
         self.source = source
-        self._file = None
-        self._map = None
+        self._buf: Optional[memoryview] = None
 
     def __enter__(self) -> _State:
         src = self.source
@@ -541,34 +594,70 @@ class _Opened:
             if not buf.c_contiguous:
                 raise ValueError("data must be a contiguous bytes-like object")
             buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+            if not isinstance(src, bytes):  # bytearray, or a view of memory that may change
+                buf = _copy_bytes(buf, "state bytes")
             what = "state bytes"
         else:
             path = _check_path(src)
             what = f"state file {path!r}"
-            self._file = open(path, "rb")
-            size = os.fstat(self._file.fileno()).st_size
-            if size == 0:
-                buf = memoryview(b"")
-            else:
-                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-                buf = memoryview(self._map)
+            buf = _read_file(path, what)
         self._buf = buf
-        try:
-            return _parse(buf, what)
-        except BaseException:
-            self.__exit__()  # `with` calls __exit__ only once __enter__ has returned
-            raise
+        return _parse(buf, what)
 
     def __exit__(self, *exc) -> None:
-        buf, self._buf = self._buf, None
-        if self._map is not None:
+        self._buf = None
+
+
+def _copy_bytes(buf: memoryview, what: str) -> memoryview:
+    try:
+        return memoryview(bytes(buf))
+    except MemoryError as exc:
+        raise StateError(f"{what}: no memory for a private copy of {len(buf)} bytes") from exc
+
+
+def _read_file(path: str, what: str) -> memoryview:
+    """The whole file, read into memory: truncated, grown or rewritten while it is read, it
+    gives short or inconsistent bytes that the parser or the checksum rejects, never a crash.
+    OS errors become ``StateError`` naming the path."""
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (a regular file ignores it)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise StateError(f"{what}: not a regular file")
+            size = info.st_size
+            _check_room(size, what)
             try:
-                buf.release()
-                self._map.close()
-            except BufferError:  # a view is still alive (e.g. in a traceback): the mapping
-                pass             # closes when the last one goes
-        if self._file is not None:
-            self._file.close()
+                data = bytearray(size)
+            except MemoryError as exc:
+                raise StateError(f"{what}: no memory to read its {size} bytes") from exc
+            view = memoryview(data)
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            if got < size:
+                raise StateError(f"{what}: truncated while it was read ({got} of {size} bytes "
+                                 "arrived): another process is changing it")
+            if f.read(1):
+                raise StateError(f"{what}: grew while it was read (more than its {size} bytes): "
+                                 "another process is changing it")
+    except OSError as exc:  # missing, a directory, no permission, I/O error
+        raise StateError(f"{what}: cannot read it: {_os_reason(exc)}") from exc
+    return view.toreadonly()
+
+
+def _check_room(size: int, what: str) -> None:
+    """Refuse to read a file larger than the host memory left (reading it would end in a
+    MemoryError or an out-of-memory kill, not an error the caller can handle)."""
+    from ._memory import check_memory
+    try:
+        check_memory(what, "cpu", {"file contents": size})
+    except ValueError as exc:
+        raise StateError(str(exc)) from None
 
 
 def _load_bar(state: _State, progress: Optional[bool]):
@@ -617,7 +706,8 @@ def _causal_config(cache) -> dict:
             "v_head_dim": cfg.v_head_dim, "dtype": cfg.dtype, "permuted_v": cfg.permuted_v,
             "capacity": cfg.capacity, "max_seqs": cfg.max_seqs, "n_cells": int(cache.n_cells),
             "swa_window": cache.swa_window, "swa_memory": cache.swa_memory,
-            "chunk_size": cache.chunk_size, **_quant_config(cfg)}
+            "chunk_size": cache.chunk_size, **_quant_config(cfg),
+            "fingerprint": fingerprint(cache)}
 
 
 def _quant_config(cfg) -> dict:
@@ -626,6 +716,103 @@ def _quant_config(cfg) -> dict:
     return {"k_dtype": cfg.k_dtype, "v_dtype": cfg.v_dtype,
             "k_scale": list(cfg.k_scale) if isinstance(cfg.k_scale, tuple) else cfg.k_scale,
             "v_scale": list(cfg.v_scale) if isinstance(cfg.v_scale, tuple) else cfg.v_scale}
+
+
+# -------------------------------------------------------------------------- model fingerprint
+#: CacheConfig fields that describe how K/V are stored; those the config has are fingerprinted
+#: (``k_dtype``/``v_dtype``/``k_scale``/``v_scale``: quantized storage, where present)
+_FINGERPRINT_CONFIG_FIELDS = ("dtype", "k_dtype", "v_dtype", "k_scale", "v_scale",
+                              "n_layers", "n_kv_heads", "head_dim", "v_head_dim")
+
+
+def fingerprint(cache) -> Dict[str, Any]:
+    """The model fingerprint of a ``CausalCache``: named, JSON-able fields that must agree for a
+    saved state to mean the same thing in another cache. ``shift``: ``{"type": "none"}``,
+    ``{"type": "rope", "base", "freq_scale", "dim" (rotary dims), "neox" (pairing),
+    "freq_factors"}`` or ``{"type": "callable", "name"}``; ``swa_window``, ``swa_memory``,
+    ``chunk_size`` (None when off); then the storage fields of the config (dtypes, head
+    shapes). A new field is one more entry here; states saved before it was added then need
+    ``strict=False``."""
+    cfg = cache.config
+    fields: Dict[str, Any] = {"shift": _shift_fingerprint(getattr(cache, "shift", None),
+                                                          cfg.head_dim),
+                              "swa_window": cache.swa_window, "swa_memory": cache.swa_memory,
+                              "chunk_size": cache.chunk_size}
+    for name in _FINGERPRINT_CONFIG_FIELDS:
+        if hasattr(cfg, name):
+            fields[name] = _json_value(getattr(cfg, name))
+    return fields
+
+
+def _json_value(x):
+    """Config values as JSON keeps them (numpy scalars and dtypes to plain values)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(getattr(x, "name", x))
+
+
+def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
+    if shift is None:
+        return {"type": "none"}
+    if hasattr(shift, "inv_freq") and hasattr(shift, "rotary_dim"):  # a RopeShift
+        factors = shift.freq_factors
+        return {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
+                "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
+                "freq_factors": None if factors is None else [float(f) for f in factors]}
+    name = getattr(shift, "__qualname__", None) or type(shift).__qualname__
+    module = getattr(shift, "__module__", None) or type(shift).__module__
+    return {"type": "callable", "name": f"{module}.{name}"}
+
+
+def _fingerprint_diff(saved: Any, current: Any, path: str = "") -> Optional[Tuple[str, Any, Any]]:
+    """The first field (dotted path) where the saved fingerprint differs from the cache's."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        # the cache's field order (the shift's type first), then fields only the state has
+        for key in list(current) + [k for k in saved if k not in current]:
+            diff = _fingerprint_diff(saved.get(key, _MISSING), current.get(key, _MISSING),
+                                     f"{path}.{key}" if path else str(key))
+            if diff is not None:
+                return diff
+        return None
+    if saved is _MISSING or current is _MISSING or type(saved) is not type(current) \
+            and not (_is_number(saved) and _is_number(current)) or saved != current:
+        return path, saved, current
+    return None
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(not recorded)"
+
+
+_MISSING = _Missing()
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_fingerprint(state: "_State", cache, config: dict, where: str, strict: bool) -> None:
+    """A strict load refuses a state whose model fingerprint differs from the cache's, naming
+    the first field that differs (shapes and dtypes are checked whatever ``strict`` says: the
+    data could not be read otherwise)."""
+    if not strict:
+        return
+    saved = config.get("fingerprint", _MISSING)
+    if saved is _MISSING:
+        raise state.fail(f"the state records no model fingerprint{where} (saved by an older "
+                         "numbakv): pass strict=False to load it without checking the model")
+    if not isinstance(saved, dict):
+        raise state.fail(f"config{where} field 'fingerprint' must be an object, got "
+                         f"{type(saved).__name__}")
+    diff = _fingerprint_diff(saved, fingerprint(cache))
+    if diff is not None:
+        field, was, now = diff
+        raise state.fail(f"model fingerprint differs{where}: {field} is {was!r} in the state "
+                         f"but {now!r} in this cache (saved by another model or cache setup; "
+                         "pass strict=False to load it anyway)")
 
 
 def _seq_words(cache) -> int:
@@ -930,10 +1117,8 @@ class _SeqPlan(_Plan):
             raise state.fail(f"tensor {prefix}positions has shape {list(t.shape)}, expected "
                              "[k]")
         k = t.shape[0]
-        cap = cache.config.capacity
-        if k > cap:
-            raise state.fail(f"the sequence holds {k} positions, more than the cache's capacity "
-                             f"{cap}{where}")
+        # not bounded by `capacity`: a sequence may hold more than that when others leave room
+        # (Ollama's cells are shared), and a cache must be able to reload its own sequences
         if k > cache.n_cells:
             raise state.fail(f"the sequence holds {k} positions, more than the cache's "
                              f"{cache.n_cells} cells{where}")
@@ -1013,8 +1198,9 @@ class _SeqPlan(_Plan):
 
 
 def _plan_causal(cache, state: _State, config: dict, seq: Optional[int], prefix: str = "",
-                 where: str = "") -> _Plan:
+                 where: str = "", strict: bool = True) -> _Plan:
     """Structure and config checks for one CausalCache (no data read yet)."""
+    _check_fingerprint(state, cache, config, where, strict)
     _check_shapes(state, cache, config, where)
     if seq is None:
         plan: _Plan = _WholePlan(cache, state, config, prefix, where)
@@ -1024,31 +1210,14 @@ def _plan_causal(cache, state: _State, config: dict, seq: Optional[int], prefix:
 
 
 def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kind: str,
-               whole_kind: str, configs: Sequence[dict], progress: Optional[bool]) -> dict:
+               whole_kind: str, configs: Sequence[dict], progress: Optional[bool],
+               strict: bool = True) -> dict:
     """Validate ``state`` against every cache, verify the checksum, then commit all of them."""
-    want = whole_kind if seq is None else seq_kind
-    if state.kind != want:
-        other = "a whole cache" if state.kind == whole_kind else \
-            "one sequence" if state.kind == seq_kind else f"a {state.kind!r} cache"
-        expected = "a whole cache (seq=None)" if seq is None else f"one sequence (seq={seq})"
-        raise state.fail(f"the state holds {other} (kind {state.kind!r}), but {expected} was "
-                         f"asked for (kind {want!r})")
-    multi = len(caches) > 1 or whole_kind in ("wrapper", "streams")
-    plans = []
-    expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
-    for i, (cache, config) in enumerate(zip(caches, configs)):
-        prefix = f"g{i}." if multi else ""
-        where = f" (group {i})" if multi else ""
-        plan = _plan_causal(cache, state, config, seq, prefix, where)
-        plans.append(plan)
-        expected.update(plan.expected)
-    state.expect(expected, optional=("tokens",))
-    tokens = state.tokens()
-    bar = _load_bar(state, progress)
+    bar = None
     try:
-        state.verify_checksum(bar)
-        for i, plan in enumerate(plans):
-            plan.check_values(state, f" (group {i})" if multi else "")
+        with _untrusted(state.what):
+            plans, tokens, bar = _validate_into(caches, state, seq, seq_kind, whole_kind,
+                                                configs, progress, strict)
         done: List[_Plan] = []
         try:
             for plan in plans:
@@ -1063,14 +1232,65 @@ def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kin
     return {"tokens": tokens, "metadata": state.user_metadata()}
 
 
-def _load_causal(cache, source: Source, seq, progress: Optional[bool]) -> dict:
+def _validate_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kind: str,
+                   whole_kind: str, configs: Sequence[dict], progress: Optional[bool],
+                   strict: bool):
+    """Everything ``_load_into`` checks before the first cache changes; returns the plans, the
+    saved tokens and the progress bar (already advanced past the checksum pass)."""
+    want = whole_kind if seq is None else seq_kind
+    if state.kind != want:
+        other = "a whole cache" if state.kind == whole_kind else \
+            "one sequence" if state.kind == seq_kind else f"a {state.kind!r} cache"
+        expected = "a whole cache (seq=None)" if seq is None else f"one sequence (seq={seq})"
+        raise state.fail(f"the state holds {other} (kind {state.kind!r}), but {expected} was "
+                         f"asked for (kind {want!r})")
+    multi = len(caches) > 1 or whole_kind in ("wrapper", "streams")
+    plans = []
+    expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    for i, (cache, config) in enumerate(zip(caches, configs)):
+        prefix = f"g{i}." if multi else ""
+        where = f" (group {i})" if multi else ""
+        if not isinstance(config, dict):
+            raise state.fail(f"config{where} must be an object")
+        plan = _plan_causal(cache, state, config, seq, prefix, where, strict)
+        plans.append(plan)
+        expected.update(plan.expected)
+    state.expect(expected, optional=("tokens",))
+    tokens = state.tokens()
+    bar = _load_bar(state, progress)
+    try:
+        state.verify_checksum(bar)
+        for i, plan in enumerate(plans):
+            plan.check_values(state, f" (group {i})" if multi else "")
+    except BaseException:
+        _close_bar(bar)
+        raise
+    return plans, tokens, bar
+
+
+def _check_progress(progress) -> None:
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise ValueError(f"progress must be None or a bool, got {progress!r}")
+
+
+def _check_strict(strict) -> bool:
+    if not isinstance(strict, (bool, np.bool_)):
+        raise ValueError(f"strict must be a bool, got {strict!r}")
+    return bool(strict)
+
+
+def _load_causal(cache, source: Source, seq, progress: Optional[bool],
+                 strict: bool = True) -> dict:
     _check_causal(cache)
     s = None if seq is None else _check_seq(cache, seq)
+    strict = _check_strict(strict)
+    _check_progress(progress)
     with _Opened(source) as state:
-        return _load_into([cache], state, s, "causal-seq", "causal", [state.config], progress)
+        return _load_into([cache], state, s, "causal-seq", "causal", [state.config], progress,
+                          strict)
 
 
-def load_cache(cache, path, seq: Optional[int] = None, *,
+def load_cache(cache, path, seq: Optional[int] = None, *, strict: bool = True,
                progress: Optional[bool] = None) -> dict:
     """Load a ``save_cache`` file into the ``CausalCache`` ``cache``.
 
@@ -1080,17 +1300,22 @@ def load_cache(cache, path, seq: Optional[int] = None, *,
     one. The capacity and V layout may differ from the saving cache's. Ends the forward pass in
     progress. Returns ``{"tokens": list[int] | None, "metadata": dict[str, str]}``.
 
-    Raises ``StateError`` (truncated, corrupted, other version, or not fitting this cache) before
-    anything changes."""
-    return _load_causal(cache, _check_path(path), seq, progress)
+    ``strict`` (default): the state's model fingerprint (shift, window, memory, chunk, dtypes,
+    head shapes; see :func:`fingerprint`) must equal the cache's, else ``StateError`` names the
+    first field that differs; ``strict=False`` skips that check (shapes and dtypes must still
+    fit).
+
+    Raises ``StateError`` (missing or unreadable file, truncated, corrupted, other version, or
+    not fitting this cache) before anything changes."""
+    return _load_causal(cache, _check_path(path), seq, progress, strict)
 
 
-def cache_from_bytes(cache, data, seq: Optional[int] = None, *,
+def cache_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool = True,
                      progress: Optional[bool] = None) -> dict:
     """``load_cache`` from bytes in memory."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
-    return _load_causal(cache, data, seq, progress)
+    return _load_causal(cache, data, seq, progress, strict)
 
 
 # ====================================================================================== wrapper
@@ -1120,20 +1345,30 @@ def _build_wrapper(cache, seq, tokens, metadata):
     return build
 
 
-def _load_wrapper(cache, source: Source, seq, progress: Optional[bool]) -> dict:
+def _load_wrapper(cache, source: Source, seq, progress: Optional[bool],
+                  strict: bool = True) -> dict:
     caches = _check_wrapper(cache)
     s = None if seq is None else _check_seq(caches[0], seq)
+    return _load_groups(caches, source, "wrapper", "wrapper-seq", progress, strict, s)
+
+
+def _load_groups(caches: list, source: Source, whole_kind: str, seq_kind: str,
+                 progress: Optional[bool], strict: bool, seq: Optional[int] = None) -> dict:
+    """Load a state of several group caches (a WrapperCache's groups, a stream cache's streams)
+    whose config lists one object per group under ``groups``."""
+    strict = _check_strict(strict)
+    _check_progress(progress)
+    what = {"wrapper": "cache groups, the WrapperCache", "streams": "streams, the cache"}[whole_kind]
     with _Opened(source) as state:
-        groups = state.config.get("groups") if state.kind in _WRAPPER_KINDS else None
-        if state.kind in _WRAPPER_KINDS:
+        if state.kind in (whole_kind, seq_kind):
+            groups = state.config.get("groups")
             if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
                 raise state.fail("config field 'groups' must be a list of objects")
             if len(groups) != len(caches):
-                raise state.fail(f"the state has {len(groups)} cache groups, the WrapperCache "
-                                 f"{len(caches)}")
+                raise state.fail(f"the state has {len(groups)} {what} {len(caches)}")
         else:
             groups = [state.config] * len(caches)  # _load_into reports the kind mismatch
-        return _load_into(caches, state, s, "wrapper-seq", "wrapper", groups, progress)
+        return _load_into(caches, state, seq, seq_kind, whole_kind, groups, progress, strict)
 
 
 # ====================================================================================== streams
@@ -1187,36 +1422,26 @@ def streams_to_bytes(cache, seq: Optional[int] = None, *, tokens=None,
     return _to_bytes(_build_streams(cache, tokens, metadata), progress)
 
 
-def _load_streams(cache, source: Source, seq, progress: Optional[bool]) -> dict:
+def _load_streams(cache, source: Source, seq, progress: Optional[bool],
+                  strict: bool = True) -> dict:
     if seq is not None:
-        return _load_causal(_stream_of(cache, seq), source, 0, progress)
-    streams = _check_streams(cache)
-    with _Opened(source) as state:
-        groups = state.config.get("groups") if state.kind in _STREAM_KINDS else None
-        if state.kind in _STREAM_KINDS:
-            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-                raise state.fail("config field 'groups' must be a list of objects")
-            if len(groups) != len(streams):
-                raise state.fail(f"the state has {len(groups)} streams, the cache "
-                                 f"{len(streams)}")
-        else:
-            groups = [state.config] * len(streams)  # _load_into reports the kind mismatch
-        return _load_into(streams, state, None, "streams", "streams", groups, progress)
+        return _load_causal(_stream_of(cache, seq), source, 0, progress, strict)
+    return _load_groups(_check_streams(cache), source, "streams", "streams", progress, strict)
 
 
-def load_streams(cache, path, seq: Optional[int] = None, *,
+def load_streams(cache, path, seq: Optional[int] = None, *, strict: bool = True,
                  progress: Optional[bool] = None) -> dict:
     """``load_cache`` for a per-sequence stream cache: a whole ``streams`` state, or one
     sequence saved by any CausalCache (unified or streams) into ``seq``'s stream."""
-    return _load_streams(cache, _check_path(path), seq, progress)
+    return _load_streams(cache, _check_path(path), seq, progress, strict)
 
 
-def streams_from_bytes(cache, data, seq: Optional[int] = None, *,
+def streams_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool = True,
                        progress: Optional[bool] = None) -> dict:
     """``load_streams`` from bytes in memory."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
-    return _load_streams(cache, data, seq, progress)
+    return _load_streams(cache, data, seq, progress, strict)
 
 
 # ====================================================================================== simple
@@ -1338,6 +1563,13 @@ def _simple_plan(state: _State, entry, prefix: str, where: str):
 
 
 def _load_simple_state(state: _State, device: str, progress: Optional[bool]):
+    """Build the saved single-stream cache(s); nothing exists before, so every failure is the
+    input's (a forged step or offset asking for absurd storage included): ``StateError``."""
+    with _untrusted(state.what):
+        return _load_simple_checked(state, device, progress)
+
+
+def _load_simple_checked(state: _State, device: str, progress: Optional[bool]):
     if state.kind not in _SIMPLE_KINDS:
         raise state.fail(f"the state holds a {state.kind!r} cache, not a StepCache or "
                          "RotatingCache")
@@ -1371,11 +1603,9 @@ def _load_simple_state(state: _State, device: str, progress: Optional[bool]):
                       "offset": entry["offset"], "meta": dict(entry["meta"])}
             try:  # from_state copies the arrays into fresh storage on `device`
                 caches.append(classes[cls].from_state(values, device=device))
-            except ValueError as exc:
-                if "device" in str(exc) and "available" in str(exc):
-                    raise  # a bad device argument, not a bad state
+            except ValueError as exc:  # the device was resolved before: this is the state's
                 raise state.fail(f"the saved {cls} state is inconsistent{where}: "
-                                 f"{exc}") from None
+                                 f"{_clip(str(exc))}") from None
             del values
         if bar is not None:
             bar.update(state.data_bytes)
@@ -1394,6 +1624,7 @@ def load_simple(source: Source, *, device: str = "auto", return_info: bool = Fal
         source = _check_path(source)
     from .device import resolve_device
     device = resolve_device(device)  # a bad device is the caller's ValueError, checked first
+    _check_progress(progress)
     with _Opened(source) as state:
         cache, info = _load_simple_state(state, device, progress)
     return (cache, info) if return_info else cache
@@ -1445,22 +1676,25 @@ def to_bytes(cache, seq: Optional[int] = None, *, tokens=None,
 
 
 def load(source: Source, cache=None, seq: Optional[int] = None, *, device: str = "auto",
-         progress: Optional[bool] = None) -> Tuple[Any, dict]:
+         strict: bool = True, progress: Optional[bool] = None) -> Tuple[Any, dict]:
     """Load a state from a path or from bytes; returns ``(cache, {"tokens", "metadata"})``.
 
     ``causal*`` / ``wrapper*`` states load into ``cache`` (a ``CausalCache`` / ``WrapperCache``,
     required; ``seq`` as in ``load_cache``). ``step`` / ``rotating`` / ``simple-list`` states
-    build a new cache (or list of caches) on ``device`` (``cache`` must be None)."""
+    build a new cache (or list of caches) on ``device`` (``cache`` must be None). ``strict``: as
+    in ``load_cache`` (each group of a WrapperCache is checked)."""
     if not isinstance(source, (bytes, bytearray, memoryview)):
         source = _check_path(source)
+    strict = _check_strict(strict)
+    _check_progress(progress)
     family = _cache_family(cache)
     if family == "simple":
         raise ValueError("cache must be None to load a StepCache/RotatingCache state (a new "
                          "cache is built), or a CausalCache/WrapperCache to load into")
     if family == "causal":
-        return cache, _load_causal(cache, source, seq, progress)
+        return cache, _load_causal(cache, source, seq, progress, strict)
     if family == "wrapper":
-        return cache, _load_wrapper(cache, source, seq, progress)
+        return cache, _load_wrapper(cache, source, seq, progress, strict)
     if seq is not None:
         raise ValueError("seq needs a cache to load into")
     from .device import resolve_device
@@ -1477,7 +1711,7 @@ def read_info(source: Source, *, verify: bool = True) -> dict:
     "metadata", "nbytes"}`` (``nbytes``: tensor payload). ``verify`` checks the checksum too."""
     if not isinstance(source, (bytes, bytearray, memoryview)):
         source = _check_path(source)
-    with _Opened(source) as state:
+    with _Opened(source) as state, _untrusted(state.what):
         if verify:
             state.verify_checksum()
         return {"kind": state.kind, "version": state.metadata["version"],
@@ -1485,6 +1719,6 @@ def read_info(source: Source, *, verify: bool = True) -> dict:
                 "metadata": state.user_metadata(), "nbytes": state.data_bytes}
 
 
-__all__ = ["save", "load", "to_bytes", "read_info", "save_cache", "load_cache", "cache_to_bytes",
-           "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes", "FORMAT",
-           "VERSION", "KINDS", "PROGRESS_THRESHOLD"]
+__all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache", "load_cache",
+           "cache_to_bytes", "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes",
+           "FORMAT", "VERSION", "KINDS", "PROGRESS_THRESHOLD"]

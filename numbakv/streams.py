@@ -37,6 +37,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from ._guard import one_thread_at_a_time
 from .causal import CausalCache, _check_memory, _check_index, UNLIMITED
 from .config import CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
@@ -85,6 +86,7 @@ class _StreamUndo:
     placed: list               # [(stream index, the stream's own undo)]
 
 
+@one_thread_at_a_time
 class StreamCache(CausalCache):
     """A ``CausalCache`` whose sequences each own a stream of cells (``unified=False``).
 
@@ -489,11 +491,12 @@ class StreamCache(CausalCache):
         from . import state
         state.save_streams(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *,
+    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
                    progress: Optional[bool] = None) -> dict:
-        """Load a whole stream cache (``seq=None``) or one sequence saved by any CausalCache."""
+        """Load a whole stream cache (``seq=None``) or one sequence saved by any CausalCache
+        (``strict``: refuse another model fingerprint, as ``CausalCache.load_state``)."""
         from . import state
-        out = state.load_streams(self, path, seq, progress=progress)
+        out = state.load_streams(self, path, seq, strict=strict, progress=progress)
         self._end_forward()
         return out
 
@@ -504,11 +507,11 @@ class StreamCache(CausalCache):
         return state.streams_to_bytes(self, seq, tokens=tokens, metadata=metadata,
                                       progress=progress)
 
-    def load_state_bytes(self, data, seq: Optional[int] = None, *,
+    def load_state_bytes(self, data, seq: Optional[int] = None, *, strict: bool = True,
                          progress: Optional[bool] = None) -> dict:
         """``load_state`` from bytes."""
         from . import state
-        out = state.streams_from_bytes(self, data, seq, progress=progress)
+        out = state.streams_from_bytes(self, data, seq, strict=strict, progress=progress)
         self._end_forward()
         return out
 

@@ -9,15 +9,20 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .causal import CausalCache, _check_index, host_int_array
+from ._guard import one_thread_at_a_time
+from ._memory import check_memory
+from .causal import UNLIMITED, CausalCache, _check_index, host_int_array
 from .config import CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
 
 
+@one_thread_at_a_time
 class WrapperCache:
     """One ``CausalCache`` per layer group; every operation fans out to all of them, all or
-    nothing, and ``set_layer`` picks the group (and the layer inside it).
+    nothing (cell tables and K/V: keys a failed ``remove`` already re-rotated in one group come
+    back bit-exact), and ``set_layer`` picks the group (and the layer inside it). One thread at
+    a time, like every cache.
 
     Args:
         caches: the group caches, e.g. ``[swa_cache, full_cache]``.
@@ -28,12 +33,13 @@ class WrapperCache:
 
     def __init__(self, caches: Sequence[CausalCache],
                  layer_groups: Optional[Sequence[int]] = None) -> None:
+        if isinstance(caches, (CausalCache, str, bytes)) or not hasattr(caches, "__iter__"):
+            raise ValueError(f"caches must be a non-empty sequence of CausalCache, got "
+                             f"{type(caches).__name__}")
         caches = list(caches)
         if not caches or not all(isinstance(c, CausalCache) for c in caches):
             raise ValueError("caches must be a non-empty sequence of CausalCache")
-        max_seqs = {c.config.max_seqs for c in caches}
-        if len(max_seqs) != 1:
-            raise ValueError(f"caches must share max_seqs, got {sorted(max_seqs)}")
+        _check_groupable(caches, layer_groups is None)
         self.caches = caches
         if layer_groups is None:
             self.layer_groups = None
@@ -90,36 +96,49 @@ class WrapperCache:
         return self.caches[self._current].get()
 
     def set_causal(self, except_=None) -> None:
+        for cache in self.caches:  # every cache must have a forward pass before any changes
+            cache._require_forward("set_causal")
         for cache in self.caches:
             cache.set_causal(except_)
 
-    def _fan_out(self, name: str, *args):
-        """Run a sequence operation on every cache; if one raises, restore all of them."""
-        snapshots = [(c, c.cells.copy(), c.cells) for c in self.caches]
+    def _fan_out(self, name: str, *args, moving: Optional[Tuple[int, int]] = None):
+        """Run a sequence operation on every cache; if one raises, restore all of them: cell
+        table, forward pass and the K/V rows the operation may rewrite (keys with a pending
+        rotation, and with ``moving=(seq, end)`` the keys of ``seq`` at positions >= ``end``
+        that a ``remove`` re-rotates). Those rows are saved before a cache runs the operation,
+        so a rotation is undone bit-exact, not by rotating back."""
+        for cache in self.caches:
+            cache._check_open()
+        saved = []
         results = []
         try:
             for cache in self.caches:
+                saved.append(_Saved(cache, moving))
                 results.append(getattr(cache, name)(*args))
         except BaseException:
-            for cache, snapshot, _ in snapshots:
-                cache.cells = snapshot
+            for item in reversed(saved):
+                item.restore()
             raise
         return results
 
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
-        for cache in self.caches:  # check all first: a re-rotated key is not rotated back
-            cache._check_remove(seq, begin, end)
-        self._fan_out("remove", seq, begin, end)
+        checked = None
+        for cache in self.caches:  # check all first: nothing runs unless every cache accepts
+            checked = cache._check_remove(seq, begin, end)
+        seq_, _, end_ = checked
+        self._fan_out("remove", seq, begin, end,
+                      moving=None if end_ is None else (seq_, end_))
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         self._fan_out("copy_prefix", src_seq, dst_seq, length)
 
     def can_resume(self, seq: int, pos: int) -> bool:
-        return all(cache.can_resume(seq, pos) for cache in self.caches)
+        return all([cache.can_resume(seq, pos) for cache in self.caches])  # all checked
 
     def defrag(self) -> None:
         for cache in self.caches:
-            cache.defrag()
+            cache._check_open()
+        self._fan_out("defrag")
 
     def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
         return all(self._fan_out("seq_rm", seq, p0, p1))
@@ -151,13 +170,100 @@ class WrapperCache:
         for cache in self.caches:
             cache.close()
 
+    @property
+    def closed(self) -> bool:
+        return any(cache.closed for cache in self.caches)
 
+    # ------------------------------------------------------------------ state
+    def save_state(self, path, seq: Optional[int] = None, *, tokens=None, metadata=None,
+                   progress: Optional[bool] = None) -> None:
+        """Save every group cache (``seq=None``) or one sequence of each to a safetensors file,
+        atomically (``numbakv.state``, kind ``wrapper`` / ``wrapper-seq``)."""
+        from . import state
+        state.save(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
+
+    def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
+                    progress: Optional[bool] = None) -> bytes:
+        """What ``save_state`` writes, as bytes."""
+        from . import state
+        return state.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
+
+    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
+                   progress: Optional[bool] = None) -> dict:
+        """Restore what ``save_state`` wrote into every group, all or nothing (``strict`` as in
+        ``CausalCache.load_state``, per group). Returns the saved tokens and metadata."""
+        from . import state
+        return state.load(path, self, seq, strict=strict, progress=progress)[1]
+
+    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
+                         progress: Optional[bool] = None) -> dict:
+        """Load ``state_bytes`` output (see ``load_state``)."""
+        from . import state
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
+        return state.load(data, self, seq, strict=strict, progress=progress)[1]
+
+
+def _check_groupable(caches: List[CausalCache], same_layers: bool) -> None:
+    """Caches a WrapperCache can fan out over: distinct, open, sharing max_seqs and device, and
+    (without a layer_groups map) the same number of layers."""
+    seen = {}
+    for i, cache in enumerate(caches):
+        if id(cache) in seen:
+            raise ValueError(f"caches[{i}] is the same cache as caches[{seen[id(cache)]}]: each "
+                             "group needs its own CausalCache (a token would be placed twice)")
+        seen[id(cache)] = i
+        if cache.closed:
+            raise ValueError(f"caches[{i}] is closed")
+    for attr, values in (("max_seqs", [c.config.max_seqs for c in caches]),
+                         ("device", [c.device for c in caches])):
+        if len(set(values)) != 1:
+            raise ValueError(f"caches must share {attr} to be grouped, got {values}")
+    if same_layers:
+        layers = [c.config.n_layers for c in caches]
+        if len(set(layers)) != 1:
+            raise ValueError(f"caches must have the same n_layers when layer_groups is not "
+                             f"given (every cache sees every layer), got {layers}: pass "
+                             "layer_groups to map model layers to caches")
+
+
+class _Saved:
+    """What a fanned-out operation may change in one CausalCache, saved before it runs: the cell
+    table (a copy), the forward pass and, on the host, the K/V rows of every cell whose key may
+    be re-rotated (restored with ``storage.write_cells``: bit-exact)."""
+
+    def __init__(self, cache: CausalCache, moving: Optional[Tuple[int, int]]) -> None:
+        self.cache = cache
+        self.cells = cache.cells.copy()
+        self.forward = cache._forward
+        self.defrag_count = cache.defrag_count
+        table = cache.cells.cells
+        touched = table["shift"] != 0
+        if moving is not None:
+            seq, end = moving
+            seq_cells = np.asarray(cache.cells.seq_cells(seq), dtype=np.int64)
+            touched[seq_cells[table["pos"][seq_cells] >= end]] = True
+        self.rows = np.flatnonzero(touched).astype(np.int32)
+        self.kv = cache.storage.read_cells(self.rows) if len(self.rows) else None
+
+    def restore(self) -> None:
+        cache = self.cache
+        if self.kv is not None:
+            cache.storage.write_cells(self.rows, *self.kv)
+        cache.cells = self.cells
+        cache._forward = self.forward
+        cache.defrag_count = self.defrag_count
+
+
+@one_thread_at_a_time
 class EncoderCache:
     """Cross-attention K/V from an encoder (e.g. an image encoder): stored when a forward pass
     carries encoder output, kept for the following passes, visible to every token.
 
     Storage: K ``[n_layers, n_enc, n_kv_heads, head_dim]`` and V ``[n_layers, n_enc, n_kv_heads,
-    v_head_dim]``, allocated for ``capacity`` encoder tokens (``config.capacity``).
+    v_head_dim]``, allocated for ``capacity`` encoder tokens (``config.capacity``), after checking
+    that they (and a mask at ``max_batch``) fit the memory left. One thread at a time, like
+    every cache.
     """
 
     def __init__(self, config: CacheConfig) -> None:
@@ -167,6 +273,12 @@ class EncoderCache:
         self.device = resolve_device(config.device)
         self._xp = array_module(self.device)
         sd = config.storage_dtype
+        mask_rows = round_up(config.max_batch, config.mask_batch_padding)
+        check_memory(f"the EncoderCache ({config.capacity} encoder tokens)", self.device,
+                     {"K/V storage": config.nbytes(config.capacity),
+                      "mask at max_batch": mask_rows * config.capacity
+                      * np.dtype(config.mask_dtype).itemsize},
+                     hint="lower capacity (encoder tokens) or n_layers")
         self.keys = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
                                     config.head_dim), dtype=sd)
         self.values = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
@@ -176,6 +288,8 @@ class EncoderCache:
         self._layers_written = np.zeros(config.n_layers, bool)
         self._batch = 0
         self._storing = False
+        self._reserve = False
+        self._started = False       # a forward pass has begun (put/get need one)
         self._layer = 0
         self._closed = False
 
@@ -188,15 +302,25 @@ class EncoderCache:
         """Begin a forward pass; ``encoder_pos`` is the position of the input whose encoder
         output this pass stores (``None``: the pass reuses what is cached)."""
         self._check_open()
+        if not isinstance(reserve, (bool, np.bool_)):
+            raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos = host_int_array(positions, "positions")
         sq = host_int_array(seqs, "seqs")
         if len(pos) != len(sq) or len(pos) == 0:
-            raise ValueError("positions and seqs must have the same, non-zero length")
+            raise ValueError(f"positions and seqs must have the same, non-zero length, got "
+                             f"{len(pos)} and {len(sq)}")
         if len(pos) > self.config.max_batch:
             raise ValueError(f"batch of {len(pos)} tokens is larger than max_batch="
                              f"{self.config.max_batch}")
+        if pos.min() < 0 or pos.max() >= UNLIMITED:
+            raise ValueError(f"positions must be in [0, {UNLIMITED}), got min {pos.min()} "
+                             f"max {pos.max()}")
+        if sq.min() < 0 or sq.max() >= self.config.max_seqs:
+            raise ValueError(f"seqs must be in [0, max_seqs={self.config.max_seqs}), got min "
+                             f"{sq.min()} max {sq.max()}")
         if encoder_pos is not None:
             encoder_pos = _check_index("encoder_pos", encoder_pos, 0)
+        self._started = True
         self._batch = len(pos)
         self._reserve = bool(reserve)
         self._storing = encoder_pos is not None and not reserve
@@ -205,6 +329,7 @@ class EncoderCache:
             self._layers_written[:] = False
 
     def set_layer(self, layer: int) -> None:
+        self._check_open()
         self._layer = _check_index("layer", layer, 0, self.config.n_layers)
 
     def put(self, key, value) -> None:
@@ -212,6 +337,8 @@ class EncoderCache:
         n_kv_heads, v_head_dim]`` for the current layer (only in a pass that carries encoder
         output)."""
         self._check_open()
+        if not self._started:
+            raise ValueError("put() needs a forward pass: call start_forward first")
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
@@ -240,6 +367,8 @@ class EncoderCache:
         """``(key, value, mask)``: the stored encoder K/V of the current layer and an all-visible
         mask ``[round_up(batch, mask_batch_padding), n_enc]`` (padding rows -inf)."""
         self._check_open()
+        if not self._started:
+            raise ValueError("get() needs a forward pass: call start_forward first")
         if self.encoder_len == 0:
             raise KVCacheError("no encoder output is cached")
         n = self.encoder_len
@@ -254,7 +383,7 @@ class EncoderCache:
         """Removing the position the encoder output belongs to drops it."""
         self._check_open()
         _check_index("seq", seq, 0, self.config.max_seqs)
-        begin = _check_index("begin", begin, 0)
+        begin = _check_index("begin", begin, 0, UNLIMITED)
         end_ = None if end is None else _check_index("end", end, begin)
         if self.encoder_pos is not None and self.encoder_pos >= begin and \
                 (end_ is None or self.encoder_pos < end_):
@@ -263,16 +392,34 @@ class EncoderCache:
             self._layers_written[:] = False
 
     def can_resume(self, seq: int, pos: int) -> bool:
+        """Always True (the encoder output does not depend on the position); checks its
+        arguments and that the cache is open."""
+        self._check_open()
+        _check_index("seq", seq, 0, self.config.max_seqs)
+        _check_index("pos", pos, 0, UNLIMITED)
         return True
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         raise NotSupportedError("EncoderCache does not support copy_prefix")
 
     def set_causal(self, except_=None) -> None:
-        """Cross-attention has no causal mask: accepted and ignored."""
+        """Cross-attention has no causal mask: accepted (checked) and ignored."""
+        self._check_open()
+        if not self._started:
+            raise ValueError("set_causal() needs a forward pass: call start_forward first")
+        if except_ is not None:
+            idx = host_int_array(except_, "except_")
+            if idx.size and (idx.min() < 0 or idx.max() >= self._batch):
+                raise ValueError(f"except_ must hold batch indices in [0, {self._batch}), got "
+                                 f"{idx.tolist()}")
 
     def defrag(self) -> None:
         """Nothing to defragment."""
+        self._check_open()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         self._closed = True

@@ -52,7 +52,13 @@ def pytest_collection_modifyitems(config, items):
         have_torch = False
     skip_torch = pytest.mark.skip(reason="PyTorch is not installed")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    # `slow` tests (long stateful runs) are left out unless the -m expression asks for them:
+    # CI runs `pytest -n 2`, `pytest -m slow` runs them
+    want_slow = "slow" in (config.getoption("markexpr", "") or "")
+    skip_slow = pytest.mark.skip(reason="slow: run with pytest -m slow")
     for item in items:
+        if "slow" in item.keywords and not want_slow:
+            item.add_marker(skip_slow)
         if "torch" in item.keywords and not have_torch:
             item.add_marker(skip_torch)
         if "gpu" in item.keywords and SIMULATOR:
