@@ -35,7 +35,8 @@ from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, device_arg, f16_bits_
                       f32_to_bf16_bits, f32_to_f16_bits, launch as _launch, to_device)
 from ._registry import cuda_kernel, element
 from .move import move_step, normalize
-from .rope import load_f32, pair_index, rotate_pair, storage_kind, tables
+from .rope import (KIND_F16_BITS, KIND_F16_HW, load_f32, pair_index, rotate_pair, storage_kind,
+                   tables)
 
 #: storage formats (kernel argument ``fmt``)
 FMT_Q8_0, FMT_Q4_0, FMT_F8 = 1, 2, 3
@@ -440,7 +441,11 @@ def raw_move_cpu(arr, moves):
 # launchers (inputs validated by the caller: KVStorage)
 
 def _kind(device: str, dtype: str):
-    return storage_kind(device, dtype)
+    """The element kind load_f32/store_f32 take. rope's CPU float16 fast path (KIND_F16_HW, whole
+    rows converted by F16C) has no element form: the block kernels convert one value at a time
+    through the bit-exact software conversion, which gives the same values."""
+    view_dtype, kind = storage_kind(device, dtype)
+    return view_dtype, (KIND_F16_BITS if kind == KIND_F16_HW else kind)
 
 
 def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scales,
