@@ -11,7 +11,8 @@ import numpy as np
 #: Storage dtypes by name. bfloat16 is kept as its 16-bit pattern (numpy has no bfloat16).
 STORAGE_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
                   "bfloat16": np.dtype(np.uint16)}
-MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+               "bfloat16": np.dtype(np.uint16)}   # bfloat16 masks: bit patterns, like K/V
 DEVICES = ("auto", "cpu", "cuda", "sim")
 #: The sequence bitset of a cell has this many bits (see cells.py).
 MAX_SEQS_LIMIT = 256

@@ -235,6 +235,25 @@ class KVStorage:
             _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
                         value, self.permuted, start=int(start))
 
+    # ---------------------------------------------------------------- trusted fast paths
+    def put_range_trusted(self, layer: int, start: int, key, value) -> None:
+        """:meth:`put_range` without its checks, for a caller that made them all (CausalCache's
+        per-layer hot path): ``key``/``value`` arrays of this storage in the storage dtype and
+        shape, ``layer`` and ``start .. start + batch`` in range."""
+        if self.device == "cpu":
+            _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], None, key, value, start)
+            return
+        with self._on_device():
+            _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
+                        value, self.permuted, start=start)
+
+    def views_trusted(self, layer: int, lo: int, hi: int):
+        """``(key_view, value_view)`` of cells ``lo .. hi-1`` of ``layer`` without the checks of
+        :meth:`key_view` / :meth:`value_view` (the caller made them)."""
+        if self.permuted:
+            return self.keys[layer, lo:hi], self.values[layer, :, :, lo:hi]
+        return self.keys[layer, lo:hi], self.values[layer, lo:hi]
+
     # ---------------------------------------------------------------- views
     def _check_range(self, lo, hi) -> Tuple[int, int]:
         for name, v in (("lo", lo), ("hi", hi)):

@@ -60,16 +60,19 @@ class WrapperCache:
         return len(self.layer_groups)
 
     def start_forward(self, positions, seqs, reserve: bool = False) -> None:
+        """Every cache places the batch, then applies its pending shifts and builds its mask; if
+        any of them fails, each one's undo log takes back what it did (evictions, defrags and
+        key rotations included), so every (sequence, position) keeps its own K/V."""
         undos: List[Tuple[CausalCache, object]] = []
         try:
             for cache in self.caches:
                 undos.append((cache, cache._place(positions, seqs, reserve, undoable=True)))
+            for cache, undo in undos:
+                cache._finish_forward(undo)
         except BaseException:
             for cache, undo in reversed(undos):
                 cache._undo(undo)
             raise
-        for cache in self.caches:
-            cache._finish_forward()
 
     def set_layer_type(self, index: int) -> None:
         """Pick the cache for the following ``set_layer``/``put``/``get`` (Ollama's
@@ -94,16 +97,19 @@ class WrapperCache:
             cache.set_causal(except_)
 
     def _fan_out(self, name: str, *args):
-        """Run a sequence operation on every cache; if one raises, restore all of them."""
-        snapshots = [(c, c.cells.copy(), c.cells) for c in self.caches]
+        """Run a sequence operation on every cache; if one raises, the others' undo logs take
+        back what they did (no copy of any table)."""
         results = []
+        for cache in self.caches:
+            cache._journal_begin()
+        failed = True
         try:
             for cache in self.caches:
                 results.append(getattr(cache, name)(*args))
-        except BaseException:
-            for cache, snapshot, _ in snapshots:
-                cache.cells = snapshot
-            raise
+            failed = False
+        finally:
+            for cache in self.caches:
+                cache._journal_end(rollback=failed)
         return results
 
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
@@ -240,8 +246,13 @@ class EncoderCache:
         n = self.encoder_len
         cfg = self.config
         rows = round_up(max(self._batch, 1), cfg.mask_batch_padding)
-        mask = self._xp.zeros((rows, n), dtype=np.dtype(cfg.mask_dtype))
-        mask[self._batch:] = -np.inf
+        if cfg.mask_dtype == "bfloat16":     # stored as bit patterns, exported as bfloat16
+            mask = self._xp.zeros((rows, n), dtype=np.uint16)
+            mask[self._batch:] = 0xFF80
+            mask = export_view(mask, "bfloat16")
+        else:
+            mask = self._xp.zeros((rows, n), dtype=np.dtype(cfg.mask_dtype))
+            mask[self._batch:] = -np.inf
         return (export_view(self.keys[self._layer, :n], cfg.dtype),
                 export_view(self.values[self._layer, :n], cfg.dtype), mask)
 

@@ -18,9 +18,12 @@ from ._common import MAX_GRID_YZ, block_size, cdiv, device_arg, launch as _launc
 from ._registry import cuda_kernel, element
 
 #: raw bit patterns written for a masked entry, by mask dtype
-MASKED_BITS = {"float32": 0xFF800000, "float16": 0xFC00}
-_RAW = {"float32": np.dtype(np.uint32), "float16": np.dtype(np.uint16)}
-_NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+MASKED_BITS = {"float32": 0xFF800000, "float16": 0xFC00, "bfloat16": 0xFF80}
+_RAW = {"float32": np.dtype(np.uint32), "float16": np.dtype(np.uint16),
+        "bfloat16": np.dtype(np.uint16)}
+#: bfloat16 masks are stored as their uint16 bit patterns (as bfloat16 K/V are)
+_NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+            np.dtype(np.uint16): "bfloat16"}
 
 
 @element
