@@ -44,9 +44,25 @@ from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 from .errors import NotSupportedError
 
 SEQ_WORDS = 4
-#: Sequence ids are 0 .. MAX_SEQS - 1 (the bitset width).
+#: Sequence ids are 0 .. MAX_SEQS - 1 (the widest bitset).
 MAX_SEQS = 64 * SEQ_WORDS
-CELL_DTYPE = np.dtype([("pos", np.int32), ("shift", np.int32), ("seqs", np.uint64, (SEQ_WORDS,))])
+#: What the hot path reads per cell, 8 bytes: position and pending shift side by side.
+POS_SHIFT_DTYPE = np.dtype([("pos", np.int32), ("shift", np.int32)])
+
+
+def cell_dtype(words: int) -> np.dtype:
+    """The record a whole cell is exported as (``CellTable.cells``, state files): position,
+    pending shift and ``words`` uint64 words of sequence bits."""
+    return np.dtype([("pos", np.int32), ("shift", np.int32), ("seqs", np.uint64, (words,))])
+
+
+def seq_words(max_seqs: int) -> int:
+    """uint64 words of sequence bits per cell: one up to 64 sequences."""
+    return max(1, -(-int(max_seqs) // 64))
+
+
+#: the record of the widest table (256 sequences)
+CELL_DTYPE = cell_dtype(SEQ_WORDS)
 #: Largest storable position; one below int32 max so that ``pos + 1`` (Ollama's lowest position
 #: of an idle sequence) still fits an int32.
 POS_MAX = 2**31 - 2
@@ -100,14 +116,17 @@ def _has(cseqs, c, s):
 
 @njit(cache=True)
 def _used(cseqs, c):
-    return (cseqs[c, 0] | cseqs[c, 1] | cseqs[c, 2] | cseqs[c, 3]) != 0
+    for w in range(cseqs.shape[1]):
+        if cseqs[c, w] != 0:
+            return True
+    return False
 
 
 @njit(cache=True)
 def _has_others(cseqs, c, s):
     """Whether cell c holds a sequence other than s."""
     sw = s >> 6
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         x = cseqs[c, w]
         if w == sw:
             x &= ~_bit(s)
@@ -489,7 +508,7 @@ def _free_cell(cpos, cshift, cseqs, occ, meta, c):
     refreshes ftree for its word."""
     _set_shift(cshift, meta, c, 0)
     cpos[c] = -1
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         cseqs[c, w] = 0
     _occ_clear(occ, c)
     meta[_M_USED] -= 1
@@ -537,7 +556,7 @@ def _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
     shlo = n
     shhi = -1
     for c in range(n):
-        if (cseqs[c, 0] | cseqs[c, 1] | cseqs[c, 2] | cseqs[c, 3]) == 0:
+        if not _used(cseqs, c):
             if cpos[c] != -1:
                 cpos[c] = -1
             if cshift[c] != 0:
@@ -552,7 +571,7 @@ def _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
             shhi = c
         p = cpos[c]
         k = nl + (c >> bshift)
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             x = cseqs[c, w]
             while x != 0:
                 s = w * 64 + np.int64(trailing_zeros(x))
@@ -586,7 +605,7 @@ def _validate_cells(cpos, cseqs, nseq):
         p = cpos[c]
         if p < 0 or p > POS_MAX:
             return -(1 + c)
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             x = cseqs[c, w]
             if x == 0:
                 continue
@@ -658,7 +677,7 @@ def _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, posi
         p = np.int64(positions[i])
         s = np.int64(bseqs[i])
         cpos[c] = p
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             cseqs[c, w] = 0
         cseqs[c, s >> 6] = _bit(s)
         _occ_set(occ, c)
@@ -694,14 +713,14 @@ def _unapply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, he
         if srt[i] == srt[i - 1]:
             return _E_SLOT_DUP
     bshift = meta[_M_BSHIFT]
-    aff = np.zeros(SEQ_WORDS, np.uint64)
+    aff = np.zeros(cseqs.shape[1], np.uint64)
     for i in range(b):
         c = np.int64(slots[i])
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             aff[w] |= cseqs[c, w]
             cseqs[c, w] = 0
         _free_cell(cpos, cshift, cseqs, occ, meta, c)
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         x = aff[w]
         while x != 0:
             s = w * 64 + np.int64(trailing_zeros(x))
@@ -1166,7 +1185,7 @@ def _seq_rm(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1):
         for c in range(n):
             p = cpos[c]
             if p >= p0 and p < p1:
-                for w in range(SEQ_WORDS):
+                for w in range(cseqs.shape[1]):
                     cseqs[c, w] = 0
                 _free_cell(cpos, cshift, cseqs, occ, meta, c)
                 if new_head == n:
@@ -1229,11 +1248,11 @@ def _seq_keep(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s):
     bit = _bit(s)
     for c in range(n):
         if (cseqs[c, sw] & bit) != 0:
-            for w in range(SEQ_WORDS):
+            for w in range(cseqs.shape[1]):
                 cseqs[c, w] = 0
             cseqs[c, sw] = bit
         elif cpos[c] >= 0:
-            for w in range(SEQ_WORDS):
+            for w in range(cseqs.shape[1]):
                 cseqs[c, w] = 0
             _free_cell(cpos, cshift, cseqs, occ, meta, c)
             if new_head == n:
@@ -1437,7 +1456,7 @@ def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
     # below, once, for every sequence)
     bshift = meta[_M_BSHIFT]
     nl = stree.shape[1] >> 1
-    aff = np.zeros(SEQ_WORDS, np.uint64)
+    aff = np.zeros(cseqs.shape[1], np.uint64)
     for r in range(m):
         src = moves[r, 0]
         dst = moves[r, 1]
@@ -1447,7 +1466,7 @@ def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
             p = cpos[a]
             cpos[b] = p
             cshift[b] = cshift[a]
-            for w in range(SEQ_WORDS):
+            for w in range(cseqs.shape[1]):
                 x = cseqs[a, w]
                 cseqs[b, w] = x
                 cseqs[a, w] = 0
@@ -1483,14 +1502,14 @@ def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
         stree[0, nl + bu + 1:nl + nb, :] = _EMPTY_MIN
         stree[1, nl + bu + 1:nl + nb, :] = -1
     if bu < nb:
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             x = aff[w]
             while x != 0:
                 s = w * 64 + np.int64(trailing_zeros(x))
                 x &= x - _ONE
                 _st_leaf_from_cells(stree, cpos, cseqs, s, bu, bshift)
     _st_pull_all(stree, sidx.shape[1])
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         x = aff[w]
         while x != 0:
             s = w * 64 + np.int64(trailing_zeros(x))
@@ -1645,9 +1664,14 @@ class CellTable:
 
     Fields and their invariants:
 
-    * ``cells`` -- ``[n_cells]`` ``CELL_DTYPE``. A cell is used iff some sequence bit is set;
-      a free cell has ``pos = -1`` and ``shift = 0``. Used cells have ``0 <= pos <= POS_MAX``.
-      It may be overwritten in place (state loading) and then ``rebuild_indexes()`` called.
+    * the cells, split by access pattern: ``_ps`` ``[n_cells]`` of ``POS_SHIFT_DTYPE`` (8 bytes:
+      position and pending shift; ``_pos`` / ``_shift`` are its field views) and ``_seqs``
+      uint64 ``[n_cells, words]``, the sequence bits (sequence ``s`` is bit ``s % 64`` of word
+      ``s // 64``; ``words = seq_words(max_seqs)``, one up to 64 sequences). The mask kernel
+      reads a position with an 8-byte stride and one bit word per cell. A cell is used iff some
+      sequence bit is set; a free cell has ``pos = -1`` and ``shift = 0``. Used cells have
+      ``0 <= pos <= POS_MAX``. ``cells`` exports them as one record array (a copy),
+      ``load_cells`` replaces them.
     * ``seq_cell_min`` / ``seq_cell_max`` -- int64 ``[max_seqs]``: first / last cell holding the
       sequence, -1 when it holds none.
     * ``seq_pos_min`` / ``seq_pos_max`` -- int64 ``[max_seqs]``: lowest / highest position the
@@ -1681,8 +1705,10 @@ class CellTable:
         self.max_seqs = max_seqs
         self.block_size = block_size
         n_leaves = _next_pow2(-(-n_cells // block_size))
-        self._cells = np.zeros(n_cells, CELL_DTYPE)
-        self._cells["pos"] = -1
+        self.words = seq_words(max_seqs)
+        self._ps = np.zeros(n_cells, POS_SHIFT_DTYPE)
+        self._ps["pos"] = -1
+        self._seqs = np.zeros((n_cells, self.words), np.uint64)
         self._occ = np.zeros(_next_pow2(n_words), np.uint64)
         self._ftree = np.zeros((3, 2 * self._occ.shape[0]), np.int32)
         self._stree = np.empty((2, 2 * n_leaves, max_seqs), np.int32)
@@ -1695,9 +1721,8 @@ class CellTable:
 
     def _bind(self) -> None:
         """Field views of the cell records and the index rows (they alias the arrays)."""
-        self._pos = self._cells["pos"]
-        self._shift = self._cells["shift"]
-        self._seqs = self._cells["seqs"]
+        self._pos = self._ps["pos"]
+        self._shift = self._ps["shift"]
         self.seq_cell_min = self._sidx[0].view(SeqIndex)
         self.seq_cell_max = self._sidx[1].view(SeqIndex)
         self.seq_pos_min = self._sidx[2].view(SeqIndex)
@@ -1705,8 +1730,13 @@ class CellTable:
 
     @property
     def cells(self) -> np.ndarray:
-        """The raw table ``[n_cells]`` ``CELL_DTYPE`` (write in place, then rebuild_indexes)."""
-        return self._cells
+        """A copy of every cell as one record array ``[n_cells]`` of ``cell_dtype(words)``
+        (fields ``pos``, ``shift``, ``seqs``); change cells through :meth:`load_cells`."""
+        out = np.empty(self.n_cells, cell_dtype(self.words))
+        out["pos"] = self._pos
+        out["shift"] = self._shift
+        out["seqs"] = self._seqs
+        return out
 
     @property
     def n_used(self) -> int:
@@ -1732,7 +1762,9 @@ class CellTable:
         new.n_cells = self.n_cells
         new.max_seqs = self.max_seqs
         new.block_size = self.block_size
-        new._cells = self._cells.copy()
+        new.words = self.words
+        new._ps = self._ps.copy()
+        new._seqs = self._seqs.copy()
         new._occ = self._occ.copy()
         new._ftree = self._ftree.copy()
         new._stree = self._stree.copy()
@@ -1747,7 +1779,7 @@ class CellTable:
     def __getstate__(self):
         # the index-row views are rebuilt on unpickling so they alias the new arrays
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("_pos", "_shift", "_seqs", "seq_cell_min", "seq_cell_max",
+                if k not in ("_pos", "_shift", "seq_cell_min", "seq_cell_max",
                              "seq_pos_min", "seq_pos_max")}
 
     def __setstate__(self, state) -> None:
@@ -1756,13 +1788,30 @@ class CellTable:
 
     def load_cells(self, cells: np.ndarray) -> None:
         """Replace every cell record (e.g. from saved state) and rebuild the indexes; validated
-        first, the table is unchanged on error."""
+        first, the table is unchanged on error. ``cells``: ``[n_cells]`` records with fields
+        ``pos``, ``shift`` and ``seqs`` (uint64 words; words past this table's must be 0)."""
         arr = np.asarray(cells)
-        if arr.dtype != CELL_DTYPE or arr.shape != (self.n_cells,):
-            raise ValueError(f"cells must be [{self.n_cells}] of CELL_DTYPE, got {arr.shape} "
-                             f"of {arr.dtype}")
-        self._validate(arr["pos"], arr["seqs"])
-        self._cells[...] = arr
+        names = arr.dtype.names or ()
+        if arr.shape != (self.n_cells,) or not {"pos", "shift", "seqs"} <= set(names):
+            raise ValueError(f"cells must be [{self.n_cells}] records with fields pos, shift and "
+                             f"seqs, got {arr.shape} of {arr.dtype}")
+        seqs = np.asarray(arr["seqs"], np.uint64).reshape(self.n_cells, -1)
+        if seqs.shape[1] > self.words:
+            extra = seqs[:, self.words:]
+            if extra.any():
+                c = int(np.argwhere(extra)[0, 0])
+                raise ValueError(f"cells[{c}] is invalid: a sequence bit >= max_seqs="
+                                 f"{self.max_seqs}")
+            seqs = seqs[:, :self.words]
+        elif seqs.shape[1] < self.words:
+            seqs = np.concatenate([seqs, np.zeros((self.n_cells, self.words - seqs.shape[1]),
+                                                  np.uint64)], axis=1)
+        seqs = np.ascontiguousarray(seqs)
+        pos = np.ascontiguousarray(arr["pos"], np.int32)
+        self._validate(pos, seqs)
+        self._pos[...] = pos
+        self._shift[...] = arr["shift"]
+        self._seqs[...] = seqs
         self.rebuild_indexes()
 
     def _validate(self, pos, seqs) -> None:
@@ -1836,10 +1885,10 @@ class CellTable:
         return _cells_of(self._pos, self._seqs, self._stree, self._meta, self._seq(seq))
 
     def mask_inputs(self, lo: int, hi: int, copy: bool = True) -> Tuple[np.ndarray, np.ndarray]:
-        """The cells [lo, hi) as (pos int32 [hi-lo], seqs uint64 [hi-lo, SEQ_WORDS]). Free cells
-        have pos -1 and no sequence bit. ``copy=False`` returns strided views of the table
-        (nothing copied; valid until the table next changes), which the CPU mask kernel reads
-        as they are."""
+        """The cells [lo, hi) as (pos int32 [hi-lo], seqs uint64 [hi-lo, words]). Free cells
+        have pos -1 and no sequence bit. ``copy=False`` returns views of the table (the
+        positions with an 8-byte stride, the bit words contiguous; nothing copied; valid until
+        the table next changes), which the CPU mask kernel reads as they are."""
         lo = _int(lo, "lo")
         hi = _int(hi, "hi")
         if not 0 <= lo <= hi <= self.n_cells:
@@ -2159,5 +2208,5 @@ class CellTable:
                 f"n_used={self.n_used})")
 
 
-__all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
+__all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_SHIFT_DTYPE", "cell_dtype", "seq_words", "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
            "SeqIndex"]

@@ -313,17 +313,17 @@ class KVStorage:
         if cell_pos.shape[0] != n:
             raise ValueError(f"cell_pos must have n={n} entries (out's columns), "
                              f"got {cell_pos.shape[0]}")
-        if cell_seqs.shape != (n, _SEQ_WORDS):
-            raise ValueError(f"cell_seqs must have shape ({n}, {_SEQ_WORDS}), "
-                             f"got {cell_seqs.shape}")
+        if cell_seqs.shape[0] != n or not 1 <= cell_seqs.shape[1] <= _SEQ_WORDS:
+            raise ValueError(f"cell_seqs must have shape ({n}, words) with 1 <= words <= "
+                             f"{_SEQ_WORDS}, got {cell_seqs.shape}")
         b = batch_pos.shape[0]
         if b > rows:
             raise ValueError(f"the batch ({b} tokens) must fit out's {rows} rows")
         if batch_seq.shape[0] != b or causal.shape[0] != b:
             raise ValueError(f"batch_seq and causal must have {b} entries (batch_pos), got "
                              f"{batch_seq.shape[0]} and {causal.shape[0]}")
-        if b and (batch_seq.min() < 0 or batch_seq.max() >= MAX_SEQS_LIMIT):
-            raise ValueError(f"batch_seq must be in [0, {MAX_SEQS_LIMIT}), got range "
+        if b and (batch_seq.min() < 0 or batch_seq.max() >= 64 * cell_seqs.shape[1]):
+            raise ValueError(f"batch_seq must be in [0, {64 * cell_seqs.shape[1]}), got range "
                              f"[{batch_seq.min()}, {batch_seq.max()}]")
         for name, v, lo in (("window", window, -1), ("chunk", chunk, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from numbakv.cells import CELL_DTYPE, MAX_SEQS, POS_MAX, SEQ_WORDS, CellTable
+from numbakv.cells import CELL_DTYPE, MAX_SEQS, POS_MAX, SEQ_WORDS, CellTable, cell_dtype, seq_words
 from numbakv.errors import NotSupportedError
 from model_cells import ModelCells, reference_defrag_plan
 
@@ -23,7 +23,7 @@ def seq_sets(t):
     out = []
     for words in t.cells["seqs"]:
         s = set()
-        for w in range(SEQ_WORDS):
+        for w in range(len(words)):
             x = int(words[w])
             while x:
                 low = x & -x
@@ -128,8 +128,9 @@ def test_empty_table():
     assert t.prune_window(i32([3]), i32([0]), 1).shape == (0, 4)
     assert t.remove(0, 0, 3).size == 0
     pos, seqs = t.mask_inputs(0, 10)
-    assert (pos == -1).all() and (seqs == 0).all() and seqs.shape == (10, SEQ_WORDS)
-    assert t.cells.dtype == CELL_DTYPE
+    assert (pos == -1).all() and (seqs == 0).all() and seqs.shape == (10, 1)   # 1 word: 4 seqs
+    assert t.cells.dtype == cell_dtype(1) and t.words == seq_words(4) == 1
+    assert CellTable(10, 65).words == 2 and CellTable(10, 256).cells.dtype == CELL_DTYPE
 
 
 def test_full_table():
@@ -558,9 +559,19 @@ def test_copy_is_deep_and_rebuild_from_cells():
     fresh.check_consistency()
     assert np.array_equal(fresh.cells, t.cells)
     assert np.array_equal(fresh._sidx, t._sidx) and fresh.has_pending_shifts()
-    fresh.cells["seqs"][5, 0] = 1 << 4                  # a sequence >= max_seqs
+    fresh._seqs[5, 0] = 1 << 4                          # a sequence >= max_seqs
     with pytest.raises(ValueError, match=r"cells\[5\]"):
         fresh.rebuild_indexes()
+    # records of a wider table load when the extra words are empty, and not otherwise
+    wide = np.zeros(70, CELL_DTYPE)
+    for f in ("pos", "shift"):
+        wide[f] = saved[f]
+    wide["seqs"][:, :1] = saved["seqs"]
+    fresh.load_cells(wide)
+    assert np.array_equal(fresh.cells, t.cells)
+    wide["seqs"][3, 2] = 1
+    with pytest.raises(ValueError, match=r"cells\[3\]"):
+        fresh.load_cells(wide)
     bad = saved.copy()
     bad["pos"][0] = -3
     snap = snapshot(t)
