@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
+from .cells import _check_batch as _batch_ids_ok
 from .config import CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -25,6 +26,7 @@ from .storage import KVStorage
 UNLIMITED = 2**31 - 1
 
 ShiftFn = Callable[[int, Any, Any], Any]
+_I32 = np.dtype(np.int32)
 
 
 def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -162,6 +164,7 @@ class CausalCache:
         self._forward: Optional[_Forward] = None
         self._closed = False
         self._mask_buf = None
+        self._ones = np.ones(0, np.uint8)
         self._bf16_mask = config.mask_dtype == "bfloat16"
         self._bf16 = config.dtype == "bfloat16"
         #: when a list: every sequence operation appends its undo log here (WrapperCache fan-out)
@@ -246,7 +249,7 @@ class CausalCache:
         lo, hi = min(lo, start), max(hi, start + batch)
         pad = self.config.cache_padding
         lo, hi = (lo // pad) * pad, min(round_up(hi, pad), self.n_cells)
-        self._forward = _Forward(pos, sq, False, start, lo, hi, np.ones(batch, np.uint8))
+        self._forward = _Forward(pos, sq, False, start, lo, hi, self._all_causal(batch))
         return undo
 
     def _finish_forward(self, undo: Optional["_Undo"] = None) -> None:
@@ -283,6 +286,14 @@ class CausalCache:
         self.defrag_count = undo.defrag_count
 
     def _check_batch(self, positions, seqs) -> Tuple[np.ndarray, np.ndarray]:
+        # fast path: int32 host arrays, every range checked in one compiled pass (copies kept:
+        # the caller may reuse its arrays while this forward pass is still described by them)
+        if type(positions) is np.ndarray and type(seqs) is np.ndarray \
+                and positions.dtype is _I32 and seqs.dtype is _I32 and positions.ndim == 1 \
+                and seqs.ndim == 1 and 0 < positions.shape[0] == seqs.shape[0] \
+                <= self.config.max_batch \
+                and _batch_ids_ok(self.config.max_seqs, positions, seqs) == 0:
+            return positions.copy(), seqs.copy()
         pos = host_int_array(positions, "positions")
         sq = host_int_array(seqs, "seqs")
         if len(pos) != len(sq):
@@ -301,6 +312,16 @@ class CausalCache:
                              f"{sq.min()} max {sq.max()}")
         return pos.astype(np.int32), sq.astype(np.int32)
 
+    def _all_causal(self, batch: int) -> np.ndarray:
+        """uint8 ones ``[batch]`` (a read-only slice of one array: set_causal replaces, never
+        writes, a forward pass's array)."""
+        ones = self._ones
+        if ones.shape[0] < batch:
+            ones = np.ones(max(batch, 2 * ones.shape[0]), np.uint8)
+            ones.flags.writeable = False
+            self._ones = ones
+        return ones[:batch]
+
     def _mask_buffer(self, rows: int, n: int):
         """A ``[rows, n]`` mask array carved from one buffer kept between forward passes (a mask
         is valid until the next start_forward): no fresh allocation, and no fresh pages to
@@ -316,10 +337,12 @@ class CausalCache:
         fwd = self._forward
         rows = round_up(len(fwd.positions), self.config.mask_batch_padding)
         mask = self._mask_buffer(rows, fwd.hi - fwd.lo)
-        cell_pos, cell_seqs = self.cells.mask_inputs(fwd.lo, fwd.hi, copy=False)
-        self.storage.fill_mask(mask, cell_pos, cell_seqs, fwd.positions, fwd.seqs, fwd.causal,
-                               window=-1 if self._window == UNLIMITED else self._window,
-                               chunk=self._chunk)
+        # the table's own arrays (positions at an 8-byte stride, bit words), checked already
+        cells = self.cells
+        self.storage.fill_mask_trusted(mask, cells._pos[fwd.lo:fwd.hi],
+                                       cells._seqs[fwd.lo:fwd.hi], fwd.positions, fwd.seqs,
+                                       fwd.causal, -1 if self._window == UNLIMITED
+                                       else self._window, self._chunk)
         fwd.mask = mask
         fwd.exported = export_view(mask, "bfloat16") if self._bf16_mask else mask
 

@@ -247,6 +247,13 @@ class KVStorage:
             _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
                         value, self.permuted, start=start)
 
+    def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
+                          window: int, chunk: int) -> None:
+        """:meth:`fill_mask` without its checks (CausalCache's start_forward made them)."""
+        with self._on_device():
+            _mask.launch(self.device, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
+                         window=window, chunk=chunk)
+
     def views_trusted(self, layer: int, lo: int, hi: int):
         """``(key_view, value_view)`` of cells ``lo .. hi-1`` of ``layer`` without the checks of
         :meth:`key_view` / :meth:`value_view` (the caller made them)."""
