@@ -88,7 +88,7 @@ class _Undo:
     head: int = 0                           # the scatter head before apply_batch
     defrag_moves: Optional[np.ndarray] = None   # a defrag's plan (undone by moving cells back)
     defrag_head: int = 0                    # the scatter head before that defrag
-    evicted_kv: Optional[tuple] = None      # (cells, K, V) of evicted cells a defrag overwrote
+    evicted_kv: Optional[tuple] = None      # (cells, K, V) a defrag wrote over, as they were
     shifts: Optional[tuple] = None          # (cells, deltas, key rows before) of applied shifts
 
 
@@ -199,9 +199,9 @@ class CausalCache:
 
         All or nothing by an undo log, never a copy of the table: window pruning returns undo
         records, apply_batch is undone by freeing its slots, and a defrag by moving the cells
-        back (block moves copy, so the source rows still hold their data); the K/V of evicted
-        cells a defrag overwrites are kept aside first, so undoing the eviction gets each
-        (sequence, position) its own K/V back. ``undoable`` is kept for callers that will call
+        back (block moves copy, so the source rows still hold their data); the K/V of the cells
+        a defrag writes over (evicted ones among them) are kept aside first, so undoing the
+        eviction gets each (sequence, position) its own K/V back. ``undoable`` is kept for callers that will call
         ``_undo``; every pass can be undone."""
         self._check_open()
         pos, sq = self._check_batch(positions, seqs)
@@ -226,13 +226,16 @@ class CausalCache:
                     raise KVCacheFullError(
                         f"no room for a batch of {batch} tokens: {self.cells.n_used} of "
                         f"{self.n_cells} cells hold tokens (cache full)")
-                # a defrag may write over evicted cells: keep their K/V to undo the eviction
-                if undo.pruned is not None and len(undo.pruned):
-                    evicted = np.unique(undo.pruned[:, 0]).astype(np.int32)
-                    undo.evicted_kv = (evicted,) + self.storage.read_cells(evicted)
+                # the defrag writes over free cells, some just evicted: keep the K/V of every
+                # cell it writes, so the undo gives each evicted (sequence, position) its own
+                # K/V back and leaves every cell's data as it was
                 undo.defrag_head = self.cells.head
-                undo.defrag_moves = self.cells.plan_defrag()
-                self._move_defragged(undo.defrag_moves)
+                undo.defrag_moves = moves = self.cells.plan_defrag()
+                if len(moves):
+                    dst = np.concatenate([np.arange(d, d + n, dtype=np.int32)
+                                          for d, n in zip(moves[:, 1], moves[:, 2])])
+                    undo.evicted_kv = (dst,) + self.storage.read_cells(dst)
+                self._move_defragged(moves)
                 lo, hi = self.cells.batch_range(pos, sq, range_window)
                 start = self.cells.find_contiguous(batch)
                 if start < 0:  # cannot happen: a defrag leaves every free cell in one run
