@@ -147,9 +147,18 @@ class HFSpecStep:
         tdt = offered["dtype"]
         self.k = torch.randn(1, heads, 5, dim, dtype=tdt)
         self.kw = {"cache_position": torch.arange(context, context + 5)}
-        self.layers = layers
+        self.layers, self.context = layers, context
         for layer in range(layers):      # allocate lazily-built layers before timing
             self.cache.update(self.k, self.k, layer, self.kw)
+        # transformers 5.x counts the tokens itself (cache_position is not read): hold the
+        # context, and take the drafts back after every step as the rollback
+        self.counters = [lay.cumulative_length for lay in getattr(self.cache, "layers", [])
+                         if hasattr(getattr(lay, "cumulative_length", None), "fill_")]
+        self.reset()
+
+    def reset(self):
+        for counter in self.counters:
+            counter.fill_(self.context)
 
     def step(self):
         out = None
@@ -177,7 +186,7 @@ def run_spec(contexts: List[int], measure: Callable, sync: Callable[[], None], *
         row = {"context": ctx, "layers": layers, "numbakv_us": m["median_us"], "hf_us": None}
         try:
             hf = HFSpecStep(ctx, layers, heads, dim, dtype)
-            row["hf_us"] = measure(hf.step, None, sync=sync, budget=budget,
+            row["hf_us"] = measure(hf.step, hf.reset, sync=sync, budget=budget,
                                    min_reps=20)["median_us"]
             hf.close()
         except Exception as exc:  # noqa: BLE001 - torch/transformers missing or changed
