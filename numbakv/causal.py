@@ -10,6 +10,7 @@ cell's metadata with another cell's K/V (defrag included).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
@@ -165,6 +166,7 @@ class CausalCache:
         self._closed = False
         self._mask_buf = None
         self._ones = np.ones(0, np.uint8)
+        self._packed_pos = self.device == "cpu" and sys.byteorder == "little"
         self._bf16_mask = config.mask_dtype == "bfloat16"
         self._bf16 = config.dtype == "bfloat16"
         #: when a list: every sequence operation appends its undo log here (WrapperCache fan-out)
@@ -342,7 +344,10 @@ class CausalCache:
         mask = self._mask_buffer(rows, fwd.hi - fwd.lo)
         # the table's own arrays (positions at an 8-byte stride, bit words), checked already
         cells = self.cells
-        self.storage.fill_mask_trusted(mask, cells._pos[fwd.lo:fwd.hi],
+        # on the CPU the (pos, shift) records go as int64 words (contiguous loads vectorise)
+        pos = cells._ps[fwd.lo:fwd.hi].view(np.int64) if self._packed_pos \
+            else cells._pos[fwd.lo:fwd.hi]
+        self.storage.fill_mask_trusted(mask, pos,
                                        cells._seqs[fwd.lo:fwd.hi], fwd.positions, fwd.seqs,
                                        fwd.causal, -1 if self._window == UNLIMITED
                                        else self._window, self._chunk)

@@ -243,6 +243,7 @@ class Harness:
             self._expect_refusal(lambda: self.cache.remove(s, begin, end))
             return
         self.cache.remove(s, begin, end)
+        self._ended()
 
     def op_copy_prefix(self):
         src = self._live_seq()
@@ -252,6 +253,7 @@ class Harness:
         n = int(self.rng.integers(0, self.ref.pos_max(src) + 2))
         self.cache.copy_prefix(src, dst, n)
         self.ref.copy_prefix(src, dst, n)
+        self._ended()
 
     def op_seq_rm(self):
         s = -1 if self.rng.random() < 0.1 else self._live_seq()
@@ -262,6 +264,7 @@ class Harness:
         p1 = None if self.rng.random() < 0.5 else int(self.rng.integers(p0 + 1, hi + 3))
         assert self.cache.seq_rm(s, p0, p1) is True
         self.ref.seq_rm(s, p0, p1)
+        self._ended()
 
     def op_seq_cp(self):
         src = self._live_seq()
@@ -274,6 +277,7 @@ class Harness:
         p1 = None if self.rng.random() < 0.5 else int(self.rng.integers(p0 + 1, hi + 2))
         self.cache.seq_cp(src, dst, p0, p1)
         self.ref.seq_cp(src, dst, p0, p1)
+        self._ended()
 
     def op_seq_keep(self):
         s = self._live_seq()
@@ -281,6 +285,7 @@ class Harness:
             return
         self.cache.seq_keep(s)
         self.ref.seq_keep(s)
+        self._ended()
 
     def _move_args(self):
         s = self._live_seq()
@@ -305,6 +310,7 @@ class Harness:
             self._expect_refusal(lambda: self.cache.seq_add(s, p0, p1, delta))
             return
         self.cache.seq_add(s, p0, p1, delta)
+        self._ended()
 
     def op_seq_div(self):
         if self.mode is None:
@@ -320,10 +326,35 @@ class Harness:
             self._expect_refusal(lambda: self.cache.seq_div(s, p0, p1, d))
             return
         self.cache.seq_div(s, p0, p1, d)
+        self._ended()
 
     def op_defrag(self):
         self.cache.defrag()
         self.ref.defrag()
+        self._ended()
+
+    def _ended(self):
+        """A sequence operation ends the forward pass in progress (round-2 contract)."""
+        with pytest.raises(ValueError, match="start_forward"):
+            self.cache.get()
+
+    def op_reput(self):
+        """A batch repeating a (sequence, position), or re-putting one the sequence holds, is a
+        ValueError that changes nothing."""
+        s = self._live_seq()
+        if s is None:
+            return
+        if self.rng.random() < 0.5:
+            positions, seqs = [int(self.rng.choice(self.ref.positions(s)))], [s]
+        else:
+            nxt = self.ref.pos_max(s) + 1
+            positions, seqs = [nxt, nxt + 1, nxt], [s, s, s]
+            if self.config.max_batch < 3:
+                return
+        before = state_snapshot(self.cache)
+        with pytest.raises(ValueError, match="already stored or repeated"):
+            self.cache.start_forward(positions, seqs)
+        assert_same_state(before, state_snapshot(self.cache))
 
     def op_can_resume(self):
         s = int(self.rng.integers(0, self.max_seqs))
@@ -331,7 +362,8 @@ class Harness:
         assert self.cache.can_resume(s, p) == self.ref.can_resume(s, p), (s, p)
 
     OPS = [("forward", 50), ("remove", 10), ("copy_prefix", 5), ("seq_rm", 7), ("seq_cp", 5),
-           ("seq_keep", 1), ("seq_add", 7), ("seq_div", 2), ("defrag", 4), ("can_resume", 9)]
+           ("seq_keep", 1), ("seq_add", 7), ("seq_div", 2), ("defrag", 4), ("can_resume", 9),
+           ("reput", 3)]
 
     def run(self, n_ops: int):
         names = [o[0] for o in self.OPS]

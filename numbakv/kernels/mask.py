@@ -134,7 +134,8 @@ def _fill_row_cpu(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, caus
     hi32 = np.int32(min(hi, _POS_TOP))
     bit = np.uint64(batch_seq[i] & 63)
     for j in range(n):
-        out[i, j] = 0 if _visible_cpu(cell_pos[j], seq_words[j, wi], bit, lo32, hi32) else masked
+        q = np.int32(cell_pos[j])        # int32 positions, or packed (pos, shift) records
+        out[i, j] = 0 if _visible_cpu(q, seq_words[j, wi], bit, lo32, hi32) else masked
 
 
 @njit(cache=True)
@@ -143,7 +144,8 @@ def _seq_keys(cell_pos, seq_words, w, bit, key):
     else -2 (below every row's lowest visible position, -1): then a row's test is one unsigned
     compare on contiguous int32s, which vectorises."""
     for j in range(cell_pos.shape[0]):
-        key[j] = cell_pos[j] if _visible_cpu(0, seq_words[j, w], bit, 0, 0) else -2
+        q = np.int32(cell_pos[j])        # int32 positions, or packed (pos, shift) records
+        key[j] = q if _visible_cpu(0, seq_words[j, w], bit, 0, 0) else -2
 
 
 @njit(cache=True, inline="always")
@@ -256,7 +258,10 @@ def launch(device: str, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, 
     """Fill ``out [rows, n]`` (float32, float16, or bfloat16 bit patterns as uint16, on the
     device) for the ``b = len(batch_pos)`` tokens of the batch (``b <= rows``; rows past ``b``
     are padding, all ``-inf``) over cells with positions ``cell_pos int32 [n]`` and sequence
-    sets ``cell_seqs uint64 [n, words]`` (strided views welcome); ``batch_seq``
+    sets ``cell_seqs uint64 [n, words]`` (strided views welcome; on the CPU ``cell_pos`` may
+    also be the cell table's (pos, shift) records viewed as little-endian int64 ``[n]``, whose
+    low half is the position: contiguous 64-bit loads vectorise where 8-byte-strided int32
+    loads do not); ``batch_seq``
     int32 ``[b]``, ``causal`` bool/uint8 ``[b]`` (0: no causal test for that token). Host inputs,
     checked by the caller."""
     rows, n = out.shape
@@ -270,7 +275,9 @@ def launch(device: str, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, 
     if device == "cpu":
         # the cell table's own arrays, read in place: row i's bit lives in word seq // 64
         batch_seq = np.ascontiguousarray(batch_seq, dtype=np.int32)
-        inputs = (np.asarray(cell_pos, dtype=np.int32), np.asarray(cell_seqs, dtype=np.uint64),
+        if cell_pos.dtype != np.int64:
+            cell_pos = np.asarray(cell_pos, dtype=np.int32)
+        inputs = (cell_pos, np.asarray(cell_seqs, dtype=np.uint64),
                   batch_seq >> 6, np.ascontiguousarray(batch_pos, dtype=np.int32), batch_seq,
                   np.ascontiguousarray(causal, dtype=np.uint8))
         fn = mask_fill_cpu_parallel if rows * n >= PARALLEL_MIN_ENTRIES and rows > 1 \
