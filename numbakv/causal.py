@@ -221,8 +221,7 @@ class CausalCache:
             if self._memory != UNLIMITED:
                 undo.pruned = self.cells.prune_window(pos, sq, self._memory)
             range_window = -1 if self._memory == UNLIMITED else self._window
-            lo, hi = self.cells.batch_range(pos, sq, range_window)
-            start = self.cells.find_contiguous(batch)
+            lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
             if start < 0:
                 if self.cells.n_used + batch > self.n_cells:
                     raise KVCacheFullError(
@@ -238,14 +237,11 @@ class CausalCache:
                                           for d, n in zip(moves[:, 1], moves[:, 2])])
                     undo.evicted_kv = (dst,) + self.storage.read_cells(dst)
                 self._move_defragged(moves)
-                lo, hi = self.cells.batch_range(pos, sq, range_window)
-                start = self.cells.find_contiguous(batch)
+                lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
                 if start < 0:  # cannot happen: a defrag leaves every free cell in one run
                     raise KVCacheFullError(f"no contiguous run of {batch} free cells")
-            undo.head = self.cells.head
-            slots = np.arange(start, start + batch, dtype=np.int32)
-            self.cells.apply_batch(slots, pos, sq)
-            undo.slots = slots
+            undo.head = head
+            undo.slots = np.arange(start, start + batch, dtype=np.int32)
         except BaseException:
             self._undo(undo)
             raise

@@ -916,6 +916,26 @@ def _batch_range(cpos, cseqs, stree, sidx, meta, positions, bseqs, window):
     return 0, lo, hi + 1
 
 
+@njit(cache=True)
+def _place_contiguous(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs,
+                      window):
+    """start_forward's placement in one call: the attended range, Ollama's first fit, and
+    applying the batch there. Returns (code, lo, hi, start, head before); start -1 (nothing
+    applied) when no run of free cells is long enough."""
+    code, lo, hi = _batch_range(cpos, cseqs, stree, sidx, meta, positions, bseqs, window)
+    head = meta[_M_HEAD]
+    b = positions.shape[0]
+    if code != 0:
+        return code, lo, hi, -1, head
+    start = _ft_first_fit(ftree, occ, b) if b <= cpos.shape[0] else -1
+    if start < 0:
+        return 0, lo, hi, -1, head
+    slots = np.arange(start, start + b).astype(np.int32)
+    code = _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, positions,
+                        bseqs)
+    return code, lo, hi, (start if code == 0 else -1), head
+
+
 # --------------------------------------------------------------------------------------------
 # sequence operations: each walks only the stree leaf blocks whose position range meets the
 # operation's range, so its cost is O(log n + cells touched) however long the cache is
@@ -1943,6 +1963,20 @@ class CellTable:
             raise ValueError("slots must be cells in use (one is free)")
         if code:
             self._raise(code)
+
+    def place_contiguous(self, positions: np.ndarray, seqs: np.ndarray,
+                         window: int) -> Tuple[int, int, int, int]:
+        """:meth:`batch_range` (``window``), :meth:`find_contiguous` and, when a run is free,
+        :meth:`apply_batch` on it, in one compiled call (start_forward's hot path). Returns
+        ``(lo, hi, start, head)``: the range, the first cell of the batch (-1: no run long
+        enough, nothing applied) and the scatter head before (for :meth:`unapply_batch`)."""
+        code, lo, hi, start, head = _place_contiguous(
+            self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree, self._sidx,
+            self._meta, _index_array(positions, "positions"), _index_array(seqs, "seqs"),
+            min(_int(window, "window"), _INF))
+        if code:
+            self._raise(code)
+        return int(lo), int(hi), int(start), int(head)
 
     # ---- sliding window -------------------------------------------------------------------
 

@@ -250,6 +250,10 @@ class KVStorage:
     def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
                           window: int, chunk: int) -> None:
         """:meth:`fill_mask` without its checks (CausalCache's start_forward made them)."""
+        if self._device_id is None:
+            _mask.launch(self.device, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
+                         window=window, chunk=chunk)
+            return
         with self._on_device():
             _mask.launch(self.device, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
                          window=window, chunk=chunk)
