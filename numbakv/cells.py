@@ -1,9 +1,12 @@
 """The cell table: numbakv's metadata heart, independent of K/V data.
 
-One record per cache cell (``CELL_DTYPE``): the position of the token it holds, the rotary shift
-still pending on its key, and the set of sequences that reference it as a 256-bit bitset. A free
-cell has every sequence bit 0 (``pos = -1`` and ``shift = 0``: every operation that frees a cell
-resets it, as llama.cpp's ``llama_kv_cells::rm`` does).
+Per cache cell: the position of the token it holds and the rotary shift still pending on its key
+(an 8-byte ``POS_SHIFT_DTYPE`` record, what the hot path reads), and beside them the set of
+sequences that reference it, a bitset of ``uint64 [n_cells, words]`` with ``words`` sized from
+``max_seqs`` (one word up to 64 sequences, four for 256). ``CELL_DTYPE`` / ``cell_dtype(words)``
+is the whole record as exported and loaded. A free cell has every sequence bit 0 (``pos = -1``
+and ``shift = 0``: every operation that frees a cell resets it, as llama.cpp's
+``llama_kv_cells::rm`` does).
 
 Semantics are Ollama's ``kvcache/causal.go`` (contiguous first-fit placement, sliding-window
 pruning of batch and idle sequences, ``Remove`` with the move-down of later positions,
@@ -11,6 +14,12 @@ pruning of batch and idle sequences, ``Remove`` with the move-down of later posi
 ``seq_keep`` / ``seq_add`` / ``seq_div``, scatter placement from a rotating head). Where the
 upstreams leave a table half-edited on failure, every function here decides before it writes:
 a call that fails leaves the table exactly as it was.
+
+Sequence operations cost O(log n + cells touched): they visit only the ``stree`` leaf blocks whose
+position range meets what they change (only ``seq_rm(-1)``, ``seq_keep``, defrag and whole-table
+loads scan). Each can record an undo log (``journal=``: the cells of those blocks as they were,
+plus the small per-sequence rows and scalars) that :meth:`CellTable.rollback` replays; callers
+never need a copy of the table to be all or nothing.
 
 All work runs in module-level ``@njit`` functions over plain arrays; :class:`CellTable` is a thin
 Python class that owns the arrays, validates arguments and maps error codes to exceptions.
