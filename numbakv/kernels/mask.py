@@ -156,9 +156,14 @@ def _fill_row_keys(out, key, batch_pos, causal, window, symmetric, chunk, masked
         _fill_masked_row(out, masked, i)
         return
     lo32 = np.int32(lo)
-    span = np.uint32(min(hi, _POS_TOP) - lo)
+    hi32 = np.int32(min(hi, _POS_TOP))
+    # int32 compares and 32-bit select values (the masked bits fit 32 bits): 64-bit ones
+    # narrowed to 16-bit stores do not vectorise as well
+    m = np.uint32(masked)
+    z = np.uint32(0)
     for j in range(out.shape[1]):
-        out[i, j] = 0 if np.uint32(key[j] - lo32) <= span else masked
+        k = key[j]
+        out[i, j] = z if (k >= lo32) & (k <= hi32) else m
 
 
 @njit(cache=True)
