@@ -203,8 +203,8 @@ class CausalCache:
         records, apply_batch is undone by freeing its slots, and a defrag by moving the cells
         back (block moves copy, so the source rows still hold their data); the K/V of the cells
         a defrag writes over (evicted ones among them) are kept aside first, so undoing the
-        eviction gets each (sequence, position) its own K/V back. ``undoable`` is kept for callers that will call
-        ``_undo``; every pass can be undone."""
+        eviction gets each (sequence, position) its own K/V back. ``undoable`` is kept for
+        callers that will call ``_undo``; every pass can be undone."""
         self._check_open()
         pos, sq = self._check_batch(positions, seqs)
         batch = len(pos)
@@ -650,7 +650,8 @@ class CausalCache:
         return shifted
 
     def _key_rows(self, cells: np.ndarray):
-        """Copies of the keys of ``cells`` in every layer, ``[n_layers, k, n_kv_heads, head_dim]``."""
+        """Copies of the keys of ``cells`` in every layer, ``[n_layers, k, n_kv_heads,
+        head_dim]``."""
         return self.storage.keys[:, self._xp.asarray(cells.astype(np.int64))]
 
     def _unshift(self, shifted: _Shifted) -> None:

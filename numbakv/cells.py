@@ -2251,5 +2251,6 @@ class CellTable:
                 f"n_used={self.n_used})")
 
 
-__all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_SHIFT_DTYPE", "cell_dtype", "seq_words", "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
+__all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_SHIFT_DTYPE", "cell_dtype", "seq_words",
+           "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
            "SeqIndex"]
