@@ -19,6 +19,8 @@ Three sections, all measured in one run on one device with one dtype and one set
   the CPU, a CuPy device-to-device copy on a GPU; a memset for the mask).
 * **Capacity.** numbakv's per-step cost at a fixed context while the cache's capacity grows
   from 4k to 128k cells: it should stay flat.
+* **Sequence operations** (``--sections seqops``, not in the default run): see
+  ``numbakv/bench_seqops.py``.
 
 Baselines that are not installed (torch, transformers, matplotlib for the plot) are skipped with
 a note, never replaced by something else.
@@ -41,6 +43,8 @@ import numpy as np
 _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
 _MEMORY_SHARE = 0.6
+#: what --sections may name; the first three run by default, the others on request
+SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -70,6 +74,11 @@ class BenchSettings:
     rotate_cells: List[int] = field(default_factory=lambda: [64, 1024, 4096])
     kernel_layers: int = 4
     copy_bytes: int = 64 << 20
+    #: seqops section (opt-in: ``--sections seqops``): cells of the caches the sequence
+    #: operations run on, contexts and layers of the speculative-decoding step
+    seqops_capacities: List[int] = field(default_factory=lambda: [4096, 32768, 262144])
+    spec_contexts: List[int] = field(default_factory=lambda: [4096, 32768])
+    spec_layers: int = 8
     quick: bool = False
     sections: List[str] = field(default_factory=lambda: ["decode", "kernels", "capacity"])
 
@@ -112,10 +121,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         s.budget = float(args.budget)
     if args.sections is not None:
         names = [x.strip() for x in args.sections.split(",") if x.strip()]
-        bad = [x for x in names if x not in ("decode", "kernels", "capacity", "quant")]
+        bad = [x for x in names if x not in SECTIONS]
         if bad or not names:
-            raise ValueError("--sections must be a comma list of decode, kernels, capacity, "
-                             f"quant, got {args.sections!r}")
+            raise ValueError(f"--sections must be a comma list of {', '.join(SECTIONS)}, got "
+                             f"{args.sections!r}")
         s.sections = names
     s.capacity_layers = min(s.capacity_layers, s.layers)
     s.kernel_layers = min(s.kernel_layers, s.layers)
@@ -1241,6 +1250,9 @@ def format_report(results: dict) -> str:
         for r in cap:
             lines.append(f"{r['batch']:>5} {r['capacity_cells']:>8} {_fmt_us(r['step_us']):>10} "
                          f"{_fmt_us(r['start_forward_us']):>12}")
+    if results.get("seqops") or results.get("spec"):
+        from .bench_seqops import format_section
+        lines += ["", format_section(results)]
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets"]
@@ -1368,6 +1380,26 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "quant" in s.sections:
         log("quantized K/V ...")
         results["quant"] = run_quant(s, dev, notes, log)
+    if "seqops" in s.sections:
+        log("sequence operations ...")
+        _run_seqops(s, dev, notes, results, log)
+
+
+def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
+                log: Callable[[str], None]) -> None:
+    """The seqops section (numbakv/bench_seqops.py): sequence operations vs capacity, the
+    speculative-decoding step vs HF StaticCache, a server loop."""
+    from . import bench_seqops as sq
+    kw = dict(device=s.device, dtype=s.dtype, heads=s.kv_heads, dim=s.head_dim, log=log)
+    caps = [4096, 16384] if s.quick else s.seqops_capacities
+    results["seqops"] = sq.run_seqops(caps, measure, dev.sync, budget=s.budget / 4, **kw)
+    results["spec"] = sq.run_spec([512, 2048] if s.quick else s.spec_contexts, measure,
+                                  dev.sync, budget=s.budget / 2,
+                                  layers=min(s.spec_layers, s.layers),
+                                  notes=notes, **kw)
+    results["server"] = sq.run_server([4096] if s.quick else s.seqops_capacities[:3:2], measure,
+                                      dev.sync, budget=s.budget / 2,
+                                      layers=s.capacity_layers, **kw)
 
 
 # --------------------------------------------------------------------------------- command line
@@ -1388,7 +1420,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed repetitions per measurement (default 0.5)")
     p.add_argument("--sections", default=None,
-                   help="comma list of decode, kernels, capacity, quant (default: the first three)")
+                   help=f"comma list of {', '.join(SECTIONS)} (default: the first three)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: runs in seconds")
     p.add_argument("--full", action="store_true", help="adds context 8192, longer timing")
     p.add_argument("--png", default="numbakv_bench.png", help="where to save the plot")

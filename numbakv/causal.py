@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
+from .cells import _check_batch as _batch_ids_ok
 from .config import CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import one_thread_at_a_time
@@ -27,6 +29,7 @@ from .storage import KVStorage
 UNLIMITED = 2**31 - 1
 
 ShiftFn = Callable[[int, Any, Any], Any]
+_I32 = np.dtype(np.int32)
 
 
 def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -85,18 +88,32 @@ class _Forward:
     hi: int
     causal: np.ndarray         # uint8 [batch]; 0 where set_causal dropped the future-position test
     mask: Any = None
+    exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
 
 
 @dataclass
 class _Undo:
-    """What ``_place`` changed, so it can be taken back without having copied the table."""
+    """What a ``start_forward`` changed, so it can be taken back without a copy of the table:
+    an undo log, replayed newest first by :meth:`CausalCache._undo`."""
 
     forward: Optional[_Forward]
     defrag_count: int
     pruned: Optional[np.ndarray] = None     # prune_window's undo records
     slots: Optional[np.ndarray] = None      # the cells apply_batch filled
     head: int = 0                           # the scatter head before apply_batch
-    before_defrag: Optional[CellTable] = None   # the (pruned) table a defrag started from
+    defrag_moves: Optional[np.ndarray] = None   # a defrag's plan (undone by moving cells back)
+    defrag_head: int = 0                    # the scatter head before that defrag
+    evicted_kv: Optional[tuple] = None      # (cells, K, V) a defrag wrote over, as they were
+    shifts: Optional[tuple] = None          # (cells, deltas, key rows before) of applied shifts
+
+
+@dataclass
+class _Shifted:
+    """Pending shifts taken and applied: enough to put the keys and the shifts back."""
+
+    cells: np.ndarray          # int32 [k]
+    deltas: np.ndarray         # int32 [k]
+    keys: Any                  # the keys of ``cells`` before, [n_layers, k, n_kv_heads, head_dim]
 
 
 @one_thread_at_a_time
@@ -182,6 +199,17 @@ class CausalCache:
         self._layer = 0
         self._forward: Optional[_Forward] = None
         self._closed = False
+        self._mask_buf = None
+        self._ones = np.ones(0, np.uint8)
+        self._packed_pos = self.device == "cpu" and sys.byteorder == "little"
+        self._bf16_mask = config.mask_dtype == "bfloat16"
+        self._bf16 = config.dtype == "bfloat16"
+        #: when a list: every sequence operation appends its undo log here (WrapperCache fan-out)
+        self._outer_journal: Optional[list] = None
+        # the put/get fast path compares against these
+        self._sdt = config.storage_dtype
+        self._kv_tail = ((config.n_kv_heads, config.head_dim), (config.n_kv_heads,
+                                                                config.v_head_dim))
         #: how many defrags ran (on a full cache or by request): the demo and benches read it
         self.defrag_count = 0
 
@@ -195,25 +223,34 @@ class CausalCache:
         changes no metadata and sizes everything for the worst case. Raises
         ``KVCacheFullError`` when the batch cannot fit; then nothing has changed.
         """
-        self._place(positions, seqs, reserve)
-        self._finish_forward()
+        undo = self._place(positions, seqs, reserve)
+        try:
+            self._finish_forward(undo)
+        except BaseException:
+            self._undo(undo)      # e.g. a shift function that failed: nothing placed, no leak
+            raise
 
     def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> "_Undo":
         """The metadata half of start_forward; returns what ``_undo`` needs to take it back (a
         WrapperCache does when a sibling cache fails).
 
-        Atomic without copying the table on the hot path: window pruning returns undo records,
-        and a defrag runs only when it is sure to make room, so the one check that can fail
-        comes before it. A pass that defrags copies the table first. Block moves copy, so after
-        a defrag the source rows still hold their data and restoring the earlier table is a
-        complete undo. ``undoable`` is kept for callers that will call ``_undo``; every pass
-        can be undone."""
+        All or nothing by an undo log, never a copy of the table: window pruning returns undo
+        records, apply_batch is undone by freeing its slots, and a defrag by moving the cells
+        back (block moves copy, so the source rows still hold their data); the K/V of the cells
+        a defrag writes over (evicted ones among them) are kept aside first, so undoing the
+        eviction gets each (sequence, position) its own K/V back. ``undoable`` is kept for
+        callers that will call ``_undo``; every pass can be undone."""
         self._check_open()
         if not isinstance(reserve, (bool, np.bool_)):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos, sq = self._check_batch(positions, seqs)
         batch = len(pos)
         undo = _Undo(self._forward, self.defrag_count)
+        if not reserve:
+            bad = self.cells.batch_conflict(pos, sq)
+            if bad >= 0:
+                raise ValueError(f"positions/seqs: token {bad} (sequence {int(sq[bad])}, position "
+                                 f"{int(pos[bad])}) is already stored or repeated in the batch")
         if reserve:
             self._forward = _Forward(pos, sq, True, 0, 0, self.n_cells, np.ones(batch, np.uint8))
             return undo
@@ -221,25 +258,27 @@ class CausalCache:
             if self._memory != UNLIMITED:
                 undo.pruned = self.cells.prune_window(pos, sq, self._memory)
             range_window = -1 if self._memory == UNLIMITED else self._window
-            lo, hi = self.cells.batch_range(pos, sq, range_window)
-            start = self.cells.find_contiguous(batch)
+            lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
             if start < 0:
                 if self.cells.n_used + batch > self.n_cells:
                     raise KVCacheFullError(
                         f"no room for a batch of {batch} tokens: {self.cells.n_used} of "
                         f"{self.n_cells} cells hold tokens (cache full)")
-                # a defrag renumbers cells, so the prune records no longer apply: keep the
-                # table it starts from (defrags are rare and O(n_cells) anyway)
-                undo.before_defrag = self.cells.copy()
-                self._defrag_plan_and_move()
-                lo, hi = self.cells.batch_range(pos, sq, range_window)
-                start = self.cells.find_contiguous(batch)
+                # the defrag writes over free cells, some just evicted: keep the K/V of every
+                # cell it writes, so the undo gives each evicted (sequence, position) its own
+                # K/V back and leaves every cell's data as it was
+                undo.defrag_head = self.cells.head
+                undo.defrag_moves = moves = self.cells.plan_defrag()
+                if len(moves):
+                    dst = np.concatenate([np.arange(d, d + n, dtype=np.int32)
+                                          for d, n in zip(moves[:, 1], moves[:, 2])])
+                    undo.evicted_kv = (dst,) + self.storage.read_cells(dst)
+                self._move_defragged(moves)
+                lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
                 if start < 0:  # cannot happen: a defrag leaves every free cell in one run
                     raise KVCacheFullError(f"no contiguous run of {batch} free cells")
-            undo.head = self.cells.head
-            slots = np.arange(start, start + batch, dtype=np.int32)
-            self.cells.apply_batch(slots, pos, sq)
-            undo.slots = slots
+            undo.head = head
+            undo.slots = np.arange(start, start + batch, dtype=np.int32)
         except BaseException:
             self._undo(undo)
             raise
@@ -248,33 +287,51 @@ class CausalCache:
         lo, hi = min(lo, start), max(hi, start + batch)
         pad = self.config.cache_padding
         lo, hi = (lo // pad) * pad, min(round_up(hi, pad), self.n_cells)
-        self._forward = _Forward(pos, sq, False, start, lo, hi, np.ones(batch, np.uint8))
+        self._forward = _Forward(pos, sq, False, start, lo, hi, self._all_causal(batch))
         return undo
 
-    def _finish_forward(self) -> None:
-        """The data half of start_forward: pending key rotations, then the mask."""
+    def _finish_forward(self, undo: Optional["_Undo"] = None) -> None:
+        """The data half of start_forward: pending key rotations (recorded in ``undo``), then
+        the mask."""
         fwd = self._forward
         if fwd.reserve:
-            mask = self.storage.new_mask(round_up(len(fwd.positions),
-                                                  self.config.mask_batch_padding), self.n_cells)
+            mask = self._mask_buffer(round_up(len(fwd.positions),
+                                              self.config.mask_batch_padding), self.n_cells)
             mask[...] = 0  # a sizing pass: all visible, so a model run on it stays finite
             fwd.mask = mask
+            fwd.exported = export_view(mask, "bfloat16") if self._bf16_mask else mask
             return
-        self._apply_pending_shifts()
+        shifted = self._apply_pending_shifts()
+        if undo is not None:
+            undo.shifts = shifted
         self._build_mask()
 
     def _undo(self, undo: "_Undo") -> None:
-        """Take back a ``_place``: its own failure part-way, or a sibling's in a WrapperCache."""
-        if undo.before_defrag is not None:
-            self.cells = undo.before_defrag
-        elif undo.slots is not None:
+        """Take back a ``start_forward`` (``_place`` and, if it ran, ``_finish_forward``): its own
+        failure part-way, or a sibling's in a WrapperCache. Newest change first."""
+        if undo.shifts is not None:
+            self._unshift(undo.shifts)
+            undo.shifts = None
+        if undo.slots is not None:
             self.cells.unapply_batch(undo.slots, undo.head)
+        if undo.defrag_moves is not None:
+            self.cells.undo_defrag(undo.defrag_moves, undo.defrag_head)
         if undo.pruned is not None and len(undo.pruned):
             self.cells.undo_prune(undo.pruned)
+        if undo.evicted_kv is not None:
+            self.storage.write_cells(*undo.evicted_kv)
         self._forward = undo.forward
         self.defrag_count = undo.defrag_count
 
     def _check_batch(self, positions, seqs) -> Tuple[np.ndarray, np.ndarray]:
+        # fast path: int32 host arrays, every range checked in one compiled pass (copies kept:
+        # the caller may reuse its arrays while this forward pass is still described by them)
+        if type(positions) is np.ndarray and type(seqs) is np.ndarray \
+                and positions.dtype is _I32 and seqs.dtype is _I32 and positions.ndim == 1 \
+                and seqs.ndim == 1 and 0 < positions.shape[0] == seqs.shape[0] \
+                <= self.config.max_batch \
+                and _batch_ids_ok(self.config.max_seqs, positions, seqs) == 0:
+            return positions.copy(), seqs.copy()
         pos = host_int_array(positions, "positions")
         sq = host_int_array(seqs, "seqs")
         if len(pos) != len(sq):
@@ -293,15 +350,42 @@ class CausalCache:
                              f"{sq.min()} max {sq.max()}")
         return pos.astype(np.int32), sq.astype(np.int32)
 
+    def _all_causal(self, batch: int) -> np.ndarray:
+        """uint8 ones ``[batch]`` (a read-only slice of one array: set_causal replaces, never
+        writes, a forward pass's array)."""
+        ones = self._ones
+        if ones.shape[0] < batch:
+            ones = np.ones(max(batch, 2 * ones.shape[0]), np.uint8)
+            ones.flags.writeable = False
+            self._ones = ones
+        return ones[:batch]
+
+    def _mask_buffer(self, rows: int, n: int):
+        """A ``[rows, n]`` mask array carved from one buffer kept between forward passes (a mask
+        is valid until the next start_forward): no fresh allocation, and no fresh pages to
+        fault in, per step. The buffer grows by doubling."""
+        need = rows * n
+        buf = self._mask_buf
+        if buf is None or buf.size < need:
+            buf = self.storage.new_mask(1, max(need, 2 * (0 if buf is None else buf.size), 1))[0]
+            self._mask_buf = buf
+        return buf[:need].reshape(rows, n)
+
     def _build_mask(self) -> None:
         fwd = self._forward
         rows = round_up(len(fwd.positions), self.config.mask_batch_padding)
-        mask = self.storage.new_mask(rows, fwd.hi - fwd.lo)
-        cell_pos, cell_seqs = self.cells.mask_inputs(fwd.lo, fwd.hi, copy=False)
-        self.storage.fill_mask(mask, cell_pos, cell_seqs, fwd.positions, fwd.seqs, fwd.causal,
-                               window=-1 if self._window == UNLIMITED else self._window,
-                               chunk=self._chunk)
+        mask = self._mask_buffer(rows, fwd.hi - fwd.lo)
+        # the table's own arrays (positions at an 8-byte stride, bit words), checked already
+        cells = self.cells
+        # on the CPU the (pos, shift) records go as int64 words (contiguous loads vectorise)
+        pos = cells._ps[fwd.lo:fwd.hi].view(np.int64) if self._packed_pos \
+            else cells._pos[fwd.lo:fwd.hi]
+        self.storage.fill_mask_trusted(mask, pos,
+                                       cells._seqs[fwd.lo:fwd.hi], fwd.positions, fwd.seqs,
+                                       fwd.causal, -1 if self._window == UNLIMITED
+                                       else self._window, self._chunk)
         fwd.mask = mask
+        fwd.exported = export_view(mask, "bfloat16") if self._bf16_mask else mask
 
     def set_layer(self, layer: int) -> None:
         """Choose the layer that ``put`` and ``get`` work on."""
@@ -329,6 +413,16 @@ class CausalCache:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values
         ``[batch, n_kv_heads, v_head_dim]`` for the current layer (nothing is written during a
         reserve pass; the inputs are still checked)."""
+        fwd = self._forward
+        # trusted fast path: host arrays of the storage dtype and the batch's exact shape
+        if fwd is not None and type(key) is np.ndarray and type(value) is np.ndarray \
+                and key.dtype is self._sdt and value.dtype is self._sdt \
+                and key.shape[1:] == self._kv_tail[0] and value.shape[1:] == self._kv_tail[1] \
+                and key.shape[0] == value.shape[0] == len(fwd.positions) and key.ndim == 3 \
+                and value.ndim == 3 and self.storage is not None and self.device != "cuda":
+            if not fwd.reserve:
+                self.storage.put_range_trusted(self._layer, fwd.start, key, value)
+            return
         fwd = self._require_forward("put")
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
@@ -351,14 +445,16 @@ class CausalCache:
         (``[n_kv_heads, v_head_dim, n]`` when permuted), mask ``[batch_padded, n]`` holding 0
         where a token may attend and -inf elsewhere. bfloat16 views export through DLPack as
         bfloat16."""
-        fwd = self._require_forward("get")
-        dtype = self.config.dtype
+        fwd = self._forward
+        if fwd is None or self._closed:
+            fwd = self._require_forward("get")
         if self.storage.quantized:  # dequantized into a scratch the next get() reuses
             key, value = self.storage.dequantized_views(self._layer, fwd.lo, fwd.hi)
-            return export_view(key, dtype), export_view(value, dtype), fwd.mask
-        key = self.storage.key_view(self._layer, fwd.lo, fwd.hi)
-        value = self.storage.value_view(self._layer, fwd.lo, fwd.hi)
-        return export_view(key, dtype), export_view(value, dtype), fwd.mask
+        else:
+            key, value = self.storage.views_trusted(self._layer, fwd.lo, fwd.hi)
+        if self._bf16:
+            return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
+        return key, value, fwd.exported
 
     def get_quantized(self):
         """``(key, value)`` raw storage rows of ``get()``'s cell range for the current layer:
@@ -391,7 +487,7 @@ class CausalCache:
         ``end``, later positions move down by ``end - begin`` and their keys are re-rotated by
         that negative delta through ``shift``."""
         seq, begin, end = self._check_remove(seq, begin, end)
-        self._atomically(lambda: self.cells.remove(seq, begin, end))
+        self._edit(self.cells.remove, (seq, begin, end), apply_shifts=True)
 
     def _check_remove(self, seq, begin, end) -> Tuple[int, int, Optional[int]]:
         """Every check ``remove`` makes before it changes anything (so a WrapperCache can ask
@@ -404,8 +500,8 @@ class CausalCache:
             if end >= UNLIMITED:
                 end = None
         if end is not None and self.shift is None:
-            pos = self._seq_positions(seq)
-            if ((pos < begin) | (pos >= end)).any():
+            lo, hi = self.cells.seq_pos_min(seq), self.cells.seq_pos_max(seq)
+            if hi >= 0 and (lo < begin or hi >= end):
                 raise NotSupportedError(
                     f"removing positions [{begin}, {end}) of sequence {seq} moves later "
                     "positions and needs a shift function (CausalCache(shift=...))")
@@ -420,7 +516,7 @@ class CausalCache:
         src = self._check_seq(src_seq, "src_seq")
         dst = self._check_seq(dst_seq, "dst_seq")
         length = _check_index("length", length, 0, UNLIMITED + 1)
-        self.cells.copy_prefix(src, dst, length)
+        self._edit(self.cells.copy_prefix, (src, dst, length))
 
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether ``seq`` can continue at ``pos`` with what is stored: always without a window
@@ -443,11 +539,20 @@ class CausalCache:
         self._forward = None
 
     def _defrag_plan_and_move(self) -> np.ndarray:
+        head = self.cells.head
         moves = self.cells.plan_defrag()
+        try:
+            self._move_defragged(moves)
+        except BaseException:
+            self.cells.undo_defrag(moves, head)   # the K/V never moved: neither do the cells
+            raise
+        return moves
+
+    def _move_defragged(self, moves: np.ndarray) -> None:
+        """The K/V half of a defrag whose plan the cell table already applied."""
         if len(moves):
             self.storage.move_blocks(moves)
         self.defrag_count += 1
-        return moves
 
     # ------------------------------------------------------------------ sequences (llama.cpp)
     def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
@@ -456,7 +561,7 @@ class CausalCache:
         self._check_open()
         seq = self._check_seq(seq, allow_all=True)
         p0, p1 = self._check_span(p0, p1)
-        return bool(self.cells.seq_rm(seq, p0, p1))
+        return bool(self._edit(self.cells.seq_rm, (seq, p0, p1)))
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
         """Let ``dst`` share ``src``'s cells with positions in ``[p0, p1)``."""
@@ -464,12 +569,12 @@ class CausalCache:
         src = self._check_seq(src, "src")
         dst = self._check_seq(dst, "dst")
         p0, p1 = self._check_span(p0, p1)
-        self.cells.seq_cp(src, dst, p0, p1)
+        self._edit(self.cells.seq_cp, (src, dst, p0, p1))
 
     def seq_keep(self, seq: int) -> None:
         """Drop every sequence but ``seq``."""
         self._check_open()
-        self.cells.seq_keep(self._check_seq(seq))
+        self._edit(self.cells.seq_keep, (self._check_seq(seq),))
 
     def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int) -> None:
         """Add ``delta`` to the positions in ``[p0, p1)`` of ``seq``; keys are re-rotated at the
@@ -478,11 +583,12 @@ class CausalCache:
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
-        delta = _check_index("delta", delta, -UNLIMITED, UNLIMITED)
+        delta = _check_index("delta", delta, -UNLIMITED, UNLIMITED + 1)
         if delta == 0:
+            self._forward = None
             return
         self._require_shift_for(seq, p0, p1, "seq_add")
-        self._atomically(lambda: self.cells.seq_add(seq, p0, p1, delta), apply_shifts=False)
+        self._edit(self.cells.seq_add, (seq, p0, p1, delta))
 
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
         """Divide the positions in ``[p0, p1)`` of ``seq`` by ``d`` (integer division); keys are
@@ -490,11 +596,12 @@ class CausalCache:
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
-        d = _check_index("d", d, 1, UNLIMITED)
+        d = _check_index("d", d, 1, UNLIMITED + 1)   # positions are < 2**31: a larger d wraps
         if d == 1:
+            self._forward = None
             return
         self._require_shift_for(seq, p0, p1, "seq_div")
-        self._atomically(lambda: self.cells.seq_div(seq, p0, p1, d), apply_shifts=False)
+        self._edit(self.cells.seq_div, (seq, p0, p1, d))
 
     def seq_pos_min(self, seq: int) -> int:
         """Smallest position stored for ``seq``, -1 when it holds none."""
@@ -509,7 +616,9 @@ class CausalCache:
     def apply_pending_shifts(self) -> None:
         """Re-rotate now the keys whose positions ``seq_add``/``seq_div`` moved."""
         self._check_open()
-        self._apply_pending_shifts()
+        shifted = self._apply_pending_shifts()
+        if shifted is not None and self._outer_journal is not None:
+            self._outer_journal.append(shifted)
 
     def _check_seq(self, seq, name: str = "seq", allow_all: bool = False) -> int:
         low = -1 if allow_all else 0
@@ -525,44 +634,80 @@ class CausalCache:
                 p1 = None
         return p0, p1
 
-    def _seq_positions(self, seq: int) -> np.ndarray:
-        cells = self.cells.seq_cells(seq)
-        return self.cells.cells["pos"][cells]
-
     def _require_shift_for(self, seq: int, p0: int, p1: Optional[int], what: str) -> None:
         if self.shift is not None:
             return
-        pos = self._seq_positions(seq)
-        hit = (pos >= p0) & (pos < (UNLIMITED if p1 is None else p1))
-        if hit.any():
+        if self.cells.holds_in(seq, p0, p1):
             raise NotSupportedError(f"{what} moves positions of sequence {seq} and needs a shift "
                                     "function (CausalCache(shift=...))")
 
-    def _atomically(self, edit: Callable[[], Any], apply_shifts: bool = True) -> Any:
-        """Run a metadata edit (and, if asked, the key rotation it calls for) all or nothing."""
-        snapshot = self.cells.copy()
+    def _edit(self, op: Callable[..., Any], args: tuple, apply_shifts: bool = False) -> Any:
+        """Run a cell-table edit (and, if asked, the key rotation it calls for) all or nothing,
+        by its undo log (O(cells touched), never a copy of the table). A sequence operation
+        ends the forward pass in progress: its cells and mask may no longer hold."""
+        journal: list = []
+        shifted = None
         try:
-            result = edit()
+            result = op(*args, journal=journal)
             if apply_shifts:
-                self._apply_pending_shifts()
+                shifted = self._apply_pending_shifts()
         except BaseException:
-            self.cells = snapshot
+            self.cells.rollback(journal)
             raise
+        if self._outer_journal is not None:
+            self._outer_journal.append((journal, self._forward))
+            if shifted is not None:
+                self._outer_journal.append(shifted)
+        self._forward = None
         return result
 
-    # ------------------------------------------------------------------ key rotation
-    def _apply_pending_shifts(self) -> None:
-        if not self.cells.has_pending_shifts():
+    def _journal_begin(self) -> None:
+        """Record every following sequence operation until :meth:`_journal_end` (a WrapperCache
+        that may have to take back what its first caches did when a later one refuses)."""
+        self._outer_journal = []
+
+    def _journal_end(self, rollback: bool) -> None:
+        journal, self._outer_journal = self._outer_journal, None
+        if not rollback or not journal:
             return
+        for entry in reversed(journal):
+            if isinstance(entry, _Shifted):
+                self._unshift(entry)
+            else:
+                cells_journal, forward = entry
+                self.cells.rollback(cells_journal)
+                self._forward = forward
+
+    # ------------------------------------------------------------------ key rotation
+    def _apply_pending_shifts(self) -> Optional[_Shifted]:
+        """Rotate the keys of every cell with a pending shift; all or nothing (the keys it
+        touches are kept aside first, and put back with the shifts if the rotation fails).
+        Returns what :meth:`_unshift` needs to take it back, None when nothing was pending."""
+        if not self.cells.has_pending_shifts():
+            return None
         if self.shift is None:
             raise NotSupportedError("positions moved but the cache has no shift function")
-        cells = self.cells.copy()
-        moved, deltas = cells.take_shifts()
-        if isinstance(self.shift, RopeShift):
-            self.storage.rotate(moved, deltas, self.shift)
-        else:
-            self._shift_with_callable(moved, deltas)
-        self.cells = cells
+        moved, deltas = self.cells.take_shifts()
+        shifted = _Shifted(moved, deltas, self._key_rows(moved))
+        try:
+            if isinstance(self.shift, RopeShift):
+                self.storage.rotate(moved, deltas, self.shift)
+            else:
+                self._shift_with_callable(moved, deltas)
+        except BaseException:
+            self._unshift(shifted)
+            raise
+        return shifted
+
+    def _key_rows(self, cells: np.ndarray):
+        """Copies of the keys of ``cells`` in every layer, ``[n_layers, k, n_kv_heads,
+        head_dim]``."""
+        return self.storage.keys[:, self._xp.asarray(cells.astype(np.int64))]
+
+    def _unshift(self, shifted: _Shifted) -> None:
+        """Undo :meth:`_apply_pending_shifts`: the keys as they were, the shifts pending again."""
+        self.storage.keys[:, self._xp.asarray(shifted.cells.astype(np.int64))] = shifted.keys
+        self.cells.restore_shifts(shifted.cells, shifted.deltas)
 
     def _shift_with_callable(self, moved: np.ndarray, deltas: np.ndarray) -> None:
         """Ollama's shift: windows of at most ``max_batch`` consecutive cells, each passed to the
@@ -612,7 +757,9 @@ class CausalCache:
         state saved by a cache with another model fingerprint (shift, window, memory, chunk,
         dtypes, head shapes) raises ``StateError`` naming the field."""
         from . import state
-        return state.load_cache(self, path, seq, strict=strict, progress=progress)
+        out = state.load_cache(self, path, seq, strict=strict, progress=progress)
+        self._forward = None      # a state load ends the forward pass in progress
+        return out
 
     def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
                     progress: Optional[bool] = None) -> bytes:
@@ -626,7 +773,9 @@ class CausalCache:
         """Load ``state_bytes`` output: the whole cache, or the saved sequence as ``seq``
         (``strict`` as in ``load_state``)."""
         from . import state
-        return state.cache_from_bytes(self, data, seq, strict=strict, progress=progress)
+        out = state.cache_from_bytes(self, data, seq, strict=strict, progress=progress)
+        self._forward = None      # a state load ends the forward pass in progress
+        return out
 
     # ------------------------------------------------------------------ misc
     def use_stream(self, stream) -> None:

@@ -1,9 +1,12 @@
 """The cell table: numbakv's metadata heart, independent of K/V data.
 
-One record per cache cell (``CELL_DTYPE``): the position of the token it holds, the rotary shift
-still pending on its key, and the set of sequences that reference it as a 256-bit bitset. A free
-cell has every sequence bit 0 (``pos = -1`` and ``shift = 0``: every operation that frees a cell
-resets it, as llama.cpp's ``llama_kv_cells::rm`` does).
+Per cache cell: the position of the token it holds and the rotary shift still pending on its key
+(an 8-byte ``POS_SHIFT_DTYPE`` record, what the hot path reads), and beside them the set of
+sequences that reference it, a bitset of ``uint64 [n_cells, words]`` with ``words`` sized from
+``max_seqs`` (one word up to 64 sequences, four for 256). ``CELL_DTYPE`` / ``cell_dtype(words)``
+is the whole record as exported and loaded. A free cell has every sequence bit 0 (``pos = -1``
+and ``shift = 0``: every operation that frees a cell resets it, as llama.cpp's
+``llama_kv_cells::rm`` does).
 
 Semantics are Ollama's ``kvcache/causal.go`` (contiguous first-fit placement, sliding-window
 pruning of batch and idle sequences, ``Remove`` with the move-down of later positions,
@@ -11,6 +14,12 @@ pruning of batch and idle sequences, ``Remove`` with the move-down of later posi
 ``seq_keep`` / ``seq_add`` / ``seq_div``, scatter placement from a rotating head). Where the
 upstreams leave a table half-edited on failure, every function here decides before it writes:
 a call that fails leaves the table exactly as it was.
+
+Sequence operations cost O(log n + cells touched): they visit only the ``stree`` leaf blocks whose
+position range meets what they change (only ``seq_rm(-1)``, ``seq_keep``, defrag and whole-table
+loads scan). Each can record an undo log (``journal=``: the cells of those blocks as they were,
+plus the small per-sequence rows and scalars) that :meth:`CellTable.rollback` replays; callers
+never need a copy of the table to be all or nothing.
 
 All work runs in module-level ``@njit`` functions over plain arrays; :class:`CellTable` is a thin
 Python class that owns the arrays, validates arguments and maps error codes to exceptions.
@@ -35,7 +44,7 @@ pruning, the attended range) never scans the whole table:
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 from numba import njit
@@ -44,9 +53,25 @@ from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 from .errors import NotSupportedError
 
 SEQ_WORDS = 4
-#: Sequence ids are 0 .. MAX_SEQS - 1 (the bitset width).
+#: Sequence ids are 0 .. MAX_SEQS - 1 (the widest bitset).
 MAX_SEQS = 64 * SEQ_WORDS
-CELL_DTYPE = np.dtype([("pos", np.int32), ("shift", np.int32), ("seqs", np.uint64, (SEQ_WORDS,))])
+#: What the hot path reads per cell, 8 bytes: position and pending shift side by side.
+POS_SHIFT_DTYPE = np.dtype([("pos", np.int32), ("shift", np.int32)])
+
+
+def cell_dtype(words: int) -> np.dtype:
+    """The record a whole cell is exported as (``CellTable.cells``, state files): position,
+    pending shift and ``words`` uint64 words of sequence bits."""
+    return np.dtype([("pos", np.int32), ("shift", np.int32), ("seqs", np.uint64, (words,))])
+
+
+def seq_words(max_seqs: int) -> int:
+    """uint64 words of sequence bits per cell: one up to 64 sequences."""
+    return max(1, -(-int(max_seqs) // 64))
+
+
+#: the record of the widest table (256 sequences)
+CELL_DTYPE = cell_dtype(SEQ_WORDS)
 #: Largest storable position; one below int32 max so that ``pos + 1`` (Ollama's lowest position
 #: of an idle sequence) still fits an int32.
 POS_MAX = 2**31 - 2
@@ -100,14 +125,17 @@ def _has(cseqs, c, s):
 
 @njit(cache=True)
 def _used(cseqs, c):
-    return (cseqs[c, 0] | cseqs[c, 1] | cseqs[c, 2] | cseqs[c, 3]) != 0
+    for w in range(cseqs.shape[1]):
+        if cseqs[c, w] != 0:
+            return True
+    return False
 
 
 @njit(cache=True)
 def _has_others(cseqs, c, s):
     """Whether cell c holds a sequence other than s."""
     sw = s >> 6
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         x = cseqs[c, w]
         if w == sw:
             x &= ~_bit(s)
@@ -489,7 +517,7 @@ def _free_cell(cpos, cshift, cseqs, occ, meta, c):
     refreshes ftree for its word."""
     _set_shift(cshift, meta, c, 0)
     cpos[c] = -1
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         cseqs[c, w] = 0
     _occ_clear(occ, c)
     meta[_M_USED] -= 1
@@ -537,7 +565,7 @@ def _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
     shlo = n
     shhi = -1
     for c in range(n):
-        if (cseqs[c, 0] | cseqs[c, 1] | cseqs[c, 2] | cseqs[c, 3]) == 0:
+        if not _used(cseqs, c):
             if cpos[c] != -1:
                 cpos[c] = -1
             if cshift[c] != 0:
@@ -552,7 +580,7 @@ def _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
             shhi = c
         p = cpos[c]
         k = nl + (c >> bshift)
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             x = cseqs[c, w]
             while x != 0:
                 s = w * 64 + np.int64(trailing_zeros(x))
@@ -586,7 +614,7 @@ def _validate_cells(cpos, cseqs, nseq):
         p = cpos[c]
         if p < 0 or p > POS_MAX:
             return -(1 + c)
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             x = cseqs[c, w]
             if x == 0:
                 continue
@@ -658,7 +686,7 @@ def _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, posi
         p = np.int64(positions[i])
         s = np.int64(bseqs[i])
         cpos[c] = p
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             cseqs[c, w] = 0
         cseqs[c, s >> 6] = _bit(s)
         _occ_set(occ, c)
@@ -694,14 +722,14 @@ def _unapply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, he
         if srt[i] == srt[i - 1]:
             return _E_SLOT_DUP
     bshift = meta[_M_BSHIFT]
-    aff = np.zeros(SEQ_WORDS, np.uint64)
+    aff = np.zeros(cseqs.shape[1], np.uint64)
     for i in range(b):
         c = np.int64(slots[i])
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             aff[w] |= cseqs[c, w]
             cseqs[c, w] = 0
         _free_cell(cpos, cshift, cseqs, occ, meta, c)
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         x = aff[w]
         while x != 0:
             s = w * 64 + np.int64(trailing_zeros(x))
@@ -897,173 +925,296 @@ def _batch_range(cpos, cseqs, stree, sidx, meta, positions, bseqs, window):
     return 0, lo, hi + 1
 
 
+@njit(cache=True)
+def _place_contiguous(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs,
+                      window):
+    """start_forward's placement in one call: the attended range, Ollama's first fit, and
+    applying the batch there. Returns (code, lo, hi, start, head before); start -1 (nothing
+    applied) when no run of free cells is long enough."""
+    code, lo, hi = _batch_range(cpos, cseqs, stree, sidx, meta, positions, bseqs, window)
+    head = meta[_M_HEAD]
+    b = positions.shape[0]
+    if code != 0:
+        return code, lo, hi, -1, head
+    start = _ft_first_fit(ftree, occ, b) if b <= cpos.shape[0] else -1
+    if start < 0:
+        return 0, lo, hi, -1, head
+    slots = np.arange(start, start + b).astype(np.int32)
+    code = _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, positions,
+                        bseqs)
+    return code, lo, hi, (start if code == 0 else -1), head
+
+
 # --------------------------------------------------------------------------------------------
-# sequence operations
+# sequence operations: each walks only the stree leaf blocks whose position range meets the
+# operation's range, so its cost is O(log n + cells touched) however long the cache is
 # --------------------------------------------------------------------------------------------
 
 @njit(cache=True)
-def _shared_in_range(cpos, cseqs, sidx, s, p0, p1):
+def _st_blocks(stree, s, p0, p1):
+    """The leaf blocks (ascending, int64) that may hold a cell of s with p0 <= pos < p1 (their
+    min < p1 and max >= p0): O(log n) per block returned, no scan of the table."""
+    nl = stree.shape[1] >> 1
+    out = np.empty(16, np.int64)
+    m = 0
+    if stree[1, 1, s] < p0 or stree[0, 1, s] >= p1:
+        return out[:0]
+    stack = np.empty(128, np.int64)
+    stack[0] = 1
+    sp = 1
+    while sp > 0:
+        sp -= 1
+        k = stack[sp]
+        if k >= nl:
+            if m == out.shape[0]:
+                grown = np.empty(2 * m, np.int64)
+                grown[:m] = out
+                out = grown
+            out[m] = k - nl
+            m += 1
+            continue
+        r = 2 * k + 1
+        if stree[1, r, s] >= p0 and stree[0, r, s] < p1:     # right first: left pops first
+            stack[sp] = r
+            sp += 1
+        if stree[1, r - 1, s] >= p0 and stree[0, r - 1, s] < p1:
+            stack[sp] = r - 1
+            sp += 1
+    return out[:m]
+
+
+@njit(cache=True)
+def _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift):
+    """Recompute s's leaves for ``blocks`` from the cells, and their paths to the root."""
+    nl = stree.shape[1] >> 1
+    for i in range(blocks.shape[0]):
+        blk = blocks[i]
+        _st_leaf_from_cells(stree, cpos, cseqs, s, blk, bshift)
+        k = nl + blk
+        _st_set_leaf(stree, s, blk, stree[0, k, s], stree[1, k, s])
+
+
+@njit(cache=True)
+def _ft_blocks(ftree, occ, blocks, bshift):
+    """Occupancy of the cells of ``blocks`` changed: refresh the free-run tree over their words."""
+    last = -1
+    n_words = occ.shape[0]
+    for i in range(blocks.shape[0]):
+        w0 = (blocks[i] << bshift) >> 6
+        w1 = (((blocks[i] + 1) << bshift) - 1) >> 6
+        for w in range(max(w0, last + 1), min(w1, n_words - 1) + 1):
+            _ft_point(ftree, occ, w)
+            last = w
+
+
+@njit(cache=True)
+def _block_cells(blk, bshift, n):
+    lo = blk << bshift
+    return lo, min(lo + (1 << bshift), n)
+
+
+@njit(cache=True)
+def _any_in_range(cpos, cseqs, stree, meta, s, p0, p1, others):
+    """Whether s holds a cell with p0 <= pos < p1 (``others``: one shared with another
+    sequence)."""
+    bshift = meta[_M_BSHIFT]
+    blocks = _st_blocks(stree, s, p0, p1)
+    n = cpos.shape[0]
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            if _has(cseqs, c, s):
+                p = cpos[c]
+                if p >= p0 and p < p1 and (not others or _has_others(cseqs, c, s)):
+                    return True
+    return False
+
+
+@njit(cache=True)
+def _shared_in_range(cpos, cseqs, stree, sidx, meta, s, p0, p1):
     """Whether a cell of s with p0 <= pos < p1 is shared with another sequence."""
     if sidx[3, s] < 0 or sidx[3, s] < p0 or sidx[2, s] >= p1:
         return False
-    for c in range(sidx[0, s], sidx[1, s] + 1):
-        if _has(cseqs, c, s):
-            p = cpos[c]
-            if p >= p0 and p < p1 and _has_others(cseqs, c, s):
-                return True
-    return False
+    return _any_in_range(cpos, cseqs, stree, meta, s, p0, p1, True)
+
+
+@njit(cache=True)
+def _batch_conflict(cpos, cseqs, stree, sidx, meta, positions, bseqs):
+    """Index of the first batch token whose (sequence, position) repeats an earlier token of the
+    batch or one its sequence still holds; -1 when none (llama.cpp's batch validation)."""
+    b = positions.shape[0]
+    if b > 1:
+        keys = np.empty(b, np.int64)
+        for i in range(b):
+            keys[i] = (np.int64(bseqs[i]) << 32) | np.int64(positions[i])
+        order = np.argsort(keys, kind="mergesort")
+        for j in range(1, b):
+            if keys[order[j]] == keys[order[j - 1]]:
+                return max(order[j], order[j - 1])
+    for i in range(b):
+        s = bseqs[i]
+        p = np.int64(positions[i])
+        if sidx[3, s] < p or sidx[2, s] > p:     # the decode case: past the sequence's end
+            continue
+        if _any_in_range(cpos, cseqs, stree, meta, s, p, p + 1, False):
+            return i
+    return -1
 
 
 @njit(cache=True)
 def _remove(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, begin, end):
     """Ollama's Remove; end < 0 means no end. Returns (code, cells whose pos moved)."""
     moved = np.empty(0, np.int32)
-    if sidx[3, s] < 0:
+    if sidx[3, s] < 0 or sidx[3, s] < begin:
         return 0, moved
     has_end = end >= 0
     d = end - begin if has_end else 0
     if has_end and d == 0:
         return 0, moved
-    if d > 0 and _shared_in_range(cpos, cseqs, sidx, s, end, _INF):
+    if d > 0 and _shared_in_range(cpos, cseqs, stree, sidx, meta, s, end, _INF):
         return _E_SHARED, moved
-    lo = sidx[0, s]
-    hi = sidx[1, s]
-    nmove = 0
-    if d > 0:
-        for c in range(lo, hi + 1):
-            if _has(cseqs, c, s) and cpos[c] >= end:
-                nmove += 1
-    moved = np.empty(nmove, np.int32)
+    bshift = meta[_M_BSHIFT]
+    n = cpos.shape[0]
+    blocks = _st_blocks(stree, s, begin, _INF)
+    moved = np.empty(blocks.shape[0] << bshift, np.int32)
     k = 0
     freed = False
-    for c in range(lo, hi + 1):
-        if not _has(cseqs, c, s):
-            continue
-        p = cpos[c]
-        if p >= begin and (not has_end or p < end):
-            freed |= _drop_seq(cpos, cshift, cseqs, occ, meta, c, s)
-        elif d > 0 and p >= end:
-            cpos[c] = p - d
-            _set_shift(cshift, meta, c, cshift[c] - d)
-            moved[k] = c
-            k += 1
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            if not _has(cseqs, c, s):
+                continue
+            p = cpos[c]
+            if p >= begin and (not has_end or p < end):
+                freed |= _drop_seq(cpos, cshift, cseqs, occ, meta, c, s)
+            elif d > 0 and p >= end:
+                cpos[c] = p - d
+                _set_shift(cshift, meta, c, cshift[c] - d)
+                moved[k] = c
+                k += 1
     if freed:
-        _ft_range(ftree, occ, lo >> 6, hi >> 6)
-    bshift = meta[_M_BSHIFT]
-    _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+        _ft_blocks(ftree, occ, blocks, bshift)
+    _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift)
     _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
-    return 0, moved
+    return 0, moved[:k].copy()
 
 
 @njit(cache=True)
-def _check_shift_range(cpos, cshift, cseqs, sidx, s, p0, p1, delta, d):
+def _check_shift_range(cpos, cshift, cseqs, stree, meta, s, p0, p1, delta, d):
     """Before seq_add (d = 1) / seq_div (delta = 0): refuse shared cells and positions or
     pending shifts that would overflow int32."""
-    if sidx[3, s] < 0:
-        return 0
-    for c in range(sidx[0, s], sidx[1, s] + 1):
-        if not _has(cseqs, c, s):
-            continue
-        p = cpos[c]
-        if p < p0 or p >= p1:
-            continue
-        if _has_others(cseqs, c, s):
-            return _E_SHARED
-        q = p // d + delta
-        if q > POS_MAX:
-            return _E_OVERFLOW
-        if q >= 0:
-            sh = np.int64(cshift[c]) + (q - p)
-            if sh > 2**31 - 1 or sh < -(2**31):
-                return _E_SHIFT_OVERFLOW
+    bshift = meta[_M_BSHIFT]
+    blocks = _st_blocks(stree, s, p0, p1)
+    n = cpos.shape[0]
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            if not _has(cseqs, c, s):
+                continue
+            p = cpos[c]
+            if p < p0 or p >= p1:
+                continue
+            if _has_others(cseqs, c, s):
+                return _E_SHARED
+            q = p // d + delta
+            if q > POS_MAX:
+                return _E_OVERFLOW
+            if q >= 0:
+                sh = np.int64(cshift[c]) + (q - p)
+                if sh > 2**31 - 1 or sh < -(2**31):
+                    return _E_SHIFT_OVERFLOW
     return 0
 
 
 @njit(cache=True)
 def _seq_add(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1, delta):
-    code = _check_shift_range(cpos, cshift, cseqs, sidx, s, p0, p1, delta, 1)
+    code = _check_shift_range(cpos, cshift, cseqs, stree, meta, s, p0, p1, delta, 1)
     if code != 0:
         return code
     if sidx[3, s] < 0:
         meta[_M_HEAD] = 0
         return 0
-    lo = sidx[0, s]
-    hi = sidx[1, s]
     n = cpos.shape[0]
-    new_head = n
-    for c in range(lo, hi + 1):
-        if not _has(cseqs, c, s):
-            continue
-        p = cpos[c]
-        if p < p0 or p >= p1:
-            continue
-        if p + delta < 0:
-            # llama.cpp: a cell shifted before position 0 is dropped
-            cseqs[c, s >> 6] &= ~_bit(s)
-            _free_cell(cpos, cshift, cseqs, occ, meta, c)
-            if new_head == n:
-                new_head = c
-        else:
-            cpos[c] = p + delta
-            _set_shift(cshift, meta, c, cshift[c] + delta)
-    if new_head != n:
-        _ft_range(ftree, occ, lo >> 6, hi >> 6)
-    meta[_M_HEAD] = new_head if new_head != n else 0
     bshift = meta[_M_BSHIFT]
-    _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+    blocks = _st_blocks(stree, s, p0, p1)
+    new_head = n
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            if not _has(cseqs, c, s):
+                continue
+            p = cpos[c]
+            if p < p0 or p >= p1:
+                continue
+            if p + delta < 0:
+                # llama.cpp: a cell shifted before position 0 is dropped
+                cseqs[c, s >> 6] &= ~_bit(s)
+                _free_cell(cpos, cshift, cseqs, occ, meta, c)
+                if new_head == n:
+                    new_head = c
+            else:
+                cpos[c] = p + delta
+                _set_shift(cshift, meta, c, cshift[c] + delta)
+    if new_head != n:
+        _ft_blocks(ftree, occ, blocks, bshift)
+    meta[_M_HEAD] = new_head if new_head != n else 0
+    _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift)
     _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
     return 0
 
 
 @njit(cache=True)
 def _seq_div(cpos, cshift, cseqs, stree, sidx, meta, s, p0, p1, d):
-    code = _check_shift_range(cpos, cshift, cseqs, sidx, s, p0, p1, 0, d)
+    code = _check_shift_range(cpos, cshift, cseqs, stree, meta, s, p0, p1, 0, d)
     if code != 0 or sidx[3, s] < 0:
         return code
-    lo = sidx[0, s]
-    hi = sidx[1, s]
-    for c in range(lo, hi + 1):
-        if not _has(cseqs, c, s):
-            continue
-        p = cpos[c]
-        if p < p0 or p >= p1:
-            continue
-        q = p // d
-        cpos[c] = q
-        _set_shift(cshift, meta, c, cshift[c] + (q - p))
+    n = cpos.shape[0]
     bshift = meta[_M_BSHIFT]
-    _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+    blocks = _st_blocks(stree, s, p0, p1)
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            if not _has(cseqs, c, s):
+                continue
+            p = cpos[c]
+            if p < p0 or p >= p1:
+                continue
+            q = p // d
+            cpos[c] = q
+            _set_shift(cshift, meta, c, cshift[c] + (q - p))
+    _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift)
     _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
     return 0
 
 
 @njit(cache=True)
 def _seq_rm(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1):
-    """llama.cpp seq_rm; s = -1 frees every cell with p0 <= pos < p1."""
+    """llama.cpp seq_rm; s = -1 frees every cell with p0 <= pos < p1 (the one form that scans)."""
     n = cpos.shape[0]
     new_head = n
     if s >= 0:
-        if sidx[3, s] < 0:
-            return
-        lo = sidx[0, s]
-        hi = sidx[1, s]
-        for c in range(lo, hi + 1):
-            if _has(cseqs, c, s):
-                p = cpos[c]
-                if p >= p0 and p < p1:
-                    if _drop_seq(cpos, cshift, cseqs, occ, meta, c, s) and new_head == n:
-                        new_head = c
-        if new_head != n:
-            _ft_range(ftree, occ, lo >> 6, hi >> 6)
         bshift = meta[_M_BSHIFT]
-        _st_rebuild_cells(stree, cpos, cseqs, s, lo, hi, bshift)
+        blocks = _st_blocks(stree, s, p0, p1)
+        if blocks.shape[0] == 0:
+            return
+        for i in range(blocks.shape[0]):
+            lo, hi = _block_cells(blocks[i], bshift, n)
+            for c in range(lo, hi):
+                if _has(cseqs, c, s):
+                    p = cpos[c]
+                    if p >= p0 and p < p1:
+                        if _drop_seq(cpos, cshift, cseqs, occ, meta, c, s) and new_head == n:
+                            new_head = c
+        if new_head != n:
+            _ft_blocks(ftree, occ, blocks, bshift)
+        _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift)
         _sidx_refresh(sidx, stree, cpos, cseqs, s, bshift)
     else:
         # free cells have pos -1 < p0: one pass over the positions finds the used ones
         for c in range(n):
             p = cpos[c]
             if p >= p0 and p < p1:
-                for w in range(SEQ_WORDS):
+                for w in range(cseqs.shape[1]):
                     cseqs[c, w] = 0
                 _free_cell(cpos, cshift, cseqs, occ, meta, c)
                 if new_head == n:
@@ -1075,47 +1226,47 @@ def _seq_rm(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1):
 
 
 @njit(cache=True)
-def _seq_cp(cpos, cseqs, stree, sidx, meta, src, dst, p0, p1):
-    if sidx[3, src] < 0:
-        return
-    lo = sidx[0, src]
-    hi = sidx[1, src]
+def _join_seq(cpos, cseqs, stree, sidx, meta, src, dst, p0, p1, blocks):
+    """dst joins src's cells with p0 <= pos < p1 in ``blocks`` (src's blocks for that range)."""
+    bshift = meta[_M_BSHIFT]
+    n = cpos.shape[0]
     w = dst >> 6
     bit = _bit(dst)
-    for c in range(lo, hi + 1):
-        if _has(cseqs, c, src):
-            p = cpos[c]
-            if p >= p0 and p < p1:
-                cseqs[c, w] |= bit
-    bshift = meta[_M_BSHIFT]
-    _st_rebuild_cells(stree, cpos, cseqs, dst, lo, hi, bshift)
-    _sidx_refresh(sidx, stree, cpos, cseqs, dst, bshift)
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            if _has(cseqs, c, src) and (cseqs[c, w] & bit) == 0:
+                p = cpos[c]
+                if p >= p0 and p < p1:
+                    cseqs[c, w] |= bit
+                    _st_add(stree, dst, c, p, bshift)
+                    _sidx_add(sidx, dst, c, p)
+
+
+@njit(cache=True)
+def _seq_cp(cpos, cseqs, stree, sidx, meta, src, dst, p0, p1):
+    blocks = _st_blocks(stree, src, p0, p1)
+    _join_seq(cpos, cseqs, stree, sidx, meta, src, dst, p0, p1, blocks)
 
 
 @njit(cache=True)
 def _copy_prefix(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, src, dst, length):
     """Ollama's CopyPrefix: dst loses every cell, then joins src's cells with pos < length."""
     bshift = meta[_M_BSHIFT]
-    if sidx[3, dst] >= 0:
-        dlo = sidx[0, dst]
-        dhi = sidx[1, dst]
-        freed = False
-        for c in range(dlo, dhi + 1):
+    n = cpos.shape[0]
+    dblocks = _st_blocks(stree, dst, 0, _INF)
+    freed = False
+    for i in range(dblocks.shape[0]):
+        lo, hi = _block_cells(dblocks[i], bshift, n)
+        for c in range(lo, hi):
             if _has(cseqs, c, dst):
                 freed |= _drop_seq(cpos, cshift, cseqs, occ, meta, c, dst)
-        if freed:
-            _ft_range(ftree, occ, dlo >> 6, dhi >> 6)
-        _st_rebuild_cells(stree, cpos, cseqs, dst, dlo, dhi, bshift)
-    if sidx[3, src] >= 0:
-        slo = sidx[0, src]
-        shi = sidx[1, src]
-        w = dst >> 6
-        bit = _bit(dst)
-        for c in range(slo, shi + 1):
-            if _has(cseqs, c, src) and cpos[c] < length:
-                cseqs[c, w] |= bit
-        _st_rebuild_cells(stree, cpos, cseqs, dst, slo, shi, bshift)
+    if freed:
+        _ft_blocks(ftree, occ, dblocks, bshift)
+    _st_refresh_blocks(stree, cpos, cseqs, dst, dblocks, bshift)
     _sidx_refresh(sidx, stree, cpos, cseqs, dst, bshift)
+    sblocks = _st_blocks(stree, src, 0, length)
+    _join_seq(cpos, cseqs, stree, sidx, meta, src, dst, 0, length, sblocks)
 
 
 @njit(cache=True)
@@ -1126,11 +1277,11 @@ def _seq_keep(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s):
     bit = _bit(s)
     for c in range(n):
         if (cseqs[c, sw] & bit) != 0:
-            for w in range(SEQ_WORDS):
+            for w in range(cseqs.shape[1]):
                 cseqs[c, w] = 0
             cseqs[c, sw] = bit
         elif cpos[c] >= 0:
-            for w in range(SEQ_WORDS):
+            for w in range(cseqs.shape[1]):
                 cseqs[c, w] = 0
             _free_cell(cpos, cshift, cseqs, occ, meta, c)
             if new_head == n:
@@ -1161,18 +1312,122 @@ def _take_shifts(cshift, meta):
 
 
 @njit(cache=True)
-def _cells_of(cseqs, sidx, s):
-    if sidx[3, s] < 0:
-        return np.empty(0, np.int32)
-    lo = sidx[0, s]
-    hi = sidx[1, s]
-    out = np.empty(hi - lo + 1, np.int32)
+def _restore_shifts(cshift, meta, cells, deltas):
+    """Undo :func:`_take_shifts` (the rotation it fed failed)."""
+    for i in range(cells.shape[0]):
+        _set_shift(cshift, meta, cells[i], cshift[cells[i]] + deltas[i])
+
+
+@njit(cache=True)
+def _cells_of(cpos, cseqs, stree, meta, s):
+    bshift = meta[_M_BSHIFT]
+    n = cpos.shape[0]
+    blocks = _st_blocks(stree, s, 0, _INF)
+    out = np.empty(blocks.shape[0] << bshift, np.int32)
     k = 0
-    for c in range(lo, hi + 1):
-        if _has(cseqs, c, s):
-            out[k] = c
-            k += 1
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            if _has(cseqs, c, s):
+                out[k] = c
+                k += 1
     return out[:k].copy()
+
+
+# --------------------------------------------------------------------------------------------
+# undo log: an operation's journal holds the cells of the blocks it may touch as they were, and
+# the (small) per-sequence index rows and scalars; putting them back costs O(cells journaled)
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _op_blocks(stree, s, p0, p1, s2, q0, q1):
+    """The blocks an operation on (s, [p0, p1)) and (s2, [q0, q1)) may touch (s2 < 0: none)."""
+    a = _st_blocks(stree, s, p0, p1)
+    if s2 < 0:
+        return a
+    b = _st_blocks(stree, s2, q0, q1)
+    return np.unique(np.concatenate((a, b)))
+
+
+@njit(cache=True)
+def _save_blocks(cpos, cshift, cseqs, meta, blocks):
+    """Copies of (pos, shift, seqs) of every cell of ``blocks``, in block order."""
+    bshift = meta[_M_BSHIFT]
+    n = cpos.shape[0]
+    k = 0
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        k += hi - lo
+    pos = np.empty(k, np.int32)
+    shift = np.empty(k, np.int32)
+    seqs = np.empty((k, cseqs.shape[1]), np.uint64)
+    j = 0
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            pos[j] = cpos[c]
+            shift[j] = cshift[c]
+            for w in range(cseqs.shape[1]):
+                seqs[j, w] = cseqs[c, w]
+            j += 1
+    return pos, shift, seqs
+
+
+@njit(cache=True)
+def _restore_blocks(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, blocks, pos, shift, seqs,
+                    old_sidx, old_meta):
+    """Put back what :func:`_save_blocks` saved, then the index rows and scalars."""
+    bshift = old_meta[_M_BSHIFT]
+    n = cpos.shape[0]
+    words = cseqs.shape[1]
+    aff = np.zeros(words, np.uint64)
+    j = 0
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            used = False
+            for w in range(words):
+                aff[w] |= cseqs[c, w] | seqs[j, w]
+                cseqs[c, w] = seqs[j, w]
+                used |= seqs[j, w] != 0
+            cpos[c] = pos[j]
+            cshift[c] = shift[j]
+            if used:
+                _occ_set(occ, c)
+            else:
+                _occ_clear(occ, c)
+            j += 1
+    _ft_blocks(ftree, occ, blocks, bshift)
+    for w in range(words):
+        x = aff[w]
+        while x != 0:
+            s = w * 64 + np.int64(trailing_zeros(x))
+            x &= x - _ONE
+            _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift)
+    sidx[...] = old_sidx
+    meta[...] = old_meta
+
+
+@njit(cache=True)
+def _undo_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, moves, head):
+    """Move the metadata of a defrag plan back (the sources are free again after it ran, and K/V
+    moves copy, so the source rows still hold their data) and rebuild the indexes (a defrag is
+    O(n_cells) anyway)."""
+    for r in range(moves.shape[0] - 1, -1, -1):
+        src = moves[r, 0]
+        dst = moves[r, 1]
+        for j in range(moves[r, 2]):
+            a = src + j
+            b = dst + j
+            cpos[a] = cpos[b]
+            cshift[a] = cshift[b]
+            for w in range(cseqs.shape[1]):
+                cseqs[a, w] = cseqs[b, w]
+                cseqs[b, w] = 0
+            cpos[b] = -1
+            cshift[b] = 0
+    _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta)
+    meta[_M_HEAD] = head
 
 
 # --------------------------------------------------------------------------------------------
@@ -1230,7 +1485,7 @@ def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
     # below, once, for every sequence)
     bshift = meta[_M_BSHIFT]
     nl = stree.shape[1] >> 1
-    aff = np.zeros(SEQ_WORDS, np.uint64)
+    aff = np.zeros(cseqs.shape[1], np.uint64)
     for r in range(m):
         src = moves[r, 0]
         dst = moves[r, 1]
@@ -1240,7 +1495,7 @@ def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
             p = cpos[a]
             cpos[b] = p
             cshift[b] = cshift[a]
-            for w in range(SEQ_WORDS):
+            for w in range(cseqs.shape[1]):
                 x = cseqs[a, w]
                 cseqs[b, w] = x
                 cseqs[a, w] = 0
@@ -1276,14 +1531,14 @@ def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
         stree[0, nl + bu + 1:nl + nb, :] = _EMPTY_MIN
         stree[1, nl + bu + 1:nl + nb, :] = -1
     if bu < nb:
-        for w in range(SEQ_WORDS):
+        for w in range(cseqs.shape[1]):
             x = aff[w]
             while x != 0:
                 s = w * 64 + np.int64(trailing_zeros(x))
                 x &= x - _ONE
                 _st_leaf_from_cells(stree, cpos, cseqs, s, bu, bshift)
     _st_pull_all(stree, sidx.shape[1])
-    for w in range(SEQ_WORDS):
+    for w in range(cseqs.shape[1]):
         x = aff[w]
         while x != 0:
             s = w * 64 + np.int64(trailing_zeros(x))
@@ -1417,6 +1672,18 @@ class SeqIndex(np.ndarray):
         return int(np.ndarray.__getitem__(self, seq))
 
 
+class _Journal(NamedTuple):
+    """One undo record: the cells of ``blocks`` (int64 leaf blocks) as they were, and the
+    index rows and scalars (O(max_seqs))."""
+
+    blocks: np.ndarray
+    pos: np.ndarray
+    shift: np.ndarray
+    seqs: np.ndarray
+    sidx: np.ndarray
+    meta: np.ndarray
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -1426,9 +1693,14 @@ class CellTable:
 
     Fields and their invariants:
 
-    * ``cells`` -- ``[n_cells]`` ``CELL_DTYPE``. A cell is used iff some sequence bit is set;
-      a free cell has ``pos = -1`` and ``shift = 0``. Used cells have ``0 <= pos <= POS_MAX``.
-      It may be overwritten in place (state loading) and then ``rebuild_indexes()`` called.
+    * the cells, split by access pattern: ``_ps`` ``[n_cells]`` of ``POS_SHIFT_DTYPE`` (8 bytes:
+      position and pending shift; ``_pos`` / ``_shift`` are its field views) and ``_seqs``
+      uint64 ``[n_cells, words]``, the sequence bits (sequence ``s`` is bit ``s % 64`` of word
+      ``s // 64``; ``words = seq_words(max_seqs)``, one up to 64 sequences). The mask kernel
+      reads a position with an 8-byte stride and one bit word per cell. A cell is used iff some
+      sequence bit is set; a free cell has ``pos = -1`` and ``shift = 0``. Used cells have
+      ``0 <= pos <= POS_MAX``. ``cells`` exports them as one record array (a copy),
+      ``load_cells`` replaces them.
     * ``seq_cell_min`` / ``seq_cell_max`` -- int64 ``[max_seqs]``: first / last cell holding the
       sequence, -1 when it holds none.
     * ``seq_pos_min`` / ``seq_pos_max`` -- int64 ``[max_seqs]``: lowest / highest position the
@@ -1462,8 +1734,10 @@ class CellTable:
         self.max_seqs = max_seqs
         self.block_size = block_size
         n_leaves = _next_pow2(-(-n_cells // block_size))
-        self._cells = np.zeros(n_cells, CELL_DTYPE)
-        self._cells["pos"] = -1
+        self.words = seq_words(max_seqs)
+        self._ps = np.zeros(n_cells, POS_SHIFT_DTYPE)
+        self._ps["pos"] = -1
+        self._seqs = np.zeros((n_cells, self.words), np.uint64)
         self._occ = np.zeros(_next_pow2(n_words), np.uint64)
         self._ftree = np.zeros((3, 2 * self._occ.shape[0]), np.int32)
         self._stree = np.empty((2, 2 * n_leaves, max_seqs), np.int32)
@@ -1476,9 +1750,8 @@ class CellTable:
 
     def _bind(self) -> None:
         """Field views of the cell records and the index rows (they alias the arrays)."""
-        self._pos = self._cells["pos"]
-        self._shift = self._cells["shift"]
-        self._seqs = self._cells["seqs"]
+        self._pos = self._ps["pos"]
+        self._shift = self._ps["shift"]
         self.seq_cell_min = self._sidx[0].view(SeqIndex)
         self.seq_cell_max = self._sidx[1].view(SeqIndex)
         self.seq_pos_min = self._sidx[2].view(SeqIndex)
@@ -1486,8 +1759,13 @@ class CellTable:
 
     @property
     def cells(self) -> np.ndarray:
-        """The raw table ``[n_cells]`` ``CELL_DTYPE`` (write in place, then rebuild_indexes)."""
-        return self._cells
+        """A copy of every cell as one record array ``[n_cells]`` of ``cell_dtype(words)``
+        (fields ``pos``, ``shift``, ``seqs``); change cells through :meth:`load_cells`."""
+        out = np.empty(self.n_cells, cell_dtype(self.words))
+        out["pos"] = self._pos
+        out["shift"] = self._shift
+        out["seqs"] = self._seqs
+        return out
 
     @property
     def n_used(self) -> int:
@@ -1513,7 +1791,9 @@ class CellTable:
         new.n_cells = self.n_cells
         new.max_seqs = self.max_seqs
         new.block_size = self.block_size
-        new._cells = self._cells.copy()
+        new.words = self.words
+        new._ps = self._ps.copy()
+        new._seqs = self._seqs.copy()
         new._occ = self._occ.copy()
         new._ftree = self._ftree.copy()
         new._stree = self._stree.copy()
@@ -1528,7 +1808,7 @@ class CellTable:
     def __getstate__(self):
         # the index-row views are rebuilt on unpickling so they alias the new arrays
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("_pos", "_shift", "_seqs", "seq_cell_min", "seq_cell_max",
+                if k not in ("_pos", "_shift", "seq_cell_min", "seq_cell_max",
                              "seq_pos_min", "seq_pos_max")}
 
     def __setstate__(self, state) -> None:
@@ -1537,13 +1817,30 @@ class CellTable:
 
     def load_cells(self, cells: np.ndarray) -> None:
         """Replace every cell record (e.g. from saved state) and rebuild the indexes; validated
-        first, the table is unchanged on error."""
+        first, the table is unchanged on error. ``cells``: ``[n_cells]`` records with fields
+        ``pos``, ``shift`` and ``seqs`` (uint64 words; words past this table's must be 0)."""
         arr = np.asarray(cells)
-        if arr.dtype != CELL_DTYPE or arr.shape != (self.n_cells,):
-            raise ValueError(f"cells must be [{self.n_cells}] of CELL_DTYPE, got {arr.shape} "
-                             f"of {arr.dtype}")
-        self._validate(arr["pos"], arr["seqs"])
-        self._cells[...] = arr
+        names = arr.dtype.names or ()
+        if arr.shape != (self.n_cells,) or not {"pos", "shift", "seqs"} <= set(names):
+            raise ValueError(f"cells must be [{self.n_cells}] records with fields pos, shift and "
+                             f"seqs, got {arr.shape} of {arr.dtype}")
+        seqs = np.asarray(arr["seqs"], np.uint64).reshape(self.n_cells, -1)
+        if seqs.shape[1] > self.words:
+            extra = seqs[:, self.words:]
+            if extra.any():
+                c = int(np.argwhere(extra)[0, 0])
+                raise ValueError(f"cells[{c}] is invalid: a sequence bit >= max_seqs="
+                                 f"{self.max_seqs}")
+            seqs = seqs[:, :self.words]
+        elif seqs.shape[1] < self.words:
+            seqs = np.concatenate([seqs, np.zeros((self.n_cells, self.words - seqs.shape[1]),
+                                                  np.uint64)], axis=1)
+        seqs = np.ascontiguousarray(seqs)
+        pos = np.ascontiguousarray(arr["pos"], np.int32)
+        self._validate(pos, seqs)
+        self._pos[...] = pos
+        self._shift[...] = arr["shift"]
+        self._seqs[...] = seqs
         self.rebuild_indexes()
 
     def _validate(self, pos, seqs) -> None:
@@ -1614,13 +1911,13 @@ class CellTable:
 
     def seq_cells(self, seq: int) -> np.ndarray:
         """int32 indices of the cells holding seq, ascending."""
-        return _cells_of(self._seqs, self._sidx, self._seq(seq))
+        return _cells_of(self._pos, self._seqs, self._stree, self._meta, self._seq(seq))
 
     def mask_inputs(self, lo: int, hi: int, copy: bool = True) -> Tuple[np.ndarray, np.ndarray]:
-        """The cells [lo, hi) as (pos int32 [hi-lo], seqs uint64 [hi-lo, SEQ_WORDS]). Free cells
-        have pos -1 and no sequence bit. ``copy=False`` returns strided views of the table
-        (nothing copied; valid until the table next changes), which the CPU mask kernel reads
-        as they are."""
+        """The cells [lo, hi) as (pos int32 [hi-lo], seqs uint64 [hi-lo, words]). Free cells
+        have pos -1 and no sequence bit. ``copy=False`` returns views of the table (the
+        positions with an 8-byte stride, the bit words contiguous; nothing copied; valid until
+        the table next changes), which the CPU mask kernel reads as they are."""
         lo = _int(lo, "lo")
         hi = _int(hi, "hi")
         if not 0 <= lo <= hi <= self.n_cells:
@@ -1675,6 +1972,20 @@ class CellTable:
             raise ValueError("slots must be cells in use (one is free)")
         if code:
             self._raise(code)
+
+    def place_contiguous(self, positions: np.ndarray, seqs: np.ndarray,
+                         window: int) -> Tuple[int, int, int, int]:
+        """:meth:`batch_range` (``window``), :meth:`find_contiguous` and, when a run is free,
+        :meth:`apply_batch` on it, in one compiled call (start_forward's hot path). Returns
+        ``(lo, hi, start, head)``: the range, the first cell of the batch (-1: no run long
+        enough, nothing applied) and the scatter head before (for :meth:`unapply_batch`)."""
+        code, lo, hi, start, head = _place_contiguous(
+            self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree, self._sidx,
+            self._meta, _index_array(positions, "positions"), _index_array(seqs, "seqs"),
+            min(_int(window, "window"), _INF))
+        if code:
+            self._raise(code)
+        return int(lo), int(hi), int(start), int(head)
 
     # ---- sliding window -------------------------------------------------------------------
 
@@ -1744,15 +2055,32 @@ class CellTable:
         end = _int(end, "end")
         if end <= begin:
             return False
-        return bool(_shared_in_range(self._pos, self._seqs, self._sidx, seq, end, _INF))
+        return bool(_shared_in_range(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                                     seq, end, _INF))
 
     def shared_cells_in(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
         """Whether a cell of seq with p0 <= pos < p1 is shared (seq_add / seq_div would refuse)."""
         seq = self._seq(seq)
         p0, p1 = self._range(p0, p1)
-        return bool(_shared_in_range(self._pos, self._seqs, self._sidx, seq, p0, p1))
+        return bool(_shared_in_range(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                                     seq, p0, p1))
 
-    def remove(self, seq: int, begin: int, end: Optional[int]) -> np.ndarray:
+    def holds_in(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
+        """Whether seq holds a position p0 <= pos < p1 (O(log n + cells of seq in range))."""
+        seq = self._seq(seq)
+        p0, p1 = self._range(p0, p1)
+        return p0 < p1 and bool(_any_in_range(self._pos, self._seqs, self._stree, self._meta, seq,
+                                              p0, p1, False))
+
+    def batch_conflict(self, positions: np.ndarray, seqs: np.ndarray) -> int:
+        """Index of the first token (int32 ``[batch]`` positions and seqs, already checked) whose
+        (sequence, position) repeats one earlier in the batch or one the sequence still holds;
+        -1 when none."""
+        return int(_batch_conflict(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                                   positions, seqs))
+
+    def remove(self, seq: int, begin: int, end: Optional[int],
+               journal: Optional[list] = None) -> np.ndarray:
         """Ollama's Remove: cells of seq with begin <= pos < end drop it; with a finite end,
         its cells with pos >= end move down by end - begin (pos and pending shift both).
         Raises NotSupportedError, before any change, if a cell that must move is shared.
@@ -1768,13 +2096,14 @@ class CellTable:
             if e < begin:
                 raise ValueError(f"end must be None or >= begin ({begin}), got {e}")
             e = min(e, POS_MAX + 1)      # no position reaches past this: same meaning
+        self._record(journal, seq, begin, _INF)
         code, moved = _remove(self._pos, self._shift, self._seqs, self._occ, self._ftree,
                               self._stree, self._sidx, self._meta, seq, begin, e)
         if code == _E_SHARED:
             raise NotSupportedError(SHARED_SHIFT_MESSAGE)
         return moved
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+    def copy_prefix(self, src: int, dst: int, length: int, journal: Optional[list] = None) -> None:
         """Ollama's CopyPrefix: dst drops every cell, then joins src's cells with pos < length.
         src == dst does nothing."""
         src = self._seq(src, "src")
@@ -1785,35 +2114,42 @@ class CellTable:
         length = min(length, POS_MAX + 1)
         if src == dst:
             return
+        self._record(journal, dst, 0, _INF, src, 0, length)
         _copy_prefix(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                      self._sidx, self._meta, src, dst, length)
 
-    def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
+    def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None,
+               journal: Optional[list] = None) -> bool:
         """llama.cpp's seq_rm: cells of seq with p0 <= pos < p1 drop it (seq = -1: every cell in
         the range is freed). p0 < 0 means 0, p1 None or < 0 means infinity. Returns True."""
         seq = self._seq(seq, allow_all=True)
         p0, p1 = self._range(p0, p1)
         if p0 < p1:
+            self._record(journal, seq, p0, p1)
             _seq_rm(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                     self._sidx, self._meta, seq, p0, p1)
         return True
 
-    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None,
+               journal: Optional[list] = None) -> None:
         """llama.cpp's seq_cp: dst joins every cell of src with p0 <= pos < p1."""
         src = self._seq(src, "src")
         dst = self._seq(dst, "dst")
         p0, p1 = self._range(p0, p1)
         if src == dst or p0 >= p1:
             return
+        self._record(journal, src, p0, p1)
         _seq_cp(self._pos, self._seqs, self._stree, self._sidx, self._meta, src, dst, p0, p1)
 
-    def seq_keep(self, seq: int) -> None:
+    def seq_keep(self, seq: int, journal: Optional[list] = None) -> None:
         """llama.cpp's seq_keep: cells holding seq keep only seq; every other cell is freed."""
         seq = self._seq(seq)
+        self._record(journal, -1, 0, _INF)
         _seq_keep(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                   self._sidx, self._meta, seq)
 
-    def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int) -> None:
+    def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int,
+                journal: Optional[list] = None) -> None:
         """llama.cpp's seq_add: cells of seq with p0 <= pos < p1 get pos += delta and
         shift += delta; a cell whose pos would go below 0 is freed. Shared cells in the range
         -> NotSupportedError before any change."""
@@ -1824,6 +2160,7 @@ class CellTable:
             raise ValueError(f"delta must be in [-{POS_MAX + 1}, {POS_MAX + 1}], got {delta}")
         if delta == 0 or p0 >= p1:
             return
+        self._record(journal, seq, p0, p1)
         code = _seq_add(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                         self._sidx, self._meta, seq, p0, p1, delta)
         if code == _E_SHARED:
@@ -1833,16 +2170,18 @@ class CellTable:
         if code == _E_SHIFT_OVERFLOW:
             raise ValueError(f"delta {delta} would overflow a cell's pending int32 shift")
 
-    def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
+    def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int,
+                journal: Optional[list] = None) -> None:
         """llama.cpp's seq_div: cells of seq with p0 <= pos < p1 get pos //= d and
         shift += new - old. Shared cells in the range -> NotSupportedError before any change."""
         seq = self._seq(seq)
         p0, p1 = self._range(p0, p1)
         d = _int(d, "d")
-        if d < 1:
-            raise ValueError(f"d must be >= 1, got {d}")
+        if not 1 <= d <= POS_MAX + 1:
+            raise ValueError(f"d must be in [1, {POS_MAX + 1}], got {d}")
         if d == 1 or p0 >= p1:
             return
+        self._record(journal, seq, p0, p1)
         code = _seq_div(self._pos, self._shift, self._seqs, self._stree, self._sidx, self._meta,
                         seq, p0, p1, d)
         if code == _E_SHARED:
@@ -1851,6 +2190,10 @@ class CellTable:
             raise ValueError(f"d {d} would overflow a cell's pending int32 shift")
 
     # ---- shifts ---------------------------------------------------------------------------
+
+    def restore_shifts(self, cells: np.ndarray, deltas: np.ndarray) -> None:
+        """Undo :meth:`take_shifts` (exactly what it returned, before any other change)."""
+        _restore_shifts(self._shift, self._meta, cells, deltas)
 
     def has_pending_shifts(self) -> bool:
         return self._meta[_M_NSHIFT] > 0
@@ -1871,10 +2214,43 @@ class CellTable:
         return _plan_defrag(self._pos, self._shift, self._seqs, self._occ, self._ftree,
                             self._stree, self._sidx, self._meta)
 
+    def undo_defrag(self, moves: np.ndarray, head: int) -> None:
+        """Undo :meth:`plan_defrag` (its moves, the :attr:`head` read before it) right after
+        it, or after changes that were themselves undone: the cells go back where they were."""
+        _undo_defrag(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
+                     self._sidx, self._meta, np.asarray(moves, np.int64).reshape(-1, 3), int(head))
+
+    # ---- undo log -------------------------------------------------------------------------
+
+    def _record(self, journal: Optional[list], seq: int, p0: int, p1: int, seq2: int = -1,
+                q0: int = 0, q1: int = 0) -> None:
+        """Append to ``journal`` (when given) what an edit of seq's positions [p0, p1) (and
+        seq2's [q0, q1)) may change: the cells of the blocks holding them, as they are now.
+        ``seq = -1``: every block (only the operations that scan the table anyway)."""
+        if journal is None:
+            return
+        if seq < 0:
+            blocks = np.arange(-(-self.n_cells // self.block_size), dtype=np.int64)
+        else:
+            blocks = _op_blocks(self._stree, seq, p0, p1, seq2, q0, q1)
+        pos, shift, seqs = _save_blocks(self._pos, self._shift, self._seqs, self._meta, blocks)
+        journal.append(_Journal(blocks, pos, shift, seqs, self._sidx.copy(), self._meta.copy()))
+
+    def rollback(self, journal: list) -> None:
+        """Undo, newest first, the edits recorded in ``journal`` (by the ``journal=`` argument
+        of the sequence operations) and empty it. Nothing else may have changed the table
+        since, except edits that were themselves undone."""
+        while journal:
+            j = journal.pop()
+            _restore_blocks(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                            self._stree, self._sidx, self._meta, j.blocks, j.pos, j.shift,
+                            j.seqs, j.sidx, j.meta)
+
     def __repr__(self) -> str:
         return (f"CellTable(n_cells={self.n_cells}, max_seqs={self.max_seqs}, "
                 f"n_used={self.n_used})")
 
 
-__all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
+__all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_SHIFT_DTYPE", "cell_dtype", "seq_words",
+           "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
            "SeqIndex"]

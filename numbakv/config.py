@@ -11,7 +11,8 @@ import numpy as np
 #: Storage dtypes by name. bfloat16 is kept as its 16-bit pattern (numpy has no bfloat16).
 STORAGE_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
                   "bfloat16": np.dtype(np.uint16)}
-MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+               "bfloat16": np.dtype(np.uint16)}   # bfloat16 masks: bit patterns, like K/V
 #: Quantized K/V storage types (``k_dtype``/``v_dtype``): name -> (values per block, bytes per
 #: block). q8_0 and q4_0 are ggml's block formats (an f16 scale then 32 int8s, or 16 bytes of
 #: nibbles); float8_e4m3 is one float8_e4m3fn byte per value (a "block" of one) with a per-layer

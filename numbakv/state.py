@@ -816,8 +816,11 @@ def _check_fingerprint(state: "_State", cache, config: dict, where: str, strict:
 
 
 def _seq_words(cache) -> int:
-    shape = cache.cells.cells.dtype["seqs"].shape
-    return int(shape[0]) if shape else 1
+    """Sequence-bit words per cell in a state file: always the widest table's (256 sequences),
+    whatever the table keeps in memory (one word up to 64 sequences), so files do not depend
+    on max_seqs' in-memory layout."""
+    from .cells import SEQ_WORDS
+    return SEQ_WORDS
 
 
 def _on_device(cache):
@@ -888,7 +891,8 @@ def _causal_specs(cache, seq: Optional[int], prefix: str = "") -> Tuple[dict, Li
         n = int(cache.n_cells)
         words = _seq_words(cache)
         # Snapshots: the metadata must describe exactly the data written after it.
-        seqs = np.array(table["seqs"], dtype="<u8", order="C", copy=True).reshape(n, words)
+        seqs = np.zeros((n, words), dtype="<u8")
+        seqs[:, :table["seqs"].reshape(n, -1).shape[1]] = table["seqs"].reshape(n, -1)
         pos = np.array(table["pos"], dtype="<i4", order="C", copy=True)
         shift = np.array(table["shift"], dtype="<i4", order="C", copy=True)
         specs = [_Spec(prefix + "cells.seqs", "U64", (n, words), lambda: seqs),
@@ -1062,7 +1066,8 @@ class _WholePlan(_Plan):
         if (shift != 0).any() and getattr(cache, "shift", None) is None:
             raise state.fail(f"the state has pending key shifts but the cache has no shift "
                              f"function{where}")
-        records = np.zeros(self.n, cache.cells.cells.dtype)
+        from .cells import CELL_DTYPE     # the file's width; load_cells takes any
+        records = np.zeros(self.n, CELL_DTYPE)
         records["pos"] = pos
         records["shift"] = shift
         records["seqs"] = seqs.reshape(records["seqs"].shape)

@@ -429,6 +429,39 @@ class KVStorage:
             if self.device == "cuda":
                 self._keep_inputs(key, value)
 
+    # ---------------------------------------------------------------- trusted fast paths
+    def put_range_trusted(self, layer: int, start: int, key, value) -> None:
+        """:meth:`put_range` without its checks, for a caller that made them all (CausalCache's
+        per-layer hot path): ``key``/``value`` arrays of this storage in the storage dtype and
+        shape, ``layer`` and ``start .. start + batch`` in range."""
+        if self.quantized:
+            self._put_quantized(layer, None, start, key, value)
+            return
+        if self.device == "cpu":
+            _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], None, key, value, start)
+            return
+        with self._on_device():
+            _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
+                        value, self.permuted, start=start)
+
+    def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
+                          window: int, chunk: int) -> None:
+        """:meth:`fill_mask` without its checks (CausalCache's start_forward made them)."""
+        if self._device_id is None:
+            _mask.launch(self.device, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
+                         window=window, chunk=chunk)
+            return
+        with self._on_device():
+            _mask.launch(self.device, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
+                         window=window, chunk=chunk)
+
+    def views_trusted(self, layer: int, lo: int, hi: int):
+        """``(key_view, value_view)`` of cells ``lo .. hi-1`` of ``layer`` without the checks of
+        :meth:`key_view` / :meth:`value_view` (the caller made them)."""
+        if self.permuted:
+            return self.keys[layer, lo:hi], self.values[layer, :, :, lo:hi]
+        return self.keys[layer, lo:hi], self.values[layer, lo:hi]
+
     # ---------------------------------------------------------------- views
     def _check_range(self, lo, hi) -> Tuple[int, int]:
         for name, v in (("lo", lo), ("hi", hi)):
@@ -496,17 +529,17 @@ class KVStorage:
         if cell_pos.shape[0] != n:
             raise ValueError(f"cell_pos must have n={n} entries (out's columns), "
                              f"got {cell_pos.shape[0]}")
-        if cell_seqs.shape != (n, _SEQ_WORDS):
-            raise ValueError(f"cell_seqs must have shape ({n}, {_SEQ_WORDS}), "
-                             f"got {cell_seqs.shape}")
+        if cell_seqs.shape[0] != n or not 1 <= cell_seqs.shape[1] <= _SEQ_WORDS:
+            raise ValueError(f"cell_seqs must have shape ({n}, words) with 1 <= words <= "
+                             f"{_SEQ_WORDS}, got {cell_seqs.shape}")
         b = batch_pos.shape[0]
         if b > rows:
             raise ValueError(f"the batch ({b} tokens) must fit out's {rows} rows")
         if batch_seq.shape[0] != b or causal.shape[0] != b:
             raise ValueError(f"batch_seq and causal must have {b} entries (batch_pos), got "
                              f"{batch_seq.shape[0]} and {causal.shape[0]}")
-        if b and (batch_seq.min() < 0 or batch_seq.max() >= MAX_SEQS_LIMIT):
-            raise ValueError(f"batch_seq must be in [0, {MAX_SEQS_LIMIT}), got range "
+        if b and (batch_seq.min() < 0 or batch_seq.max() >= 64 * cell_seqs.shape[1]):
+            raise ValueError(f"batch_seq must be in [0, {64 * cell_seqs.shape[1]}), got range "
                              f"[{batch_seq.min()}, {batch_seq.max()}]")
         for name, v, lo in (("window", window, -1), ("chunk", chunk, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:

@@ -76,6 +76,7 @@ class _StreamForward:
     identity: bool             # one stream holding the whole batch in batch order
     n_kv: int = 0
     mask: Any = None
+    exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
 
 
 @dataclass
@@ -185,9 +186,9 @@ class StreamCache(CausalCache):
         then nothing has changed in any stream."""
         undo = self._place(positions, seqs, reserve)
         try:
-            self._finish_forward()
+            self._finish_forward(undo)
         except BaseException:
-            self._undo(undo)
+            self._undo(undo)      # every stream's undo log: nothing placed, nothing rotated
             raise
 
     def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> _StreamUndo:
@@ -221,12 +222,26 @@ class StreamCache(CausalCache):
             self.streams[s]._undo(stream_undo)
         self._forward = undo.forward
 
-    def _finish_forward(self) -> None:
-        fwd = self._forward
-        for s in fwd.seq_ids.tolist():
+    def _finish_forward(self, undo: Optional[_StreamUndo] = None) -> None:
+        """Each stream's pending rotations and mask (recorded in its own undo), then the
+        stream-layout mask."""
+        own = dict(undo.placed) if undo is not None else {}
+        for s in self._forward.seq_ids.tolist():
             with self._in_stream(s):
-                self.streams[s]._finish_forward()
+                self.streams[s]._finish_forward(own.get(s))
         self._build_mask()
+
+    def _journal_begin(self) -> None:
+        """Record every stream's following sequence operations (a WrapperCache holding this
+        cache takes them back if a sibling refuses)."""
+        for stream in self.streams:
+            stream._journal_begin()
+
+    def _journal_end(self, rollback: bool) -> None:
+        for stream in self.streams:
+            stream._journal_end(rollback)
+        if rollback:
+            self._end_forward()
 
     def _build_mask(self) -> None:
         """``[n_b, rows, n_kv]``: each stream's own mask (built by its cache over its get()
@@ -237,20 +252,22 @@ class StreamCache(CausalCache):
         for s in fwd.seq_ids.tolist():
             stream = self.streams[s]
             ranges.append(stream.cell_range())
-            masks.append(stream._forward.mask)
+            masks.append(stream._forward.mask)   # the stream's own [rows_padded, hi - lo] mask
         n_kv = min(round_up(max(hi for _, hi in ranges), cfg.cache_padding),
                    self.cells_per_stream)
         counts = np.diff(fwd.qo_indptr)
         rows = round_up(int(counts.max()), cfg.mask_batch_padding)
         n_b = len(fwd.seq_ids)
         first = masks[0]
+        bf16 = cfg.mask_dtype == "bfloat16"   # stored as bit patterns, like K/V
         mask = self._xp.empty((n_b, rows, n_kv), dtype=first.dtype)
-        mask[...] = 0 if fwd.reserve else -np.inf
+        mask[...] = 0 if fwd.reserve else (0xFF80 if bf16 else -np.inf)
         if not fwd.reserve:
             for b, ((lo, hi), m) in enumerate(zip(ranges, masks)):
                 mask[b, :counts[b], lo:hi] = m[:counts[b]]
         fwd.n_kv = n_kv
         fwd.mask = mask
+        fwd.exported = export_view(mask, "bfloat16") if bf16 else mask
 
     def set_layer(self, layer: int) -> None:
         """Choose the layer that ``put`` and ``get`` work on."""
@@ -322,7 +339,7 @@ class StreamCache(CausalCache):
             value = (v5[:, :, take, :n_kv].transpose(2, 0, 1, 3) if self.config.permuted_v
                      else v5[take, :n_kv])
         dtype = self.config.dtype
-        return export_view(key, dtype), export_view(value, dtype), fwd.mask
+        return export_view(key, dtype), export_view(value, dtype), fwd.exported
 
     def cell_range(self) -> Tuple[int, int]:
         """``(0, n_kv)``: every stream's ``get()`` rows are its cells ``0 .. n_kv - 1``."""
@@ -377,7 +394,7 @@ class StreamCache(CausalCache):
         lo, hi = stream.cells.seq_cell_min[0], stream.cells.seq_cell_max[0]
         if hi < 0:
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
-        pos = stream.cells.cells["pos"][lo:hi + 1]
+        pos = stream.cells._pos[lo:hi + 1]   # one sequence per stream: used <=> pos >= 0
         cells = np.nonzero((pos >= p0) & (pos < p1))[0]
         order = np.argsort(pos[cells], kind="stable")
         cells = (cells[order] + lo).astype(np.int32)
@@ -391,7 +408,7 @@ class StreamCache(CausalCache):
         n = len(cells)
         if not replace and n:
             have, _ = self._cells_in(dst, int(positions.min()), int(positions.max()) + 1)
-            if len(have) and np.isin(target.cells.cells["pos"][have], positions).any():
+            if len(have) and np.isin(target.cells._pos[have], positions).any():
                 raise ValueError(f"seq_cp: sequence {dst} already holds some of positions "
                                  f"[{p0}, {p1}) of sequence {src}; seq_rm them first")
         free_after = self.cells_per_stream - (0 if replace else target.n_used)

@@ -12,7 +12,7 @@ import numpy as np
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
 from .causal import UNLIMITED, CausalCache, _check_index, host_int_array
-from .config import CacheConfig, round_up
+from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
 
@@ -66,16 +66,19 @@ class WrapperCache:
         return len(self.layer_groups)
 
     def start_forward(self, positions, seqs, reserve: bool = False) -> None:
+        """Every cache places the batch, then applies its pending shifts and builds its mask; if
+        any of them fails, each one's undo log takes back what it did (evictions, defrags and
+        key rotations included), so every (sequence, position) keeps its own K/V."""
         undos: List[Tuple[CausalCache, object]] = []
         try:
             for cache in self.caches:
                 undos.append((cache, cache._place(positions, seqs, reserve, undoable=True)))
+            for cache, undo in undos:
+                cache._finish_forward(undo)
         except BaseException:
             for cache, undo in reversed(undos):
                 cache._undo(undo)
             raise
-        for cache in self.caches:
-            cache._finish_forward()
 
     def set_layer_type(self, index: int) -> None:
         """Pick the cache for the following ``set_layer``/``put``/``get`` (Ollama's
@@ -101,33 +104,26 @@ class WrapperCache:
         for cache in self.caches:
             cache.set_causal(except_)
 
-    def _fan_out(self, name: str, *args, moving: Optional[Tuple[int, int]] = None):
-        """Run a sequence operation on every cache; if one raises, restore all of them: cell
-        table, forward pass and the K/V rows the operation may rewrite (keys with a pending
-        rotation, and with ``moving=(seq, end)`` the keys of ``seq`` at positions >= ``end``
-        that a ``remove`` re-rotates). Those rows are saved before a cache runs the operation,
-        so a rotation is undone bit-exact, not by rotating back."""
-        for cache in self.caches:
-            cache._check_open()
-        saved = []
+    def _fan_out(self, name: str, *args):
+        """Run a sequence operation on every cache; if one raises, the others' undo logs take
+        back what they did (no copy of any table)."""
         results = []
+        for cache in self.caches:
+            cache._journal_begin()
+        failed = True
         try:
             for cache in self.caches:
-                saved.append(_Saved(cache, moving))
                 results.append(getattr(cache, name)(*args))
-        except BaseException:
-            for item in reversed(saved):
-                item.restore()
-            raise
+            failed = False
+        finally:
+            for cache in self.caches:
+                cache._journal_end(rollback=failed)
         return results
 
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
-        checked = None
         for cache in self.caches:  # check all first: nothing runs unless every cache accepts
-            checked = cache._check_remove(seq, begin, end)
-        seq_, _, end_ = checked
-        self._fan_out("remove", seq, begin, end,
-                      moving=None if end_ is None else (seq_, end_))
+            cache._check_remove(seq, begin, end)
+        self._fan_out("remove", seq, begin, end)
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         self._fan_out("copy_prefix", src_seq, dst_seq, length)
@@ -227,34 +223,6 @@ def _check_groupable(caches: List[CausalCache], same_layers: bool) -> None:
                              "layer_groups to map model layers to caches")
 
 
-class _Saved:
-    """What a fanned-out operation may change in one CausalCache, saved before it runs: the cell
-    table (a copy), the forward pass and, on the host, the K/V rows of every cell whose key may
-    be re-rotated (restored with ``storage.write_cells``: bit-exact)."""
-
-    def __init__(self, cache: CausalCache, moving: Optional[Tuple[int, int]]) -> None:
-        self.cache = cache
-        self.cells = cache.cells.copy()
-        self.forward = cache._forward
-        self.defrag_count = cache.defrag_count
-        table = cache.cells.cells
-        touched = table["shift"] != 0
-        if moving is not None:
-            seq, end = moving
-            seq_cells = np.asarray(cache.cells.seq_cells(seq), dtype=np.int64)
-            touched[seq_cells[table["pos"][seq_cells] >= end]] = True
-        self.rows = np.flatnonzero(touched).astype(np.int32)
-        self.kv = cache.storage.read_cells(self.rows) if len(self.rows) else None
-
-    def restore(self) -> None:
-        cache = self.cache
-        if self.kv is not None:
-            cache.storage.write_cells(self.rows, *self.kv)
-        cache.cells = self.cells
-        cache._forward = self.forward
-        cache.defrag_count = self.defrag_count
-
-
 @one_thread_at_a_time
 class EncoderCache:
     """Cross-attention K/V from an encoder (e.g. an image encoder): stored when a forward pass
@@ -277,7 +245,7 @@ class EncoderCache:
         check_memory(f"the EncoderCache ({config.capacity} encoder tokens)", self.device,
                      {"K/V storage": config.nbytes(config.capacity),
                       "mask at max_batch": mask_rows * config.capacity
-                      * np.dtype(config.mask_dtype).itemsize},
+                      * MASK_DTYPES[config.mask_dtype].itemsize},
                      hint="lower capacity (encoder tokens) or n_layers")
         self.keys = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
                                     config.head_dim), dtype=sd)
@@ -374,8 +342,13 @@ class EncoderCache:
         n = self.encoder_len
         cfg = self.config
         rows = round_up(max(self._batch, 1), cfg.mask_batch_padding)
-        mask = self._xp.zeros((rows, n), dtype=np.dtype(cfg.mask_dtype))
-        mask[self._batch:] = -np.inf
+        if cfg.mask_dtype == "bfloat16":     # stored as bit patterns, exported as bfloat16
+            mask = self._xp.zeros((rows, n), dtype=np.uint16)
+            mask[self._batch:] = 0xFF80
+            mask = export_view(mask, "bfloat16")
+        else:
+            mask = self._xp.zeros((rows, n), dtype=np.dtype(cfg.mask_dtype))
+            mask[self._batch:] = -np.inf
         return (export_view(self.keys[self._layer, :n], cfg.dtype),
                 export_view(self.values[self._layer, :n], cfg.dtype), mask)
 

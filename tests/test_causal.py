@@ -191,14 +191,15 @@ def test_failed_start_forward_keeps_window_evictions_undone(device):
     # window 2, memory 2: 2 + max_batch 4 = 6 cells
     c = make(device, max_seqs=1, capacity=16, max_batch=4, swa_window=2)
     assert c.n_cells == 6
+    forward(c, [20], [0])                               # a far position is never evicted
     forward(c, [0, 1, 2, 3], [0] * 4)
-    forward(c, [4, 5], [0, 0])                          # evicts 0, 1; stored 2..5
-    assert (c.seq_pos_min(0), c.seq_pos_max(0)) == (2, 5)
+    forward(c, [4, 5], [0, 0])                          # evicts 0, 1; stored 2..5 and 20
+    assert (c.seq_pos_min(0), c.seq_pos_max(0)) == (2, 20)
     before = state_snapshot(c)
-    # lowest 5 would evict position 2 (one cell), leaving 3 free for 4 tokens: full.
+    # lowest 6 would evict positions 2, 3 (two cells), leaving 3 free for 4 tokens: full.
     # Ollama keeps that eviction on failure; numbakv must not.
     with pytest.raises(KVCacheFullError):
-        c.start_forward([5, 6, 7, 8], [0] * 4)
+        c.start_forward([6, 7, 8, 9], [0] * 4)
     assert_same_state(before, state_snapshot(c))
 
 
@@ -764,8 +765,8 @@ def test_seq_div(device):
     forward(c, range(8), [0] * 8, keys=keys, values=keys)
     c.seq_div(0, 0, 8, 2)                                    # 0 0 1 1 2 2 3 3
     assert (c.seq_pos_min(0), c.seq_pos_max(0)) == (0, 3)
-    b = forward(c, [1], [0])                                 # sees positions 0, 1 (cells 0..3)
-    assert_mask(b.mask, "0000xxxx0")
+    b = forward(c, [4], [0])                  # a held position may not be re-put: sees all
+    assert_mask(b.mask, "000000000")
     for layer in range(L):
         np.testing.assert_allclose(b.k(layer)[:8], rope_ref(raw[layer], np.arange(8) // 2),
                                    rtol=1e-5, atol=2e-5)

@@ -243,6 +243,7 @@ class Harness:
             self._expect_refusal(lambda: self.cache.remove(s, begin, end))
             return
         self.cache.remove(s, begin, end)
+        self._ended()
 
     def op_copy_prefix(self):
         src = self._live_seq()
@@ -252,6 +253,7 @@ class Harness:
         n = int(self.rng.integers(0, self.ref.pos_max(src) + 2))
         self.cache.copy_prefix(src, dst, n)
         self.ref.copy_prefix(src, dst, n)
+        self._ended()
 
     def op_seq_rm(self):
         s = -1 if self.rng.random() < 0.1 else self._live_seq()
@@ -262,6 +264,7 @@ class Harness:
         p1 = None if self.rng.random() < 0.5 else int(self.rng.integers(p0 + 1, hi + 3))
         assert self.cache.seq_rm(s, p0, p1) is True
         self.ref.seq_rm(s, p0, p1)
+        self._ended()
 
     def op_seq_cp(self):
         src = self._live_seq()
@@ -274,6 +277,7 @@ class Harness:
         p1 = None if self.rng.random() < 0.5 else int(self.rng.integers(p0 + 1, hi + 2))
         self.cache.seq_cp(src, dst, p0, p1)
         self.ref.seq_cp(src, dst, p0, p1)
+        self._ended()
 
     def op_seq_keep(self):
         s = self._live_seq()
@@ -281,6 +285,7 @@ class Harness:
             return
         self.cache.seq_keep(s)
         self.ref.seq_keep(s)
+        self._ended()
 
     def _move_args(self):
         s = self._live_seq()
@@ -305,6 +310,7 @@ class Harness:
             self._expect_refusal(lambda: self.cache.seq_add(s, p0, p1, delta))
             return
         self.cache.seq_add(s, p0, p1, delta)
+        self._ended()
 
     def op_seq_div(self):
         if self.mode is None:
@@ -320,10 +326,35 @@ class Harness:
             self._expect_refusal(lambda: self.cache.seq_div(s, p0, p1, d))
             return
         self.cache.seq_div(s, p0, p1, d)
+        self._ended()
 
     def op_defrag(self):
         self.cache.defrag()
         self.ref.defrag()
+        self._ended()
+
+    def _ended(self):
+        """A sequence operation ends the forward pass in progress (round-2 contract)."""
+        with pytest.raises(ValueError, match="start_forward"):
+            self.cache.get()
+
+    def op_reput(self):
+        """A batch repeating a (sequence, position), or re-putting one the sequence holds, is a
+        ValueError that changes nothing."""
+        s = self._live_seq()
+        if s is None:
+            return
+        if self.rng.random() < 0.5:
+            positions, seqs = [int(self.rng.choice(self.ref.positions(s)))], [s]
+        else:
+            nxt = self.ref.pos_max(s) + 1
+            positions, seqs = [nxt, nxt + 1, nxt], [s, s, s]
+            if self.config.max_batch < 3:
+                return
+        before = state_snapshot(self.cache)
+        with pytest.raises(ValueError, match="already stored or repeated"):
+            self.cache.start_forward(positions, seqs)
+        assert_same_state(before, state_snapshot(self.cache))
 
     def op_can_resume(self):
         s = int(self.rng.integers(0, self.max_seqs))
@@ -331,7 +362,8 @@ class Harness:
         assert self.cache.can_resume(s, p) == self.ref.can_resume(s, p), (s, p)
 
     OPS = [("forward", 50), ("remove", 10), ("copy_prefix", 5), ("seq_rm", 7), ("seq_cp", 5),
-           ("seq_keep", 1), ("seq_add", 7), ("seq_div", 2), ("defrag", 4), ("can_resume", 9)]
+           ("seq_keep", 1), ("seq_add", 7), ("seq_div", 2), ("defrag", 4), ("can_resume", 9),
+           ("reput", 3)]
 
     def run(self, n_ops: int):
         names = [o[0] for o in self.OPS]
@@ -376,3 +408,193 @@ def test_random_workload_cpu(name):
 def test_random_workload_kernel_device(kernel_device):
     _run(kernel_device, "plain-rope-padded", seed=5, n_ops=30, episodes=1)
     _run(kernel_device, "swa-add", seed=6, n_ops=30, episodes=1)
+
+
+# ------------------------------------------------------------------------------------------
+# WrapperCache: a sliding-window group and a full-attention group, each against its own model
+# ------------------------------------------------------------------------------------------
+
+#: the SWA group evicts (memory 3) and fragments (defrags to place); the full group fills up
+#: (KVCacheFullError after the SWA group has already pruned and placed: the rollback case)
+WRAPPER_GROUPS = {
+    "swa": dict(max_seqs=3, capacity=10, max_batch=4, swa_window=2, swa_memory=3, shift="add"),
+    "full": dict(max_seqs=3, capacity=6, max_batch=4, shift="add", permuted_v=True,
+                 cache_padding=2),
+}
+
+
+class WrapperHarness:
+    """Drives ``WrapperCache([swa, full])`` (or ``[full, swa]``) with the single-cache workload;
+    each group's cache is checked against its own model after every operation, and a refusal
+    by any group must leave every group unchanged."""
+
+    def __init__(self, device: str, seed: int, swa_first: bool):
+        self.rng = np.random.default_rng(seed)
+        names = ["swa", "full"] if swa_first else ["full", "swa"]
+        self.groups = [Harness(device, seed * 7 + i, **WRAPPER_GROUPS[n])
+                       for i, n in enumerate(names)]
+        self.full = self.groups[names.index("full")]
+        self.wrapper = nkv.WrapperCache([h.cache for h in self.groups],
+                                        layer_groups=[g for g in range(2)
+                                                      for _ in range(N_LAYERS)])
+        self.max_seqs = 3
+        self.next_uid = 1
+        self.counts = {}
+        self.full_errors = self.refused = 0
+
+    def _snap(self):
+        return [h.ref.snapshot() for h in self.groups], [state_snapshot(h.cache)
+                                                         for h in self.groups]
+
+    def _restore_refs(self, snaps):
+        for h, s in zip(self.groups, snaps):
+            h.ref.restore(s)
+
+    def _same_as(self, states):
+        for h, before in zip(self.groups, states):
+            assert_same_state(before, state_snapshot(h.cache))
+
+    def _pos_max(self, s):
+        return max(h.ref.pos_max(s) for h in self.groups)
+
+    def op_forward(self):
+        r = self.rng
+        chosen = r.choice(self.max_seqs, int(r.integers(1, 3)), replace=False)
+        budget, tokens = 4, []
+        for s in chosen:
+            n = min(budget, 1 if r.random() < 0.5 else int(r.integers(1, budget + 1)))
+            budget -= n
+            tokens += [(int(s), self._pos_max(int(s)) + 1 + i) for i in range(n)]
+            if budget == 0:
+                break
+        seqs, positions = [t[0] for t in tokens], [t[1] for t in tokens]
+        b = len(tokens)
+        uids = list(range(self.next_uid, self.next_uid + b))
+        refs, states = self._snap()
+        try:
+            for h in self.groups:
+                h.ref.start_forward(positions, seqs, uids)
+        except RefFull:
+            self._restore_refs(refs)
+            with pytest.raises(KVCacheFullError):
+                self.wrapper.start_forward(positions, seqs)
+            self._same_as(states)
+            self.full_errors += 1
+            longest = max(range(self.max_seqs), key=lambda s: len(self.full.ref.positions(s)))
+            p = self.full.ref.positions(longest)
+            cut = p[len(p) // 2] if p else 0
+            self.wrapper.seq_rm(longest, cut)
+            for h in self.groups:
+                h.ref.seq_rm(longest, cut)
+            return
+        self.next_uid += b
+        self.wrapper.start_forward(positions, seqs)
+        if r.random() < 0.15:
+            except_ = sorted(int(i) for i in r.choice(b, int(r.integers(1, b + 1)), replace=False))
+            self.wrapper.set_causal(except_)
+            for h in self.groups:
+                h.ref.set_causal(except_)
+        offs = (np.arange(N_LAYERS * N_HEADS * HEAD_DIM, dtype=np.float32) / 256).reshape(
+            N_LAYERS, N_HEADS, HEAD_DIM)
+        values = np.asarray(uids, np.float32)[:, None, None, None] + offs[None]
+        for g, h in enumerate(self.groups):
+            keys = r.integers(-8, 9, (b, N_LAYERS, N_HEADS, HEAD_DIM)).astype(np.float32)
+            for i, u in enumerate(uids):
+                h.keys[u], h.values[u] = keys[i], values[i]
+            for layer in range(N_LAYERS):
+                self.wrapper.set_layer(g * N_LAYERS + layer)
+                self.wrapper.put(to_device(np.ascontiguousarray(keys[:, layer]), h.cache.device),
+                                 to_device(np.ascontiguousarray(values[:, layer]),
+                                           h.cache.device))
+        for h in self.groups:
+            got = read_get(h.cache, N_LAYERS, "float32", h.config.permuted_v)
+            h.check_batch(h.cache.cell_range(), *got)
+
+    def _fan(self, name, *args):
+        refs, states = self._snap()
+        try:
+            for h in self.groups:
+                getattr(h.ref, name)(*args)
+        except RefNotSupported:
+            self._restore_refs(refs)
+            with pytest.raises(NotSupportedError):
+                getattr(self.wrapper, name)(*args)
+            self._same_as(states)
+            self.refused += 1
+            return
+        getattr(self.wrapper, name)(*args)
+
+    def _live(self):
+        live = sorted(self.full.ref.live_seqs())
+        return int(self.rng.choice(live)) if live else None
+
+    def op_remove(self):
+        s = self._live()
+        if s is not None:
+            lo, hi = self.full.ref.pos_min(s), self.full.ref.pos_max(s)
+            begin = int(self.rng.integers(lo, hi + 2))
+            end = None if self.rng.random() < 0.4 else int(self.rng.integers(begin + 1, hi + 3))
+            self._fan("remove", s, begin, end)
+
+    def op_seq_rm(self):
+        s = self._live()
+        if s is not None:
+            p0 = int(self.rng.integers(0, self.full.ref.pos_max(s) + 2))
+            self._fan("seq_rm", s, p0, None)
+
+    def op_copy_prefix(self):
+        src = self._live()
+        if src is not None:
+            dst = int(self.rng.choice([t for t in range(self.max_seqs) if t != src]))
+            self._fan("copy_prefix", src, dst, int(self.rng.integers(0, self._pos_max(src) + 2)))
+
+    def op_seq_add(self):
+        s = self._live()
+        if s is not None:
+            hi = self.full.ref.pos_max(s)
+            p0 = int(self.rng.integers(0, hi + 1))
+            self._fan("seq_add", s, p0, int(self.rng.integers(p0 + 1, hi + 2)),
+                      int(self.rng.choice([-2, -1, 1, 2])))
+
+    def op_defrag(self):
+        self.wrapper.defrag()
+        for h in self.groups:
+            h.ref.defrag()
+
+    def op_can_resume(self):
+        s = int(self.rng.integers(0, self.max_seqs))
+        p = int(self.rng.integers(0, max(self._pos_max(s), 0) + 4))
+        assert self.wrapper.can_resume(s, p) == all(h.ref.can_resume(s, p) for h in self.groups)
+
+    OPS = [("forward", 55), ("remove", 10), ("seq_rm", 8), ("copy_prefix", 8), ("seq_add", 8),
+           ("defrag", 4), ("can_resume", 7)]
+
+    def run(self, n_ops: int):
+        names = [o[0] for o in self.OPS]
+        weights = np.array([o[1] for o in self.OPS], np.float64)
+        weights /= weights.sum()
+        for step in range(n_ops):
+            name = names[int(self.rng.choice(len(names), p=weights))]
+            try:
+                getattr(self, "op_" + name)()
+                for h in self.groups:
+                    h.check_spans()
+                    h.cache.cells.check_consistency()
+            except AssertionError as e:
+                raise AssertionError(f"step {step} ({name}): {e}") from e
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+
+@pytest.mark.parametrize("swa_first", [True, False], ids=["swa-first", "swa-last"])
+def test_random_workload_wrapper(swa_first):
+    full = refused = forwards = defrags = 0
+    for e in range(6):
+        h = WrapperHarness("cpu", 100 + e + 10 * swa_first, swa_first)
+        h.run(70)
+        full += h.full_errors
+        refused += h.refused
+        forwards += h.counts.get("forward", 0)
+        defrags += sum(g.cache.defrag_count for g in h.groups)
+    assert forwards > 6 * 70 // 3
+    assert full > 0, "the full-attention group never filled up"
+    assert defrags > 0

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from numbakv.cells import CELL_DTYPE, MAX_SEQS, POS_MAX, SEQ_WORDS, CellTable
+from numbakv.cells import CELL_DTYPE, MAX_SEQS, POS_MAX, SEQ_WORDS, CellTable, cell_dtype, seq_words
 from numbakv.errors import NotSupportedError
 from model_cells import ModelCells, reference_defrag_plan
 
@@ -23,7 +23,7 @@ def seq_sets(t):
     out = []
     for words in t.cells["seqs"]:
         s = set()
-        for w in range(SEQ_WORDS):
+        for w in range(len(words)):
             x = int(words[w])
             while x:
                 low = x & -x
@@ -128,8 +128,9 @@ def test_empty_table():
     assert t.prune_window(i32([3]), i32([0]), 1).shape == (0, 4)
     assert t.remove(0, 0, 3).size == 0
     pos, seqs = t.mask_inputs(0, 10)
-    assert (pos == -1).all() and (seqs == 0).all() and seqs.shape == (10, SEQ_WORDS)
-    assert t.cells.dtype == CELL_DTYPE
+    assert (pos == -1).all() and (seqs == 0).all() and seqs.shape == (10, 1)   # 1 word: 4 seqs
+    assert t.cells.dtype == cell_dtype(1) and t.words == seq_words(4) == 1
+    assert CellTable(10, 65).words == 2 and CellTable(10, 256).cells.dtype == CELL_DTYPE
 
 
 def test_full_table():
@@ -558,9 +559,19 @@ def test_copy_is_deep_and_rebuild_from_cells():
     fresh.check_consistency()
     assert np.array_equal(fresh.cells, t.cells)
     assert np.array_equal(fresh._sidx, t._sidx) and fresh.has_pending_shifts()
-    fresh.cells["seqs"][5, 0] = 1 << 4                  # a sequence >= max_seqs
+    fresh._seqs[5, 0] = 1 << 4                          # a sequence >= max_seqs
     with pytest.raises(ValueError, match=r"cells\[5\]"):
         fresh.rebuild_indexes()
+    # records of a wider table load when the extra words are empty, and not otherwise
+    wide = np.zeros(70, CELL_DTYPE)
+    for f in ("pos", "shift"):
+        wide[f] = saved[f]
+    wide["seqs"][:, :1] = saved["seqs"]
+    fresh.load_cells(wide)
+    assert np.array_equal(fresh.cells, t.cells)
+    wide["seqs"][3, 2] = 1
+    with pytest.raises(ValueError, match=r"cells\[3\]"):
+        fresh.load_cells(wide)
     bad = saved.copy()
     bad["pos"][0] = -3
     snap = snapshot(t)
@@ -904,3 +915,44 @@ def test_unapply_batch_takes_back_a_forward():
     t.unapply_batch(slots, head)
     t.undo_prune(undo)
     assert_unchanged(t, before)
+
+
+# ---- undo log ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_journal_rollback_restores_everything(seed):
+    """Random tables, every journaled operation (one or several in a row), then a rollback: the
+    cells and every index are exactly as before, and the undo log held only the blocks the
+    operations touched (not the table)."""
+    rng = np.random.default_rng(seed)
+    n, seqs = 700, 3 + seed % 2 * 70          # one and two bit words
+    t = CellTable(n, seqs, block_size=16)
+    for _ in range(30):
+        k = int(rng.integers(1, 20))
+        start = t.find_contiguous(k)
+        if start < 0:
+            break
+        s = int(rng.integers(0, min(seqs, 4)))
+        p0 = int(t.seq_pos_max(s)) + 1
+        t.apply_batch(i32(range(start, start + k)), i32(range(p0, p0 + k)), i32([s] * k))
+        if rng.random() < 0.3:
+            t.seq_rm(s, p0 + k // 2, None)
+    ops = [lambda j: t.remove(0, 3, 9, journal=j), lambda j: t.remove(1, 2, None, journal=j),
+           lambda j: t.seq_rm(2, 0, 5, journal=j), lambda j: t.seq_rm(-1, 4, 8, journal=j),
+           lambda j: t.seq_cp(0, 3 if seqs > 3 else 2, 1, 30, journal=j),
+           lambda j: t.copy_prefix(1, 0, 12, journal=j), lambda j: t.seq_keep(1, journal=j),
+           lambda j: t.seq_add(0, 2, None, -3, journal=j),
+           lambda j: t.seq_div(1, 0, 40, 3, journal=j)]
+    for _ in range(12):
+        snap = snapshot(t)
+        journal = []
+        for i in rng.choice(len(ops), int(rng.integers(1, 4)), replace=False):
+            try:
+                ops[i](journal)
+            except NotSupportedError:
+                pass
+            t.check_consistency()
+        t.rollback(journal)
+        assert journal == []
+        assert_unchanged(t, snap)
+        t.check_consistency()

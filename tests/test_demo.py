@@ -92,15 +92,17 @@ def _corrupt(layer, which, at_step):
         if step != at_step or not running:
             return
         seq = max(running, key=running.get)
-        cache.set_layer(layer)
-        key, value, _ = cache.get()
-        lo, hi = cache.cell_range()
-        cells = cache.cells.cells[lo:hi]
+        # the step's sequence operations ended its forward pass: corrupt the storage itself
+        cells = cache.cells.cells
         mine = np.nonzero((cells["seqs"][:, seq // 64] >> np.uint64(seq % 64)) & np.uint64(1))[0]
         row = int(mine[-1])
-        target = key if which == "key" else value
-        target[row, 0, 0] += 1.0
-        hits.append((step, seq, lo + row))
+        if which == "key":
+            cache.storage.keys[layer, row, 0, 0] += 1.0
+        elif cache.config.permuted_v:
+            cache.storage.values[layer, 0, 0, row] += 1.0
+        else:
+            cache.storage.values[layer, row, 0, 0] += 1.0
+        hits.append((step, seq, row))
     return hook, hits
 
 

@@ -29,7 +29,7 @@ def test_config_defaults_and_sizing():
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(n_layers=0), "n_layers"), (dict(n_kv_heads=-1), "n_kv_heads"),
     (dict(head_dim=1.5), "head_dim"), (dict(dtype="int8"), "dtype"),
-    (dict(mask_dtype="bfloat16"), "mask_dtype"), (dict(max_seqs=257), "max_seqs"),
+    (dict(mask_dtype="int8"), "mask_dtype"), (dict(max_seqs=257), "max_seqs"),
     (dict(device="tpu"), "device"), (dict(capacity=0), "capacity"),
     (dict(permuted_v="yes"), "permuted_v"), (dict(v_head_dim=0), "v_head_dim"),
 ])

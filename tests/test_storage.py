@@ -146,7 +146,7 @@ def test_fill_mask_checks_arguments(device):
                 causal=np.ones(2, bool))
     bad = [
         (dict(cell_pos=np.zeros(4, np.int32)), "cell_pos"),
-        (dict(cell_seqs=np.zeros((3, 2), np.uint64)), "cell_seqs"),
+        (dict(cell_seqs=np.zeros((3, 5), np.uint64)), "cell_seqs"),   # 1..4 words
         (dict(batch_pos=np.zeros(3, np.int32), batch_seq=np.zeros(3, np.int32),
               causal=np.ones(3, bool)), "fit"),
         (dict(batch_seq=np.array([0, 256])), "batch_seq"),

@@ -114,3 +114,84 @@ class CellsFullScan:
 
     def time_mask_inputs_all(self):
         self.fragmented.mask_inputs(0, 131072)
+
+
+class SeqOpsVsCapacity:
+    """Sequence operations on a CausalCache that one sequence fills (f16, 8 KV heads x 128, one
+    layer), each touching the same few cells at every capacity. Target: 256k cells <= 2x 4k
+    (issue 12). A reset after each call keeps the sequence's length steady."""
+    params = ([4096, 32768, 262144],
+              ["remove nothing", "remove middle (3 move)", "seq_add tail + shift (3)",
+               "seq_div (4)", "seq_rm 3", "seq_rm 512", "seq_cp 512", "copy_prefix 512",
+               "can_resume", "seq_pos_max"])
+    param_names = ["n_cells", "op"]
+    number = 1
+    repeat = 30
+    warmup_time = 0
+
+    def setup(self, n_cells, op):
+        from numbakv import bench_seqops as sq
+        self.cache = sq._cache(n_cells, 1, 8, 128, "float16", "cpu")
+        sq._fill(self.cache, 0, self.cache.n_cells - 1024)
+        self.step, self.reset = sq._op_steps(self.cache)[op]
+        self.step()                      # compile outside the timing
+        if self.reset:
+            self.reset()
+
+    def teardown(self, n_cells, op):
+        self.cache.close()
+
+    def time_op(self, n_cells, op):
+        self.step()
+        if self.reset:                   # asv cannot leave it untimed: cheap next to the op
+            self.reset()
+
+
+class SpeculativeStep:
+    """5 drafts placed, put + get on 8 layers, 3 rejected drafts removed; against transformers'
+    StaticCache.update of the same tokens. Targets: 32k <= 1.3x 4k; faster than StaticCache."""
+    params = ([4096, 32768], ["numbakv", "HF StaticCache"])
+    param_names = ["context", "cache"]
+    number = 1
+    repeat = 30
+    warmup_time = 0
+
+    def setup(self, context, cache):
+        from numbakv import bench_seqops as sq
+        if cache == "numbakv":
+            self.c = sq.SpecStep(context, 8, 8, 128, "float16", "cpu")
+        else:
+            try:
+                self.c = sq.HFSpecStep(context, 8, 8, 128, "float16")
+            except ImportError:
+                raise NotImplementedError("torch / transformers not installed")
+        self.c.step()
+        self.c.reset()
+
+    def teardown(self, context, cache):
+        self.c.close()
+
+    def time_step(self, context, cache):
+        self.c.step()
+        self.c.reset()
+
+
+class ServerLoop:
+    """8 sequences decoding (4 layers); each step one request ends and a new one forks a
+    1024-token system prompt (seq_rm + copy_prefix), then all 8 decode one token."""
+    params = [8192, 65536]
+    param_names = ["n_cells"]
+    number = 1
+    repeat = 30
+    warmup_time = 0
+
+    def setup(self, n_cells):
+        from numbakv import bench_seqops as sq
+        self.loop = sq.ServerLoop(n_cells, 4, 8, 128, "float16", "cpu")
+        self.loop.step()
+
+    def teardown(self, n_cells):
+        self.loop.close()
+
+    def time_step(self, n_cells):
+        self.loop.step()

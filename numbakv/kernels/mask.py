@@ -4,9 +4,14 @@ Entry ``[i, j]`` is ``0`` when batch token ``i`` may attend to cell ``j`` and ``
 in float32 or float16; rows past the batch (padding) are all ``-inf``. The rule lives in one
 element function, :func:`visible` (Ollama's ``buildMask`` plus llama.cpp's symmetric window).
 
-Cell inputs: ``cell_pos int32 [n]`` and ``cell_seqs uint64 [n, 4]`` (a 256-bit sequence set:
-sequence ``s`` is bit ``s % 64`` of word ``s // 64``). Only the words the batch's sequences use
-are sent to the kernel (usually one), which keeps the host-to-GPU copy at 12 bytes per cell.
+Cell inputs: ``cell_pos int32 [n]`` and ``cell_seqs uint64 [n, words]`` (a sequence set:
+sequence ``s`` is bit ``s % 64`` of word ``s // 64``), as the cell table keeps them: positions
+with an 8-byte stride, one bit word per cell up to 64 sequences. The CPU fill reads them in place
+(nothing gathered); for the GPU only the words the batch's sequences use are sent (usually
+one), which keeps the host-to-GPU copy at 12 bytes per cell.
+
+Each row's rule reduces to an int32 interval of visible positions plus the sequence-bit test
+(:func:`row_interval`, :func:`visible`), so the per-entry work is two compares and a bit test.
 """
 
 from __future__ import annotations
@@ -18,35 +23,52 @@ from ._common import MAX_GRID_YZ, block_size, cdiv, device_arg, launch as _launc
 from ._registry import cuda_kernel, element
 
 #: raw bit patterns written for a masked entry, by mask dtype
-MASKED_BITS = {"float32": 0xFF800000, "float16": 0xFC00}
-_RAW = {"float32": np.dtype(np.uint32), "float16": np.dtype(np.uint16)}
-_NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+MASKED_BITS = {"float32": 0xFF800000, "float16": 0xFC00, "bfloat16": 0xFF80}
+_RAW = {"float32": np.dtype(np.uint32), "float16": np.dtype(np.uint16),
+        "bfloat16": np.dtype(np.uint16)}
+#: bfloat16 masks are stored as their uint16 bit patterns (as bfloat16 K/V are)
+_NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+            np.dtype(np.uint16): "bfloat16"}
+
+
+#: the top of the position range (no upper bound)
+_POS_TOP = 2**31 - 1
 
 
 @element
-def visible(q, seq_word, seq, p, causal, window, symmetric, chunk):
-    """May a token at position ``p`` of sequence ``seq`` attend to a cell at position ``q``
-    whose sequence-set word holding ``seq``'s bit is ``seq_word``? All of:
+def row_interval(p, causal, window, symmetric, chunk):
+    """``(lo, hi)``: a token at position ``p`` may attend to cell positions ``lo <= q <= hi``
+    (of its own sequence; ``lo > hi``: none). The rule, all of:
 
-    - the cell holds the sequence (bit ``seq % 64`` of ``seq_word``);
     - causal (unless ``causal`` is 0 for this token, ``set_causal(except_)``): ``q <= p``;
     - chunked attention (``chunk > 0``): ``q >= p - p % chunk``;
     - sliding window (``window >= 0``): Ollama's ``q >= p - window`` (``window + 1`` positions
       visible) or, with ``symmetric``, llama.cpp's ``-(window // 2) <= p - q <= window // 2``.
-
-    Written without branches (one boolean expression) so the CPU loop vectorises and GPU warps do
-    not diverge; the terms that depend on the row only are hoisted out of the loops.
     """
-    has = ((seq_word >> np.uint64(seq & 63)) & np.uint64(1)) != 0
-    causal_ok = (causal == 0) | (q <= p)
-    chunk_ok = (chunk <= 0) | (q >= p - p % max(chunk, 1))
-    half = window // 2
-    d = p - q
-    window_ok = (window < 0) | ((symmetric != 0) & (d >= -half) & (d <= half)) | \
-        ((symmetric == 0) & (q >= p - window))
-    return has & causal_ok & chunk_ok & window_ok
+    lo = np.int64(-1)        # a free cell's position (it holds no sequence bit anyway)
+    hi = np.int64(p) if causal != 0 else np.int64(_POS_TOP)
+    if chunk > 0:
+        lo = max(lo, np.int64(p) - np.int64(p) % chunk)
+    if window >= 0:
+        if symmetric != 0:
+            half = window // 2
+            lo = max(lo, np.int64(p) - half)
+            hi = min(hi, np.int64(p) + half)
+        else:
+            lo = max(lo, np.int64(p) - window)
+    return lo, hi
 
 
+@element
+def visible(q, seq_word, bit, lo, hi):
+    """Whether a cell at position ``q`` whose sequence word is ``seq_word`` is visible to a row
+    of sequence bit ``bit`` (``seq % 64``) and interval ``[lo, hi]`` (:func:`row_interval`).
+    Branch-free, so the CPU loop vectorises and GPU warps do not diverge."""
+    return (((seq_word >> bit) & np.uint64(1)) != 0) & (q >= lo) & (q <= hi)
+
+
+_interval_cuda = row_interval.cuda
+_interval_cpu = row_interval.cpu
 _visible_cuda = visible.cuda
 _visible_cpu = visible.cpu
 
@@ -83,46 +105,116 @@ def mask_fill_kernel(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, c
         for i in range(first, last):
             val = masked
             if i < batch:
-                if _visible_cuda(q, seq_words[j, row_word[i]], batch_seq[i], batch_pos[i],
-                                 causal[i], window, symmetric, chunk):
+                lo, hi = _interval_cuda(batch_pos[i], causal[i], window, symmetric, chunk)
+                if _visible_cuda(q, seq_words[j, row_word[i]], np.uint64(batch_seq[i] & 63),
+                                 lo, hi):
                     val = 0
             out[i, j] = val
         first += cuda.gridDim.y * ROWS_PER_THREAD
 
 
 @njit(cache=True, inline="always")
-def _fill_row_cpu(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, causal, batch,
-                  window, symmetric, chunk, masked, i):
+def _fill_masked_row(out, masked, i):
+    for j in range(out.shape[1]):
+        out[i, j] = masked
+
+
+@njit(cache=True, inline="always")
+def _fill_row_cpu(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, causal, window,
+                  symmetric, chunk, masked, i):
+    """Row i straight from the cell table's arrays (a sequence with one row in the batch)."""
     n = out.shape[1]
-    if i >= batch:
-        for j in range(n):
-            out[i, j] = masked
-        return
     wi = row_word[i]
-    s = batch_seq[i]
-    p = batch_pos[i]
-    c = causal[i]
+    lo, hi = _interval_cpu(batch_pos[i], causal[i], window, symmetric, chunk)
+    if lo > hi:
+        _fill_masked_row(out, masked, i)
+        return
+    # int32 bounds (positions are int32): the compares run at int32 width
+    lo32 = np.int32(lo)
+    hi32 = np.int32(min(hi, _POS_TOP))
+    bit = np.uint64(batch_seq[i] & 63)
     for j in range(n):
-        ok = _visible_cpu(cell_pos[j], seq_words[j, wi], s, p, c, window, symmetric, chunk)
-        out[i, j] = 0 if ok else masked
+        q = np.int32(cell_pos[j])        # int32 positions, or packed (pos, shift) records
+        out[i, j] = 0 if _visible_cpu(q, seq_words[j, wi], bit, lo32, hi32) else masked
+
+
+@njit(cache=True)
+def _seq_keys(cell_pos, seq_words, w, bit, key):
+    """key[j] = the position of cell j if it holds the sequence (bit ``bit`` of word ``w``),
+    else -2 (below every row's lowest visible position, -1): then a row's test is one unsigned
+    compare on contiguous int32s, which vectorises."""
+    for j in range(cell_pos.shape[0]):
+        q = np.int32(cell_pos[j])        # int32 positions, or packed (pos, shift) records
+        key[j] = q if _visible_cpu(0, seq_words[j, w], bit, 0, 0) else -2
+
+
+@njit(cache=True, inline="always")
+def _fill_row_keys(out, key, batch_pos, causal, window, symmetric, chunk, masked, i):
+    """Row i from its sequence's keys (:func:`_seq_keys`): visible iff lo <= key <= hi."""
+    lo, hi = _interval_cpu(batch_pos[i], causal[i], window, symmetric, chunk)
+    if lo > hi:
+        _fill_masked_row(out, masked, i)
+        return
+    lo32 = np.int32(lo)
+    hi32 = np.int32(min(hi, _POS_TOP))
+    # int32 compares and 32-bit select values (the masked bits fit 32 bits): 64-bit ones
+    # narrowed to 16-bit stores do not vectorise as well
+    m = np.uint32(masked)
+    z = np.uint32(0)
+    for j in range(out.shape[1]):
+        k = key[j]
+        out[i, j] = z if (k >= lo32) & (k <= hi32) else m
+
+
+@njit(cache=True)
+def _row_groups(batch_seq, batch):
+    """Batch rows ordered by sequence (stable) and the start of each sequence's group."""
+    order = np.argsort(batch_seq[:batch], kind="mergesort")
+    starts = np.empty(batch + 1, np.int64)
+    g = 0
+    for k in range(batch):
+        if k == 0 or batch_seq[order[k]] != batch_seq[order[k - 1]]:
+            starts[g] = k
+            g += 1
+    starts[g] = batch
+    return order, starts[:g + 1]
 
 
 @njit(cache=True)
 def mask_fill_cpu(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, causal, batch,
                   window, symmetric, chunk, masked):
-    """CPU twin of :func:`mask_fill_kernel`, one thread."""
-    for i in range(out.shape[0]):
-        _fill_row_cpu(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, causal, batch,
-                      window, symmetric, chunk, masked, i)
+    """CPU twin of :func:`mask_fill_kernel`, one thread. A sequence with several rows in the
+    batch turns its cells into keys once, and each of its rows is then a vectorised compare."""
+    order, starts = _row_groups(batch_seq, batch)
+    key = np.empty(cell_pos.shape[0], np.int32)
+    for g in range(starts.shape[0] - 1):
+        first = order[starts[g]]
+        if starts[g + 1] - starts[g] == 1:
+            _fill_row_cpu(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, causal,
+                          window, symmetric, chunk, masked, first)
+            continue
+        _seq_keys(cell_pos, seq_words, row_word[first], np.uint64(batch_seq[first] & 63), key)
+        for k in range(starts[g], starts[g + 1]):
+            _fill_row_keys(out, key, batch_pos, causal, window, symmetric, chunk, masked,
+                           order[k])
+    for i in range(batch, out.shape[0]):
+        _fill_masked_row(out, masked, i)
 
 
 @njit(cache=True, parallel=True)
 def mask_fill_cpu_parallel(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, causal,
                            batch, window, symmetric, chunk, masked):
-    """CPU twin of :func:`mask_fill_kernel`, rows spread over threads."""
-    for i in prange(out.shape[0]):
-        _fill_row_cpu(out, cell_pos, seq_words, row_word, batch_pos, batch_seq, causal, batch,
-                      window, symmetric, chunk, masked, i)
+    """CPU twin of :func:`mask_fill_kernel`, each sequence's rows spread over threads."""
+    order, starts = _row_groups(batch_seq, batch)
+    key = np.empty(cell_pos.shape[0], np.int32)
+    for g in range(starts.shape[0] - 1):
+        first = order[starts[g]]
+        _seq_keys(cell_pos, seq_words, row_word[first], np.uint64(batch_seq[first] & 63), key)
+        for k in prange(starts[g], starts[g + 1]):
+            _fill_row_keys(out, key, batch_pos, causal, window, symmetric, chunk, masked,
+                           order[k])
+    for i in prange(batch, out.shape[0]):
+        _fill_masked_row(out, masked, i)
 
 
 #: below this many mask entries the CPU fill runs on one thread: an entry costs a few
@@ -168,9 +260,13 @@ def prepare_inputs(cell_pos, cell_seqs, batch_pos, batch_seq, causal):
 
 def launch(device: str, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, *,
            window: int = -1, symmetric: bool = False, chunk: int = 0) -> None:
-    """Fill ``out [rows, n]`` (float32 or float16, on the device) for the ``b = len(batch_pos)``
-    tokens of the batch (``b <= rows``; rows past ``b`` are padding, all ``-inf``) over cells with
-    positions ``cell_pos int32 [n]`` and sequence sets ``cell_seqs uint64 [n, 4]``; ``batch_seq``
+    """Fill ``out [rows, n]`` (float32, float16, or bfloat16 bit patterns as uint16, on the
+    device) for the ``b = len(batch_pos)`` tokens of the batch (``b <= rows``; rows past ``b``
+    are padding, all ``-inf``) over cells with positions ``cell_pos int32 [n]`` and sequence
+    sets ``cell_seqs uint64 [n, words]`` (strided views welcome; on the CPU ``cell_pos`` may
+    also be the cell table's (pos, shift) records viewed as little-endian int64 ``[n]``, whose
+    low half is the position: contiguous 64-bit loads vectorise where 8-byte-strided int32
+    loads do not); ``batch_seq``
     int32 ``[b]``, ``causal`` bool/uint8 ``[b]`` (0: no causal test for that token). Host inputs,
     checked by the caller."""
     rows, n = out.shape
@@ -180,13 +276,20 @@ def launch(device: str, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, 
     raw = _RAW[dtype]
     masked = MASKED_BITS[dtype]
     batch = int(len(batch_pos))
-    inputs = prepare_inputs(cell_pos, cell_seqs, batch_pos, batch_seq, causal)
     scalars = (batch, int(window), int(bool(symmetric)), int(chunk), masked)
     if device == "cpu":
+        # the cell table's own arrays, read in place: row i's bit lives in word seq // 64
+        batch_seq = np.ascontiguousarray(batch_seq, dtype=np.int32)
+        if cell_pos.dtype != np.int64:
+            cell_pos = np.asarray(cell_pos, dtype=np.int32)
+        inputs = (cell_pos, np.asarray(cell_seqs, dtype=np.uint64),
+                  batch_seq >> 6, np.ascontiguousarray(batch_pos, dtype=np.int32), batch_seq,
+                  np.ascontiguousarray(causal, dtype=np.uint8))
         fn = mask_fill_cpu_parallel if rows * n >= PARALLEL_MIN_ENTRIES and rows > 1 \
             else mask_fill_cpu
         fn(out.view(raw), *inputs, *scalars)
         return
+    inputs = prepare_inputs(cell_pos, cell_seqs, batch_pos, batch_seq, causal)
     dev_inputs, _keep = to_device(device, *inputs)
     nb = block_size(device)
     grid = (cdiv(n, nb), min(cdiv(rows, ROWS_PER_THREAD), MAX_GRID_YZ))
@@ -196,4 +299,4 @@ def launch(device: str, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal, 
 
 
 __all__ = ["MASKED_BITS", "launch", "mask_fill_cpu", "mask_fill_cpu_parallel",
-           "mask_fill_kernel", "prepare_inputs", "visible"]
+           "mask_fill_kernel", "prepare_inputs", "row_interval", "visible"]
