@@ -1,0 +1,301 @@
+"""``attend``: attention over a cache's per-sequence page table.
+
+``get()`` gives attention the union of every batch sequence's cells and a dense mask, so each
+token pays for every other sequence's history. ``attend`` reads, for each sequence of the batch,
+only the cells its page list names (``cache.page_table()``), and computes exactly the attention
+that ``get()``'s mask defines (causal, sliding window, chunks, ``set_causal``).
+
+Backends:
+
+* ``"torch"``: per sequence, scaled-dot-product attention over its cells. When a sequence's
+  cells lie densely in one run of the cell pool (the usual case: contiguous placement), it reads
+  a zero-copy view of that run, masking the few cells of other sequences; otherwise it gathers
+  its cells. CPU and CUDA.
+* ``"flashinfer"``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (every sequence has one
+  query) or ``BatchPrefillWithPagedKVCacheWrapper`` on the page table, with ``causal`` and
+  ``window_left`` where they express the mask and a custom mask where they cannot (chunks,
+  ``set_causal``, queries that are not the sequence's last positions, position gaps). CUDA only;
+  planned once per forward pass and reused by every layer.
+* ``"dense"``: ``get()`` and its mask, in float32 (the reference; pays for the union).
+* ``"auto"``: ``"flashinfer"`` when it can run (importable, cache and ``q`` on CUDA, V not
+  permuted), else ``"torch"``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from .pages import HostPages, token_mask
+
+BACKENDS = ("auto", "torch", "flashinfer", "dense")
+
+#: A sequence's run of the pool is read as a view when it holds at most this many cells that the
+#: sequence does not see (relative to its visible count) - masking them is cheaper than a gather.
+_SPAN_SLACK = 0.25
+_SPAN_MIN_SLACK = 64
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is an optional dependency
+        raise ImportError("numbakv.attention.attend needs PyTorch (pip install torch)") from exc
+    return torch
+
+
+def flashinfer_available() -> bool:
+    """Whether the FlashInfer backend can be imported."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+def attend(q, cache, *, scale: Optional[float] = None, soft_cap: Optional[float] = None,
+           backend: str = "auto"):
+    """Attention of this forward pass's queries over the cache.
+
+    Args:
+        q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch
+            order; ``n_heads`` a multiple of the cache's ``n_kv_heads`` (grouped-query
+            attention: query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``).
+        cache: a ``CausalCache``, ``WrapperCache`` (the current layer's cache) or
+            ``EncoderCache``, after ``start_forward`` (and ``put`` for the current layer).
+        scale: factor on ``q . k`` (default ``1 / sqrt(head_dim)``).
+        soft_cap: if given, scores become ``soft_cap * tanh(score / soft_cap)`` (after scaling,
+            before the mask).
+        backend: ``"auto"``, ``"torch"``, ``"flashinfer"`` or ``"dense"``.
+
+    Returns:
+        torch tensor ``[batch, n_heads, v_head_dim]`` on ``q``'s device, ``q``'s dtype, rows in
+        batch order: exactly the attention ``get()``'s mask defines.
+    """
+    torch = _torch()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    src = getattr(cache, "_attention_cache", None)
+    if src is None:
+        raise ValueError("cache must be a numbakv CausalCache, WrapperCache or EncoderCache, got "
+                         f"{type(cache).__name__}")
+    try:
+        host = cache._host_pages()
+    except ValueError as exc:
+        raise ValueError("attend() needs a forward pass: call cache.start_forward first "
+                         f"({exc})") from None
+    cfg = src.config
+    batch = host.q_positions.shape[0]
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q must be a torch.Tensor [batch, n_heads, head_dim], got "
+                         f"{type(q).__name__}")
+    if q.ndim != 3 or q.shape[0] != batch or q.shape[2] != cfg.head_dim:
+        raise ValueError(f"q must have shape [batch={batch}, n_heads, head_dim={cfg.head_dim}], "
+                         f"got {list(q.shape)}")
+    if q.shape[1] % cfg.n_kv_heads:
+        raise ValueError(f"q's n_heads ({q.shape[1]}) must be a multiple of n_kv_heads "
+                         f"({cfg.n_kv_heads})")
+    if not q.is_floating_point():
+        raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
+    on_cuda = src.device == "cuda"
+    if (q.device.type == "cuda") != on_cuda:
+        raise ValueError(f"q must be on the cache's device ({src.device}), got {q.device}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+    scale = float(scale)
+    if soft_cap is not None:
+        soft_cap = float(soft_cap)
+        if not soft_cap > 0:
+            raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
+    if backend == "auto":
+        backend = "flashinfer" if (on_cuda and not permuted and flashinfer_available()) \
+            else "torch"
+    if backend == "dense":
+        return _dense(torch, q, cache, scale, soft_cap, permuted)
+    key_pool, value_pool = (torch.from_dlpack(x) for x in cache.layer_pool())
+    if backend == "flashinfer":
+        if not on_cuda or not flashinfer_available():
+            raise ValueError("backend='flashinfer' needs flashinfer installed and a cache on CUDA")
+        if permuted:
+            raise ValueError("backend='flashinfer' needs V in [n_cells, heads, dim] layout "
+                             "(the cache has permuted_v=True): use backend='torch'")
+        return _flashinfer(torch, q, host, key_pool, value_pool, scale, soft_cap)
+    return _torch_paged(torch, q, host, key_pool, value_pool, scale, soft_cap, permuted)
+
+
+# --------------------------------------------------------------------------------------------
+# one sequence: [L, H, D] queries over [n, Hkv, D] keys, grouped-query attention folded
+# --------------------------------------------------------------------------------------------
+
+def _attend_one(torch, q, k, v_hnd, mask, scale: float, soft_cap: Optional[float]):
+    """q ``[L, H, D]``, k ``[n, Hkv, D]``, v_hnd ``[Hkv, n, Dv]``, mask bool ``[L, n]`` or None
+    (all visible) -> ``[L, H, Dv]``. The ``g = H // Hkv`` query heads of a KV head are folded
+    into the query axis, so K/V are read once per KV head and never repeated."""
+    L, H, D = q.shape
+    hkv = k.shape[1]
+    g = H // hkv
+    qf = q.reshape(L, hkv, g, D).transpose(0, 1).reshape(hkv, L * g, D)
+    kf = k.transpose(0, 1)
+    if k.dtype != q.dtype:
+        kf = kf.to(q.dtype)
+        v_hnd = v_hnd.to(q.dtype)
+    m = None
+    if mask is not None:
+        m = mask[:, None, :].expand(L, g, mask.shape[1]).reshape(L * g, mask.shape[1])
+    if soft_cap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qf[None], kf[None], v_hnd[None], attn_mask=None if m is None else m[None, None],
+            scale=scale)[0]
+    else:
+        s = torch.matmul(qf.float(), kf.float().transpose(-1, -2)) * scale
+        s = soft_cap * torch.tanh(s / soft_cap)
+        if m is not None:
+            s = s.masked_fill(~m[None], float("-inf"))
+        out = torch.matmul(torch.softmax(s, dim=-1), v_hnd.float()).to(q.dtype)
+    dv = out.shape[-1]
+    return out.reshape(hkv, L, g, dv).transpose(0, 1).reshape(L, H, dv)
+
+
+def _value_hnd(value, permuted: bool):
+    """``[Hkv, n, Dv]`` view of a value slice (``[n, Hkv, Dv]``, or ``[Hkv, Dv, n]`` permuted)."""
+    return value.transpose(1, 2) if permuted else value.transpose(0, 1)
+
+
+def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap, permuted):
+    dev = q.device
+    n_b = host.seq_ids.shape[0]
+    H = q.shape[1]
+    dv = value_pool.shape[1] if permuted else value_pool.shape[2]
+    if n_b == 1 and host.qo_indptr[1] == q.shape[0]:
+        out = None      # one sequence holds the whole batch: results are already in batch order
+    else:
+        out = torch.empty((q.shape[0], H, dv), dtype=q.dtype, device=dev)
+    for b in range(n_b):
+        q0, q1 = int(host.qo_indptr[b]), int(host.qo_indptr[b + 1])
+        toks = host.token_order[q0:q1]
+        first, last = int(toks[0]), int(toks[-1])
+        contiguous = last - first + 1 == q1 - q0
+        qb = q[first:last + 1] if contiguous else q[torch.from_numpy(toks.astype(np.int64)).to(dev)]
+        k0, k1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
+        n_vis = k1 - k0
+        lo, hi = int(host.cell_lo[b]), int(host.cell_hi[b])
+        span = hi - lo
+        if span <= n_vis + max(_SPAN_MIN_SLACK, int(n_vis * _SPAN_SLACK)):
+            # a run of the pool: zero-copy view, the cells not listed are masked
+            k = key_pool[lo:hi]
+            v = value_pool[:, :, lo:hi] if permuted else value_pool[lo:hi]
+            need_mask = not (q1 - q0 == 1 and span == n_vis)
+            mask = token_mask(host, b, base=lo, width=span) if need_mask else None
+        else:
+            idx = torch.from_numpy(host.kv_indices[k0:k1].astype(np.int64)).to(dev)
+            k = key_pool.index_select(0, idx)
+            v = value_pool.index_select(2, idx) if permuted else value_pool.index_select(0, idx)
+            mask = token_mask(host, b) if q1 - q0 > 1 else None
+        mask_t = None if mask is None else torch.from_numpy(mask).to(dev)
+        res = _attend_one(torch, qb, k, _value_hnd(v, permuted), mask_t, scale, soft_cap)
+        if out is None:
+            return res
+        if contiguous:
+            out[first:last + 1] = res
+        else:
+            out[torch.from_numpy(toks.astype(np.int64)).to(dev)] = res
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# dense: get() + mask (the reference)
+# --------------------------------------------------------------------------------------------
+
+def _dense(torch, q, cache, scale, soft_cap, permuted):
+    key, value, mask = cache.get()
+    k = torch.from_dlpack(key)
+    v = torch.from_dlpack(value)
+    m = torch.from_dlpack(mask) if not isinstance(mask, np.ndarray) else torch.from_numpy(mask)
+    m = m[:q.shape[0]].to(q.device)
+    visible = m == 0
+    L, H, D = q.shape
+    hkv = k.shape[1]
+    g = H // hkv
+    vh = _value_hnd(v, permuted).float()            # [Hkv, n, Dv]
+    kh = k.transpose(0, 1).float()                  # [Hkv, n, D]
+    qh = q.float().reshape(L, hkv, g, D).permute(1, 2, 0, 3)   # [Hkv, g, L, D]
+    s = torch.matmul(qh, kh[:, None].transpose(-1, -2)) * scale    # [Hkv, g, L, n]
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    s = s.masked_fill(~visible, float("-inf"))
+    out = torch.matmul(torch.softmax(s, dim=-1), vh[:, None])      # [Hkv, g, L, Dv]
+    return out.permute(2, 0, 1, 3).reshape(L, H, -1).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# FlashInfer (CUDA)
+# --------------------------------------------------------------------------------------------
+
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+_workspaces: dict = {}
+
+
+def _flashinfer_mode(host: HostPages) -> str:
+    """How FlashInfer expresses this batch's mask: ``"decode"`` (one query per sequence: each
+    sees its whole page list), ``"causal"`` (causal=True and window_left express it), or
+    ``"custom"`` (a packed custom mask)."""
+    if (np.diff(host.qo_indptr) == 1).all():
+        return "decode"
+    rule = host.rule
+    if not host.trailing or rule.chunk > 0:
+        return "custom"
+    # window_left counts pages; it equals the position window when positions have no gaps
+    if rule.window >= 0 and len(host.kv_positions):
+        gaps = np.diff(host.kv_positions) != 1
+        gaps[host.kv_indptr[1:-1] - 1] = False     # boundaries between sequences
+        if gaps.any():
+            return "custom"
+    return "causal"
+
+
+def _flashinfer(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap):
+    import flashinfer
+    dev = q.device
+    n_cells, hkv, d = key_pool.shape
+    H = q.shape[1]
+    dv = value_pool.shape[2]
+    pt = host.table
+    as_t = (lambda a: torch.as_tensor(a, device=dev))
+    key = (H, hkv, d, dv, str(q.dtype), str(key_pool.dtype), scale, soft_cap)
+    wrapper = host.plans.get(("flashinfer",) + key)
+    if wrapper is None:
+        ws = _workspaces.get(dev)
+        if ws is None:
+            ws = _workspaces[dev] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        mode = _flashinfer_mode(host)
+        common = dict(q_data_type=q.dtype, kv_data_type=key_pool.dtype, sm_scale=scale,
+                      logits_soft_cap=soft_cap)
+        if mode == "decode":
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            wrapper.plan(as_t(pt.kv_indptr), as_t(pt.kv_indices), as_t(pt.kv_last_page_len), H,
+                         hkv, d, 1, **common)
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            extra: dict[str, Any] = {}
+            if mode == "causal":
+                extra = dict(causal=True, window_left=host.rule.window)
+            else:
+                masks = [token_mask(host, b).reshape(-1) for b in range(host.seq_ids.shape[0])]
+                extra = dict(custom_mask=torch.from_numpy(np.concatenate(masks)).to(dev))
+            wrapper.plan(as_t(pt.qo_indptr), as_t(pt.kv_indptr), as_t(pt.kv_indices),
+                         as_t(pt.kv_last_page_len), H, hkv, d, 1, head_dim_vo=dv, **extra,
+                         **common)
+        host.plans[("flashinfer",) + key] = wrapper
+    order = torch.as_tensor(pt.token_order, device=dev).long()
+    res = wrapper.run(q.index_select(0, order),
+                      (key_pool.reshape(n_cells, 1, hkv, d), value_pool.reshape(n_cells, 1, hkv,
+                                                                                 dv)))
+    out = torch.empty((q.shape[0], H, dv), dtype=q.dtype, device=dev)
+    out[order] = res.to(q.dtype)
+    return out
+
+
+__all__ = ["attend", "flashinfer_available", "BACKENDS"]
