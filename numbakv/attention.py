@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .pages import HostPages, token_mask
+from .pages import HostPages, columns_mask, plan_parts, token_mask
 
 BACKENDS = ("auto", "torch", "flashinfer", "dense")
 
@@ -36,6 +36,10 @@ BACKENDS = ("auto", "torch", "flashinfer", "dense")
 #: sequence does not see (relative to its visible count) - masking them is cheaper than a gather.
 _SPAN_SLACK = 0.25
 _SPAN_MIN_SLACK = 64
+#: Otherwise (on the CPU) its list is split: pool runs of at least _MIN_RUN cells whose listed
+#: cells are at most _MAX_GAP apart are read as views, the rest is gathered.
+_MIN_RUN = 256
+_MAX_GAP = 32
 
 
 def _torch():
@@ -164,45 +168,123 @@ def _value_hnd(value, permuted: bool):
     return value.transpose(1, 2) if permuted else value.transpose(0, 1)
 
 
+def _fold_mask(torch, mask, g: int, dtype):
+    """bool ``[L, n]`` -> additive ``[L * g, n]`` in ``dtype`` (row ``l * g + i`` is query
+    head ``i`` of the group, token ``l``), the form the CPU flash kernel takes."""
+    L, n = mask.shape
+    m = torch.zeros((L, n), dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return m[:, None, :].expand(L, g, n).reshape(L * g, n)
+
+
+def _part_with_lse(torch, qf, k, v_hnd, mask, scale):
+    """One part of a split sequence on the CPU: (out ``[Hkv, L*g, Dv]``, lse ``[Hkv, L*g]``)
+    from PyTorch's CPU flash-attention kernel (the kernel ``scaled_dot_product_attention``
+    runs, asked for its log-sum-exp)."""
+    g = qf.shape[1] // mask.shape[0] if mask is not None else 1
+    kf = k.transpose(0, 1)
+    if kf.dtype != qf.dtype:
+        kf, v_hnd = kf.to(qf.dtype), v_hnd.to(qf.dtype)
+    if v_hnd.stride(-1) != 1:       # permuted V: the kernel wants unit-stride rows
+        v_hnd = v_hnd.contiguous()
+    m = None if mask is None else _fold_mask(torch, mask, g, qf.dtype)[None, None]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qf[None], kf[None], v_hnd[None], attn_mask=m, scale=scale)
+    lse = lse[0]
+    if mask is not None:
+        # the kernel reports lse 0 (not -inf) for a row that sees nothing in this part
+        sees = mask.any(1)[:, None].expand(mask.shape[0], g).reshape(-1)
+        lse = lse.masked_fill(~sees[None, :], float("-inf"))
+    return out[0], lse
+
+
+def _merge_parts(torch, outs, lses):
+    """Softmax-weighted merge of attention over disjoint key sets (flash-decoding's split-K)."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    total = None
+    for o, l in zip(outs, lses):
+        w = torch.exp(l - lse)[..., None]
+        part = torch.where(w > 0, o.float() * w, 0.0)   # a part a row cannot see may hold NaN
+        total = part if total is None else total + part
+    return total
+
+
 def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap, permuted):
     dev = q.device
     n_b = host.seq_ids.shape[0]
     H = q.shape[1]
+    hkv = key_pool.shape[1]
+    g = H // hkv
     dv = value_pool.shape[1] if permuted else value_pool.shape[2]
+    split = dev.type == "cpu" and soft_cap is None
     if n_b == 1 and host.qo_indptr[1] == q.shape[0]:
         out = None      # one sequence holds the whole batch: results are already in batch order
     else:
         out = torch.empty((q.shape[0], H, dv), dtype=q.dtype, device=dev)
+
+    def run_view(lo, hi):
+        return key_pool[lo:hi], value_pool[:, :, lo:hi] if permuted else value_pool[lo:hi]
+
+    def gather(idx):
+        idx = torch.from_numpy(idx.astype(np.int64)).to(dev)
+        v = value_pool.index_select(2, idx) if permuted else value_pool.index_select(0, idx)
+        return key_pool.index_select(0, idx), v
+
     for b in range(n_b):
         q0, q1 = int(host.qo_indptr[b]), int(host.qo_indptr[b + 1])
+        L = q1 - q0
         toks = host.token_order[q0:q1]
         first, last = int(toks[0]), int(toks[-1])
-        contiguous = last - first + 1 == q1 - q0
+        contiguous = last - first + 1 == L
         qb = q[first:last + 1] if contiguous else q[torch.from_numpy(toks.astype(np.int64)).to(dev)]
         k0, k1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
         n_vis = k1 - k0
         lo, hi = int(host.cell_lo[b]), int(host.cell_hi[b])
         span = hi - lo
         if span <= n_vis + max(_SPAN_MIN_SLACK, int(n_vis * _SPAN_SLACK)):
-            # a run of the pool: zero-copy view, the cells not listed are masked
-            k = key_pool[lo:hi]
-            v = value_pool[:, :, lo:hi] if permuted else value_pool[lo:hi]
-            need_mask = not (q1 - q0 == 1 and span == n_vis)
+            # one run of the pool: zero-copy view, the cells not listed are masked
+            k, v = run_view(lo, hi)
+            need_mask = not (L == 1 and span == n_vis)
             mask = token_mask(host, b, base=lo, width=span) if need_mask else None
+        elif split:
+            # dense runs of the pool read as views, the scattered rest gathered; merged by LSE
+            runs, cols, gathered = plan_parts(host, b, min_run=_MIN_RUN, max_gap=_MAX_GAP)
+            width = int(cols.max()) + 1
+            full = columns_mask(host, b, cols, width)
+            qf = qb.reshape(L, hkv, g, -1).transpose(0, 1).reshape(hkv, L * g, -1)
+            outs, lses = [], []
+            c = 0
+            parts = [run_view(int(a), int(e)) for a, e in runs]
+            if len(gathered):
+                parts.append(gather(host.kv_indices[k0:k1][gathered]))
+            for k, v in parts:
+                n = k.shape[0]
+                m = torch.from_numpy(full[:, c:c + n]).to(dev)
+                c += n
+                o, lse = _part_with_lse(torch, qf, k, _value_hnd(v, permuted), m, scale)
+                outs.append(o)
+                lses.append(lse)
+            merged = _merge_parts(torch, outs, lses).to(q.dtype)
+            res = merged.reshape(hkv, L, g, dv).transpose(0, 1).reshape(L, H, dv)
+            if out is None:
+                return res
+            _scatter(torch, out, res, toks, first, last, contiguous, dev)
+            continue
         else:
-            idx = torch.from_numpy(host.kv_indices[k0:k1].astype(np.int64)).to(dev)
-            k = key_pool.index_select(0, idx)
-            v = value_pool.index_select(2, idx) if permuted else value_pool.index_select(0, idx)
-            mask = token_mask(host, b) if q1 - q0 > 1 else None
+            k, v = gather(host.kv_indices[k0:k1])
+            mask = token_mask(host, b) if L > 1 else None
         mask_t = None if mask is None else torch.from_numpy(mask).to(dev)
         res = _attend_one(torch, qb, k, _value_hnd(v, permuted), mask_t, scale, soft_cap)
         if out is None:
             return res
-        if contiguous:
-            out[first:last + 1] = res
-        else:
-            out[torch.from_numpy(toks.astype(np.int64)).to(dev)] = res
+        _scatter(torch, out, res, toks, first, last, contiguous, dev)
     return out
+
+
+def _scatter(torch, out, res, toks, first, last, contiguous, dev):
+    if contiguous:
+        out[first:last + 1] = res
+    else:
+        out[torch.from_numpy(toks.astype(np.int64)).to(dev)] = res
 
 
 # --------------------------------------------------------------------------------------------

@@ -422,6 +422,80 @@ def _fill_visible(out, cols, kv_pos, tok_pos, tok_causal, window, chunk):
             out[i, cols[j]] = (q >= lo) & (q <= hi)
 
 
+@njit(cache=True)
+def _plan_parts(cells, min_run, max_gap):
+    """Split a sequence's page list (cells in list order) into parts read by one attention call
+    each: runs of the pool (cells ``[start, end)``, read as views, unlisted cells masked) for the
+    stretches where the listed cells lie densely (gaps <= max_gap) over at least ``min_run``
+    cells, and one gathered part for the rest.
+
+    Returns (runs int64 [k, 2], col int64 [nnz]: each listed cell's column in the concatenated
+    parts (the runs in order, then the gathered part), gathered int64 [m]: list indices of the
+    gathered part's cells)."""
+    nnz = cells.shape[0]
+    order = np.argsort(cells, kind="mergesort")
+    runs = np.empty((nnz, 2), np.int64)
+    in_run = np.zeros(nnz, np.bool_)
+    k = 0
+    i = 0
+    while i < nnz:
+        j = i
+        while j + 1 < nnz and cells[order[j + 1]] - cells[order[j]] <= max_gap + 1:
+            j += 1
+        if cells[order[j]] - cells[order[i]] + 1 >= min_run:
+            runs[k, 0] = cells[order[i]]
+            runs[k, 1] = cells[order[j]] + 1
+            for t in range(i, j + 1):
+                in_run[order[t]] = True
+            k += 1
+        i = j + 1
+    col = np.empty(nnz, np.int64)
+    base = 0
+    r = 0
+    for t in range(nnz):
+        c = cells[order[t]]
+        if not in_run[order[t]]:
+            continue
+        while c >= runs[r, 1]:
+            base += runs[r, 1] - runs[r, 0]
+            r += 1
+        col[order[t]] = base + c - runs[r, 0]
+    width = 0
+    for r in range(k):
+        width += runs[r, 1] - runs[r, 0]
+    m = 0
+    for t in range(nnz):
+        if not in_run[t]:
+            m += 1
+    gathered = np.empty(m, np.int64)
+    m = 0
+    for t in range(nnz):
+        if not in_run[t]:
+            gathered[m] = t
+            col[t] = width + m
+            m += 1
+    return runs[:k].copy(), col, gathered
+
+
+def plan_parts(host: HostPages, b: int, *, min_run: int = 256, max_gap: int = 32):
+    """:func:`_plan_parts` for sequence ``b`` of a page table (see there)."""
+    k0, k1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
+    return _plan_parts(host.kv_indices[k0:k1], int(min_run), int(max_gap))
+
+
+def columns_mask(host: HostPages, b: int, cols: np.ndarray, width: int) -> np.ndarray:
+    """Boolean mask ``[qo_len, width]`` of sequence ``b``'s tokens (``token_order`` order):
+    listed cell ``j`` of its page list is column ``cols[j]``; columns no listed cell maps to are
+    masked."""
+    k0, k1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
+    toks = host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
+    out = np.zeros((len(toks), int(width)), np.bool_)
+    rule = host.rule
+    _fill_visible(out, cols, host.kv_positions[k0:k1], host.q_positions[toks], rule.causal[toks],
+                  rule.window, rule.chunk)
+    return out
+
+
 def token_mask(host: HostPages, b: int, base: Optional[int] = None,
                width: Optional[int] = None) -> np.ndarray:
     """Boolean mask ``[qo_len, width]`` of sequence ``b``'s tokens (``token_order`` order) over
@@ -457,4 +531,4 @@ def reserve_pages_of_table(table, positions: np.ndarray, seqs: np.ndarray) -> Ho
 
 
 __all__ = ["PageTable", "MaskRule", "HostPages", "build_pages", "build_all_visible", "to_device",
-           "check_pages", "token_mask", "pages_of_table", "reserve_pages_of_table", "FIELDS"]
+           "check_pages", "token_mask", "plan_parts", "columns_mask", "pages_of_table", "reserve_pages_of_table", "FIELDS"]

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numbakv as nkv  # noqa: E402
+from numbakv import attention  # noqa: E402
 from numbakv.attention import attend  # noqa: E402
 from scenario_pages import make_cache, random_forwards  # noqa: E402
 
@@ -48,8 +49,20 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(params=["as-is", "split"])
+def split_mode(request, monkeypatch):
+    """"split": every sequence's page list is cut into pool views and a gathered rest, merged
+    by log-sum-exp (the path long, scattered sequences take), even at these tiny sizes."""
+    if request.param == "split":
+        monkeypatch.setattr(attention, "_SPAN_SLACK", -1.0)
+        monkeypatch.setattr(attention, "_SPAN_MIN_SLACK", -1)
+        monkeypatch.setattr(attention, "_MIN_RUN", 3)
+        monkeypatch.setattr(attention, "_MAX_GAP", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_attend_equals_dense_attention(device, name):
+def test_attend_equals_dense_attention(device, name, split_mode):
     kw = CONFIGS[name]
     dtype = kw.get("dtype", "float32")
     rng = np.random.default_rng(7)
