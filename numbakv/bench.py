@@ -112,9 +112,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         s.budget = float(args.budget)
     if args.sections is not None:
         names = [x.strip() for x in args.sections.split(",") if x.strip()]
-        bad = [x for x in names if x not in ("decode", "kernels", "capacity")]
+        bad = [x for x in names if x not in ("decode", "kernels", "capacity", "attention")]
         if bad or not names:
             raise ValueError("--sections must be a comma list of decode, kernels, capacity, "
+                             "attention, "
                              f"got {args.sections!r}")
         s.sections = names
     s.capacity_layers = min(s.capacity_layers, s.layers)
@@ -1160,6 +1161,7 @@ def format_report(results: dict) -> str:
         for r in cap:
             lines.append(f"{r['batch']:>5} {r['capacity_cells']:>8} {_fmt_us(r['step_us']):>10} "
                          f"{_fmt_us(r['start_forward_us']):>12}")
+    lines += format_attention(results.get("attention", []))
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets"]
@@ -1284,6 +1286,161 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "capacity" in s.sections:
         log("capacity ...")
         results["capacity"] = run_capacity(s, dev, notes, log)
+    if "attention" in s.sections:
+        log("attention ...")
+        results["attention"] = run_attention(s, dev, notes, log)
+
+
+# --------------------------------------------------------------------------------- attention
+def _attention_cases(s: BenchSettings) -> List[Tuple[str, int, int, int]]:
+    """(name, sequences, context per sequence before the step, query tokens per sequence)."""
+    if s.quick:
+        return [("decode 4 x 64", 4, 64, 1), ("prefill 16 into 64", 1, 48, 16),
+                ("decode 8 x 32", 8, 32, 1)]
+    return [("decode 8 x 4k", 8, 4096, 1), ("prefill 512 into 4k", 1, 3584, 512),
+            ("decode 64 x 2k", 64, 2048, 1)]
+
+
+def _time_alternating(fns: Dict[str, Callable[[], Any]], budget: float,
+                      min_reps: int) -> Dict[str, float]:
+    """Median seconds per call of each function, calls interleaved so that a busy machine's load
+    moves them together (their ratios are what the section reports)."""
+    for fn in fns.values():
+        fn()
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    spent = 0.0
+    while True:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            times[name].append(dt)
+            spent += dt
+        if len(times[name]) >= min_reps and spent >= budget:
+            break
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def run_attention(s: BenchSettings, dev: _Device, notes: List[str],
+                  log: Callable[[str], None] = lambda _: None) -> List[dict]:
+    """attend() vs SDPA over each sequence's own contiguous K/V (the floor) vs get() + dense
+    masked SDPA over the union of the batch's cells, one layer, 32 query heads per 8 KV heads
+    (4 query heads per KV head at any --kv-heads). float32 and float16."""
+    torch = _optional_torch()
+    if torch is None:
+        notes.append("attention section skipped: PyTorch is not installed")
+        return []
+    from .attention import attend, flashinfer_available
+    from .causal import CausalCache
+    from .config import CacheConfig
+    F = torch.nn.functional
+    tdev = _torch_device(dev)
+    hkv, d = s.kv_heads, s.head_dim
+    H = 4 * hkv
+    rows = []
+    rng = np.random.default_rng(0)
+    backends = ["torch"] + (["flashinfer"] if dev.name == "cuda" and flashinfer_available()
+                            else [])
+    if dev.name == "cuda" and "flashinfer" not in backends:
+        notes.append("attention: flashinfer is not importable here; its figures are unmeasured")
+    for dtype in ("float32", "float16"):
+        tdt = getattr(torch, dtype)
+        for name, n_seq, context, n_q in _attention_cases(s):
+            log(f"attention {name} {dtype} ...")
+            cap = context + n_q + 8
+            cfg = CacheConfig(1, hkv, d, dtype=dtype, capacity=cap, max_seqs=n_seq,
+                              max_batch=max(512, n_seq * n_q), device=dev.name)
+            cache = CausalCache(cfg)
+            chunk = 512
+            for seq in range(n_seq):
+                for p0 in range(0, context, chunk):
+                    p1 = min(context, p0 + chunk)
+                    cache.start_forward(np.arange(p0, p1), np.full(p1 - p0, seq))
+            keys = cache.storage.keys
+            vals = cache.storage.values
+            keys[...] = dev.asarray(rng.standard_normal(keys.shape, np.float32).astype(dtype))
+            vals[...] = dev.asarray(rng.standard_normal(vals.shape, np.float32).astype(dtype))
+            pos = np.concatenate([np.arange(context, context + n_q)] * n_seq)
+            seqs = np.repeat(np.arange(n_seq), n_q)
+            cache.start_forward(pos, seqs)
+            q = torch.randn(len(pos), H, d, device=tdev).to(tdt)
+            # the floor: each sequence's own K/V, contiguous [1, Hkv, n, D], one SDPA each
+            pt = cache.page_table()
+            host = cache._host_pages()
+            kp, vp = (torch.from_dlpack(x) for x in cache.layer_pool())
+            own = []
+            for b in range(n_seq):
+                idx = torch.as_tensor(host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
+                                      .astype(np.int64), device=tdev)
+                own.append((kp.index_select(0, idx).transpose(0, 1).contiguous()[None],
+                            vp.index_select(0, idx).transpose(0, 1).contiguous()[None]))
+            causal = torch.ones(n_q, context + n_q, dtype=torch.bool, device=tdev).tril(context)
+
+            def floor():
+                for b in range(n_seq):
+                    qb = q[b * n_q:(b + 1) * n_q].reshape(n_q, hkv, 4, d).transpose(0, 1)
+                    qb = qb.reshape(1, hkv, n_q * 4, d)
+                    m = None
+                    if n_q > 1:
+                        m = causal[:, None, :].expand(n_q, 4, context + n_q).reshape(
+                            n_q * 4, context + n_q)
+                    F.scaled_dot_product_attention(qb, own[b][0], own[b][1], attn_mask=m)
+
+            def dense():
+                key, value, mask = cache.get()
+                k = torch.from_dlpack(key).transpose(0, 1)[None]
+                v = torch.from_dlpack(value).transpose(0, 1)[None]
+                m = torch.from_dlpack(mask)[:len(pos)].to(tdt)
+                n = m.shape[1]
+                qb = q.reshape(len(pos), hkv, 4, d).transpose(0, 1).reshape(1, hkv, -1, d)
+                m = m[:, None, :].expand(len(pos), 4, n).reshape(-1, n)
+                F.scaled_dot_product_attention(qb, k, v, attn_mask=m)
+
+            fns = {"floor": floor, "dense": dense}
+            for be in backends:
+                fns[be] = (lambda be=be: attend(q, cache, backend=be))
+            ref = attend(q, cache, backend="torch")
+            t = _time_alternating(fns, s.budget, max(3, s.min_reps // 2))
+
+            def rebuild():
+                cache._pages_cache = None
+                cache.page_table()
+            t_pt = measure(rebuild, sync=dev.sync, budget=min(s.budget, 0.2), min_reps=3)
+            dev.sync()
+            row = {"case": name, "dtype": dtype, "seqs": n_seq, "context": context,
+                   "q_tokens": n_q, "nnz": int(pt.kv_indices.shape[0]),
+                   "union_cells": cache.cell_range()[1] - cache.cell_range()[0],
+                   "floor_us": t["floor"] * 1e6, "dense_us": t["dense"] * 1e6,
+                   "page_table_us": t_pt["median_us"],
+                   "finite": bool(torch.isfinite(ref).all())}
+            for be in backends:
+                row[f"{be}_us"] = t[be] * 1e6
+                row[f"{be}_ratio"] = t[be] / t["floor"]
+            row["dense_ratio"] = t["dense"] / t["floor"]
+            rows.append(row)
+            cache.close()
+            del own, keys, vals
+            dev.release()
+    return rows
+
+
+def format_attention(rows: List[dict]) -> List[str]:
+    """Report lines of the attention section."""
+    if not rows:
+        return []
+    lines = ["", "Attention, one layer: attend() and get() + dense SDPA vs SDPA over each "
+             "sequence's own contiguous K/V (the floor); ratio = time / floor"]
+    lines.append(f"{'case':<20} {'dtype':<8} {'floor us':>10} {'attend us':>10} {'ratio':>6} "
+                 f"{'dense us':>10} {'ratio':>6} {'page_table us':>13}")
+    for r in rows:
+        lines.append(f"{r['case']:<20} {r['dtype']:<8} {_fmt_us(r['floor_us']):>10} "
+                     f"{_fmt_us(r['torch_us']):>10} {r['torch_ratio']:>5.2f}x "
+                     f"{_fmt_us(r['dense_us']):>10} {r['dense_ratio']:>5.2f}x "
+                     f"{_fmt_us(r['page_table_us']):>13}")
+        if "flashinfer_us" in r:
+            lines.append(f"{'':<20} {'':<8} flashinfer {_fmt_us(r['flashinfer_us'])} us "
+                         f"({r['flashinfer_ratio']:.2f}x)")
+    return lines
 
 
 # --------------------------------------------------------------------------------- command line
@@ -1304,7 +1461,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed repetitions per measurement (default 0.5)")
     p.add_argument("--sections", default=None,
-                   help="comma list of decode, kernels, capacity (default all)")
+                   help="comma list of decode, kernels, capacity, attention (default: all "
+                        "but attention)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: runs in seconds")
     p.add_argument("--full", action="store_true", help="adds context 8192, longer timing")
     p.add_argument("--png", default="numbakv_bench.png", help="where to save the plot")
