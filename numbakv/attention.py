@@ -40,6 +40,8 @@ _SPAN_MIN_SLACK = 64
 #: cells are at most _MAX_GAP apart are read as views, the rest is gathered.
 _MIN_RUN = 256
 _MAX_GAP = 32
+#: parts of at most this many cells are computed with matmuls instead of the flash kernel
+_SMALL_PART = 256
 
 
 def _torch():
@@ -182,15 +184,26 @@ def _part_with_lse(torch, qf, k, v_hnd, mask, scale):
     runs, asked for its log-sum-exp)."""
     g = qf.shape[1] // mask.shape[0] if mask is not None else 1
     kf = k.transpose(0, 1)
+    if mask is not None and bool(mask.all()):
+        mask = None
     if kf.dtype != qf.dtype:
         kf, v_hnd = kf.to(qf.dtype), v_hnd.to(qf.dtype)
+    if k.shape[0] <= _SMALL_PART:
+        # a few cells: plain matmuls (the flash kernel's fixed cost is ~a 4k-cell call)
+        sc = torch.matmul(qf.float(), kf.float().transpose(-1, -2)) * scale
+        if mask is not None:
+            sees = mask[:, None, :].expand(mask.shape[0], g, mask.shape[1]).reshape(-1, mask.shape[1])
+            sc = sc.masked_fill(~sees[None], float("-inf"))
+        lse = torch.logsumexp(sc, dim=-1)
+        p = torch.exp(sc - lse[..., None]).nan_to_num_(0.0)
+        return torch.matmul(p, v_hnd.float()), lse
     if v_hnd.stride(-1) != 1:       # permuted V: the kernel wants unit-stride rows
         v_hnd = v_hnd.contiguous()
     m = None if mask is None else _fold_mask(torch, mask, g, qf.dtype)[None, None]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qf[None], kf[None], v_hnd[None], attn_mask=m, scale=scale)
     lse = lse[0]
-    if mask is not None:
+    if mask is not None and not bool(mask.all()):
         # the kernel reports lse 0 (not -inf) for a row that sees nothing in this part
         sees = mask.any(1)[:, None].expand(mask.shape[0], g).reshape(-1)
         lse = lse.masked_fill(~sees[None, :], float("-inf"))
@@ -258,8 +271,10 @@ def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_ca
                 parts.append(gather(host.kv_indices[k0:k1][gathered]))
             for k, v in parts:
                 n = k.shape[0]
-                m = torch.from_numpy(full[:, c:c + n]).to(dev)
+                part_mask = full[:, c:c + n]
                 c += n
+                # a part every token sees whole (the usual decode case) needs no mask
+                m = None if part_mask.all() else torch.from_numpy(part_mask).to(dev)
                 o, lse = _part_with_lse(torch, qf, k, _value_hnd(v, permuted), m, scale)
                 outs.append(o)
                 lses.append(lse)

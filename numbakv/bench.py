@@ -1321,105 +1321,115 @@ def _time_alternating(fns: Dict[str, Callable[[], Any]], budget: float,
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def run_attention(s: BenchSettings, dev: _Device, notes: List[str],
-                  log: Callable[[str], None] = lambda _: None) -> List[dict]:
-    """attend() vs SDPA over each sequence's own contiguous K/V (the floor) vs get() + dense
-    masked SDPA over the union of the batch's cells, one layer, 32 query heads per 8 KV heads
-    (4 query heads per KV head at any --kv-heads). float32 and float16."""
+def attention_case(dev: _Device, dtype: str, n_seq: int, context: int, n_q: int, *,
+                   kv_heads: int = 8, head_dim: int = 128, seed: int = 0) -> dict:
+    """One attention workload, one layer, ``4 * kv_heads`` query heads: ``n_seq`` sequences each
+    prefilled (one sequence at a time) to ``context`` tokens of random K/V, then a forward pass
+    of ``n_q`` new tokens per sequence. Returns the cache, ``q`` and the callables to time:
+    ``attend`` (torch backend; ``flashinfer`` too where it runs), ``floor`` (SDPA over each
+    sequence's own contiguous K/V, one call per sequence) and ``dense`` (``get()`` + the masked
+    SDPA over the union of the batch's cells)."""
     torch = _optional_torch()
-    if torch is None:
-        notes.append("attention section skipped: PyTorch is not installed")
-        return []
     from .attention import attend, flashinfer_available
     from .causal import CausalCache
     from .config import CacheConfig
     F = torch.nn.functional
     tdev = _torch_device(dev)
-    hkv, d = s.kv_heads, s.head_dim
+    tdt = getattr(torch, dtype)
+    hkv, d = kv_heads, head_dim
     H = 4 * hkv
+    rng = np.random.default_rng(seed)
+    cfg = CacheConfig(1, hkv, d, dtype=dtype, capacity=context + n_q + 8, max_seqs=n_seq,
+                      max_batch=max(512, n_seq * n_q), device=dev.name)
+    cache = CausalCache(cfg)
+    for seq in range(n_seq):
+        for p0 in range(0, context, 512):
+            p1 = min(context, p0 + 512)
+            cache.start_forward(np.arange(p0, p1), np.full(p1 - p0, seq))
+    keys, vals = cache.storage.keys, cache.storage.values
+    keys[...] = dev.asarray(rng.standard_normal(keys.shape, np.float32).astype(dtype))
+    vals[...] = dev.asarray(rng.standard_normal(vals.shape, np.float32).astype(dtype))
+    pos = np.concatenate([np.arange(context, context + n_q)] * n_seq)
+    seqs = np.repeat(np.arange(n_seq), n_q)
+    cache.start_forward(pos, seqs)
+    q = torch.randn(len(pos), H, d, device=tdev).to(tdt)
+    host = cache._host_pages()
+    kp, vp = (torch.from_dlpack(x) for x in cache.layer_pool())
+    own = []
+    for b in range(n_seq):
+        idx = torch.as_tensor(host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
+                              .astype(np.int64), device=tdev)
+        own.append((kp.index_select(0, idx).transpose(0, 1).contiguous()[None],
+                    vp.index_select(0, idx).transpose(0, 1).contiguous()[None]))
+    causal = torch.ones(n_q, context + n_q, dtype=torch.bool, device=tdev).tril(context)
+    causal = causal[:, None, :].expand(n_q, 4, context + n_q).reshape(n_q * 4, context + n_q)
+
+    def floor():
+        for b in range(n_seq):
+            qb = q[b * n_q:(b + 1) * n_q].reshape(n_q, hkv, 4, d).transpose(0, 1)
+            F.scaled_dot_product_attention(qb.reshape(1, hkv, n_q * 4, d), own[b][0], own[b][1],
+                                           attn_mask=causal if n_q > 1 else None)
+
+    def dense():
+        key, value, mask = cache.get()
+        k = torch.from_dlpack(key).transpose(0, 1)[None]
+        v = torch.from_dlpack(value).transpose(0, 1)[None]
+        m = torch.from_dlpack(mask)[:len(pos)].to(tdt)
+        n = m.shape[1]
+        qb = q.reshape(len(pos), hkv, 4, d).transpose(0, 1).reshape(1, hkv, -1, d)
+        F.scaled_dot_product_attention(qb, k, v,
+                                       attn_mask=m[:, None, :].expand(len(pos), 4, n).reshape(-1, n))
+
+    def rebuild_page_table():
+        cache._pages_cache = None
+        cache.page_table()
+
+    fns = {"floor": floor, "dense": dense, "torch": lambda: attend(q, cache, backend="torch")}
+    if dev.name == "cuda" and flashinfer_available():
+        fns["flashinfer"] = lambda: attend(q, cache, backend="flashinfer")
+    return {"cache": cache, "q": q, "fns": fns, "page_table": rebuild_page_table,
+            "own": own}
+
+
+def run_attention(s: BenchSettings, dev: _Device, notes: List[str],
+                  log: Callable[[str], None] = lambda _: None) -> List[dict]:
+    """attend() vs SDPA over each sequence's own contiguous K/V (the floor) vs get() + dense
+    masked SDPA over the union of the batch's cells, one layer, 4 query heads per KV head
+    (32 per 8 by default), float32 and float16 (see :func:`attention_case`)."""
+    torch = _optional_torch()
+    if torch is None:
+        notes.append("attention section skipped: PyTorch is not installed")
+        return []
+    from .attention import attend, flashinfer_available
     rows = []
-    rng = np.random.default_rng(0)
-    backends = ["torch"] + (["flashinfer"] if dev.name == "cuda" and flashinfer_available()
-                            else [])
-    if dev.name == "cuda" and "flashinfer" not in backends:
+    if dev.name == "cuda" and not flashinfer_available():
         notes.append("attention: flashinfer is not importable here; its figures are unmeasured")
     for dtype in ("float32", "float16"):
-        tdt = getattr(torch, dtype)
         for name, n_seq, context, n_q in _attention_cases(s):
             log(f"attention {name} {dtype} ...")
-            cap = context + n_q + 8
-            cfg = CacheConfig(1, hkv, d, dtype=dtype, capacity=cap, max_seqs=n_seq,
-                              max_batch=max(512, n_seq * n_q), device=dev.name)
-            cache = CausalCache(cfg)
-            chunk = 512
-            for seq in range(n_seq):
-                for p0 in range(0, context, chunk):
-                    p1 = min(context, p0 + chunk)
-                    cache.start_forward(np.arange(p0, p1), np.full(p1 - p0, seq))
-            keys = cache.storage.keys
-            vals = cache.storage.values
-            keys[...] = dev.asarray(rng.standard_normal(keys.shape, np.float32).astype(dtype))
-            vals[...] = dev.asarray(rng.standard_normal(vals.shape, np.float32).astype(dtype))
-            pos = np.concatenate([np.arange(context, context + n_q)] * n_seq)
-            seqs = np.repeat(np.arange(n_seq), n_q)
-            cache.start_forward(pos, seqs)
-            q = torch.randn(len(pos), H, d, device=tdev).to(tdt)
-            # the floor: each sequence's own K/V, contiguous [1, Hkv, n, D], one SDPA each
-            pt = cache.page_table()
-            host = cache._host_pages()
-            kp, vp = (torch.from_dlpack(x) for x in cache.layer_pool())
-            own = []
-            for b in range(n_seq):
-                idx = torch.as_tensor(host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
-                                      .astype(np.int64), device=tdev)
-                own.append((kp.index_select(0, idx).transpose(0, 1).contiguous()[None],
-                            vp.index_select(0, idx).transpose(0, 1).contiguous()[None]))
-            causal = torch.ones(n_q, context + n_q, dtype=torch.bool, device=tdev).tril(context)
-
-            def floor():
-                for b in range(n_seq):
-                    qb = q[b * n_q:(b + 1) * n_q].reshape(n_q, hkv, 4, d).transpose(0, 1)
-                    qb = qb.reshape(1, hkv, n_q * 4, d)
-                    m = None
-                    if n_q > 1:
-                        m = causal[:, None, :].expand(n_q, 4, context + n_q).reshape(
-                            n_q * 4, context + n_q)
-                    F.scaled_dot_product_attention(qb, own[b][0], own[b][1], attn_mask=m)
-
-            def dense():
-                key, value, mask = cache.get()
-                k = torch.from_dlpack(key).transpose(0, 1)[None]
-                v = torch.from_dlpack(value).transpose(0, 1)[None]
-                m = torch.from_dlpack(mask)[:len(pos)].to(tdt)
-                n = m.shape[1]
-                qb = q.reshape(len(pos), hkv, 4, d).transpose(0, 1).reshape(1, hkv, -1, d)
-                m = m[:, None, :].expand(len(pos), 4, n).reshape(-1, n)
-                F.scaled_dot_product_attention(qb, k, v, attn_mask=m)
-
-            fns = {"floor": floor, "dense": dense}
-            for be in backends:
-                fns[be] = (lambda be=be: attend(q, cache, backend=be))
+            case = attention_case(dev, dtype, n_seq, context, n_q, kv_heads=s.kv_heads,
+                                  head_dim=s.head_dim)
+            cache, q, fns = case["cache"], case["q"], case["fns"]
             ref = attend(q, cache, backend="torch")
+            dense = attend(q, cache, backend="dense")
+            err = float((ref.float() - dense.float()).abs().max())
             t = _time_alternating(fns, s.budget, max(3, s.min_reps // 2))
-
-            def rebuild():
-                cache._pages_cache = None
-                cache.page_table()
-            t_pt = measure(rebuild, sync=dev.sync, budget=min(s.budget, 0.2), min_reps=3)
-            dev.sync()
+            t_pt = measure(case["page_table"], sync=dev.sync, budget=min(s.budget, 0.2),
+                           min_reps=3)
+            pt = cache.page_table()
+            lo, hi = cache.cell_range()
             row = {"case": name, "dtype": dtype, "seqs": n_seq, "context": context,
-                   "q_tokens": n_q, "nnz": int(pt.kv_indices.shape[0]),
-                   "union_cells": cache.cell_range()[1] - cache.cell_range()[0],
+                   "q_tokens": n_q, "nnz": int(pt.kv_indices.shape[0]), "union_cells": hi - lo,
                    "floor_us": t["floor"] * 1e6, "dense_us": t["dense"] * 1e6,
-                   "page_table_us": t_pt["median_us"],
-                   "finite": bool(torch.isfinite(ref).all())}
-            for be in backends:
-                row[f"{be}_us"] = t[be] * 1e6
-                row[f"{be}_ratio"] = t[be] / t["floor"]
-            row["dense_ratio"] = t["dense"] / t["floor"]
+                   "page_table_us": t_pt["median_us"], "max_abs_diff_vs_dense": err,
+                   "dense_ratio": t["dense"] / t["floor"]}
+            for be in fns:
+                if be not in ("floor", "dense"):
+                    row[f"{be}_us"] = t[be] * 1e6
+                    row[f"{be}_ratio"] = t[be] / t["floor"]
             rows.append(row)
             cache.close()
-            del own, keys, vals
+            del case, cache, q, fns
             dev.release()
     return rows
 

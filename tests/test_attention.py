@@ -49,11 +49,14 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=["as-is", "split"])
+@pytest.fixture(params=["as-is", "split-flash", "split-matmul"])
 def split_mode(request, monkeypatch):
-    """"split": every sequence's page list is cut into pool views and a gathered rest, merged
-    by log-sum-exp (the path long, scattered sequences take), even at these tiny sizes."""
-    if request.param == "split":
+    """"split-*": every sequence's page list is cut into pool views and a gathered rest, merged
+    by log-sum-exp (the path long, scattered sequences take), even at these tiny sizes; each part
+    through PyTorch's CPU flash kernel or, as small parts are, through matmuls."""
+    if request.param == "split-flash":
+        monkeypatch.setattr(attention, "_SMALL_PART", 0)
+    if request.param.startswith("split"):
         monkeypatch.setattr(attention, "_SPAN_SLACK", -1.0)
         monkeypatch.setattr(attention, "_SPAN_MIN_SLACK", -1)
         monkeypatch.setattr(attention, "_MIN_RUN", 3)
