@@ -27,6 +27,7 @@ import math
 from typing import Any, Optional
 
 import numpy as np
+from numba import njit
 
 from .pages import HostPages, columns_mask, plan_parts, token_mask
 
@@ -210,15 +211,62 @@ def _part_with_lse(torch, qf, k, v_hnd, mask, scale):
     return out[0], lse
 
 
+@njit(cache=True)
+def _add_small_part(qf, k, v, mask, scale, out, lse):
+    """Fold attention over a few gathered cells into a partial result, in place (one thread: on
+    a loaded CPU every extra parallel torch op waits for its threads to be scheduled).
+
+    qf float32 ``[Hkv, R, D]`` (row ``r`` is token ``r // g``), k ``[m, Hkv, D]``, v ``[Hkv, m,
+    Dv]``, mask bool ``[L, m]``; out float32 ``[Hkv, R, Dv]`` and lse ``[Hkv, R]`` hold the
+    attention and log-sum-exp over the other cells (lse -inf: none)."""
+    hkv, rows, dim = qf.shape
+    m = k.shape[0]
+    g = rows // mask.shape[0]
+    dv = v.shape[2]
+    s = np.empty(m, np.float32)
+    for h in range(hkv):
+        for r in range(rows):
+            t = r // g
+            mx = -np.inf
+            for j in range(m):
+                if mask[t, j]:
+                    acc = np.float32(0.0)
+                    for d in range(dim):
+                        acc += qf[h, r, d] * k[j, h, d]
+                    s[j] = acc * scale
+                    mx = max(mx, s[j])
+            if mx == -np.inf:
+                continue
+            tot = 0.0
+            for j in range(m):
+                if mask[t, j]:
+                    tot += math.exp(s[j] - mx)
+            small = mx + math.log(tot)
+            old = lse[h, r]
+            new = small if old == -np.inf else max(old, small) + math.log1p(
+                math.exp(-abs(old - small)))
+            w_old = 0.0 if old == -np.inf else math.exp(old - new)
+            for d in range(dv):
+                out[h, r, d] = out[h, r, d] * w_old if w_old > 0.0 else 0.0
+            for j in range(m):
+                if mask[t, j]:
+                    p = math.exp(s[j] - new)
+                    for d in range(dv):
+                        out[h, r, d] += p * v[h, j, d]
+            lse[h, r] = new
+
+
 def _merge_parts(torch, outs, lses):
     """Softmax-weighted merge of attention over disjoint key sets (flash-decoding's split-K)."""
+    if len(outs) == 1:
+        return outs[0].float(), lses[0]
     lse = torch.logsumexp(torch.stack(lses), dim=0)
     total = None
     for o, l in zip(outs, lses):
         w = torch.exp(l - lse)[..., None]
         part = torch.where(w > 0, o.float() * w, 0.0)   # a part a row cannot see may hold NaN
         total = part if total is None else total + part
-    return total
+    return total, lse
 
 
 def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap, permuted):
@@ -267,8 +315,13 @@ def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_ca
             outs, lses = [], []
             c = 0
             parts = [run_view(int(a), int(e)) for a, e in runs]
+            small = None
             if len(gathered):
-                parts.append(gather(host.kv_indices[k0:k1][gathered]))
+                rest = gather(host.kv_indices[k0:k1][gathered])
+                if len(runs) and len(gathered) <= _SMALL_PART:
+                    small = rest
+                else:
+                    parts.append(rest)
             for k, v in parts:
                 n = k.shape[0]
                 part_mask = full[:, c:c + n]
@@ -278,7 +331,13 @@ def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_ca
                 o, lse = _part_with_lse(torch, qf, k, _value_hnd(v, permuted), m, scale)
                 outs.append(o)
                 lses.append(lse)
-            merged = _merge_parts(torch, outs, lses).to(q.dtype)
+            merged, lse = _merge_parts(torch, outs, lses)
+            if small is not None:
+                m = full[:, c:]
+                _add_small_part(qf.float().contiguous().numpy(), small[0].float().numpy(),
+                                _value_hnd(small[1], permuted).float().numpy(), m,
+                                np.float32(scale), merged.numpy(), lse.contiguous().numpy())
+            merged = merged.to(q.dtype)
             res = merged.reshape(hkv, L, g, dv).transpose(0, 1).reshape(L, H, dv)
             if out is None:
                 return res
