@@ -427,6 +427,8 @@ def _flashinfer(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap
         if ws is None:
             ws = _workspaces[dev] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         mode = _flashinfer_mode(host)
+        if mode == "decode" and dv != d:   # the decode kernels take one head_dim for K and V
+            mode = "causal" if host.trailing and host.rule.chunk <= 0 else "custom"
         common = dict(q_data_type=q.dtype, kv_data_type=key_pool.dtype, sm_scale=scale,
                       logits_soft_cap=soft_cap)
         if mode == "decode":
