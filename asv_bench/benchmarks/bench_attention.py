@@ -9,7 +9,6 @@ same process with the calls interleaved (the issue's target: attend <= 1.3x the 
 decode). The workload is built once per process and parameter set.
 """
 
-
 from numbakv.bench import _Device, _time_alternating, attention_case
 from numbakv.device import cuda_usable
 
@@ -59,6 +58,11 @@ class Attention:
         self.fns["floor"]()
         self.sync()
 
+    def time_floor_nhd(self, device, dtype, case):
+        """SDPA over each sequence's own K/V, token-major [n, Hkv, D] (the cell pool's layout)."""
+        self.fns["floor_nhd"]()
+        self.sync()
+
     def time_dense(self, device, dtype, case):
         """get() + masked SDPA over the union of the batch's cells."""
         self.fns["dense"]()
@@ -74,6 +78,12 @@ class Attention:
         return t["a"] / t["f"]
 
     track_attend_over_floor.unit = "x floor"
+
+    def track_attend_over_floor_nhd(self, device, dtype, case):
+        t = _time_alternating({"a": self.fns["torch"], "f": self.fns["floor_nhd"]}, 2.0, 3)
+        return t["a"] / t["f"]
+
+    track_attend_over_floor_nhd.unit = "x floor"
 
     def track_dense_over_floor(self, device, dtype, case):
         t = _time_alternating({"d": self.fns["dense"], "f": self.fns["floor"]}, 2.0, 3)
