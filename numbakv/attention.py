@@ -193,7 +193,8 @@ def _part_with_lse(torch, qf, k, v_hnd, mask, scale):
         # a few cells: plain matmuls (the flash kernel's fixed cost is ~a 4k-cell call)
         sc = torch.matmul(qf.float(), kf.float().transpose(-1, -2)) * scale
         if mask is not None:
-            sees = mask[:, None, :].expand(mask.shape[0], g, mask.shape[1]).reshape(-1, mask.shape[1])
+            n = mask.shape[1]
+            sees = mask[:, None, :].expand(mask.shape[0], g, n).reshape(-1, n)
             sc = sc.masked_fill(~sees[None], float("-inf"))
         lse = torch.logsumexp(sc, dim=-1)
         p = torch.exp(sc - lse[..., None]).nan_to_num_(0.0)

@@ -1388,8 +1388,8 @@ def attention_case(dev: _Device, dtype: str, n_seq: int, context: int, n_q: int,
         m = torch.from_dlpack(mask)[:len(pos)].to(tdt)
         n = m.shape[1]
         qb = q.reshape(len(pos), hkv, 4, d).transpose(0, 1).reshape(1, hkv, -1, d)
-        F.scaled_dot_product_attention(qb, k, v,
-                                       attn_mask=m[:, None, :].expand(len(pos), 4, n).reshape(-1, n))
+        m = m[:, None, :].expand(len(pos), 4, n).reshape(-1, n)
+        F.scaled_dot_product_attention(qb, k, v, attn_mask=m)
 
     def rebuild_page_table():
         cache._pages_cache = None

@@ -531,4 +531,5 @@ def reserve_pages_of_table(table, positions: np.ndarray, seqs: np.ndarray) -> Ho
 
 
 __all__ = ["PageTable", "MaskRule", "HostPages", "build_pages", "build_all_visible", "to_device",
-           "check_pages", "token_mask", "plan_parts", "columns_mask", "pages_of_table", "reserve_pages_of_table", "FIELDS"]
+           "check_pages", "token_mask", "plan_parts", "columns_mask", "pages_of_table",
+           "reserve_pages_of_table", "FIELDS"]
