@@ -223,6 +223,7 @@ def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
         iv = _token_intervals(bpos, causal, window, chunk, tokens)
         lo_all = iv[0, 0]
         hi_all = iv[iv.shape[0] - 1, 1]
+        single = iv.shape[0] == 1       # the usual case: one interval, no search per cell
         start = nnz
         # depth-first over s's tree, left to right, pruning blocks outside [lo_all, hi_all]
         top = 0
@@ -243,7 +244,7 @@ def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
             for c in range(c0, c1):
                 if (cseqs[c, w] & bit) != 0:
                     q = cpos[c]
-                    if q >= lo_all and q <= hi_all and _inside(iv, q):
+                    if q >= lo_all and q <= hi_all and (single or _inside(iv, q)):
                         if nnz >= cells.shape[0]:
                             cells = _grow(cells, nnz + 1)
                             poss = _grow(poss, nnz + 1)
