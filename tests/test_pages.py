@@ -221,3 +221,15 @@ def test_page_table_needs_a_forward_pass():
         cache.page_table()
     with pytest.raises(ValueError, match="layer"):
         cache.layer_pool(5)
+
+
+def test_disjoint_windows_of_one_sequence():
+    # two tokens of one sequence far apart: the cells between their windows are not listed
+    cache = make_cache("cpu", chunk=4, capacity=60)
+    cache.start_forward(list(range(10)), [0] * 10)
+    cache.start_forward(list(range(11, 20)), [0] * 9)
+    cache.start_forward(list(range(20, 30)), [0] * 10)
+    cache.start_forward([10, 30], [0, 0])
+    pt = cache.page_table()
+    assert pt.kv_positions.tolist() == [8, 9, 10, 28, 29, 30]
+    _check_against_mask(cache, np.array([10, 30]), np.array([0, 0]))
