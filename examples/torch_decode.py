@@ -1,10 +1,11 @@
 """Decode two sequences with PyTorch doing the math and numbakv holding the KV cache.
 
-PyTorch computes queries, keys and values (with rotary embeddings) and the attention; the keys
-and values go into the cache with ``cache.put(tensor, tensor)`` (DLPack in) and attention reads
-``torch.from_dlpack`` of ``cache.get()``'s views (DLPack out): the tensors PyTorch attends over
-are the cache's own storage, not copies. Each step's attention output is checked against plain
-PyTorch attention over each sequence's own keys and values, kept without any cache.
+PyTorch computes queries, keys and values (with rotary embeddings); the keys and values go into
+the cache with ``cache.put(tensor, tensor)`` (DLPack in) and ``numbakv.attention.attend(q,
+cache)`` computes the attention, each sequence over its own cells only (``cache.page_table()``),
+reading ``cache.layer_pool()``'s DLPack views: the tensors PyTorch attends over are the cache's
+own storage, not copies. Each step's attention output is checked against plain PyTorch attention
+over each sequence's own keys and values, kept without any cache.
 
     python examples/torch_decode.py [--device auto|cpu|cuda] [--steps N]
 """
@@ -18,6 +19,7 @@ from typing import List, Optional
 import torch
 
 import numbakv as nkv
+from numbakv.attention import attend
 
 N_HEADS, N_KV_HEADS, HEAD_DIM, D_MODEL, VOCAB = 4, 2, 16, 64, 100
 
@@ -39,7 +41,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention: q ``[t, H, d]``, k/v ``[n, KVH, d]``, additive mask ``[t, n]``."""
     group = N_HEADS // N_KV_HEADS
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)       # [H, n, d]
@@ -86,12 +88,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         cache.start_forward(positions, seqs)
         cache.set_layer(0)
         cache.put(k, v)                                   # torch tensors in, through DLPack
-        key, value, mask = cache.get()
+        key, value = cache.layer_pool()                   # every cell of the layer
         keys, values = torch.from_dlpack(key), torch.from_dlpack(value)
-        # no copy: the tensors PyTorch attends over start where the cache's views start
+        # no copy: the tensors PyTorch attends over start where the cache's storage starts
         zero_copy &= keys.data_ptr() == address(key) and values.data_ptr() == address(value)
-        masks = torch.from_dlpack(mask)[:len(positions)]
-        out = attend(q, keys, values, masks)
+        out = attend(q, cache)                            # [batch, H, d], batch order
 
         # the same attention without the cache: each sequence over its own history
         for i, s in enumerate(seqs):
@@ -102,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             hk = torch.stack(history[s][0][:n_visible])
             hv = torch.stack(history[s][1][:n_visible])
             no_mask = torch.zeros(1, n_visible, device=dev)
-            expect = attend(q[i:i + 1], hk, hv, no_mask)
+            expect = sdpa_gqa(q[i:i + 1], hk, hv, no_mask)
             max_err = max(max_err, (out[i:i + 1] - expect).abs().max().item())
 
         # greedy next token per sequence from a toy readout of its last row
@@ -114,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ok = max_err < 1e-4 and zero_copy
     print(f"torch {torch.__version__} on {dev}, numbakv cache on {cache.device}: decoded "
           f"{args.steps} steps for 2 sequences (lengths {lengths[0]} and {lengths[1]})")
-    print(f"attention on get()'s views vs. cache-free attention: max |diff| {max_err:.2e}")
+    print(f"numbakv.attention.attend vs. cache-free attention: max |diff| {max_err:.2e}")
     print(f"zero-copy (torch data_ptr == the cache's view address): {zero_copy}")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1

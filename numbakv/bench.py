@@ -44,7 +44,7 @@ _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
-SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops")
+SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1253,6 +1253,7 @@ def format_report(results: dict) -> str:
     if results.get("seqops") or results.get("spec"):
         from .bench_seqops import format_section
         lines += ["", format_section(results)]
+    lines += format_attention(results.get("attention", []))
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets"]
@@ -1383,6 +1384,9 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "seqops" in s.sections:
         log("sequence operations ...")
         _run_seqops(s, dev, notes, results, log)
+    if "attention" in s.sections:
+        log("attention ...")
+        results["attention"] = run_attention(s, dev, notes, log)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
@@ -1400,6 +1404,185 @@ def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
     results["server"] = sq.run_server([4096] if s.quick else s.seqops_capacities[:3:2], measure,
                                       dev.sync, budget=s.budget / 2,
                                       layers=s.capacity_layers, **kw)
+
+
+# --------------------------------------------------------------------------------- attention
+def _attention_cases(s: BenchSettings) -> List[Tuple[str, int, int, int]]:
+    """(name, sequences, context per sequence before the step, query tokens per sequence)."""
+    if s.quick:
+        return [("decode 4 x 64", 4, 64, 1), ("prefill 16 into 64", 1, 48, 16),
+                ("decode 8 x 32", 8, 32, 1)]
+    return [("decode 8 x 4k", 8, 4096, 1), ("prefill 512 into 4k", 1, 3584, 512),
+            ("decode 64 x 2k", 64, 2048, 1)]
+
+
+def _time_alternating(fns: Dict[str, Callable[[], Any]], budget: float,
+                      min_reps: int) -> Dict[str, float]:
+    """Median seconds per call of each function, calls interleaved so that a busy machine's load
+    moves them together (their ratios are what the section reports)."""
+    for fn in fns.values():
+        fn()
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    spent = 0.0
+    while True:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            times[name].append(dt)
+            spent += dt
+        if len(times[name]) >= min_reps and spent >= budget:
+            break
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def attention_case(dev: _Device, dtype: str, n_seq: int, context: int, n_q: int, *,
+                   kv_heads: int = 8, head_dim: int = 128, seed: int = 0) -> dict:
+    """One attention workload, one layer, ``4 * kv_heads`` query heads: ``n_seq`` sequences each
+    prefilled (one sequence at a time) to ``context`` tokens of random K/V, then a forward pass
+    of ``n_q`` new tokens per sequence. Returns the cache, ``q`` and the callables to time:
+    ``attend`` (torch backend; ``flashinfer`` too where it runs), ``floor`` (SDPA over each
+    sequence's own contiguous K/V, one call per sequence) and ``dense`` (``get()`` + the masked
+    SDPA over the union of the batch's cells)."""
+    torch = _optional_torch()
+    from .attention import attend, flashinfer_available
+    from .causal import CausalCache
+    from .config import CacheConfig
+    F = torch.nn.functional
+    tdev = _torch_device(dev)
+    tdt = getattr(torch, dtype)
+    hkv, d = kv_heads, head_dim
+    H = 4 * hkv
+    rng = np.random.default_rng(seed)
+    cfg = CacheConfig(1, hkv, d, dtype=dtype, capacity=context + n_q + 8, max_seqs=n_seq,
+                      max_batch=max(512, n_seq * n_q), device=dev.name)
+    cache = CausalCache(cfg)
+    for seq in range(n_seq):
+        for p0 in range(0, context, 512):
+            p1 = min(context, p0 + 512)
+            cache.start_forward(np.arange(p0, p1), np.full(p1 - p0, seq))
+    keys, vals = cache.storage.keys, cache.storage.values
+    keys[...] = dev.asarray(rng.standard_normal(keys.shape, np.float32).astype(dtype))
+    vals[...] = dev.asarray(rng.standard_normal(vals.shape, np.float32).astype(dtype))
+    pos = np.concatenate([np.arange(context, context + n_q)] * n_seq)
+    seqs = np.repeat(np.arange(n_seq), n_q)
+    cache.start_forward(pos, seqs)
+    q = torch.randn(len(pos), H, d, device=tdev).to(tdt)
+    host = cache._host_pages()
+    kp, vp = (torch.from_dlpack(x) for x in cache.layer_pool())
+    own = []
+    for b in range(n_seq):
+        idx = torch.as_tensor(host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
+                              .astype(np.int64), device=tdev)
+        own.append((kp.index_select(0, idx).transpose(0, 1).contiguous()[None],
+                    vp.index_select(0, idx).transpose(0, 1).contiguous()[None]))
+    causal = torch.ones(n_q, context + n_q, dtype=torch.bool, device=tdev).tril(context)
+    causal = causal[:, None, :].expand(n_q, 4, context + n_q).reshape(n_q * 4, context + n_q)
+
+    # the same K/V token-major ([n, Hkv, D] per sequence, as a cell pool or FlashInfer's NHD
+    # pages hold them), seen by SDPA as strided [Hkv, n, D]
+    own_nhd = [(k[0].transpose(0, 1).contiguous().transpose(0, 1)[None],
+                v[0].transpose(0, 1).contiguous().transpose(0, 1)[None]) for k, v in own]
+
+    def floor_of(kv):
+        for b in range(n_seq):
+            qb = q[b * n_q:(b + 1) * n_q].reshape(n_q, hkv, 4, d).transpose(0, 1)
+            F.scaled_dot_product_attention(qb.reshape(1, hkv, n_q * 4, d), kv[b][0], kv[b][1],
+                                           attn_mask=causal if n_q > 1 else None)
+
+    def floor():
+        floor_of(own)
+
+    def floor_nhd():
+        floor_of(own_nhd)
+
+    def dense():
+        key, value, mask = cache.get()
+        k = torch.from_dlpack(key).transpose(0, 1)[None]
+        v = torch.from_dlpack(value).transpose(0, 1)[None]
+        m = torch.from_dlpack(mask)[:len(pos)].to(tdt)
+        n = m.shape[1]
+        qb = q.reshape(len(pos), hkv, 4, d).transpose(0, 1).reshape(1, hkv, -1, d)
+        m = m[:, None, :].expand(len(pos), 4, n).reshape(-1, n)
+        F.scaled_dot_product_attention(qb, k, v, attn_mask=m)
+
+    def rebuild_page_table():
+        cache._pages_cache = None
+        cache.page_table()
+
+    fns = {"floor": floor, "floor_nhd": floor_nhd, "dense": dense,
+           "torch": lambda: attend(q, cache, backend="torch")}
+    if dev.name == "cuda" and flashinfer_available():
+        fns["flashinfer"] = lambda: attend(q, cache, backend="flashinfer")
+    return {"cache": cache, "q": q, "fns": fns, "page_table": rebuild_page_table,
+            "own": own, "own_nhd": own_nhd}
+
+
+def run_attention(s: BenchSettings, dev: _Device, notes: List[str],
+                  log: Callable[[str], None] = lambda _: None) -> List[dict]:
+    """attend() vs SDPA over each sequence's own contiguous K/V (the floor) vs get() + dense
+    masked SDPA over the union of the batch's cells, one layer, 4 query heads per KV head
+    (32 per 8 by default), float32 and float16 (see :func:`attention_case`)."""
+    torch = _optional_torch()
+    if torch is None:
+        notes.append("attention section skipped: PyTorch is not installed")
+        return []
+    from .attention import attend, flashinfer_available
+    rows = []
+    if dev.name == "cuda" and not flashinfer_available():
+        notes.append("attention: flashinfer is not importable here; its figures are unmeasured")
+    for dtype in ("float32", "float16"):
+        for name, n_seq, context, n_q in _attention_cases(s):
+            log(f"attention {name} {dtype} ...")
+            case = attention_case(dev, dtype, n_seq, context, n_q, kv_heads=s.kv_heads,
+                                  head_dim=s.head_dim)
+            cache, q, fns = case["cache"], case["q"], case["fns"]
+            ref = attend(q, cache, backend="torch")
+            dense = attend(q, cache, backend="dense")
+            err = float((ref.float() - dense.float()).abs().max())
+            t = _time_alternating(fns, s.budget, max(3, s.min_reps // 2))
+            t_pt = measure(case["page_table"], sync=dev.sync, budget=min(s.budget, 0.2),
+                           min_reps=3)
+            pt = cache.page_table()
+            lo, hi = cache.cell_range()
+            row = {"case": name, "dtype": dtype, "seqs": n_seq, "context": context,
+                   "q_tokens": n_q, "nnz": int(pt.kv_indices.shape[0]), "union_cells": hi - lo,
+                   "floor_us": t["floor"] * 1e6, "dense_us": t["dense"] * 1e6,
+                   "floor_nhd_us": t["floor_nhd"] * 1e6,
+                   "torch_over_floor_nhd": t["torch"] / t["floor_nhd"],
+                   "page_table_us": t_pt["median_us"], "max_abs_diff_vs_dense": err,
+                   "dense_ratio": t["dense"] / t["floor"]}
+            for be in fns:
+                if be not in ("floor", "floor_nhd", "dense"):
+                    row[f"{be}_us"] = t[be] * 1e6
+                    row[f"{be}_ratio"] = t[be] / t["floor"]
+            rows.append(row)
+            cache.close()
+            del case, cache, q, fns
+            dev.release()
+    return rows
+
+
+def format_attention(rows: List[dict]) -> List[str]:
+    """Report lines of the attention section."""
+    if not rows:
+        return []
+    lines = ["", "Attention, one layer: attend() and get() + dense SDPA vs SDPA over each "
+             "sequence's own contiguous K/V (the floor: [Hkv, n, D] per sequence; NHD floor: "
+             "[n, Hkv, D] per sequence); ratio = time / floor"]
+    lines.append(f"{'case':<20} {'dtype':<8} {'floor us':>10} {'attend us':>10} {'ratio':>6} "
+                 f"{'dense us':>10} {'ratio':>6} {'NHD floor us':>12} {'ratio':>6} "
+                 f"{'page_table us':>13}")
+    for r in rows:
+        lines.append(f"{r['case']:<20} {r['dtype']:<8} {_fmt_us(r['floor_us']):>10} "
+                     f"{_fmt_us(r['torch_us']):>10} {r['torch_ratio']:>5.2f}x "
+                     f"{_fmt_us(r['dense_us']):>10} {r['dense_ratio']:>5.2f}x "
+                     f"{_fmt_us(r['floor_nhd_us']):>12} {r['torch_over_floor_nhd']:>5.2f}x "
+                     f"{_fmt_us(r['page_table_us']):>13}")
+        if "flashinfer_us" in r:
+            lines.append(f"{'':<20} {'':<8} flashinfer {_fmt_us(r['flashinfer_us'])} us "
+                         f"({r['flashinfer_ratio']:.2f}x)")
+    return lines
 
 
 # --------------------------------------------------------------------------------- command line

@@ -19,7 +19,7 @@ import numpy as np
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .cells import _check_batch as _batch_ids_ok
-from .config import CacheConfig, RopeShift, round_up
+from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -807,6 +807,49 @@ class CausalCache:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ attention-ready outputs
+    def page_table(self):
+        """This forward pass's per-sequence page table (:class:`numbakv.pages.PageTable`, page
+        size 1: a page is a cell): for each sequence of the batch, the cells any of its tokens
+        may attend to, ascending by position, as int32 arrays on the cache's device. Valid
+        until the next ``start_forward`` or sequence operation; follows ``set_causal``."""
+        return self._host_pages().table
+
+    def layer_pool(self, layer: Optional[int] = None):
+        """Zero-copy views of every cell of ``layer`` (the current layer when None): key
+        ``[n_cells, n_kv_heads, head_dim]``, value likewise (``[n_kv_heads, v_head_dim,
+        n_cells]`` when permuted); ``page_table().kv_indices`` index their cell axis."""
+        self._check_open()
+        layer = self._layer if layer is None else _check_index("layer", layer, 0,
+                                                               self.config.n_layers)
+        dtype = self.config.dtype
+        return (export_view(self.storage.key_view(layer, 0, self.n_cells), dtype),
+                export_view(self.storage.value_view(layer, 0, self.n_cells), dtype))
+
+    @property
+    def _attention_cache(self) -> "CausalCache":
+        """The cache ``attend`` reads (a WrapperCache answers its current layer's cache)."""
+        return self
+
+    def _host_pages(self):
+        """The page table with its host copies and mask rule (built once per forward pass and
+        ``set_causal``; ``attend`` reads it every layer)."""
+        from . import pages
+        fwd = self._require_forward("page_table")
+        cached = getattr(self, "_pages_cache", None)
+        if cached is not None and cached[0] is fwd and cached[1] is fwd.causal \
+                and cached[2] is self.cells:
+            return cached[3]
+        if fwd.reserve:
+            host = pages.reserve_pages_of_table(self.cells, fwd.positions, fwd.seqs)
+        else:
+            host = pages.pages_of_table(
+                self.cells, fwd.positions, fwd.seqs, fwd.causal,
+                window=-1 if self._window == UNLIMITED else self._window, chunk=self._chunk)
+        pages.to_device(host, self.device)
+        self._pages_cache = (fwd, fwd.causal, self.cells, host)
+        return host
+
     def __repr__(self) -> str:
         cfg = self.config
         extra = "".join(f", {k}={v}" for k, v in (("swa_window", self.swa_window),
@@ -836,7 +879,7 @@ def _check_memory(config: CacheConfig, n_cells: int, device: str) -> None:
     scratch (the snapshot a defragmenting pass keeps for its undo) on the host."""
     from ._memory import check_memory
     mask_rows = round_up(config.max_batch, config.mask_batch_padding)
-    mask_bytes = mask_rows * n_cells * np.dtype(config.mask_dtype).itemsize
+    mask_bytes = mask_rows * n_cells * MASK_DTYPES[config.mask_dtype].itemsize
     table_bytes = math.ceil(_table_bytes_per_cell(config.max_seqs) * n_cells)
     check_memory(f"the cache ({n_cells} cells)", device,
                  {"K/V storage": config.nbytes(n_cells), "mask at max_batch": mask_bytes},

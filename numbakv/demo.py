@@ -77,6 +77,16 @@ def to_storage(x, dtype: str, xp):
     return _bf16_bits(x, xp)
 
 
+def _attend_torch():
+    """torch when it is importable (the demo's attention then runs numbakv.attention.attend over
+    the page table), else None (attention over get()'s dense views and mask)."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - a missing or broken torch: use get()
+        return None
+    return torch
+
+
 def from_storage(x, dtype: str, xp):
     """A ``get()`` view (bfloat16 views included) as float32."""
     if dtype == "bfloat16":
@@ -240,13 +250,24 @@ class TinyLlama:
             t0 = time.perf_counter()
             cache.set_layer(layer)
             cache.put(to_storage(k, dtype, xp), to_storage(v, dtype, xp))
-            keys, values, mask = cache.get()
+            torch = _attend_torch()
+            if torch is not None:
+                cache.page_table()          # the cache's part of attention (once per pass)
+            else:
+                keys, values, mask = cache.get()
             if timer is not None:
                 if sync:
                     synchronize("cuda")
                 timer[0] += time.perf_counter() - t0
-            attn = self.attention(q, from_storage(keys, dtype, xp), from_storage(values, dtype, xp),
-                                  xp.asarray(mask[:t], dtype=xp.float32))
+            if torch is not None:
+                # each sequence attends over its own cells only (cache.page_table())
+                from .attention import attend
+                out = attend(torch.from_dlpack(xp.ascontiguousarray(q, dtype=xp.float32)), cache)
+                attn = xp.from_dlpack(out).reshape(t, -1)
+            else:
+                attn = self.attention(q, from_storage(keys, dtype, xp),
+                                      from_storage(values, dtype, xp),
+                                      xp.asarray(mask[:t], dtype=xp.float32))
             x = self.finish_layer(layer, x, attn)
         return self.logits(x)
 

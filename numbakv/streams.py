@@ -290,6 +290,7 @@ class StreamCache(CausalCache):
         for b, s in enumerate(fwd.seq_ids.tolist()):
             local = np.nonzero(drop[fwd.groups[b]])[0]
             self.streams[s].set_causal(local if local.size else None)
+        self._pages_cache = None
         if not fwd.reserve:
             self._build_mask()
 
@@ -345,6 +346,63 @@ class StreamCache(CausalCache):
         """``(0, n_kv)``: every stream's ``get()`` rows are its cells ``0 .. n_kv - 1``."""
         fwd = self._require_forward("cell_range")
         return 0, fwd.n_kv
+
+    # ------------------------------------------------------------------ attention-ready outputs
+    def page_table(self):
+        """This forward pass's page table over the flattened pool: each stream's cells as
+        ``stream * cells_per_stream + cell`` (so ``layer_pool()`` rows), grouped as ``get()``
+        groups (see ``CausalCache.page_table``)."""
+        return self._host_pages().table
+
+    def layer_pool(self, layer: Optional[int] = None):
+        """Zero-copy views of every cell of every stream of ``layer`` (the current layer when
+        None): key ``[n_streams * cells_per_stream, n_kv_heads, head_dim]``, value likewise (or
+        ``[n_kv_heads, v_head_dim, n_cells]`` permuted); ``page_table().kv_indices`` index it."""
+        self._check_open()
+        layer = self._layer if layer is None else _check_index("layer", layer, 0,
+                                                               self.config.n_layers)
+        dtype = self.config.dtype
+        return (export_view(self.storage.key_view(layer, 0, self.n_cells), dtype),
+                export_view(self.storage.value_view(layer, 0, self.n_cells), dtype))
+
+    def _host_pages(self):
+        """Every batch stream's own page table, its cells offset into the pool, joined in
+        ``get()``'s stream order (built once per forward pass and ``set_causal``)."""
+        from . import pages
+        fwd = self._require_forward("page_table")
+        cached = getattr(self, "_pages_cache", None)
+        if cached is not None and cached[0] is fwd:
+            return cached[1]
+        parts = [self.streams[s]._host_pages() for s in fwd.seq_ids.tolist()]
+        batch = len(fwd.token_order)
+        causal = np.ones(batch, np.uint8)
+        q_positions = np.empty(batch, np.int32)
+        for group, part in zip(fwd.groups, parts):
+            causal[group] = part.rule.causal
+            q_positions[group] = part.q_positions
+        offsets = [self._stream_offset(s) for s in fwd.seq_ids.tolist()]
+        kv_indptr = np.zeros(len(parts) + 1, np.int32)
+        np.cumsum([len(p.kv_indices) for p in parts], out=kv_indptr[1:])
+
+        def shifted(bounds, off):
+            return np.where(bounds >= 0, bounds + off, bounds)
+
+        arrays = dict(
+            seq_ids=fwd.seq_ids, qo_indptr=fwd.qo_indptr, token_order=fwd.token_order,
+            kv_indptr=kv_indptr,
+            kv_indices=np.concatenate([p.kv_indices + off for p, off in zip(parts, offsets)])
+            .astype(np.int32),
+            kv_positions=np.concatenate([p.kv_positions for p in parts]).astype(np.int32),
+            kv_last_page_len=np.ones(len(parts), np.int32), q_positions=q_positions)
+        rule = pages.MaskRule(causal, parts[0].rule.window, parts[0].rule.chunk)
+        host = pages.HostPages(
+            arrays, rule,
+            np.concatenate([shifted(p.cell_lo, off) for p, off in zip(parts, offsets)]),
+            np.concatenate([shifted(p.cell_hi, off) for p, off in zip(parts, offsets)]),
+            all(p.trailing for p in parts))
+        pages.to_device(host, self.device)
+        self._pages_cache = (fwd, host)
+        return host
 
     # ------------------------------------------------------------------ sequences
     def _end_forward(self) -> None:

@@ -170,6 +170,30 @@ class WrapperCache:
     def closed(self) -> bool:
         return any(cache.closed for cache in self.caches)
 
+    # -- attention-ready outputs (the current layer's cache)
+    def page_table(self):
+        """The page table of the current layer's cache (see ``CausalCache.page_table``)."""
+        return self.caches[self._current].page_table()
+
+    def layer_pool(self, layer: Optional[int] = None):
+        """Zero-copy views of every cell of a model layer (the current one when None), from the
+        cache of that layer's group (see ``CausalCache.layer_pool``)."""
+        if layer is None:
+            return self.caches[self._current].layer_pool()
+        layer = _check_index("layer", layer, 0, self.n_layers)
+        if self.layer_groups is None:
+            return self.caches[self._current].layer_pool(layer)
+        return self.caches[self.layer_groups[layer]].layer_pool(self._local[layer])
+
+    def _host_pages(self):
+        return self.caches[self._current]._host_pages()
+
+    @property
+    def _attention_cache(self) -> CausalCache:
+        """The cache ``attend`` reads for the current layer."""
+        return self.caches[self._current]
+
+
     # ------------------------------------------------------------------ state
     def save_state(self, path, seq: Optional[int] = None, *, tokens=None, metadata=None,
                    progress: Optional[bool] = None) -> None:
@@ -290,6 +314,7 @@ class EncoderCache:
             encoder_pos = _check_index("encoder_pos", encoder_pos, 0)
         self._started = True
         self._batch = len(pos)
+        self._batch_positions, self._batch_seqs = pos.astype(np.int32), sq.astype(np.int32)
         self._reserve = bool(reserve)
         self._storing = encoder_pos is not None and not reserve
         if self._storing:
@@ -401,6 +426,44 @@ class EncoderCache:
     def _check_open(self) -> None:
         if self._closed:
             raise KVCacheError("the cache is closed")
+
+    # -- attention-ready outputs
+    def page_table(self):
+        """Every batch sequence sees every stored encoder token (cells ``0 .. n_enc-1``, their
+        ``kv_positions`` the encoder token indices); see ``CausalCache.page_table``."""
+        return self._host_pages().table
+
+    def layer_pool(self, layer: Optional[int] = None):
+        """Zero-copy views of the stored encoder K/V of a layer (current when None): key
+        ``[n_enc, n_kv_heads, head_dim]``, value ``[n_enc, n_kv_heads, v_head_dim]``."""
+        self._check_open()
+        layer = self._layer if layer is None else _check_index("layer", layer, 0,
+                                                               self.config.n_layers)
+        n = self.encoder_len
+        return (export_view(self.keys[layer, :n], self.config.dtype),
+                export_view(self.values[layer, :n], self.config.dtype))
+
+    def _host_pages(self):
+        from . import pages
+        self._check_open()
+        if getattr(self, "_batch_positions", None) is None:
+            raise ValueError("page_table() needs a forward pass: call start_forward first")
+        if self.encoder_len == 0:
+            raise KVCacheError("no encoder output is cached")
+        key = (self._batch_positions, self.encoder_len)
+        cached = getattr(self, "_pages_cache", None)
+        if cached is not None and cached[0] is key[0] and cached[1] == key[1]:
+            return cached[2]
+        n = self.encoder_len
+        host = pages.build_all_visible(np.arange(n, dtype=np.int32), n, self.config.max_seqs,
+                                       self._batch_positions, self._batch_seqs)
+        pages.to_device(host, self.device)
+        self._pages_cache = (key[0], n, host)
+        return host
+
+    @property
+    def _attention_cache(self) -> "EncoderCache":
+        return self
 
 
 __all__ = ["WrapperCache", "EncoderCache"]

@@ -160,7 +160,32 @@ def test_targets_are_judged_from_the_figures():
 def test_bad_options_are_refused(capsys):
     assert cli.main(["bench", "--quick", "--device", "cpu", "--contexts", "0"]) == 2
     assert "--contexts" in capsys.readouterr().err
-    assert cli.main(["bench", "--quick", "--device", "cpu", "--sections", "attention"]) == 2
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--sections", "bogus"]) == 2
     assert "--sections" in capsys.readouterr().err
     assert cli.main(["bench", "--quick", "--device", "sim"]) == 2
     assert "sim" in capsys.readouterr().err
+
+
+@pytest.mark.torch
+def test_attention_section_quick(capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--sections", "attention",
+                     "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "Attention, one layer" in out
+    for case in ("decode 4 x 64", "prefill 16 into 64", "decode 8 x 32"):
+        assert out.count(case) == 2            # float32 and float16 rows
+
+
+def test_attention_rows_agree_with_dense():
+    pytest.importorskip("torch")
+    from numbakv import bench
+    s = bench.BenchSettings(device="cpu", budget=0.01, min_reps=3, quick=True,
+                            kv_heads=2, head_dim=16, sections=["attention"])
+    rows = bench.run_attention(s, bench._Device("cpu"), [])
+    assert len(rows) == 6
+    for r in rows:
+        assert r["max_abs_diff_vs_dense"] < (1e-4 if r["dtype"] == "float32" else 2e-2)
+        assert r["torch_ratio"] > 0 and r["nnz"] <= r["seqs"] * r["union_cells"]
+        if r["seqs"] > 1:              # each sequence reads its own cells, not the union
+            assert r["nnz"] < r["seqs"] * r["union_cells"]

@@ -32,3 +32,10 @@ def test_jax_decode_example(capsys):
     assert example.main(["--device", "cpu", "--steps", "5"]) == 0
     out = capsys.readouterr().out
     assert "max |diff|" in out and out.strip().endswith("OK")
+
+
+def test_flashinfer_decode_example(capsys):
+    example = load("flashinfer_decode")
+    assert example.main(["--seqs", "2", "--prompt", "16", "--steps", "2"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("skipped:") or out.endswith("OK")

@@ -9,6 +9,12 @@ import numbakv as nkv
 from numbakv import KVCacheFullError, NotSupportedError
 from numbakv.streams import StreamCache, group_batch
 
+try:
+    import torch
+    from numbakv.attention import attend
+except ImportError:  # pragma: no cover - torch is optional
+    torch = None
+
 H, D = 2, 8
 
 
@@ -318,9 +324,13 @@ def test_random_workload_matches_unified_cache(device, variant):
                 for c in (uni, st):
                     c.set_layer(layer)
                     c.put(k, v)
-                np.testing.assert_allclose(stream_outputs(st, q, len(pos)),
-                                           unified_outputs(uni, q, len(pos)),
+                want = unified_outputs(uni, q, len(pos))
+                np.testing.assert_allclose(stream_outputs(st, q, len(pos)), want,
                                            rtol=1e-5, atol=1e-5)
+                if torch is not None:   # attend() over the stream page table, both backends
+                    for backend in ("torch", "dense"):
+                        got = attend(torch.from_numpy(q), st, scale=1.0, backend=backend)
+                        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
                 checked += 1
         elif op == "remove":
             s = int(rng.integers(S))
@@ -350,3 +360,20 @@ def test_random_workload_matches_unified_cache(device, variant):
                 assert uni.seq_pos_max(s) == st.seq_pos_max(s)
                 assert uni.seq_pos_min(s) == st.seq_pos_min(s)
     assert checked > 0
+
+
+def test_page_table_indexes_the_flattened_pool():
+    from numbakv.pages import check_pages
+    c = nkv.CausalCache(stream_cfg(max_seqs=4))
+    c.start_forward([0, 1, 0, 2], [3, 3, 1, 3])
+    pt = c.page_table()
+    assert pt.seq_ids.tolist() == [3, 1]
+    assert pt.token_order.tolist() == [0, 1, 3, 2]
+    assert pt.qo_indptr.tolist() == [0, 3, 4]
+    check_pages(pt, c.n_cells)
+    cps = c.cells_per_stream
+    assert (pt.kv_indices[:3] // cps == 3).all() and (pt.kv_indices[3:] // cps == 1).all()
+    assert pt.kv_positions.tolist() == [0, 1, 2, 0]
+    key, value = c.layer_pool(0)
+    assert key.shape == (c.n_cells, H, D)
+    assert np.shares_memory(np.asarray(key), c.storage.keys)

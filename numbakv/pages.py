@@ -1,0 +1,536 @@
+"""Per-sequence page tables: the cells each sequence of a forward pass may attend to, in the CSR
+form of FlashInfer / vLLM with page size 1 (a page is a cell).
+
+``get()`` hands attention the union of every batch sequence's cells and a dense ``[batch, n]``
+mask, so attention pays for every other sequence's tokens. A page table lists, per sequence of
+the batch, only the cells that sequence may see, so attention costs O(its own cells).
+
+The builder reads the cell table only through its arrays, passed in as arguments (position
+``pos int32 [n_cells]``, sequence bitset ``seqs uint64 [n_cells, words]``, the per-sequence
+position trees ``stree int32 [2, 2 * n_leaves, max_seqs]`` with leaves over blocks of
+``2**bshift`` cells), so that this module depends on the table's layout in one place only. It
+runs in O(batch + sum over the batch's sequences of the cells in the blocks that hold their
+visible cells), never O(n_cells): the tree prunes every block without a cell of the sequence in
+the visible position range. When a sequence's cells are interleaved with others' (decode steps
+of many sequences), a block holds cells of several sequences and is read once per sequence.
+
+Visibility is the mask rule of :func:`numbakv.kernels.mask.visible` (Ollama's): a token at
+position ``p`` of sequence ``s`` sees a cell of ``s`` at position ``q`` when ``q <= p`` (unless
+``set_causal`` dropped the test for it), ``q >= p - window`` (sliding window) and
+``q >= p - p % chunk`` (chunked attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+from numba import njit
+
+#: "no upper bound" for position ranges (positions are int32)
+_NO_LIMIT = 2**31 - 1
+_ONE = np.uint64(1)
+
+#: field order of the page table (also the order of the single host -> device copy)
+FIELDS = ("seq_ids", "qo_indptr", "token_order", "kv_indptr", "kv_indices", "kv_positions",
+          "kv_last_page_len", "q_positions")
+
+
+@dataclass
+class PageTable:
+    """A forward pass's per-sequence page table (page size 1), int32 arrays on the cache's device.
+
+    ``n_b`` sequences in the batch, ``batch`` tokens, ``nnz`` visible (sequence, cell) pairs.
+
+    Attributes:
+        seq_ids: ``[n_b]`` the batch's sequences, in order of first appearance in the batch.
+        qo_indptr: ``[n_b + 1]``: ``token_order[qo_indptr[b]:qo_indptr[b+1]]`` are the batch
+            indices of sequence ``b``'s tokens.
+        token_order: ``[batch]`` a permutation of ``range(batch)``: batch indices grouped by
+            sequence, each group in batch order.
+        kv_indptr: ``[n_b + 1]``.
+        kv_indices: ``[nnz]`` the cells sequence ``b`` may attend to (with any of its batch
+            tokens), ascending by position: ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+        kv_positions: ``[nnz]`` their positions.
+        kv_last_page_len: ``[n_b]`` all 1 (a page is one cell).
+        q_positions: ``[batch]`` the batch's positions, in batch order.
+    """
+
+    seq_ids: Any
+    qo_indptr: Any
+    token_order: Any
+    kv_indptr: Any
+    kv_indices: Any
+    kv_positions: Any
+    kv_last_page_len: Any
+    q_positions: Any
+
+    @property
+    def n_seqs(self) -> int:
+        """Sequences in the batch (``n_b``)."""
+        return int(self.seq_ids.shape[0])
+
+    @property
+    def nnz(self) -> int:
+        """Visible (sequence, cell) pairs."""
+        return int(self.kv_indices.shape[0])
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """What a batch token may see among the cells its sequence's page list holds (host side):
+    ``causal uint8 [batch]`` (0 where ``set_causal`` dropped the future-position test),
+    ``window`` (-1: none) and ``chunk`` (0: none). ``attend`` builds per-token masks from it."""
+
+    causal: np.ndarray
+    window: int
+    chunk: int
+
+
+class HostPages:
+    """Host (numpy) copies of a page table plus its mask rule, for backends that loop over the
+    sequences on the host. ``table`` is the device-side :class:`PageTable`."""
+
+    __slots__ = FIELDS + ("rule", "table", "cell_lo", "cell_hi", "trailing", "plans")
+
+    def __init__(self, arrays: dict, rule: MaskRule, cell_lo, cell_hi, trailing) -> None:
+        for name in FIELDS:
+            setattr(self, name, arrays[name])
+        self.rule = rule
+        self.cell_lo = cell_lo          # int64 [n_b] lowest cell of each page list (-1: empty)
+        self.cell_hi = cell_hi          # int64 [n_b] highest cell + 1
+        self.trailing = trailing        # bool: FlashInfer's causal convention holds everywhere
+        self.table: Optional[PageTable] = None
+        self.plans: dict = {}           # per-backend state planned once per forward pass
+
+
+# --------------------------------------------------------------------------------------------
+# numba builder
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _group_tokens(bseqs, max_seqs):
+    """(seq_ids, qo_indptr, token_order) in O(batch + max_seqs)."""
+    batch = bseqs.shape[0]
+    slot = np.full(max_seqs, -1, np.int64)
+    seq_ids = np.empty(batch, np.int32)
+    counts = np.zeros(batch + 1, np.int64)
+    nb = 0
+    for i in range(batch):
+        s = bseqs[i]
+        if slot[s] < 0:
+            slot[s] = nb
+            seq_ids[nb] = s
+            nb += 1
+        counts[slot[s] + 1] += 1
+    qo_indptr = np.empty(nb + 1, np.int32)
+    qo_indptr[0] = 0
+    for b in range(nb):
+        qo_indptr[b + 1] = qo_indptr[b] + counts[b + 1]
+    fill = np.empty(nb, np.int64)
+    for b in range(nb):
+        fill[b] = qo_indptr[b]
+    token_order = np.empty(batch, np.int32)
+    for i in range(batch):
+        b = slot[bseqs[i]]
+        token_order[fill[b]] = i
+        fill[b] += 1
+    return seq_ids[:nb].copy(), qo_indptr, token_order
+
+
+@njit(cache=True)
+def _token_intervals(bpos, causal, window, chunk, tokens):
+    """The merged, disjoint position intervals ``[lo, hi]`` (int64 ``[k, 2]``, ascending) that
+    the given batch tokens see between them."""
+    n = tokens.shape[0]
+    los = np.empty(n, np.int64)
+    his = np.empty(n, np.int64)
+    for t in range(n):
+        i = tokens[t]
+        p = np.int64(bpos[i])
+        lo = np.int64(0)
+        if window >= 0:
+            lo = max(lo, p - window)
+        if chunk > 0:
+            lo = max(lo, p - p % chunk)
+        los[t] = lo
+        his[t] = p if causal[i] != 0 else _NO_LIMIT
+    order = np.argsort(los, kind="mergesort")
+    out = np.empty((n, 2), np.int64)
+    k = 0
+    for t in range(n):
+        lo = los[order[t]]
+        hi = his[order[t]]
+        if k > 0 and lo <= out[k - 1, 1] + 1:
+            if hi > out[k - 1, 1]:
+                out[k - 1, 1] = hi
+        else:
+            out[k, 0] = lo
+            out[k, 1] = hi
+            k += 1
+    return out[:k]
+
+
+@njit(cache=True)
+def _inside(intervals, q):
+    """Whether position q lies in one of the merged intervals (binary search)."""
+    a = 0
+    b = intervals.shape[0]
+    while a < b:
+        m = (a + b) >> 1
+        if intervals[m, 1] < q:
+            a = m + 1
+        else:
+            b = m
+    return a < intervals.shape[0] and intervals[a, 0] <= q
+
+
+@njit(cache=True)
+def _grow(buf, need):
+    if need <= buf.shape[0]:
+        return buf
+    size = max(need, 2 * buf.shape[0])
+    out = np.empty(size, buf.dtype)
+    out[:buf.shape[0]] = buf
+    return out
+
+
+@njit(cache=True)
+def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
+    """Page table of a batch over the cell table (see the module docstring for the cost).
+
+    Returns (seq_ids, qo_indptr, token_order, kv_indptr, kv_indices, kv_positions, cell_lo,
+    cell_hi, trailing)."""
+    n_cells = cpos.shape[0]
+    max_seqs = stree.shape[2]
+    nl = stree.shape[1] >> 1
+    seq_ids, qo_indptr, token_order = _group_tokens(bseqs, max_seqs)
+    nb = seq_ids.shape[0]
+    kv_indptr = np.zeros(nb + 1, np.int32)
+    cells = np.empty(max(16, 2 * bpos.shape[0]), np.int32)
+    poss = np.empty(cells.shape[0], np.int32)
+    cell_lo = np.full(nb, -1, np.int64)
+    cell_hi = np.full(nb, -1, np.int64)
+    stack = np.empty(128, np.int64)
+    trailing = True
+    nnz = 0
+    for b in range(nb):
+        s = seq_ids[b]
+        w = s >> 6
+        bit = _ONE << np.uint64(s & 63)
+        tokens = token_order[qo_indptr[b]:qo_indptr[b + 1]]
+        iv = _token_intervals(bpos, causal, window, chunk, tokens)
+        lo_all = iv[0, 0]
+        hi_all = iv[iv.shape[0] - 1, 1]
+        single = iv.shape[0] == 1       # the usual case: one interval, no search per cell
+        start = nnz
+        # depth-first over s's tree, left to right, pruning blocks outside [lo_all, hi_all]
+        top = 0
+        stack[0] = 1
+        top = 1
+        while top > 0:
+            top -= 1
+            k = stack[top]
+            if stree[1, k, s] < lo_all or stree[0, k, s] > hi_all or stree[1, k, s] < 0:
+                continue
+            if k < nl:
+                stack[top] = 2 * k + 1
+                stack[top + 1] = 2 * k
+                top += 2
+                continue
+            c0 = (k - nl) << bshift
+            c1 = min(c0 + (1 << bshift), n_cells)
+            for c in range(c0, c1):
+                if (cseqs[c, w] & bit) != 0:
+                    q = cpos[c]
+                    if q >= lo_all and q <= hi_all and (single or _inside(iv, q)):
+                        if nnz >= cells.shape[0]:
+                            cells = _grow(cells, nnz + 1)
+                            poss = _grow(poss, nnz + 1)
+                        cells[nnz] = c
+                        poss[nnz] = q
+                        nnz += 1
+        kv_indptr[b + 1] = nnz
+        # cells come in cell order; positions usually ascend with them (contiguous placement)
+        ordered = True
+        for j in range(start + 1, nnz):
+            if poss[j] < poss[j - 1]:
+                ordered = False
+                break
+        if not ordered:
+            perm = np.argsort(poss[start:nnz], kind="mergesort")
+            sc = cells[start:nnz][perm]
+            sp = poss[start:nnz][perm]
+            cells[start:nnz] = sc
+            poss[start:nnz] = sp
+        if nnz > start:
+            lo_c = cells[start]
+            hi_c = cells[start]
+            for j in range(start, nnz):
+                lo_c = min(lo_c, cells[j])
+                hi_c = max(hi_c, cells[j])
+            cell_lo[b] = lo_c
+            cell_hi[b] = hi_c + 1
+        # FlashInfer's causal convention: query i of b sees kv j <= kv_len - qo_len + i. It holds
+        # when b's tokens are causal, in ascending position, and are its last qo_len pages
+        # (then every earlier page has a lower position, so "kv j <= own index" is "q <= p").
+        nq = tokens.shape[0]
+        kv_len = nnz - start
+        if nq > kv_len:
+            trailing = False
+        else:
+            for t in range(nq):
+                i = tokens[t]
+                if causal[i] == 0 or poss[start + kv_len - nq + t] != bpos[i]:
+                    trailing = False
+                    break
+    return (seq_ids, qo_indptr, token_order, kv_indptr, cells[:nnz].copy(), poss[:nnz].copy(),
+            cell_lo, cell_hi, trailing)
+
+
+@njit(cache=True)
+def _all_cells(cpos, bseqs, n_cells, max_seqs):
+    """Page table of a reserve pass or an encoder cache: every sequence sees cells 0..n-1."""
+    seq_ids, qo_indptr, token_order = _group_tokens(bseqs, max_seqs)
+    nb = seq_ids.shape[0]
+    kv_indptr = np.empty(nb + 1, np.int32)
+    cells = np.empty(nb * n_cells, np.int32)
+    poss = np.empty(nb * n_cells, np.int32)
+    for b in range(nb + 1):
+        kv_indptr[b] = b * n_cells
+    for b in range(nb):
+        for c in range(n_cells):
+            cells[b * n_cells + c] = c
+            poss[b * n_cells + c] = cpos[c]
+    cell_lo = np.zeros(nb, np.int64)
+    cell_hi = np.full(nb, n_cells, np.int64)
+    return seq_ids, qo_indptr, token_order, kv_indptr, cells, poss, cell_lo, cell_hi
+
+
+# --------------------------------------------------------------------------------------------
+# Python entry points
+# --------------------------------------------------------------------------------------------
+
+def _host_pages(result, bpos, rule: MaskRule, trailing: bool) -> HostPages:
+    seq_ids, qo_indptr, token_order, kv_indptr, kv_indices, kv_positions, lo, hi = result[:8]
+    arrays = dict(seq_ids=seq_ids, qo_indptr=qo_indptr, token_order=token_order,
+                  kv_indptr=kv_indptr, kv_indices=kv_indices, kv_positions=kv_positions,
+                  kv_last_page_len=np.ones(len(seq_ids), np.int32),
+                  q_positions=np.ascontiguousarray(bpos, dtype=np.int32))
+    return HostPages(arrays, rule, lo, hi, trailing)
+
+
+def build_pages(cell_pos: np.ndarray, cell_seqs: np.ndarray, stree: np.ndarray, bshift: int,
+                positions: np.ndarray, seqs: np.ndarray, causal: np.ndarray, *, window: int = -1,
+                chunk: int = 0) -> HostPages:
+    """The page table of a batch over a cell table, on the host.
+
+    Args:
+        cell_pos: int32 ``[n_cells]`` cell positions (the table's ``_pos``).
+        cell_seqs: uint64 ``[n_cells, words]`` sequence bitsets (``_seqs``).
+        stree: int32 ``[2, 2 * n_leaves, max_seqs]`` per-sequence (min, max) position trees
+            over blocks of ``2**bshift`` cells (``_stree``).
+        positions, seqs: int32 ``[batch]`` the batch.
+        causal: uint8 ``[batch]``, 0 where ``set_causal`` dropped the future-position test.
+        window: sliding window ``W`` (a token at ``p`` sees ``p - W .. p``), -1 for none.
+        chunk: chunk size ``C`` (a token at ``p`` sees ``p - p % C .. p``), 0 for none.
+    """
+    bpos = np.ascontiguousarray(positions, dtype=np.int32)
+    bseq = np.ascontiguousarray(seqs, dtype=np.int32)
+    caus = np.ascontiguousarray(causal, dtype=np.uint8)
+    result = _build(cell_pos, cell_seqs, stree, int(bshift), bpos, bseq, caus, int(window),
+                    int(chunk))
+    return _host_pages(result, bpos, MaskRule(caus, int(window), int(chunk)), bool(result[8]))
+
+
+def build_all_visible(cell_pos: np.ndarray, n_cells: int, max_seqs: int, positions: np.ndarray,
+                      seqs: np.ndarray) -> HostPages:
+    """A page table in which every batch sequence sees cells ``0 .. n_cells-1`` and every token
+    sees all of them (a reserve pass; an encoder cache). ``cell_pos`` int32 ``[n_cells]`` gives
+    ``kv_positions``."""
+    bpos = np.ascontiguousarray(positions, dtype=np.int32)
+    bseq = np.ascontiguousarray(seqs, dtype=np.int32)
+    result = _all_cells(np.ascontiguousarray(cell_pos, dtype=np.int32), bseq, int(n_cells),
+                        int(max_seqs))
+    rule = MaskRule(np.zeros(len(bpos), np.uint8), -1, 0)
+    return _host_pages(result, bpos, rule, False)
+
+
+def to_device(host: HostPages, device: str) -> PageTable:
+    """The :class:`PageTable` of ``host`` on ``device``: the host arrays themselves on ``cpu`` and
+    ``sim``; on ``cuda`` one copy of all of them, packed in one pinned buffer."""
+    arrays = [getattr(host, name) for name in FIELDS]
+    if device != "cuda":
+        table = PageTable(*arrays)
+    else:
+        import cupy
+        import cupyx
+        sizes = [a.shape[0] for a in arrays]
+        pinned = cupyx.empty_pinned(sum(sizes), dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        for a, o0, o1 in zip(arrays, offsets[:-1], offsets[1:]):
+            pinned[o0:o1] = a
+        dev = cupy.asarray(pinned)   # one host -> device copy
+        table = PageTable(*[dev[o0:o1] for o0, o1 in zip(offsets[:-1], offsets[1:])])
+    host.table = table
+    return table
+
+
+def check_pages(pages: PageTable, n_cells: int) -> None:
+    """Raise AssertionError unless ``pages`` (host arrays) is well formed: shapes, dtypes, CSR
+    pointers, a permutation in ``token_order`` grouped by sequence, cells in range, no cell twice
+    in a sequence's list, positions ascending. Used by the tests and debug checks."""
+    n_b = pages.seq_ids.shape[0]
+    for name in FIELDS:
+        a = np.asarray(getattr(pages, name))
+        assert a.dtype == np.int32 and a.ndim == 1, (name, a.dtype, a.shape)
+    assert pages.qo_indptr.shape[0] == n_b + 1 and pages.kv_indptr.shape[0] == n_b + 1
+    assert pages.qo_indptr[0] == 0 and pages.kv_indptr[0] == 0
+    assert (np.diff(pages.qo_indptr) >= 1).all() and (np.diff(pages.kv_indptr) >= 0).all()
+    batch = pages.q_positions.shape[0]
+    assert pages.qo_indptr[-1] == batch
+    assert sorted(pages.token_order.tolist()) == list(range(batch))
+    assert pages.kv_indptr[-1] == pages.kv_indices.shape[0] == pages.kv_positions.shape[0]
+    assert (pages.kv_last_page_len == 1).all() and pages.kv_last_page_len.shape[0] == n_b
+    assert len(set(pages.seq_ids.tolist())) == n_b
+    for b in range(n_b):
+        group = pages.token_order[pages.qo_indptr[b]:pages.qo_indptr[b + 1]]
+        assert (np.diff(group) > 0).all(), "each group in batch order"
+        cells = pages.kv_indices[pages.kv_indptr[b]:pages.kv_indptr[b + 1]]
+        pos = pages.kv_positions[pages.kv_indptr[b]:pages.kv_indptr[b + 1]]
+        assert ((cells >= 0) & (cells < n_cells)).all()
+        assert len(np.unique(cells)) == len(cells)
+        assert (np.diff(pos) > 0).all() or len(pos) < 2, "ascending by position"
+
+
+
+
+@njit(cache=True)
+def _fill_visible(out, cols, kv_pos, tok_pos, tok_causal, window, chunk):
+    """out[i, cols[j]] = whether token i (position tok_pos[i]) sees listed cell j (position
+    kv_pos[j]); out starts all False. O(L * nnz)."""
+    for i in range(tok_pos.shape[0]):
+        p = np.int64(tok_pos[i])
+        lo = np.int64(0)
+        if window >= 0:
+            lo = max(lo, p - window)
+        if chunk > 0:
+            lo = max(lo, p - p % chunk)
+        hi = p if tok_causal[i] != 0 else np.int64(_NO_LIMIT)
+        for j in range(cols.shape[0]):
+            q = kv_pos[j]
+            out[i, cols[j]] = (q >= lo) & (q <= hi)
+
+
+@njit(cache=True)
+def _plan_parts(cells, min_run, max_gap):
+    """Split a sequence's page list (cells in list order) into parts read by one attention call
+    each: runs of the pool (cells ``[start, end)``, read as views, unlisted cells masked) for the
+    stretches where the listed cells lie densely (gaps <= max_gap) over at least ``min_run``
+    cells, and one gathered part for the rest.
+
+    Returns (runs int64 [k, 2], col int64 [nnz]: each listed cell's column in the concatenated
+    parts (the runs in order, then the gathered part), gathered int64 [m]: list indices of the
+    gathered part's cells)."""
+    nnz = cells.shape[0]
+    order = np.argsort(cells, kind="mergesort")
+    runs = np.empty((nnz, 2), np.int64)
+    in_run = np.zeros(nnz, np.bool_)
+    k = 0
+    i = 0
+    while i < nnz:
+        j = i
+        while j + 1 < nnz and cells[order[j + 1]] - cells[order[j]] <= max_gap + 1:
+            j += 1
+        if cells[order[j]] - cells[order[i]] + 1 >= min_run:
+            runs[k, 0] = cells[order[i]]
+            runs[k, 1] = cells[order[j]] + 1
+            for t in range(i, j + 1):
+                in_run[order[t]] = True
+            k += 1
+        i = j + 1
+    col = np.empty(nnz, np.int64)
+    base = 0
+    r = 0
+    for t in range(nnz):
+        c = cells[order[t]]
+        if not in_run[order[t]]:
+            continue
+        while c >= runs[r, 1]:
+            base += runs[r, 1] - runs[r, 0]
+            r += 1
+        col[order[t]] = base + c - runs[r, 0]
+    width = 0
+    for r in range(k):
+        width += runs[r, 1] - runs[r, 0]
+    m = 0
+    for t in range(nnz):
+        if not in_run[t]:
+            m += 1
+    gathered = np.empty(m, np.int64)
+    m = 0
+    for t in range(nnz):
+        if not in_run[t]:
+            gathered[m] = t
+            col[t] = width + m
+            m += 1
+    return runs[:k].copy(), col, gathered
+
+
+def plan_parts(host: HostPages, b: int, *, min_run: int = 256, max_gap: int = 32):
+    """:func:`_plan_parts` for sequence ``b`` of a page table (see there)."""
+    k0, k1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
+    return _plan_parts(host.kv_indices[k0:k1], int(min_run), int(max_gap))
+
+
+def columns_mask(host: HostPages, b: int, cols: np.ndarray, width: int) -> np.ndarray:
+    """Boolean mask ``[qo_len, width]`` of sequence ``b``'s tokens (``token_order`` order):
+    listed cell ``j`` of its page list is column ``cols[j]``; columns no listed cell maps to are
+    masked."""
+    k0, k1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
+    toks = host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
+    out = np.zeros((len(toks), int(width)), np.bool_)
+    rule = host.rule
+    _fill_visible(out, cols, host.kv_positions[k0:k1], host.q_positions[toks], rule.causal[toks],
+                  rule.window, rule.chunk)
+    return out
+
+
+def token_mask(host: HostPages, b: int, base: Optional[int] = None,
+               width: Optional[int] = None) -> np.ndarray:
+    """Boolean mask ``[qo_len, width]`` of sequence ``b``'s tokens (``token_order`` order) over
+    its page list: column ``kv_indices[j] - base`` when ``base`` is given (a window of the cell
+    pool starting at cell ``base``, cells not in the list masked), else column ``j``."""
+    k0, k1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
+    toks = host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
+    if base is None:
+        cols = np.arange(k1 - k0, dtype=np.int64)
+        width = k1 - k0
+    else:
+        cols = host.kv_indices[k0:k1].astype(np.int64) - base
+    out = np.zeros((len(toks), int(width)), np.bool_)
+    rule = host.rule
+    _fill_visible(out, cols, host.kv_positions[k0:k1], host.q_positions[toks], rule.causal[toks],
+                  rule.window, rule.chunk)
+    return out
+
+
+def pages_of_table(table, positions: np.ndarray, seqs: np.ndarray, causal: np.ndarray, *,
+                   window: int = -1, chunk: int = 0) -> HostPages:
+    """:func:`build_pages` over a :class:`numbakv.cells.CellTable` (the one place that reads
+    the table's arrays: ``_pos``, ``_seqs``, ``_stree`` and the tree's block size)."""
+    from .cells import _M_BSHIFT
+    return build_pages(table._pos, table._seqs, table._stree, int(table._meta[_M_BSHIFT]),
+                       positions, seqs, causal, window=window, chunk=chunk)
+
+
+def reserve_pages_of_table(table, positions: np.ndarray, seqs: np.ndarray) -> HostPages:
+    """The page table of a reserve pass (every token sees every cell, as its mask says)."""
+    return build_all_visible(table._pos, table._pos.shape[0], table._stree.shape[2], positions,
+                             seqs)
+
+
+__all__ = ["PageTable", "MaskRule", "HostPages", "build_pages", "build_all_visible", "to_device",
+           "check_pages", "token_mask", "plan_parts", "columns_mask", "pages_of_table",
+           "reserve_pages_of_table", "FIELDS"]

@@ -1,0 +1,158 @@
+"""numbakv.attention.attend: equal to dense attention from get()'s mask in random multi-sequence
+scenarios, for every backend that can run here; argument errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import numbakv as nkv  # noqa: E402
+from numbakv import attention  # noqa: E402
+from numbakv.attention import attend  # noqa: E402
+from scenario_pages import make_cache, random_forwards  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+Q_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _independent_reference(q, cache, scale, soft_cap):
+    """Attention from get()'s views and mask in float64 numpy (no numbakv.attention code)."""
+    key, value, mask = cache.get()
+    k = torch.from_dlpack(key).double().numpy()
+    v = torch.from_dlpack(value).double().numpy()
+    if getattr(cache._attention_cache.config, "permuted_v", False):
+        v = np.moveaxis(v, -1, 0)                          # [n, Hkv, Dv]
+    m = np.asarray(mask)[:q.shape[0]]
+    qq = q.double().numpy()
+    g = qq.shape[1] // k.shape[1]
+    s = np.einsum("bhd,nhd->bhn", qq, np.repeat(k, g, axis=1)) * scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    s = np.where(m[:, None, :] == 0, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhn,nhd->bhd", p, np.repeat(v, g, axis=1))
+
+
+CONFIGS = {
+    "f32": dict(),
+    "f32-window-padded": dict(swa_window=3, cache_padding=8, mask_batch_padding=4),
+    "f32-chunk-permuted": dict(chunk=4, permuted_v=True),
+    "f16-permuted": dict(dtype="float16", permuted_v=True),
+    "bf16-window": dict(dtype="bfloat16", swa_window=4),
+}
+
+
+@pytest.fixture(params=["as-is", "split-flash", "split-matmul"])
+def split_mode(request, monkeypatch):
+    """"split-*": every sequence's page list is cut into pool views and a gathered rest, merged
+    by log-sum-exp (the path long, scattered sequences take), even at these tiny sizes; each part
+    through PyTorch's CPU flash kernel or, as small parts are, through matmuls."""
+    if request.param == "split-flash":
+        monkeypatch.setattr(attention, "_SMALL_PART", 0)
+    if request.param.startswith("split"):
+        monkeypatch.setattr(attention, "_SPAN_SLACK", -1.0)
+        monkeypatch.setattr(attention, "_SPAN_MIN_SLACK", -1)
+        monkeypatch.setattr(attention, "_MIN_RUN", 3)
+        monkeypatch.setattr(attention, "_MAX_GAP", 1)
+    return request.param
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_attend_equals_dense_attention(device, name, split_mode):
+    kw = CONFIGS[name]
+    dtype = kw.get("dtype", "float32")
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    cache = make_cache(device, **kw)
+    steps = 16 if device == "cpu" else 5
+    checked = 0
+    for pos, sq in random_forwards(cache, rng, steps, torch=torch):
+        layer = int(rng.integers(cache.config.n_layers))
+        cache.set_layer(layer)
+        q = torch.randn(len(pos), 4, cache.config.head_dim).to(Q_DTYPE[dtype])
+        soft_cap = 2.0 if rng.random() < 0.3 else None
+        scale = 0.3 if rng.random() < 0.3 else None
+        ref = _independent_reference(q.float(), cache, scale or 1 / math.sqrt(8), soft_cap)
+        dense = attend(q, cache, scale=scale, soft_cap=soft_cap, backend="dense")
+        paged = attend(q, cache, scale=scale, soft_cap=soft_cap, backend="torch")
+        auto = attend(q, cache, scale=scale, soft_cap=soft_cap)
+        for out in (dense, paged, auto):
+            assert out.shape == (len(pos), 4, 8) and out.dtype == q.dtype
+        np.testing.assert_allclose(dense.float().numpy(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+        np.testing.assert_allclose(paged.float().numpy(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+        assert torch.equal(auto, paged)        # no FlashInfer here: auto is the torch backend
+        checked += 1
+    assert checked >= 3
+
+
+def test_gather_path_for_a_spread_sequence():
+    # sequence 0's cells are spread over the pool (decode steps interleaved with another
+    # sequence's prefills), so the torch backend gathers them instead of reading one run
+    cache = make_cache("cpu", capacity=200, max_seqs=2)
+    rng = np.random.default_rng(3)
+    for step in range(6):
+        cache.start_forward([step] + list(range(15 * step, 15 * step + 15)), [0] + [1] * 15)
+        for layer in range(2):
+            cache.set_layer(layer)
+            cache.put(rng.standard_normal((16, 2, 8)).astype(np.float32),
+                      rng.standard_normal((16, 2, 8)).astype(np.float32))
+    host = cache._host_pages()
+    span = host.cell_hi[0] - host.cell_lo[0]
+    assert span > 2 * (host.kv_indptr[1] - host.kv_indptr[0]) + 64   # the gather path
+    q = torch.randn(16, 4, 8)
+    ref = _independent_reference(q, cache, 1 / math.sqrt(8), None)
+    np.testing.assert_allclose(attend(q, cache, backend="torch").numpy(), ref, atol=2e-5)
+
+
+def test_attend_on_wrapper_and_encoder_caches():
+    wrap = nkv.WrapperCache([make_cache("cpu", swa_window=2), make_cache("cpu")])
+    wrap.start_forward(list(range(6)), [0] * 6)
+    rng = np.random.default_rng(0)
+    for t in (0, 1):
+        wrap.set_layer_type(t)
+        for layer in range(2):
+            wrap.set_layer(layer)
+            wrap.put(rng.standard_normal((6, 2, 8)).astype(np.float32),
+                     rng.standard_normal((6, 2, 8)).astype(np.float32))
+    q = torch.randn(6, 4, 8)
+    for t in (0, 1):
+        wrap.set_layer_type(t)
+        ref = _independent_reference(q, wrap, 1 / math.sqrt(8), None)
+        np.testing.assert_allclose(attend(q, wrap).numpy(), ref, atol=2e-5)
+
+    cfg = nkv.CacheConfig(1, 2, 8, dtype="float32", capacity=5, max_seqs=2, device="cpu")
+    enc = nkv.EncoderCache(cfg)
+    enc.start_forward([0, 0, 1], [0, 1, 0], encoder_pos=0)
+    enc.put(rng.standard_normal((4, 2, 8)).astype(np.float32),
+            rng.standard_normal((4, 2, 8)).astype(np.float32))
+    q = torch.randn(3, 4, 8)
+    ref = _independent_reference(q, enc, 1 / math.sqrt(8), None)
+    np.testing.assert_allclose(attend(q, enc).numpy(), ref, atol=2e-5)
+
+
+def test_attend_errors_name_the_argument():
+    cache = make_cache("cpu")
+    with pytest.raises(ValueError, match="start_forward"):
+        attend(torch.randn(1, 4, 8), cache)
+    cache.start_forward([0, 1], [0, 0])
+    with pytest.raises(ValueError, match=r"q must have shape \[batch=2"):
+        attend(torch.randn(3, 4, 8), cache)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        attend(torch.randn(2, 4, 7), cache)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        attend(torch.randn(2, 3, 8), cache)
+    with pytest.raises(ValueError, match="backend"):
+        attend(torch.randn(2, 4, 8), cache, backend="triton")
+    with pytest.raises(ValueError, match="flashinfer"):
+        attend(torch.randn(2, 4, 8), cache, backend="flashinfer")
+    with pytest.raises(ValueError, match="soft_cap"):
+        attend(torch.randn(2, 4, 8), cache, soft_cap=0.0)
+    with pytest.raises(ValueError, match="q must be a torch.Tensor"):
+        attend(np.zeros((2, 4, 8), np.float32), cache)
