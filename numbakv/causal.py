@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from os import PathLike as _OsPathLike
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .config import CacheConfig, RopeShift, round_up
@@ -25,6 +27,7 @@ from .storage import KVStorage
 UNLIMITED = 2**31 - 1
 
 ShiftFn = Callable[[int, Any, Any], Any]
+PathLike = Union[str, "_OsPathLike[str]"]   # a file path: str or os.PathLike
 
 
 def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -151,7 +154,7 @@ class CausalCache:
         self.defrag_count = 0
 
     # ------------------------------------------------------------------ forward pass
-    def start_forward(self, positions, seqs, reserve: bool = False) -> None:
+    def start_forward(self, positions: ArrayLike, seqs: ArrayLike, reserve: bool = False) -> None:
         """Place a batch: ``positions`` and ``seqs`` (one entry per token, ``[batch]``).
 
         Evicts what fell out of every sequence's window memory, finds the first contiguous run
@@ -287,7 +290,7 @@ class CausalCache:
         if not fwd.reserve:
             self._build_mask()
 
-    def put(self, key, value) -> None:
+    def put(self, key: Any, value: Any) -> None:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values
         ``[batch, n_kv_heads, v_head_dim]`` for the current layer (nothing is written during a
         reserve pass; the inputs are still checked)."""
@@ -307,7 +310,7 @@ class CausalCache:
             return
         self.storage.put_range(self._layer, fwd.start, k, v)
 
-    def get(self):
+    def get(self) -> Tuple[Any, Any, Any]:
         """``(key, value, mask)`` for the current layer: zero-copy views of the cells the batch
         may attend to, key ``[n, n_kv_heads, head_dim]``, value ``[n, n_kv_heads, v_head_dim]``
         (``[n_kv_heads, v_head_dim, n]`` when permuted), mask ``[batch_padded, n]`` holding 0
@@ -548,21 +551,23 @@ class CausalCache:
             view[...] = out
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
+                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
                    progress: Optional[bool] = None) -> None:
         """Save the whole cache (``seq=None``) or one sequence to a safetensors file,
         atomically."""
         from . import state
         state.save_cache(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *,
+    def load_state(self, path: PathLike, seq: Optional[int] = None, *,
                    progress: Optional[bool] = None) -> dict:
         """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
         (replacing what ``seq`` held). Returns the saved tokens and metadata."""
         from . import state
         return state.load_cache(self, path, seq, progress=progress)
 
-    def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
+                    metadata: Optional[dict] = None,
                     progress: Optional[bool] = None) -> bytes:
         """What ``save_state`` writes, as bytes."""
         from . import state
@@ -584,6 +589,7 @@ class CausalCache:
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._closed
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -103,6 +103,7 @@ class CacheConfig:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per stored K/V element (2 for float16/bfloat16, 4 for float32)."""
         return self.storage_dtype.itemsize
 
     def n_cells(self, swa_memory: Optional[int] = None) -> int:
@@ -121,12 +122,14 @@ class CacheConfig:
         per_cell = self.n_layers * self.n_kv_heads * (self.head_dim + self.v_head_dim)
         return int(n_cells) * per_cell * self.itemsize
 
-    def replace(self, **changes) -> "CacheConfig":
+    def replace(self, **changes: Any) -> "CacheConfig":
+        """A new, validated config with ``changes`` (field name -> value) applied."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return CacheConfig(**values)
 
     def to_dict(self) -> dict:
+        """Every field by name (plain values: what ``CacheConfig(**d)`` takes back)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 

@@ -282,7 +282,7 @@ class StepCache(_SingleStreamCache):
         """How many tokens :meth:`trim` can remove now (all of them)."""
         return self._offset
 
-    def update(self, keys: Any, values: Any):
+    def update(self, keys: Any, values: Any) -> Tuple[Any, Any]:
         """Append ``keys`` ``[batch, n_kv_heads, L, head_dim]`` and ``values``
         ``[batch, n_kv_heads, L, v_head_dim]``; return ``(keys, values)`` views of everything
         stored, ``[batch, n_kv_heads, offset, ...]``."""
@@ -364,6 +364,7 @@ class RotatingCache(_SingleStreamCache):
 
     @property
     def max_size(self) -> int:
+        """Tokens each token attends to at most, itself included (the ring's size)."""
         return self._max
 
     def __len__(self) -> int:
@@ -406,7 +407,7 @@ class RotatingCache(_SingleStreamCache):
         self._n = n - drop
 
     # public ------------------------------------------------------------------------------
-    def update(self, keys: Any, values: Any):
+    def update(self, keys: Any, values: Any) -> Tuple[Any, Any]:
         """Add ``keys`` ``[batch, n_kv_heads, L, head_dim]`` and ``values``
         ``[batch, n_kv_heads, L, v_head_dim]``; returns ``(keys, values)`` views: for ``L == 1``
         the ring (``min(offset, max_size)`` tokens, ring order), for ``L > 1`` the history the new
