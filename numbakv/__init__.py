@@ -5,7 +5,11 @@
     cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
 """
 
-from .config import CacheConfig, RopeShift
+from . import _compile_notice
+
+_compile_notice.install()  # one stderr line while numba compiles numbakv code on first use
+
+from .config import CacheConfig, RopeShift  # noqa: E402
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from .device import resolve_device
 from .simple import RotatingCache, StepCache

@@ -246,3 +246,16 @@ def test_readme_commands_match_ci():
     assert len(commands) >= 2
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci.splitlines()
+
+
+def test_one_line_while_compiling_and_none_on_a_cache_hit(tmp_path):
+    """A first use that compiles says so once on stderr; the next process loads numba's cache
+    and prints nothing."""
+    from numbakv._compile_notice import MESSAGE
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBAKV_COMPILE_NOTICE="1")
+    code = "import numbakv.cells as c; c._bit(3); c._bit(5)"
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=ROOT) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
+    assert runs[0].stderr.count(MESSAGE) == 1, runs[0].stderr
+    assert MESSAGE not in runs[1].stderr
