@@ -475,28 +475,19 @@ class DemoReport:
         request ids."""
         if self.owners is None or len(self.owners) == 0:
             return ""
-        owners = self.owners
-        n_steps, n_cells = owners.shape
-        group = max(1, math.ceil(n_cells / width))
+        n_steps, n_cells = self.owners.shape
         symbols = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
         picks = sorted(set(np.linspace(0, n_steps - 1, min(rows, n_steps)).round().astype(int)))
+        columns, group = picture_columns(self.owners[picks], width)
         marks: Dict[int, List[str]] = {}
         for step, kind, _ in self.events:
             if kind in ("defrag", "shift"):
                 marks.setdefault(step, []).append(kind)
         lines = [f"cells 0..{n_cells - 1}, {group} per character; '.' free, '#' shared, "
                  "0-9a-z request id"]
-        for step in picks:
-            chars = []
-            for lo in range(0, n_cells, group):
-                chunk = owners[step, lo:lo + group]
-                used = chunk[chunk != FREE]
-                if len(used) * 2 < len(chunk):
-                    chars.append(".")
-                    continue
-                values, counts = np.unique(used, return_counts=True)
-                top = int(values[np.argmax(counts)])
-                chars.append("#" if top == SHARED else symbols[top % len(symbols)])
+        for step, row in zip(picks, columns):
+            chars = ["." if top == FREE else "#" if top == SHARED else symbols[top % len(symbols)]
+                     for top in row.tolist()]
             since = picks[picks.index(step) - 1] + 1 if step != picks[0] else 0
             near = [k for s in range(since, step + 1) for k in marks.get(s, [])]
             note = f"  {', '.join(sorted(set(near)))}" if near else ""
