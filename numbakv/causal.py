@@ -10,8 +10,8 @@ cell's metadata with another cell's K/V (defrag included).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from os import PathLike as _OsPathLike
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -27,7 +27,7 @@ from .storage import KVStorage
 UNLIMITED = 2**31 - 1
 
 ShiftFn = Callable[[int, Any, Any], Any]
-PathLike = Union[str, "_OsPathLike[str]"]   # a file path: str or os.PathLike
+PathLike = Union[str, os.PathLike]   # a file path
 
 
 def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
