@@ -5,9 +5,13 @@
     cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
 """
 
-from .config import CacheConfig, RopeShift
-from .errors import (ConcurrentUseError, KVCacheError, KVCacheFullError, NotSupportedError,
-                     StateError)
+from . import _compile_notice
+
+_compile_notice.install()  # one stderr line while numba compiles numbakv code on first use
+
+from .config import CacheConfig, RopeShift  # noqa: E402
+from .errors import (ConcurrentUseError, KVCacheError, KVCacheFullError,  # noqa: E402
+                     NotSupportedError, StateError)
 from .device import resolve_device
 from .simple import RotatingCache, StepCache
 from .causal import CausalCache

@@ -728,6 +728,18 @@ CONTENDERS = [("numbakv", NumbakvContender, ()),
               ("torch append", TorchAppendContender, ("torch",))]
 
 
+#: How to get a baseline that is not installed (printed in the skip note).
+INSTALL_HINTS = {"torch": "pip install torch (or 'numbakv[torch]')",
+                 "transformers": "pip install 'numbakv[hf]' (transformers and torch)"}
+
+
+def install_hint(missing: Sequence[str]) -> str:
+    """The pip command that brings the ``missing`` modules of a skipped baseline."""
+    if "transformers" in missing:
+        return INSTALL_HINTS["transformers"]
+    return "; ".join(INSTALL_HINTS.get(m, f"pip install {m}") for m in missing)
+
+
 def _numba_threads_matter(dev: _Device) -> bool:
     """Whether a one-thread numbakv row says anything: CPU kernels with more than one thread."""
     if dev.name != "cpu":
@@ -758,7 +770,8 @@ def run_decode(s: BenchSettings, dev: _Device, notes: List[str],
             continue
         missing = _missing(needs)
         if missing:
-            notes.append(f"{name}: skipped, {' and '.join(missing)} not installed")
+            notes.append(f"{name}: skipped, {' and '.join(missing)} not installed: "
+                         f"{install_hint(missing)}")
             continue
         available.append((name, cls))
     itemsize = np.dtype(s.dtype).itemsize
@@ -1207,6 +1220,8 @@ def format_report(results: dict) -> str:
                 cells.append(f"{theirs['median_us'] / ours['median_us']:.2f}x"
                              if ours and theirs else "-")
             lines.append(f"{b:>5} {c:>7} " + " ".join(f"{x:>15}" for x in cells))
+        lines += _storage_only_table(decode, by, keys, others)
+        lines += _what_differs(s, decode)
         ours = [r for r in decode if r["contender"].startswith("numbakv")
                 and "start_forward_us" in r]
         if ours:
@@ -1256,12 +1271,57 @@ def format_report(results: dict) -> str:
     lines += format_attention(results.get("attention", []))
     targets = results.get("targets", [])
     if targets:
-        lines += ["", "Targets"]
+        lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
+                                   "figures are indicative only)" if s.get("quick") else "")]
         for t in targets:
             lines.append(f"  [{t['status']:>12}] {t['target']}: {t['detail']}")
     if results.get("notes"):
         lines += ["", "Notes"] + [f"  - {n}" for n in results["notes"]]
     return "\n".join(lines)
+
+
+def _storage_only_table(decode: List[dict], by: dict, keys: list,
+                        others: List[str]) -> List[str]:
+    """The same work per step on both sides: numbakv's per-layer store + read (``layers_us``,
+    without ``start_forward``) against each contender's whole step, which is only that."""
+    if not any("layers_us" in r for r in decode if r["contender"] == "numbakv"):
+        return []
+    lines = ["", "Same work per step: store one token and read the K/V, per layer (numbakv "
+             "without start_forward; contender us / numbakv us)",
+             f"{'batch':>5} {'context':>7} " + " ".join(f"{n:>15}" for n in others)]
+    for b, c in keys:
+        ours = by.get((b, c, "numbakv"))
+        cells = []
+        for n in others:
+            theirs = by.get((b, c, n))
+            ok = ours and theirs and ours.get("layers_us")
+            cells.append(f"{theirs['median_us'] / ours['layers_us']:.2f}x" if ok else "-")
+        lines.append(f"{b:>5} {c:>7} " + " ".join(f"{x:>15}" for x in cells))
+    return lines
+
+
+def _what_differs(s: dict, decode: List[dict]) -> List[str]:
+    """What the contenders do differently per step, so the ratios above read right."""
+    ours = [r for r in decode if r["contender"] == "numbakv" and "start_forward_us" in r]
+    sf = (f" (~{np.median([r['start_forward_us'] for r in ours]):.0f} us here)"
+          if ours else "")
+    lines = ["", "What differs per step:",
+             f"  numbakv: start_forward{sf} places the batch in the shared cell pool (slot "
+             "search, window and shift bookkeeping) and builds the [batch, n] attention mask; "
+             "then per layer put + get (zero-copy views). One pool serves many sequences of "
+             "different lengths, with prefix sharing, removal and context shift.",
+             "  append caches (numpy/torch): per layer, concatenate one token onto a "
+             "[B, H, L, D] array (a full copy); no placement, no mask, every sequence the same "
+             "length, nothing shared or removed. HF StaticCache writes into a preallocated "
+             "[B, H, max_len, D] buffer, HF DynamicCache concatenates; neither builds a mask.",
+             "  The 'same work' table compares only the storage work both sides do."]
+    if s.get("quick"):
+        ctx = max(s["contexts"])
+        lines.append(f"  --quick: tiny shapes ({s['layers']} layers, context <= {ctx}) make "
+                     "numbakv's fixed per-step start_forward the whole story; real models "
+                     "spread it over 32+ layers and thousands of tokens. Run `numbakv bench` "
+                     "without --quick (or see BENCHMARKS.md) for representative ratios.")
+    return lines
 
 
 def _bytes(n: int) -> str:

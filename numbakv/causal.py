@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .cells import _check_batch as _batch_ids_ok
@@ -30,6 +32,7 @@ UNLIMITED = 2**31 - 1
 
 ShiftFn = Callable[[int, Any, Any], Any]
 _I32 = np.dtype(np.int32)
+PathLike = Union[str, os.PathLike]   # a file path
 
 
 def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -214,7 +217,7 @@ class CausalCache:
         self.defrag_count = 0
 
     # ------------------------------------------------------------------ forward pass
-    def start_forward(self, positions, seqs, reserve: bool = False) -> None:
+    def start_forward(self, positions: ArrayLike, seqs: ArrayLike, reserve: bool = False) -> None:
         """Place a batch: ``positions`` and ``seqs`` (one entry per token, ``[batch]``).
 
         Evicts what fell out of every sequence's window memory, finds the first contiguous run
@@ -409,7 +412,7 @@ class CausalCache:
         if not fwd.reserve:
             self._build_mask()
 
-    def put(self, key, value) -> None:
+    def put(self, key: Any, value: Any) -> None:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values
         ``[batch, n_kv_heads, v_head_dim]`` for the current layer (nothing is written during a
         reserve pass; the inputs are still checked)."""
@@ -439,7 +442,7 @@ class CausalCache:
             return
         self.storage.put_range(self._layer, fwd.start, k, v)
 
-    def get(self):
+    def get(self) -> Tuple[Any, Any, Any]:
         """``(key, value, mask)`` for the current layer: zero-copy views of the cells the batch
         may attend to, key ``[n, n_kv_heads, head_dim]``, value ``[n, n_kv_heads, v_head_dim]``
         (``[n_kv_heads, v_head_dim, n]`` when permuted), mask ``[batch_padded, n]`` holding 0
@@ -743,14 +746,15 @@ class CausalCache:
             view[...] = out
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
+                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
                    progress: Optional[bool] = None) -> None:
         """Save the whole cache (``seq=None``) or one sequence to a safetensors file,
         atomically."""
         from . import state
         state.save_cache(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
+    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
                    progress: Optional[bool] = None) -> dict:
         """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
         (replacing what ``seq`` held). Returns the saved tokens and metadata. ``strict``: a
@@ -761,7 +765,8 @@ class CausalCache:
         self._forward = None      # a state load ends the forward pass in progress
         return out
 
-    def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
+                    metadata: Optional[dict] = None,
                     progress: Optional[bool] = None) -> bytes:
         """What ``save_state`` writes, as bytes."""
         from . import state
@@ -794,6 +799,7 @@ class CausalCache:
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._closed
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -202,6 +202,7 @@ class CacheConfig:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per stored K/V element (2 for float16/bfloat16, 4 for float32)."""
         return self.storage_dtype.itemsize
 
     @property
@@ -237,7 +238,8 @@ class CacheConfig:
         per_cell = self.n_layers * self.n_kv_heads * (self.k_row_bytes + self.v_row_bytes)
         return int(n_cells) * per_cell
 
-    def replace(self, **changes) -> "CacheConfig":
+    def replace(self, **changes: Any) -> "CacheConfig":
+        """A new, validated config with ``changes`` (field name -> value) applied."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for side in ("k_dtype", "v_dtype"):  # a side that follows dtype keeps following it
             if "dtype" in changes and side not in changes and values[side] == self.dtype:
@@ -246,6 +248,7 @@ class CacheConfig:
         return CacheConfig(**values)
 
     def to_dict(self) -> dict:
+        """Every field by name (plain values: what ``CacheConfig(**d)`` takes back)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 

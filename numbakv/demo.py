@@ -532,28 +532,19 @@ class DemoReport:
         request ids."""
         if self.owners is None or len(self.owners) == 0:
             return ""
-        owners = self.owners
-        n_steps, n_cells = owners.shape
-        group = max(1, math.ceil(n_cells / width))
+        n_steps, n_cells = self.owners.shape
         symbols = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
         picks = sorted(set(np.linspace(0, n_steps - 1, min(rows, n_steps)).round().astype(int)))
+        columns, group = picture_columns(self.owners[picks], width)
         marks: Dict[int, List[str]] = {}
         for step, kind, _ in self.events:
             if kind in ("defrag", "shift"):
                 marks.setdefault(step, []).append(kind)
         lines = [f"cells 0..{n_cells - 1}, {group} per character; '.' free, '#' shared, "
                  "0-9a-z request id"]
-        for step in picks:
-            chars = []
-            for lo in range(0, n_cells, group):
-                chunk = owners[step, lo:lo + group]
-                used = chunk[chunk != FREE]
-                if len(used) * 2 < len(chunk):
-                    chars.append(".")
-                    continue
-                values, counts = np.unique(used, return_counts=True)
-                top = int(values[np.argmax(counts)])
-                chars.append("#" if top == SHARED else symbols[top % len(symbols)])
+        for step, row in zip(picks, columns):
+            chars = ["." if top == FREE else "#" if top == SHARED else symbols[top % len(symbols)]
+                     for top in row.tolist()]
             since = picks[picks.index(step) - 1] + 1 if step != picks[0] else 0
             near = [k for s in range(since, step + 1) for k in marks.get(s, [])]
             note = f"  {', '.join(sorted(set(near)))}" if near else ""
@@ -1021,12 +1012,112 @@ def verify_forward(net: TinyLlama, cache: CausalCache, parts: Sequence[Tuple[int
 
 
 # ---------------------------------------------------------------------------- the picture
+#: Colours of the picture: free cells, cells shared through copy_prefix, event marks.
+FREE_COLOR = "#f2f2f2"
+SHARED_COLOR = "#3a3a3a"
+EVENT_COLOR = "#000000"
+#: Request colours: tab10 then its light tab20 twins, without the greys (too close to "free"
+#: and "shared"), olive and light purple (greyish on some screens); Set2 yellow instead.
+REQUEST_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                  "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#ffd92f", "#c49c94",
+                  "#f7b6d2", "#9edae5")
+#: Pixels across one column of the picture at least: below that interleaved decode tokens turn
+#: into a comb of one-pixel stripes, so wide caches show groups of cells per column.
+MIN_COLUMN_PX = 4
+_PLOT_WIDTH_PX = 1280
+_DPI = 100
+#: What each event kind is called on the plot.
+EVENT_LABELS = {"defrag": "defrag", "shift": "context shift", "copy_prefix": "prefix reuse"}
+
+
+def request_color(rid: int) -> str:
+    """The colour of request ``rid`` (cycles after 16 requests; never free's or shared's)."""
+    return REQUEST_COLORS[rid % len(REQUEST_COLORS)]
+
+
+@dataclass(frozen=True)
+class PictureMark:
+    """One labelled event on the picture: ``kind`` (``defrag``, ``shift``, ``copy_prefix``) at
+    ``step``, spanning picture columns ``[col_lo, col_hi]``, with its ``label``."""
+
+    step: int
+    kind: str
+    col_lo: float
+    col_hi: float
+    label: str
+
+
+def picture_columns(owners: np.ndarray, max_columns: int) -> Tuple[np.ndarray, int]:
+    """``owners [steps, n_cells]`` reduced to at most ``max_columns`` columns of ``group`` cells
+    each (the group's most common owner, free only when at least half of it is free, as the
+    terminal picture does); returns ``(columns [steps, n_columns], group)``."""
+    n_steps, n_cells = owners.shape
+    group = max(1, math.ceil(n_cells / max(1, max_columns)))
+    if group == 1:
+        return owners, 1
+    n_cols = math.ceil(n_cells / group)
+    padded = np.full((n_steps, n_cols * group), FREE, owners.dtype)
+    padded[:, :n_cells] = owners
+    blocks = padded.reshape(n_steps, n_cols, group)
+    out = np.full((n_steps, n_cols), FREE, owners.dtype)
+    codes = np.unique(blocks)
+    best = np.zeros((n_steps, n_cols), np.int64)
+    for code in codes[codes != FREE]:
+        count = (blocks == code).sum(axis=2)
+        better = count > best
+        out[better] = code
+        best[better] = count[better]
+    out[2 * (blocks != FREE).sum(axis=2) < group] = FREE
+    return out, group
+
+
+def picture_marks(report: DemoReport, group: int) -> List[PictureMark]:
+    """A labelled mark per defrag, context shift and prefix reuse, placed over the cells the
+    event touched: the whole cache for a defrag, the shifted request's cells for a shift, the
+    shared system prompt's cells for a reuse; events of one kind at one step share a mark."""
+    owners = report.owners
+    n_cols = math.ceil(owners.shape[1] / group)
+    merged: Dict[Tuple[int, str], List[str]] = {}
+    for step, kind, detail in report.events:
+        if kind in EVENT_LABELS:
+            merged.setdefault((step, kind), []).append(detail)
+    # events of one kind a few steps apart share a mark, so their labels do not overlap
+    near = max(2, len(owners) // 40)
+    runs: List[Tuple[int, str, List[str]]] = []
+    for (step, kind), details in sorted(merged.items()):
+        last = next((r for r in reversed(runs) if r[1] == kind), None)
+        if last is not None and step - last[0] <= near:
+            last[2].extend(details)
+        else:
+            runs.append((step, kind, list(details)))
+    marks = []
+    for step, kind, details in sorted(runs, key=lambda r: (r[0], r[1])):
+        row = owners[min(step, len(owners) - 1)]
+        rids = [int(d.split()[1].rstrip(":")) for d in details
+                if d.startswith("request ") and d.split()[1].rstrip(":").isdigit()]
+        if kind == "defrag":
+            cells = np.arange(len(row))
+            label = "defrag"
+        elif kind == "shift":
+            cells = np.nonzero(np.isin(row, rids))[0]
+            label = "context shift " + ", ".join(f"r{r}" for r in rids)
+        else:
+            cells = np.nonzero(row == SHARED)[0]
+            label = "prefix reuse → " + ", ".join(f"r{r}" for r in rids)
+        if len(cells) == 0:
+            cells = np.arange(len(row))
+        marks.append(PictureMark(step, kind, float(cells.min() // group),
+                                 float(min(cells.max() // group, n_cols - 1)), label))
+    return marks
+
+
 def save_picture(report: DemoReport, path: str) -> Optional[str]:
-    """Save the occupancy picture (``report.owners``: steps down, cells across, one colour per
-    request, markers for defrags, shifts and copy_prefix reuses) as PNG. Returns the path, or
-    ``None`` when matplotlib is not installed. Uses no pyplot state (safe in notebooks)."""
+    """Save the occupancy picture as PNG: steps down, cache cells across, each cell coloured by
+    the request that owns it (shared system-prompt cells and free cells in their own greys),
+    with every defrag, context shift and prefix reuse marked and labelled where it happened, and
+    a legend. Returns the path, or ``None`` when matplotlib is not installed. Uses no pyplot
+    state (safe in notebooks)."""
     try:
-        import matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.colors import ListedColormap
         from matplotlib.figure import Figure
@@ -1036,42 +1127,59 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
         return None
     owners = report.owners
     n_steps, n_cells = owners.shape
-    n_req = max(report.requests, 1)
-    palette = matplotlib.colormaps["tab20"].colors
-    # owner codes SHARED, FREE and request ids 0.. map to colour index code + 2
-    colors = ["#222222", "#ffffff"] + [palette[(2 * i) % 20 + (i // 10) % 2]
-                                                  for i in range(n_req)]
-    fig = Figure(figsize=(11, 6.5), dpi=110)
+    columns, group = picture_columns(owners, _PLOT_WIDTH_PX // MIN_COLUMN_PX)
+    n_cols = columns.shape[1]
+    rids = sorted(int(r) for r in np.unique(owners) if r >= 0)
+    n_req = max([report.requests] + [r + 1 for r in rids])
+    # owner codes SHARED (-2), FREE (-1) and request ids 0.. map to colour index code + 2
+    colors = [SHARED_COLOR, FREE_COLOR] + [request_color(r) for r in range(n_req)]
+    plot_px = min(_PLOT_WIDTH_PX, n_cols * max(MIN_COLUMN_PX, _PLOT_WIDTH_PX // n_cols))
+    fig = Figure(figsize=((plot_px + 420) / _DPI, 7.0), dpi=_DPI)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.imshow(owners + 2, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors),
+    ax = fig.add_axes((90 / (plot_px + 420), 0.09, plot_px / (plot_px + 420), 0.83))
+    ax.imshow(columns + 2, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors),
               vmin=-0.5, vmax=len(colors) - 0.5, origin="upper",
-              extent=(-0.5, n_cells - 0.5, n_steps - 0.5, -0.5))
-    ax.set_xlabel("cache cell")
+              extent=(-0.5, n_cols - 0.5, n_steps - 0.5, -0.5))
+    per = f" ({group} cells per column)" if group > 1 else ""
+    ax.set_xlabel(f"cache cell{per}")
     ax.set_ylabel("step (forward pass)")
+    if group > 1:
+        ticks = ax.get_xticks()
+        ax.set_xticks(ticks[(ticks >= 0) & (ticks < n_cols)])
+        ax.set_xticklabels([str(int(t) * group) for t in ax.get_xticks()])
     window = f", sliding window {report.swa_window}" if report.swa_window else ""
-    ax.set_title(f"numbakv demo: which request owns each cache cell ({report.n_cells} cells, "
-                 f"{report.device}, {report.dtype}{window})", fontsize=10)
-    # event markers in three columns just right of the picture
-    styles = {"defrag": ("#d62728", 0.015), "shift": ("#1f77b4", 0.03),
-              "copy_prefix": ("#2ca02c", 0.045)}
-    for step, kind, _ in report.events:
-        if kind in styles:
-            color, offset = styles[kind]
-            ax.plot([n_cells - 0.5 + offset * n_cells], [step], marker="<", color=color,
-                    markersize=6, clip_on=False, linestyle="none")
-            if kind == "defrag":
-                ax.axhline(step - 0.5, color=color, linewidth=0.8, linestyle="--")
-    ax.set_xlim(-0.5, n_cells - 0.5)
+    ax.set_title(f"numbakv demo: which request owns each of the {report.n_cells} cache cells "
+                 f"over time ({report.device}, {report.dtype}{window})", fontsize=10)
+    styles = {"defrag": dict(linestyle="--", linewidth=1.6),
+              "shift": dict(linestyle="-", linewidth=2.2),
+              "copy_prefix": dict(linestyle=":", linewidth=2.2)}
+    box = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor=EVENT_COLOR,
+               linewidth=0.6, alpha=0.9)
+    for mark in picture_marks(report, group):
+        y = mark.step - 0.5   # the event happened before this step's tokens were placed
+        ax.plot([mark.col_lo - 0.5, mark.col_hi + 0.5], [y, y], color=EVENT_COLOR,
+                **styles[mark.kind])
+        # labels stay inside the axes: a reuse right of the shared cells, a defrag at the right
+        # end of its line, a shift at the left end of the cells it moved
+        if mark.kind == "copy_prefix" or (mark.kind == "shift" and mark.col_lo > 0.6 * n_cols):
+            at, ha, dx = (mark.col_hi + 0.5, "left", 3) if mark.kind == "copy_prefix" \
+                else (mark.col_hi + 0.5, "right", 0)
+        elif mark.kind == "defrag":
+            at, ha, dx = mark.col_hi + 0.5, "right", -2
+        else:
+            at, ha, dx = mark.col_lo - 0.5, "left", 2
+        ax.annotate(mark.label, (at, y), xytext=(dx, 2), textcoords="offset points", ha=ha,
+                    va="bottom", fontsize=7.5, bbox=box)
+    ax.set_xlim(-0.5, n_cols - 0.5)
     ax.set_ylim(n_steps - 0.5, -0.5)
-    handles = [Patch(facecolor="#ffffff", edgecolor="#999999", label="free"),
-               Patch(facecolor="#222222", label="shared system prompt (copy_prefix)")]
-    handles += [Patch(facecolor=colors[2 + r], label=f"request {r}") for r in range(min(n_req, 20))]
-    handles += [Line2D([], [], color=c, marker="<", linestyle="none", label=k)
-                for k, (c, _) in styles.items()]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.07, 1.0), fontsize=8,
-              frameon=False)
-    fig.tight_layout()
+    handles = [Patch(facecolor=FREE_COLOR, edgecolor="#999999", label="free"),
+               Patch(facecolor=SHARED_COLOR, label="shared system prompt (copy_prefix)")]
+    shown = rids[:len(REQUEST_COLORS)]
+    handles += [Patch(facecolor=request_color(r), label=f"request r{r}") for r in shown]
+    handles += [Line2D([], [], color=EVENT_COLOR, label=EVENT_LABELS[k], **st)
+                for k, st in styles.items()]
+    fig.legend(handles=handles, loc="upper left", fontsize=8, frameon=False,
+               bbox_to_anchor=((plot_px + 110) / (plot_px + 420), 0.92))
     fig.savefig(path)
     return str(path)
 
@@ -1133,5 +1241,6 @@ def main(args: argparse.Namespace) -> int:
 
 __all__ = ["TinyLlama", "ModelConfig", "Workload", "Request", "DemoReport",
            "DemoVerificationError", "run_demo", "reference_forward", "cell_owners",
-           "save_picture", "add_parser", "main"]
+           "save_picture", "picture_columns", "picture_marks", "PictureMark", "request_color",
+           "add_parser", "main"]
 __all__ += ["verify_forward"]

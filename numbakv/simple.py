@@ -172,10 +172,8 @@ class _SingleStreamCache:
         return k, v
 
     def _check_trim(self, n: Any) -> int:
-        n = _check_int("n", n, 0)
-        if n > self._offset:
-            raise ValueError(f"cannot trim n={n} tokens: the cache holds {self._offset}")
-        return n
+        """``n`` clamped to the tokens held, as the seed's ``Trim`` does (``min(offset, n)``)."""
+        return min(_check_int("n", n, 0), self._offset)
 
     def _meta(self) -> Dict[str, Any]:
         return {"kind": self.kind, "step": self._step, "dtype": self._dtype}
@@ -296,7 +294,7 @@ class StepCache(_SingleStreamCache):
         """How many tokens :meth:`trim` can remove now (all of them)."""
         return self._offset
 
-    def update(self, keys: Any, values: Any):
+    def update(self, keys: Any, values: Any) -> Tuple[Any, Any]:
         """Append ``keys`` ``[batch, n_kv_heads, L, head_dim]`` and ``values``
         ``[batch, n_kv_heads, L, v_head_dim]``; return ``(keys, values)`` views of everything
         stored, ``[batch, n_kv_heads, offset, ...]``."""
@@ -316,8 +314,9 @@ class StepCache(_SingleStreamCache):
         return self._views(need)
 
     def trim(self, n: int) -> int:
-        """Drop the newest ``n`` tokens (0 <= n <= offset; more raises ``ValueError``);
-        returns ``n``. Storage is kept for the tokens that follow."""
+        """Drop the newest ``min(n, offset)`` tokens (the seed's ``Trim``) and return how many
+        were dropped; ``n`` must be an integer >= 0. Storage is kept for the tokens that
+        follow."""
         n = self._check_trim(n)
         self._offset -= n
         self._n = self._offset
@@ -378,6 +377,7 @@ class RotatingCache(_SingleStreamCache):
 
     @property
     def max_size(self) -> int:
+        """Tokens each token attends to at most, itself included (the ring's size)."""
         return self._max
 
     def __len__(self) -> int:
@@ -420,7 +420,7 @@ class RotatingCache(_SingleStreamCache):
         self._n = n - drop
 
     # public ------------------------------------------------------------------------------
-    def update(self, keys: Any, values: Any):
+    def update(self, keys: Any, values: Any) -> Tuple[Any, Any]:
         """Add ``keys`` ``[batch, n_kv_heads, L, head_dim]`` and ``values``
         ``[batch, n_kv_heads, L, v_head_dim]``; returns ``(keys, values)`` views: for ``L == 1``
         the ring (``min(offset, max_size)`` tokens, ring order), for ``L > 1`` the history the new
@@ -482,15 +482,12 @@ class RotatingCache(_SingleStreamCache):
         self._k, self._v, self._start = nk, nv, 0
 
     def trim(self, n: int) -> int:
-        """Drop the newest ``n`` tokens; returns ``n``. Raises ``ValueError`` when ``n`` is
-        negative, more than ``offset``, or more than :attr:`trimmable` (the window already
-        evicted history the following tokens would need)."""
-        n = self._check_trim(n)
-        if n > self.trimmable:
-            raise ValueError(
-                f"cannot trim n={n} tokens: the window has evicted old tokens, and only "
-                f"{self.trimmable} can be removed while keeping the max_size - 1 = "
-                f"{self._max - 1} tokens of history the next token needs")
+        """Drop the newest ``min(n, trimmable)`` tokens and return how many were dropped
+        (``n`` must be an integer >= 0). The seed's ``Trim`` clamps to ``offset``; before the
+        window has evicted anything :attr:`trimmable` is ``offset``, after it the clamp also
+        keeps the ``max_size - 1`` tokens of history the next token needs (the seed would drop
+        them and leave the next window short)."""
+        n = min(self._check_trim(n), self.trimmable)
         if n == 0:
             return 0
         self._to_temporal()

@@ -61,14 +61,18 @@ class WrapperCache:
 
     @property
     def n_layers(self) -> int:
+        """Model layers this wrapper serves: ``len(layer_groups)``, or the caches' common
+        ``n_layers`` when every cache sees every layer."""
         if self.layer_groups is None:
             return self.caches[0].config.n_layers
         return len(self.layer_groups)
 
     def start_forward(self, positions, seqs, reserve: bool = False) -> None:
-        """Every cache places the batch, then applies its pending shifts and builds its mask; if
-        any of them fails, each one's undo log takes back what it did (evictions, defrags and
-        key rotations included), so every (sequence, position) keeps its own K/V."""
+        """Place the batch (``positions``, ``seqs``: ``[batch]`` integers) in every cache, all
+        or nothing: every cache places it, then applies its pending shifts and builds its mask;
+        if any of them fails (e.g. ``KVCacheFullError``), each one's undo log takes back what it
+        did (evictions, defrags and key rotations included), so every (sequence, position) keeps
+        its own K/V."""
         undos: List[Tuple[CausalCache, object]] = []
         try:
             for cache in self.caches:
@@ -86,6 +90,8 @@ class WrapperCache:
         self._current = _check_index("index", index, 0, len(self.caches))
 
     def set_layer(self, layer: int) -> None:
+        """Select model ``layer``: with ``layer_groups``, its group's cache and the layer's
+        index inside it; else ``layer`` of the cache picked by :meth:`set_layer_type`."""
         layer = _check_index("layer", layer, 0, self.n_layers)
         if self.layer_groups is not None:
             self._current = self.layer_groups[layer]
@@ -93,12 +99,17 @@ class WrapperCache:
         self.caches[self._current].set_layer(layer)
 
     def put(self, key, value) -> None:
+        """Store the batch's ``key`` ``[batch, n_kv_heads, head_dim]`` and ``value`` ``[batch,
+        n_kv_heads, v_head_dim]`` in the current layer's cache (see ``CausalCache.put``)."""
         self.caches[self._current].put(key, value)
 
     def get(self):
+        """``(key, value, mask)`` of the current layer's cache (see ``CausalCache.get``)."""
         return self.caches[self._current].get()
 
     def set_causal(self, except_=None) -> None:
+        """Turn off the future-position test for batch indices ``except_`` in every cache,
+        until the next ``start_forward``."""
         for cache in self.caches:  # every cache must have a forward pass before any changes
             cache._require_forward("set_causal")
         for cache in self.caches:
@@ -121,40 +132,57 @@ class WrapperCache:
         return results
 
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
+        """Drop positions ``[begin, end)`` of ``seq`` from every cache (``end=None``: to the
+        end), moving later positions down with re-rotation; every cache is checked first, and
+        if one fails all are restored."""
         for cache in self.caches:  # check all first: nothing runs unless every cache accepts
             cache._check_remove(seq, begin, end)
         self._fan_out("remove", seq, begin, end)
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        """Share the first ``length`` positions of ``src_seq`` with ``dst_seq`` in every cache."""
         self._fan_out("copy_prefix", src_seq, dst_seq, length)
 
     def can_resume(self, seq: int, pos: int) -> bool:
+        """Whether every cache can continue ``seq`` at ``pos`` (``CausalCache.can_resume``)."""
         return all([cache.can_resume(seq, pos) for cache in self.caches])  # all checked
 
     def defrag(self) -> None:
+        """Defragment every cache."""
         for cache in self.caches:
             cache._check_open()
         self._fan_out("defrag")
 
     def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
+        """llama.cpp's ``seq_rm`` on every cache (``seq=-1``: all sequences); True when all
+        succeed."""
         return all(self._fan_out("seq_rm", seq, p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
+        """llama.cpp's ``seq_cp`` on every cache: ``dst`` shares ``src``'s positions
+        ``[p0, p1)``."""
         self._fan_out("seq_cp", src, dst, p0, p1)
 
     def seq_keep(self, seq: int) -> None:
+        """llama.cpp's ``seq_keep`` on every cache: drop every sequence but ``seq``."""
         self._fan_out("seq_keep", seq)
 
     def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int) -> None:
+        """llama.cpp's ``seq_add`` on every cache: move positions ``[p0, p1)`` of ``seq`` by
+        ``delta`` (keys re-rotated)."""
         self._fan_out("seq_add", seq, p0, p1, delta)
 
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
+        """llama.cpp's ``seq_div`` on every cache: divide positions ``[p0, p1)`` of ``seq`` by
+        ``d`` (keys re-rotated)."""
         self._fan_out("seq_div", seq, p0, p1, d)
 
     def seq_pos_min(self, seq: int) -> int:
+        """The lowest position of ``seq`` over all caches (-1 when empty)."""
         return min(cache.seq_pos_min(seq) for cache in self.caches)
 
     def seq_pos_max(self, seq: int) -> int:
+        """The highest position of ``seq`` over all caches (-1 when empty)."""
         return max(cache.seq_pos_max(seq) for cache in self.caches)
 
     def use_stream(self, stream) -> None:
@@ -163,6 +191,7 @@ class WrapperCache:
             cache.use_stream(stream)
 
     def close(self) -> None:
+        """Close every cache (frees their storage)."""
         for cache in self.caches:
             cache.close()
 
@@ -287,6 +316,7 @@ class EncoderCache:
 
     @property
     def encoder_cached(self) -> bool:
+        """True when encoder output is stored for every layer."""
         return self.encoder_len > 0 and bool(self._layers_written.all())
 
     def start_forward(self, positions, seqs, reserve: bool = False, *,
@@ -322,6 +352,7 @@ class EncoderCache:
             self._layers_written[:] = False
 
     def set_layer(self, layer: int) -> None:
+        """Select ``layer`` for the following ``put``/``get``."""
         self._check_open()
         self._layer = _check_index("layer", layer, 0, self.config.n_layers)
 
@@ -390,14 +421,15 @@ class EncoderCache:
             self._layers_written[:] = False
 
     def can_resume(self, seq: int, pos: int) -> bool:
-        """Always True (the encoder output does not depend on the position); checks its
-        arguments and that the cache is open."""
+        """Always True: the encoder output does not depend on where a sequence resumes (the
+        arguments are still checked, and the cache must be open)."""
         self._check_open()
         _check_index("seq", seq, 0, self.config.max_seqs)
         _check_index("pos", pos, 0, UNLIMITED)
         return True
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        """Not supported: raises ``NotSupportedError`` (encoder output is not per sequence)."""
         raise NotSupportedError("EncoderCache does not support copy_prefix")
 
     def set_causal(self, except_=None) -> None:
@@ -420,6 +452,7 @@ class EncoderCache:
         return self._closed
 
     def close(self) -> None:
+        """Release the storage; later calls raise ``KVCacheError``."""
         self._closed = True
         self.keys = self.values = None
 

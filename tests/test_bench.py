@@ -73,9 +73,18 @@ def test_kernel_and_capacity_sections(quick_run):
 
 def test_report_and_plot(quick_run):
     res, text, png = quick_run
-    for title in ("Decode step", "numbakv speed-up", "numbakv step breakdown", "Kernels vs a "
-                  "plain copy", "Capacity", "Targets"):
+    for title in ("Decode step", "numbakv speed-up", "Same work per step", "What differs per "
+                  "step", "--quick: tiny shapes", "numbakv step breakdown", "Kernels vs a "
+                  "plain copy", "Capacity", "Targets (defined at real shapes"):
         assert title in text
+    # the same-work ratios divide by numbakv's per-layer work alone
+    same = text.split("Same work per step")[1].split("What differs")[0].splitlines()[2]
+    ours = next(r for r in res["decode"] if r["contender"] == "numbakv" and r["batch"] == 1
+                and r["context"] == 16)
+    theirs = next(r for r in res["decode"] if r["contender"] == "numpy append"
+                  and r["batch"] == 1 and r["context"] == 16)
+    expect = f"{theirs['median_us'] / ours['layers_us']:.2f}x"
+    assert expect in same.split(), same
     assert res["machine"]["cores"] >= 1 and res["machine"]["numpy"] == np.__version__
     if HAVE_MPL:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -98,7 +107,8 @@ def test_missing_baselines_are_skipped_with_a_note(monkeypatch, tmp_path, capsys
         assert any(n.startswith(f"{name}: skipped, ") and "transformers not installed" in n
                    for n in res["notes"]), res["notes"]
     assert "kernels" not in res and "capacity" not in res
-    assert "transformers not installed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "transformers not installed: pip install 'numbakv[hf]'" in out
 
 
 def test_a_contender_that_does_not_store_is_not_timed(monkeypatch, tmp_path):

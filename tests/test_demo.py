@@ -290,3 +290,69 @@ def test_workload_follow_ups():
     assert w.system_prompt == plain.system_prompt
     with pytest.raises(ValueError, match="follow_ups"):
         Workload.generate(3, 10, capacity=16, follow_ups=2)
+
+
+def _synthetic_report(n_cells, n_steps=30, n_req=20):
+    """A DemoReport with interleaved one-cell decode tokens (the comb the picture must not draw
+    one pixel wide), a shared prefix and one event of each marked kind."""
+    from numbakv.demo import DemoReport
+    owners = np.full((n_steps, n_cells), FREE, np.int32)
+    owners[:, :8] = SHARED
+    for step in range(n_steps):
+        owners[step, 8:n_cells - 3] = (np.arange(8, n_cells - 3) % 4) + 4 * (step >= 20)
+    report = DemoReport(device="cpu", dtype="float32", n_layers=1, swa_window=None,
+                        n_cells=n_cells, capacity=64, requests=n_req, owners=owners)
+    report.events += [(3, "copy_prefix", "request 1 shares the system prompt (8 tokens) of "
+                       "request 0"), (4, "copy_prefix", "request 2 shares the system prompt"),
+                      (12, "shift", "request 0: kept 8, discarded 28 of 64 tokens"),
+                      (20, "defrag", "no contiguous run of 4 free cells"),
+                      (25, "arrive", "request 5 in sequence 1")]
+    return report
+
+
+def test_picture_colours_are_distinct_and_never_free_or_shared():
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_rgb
+    from numbakv.demo import FREE_COLOR, REQUEST_COLORS, SHARED_COLOR, request_color
+    rgb = [to_rgb(c) for c in REQUEST_COLORS]
+    assert len(set(rgb)) == len(rgb)
+    for special in (FREE_COLOR, SHARED_COLOR):
+        s = np.array(to_rgb(special))
+        assert min(np.abs(np.array(c) - s).sum() for c in rgb) > 0.3
+    for c in rgb:  # no grey: every request colour has some saturation
+        assert max(c) - min(c) > 0.15, c
+    assert request_color(3) == REQUEST_COLORS[3]
+
+
+def test_picture_marks_label_every_defrag_shift_and_reuse():
+    from numbakv.demo import picture_marks
+    marks = picture_marks(_synthetic_report(64), group=1)
+    kinds = [m.kind for m in marks]
+    assert sorted(kinds) == ["copy_prefix", "defrag", "shift"]  # arrivals are not marked
+    by_kind = {m.kind: m for m in marks}
+    assert by_kind["copy_prefix"].label.endswith("r1, r2")  # two steps apart: one label
+    assert (by_kind["copy_prefix"].col_lo, by_kind["copy_prefix"].col_hi) == (0, 7)
+    assert by_kind["shift"].label == "context shift r0" and by_kind["shift"].col_lo >= 8
+    assert (by_kind["defrag"].col_lo, by_kind["defrag"].col_hi) == (0, 63)
+
+
+def test_picture_groups_wide_caches_instead_of_one_pixel_stripes(tmp_path):
+    pytest.importorskip("matplotlib")
+    from numbakv.demo import MIN_COLUMN_PX, picture_columns, save_picture
+    report = _synthetic_report(4096)
+    cols, group = picture_columns(report.owners, 1280 // MIN_COLUMN_PX)
+    assert group == 13 and cols.shape == (30, 316)
+    assert (cols[:, 0] == SHARED).all()      # the majority owner of each group
+    assert cols[-1, -1] == FREE              # 3 used cells of 13 in the last group: free
+    assert set(np.unique(cols[:, 1:-1])) <= {0, 1, 2, 3, 4, 5, 6, 7}
+    narrow, g1 = picture_columns(report.owners[:, :64], 320)
+    assert g1 == 1 and np.array_equal(narrow, report.owners[:, :64])
+    path = tmp_path / "wide.png"
+    assert save_picture(report, str(path)) == str(path)
+    from matplotlib.image import imread
+    img = imread(str(path))
+    # the widest run of one colour along a row through the interleaved cells is >= the minimum
+    row = img[int(img.shape[0] * 0.5), :, :3]
+    change = np.nonzero(np.any(np.abs(np.diff(row, axis=0)) > 0.05, axis=1))[0]
+    runs = np.diff(change)
+    assert np.median(runs[runs > 1]) >= MIN_COLUMN_PX - 1
