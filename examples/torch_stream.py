@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     side = torch.cuda.Stream() if on_gpu else None
     ctx = torch.cuda.stream(side) if on_gpu else _null()
     expected = {}
+    next_pos = 0
     gen = torch.Generator(device=tdev).manual_seed(0)
     with ctx:
         if on_gpu:
@@ -57,8 +58,8 @@ def main(argv=None) -> int:
                 with torch.cuda.stream(torch.cuda.default_stream()):
                     busy = busy @ busy / 4096
             batch = 1 if step else 16
-            start = sum(len(v) for v in expected.values()) // N_LAYERS
-            positions = list(range(start, start + batch))
+            positions = list(range(next_pos, next_pos + batch))
+            next_pos += batch
             cache.start_forward(positions, [0] * batch)
             for layer in range(N_LAYERS):
                 cache.set_layer(layer)

@@ -62,8 +62,8 @@ def flashinfer_available() -> bool:
     return True
 
 
-def attend(q, cache, *, scale: Optional[float] = None, soft_cap: Optional[float] = None,
-           backend: str = "auto"):
+def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
+           soft_cap: Optional[float] = None, backend: str = "auto") -> Any:
     """Attention of this forward pass's queries over the cache.
 
     Args:

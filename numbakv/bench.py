@@ -44,7 +44,7 @@ _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
-SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention")
+SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1269,6 +1269,7 @@ def format_report(results: dict) -> str:
         from .bench_seqops import format_section
         lines += ["", format_section(results)]
     lines += format_attention(results.get("attention", []))
+    lines += format_streams(results.get("streams", []))
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
@@ -1447,6 +1448,9 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "attention" in s.sections:
         log("attention ...")
         results["attention"] = run_attention(s, dev, notes, log)
+    if "streams" in s.sections:
+        log("per-sequence streams ...")
+        results["streams"] = run_streams(s, dev, notes, log)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
@@ -1621,6 +1625,87 @@ def run_attention(s: BenchSettings, dev: _Device, notes: List[str],
             del case, cache, q, fns
             dev.release()
     return rows
+
+
+def run_streams(s: BenchSettings, dev: _Device, notes: List[str],
+                log: Callable[[str], None] = lambda _: None) -> List[dict]:
+    """Decode attention over per-sequence streams (``unified=False``): a stream cache's ``get()``
+    views (``[n_b, n_kv, Hkv, D]``, zero-copy for consecutive sequences) and one batched SDPA
+    with its ``[n_b, 1, n_kv]`` mask, side by side with the unified cache of the same shapes
+    (``attend()`` and ``get()`` + dense SDPA) and the per-sequence floor of
+    :func:`attention_case`; one layer, 4 query heads per KV head, float32 and float16."""
+    torch = _optional_torch()
+    if torch is None:
+        notes.append("streams section skipped: PyTorch is not installed")
+        return []
+    from .causal import CausalCache
+    from .config import CacheConfig
+    F = torch.nn.functional
+    tdev = _torch_device(dev)
+    cases = [("decode 4 x 64", 4, 64)] if s.quick else [("decode 8 x 4k", 8, 4096)]
+    rows = []
+    for dtype in ("float32", "float16"):
+        for name, n_seq, context in cases:
+            log(f"streams {name} {dtype} ...")
+            case = attention_case(dev, dtype, n_seq, context, 1, kv_heads=s.kv_heads,
+                                  head_dim=s.head_dim)
+            q = case["q"]
+            hkv, d = s.kv_heads, s.head_dim
+            cfg = CacheConfig(1, hkv, d, dtype=dtype, capacity=context + 8, max_seqs=n_seq,
+                              max_batch=512, device=dev.name, unified=False)
+            st = CausalCache(cfg)
+            for seq in range(n_seq):
+                for p0 in range(0, context, 512):
+                    p1 = min(context, p0 + 512)
+                    st.start_forward(np.arange(p0, p1), np.full(p1 - p0, seq))
+            rng = np.random.default_rng(1)
+            for arr in (st.storage.keys, st.storage.values):
+                arr[...] = dev.asarray(rng.standard_normal(arr.shape, np.float32).astype(dtype))
+            st.start_forward(np.full(n_seq, context), np.arange(n_seq))
+            st.set_layer(0)
+            qs = q.reshape(n_seq, 4 * hkv, 1, d)      # decode: one query row per stream
+
+            def streams():
+                key, value, mask = st.get()
+                k = torch.from_dlpack(key).permute(0, 2, 1, 3)
+                v = torch.from_dlpack(value).permute(0, 2, 1, 3)
+                m = torch.from_dlpack(mask).to(k.dtype)[:, None]
+                F.scaled_dot_product_attention(qs, k, v, attn_mask=m, enable_gqa=True)
+
+            fns = dict(case["fns"])
+            fns["streams"] = streams
+            t = _time_alternating(fns, s.budget, max(3, s.min_reps // 2))
+            rows.append({"case": name, "dtype": dtype, "seqs": n_seq, "context": context,
+                         "floor_us": t["floor"] * 1e6, "streams_us": t["streams"] * 1e6,
+                         "streams_ratio": t["streams"] / t["floor"],
+                         "attend_us": t["torch"] * 1e6, "attend_ratio": t["torch"] / t["floor"],
+                         "dense_us": t["dense"] * 1e6, "dense_ratio": t["dense"] / t["floor"],
+                         "n_kv": int(st._forward.n_kv)})
+            st.close()
+            case["cache"].close()
+            del case, st, fns
+            dev.release()
+    if rows:
+        notes.append("streams: get() views are zero-copy because the batch's sequences are "
+                     "consecutive (0..n-1); a batch in another order gathers its rows")
+    return rows
+
+
+def format_streams(rows: List[dict]) -> List[str]:
+    """Report lines of the streams section."""
+    if not rows:
+        return []
+    lines = ["", "Per-sequence streams (unified=False), decode attention, one layer: stream get() "
+             "+ batched SDPA vs the per-sequence floor (target <= 1.2x), beside the unified "
+             "cache's attend() and get() + dense SDPA"]
+    lines.append(f"{'case':<16} {'dtype':<8} {'floor us':>10} {'streams us':>11} {'ratio':>6} "
+                 f"{'attend us':>10} {'ratio':>6} {'dense us':>10} {'ratio':>6}")
+    for r in rows:
+        lines.append(f"{r['case']:<16} {r['dtype']:<8} {_fmt_us(r['floor_us']):>10} "
+                     f"{_fmt_us(r['streams_us']):>11} {r['streams_ratio']:>5.2f}x "
+                     f"{_fmt_us(r['attend_us']):>10} {r['attend_ratio']:>5.2f}x "
+                     f"{_fmt_us(r['dense_us']):>10} {r['dense_ratio']:>5.2f}x")
+    return lines
 
 
 def format_attention(rows: List[dict]) -> List[str]:

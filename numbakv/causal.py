@@ -14,7 +14,7 @@ import math
 import sys
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -32,6 +32,9 @@ UNLIMITED = 2**31 - 1
 
 ShiftFn = Callable[[int, Any, Any], Any]
 _I32 = np.dtype(np.int32)
+if TYPE_CHECKING:  # pragma: no cover
+    from .pages import PageTable
+
 PathLike = Union[str, os.PathLike]   # a file path
 
 
@@ -459,7 +462,7 @@ class CausalCache:
             return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
         return key, value, fwd.exported
 
-    def get_quantized(self):
+    def get_quantized(self) -> Tuple[Any, Any]:
         """``(key, value)`` raw storage rows of ``get()``'s cell range for the current layer:
         ``uint8 [n, n_kv_heads, bytes_per_row]`` zero-copy views, ggml's block layout for q8_0
         (34 bytes per 32 values) and q4_0 (18), one float8_e4m3fn byte per value for
@@ -783,7 +786,7 @@ class CausalCache:
         return out
 
     # ------------------------------------------------------------------ misc
-    def use_stream(self, stream) -> None:
+    def use_stream(self, stream: Any) -> None:
         """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a
         CuPy stream, a torch stream (``torch.cuda.current_stream()``) or a raw ``cudaStream_t``
         int; None goes back to CuPy's current stream. The rules are those of
@@ -814,14 +817,14 @@ class CausalCache:
         self.close()
 
     # ------------------------------------------------------------------ attention-ready outputs
-    def page_table(self):
+    def page_table(self) -> "PageTable":
         """This forward pass's per-sequence page table (:class:`numbakv.pages.PageTable`, page
         size 1: a page is a cell): for each sequence of the batch, the cells any of its tokens
         may attend to, ascending by position, as int32 arrays on the cache's device. Valid
         until the next ``start_forward`` or sequence operation; follows ``set_causal``."""
         return self._host_pages().table
 
-    def layer_pool(self, layer: Optional[int] = None):
+    def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of every cell of ``layer`` (the current layer when None): key
         ``[n_cells, n_kv_heads, head_dim]``, value likewise (``[n_kv_heads, v_head_dim,
         n_cells]`` when permuted); ``page_table().kv_indices`` index their cell axis."""

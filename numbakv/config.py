@@ -179,6 +179,7 @@ class CacheConfig:
 
     @property
     def v_quantized(self) -> bool:
+        """Whether values are stored in a quantized type (``v_dtype`` in ``QUANT_TYPES``)."""
         return self.v_dtype in QUANT_TYPES
 
     @property
@@ -188,6 +189,7 @@ class CacheConfig:
 
     @property
     def v_row_bytes(self) -> int:
+        """Bytes of one ``(cell, head)`` value row in storage."""
         return row_bytes(self.v_dtype, self.v_head_dim)
 
     def layer_scales(self, which: str) -> np.ndarray:

@@ -85,7 +85,7 @@ class ModelShapes:
     v_head_dim: int
 
 
-def model_shapes(model_or_config) -> ModelShapes:
+def model_shapes(model_or_config: Any) -> ModelShapes:
     """Layers, query heads, KV heads and head sizes of ``model_or_config``'s decoder."""
     config = _text_config(model_or_config)
     n_layers = int(config.num_hidden_layers)
@@ -108,7 +108,7 @@ class LayerAttention:
     chunk_size: Optional[int]
 
 
-def layer_attention(model_or_config) -> List[LayerAttention]:
+def layer_attention(model_or_config: Any) -> List[LayerAttention]:
     """Per layer: its type, sliding window and attention chunk.
 
     transformers' sliding window ``W`` counts the query token (a token sees ``W`` tokens,
@@ -178,7 +178,7 @@ def _rope_parameters(config, layer_type: Optional[str]) -> Tuple[dict, Optional[
     return dict(params[layer_type]), layer_type
 
 
-def rope_shift_for(config, layer_type: Optional[str] = None) -> RopeShift:
+def rope_shift_for(config: Any, layer_type: Optional[str] = None) -> RopeShift:
     """The :class:`numbakv.RopeShift` that re-rotates this model's stored keys when their
     positions move (context shift), read from the model's own RoPE definition.
 
@@ -296,8 +296,8 @@ def _model_device(model) -> Optional[str]:
     return None
 
 
-def cache_for(model_or_config, *, capacity: int, max_seqs: int = 1, max_batch: int = 512,
-              dtype=None, device: str = "auto", shift: Any = "auto",
+def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_batch: int = 512,
+              dtype: Any = None, device: str = "auto", shift: Any = "auto",
               swa_memory: Optional[int] = None, **kw) -> Union[CausalCache, WrapperCache]:
     """A cache shaped for ``model_or_config``: layers, KV heads and head sizes, sliding windows
     and chunks, and the RoPE re-rotation for context shift, all from the model's config.
@@ -498,7 +498,7 @@ def _gptj_attn(module, binding: _Binding):
     return _attn
 
 
-def attach(model, cache) -> None:
+def attach(model: Any, cache: Any) -> None:
     """Route every attention layer of ``model`` through ``cache``.
 
     After ``attach``, one call of the model is one forward pass of the cache::
@@ -635,7 +635,7 @@ def _position_check(binding: _Binding):
     return hook
 
 
-def detach(model) -> None:
+def detach(model: Any) -> None:
     """Undo :func:`attach`: the model's attention implementation, ``use_cache`` and the cache's
     ``start_forward`` are as they were. Raises ``ValueError`` when ``model`` is not attached."""
     binding = getattr(model, _BINDING_ATTR, None)
@@ -659,7 +659,7 @@ def detach(model) -> None:
     delattr(model, _BINDING_ATTR)
 
 
-def attached_cache(model):
+def attached_cache(model: Any) -> Optional[Any]:
     """The cache ``model`` is attached to, or ``None``."""
     binding = getattr(model, _BINDING_ATTR, None)
     return None if binding is None else binding.cache

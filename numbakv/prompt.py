@@ -33,7 +33,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -284,6 +284,7 @@ class PromptCache:
         return list(self._slot(slot).inputs)
 
     def in_use(self, slot: int) -> bool:
+        """Whether ``slot`` is serving a prompt (between ``load`` and ``release``)."""
         return self._slot(slot).in_use
 
     def release(self, slot: int) -> None:
@@ -336,7 +337,7 @@ class PromptCache:
 
     # ------------------------------------------------------------------ state
     def save_slot(self, slot: int, path: Union[str, "os.PathLike[str]"], *,
-                  metadata=None) -> None:
+                  metadata: Optional[Mapping[str, str]] = None) -> None:
         """Save ``slot``'s sequence and its inputs (as ``tokens``) to a safetensors file, so
         ``load_slot`` brings the conversation back (after a restart too). The inputs must be
         integer token ids."""
@@ -347,7 +348,7 @@ class PromptCache:
             from . import state as state_io
             state_io.save(self.cache, path, slot, tokens=tokens, metadata=metadata)
 
-    def slot_bytes(self, slot: int, *, metadata=None) -> bytes:
+    def slot_bytes(self, slot: int, *, metadata: Optional[Mapping[str, str]] = None) -> bytes:
         """What ``save_slot`` writes, as bytes."""
         tokens = self._tokens_to_save(slot)
         if callable(getattr(self.cache, "state_bytes", None)):
@@ -355,7 +356,8 @@ class PromptCache:
         from . import state as state_io
         return state_io.to_bytes(self.cache, slot, tokens=tokens, metadata=metadata)
 
-    def load_slot(self, source, slot: Optional[int] = None) -> int:
+    def load_slot(self, source: Union[str, "os.PathLike[str]", bytes],
+                  slot: Optional[int] = None) -> int:
         """Load a slot saved by ``save_slot`` / ``slot_bytes`` (a path, or bytes) into ``slot``
         (``None``: the least recently used free slot), replacing what it held; its inputs become
         the saved tokens, so later prompts are prefix-matched against them. The slot stays free.

@@ -23,7 +23,8 @@ thread calling in while another is inside raises ``ConcurrentUseError``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import os
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -238,12 +239,14 @@ class _SingleStreamCache:
             other._k[:, :, :self._n] = self._k[:, :, :self._n]
             other._v[:, :, :self._n] = self._v[:, :, :self._n]
 
-    def save_state(self, path, *, tokens=None, metadata=None) -> None:
+    def save_state(self, path: "os.PathLike[str] | str", *, tokens: Optional[Sequence[int]] = None,
+                   metadata: Optional[Mapping[str, str]] = None) -> None:
         """Save this cache to a safetensors file, atomically (``numbakv.state``)."""
         from . import state
         state.save_simple(self, path, tokens=tokens, metadata=metadata)
 
-    def state_bytes(self, *, tokens=None, metadata=None) -> bytes:
+    def state_bytes(self, *, tokens: Optional[Sequence[int]] = None,
+                    metadata: Optional[Mapping[str, str]] = None) -> bytes:
         """What :meth:`save_state` writes, as bytes."""
         from . import state
         return state.simple_to_bytes(self, tokens=tokens, metadata=metadata)

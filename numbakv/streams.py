@@ -33,16 +33,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
-from .causal import CausalCache, _check_memory, _check_index, UNLIMITED
+from .causal import CausalCache, PathLike, _check_memory, _check_index, UNLIMITED
 from .config import CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
 from .storage import KVStorage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pages import PageTable
 
 
 def group_batch(seqs: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -180,7 +184,7 @@ class StreamCache(CausalCache):
         return s * self.cells_per_stream
 
     # ------------------------------------------------------------------ forward pass
-    def start_forward(self, positions, seqs, reserve: bool = False) -> None:
+    def start_forward(self, positions: ArrayLike, seqs: ArrayLike, reserve: bool = False) -> None:
         """Place a batch: each token in its own sequence's stream (first-fit, window pruning
         and defrag per stream). Raises ``KVCacheFullError`` naming the stream that has no room;
         then nothing has changed in any stream."""
@@ -274,7 +278,7 @@ class StreamCache(CausalCache):
         self._check_open()
         self._layer = _check_index("layer", layer, 0, self.config.n_layers)
 
-    def set_causal(self, except_=None) -> None:
+    def set_causal(self, except_: Optional[Sequence[int]] = None) -> None:
         """Drop the future-position test for these batch indices until the next
         ``start_forward`` (``None`` restores it for all)."""
         fwd = self._require_forward("set_causal")
@@ -294,7 +298,7 @@ class StreamCache(CausalCache):
         if not fwd.reserve:
             self._build_mask()
 
-    def put(self, key, value) -> None:
+    def put(self, key: Any, value: Any) -> None:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values ``[batch,
         n_kv_heads, v_head_dim]`` (batch order) for the current layer, each token into its
         sequence's stream."""
@@ -321,7 +325,7 @@ class StreamCache(CausalCache):
                 idx = fwd.groups[b]
                 stream.put(k[idx], v[idx])
 
-    def get(self):
+    def get(self) -> Tuple[Any, Any, Any]:
         """``(key, value, mask)`` of the current layer in the stream layout: key ``[n_b, n_kv,
         n_kv_heads, head_dim]``, value likewise (permuted: ``[n_b, n_kv_heads, v_head_dim,
         n_kv]``), mask ``[n_b, rows, n_kv]`` (0 visible, -inf masked). Zero-copy views when the
@@ -348,13 +352,13 @@ class StreamCache(CausalCache):
         return 0, fwd.n_kv
 
     # ------------------------------------------------------------------ attention-ready outputs
-    def page_table(self):
+    def page_table(self) -> "PageTable":
         """This forward pass's page table over the flattened pool: each stream's cells as
         ``stream * cells_per_stream + cell`` (so ``layer_pool()`` rows), grouped as ``get()``
         groups (see ``CausalCache.page_table``)."""
         return self._host_pages().table
 
-    def layer_pool(self, layer: Optional[int] = None):
+    def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of every cell of every stream of ``layer`` (the current layer when
         None): key ``[n_streams * cells_per_stream, n_kv_heads, head_dim]``, value likewise (or
         ``[n_kv_heads, v_head_dim, n_cells]`` permuted); ``page_table().kv_indices`` index it."""
@@ -550,7 +554,7 @@ class StreamCache(CausalCache):
         for stream in self.streams:
             stream.apply_pending_shifts()
 
-    def use_stream(self, stream) -> None:
+    def use_stream(self, stream: Any) -> None:
         """Queue every stream's GPU work on ``stream`` (see ``CausalCache.use_stream``): the
         streams share one allocation and one CUDA stream."""
         self._check_open()
@@ -559,14 +563,15 @@ class StreamCache(CausalCache):
             sub.use_stream(stream)
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
+                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
                    progress: Optional[bool] = None) -> None:
         """Save the whole cache (every stream) or one sequence (the same file a unified cache
         writes for a sequence, so it loads into either kind)."""
         from . import state
         state.save_streams(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
+    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
                    progress: Optional[bool] = None) -> dict:
         """Load a whole stream cache (``seq=None``) or one sequence saved by any CausalCache
         (``strict``: refuse another model fingerprint, as ``CausalCache.load_state``)."""
@@ -575,14 +580,15 @@ class StreamCache(CausalCache):
         self._end_forward()
         return out
 
-    def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
+                    metadata: Optional[dict] = None,
                     progress: Optional[bool] = None) -> bytes:
         """``save_state`` into bytes."""
         from . import state
         return state.streams_to_bytes(self, seq, tokens=tokens, metadata=metadata,
                                       progress=progress)
 
-    def load_state_bytes(self, data, seq: Optional[int] = None, *, strict: bool = True,
+    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
                          progress: Optional[bool] = None) -> dict:
         """``load_state`` from bytes."""
         from . import state

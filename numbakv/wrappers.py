@@ -5,16 +5,20 @@ encoder's K/V for cross-attention, stored once and visible to every token, like 
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
-from .causal import UNLIMITED, CausalCache, _check_index, host_int_array
+from .causal import UNLIMITED, CausalCache, PathLike, _check_index, host_int_array
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pages import PageTable
 
 
 @one_thread_at_a_time
@@ -185,7 +189,7 @@ class WrapperCache:
         """The highest position of ``seq`` over all caches (-1 when empty)."""
         return max(cache.seq_pos_max(seq) for cache in self.caches)
 
-    def use_stream(self, stream) -> None:
+    def use_stream(self, stream: Any) -> None:
         """Queue every group's GPU work on ``stream`` (see :meth:`CausalCache.use_stream`)."""
         for cache in self.caches:
             cache.use_stream(stream)
@@ -197,14 +201,15 @@ class WrapperCache:
 
     @property
     def closed(self) -> bool:
+        """Whether any group cache is closed (then every call raises ``KVCacheError``)."""
         return any(cache.closed for cache in self.caches)
 
     # -- attention-ready outputs (the current layer's cache)
-    def page_table(self):
+    def page_table(self) -> "PageTable":
         """The page table of the current layer's cache (see ``CausalCache.page_table``)."""
         return self.caches[self._current].page_table()
 
-    def layer_pool(self, layer: Optional[int] = None):
+    def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of every cell of a model layer (the current one when None), from the
         cache of that layer's group (see ``CausalCache.layer_pool``)."""
         if layer is None:
@@ -224,20 +229,22 @@ class WrapperCache:
 
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
+                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
                    progress: Optional[bool] = None) -> None:
         """Save every group cache (``seq=None``) or one sequence of each to a safetensors file,
         atomically (``numbakv.state``, kind ``wrapper`` / ``wrapper-seq``)."""
         from . import state
         state.save(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
 
-    def state_bytes(self, seq: Optional[int] = None, *, tokens=None, metadata=None,
+    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
+                    metadata: Optional[dict] = None,
                     progress: Optional[bool] = None) -> bytes:
         """What ``save_state`` writes, as bytes."""
         from . import state
         return state.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
+    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
                    progress: Optional[bool] = None) -> dict:
         """Restore what ``save_state`` wrote into every group, all or nothing (``strict`` as in
         ``CausalCache.load_state``, per group). Returns the saved tokens and metadata."""
@@ -449,6 +456,7 @@ class EncoderCache:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self._closed
 
     def close(self) -> None:
@@ -461,12 +469,12 @@ class EncoderCache:
             raise KVCacheError("the cache is closed")
 
     # -- attention-ready outputs
-    def page_table(self):
+    def page_table(self) -> "PageTable":
         """Every batch sequence sees every stored encoder token (cells ``0 .. n_enc-1``, their
         ``kv_positions`` the encoder token indices); see ``CausalCache.page_table``."""
         return self._host_pages().table
 
-    def layer_pool(self, layer: Optional[int] = None):
+    def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of the stored encoder K/V of a layer (current when None): key
         ``[n_enc, n_kv_heads, head_dim]``, value ``[n_enc, n_kv_heads, v_head_dim]``."""
         self._check_open()

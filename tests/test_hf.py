@@ -372,14 +372,14 @@ def test_cache_for_forwards_cache_config_options():
         hf.cache_for(_family_config("llama", 2), capacity=8, no_such_option=1)
     with pytest.raises(ValueError, match="head_dim"):
         hf.cache_for(_family_config("llama", 2), capacity=8, head_dim=8)
-    fields = {f.name for f in dataclasses.fields(nkv.CacheConfig)}
-    if "k_dtype" in fields:   # quantized storage (issue on quantized K/V) has landed
-        cache = hf.cache_for(_family_config("llama", 2), capacity=64, device="cpu",
-                             dtype="float16", k_dtype="q8_0", v_dtype="q8_0")
-        assert cache.config.k_dtype == "q8_0"
-    else:
-        with pytest.raises(ValueError, match="k_dtype"):
-            hf.cache_for(_family_config("llama", 2), capacity=64, k_dtype="q8_0")
+    # quantized K/V: ggml blocks run along head_dim (a multiple of 32)
+    wide = _family_config("llama", 2)
+    wide.head_dim = 32
+    cache = hf.cache_for(wide, capacity=64, device="cpu", dtype="float16", k_dtype="q8_0",
+                         v_dtype="q4_0")
+    assert (cache.config.k_dtype, cache.config.v_dtype) == ("q8_0", "q4_0")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        hf.cache_for(_family_config("llama", 2), capacity=64, k_dtype="q8_0")
 
 
 def test_permuted_v_and_half_storage_serve_the_same_logits():
@@ -454,6 +454,7 @@ def test_running_without_start_forward_or_twice():
             model(input_ids=torch.tensor([[4]]), position_ids=torch.tensor([[5]]))
         with pytest.raises(ValueError, match="position_ids is missing"):
             model(input_ids=torch.tensor([[4]]))
+        cache.seq_rm(0, 3)      # position 3 was placed but never run: a re-put is refused
         cache.start_forward([3, 4], [0, 0])
         with pytest.raises(ValueError, match="got 1 tokens but cache.start_forward was given 2"):
             model.model(input_ids=torch.tensor([[4]]), position_ids=torch.tensor([[3]]))

@@ -108,7 +108,7 @@ def test_failed_fan_out_of_a_metadata_op_restores_forward_and_tables(monkeypatch
     _fill(w, 0, range(4), rng)
     before = [_snapshot(c) for c in (a, b)]
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise MemoryError("no memory for the copy")
     monkeypatch.setattr(b.cells, "seq_cp", broken)
     with pytest.raises(MemoryError):

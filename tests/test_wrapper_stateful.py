@@ -83,9 +83,6 @@ def start_forward_rollback_keeps_kv() -> bool:
     return after == before
 
 
-@pytest.mark.xfail(reason="issue 12: WrapperCache.start_forward's rollback restores the cell "
-                          "table but not K/V rows a defrag overwrote (the cell-table rewrite "
-                          "fixes it)")
 def test_failed_start_forward_keeps_every_groups_kv():
     assert start_forward_rollback_keeps_kv()
 
@@ -97,15 +94,6 @@ def _group_state(cache):
     return cells.tobytes(), k.tobytes(), v.tobytes()
 
 
-_rollback_checked = []
-
-
-def _rollback_ok() -> bool:
-    if not _rollback_checked:
-        _rollback_checked.append(start_forward_rollback_keeps_kv())
-    return _rollback_checked[0]
-
-
 class Run:
     def __init__(self, seed: int, swa_first: bool, tmp_path):
         self.rng = np.random.default_rng(seed)
@@ -115,8 +103,7 @@ class Run:
         self.tmp_path = tmp_path
         self.ops = 0
         self.failures = {"full": 0, "injected": 0, "unsupported": 0, "loaded": 0,
-                         "refused": 0, "kv_resynced": 0}
-        self.rollback_bug = not _rollback_ok()
+                         "refused": 0}
 
     # ------------------------------------------------------------------ checking
     def same(self):
@@ -126,25 +113,15 @@ class Run:
     def unchanged(self, before):
         assert [_group_state(g) for g in self.groups] == before
 
-    def wrapper_call(self, name, *args, mirror_args=None, expect=(), kv_may_change=False):
+    def wrapper_call(self, name, *args, mirror_args=None, expect=()):
         """Call the wrapper; on success make the same call on each mirror, on failure check that
-        nothing changed (``kv_may_change``: the cell tables, and the mirrors take the K/V the
-        known issue-12 rollback left). Returns (ok, result)."""
+        nothing changed (cell tables and K/V). Returns (ok, result)."""
         before = [_group_state(g) for g in self.groups]
         self.ops += 1
         try:
             result = getattr(self.w, name)(*args)
         except expect as exc:
-            if kv_may_change:
-                after = [_group_state(g) for g in self.groups]
-                assert [a[0] for a in after] == [b[0] for b in before]
-                if after != before:
-                    self.failures["kv_resynced"] += 1
-                    for g, m in zip(self.groups, self.mirrors):
-                        used = np.flatnonzero(g.cells.cells["pos"] >= 0).astype(np.int32)
-                        m.storage.write_cells(used, *g.storage.read_cells(used))
-            else:
-                self.unchanged(before)
+            self.unchanged(before)
             return False, exc
         for m in self.mirrors:
             getattr(m, name)(*(args if mirror_args is None else mirror_args))
@@ -163,7 +140,7 @@ class Run:
             positions += range(start, start + n)
             batch_seqs += [int(s)] * n
         ok, _ = self.wrapper_call("start_forward", positions, batch_seqs,
-                                  expect=(KVCacheFullError,), kv_may_change=self.rollback_bug)
+                                  expect=(KVCacheFullError,))
         if not ok:
             self.failures["full"] += 1
             self.make_room()

@@ -24,6 +24,12 @@ TARGETS: Tuple[Tuple[int, int], ...] = ((8, 0), (9, 0))
 #: the kernels use today (ptxas reports 18-54), so a change that blows up a kernel's register
 #: use fails the check instead of silently halving occupancy
 MAX_REGISTERS = 64
+#: stated exceptions to MAX_REGISTERS, each with what ptxas reported when it was set (NVVM 12.9):
+#: mask_fill 66 at sm_90 (the visible-interval row test of the split cell table); quant_put 128
+#: for float32 input (a 32-value ggml block is held in registers between its amax pass and its
+#: quantize pass); quant_rope_shift 92 / 72 (dequantize, rotate and requantize fused; the row
+#: itself is in shared memory). Any growth past these still fails the check.
+REGISTER_BOUNDS: Dict[str, int] = {"mask_fill": 72, "quant_put": 128, "quant_rope_shift": 96}
 #: kernel parameter space on sm_70+ (CUDA < 12.1 drivers; 32 KB needs 12.1+ and sm_70+)
 MAX_PARAM_BYTES = 4096
 
@@ -82,7 +88,10 @@ def ptx_problems(ptx: str) -> List[str]:
     return out
 
 
-def resource_problems(res: Resources) -> List[str]:
+def resource_problems(res: Resources, kernel: str = "") -> List[str]:
+    """What is wrong with one kernel entry's resources: any spill, stack frame or local memory,
+    and registers above ``REGISTER_BOUNDS.get(kernel, MAX_REGISTERS)``."""
+    bound = REGISTER_BOUNDS.get(kernel, MAX_REGISTERS)
     out = []
     if res.spill_stores or res.spill_loads:
         out.append(f"register spills ({res.spill_stores} B stored, {res.spill_loads} B loaded)")
@@ -90,8 +99,8 @@ def resource_problems(res: Resources) -> List[str]:
         out.append(f"{res.stack} B stack frame")
     if res.local_bytes:
         out.append(f"{res.local_bytes} B local memory")
-    if res.registers > MAX_REGISTERS:
-        out.append(f"{res.registers} registers (> {MAX_REGISTERS})")
+    if res.registers > bound:
+        out.append(f"{res.registers} registers (> {bound})")
     return out
 
 
@@ -210,7 +219,8 @@ def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[st
                 except Exception as exc:  # noqa: BLE001
                     problems.append(f"{where} {tag}: link failed: {type(exc).__name__}: {exc}")
                     continue
-                problems += [f"{where} {tag}: {p}" for p in resource_problems(res)]
+                problems += [f"{where} {tag}: {p}"
+                             for p in resource_problems(res, spec.name)]
                 report.setdefault(spec.name, []).append(
                     f"  sig {k} {tag}: {res.registers} registers, {res.stack} B stack, "
                     f"{res.spill_stores}/{res.spill_loads} B spilled, {res.local_bytes} B lmem")
@@ -240,7 +250,8 @@ def main(argv=None) -> int:
         for line in details.get(spec.name, []):
             print(line)
     print(f"ok: {len(registered())} kernels"
-          + (f" (linked by nvJitLink; <= {MAX_REGISTERS} registers, no spills, stack, local "
+          + (f" (linked by nvJitLink; <= {MAX_REGISTERS} registers or the stated bound "
+             f"{REGISTER_BOUNDS}, no spills, stack, local "
              f"memory or .extern)" if check else ""))
     return 0
 

@@ -46,6 +46,8 @@ BLOCK_VALUES = {FMT_Q8_0: 32, FMT_Q4_0: 32, FMT_F8: 1}
 BLOCK_BYTES = {FMT_Q8_0: 34, FMT_Q4_0: 18, FMT_F8: 1}
 #: the longest key row the rotary shift takes (a float32 row per GPU thread in local memory)
 MAX_ROTATE_DIM = 1024
+#: grid x cap of the row-per-block kernel (blocks grid-stride beyond it)
+_MAX_GRID_X = 1 << 20
 
 
 def _bound_element(names: dict):
@@ -233,7 +235,8 @@ _dequantize_cpu = dequantize_block.cpu
 _quantize_cuda = quantize_block.cuda
 _dequantize_cuda = dequantize_block.cuda
 _rotate_row_cpu = rotate_row.cpu
-_rotate_row_cuda = rotate_row.cuda
+_pair_cuda = pair_index.cuda
+_rotate_pair_cuda = rotate_pair.cuda
 _move_step_cuda = move_step.cuda
 _move_step_cpu = move_step.cpu
 
@@ -360,23 +363,57 @@ def quant_get_cpu(q, layer, lo, fmt, scales, out, kind):
 # --------------------------------------------------------------------------------------------
 # rotary shift on quantized keys
 
+#: threads that rotate one quantized key row together (the row is held in shared memory)
+ROPE_ROW_THREADS = 32
+
+
 @cuda_kernel("quant_rope_shift", _ROPE_SIGS)
 def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
-    """Grid x: heads; y: cells (grid-striding); z: layers (grid-striding). Each thread
-    dequantizes one key row into local float32, rotates it and requantizes it."""
-    h = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if h >= q.shape[2]:
-        return
-    work = cuda.local.array(MAX_ROTATE_DIM, np.float32)
-    c = cuda.blockIdx.y
-    while c < cells.shape[0]:
-        z = cuda.blockIdx.z
+    """One block per (cell, head) key row (grid x, grid-striding over cells x heads), grid y over
+    layers (grid-striding). The block dequantizes the row into shared memory (a thread per
+    ggml block, or per value for float8), rotates its pairs (a thread per pair, rope.py's math)
+    and requantizes it (a thread per block). Shared memory rather than a per-thread local
+    array: NeoX pairs span ggml blocks, so the whole row must be held at once, and a local
+    array of MAX_ROTATE_DIM floats went to a 4 KiB stack frame (ptxas)."""
+    work = cuda.shared.array(MAX_ROTATE_DIM, np.float32)
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n_heads = q.shape[2]
+    per = 1 if fmt == 3 else 32
+    nbytes = 1 if fmt == 3 else (34 if fmt == 1 else 18)
+    nblk = dim // per
+    half = cos_t.shape[1]
+    rows = cells.shape[0] * n_heads
+    r = cuda.blockIdx.x
+    while r < rows:        # block-uniform loops: every thread reaches each syncthreads
+        c = r // n_heads
+        h = r - c * n_heads
+        u = tab[c]
+        z = cuda.blockIdx.y
         while z < layers.shape[0]:
             layer = layers[z]
-            _rotate_row_cuda(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t, sin_t,
-                             tab[c], neox)
-            z += cuda.gridDim.z
-        c += cuda.gridDim.y
+            row = q[layer, cells[c], h]
+            scale = scales[layer]
+            b = t
+            while b < nblk:
+                _dequantize_cuda(row, b * nbytes, per, fmt, scale, work, b * per, 0)
+                b += nt
+            cuda.syncthreads()
+            p = t
+            while p < half:
+                i0, i1 = _pair_cuda(p, half, neox)
+                a2, b2 = _rotate_pair_cuda(work[i0], work[i1], cos_t[u, p], sin_t[u, p])
+                work[i0] = a2
+                work[i1] = b2
+                p += nt
+            cuda.syncthreads()
+            b = t
+            while b < nblk:
+                _quantize_cuda(work, b * per, per, 0, row, b * nbytes, fmt, scale)
+                b += nt
+            cuda.syncthreads()   # the next row reuses work
+            z += cuda.gridDim.y
+        r += cuda.gridDim.x
 
 
 @njit(inline="always")
@@ -508,8 +545,8 @@ def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, f
                        fmt)
         return
     dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
-    nb = block_size(device)
-    grid = (cdiv(q.shape[2], nb), min(cells.size, MAX_GRID_YZ), min(layers.size, MAX_GRID_YZ))
+    nb = min(block_size(device), ROPE_ROW_THREADS)
+    grid = (min(cells.size * q.shape[2], _MAX_GRID_X), min(layers.size, MAX_GRID_YZ))
     _launch(device, quant_rope_kernel, grid, nb,
             (device_arg(device, q),) + tuple(dev_in) + (int(bool(neox)), int(dim),
                                                        device_arg(device, scales), fmt))
