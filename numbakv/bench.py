@@ -1663,14 +1663,16 @@ def run_streams(s: BenchSettings, dev: _Device, notes: List[str],
                 arr[...] = dev.asarray(rng.standard_normal(arr.shape, np.float32).astype(dtype))
             st.start_forward(np.full(n_seq, context), np.arange(n_seq))
             st.set_layer(0)
-            qs = q.reshape(n_seq, 4 * hkv, 1, d)      # decode: one query row per stream
+            # decode: the 4 query heads of each KV head as 4 query rows of it (head h reads KV
+            # head h // 4), as the floor does; torch's enable_gqa would copy K/V per query head
+            qs = q.reshape(n_seq, hkv, 4, d)
 
             def streams():
                 key, value, mask = st.get()
-                k = torch.from_dlpack(key).permute(0, 2, 1, 3)
+                k = torch.from_dlpack(key).permute(0, 2, 1, 3)       # [n_b, Hkv, n_kv, D]
                 v = torch.from_dlpack(value).permute(0, 2, 1, 3)
-                m = torch.from_dlpack(mask).to(k.dtype)[:, None]
-                F.scaled_dot_product_attention(qs, k, v, attn_mask=m, enable_gqa=True)
+                m = torch.from_dlpack(mask).to(k.dtype)[:, None]   # [n_b, 1, 1, n_kv]
+                F.scaled_dot_product_attention(qs, k, v, attn_mask=m)
 
             fns = dict(case["fns"])
             fns["streams"] = streams

@@ -430,10 +430,17 @@ class CausalCache:
                 self.storage.put_range_trusted(self._layer, fwd.start, key, value)
             return
         fwd = self._require_forward("put")
+        k, v = self._batch_kv(key, value, len(fwd.positions))
+        if fwd.reserve:
+            return
+        self.storage.put_range(self._layer, fwd.start, k, v)
+
+    def _batch_kv(self, key, value, batch: int):
+        """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,
+        n_kv_heads, head_dim]`` / ``[batch, n_kv_heads, v_head_dim]`` (put's validating path)."""
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
-        batch = len(fwd.positions)
         if tuple(k.shape) != (batch, cfg.n_kv_heads, cfg.head_dim):
             raise ValueError(f"key must have shape [batch={batch}, n_kv_heads={cfg.n_kv_heads}, "
                              f"head_dim={cfg.head_dim}], got {list(k.shape)}")
@@ -441,9 +448,7 @@ class CausalCache:
             raise ValueError(f"value must have shape [batch={batch}, n_kv_heads="
                              f"{cfg.n_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
                              f"{list(v.shape)}")
-        if fwd.reserve:
-            return
-        self.storage.put_range(self._layer, fwd.start, k, v)
+        return k, v
 
     def get(self) -> Tuple[Any, Any, Any]:
         """``(key, value, mask)`` for the current layer: zero-copy views of the cells the batch

@@ -41,7 +41,7 @@ from numpy.typing import ArrayLike
 from ._guard import one_thread_at_a_time
 from .causal import CausalCache, PathLike, _check_memory, _check_index, UNLIMITED
 from .config import CacheConfig, round_up
-from .device import array_module, as_array, export_view, resolve_device
+from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
 from .storage import KVStorage
 
@@ -303,17 +303,7 @@ class StreamCache(CausalCache):
         n_kv_heads, v_head_dim]`` (batch order) for the current layer, each token into its
         sequence's stream."""
         fwd = self._require_forward("put")
-        cfg = self.config
-        k = as_array(key, self.device, cfg.dtype, name="key")
-        v = as_array(value, self.device, cfg.dtype, name="value")
-        batch = len(fwd.token_order)
-        if tuple(k.shape) != (batch, cfg.n_kv_heads, cfg.head_dim):
-            raise ValueError(f"key must have shape [batch={batch}, n_kv_heads={cfg.n_kv_heads}, "
-                             f"head_dim={cfg.head_dim}], got {list(k.shape)}")
-        if tuple(v.shape) != (batch, cfg.n_kv_heads, cfg.v_head_dim):
-            raise ValueError(f"value must have shape [batch={batch}, n_kv_heads="
-                             f"{cfg.n_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
-                             f"{list(v.shape)}")
+        k, v = self._batch_kv(key, value, len(fwd.token_order))
         if fwd.reserve:
             return
         for b, s in enumerate(fwd.seq_ids.tolist()):
