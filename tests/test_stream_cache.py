@@ -377,3 +377,55 @@ def test_page_table_indexes_the_flattened_pool():
     key, value = c.layer_pool(0)
     assert key.shape == (c.n_cells, H, D)
     assert np.shares_memory(np.asarray(key), c.storage.keys)
+
+
+def test_wrapper_cache_over_stream_caches():
+    """A WrapperCache of two stream caches (sliding-window layers beside full ones): batches,
+    removals with re-rotation and a fork fan out to both, and a refusal in the second leaves
+    the first as it was (its streams' undo logs)."""
+    rng = np.random.default_rng(5)
+    swa = nkv.CausalCache(stream_cfg(capacity=32, max_batch=4), shift=nkv.RopeShift(),
+                          swa_window=3)
+    full = nkv.CausalCache(stream_cfg(capacity=8, max_batch=4), shift=nkv.RopeShift())
+    w = nkv.WrapperCache([swa, full], layer_groups=[0, 1, 0, 1])
+    w.start_forward([0, 1, 2, 0], [0, 0, 0, 1])
+    for layer in range(4):
+        w.set_layer(layer)
+        k = kv(rng, 4)
+        w.put(k, k)
+        key, _, mask = w.get()
+        assert key.shape[0] == 2 and mask.shape[0] == 2
+    w.copy_prefix(0, 2, 2)
+    assert [w.seq_pos_max(s) for s in range(3)] == [2, 0, 1]
+    w.remove(0, 0, 1)
+    assert w.seq_pos_max(0) == 1
+    w.start_forward([1, 2, 3, 4], [1] * 4)
+    before = [s.cells.cells for c in (swa, full) for s in c.streams]
+    with pytest.raises(KVCacheFullError, match="stream 1"):
+        w.start_forward([5, 6, 7, 8], [1] * 4)   # fits the window group, not the full one
+    after = [s.cells.cells for c in (swa, full) for s in c.streams]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert w.seq_pos_max(1) == 4
+
+
+def test_prompt_cache_forks_across_streams():
+    """PromptCache's multi-user fork over a stream cache: copy_prefix copies the shared prefix's
+    K/V into the new slot's stream, and only the rest of the prompt is evaluated."""
+    rng = np.random.default_rng(6)
+    c = nkv.CausalCache(stream_cfg(), shift=nkv.RopeShift())
+    pc = nkv.PromptCache(c, multi_user=True, clock=iter(range(100)).__next__)
+    slot, todo = pc.load([1, 2, 3, 4])
+    assert list(todo) == [1, 2, 3, 4]
+    c.start_forward(list(range(4)), [slot] * 4)
+    c.set_layer(0)
+    k = kv(rng, 4)
+    c.put(k, k)
+    pc.extend(slot, [1, 2, 3, 4])
+    pc.release(slot)
+    fork, todo = pc.load([1, 2, 3, 9])
+    assert fork != slot and list(todo) == [9]
+    assert (c.seq_pos_min(fork), c.seq_pos_max(fork)) == (0, 2)
+    c.start_forward([3], [fork])
+    c.set_layer(0)
+    c.put(k[:1], k[:1])
+    np.testing.assert_array_equal(np.asarray(c.get()[0])[0, :3], k[:3])
