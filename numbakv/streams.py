@@ -13,7 +13,8 @@ a full stream, re-rotation on ``remove``), and all streams share one K/V allocat
 
 ``cells_per_stream`` is what a one-sequence cache needs: ``capacity``, or with a window memory
 ``swa_memory + max_batch`` (llama.cpp sizes each SWA stream ``n_swa + n_ubatch``), rounded up to
-``cache_padding``. Sequence ``s`` lives in stream ``s``.
+``cache_padding``. The window memory follows the unified cache's rule for several sequences
+(at least ``swa_window + 1``), so eviction, ``can_resume`` and forks behave as there. Sequence ``s`` lives in stream ``s``.
 
 ``get()`` returns ``key [n_b, n_kv, n_kv_heads, head_dim]`` (row ``b`` = stream
 ``seq_ids[b]``), ``value`` likewise (permuted: ``[n_b, n_kv_heads, v_head_dim, n_kv]``) and
@@ -47,6 +48,10 @@ from .storage import KVStorage
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def group_batch(seqs: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,6 +131,11 @@ class StreamCache(CausalCache):
             s = len(self.streams)
             return self._pool.cell_slice(s * n_cells, (s + 1) * n_cells)
 
+        if _is_int(swa_window) and swa_window > 0 and config.max_seqs > 1 and \
+                (swa_memory is None or _is_int(swa_memory)):
+            # Ollama's rule for a cache of several sequences (memory >= window + 1), kept per
+            # stream so that eviction, can_resume and forks behave as in the unified cache
+            swa_memory = max(swa_window if swa_memory is None else swa_memory, swa_window + 1)
         for _ in range(self.n_streams):
             self.streams.append(CausalCache(stream_config, shift=shift, swa_window=swa_window,
                                             swa_memory=swa_memory, chunk_size=chunk_size,

@@ -131,6 +131,17 @@ def assert_logits(got, want, what):
 def test_family_matches_full_forward(family):
     """Mixed prefill/decode batches of three sequences, one of them a copy_prefix fork: every
     token's logits equal the model's own full forward of its sequence."""
+    check_family_matches_full_forward(family)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gptj"])
+def test_family_matches_full_forward_per_sequence_streams(family):
+    """The same with llama.cpp's per-sequence streams (``unified=False``; Gemma 3: a WrapperCache
+    of two stream caches): the fork copies its prefix into its own stream."""
+    check_family_matches_full_forward(family, unified=False)
+
+
+def check_family_matches_full_forward(family, **cache_kw):
     model = tiny_model(family)
     g = torch.Generator().manual_seed(1)
     a = torch.randint(0, VOCAB, (14,), generator=g).tolist()
@@ -139,7 +150,7 @@ def test_family_matches_full_forward(family):
     want = {0: full_logits(model, a), 1: full_logits(model, b), 2: full_logits(model, fork)}
     seqs = {0: a, 1: b, 2: fork}
 
-    cache = hf.cache_for(model, capacity=32, max_seqs=3, max_batch=16, device="cpu")
+    cache = hf.cache_for(model, capacity=32, max_seqs=3, max_batch=16, device="cpu", **cache_kw)
     hf.attach(model, cache)
     schedule = [
         [(0, 0, 7), (1, 0, 4)],                  # two prefills
@@ -164,13 +175,22 @@ def test_family_matches_full_forward(family):
 def test_context_shift_one_layer_exact(family):
     """One layer: a stored key depends only on its token and position, so after remove() with
     re-rotation the continuation equals the full forward of the shortened sequence."""
+    check_context_shift_one_layer_exact(family)
+
+
+@pytest.mark.parametrize("family", ["llama", "gptj"])
+def test_context_shift_one_layer_exact_per_sequence_streams(family):
+    check_context_shift_one_layer_exact(family, unified=False)
+
+
+def check_context_shift_one_layer_exact(family, **cache_kw):
     model = tiny_model(family, n_layers=1)
     g = torch.Generator().manual_seed(2)
     seq = torch.randint(0, VOCAB, (14,), generator=g).tolist()
     extra = torch.randint(0, VOCAB, (3,), generator=g).tolist()
     kept = seq[:3] + seq[7:] + extra          # positions 3..6 removed, later ones move down 4
     want = full_logits(model, kept)
-    cache = hf.cache_for(model, capacity=32, max_seqs=2, max_batch=16, device="cpu")
+    cache = hf.cache_for(model, capacity=32, max_seqs=2, max_batch=16, device="cpu", **cache_kw)
     hf.attach(model, cache)
     run_batch(model, cache, [(0, seq[:8], 0)])
     run_batch(model, cache, [(0, seq[8:], 8)])

@@ -38,10 +38,13 @@ def test_sizing_and_memory_accounting():
     assert isinstance(c, StreamCache) and isinstance(c, nkv.CausalCache)
     assert c.cells_per_stream == 12 and c.n_cells == 36
     assert c.storage.keys.shape == (2, 36, H, D)
-    # sliding window: each stream holds its own window memory plus one batch (llama.cpp)
+    # sliding window: each stream holds its own window memory plus one batch (llama.cpp), the
+    # memory following the unified cache's rule for several sequences (>= window + 1)
     w = nkv.CausalCache(stream_cfg(capacity=64), swa_window=4)
-    assert w.cells_per_stream == 4 + 8 and w.n_cells == 3 * 12
-    assert w.swa_memory == 4
+    assert w.cells_per_stream == 5 + 8 and w.n_cells == 3 * 13
+    assert w.swa_memory == 5
+    one = nkv.CausalCache(stream_cfg(capacity=64, max_seqs=1), swa_window=4)
+    assert one.swa_memory == 4 and one.cells_per_stream == 4 + 8
     assert nkv.CacheConfig(1, 1, 8, unified=True).n_streams == 1
     with pytest.raises(ValueError, match="unified must be a bool"):
         nkv.CacheConfig(1, 1, 8, unified="no")
