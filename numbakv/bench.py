@@ -1680,6 +1680,8 @@ def run_streams(s: BenchSettings, dev: _Device, notes: List[str],
             rows.append({"case": name, "dtype": dtype, "seqs": n_seq, "context": context,
                          "floor_us": t["floor"] * 1e6, "streams_us": t["streams"] * 1e6,
                          "streams_ratio": t["streams"] / t["floor"],
+                         "floor_nhd_us": t["floor_nhd"] * 1e6,
+                         "streams_over_floor_nhd": t["streams"] / t["floor_nhd"],
                          "attend_us": t["torch"] * 1e6, "attend_ratio": t["torch"] / t["floor"],
                          "dense_us": t["dense"] * 1e6, "dense_ratio": t["dense"] / t["floor"],
                          "n_kv": int(st._forward.n_kv)})
@@ -1701,12 +1703,14 @@ def format_streams(rows: List[dict]) -> List[str]:
              "+ batched SDPA vs the per-sequence floor (target <= 1.2x), beside the unified "
              "cache's attend() and get() + dense SDPA"]
     lines.append(f"{'case':<16} {'dtype':<8} {'floor us':>10} {'streams us':>11} {'ratio':>6} "
-                 f"{'attend us':>10} {'ratio':>6} {'dense us':>10} {'ratio':>6}")
+                 f"{'attend us':>10} {'ratio':>6} {'dense us':>10} {'ratio':>6} "
+                 f"{'NHD floor us':>12} {'streams/NHD':>11}")
     for r in rows:
         lines.append(f"{r['case']:<16} {r['dtype']:<8} {_fmt_us(r['floor_us']):>10} "
                      f"{_fmt_us(r['streams_us']):>11} {r['streams_ratio']:>5.2f}x "
                      f"{_fmt_us(r['attend_us']):>10} {r['attend_ratio']:>5.2f}x "
-                     f"{_fmt_us(r['dense_us']):>10} {r['dense_ratio']:>5.2f}x")
+                     f"{_fmt_us(r['dense_us']):>10} {r['dense_ratio']:>5.2f}x "
+                     f"{_fmt_us(r['floor_nhd_us']):>12} {r['streams_over_floor_nhd']:>10.2f}x")
     return lines
 
 

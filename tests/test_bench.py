@@ -199,3 +199,13 @@ def test_attention_rows_agree_with_dense():
         assert r["torch_ratio"] > 0 and r["nnz"] <= r["seqs"] * r["union_cells"]
         if r["seqs"] > 1:              # each sequence reads its own cells, not the union
             assert r["nnz"] < r["seqs"] * r["union_cells"]
+
+
+@pytest.mark.torch
+def test_streams_section_quick(capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--sections", "streams",
+                     "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "Per-sequence streams (unified=False)" in out
+    assert out.count("decode 4 x 64") == 2      # float32 and float16 rows
