@@ -117,9 +117,15 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         if not soft_cap > 0:
             raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
     permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
+    # quantized K/V: the cell pool holds raw blocks; get() dequantizes the attended range
+    quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
     if backend == "auto":
-        backend = "flashinfer" if (on_cuda and not permuted and flashinfer_available()) \
-            else "torch"
+        backend = "dense" if quantized else \
+            "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
+    elif quantized and backend != "dense":
+        raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
+                         f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
+                         "backend='dense' or 'auto'")
     if backend == "dense":
         return _dense(torch, q, cache, scale, soft_cap, permuted)
     key_pool, value_pool = (torch.from_dlpack(x) for x in cache.layer_pool())

@@ -554,3 +554,27 @@ def test_storage_put_with_slots(device, kinds):
         np.testing.assert_array_equal(got[[5, 2]], want[[0, 2]])
         assert not got[[0, 1, 3, 4, 6, 7]].any()  # untouched cells stay zero
     assert not host(st.keys[0]).any()              # other layers too
+
+
+def test_attend_on_a_quantized_cache_matches_its_dequantized_get():
+    """attend() on quantized storage: 'auto' attends over get()'s dequantized K/V (the cell pool
+    holds raw blocks, which the pool-reading backends refuse, naming the way out)."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    rng = np.random.default_rng(9)
+    cache = make_cache("cpu", "q8_0", dtype="float32", n_kv_heads=2, head_dim=32, n_layers=1,
+                       max_seqs=2)
+    cache.start_forward([0, 1, 2, 0], [0, 0, 0, 1])
+    x = rng.standard_normal((4, 2, 32)).astype(np.float32)
+    cache.put(x, x)
+    q = torch.from_numpy(rng.standard_normal((4, 4, 32)).astype(np.float32))
+    got = attend(q, cache)
+    key, value, mask = cache.get()
+    k, v = torch.from_numpy(np.asarray(key)), torch.from_numpy(np.asarray(value))
+    m = torch.from_numpy(np.asarray(mask))[:4]
+    s = torch.einsum("bhd,nhd->bhn", q.reshape(4, 2, 2, 32).flatten(1, 2),
+                     k.repeat_interleave(2, dim=1)) / 32 ** 0.5 + m[:, None, :]
+    want = torch.einsum("bhn,nhd->bhd", torch.softmax(s, -1), v.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="quantized blocks"):
+        attend(q, cache, backend="torch")
