@@ -164,10 +164,6 @@ class StreamCache(CausalCache):
         """Defrags run so far, over all streams."""
         return sum(s.defrag_count for s in self.streams)
 
-    @defrag_count.setter
-    def defrag_count(self, value: int) -> None:  # CausalCache.__init__ is not run; kept settable
-        pass
-
     @property
     def n_used(self) -> int:
         """Cells holding a token, over all streams."""
