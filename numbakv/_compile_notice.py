@@ -15,8 +15,8 @@ import sys
 
 from numba.core import event
 
-MESSAGE = ("numbakv: compiling for first use (a few seconds, once: later runs load the compiled "
-           "code from numba's cache)")
+MESSAGE = ("numbakv: compiling for first use (up to about a minute on a small machine, once: "
+           "later runs load the compiled code from numba's cache)")
 
 
 class CompileNotice(event.Listener):
