@@ -82,6 +82,29 @@ def _host_array(values) -> np.ndarray:
     return np.asarray(values)
 
 
+def check_batch(positions, seqs, config: CacheConfig) -> Tuple[np.ndarray, np.ndarray]:
+    """A batch's ``positions`` and ``seqs`` (any integer array-likes, ``[batch]``) as int32 host
+    arrays, checked against ``config``: equal, non-zero length up to ``max_batch``, positions in
+    ``[0, UNLIMITED)``, sequence ids in ``[0, max_seqs)``."""
+    pos = host_int_array(positions, "positions")
+    sq = host_int_array(seqs, "seqs")
+    if len(pos) != len(sq):
+        raise ValueError(f"positions and seqs must have the same length, got {len(pos)} "
+                         f"and {len(sq)}")
+    if len(pos) == 0:
+        raise ValueError("positions must hold at least one token")
+    if len(pos) > config.max_batch:
+        raise ValueError(f"batch of {len(pos)} tokens is larger than max_batch="
+                         f"{config.max_batch}")
+    if pos.min() < 0 or pos.max() >= UNLIMITED:
+        raise ValueError(f"positions must be in [0, {UNLIMITED}), got min {pos.min()} "
+                         f"max {pos.max()}")
+    if sq.min() < 0 or sq.max() >= config.max_seqs:
+        raise ValueError(f"seqs must be in [0, max_seqs={config.max_seqs}), got min "
+                         f"{sq.min()} max {sq.max()}")
+    return pos.astype(np.int32), sq.astype(np.int32)
+
+
 @dataclass
 class _Forward:
     """The forward pass in progress (from ``start_forward`` to the next one)."""
@@ -338,23 +361,7 @@ class CausalCache:
                 <= self.config.max_batch \
                 and _batch_ids_ok(self.config.max_seqs, positions, seqs) == 0:
             return positions.copy(), seqs.copy()
-        pos = host_int_array(positions, "positions")
-        sq = host_int_array(seqs, "seqs")
-        if len(pos) != len(sq):
-            raise ValueError(f"positions and seqs must have the same length, got {len(pos)} "
-                             f"and {len(sq)}")
-        if len(pos) == 0:
-            raise ValueError("positions must hold at least one token")
-        if len(pos) > self.config.max_batch:
-            raise ValueError(f"batch of {len(pos)} tokens is larger than max_batch="
-                             f"{self.config.max_batch}")
-        if pos.min() < 0 or pos.max() >= UNLIMITED:
-            raise ValueError(f"positions must be in [0, {UNLIMITED}), got min {pos.min()} "
-                             f"max {pos.max()}")
-        if sq.min() < 0 or sq.max() >= self.config.max_seqs:
-            raise ValueError(f"seqs must be in [0, max_seqs={self.config.max_seqs}), got min "
-                             f"{sq.min()} max {sq.max()}")
-        return pos.astype(np.int32), sq.astype(np.int32)
+        return check_batch(positions, seqs, self.config)
 
     def _all_causal(self, batch: int) -> np.ndarray:
         """uint8 ones ``[batch]`` (a read-only slice of one array: set_causal replaces, never

@@ -37,6 +37,7 @@ from typing import Callable, Hashable, List, Mapping, Optional, Sequence, Tuple,
 
 import numpy as np
 
+from .causal import _check_index
 from .errors import KVCacheError, NoSlotError, ReprocessError, StateError
 
 
@@ -87,16 +88,6 @@ class PromptStats:
     shifts: int = 0
     discarded: int = 0
     reprocessed: int = 0
-
-
-def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < low or (high is not None and value >= high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
 
 
 def _check_inputs(name: str, inputs, allow_empty: bool) -> List[Hashable]:
@@ -299,7 +290,7 @@ class PromptCache:
         """How many inputs a context shift of a slot holding ``n_inputs`` discards after the
         first ``num_keep`` (Ollama's ``ShiftDiscard``, without same-batch groups): enough that
         ``max((num_ctx - num_keep) // 2, 1)`` positions are free afterwards."""
-        n_inputs = _check_int("n_inputs", n_inputs, 0)
+        n_inputs = _check_index("n_inputs", n_inputs, 0)
         num_keep = self._check_keep(num_keep)
         target_free = max((self.num_ctx - num_keep) // 2, 1)
         current_free = self.num_ctx - n_inputs
@@ -407,13 +398,13 @@ class PromptCache:
 
     # ------------------------------------------------------------------ helpers
     def _slot(self, slot, in_use: Optional[bool] = None) -> SlotState:
-        state = self.slots[_check_int("slot", slot, 0, self.num_slots)]
+        state = self.slots[_check_index("slot", slot, 0, self.num_slots)]
         if in_use and not state.in_use:
             raise ValueError(f"slot {state.slot} is not in use: take it with load() first")
         return state
 
     def _check_keep(self, num_keep) -> int:
-        num_keep = _check_int("num_keep", num_keep, 0)
+        num_keep = _check_index("num_keep", num_keep, 0)
         if num_keep >= self.num_ctx:
             raise ValueError(f"num_keep must be < the context size num_ctx ({self.num_ctx}), got "
                              f"{num_keep}: nothing would be left to discard")

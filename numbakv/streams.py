@@ -348,22 +348,12 @@ class StreamCache(CausalCache):
         return 0, fwd.n_kv
 
     # ------------------------------------------------------------------ attention-ready outputs
+    # layer_pool() is CausalCache's: every cell of the pool, so page_table().kv_indices index it
     def page_table(self) -> "PageTable":
         """This forward pass's page table over the flattened pool: each stream's cells as
         ``stream * cells_per_stream + cell`` (so ``layer_pool()`` rows), grouped as ``get()``
         groups (see ``CausalCache.page_table``)."""
         return self._host_pages().table
-
-    def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
-        """Zero-copy views of every cell of every stream of ``layer`` (the current layer when
-        None): key ``[n_streams * cells_per_stream, n_kv_heads, head_dim]``, value likewise (or
-        ``[n_kv_heads, v_head_dim, n_cells]`` permuted); ``page_table().kv_indices`` index it."""
-        self._check_open()
-        layer = self._layer if layer is None else _check_index("layer", layer, 0,
-                                                               self.config.n_layers)
-        dtype = self.config.dtype
-        return (export_view(self.storage.key_view(layer, 0, self.n_cells), dtype),
-                export_view(self.storage.value_view(layer, 0, self.n_cells), dtype))
 
     def _host_pages(self):
         """Every batch stream's own page table, its cells offset into the pool, joined in

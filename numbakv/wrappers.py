@@ -12,7 +12,7 @@ from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
-from .causal import UNLIMITED, CausalCache, PathLike, _check_index, host_int_array
+from .causal import UNLIMITED, CausalCache, PathLike, _check_index, check_batch, host_int_array
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
@@ -333,20 +333,7 @@ class EncoderCache:
         self._check_open()
         if not isinstance(reserve, (bool, np.bool_)):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
-        pos = host_int_array(positions, "positions")
-        sq = host_int_array(seqs, "seqs")
-        if len(pos) != len(sq) or len(pos) == 0:
-            raise ValueError(f"positions and seqs must have the same, non-zero length, got "
-                             f"{len(pos)} and {len(sq)}")
-        if len(pos) > self.config.max_batch:
-            raise ValueError(f"batch of {len(pos)} tokens is larger than max_batch="
-                             f"{self.config.max_batch}")
-        if pos.min() < 0 or pos.max() >= UNLIMITED:
-            raise ValueError(f"positions must be in [0, {UNLIMITED}), got min {pos.min()} "
-                             f"max {pos.max()}")
-        if sq.min() < 0 or sq.max() >= self.config.max_seqs:
-            raise ValueError(f"seqs must be in [0, max_seqs={self.config.max_seqs}), got min "
-                             f"{sq.min()} max {sq.max()}")
+        pos, sq = check_batch(positions, seqs, self.config)
         if encoder_pos is not None:
             encoder_pos = _check_index("encoder_pos", encoder_pos, 0)
         self._started = True
