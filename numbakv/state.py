@@ -1339,15 +1339,22 @@ def _build_wrapper(cache, seq, tokens, metadata):
         s = None if seq is None else _check_seq(caches[0], seq)
         toks = _check_tokens(tokens)
         user = _check_metadata(metadata)
-        groups, specs = [], []
-        for i, c in enumerate(caches):
-            config, group_specs = _causal_specs(c, s, prefix=f"g{i}.")
-            groups.append(config)
-            specs += group_specs
+        groups, specs = _group_specs(caches, s)
         meta = _base_metadata("wrapper" if s is None else "wrapper-seq", {"groups": groups},
                               user)
         return meta, specs + _tokens_spec(toks)
     return build
+
+
+def _group_specs(caches: list, seq: Optional[int]) -> Tuple[list, List[_Spec]]:
+    """``(configs, specs)`` of several group caches (a WrapperCache's groups, a stream cache's
+    streams), group ``i``'s tensors prefixed ``g{i}.``."""
+    groups, specs = [], []
+    for i, c in enumerate(caches):
+        config, group_specs = _causal_specs(c, seq, prefix=f"g{i}.")
+        groups.append(config)
+        specs += group_specs
+    return groups, specs
 
 
 def _load_wrapper(cache, source: Source, seq, progress: Optional[bool],
@@ -1392,11 +1399,7 @@ def _build_streams(cache, tokens, metadata):
         streams = _check_streams(cache)
         toks = _check_tokens(tokens)
         user = _check_metadata(metadata)
-        groups, specs = [], []
-        for i, c in enumerate(streams):
-            config, group_specs = _causal_specs(c, None, prefix=f"g{i}.")
-            groups.append(config)
-            specs += group_specs
+        groups, specs = _group_specs(streams, None)
         return _base_metadata("streams", {"groups": groups}, user), specs + _tokens_spec(toks)
     return build
 
