@@ -1,10 +1,12 @@
 """One line on stderr the first time numbakv's code is compiled in a process.
 
-numbakv's CPU functions are numba ``@njit(cache=True)`` functions, compiled on first use (per
-signature) and cached on disk: next to the sources in ``__pycache__`` when that is writable,
-else in numba's user-wide cache directory (``~/.cache/numba`` on Linux), or in
-``NUMBA_CACHE_DIR`` when set. A first run therefore pauses for seconds while it compiles; this
-says so instead of sitting silent. Cache hits compile nothing and print nothing.
+numbakv's CPU functions are numba ``@njit(cache=True)`` functions. The common path loads
+compiled code shipped in the package (``numbakv/_jit.py``); anything else is compiled on first
+use (per signature) and cached on disk: next to the sources in ``__pycache__`` when that is
+writable, else in numba's user-wide cache directory (``~/.cache/numba`` on Linux), or in
+``NUMBA_CACHE_DIR`` when set. Such a first use pauses for seconds (up to about a minute for
+everything, on a small machine the shipped code does not fit); this says so instead of sitting
+silent. Cache hits compile nothing and print nothing.
 ``NUMBAKV_COMPILE_NOTICE=0`` turns the line off.
 """
 
@@ -15,8 +17,8 @@ import sys
 
 from numba.core import event
 
-MESSAGE = ("numbakv: compiling for first use (up to about a minute on a small machine, once: "
-           "later runs load the compiled code from numba's cache)")
+MESSAGE = ("numbakv: compiling for first use (code outside the compiled common path numbakv "
+           "ships, or a machine it does not fit; once: later runs load it from numba's cache)")
 
 
 class CompileNotice(event.Listener):

@@ -27,7 +27,7 @@ import math
 from typing import Any, Optional
 
 import numpy as np
-from numba import njit
+from ._jit import njit
 
 from .pages import HostPages, columns_mask, plan_parts, token_mask
 

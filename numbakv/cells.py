@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
-from numba import njit
+from ._jit import njit
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
 from .errors import NotSupportedError

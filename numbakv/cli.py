@@ -49,6 +49,21 @@ def ptx_check() -> str:
     return ("works: " if proc.returncode == 0 else "FAILS: ") + (lines[-1] if lines else "")
 
 
+def _shipped_status() -> str:
+    """Whether the compiled code shipped in the package serves this process, and why not."""
+    from numbakv import _jit
+    m = _jit.shipped_manifest()
+    if not m["entries"]:
+        return "none shipped: numba compiles on first use"
+    where = f"{len(m['entries'])} functions for {_jit.SHIPPED_CPU}, numba {m['numba']}"
+    if not m["usable"]:
+        return f"shipped ({where}) but not usable here: numba compiles for this host"
+    if m["numba"] != m["numba_here"]:
+        return f"shipped ({where}) for another numba: numba compiles for this host"
+    stale = f", {len(m['stale'])} stale" if m["stale"] else ""
+    return f"shipped, in use ({where}{stale})"
+
+
 def info(args: argparse.Namespace) -> int:
     """``numbakv info``: versions, the device ``auto`` picks, the GPU and the simulator; the PTX
     compilation check (several seconds) only with ``--ptx``. Returns 0, or 1 when ``--ptx``
@@ -70,6 +85,7 @@ def info(args: argparse.Namespace) -> int:
         rows.append(("GPU memory", f"{total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free"))
     else:
         rows.append(("GPU", "none usable"))
+    rows.append(("compiled code", _shipped_status()))
     status = 0
     if args.ptx:
         result = ptx_check()
@@ -90,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="numbakv",
         description="numbakv: the KV cache of an LLM inference runtime. Commands: demo (a tiny "
                     "model serving several sequences through one cache, verified), bench "
-                    "(decode-step cost against other caches), info (versions and device).")
+                    "(decode-step cost against other caches), info (versions and device), precompile (compile ahead of first "
+                    "use).")
     parser.add_argument("--version", action="version", version=f"numbakv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,precompile}")
     p_info = sub.add_parser("info", help="versions, device, GPU and simulator; --ptx also "
                                          "compiles every kernel to PTX",
                             description="Versions, the device numbakv would use, the GPU and "
@@ -112,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         bench.add_parser(sub)
     except ImportError:
         pass
+    from . import precompile
+    precompile.add_parser(sub)
     return parser
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
-from numba import njit
+from ._jit import njit
 
 #: "no upper bound" for position ranges (positions are int32)
 _NO_LIMIT = 2**31 - 1

@@ -17,7 +17,7 @@ import os
 from typing import Optional, Tuple
 
 import numpy as np
-from numba import njit
+from ._jit import njit
 
 from .config import CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, RopeShift
 from .kernels import mask as _mask

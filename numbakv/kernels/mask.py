@@ -17,8 +17,9 @@ Each row's rule reduces to an int32 interval of visible positions plus the seque
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, njit, prange, types
+from numba import cuda, prange, types
 
+from .._jit import njit
 from ._common import MAX_GRID_YZ, block_size, cdiv, device_arg, launch as _launch, to_device
 from ._registry import cuda_kernel, element
 

@@ -18,7 +18,9 @@ Defrag plans (holes filled from the end) never overlap, so they take the fast ke
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, njit, prange, types
+from numba import cuda, prange, types
+
+from .._jit import njit
 
 from . import _common
 from ._common import (UINT, Desc, Prepared, block_size, cdiv, head_word,

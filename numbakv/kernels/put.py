@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-from numba import cuda, njit, prange, types
+from numba import cuda, prange, types
+
+from .._jit import njit
 
 from . import _common
 from ._common import (UINT, Desc, block_size, cdiv, desc_of, head_word,

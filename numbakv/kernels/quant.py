@@ -29,8 +29,9 @@ from __future__ import annotations
 import types as pytypes
 
 import numpy as np
-from numba import cuda, njit, types
+from numba import cuda, types
 
+from .._jit import njit
 from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, device_arg, f16_bits_to_f32,
                       f32_to_bf16_bits, f32_to_f16_bits, launch as _launch, to_device)
 from ._registry import cuda_kernel, element

@@ -18,7 +18,9 @@ cos/sin.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, njit, prange, types
+from numba import cuda, prange, types
+
+from .._jit import njit
 
 from . import _common
 from ._common import (Prepared, bf16_bits_to_f32, block_size, cdiv, device_arg,

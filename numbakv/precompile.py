@@ -1,0 +1,282 @@
+"""``numbakv precompile``: compile numbakv's common path ahead of its first use.
+
+``numbakv precompile`` runs :func:`common_path` in this process, so numba compiles (or loads)
+every function and signature it needs and caches them for this host (numba's cache: see
+:mod:`numbakv._jit`). A container image can run it once at build time.
+
+``numbakv precompile --ship`` is for numbakv's maintainers: it rebuilds the compiled code that
+ships in the package (``numbakv/_precompiled/``) by running :func:`common_path` in a child
+process that compiles for the ``x86-64-v3`` level and writes every signature there, then checks
+in a second child that the same path loads all of it without compiling anything. Run it after
+changing any ``@njit`` code (``tests/test_precompiled.py`` fails while the shipped code is stale)
+and commit the result.
+
+The common path is what a first session does: ``numbakv demo`` (float32, float16, bfloat16, with
+and without a sliding window), the README's examples, the sequence operations, page tables and
+the dense attention, quantized K/V, state save/load, stream caches and the prompt cache, on the
+CPU. Anything outside it still works; numba compiles it on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from . import _jit
+
+_CHILD_FLAG = "--child"
+
+
+def _tour(dtype: str, tmp: str) -> None:
+    """One of every public operation of :class:`~numbakv.CausalCache` (and the stream and
+    wrapper caches) on a tiny ``dtype`` cache."""
+    import numbakv as nkv
+    from .attention import attend
+
+    rng = np.random.default_rng(0)
+    shift = nkv.RopeShift(base=10000.0, neox=True)
+    for unified in (True, False):
+        cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=16, dtype=dtype, capacity=32,
+                              max_seqs=4, max_batch=16, device="cpu", unified=unified)
+        cache = nkv.CausalCache(cfg, shift=shift)
+        batches = (([0, 1, 2, 3, 0, 1], [0, 0, 0, 0, 1, 1]), ([4, 2], [0, 1]))
+        for positions, seqs in batches:
+            cache.start_forward(positions, seqs)
+            for layer in range(cfg.n_layers):
+                cache.set_layer(layer)
+                kv = rng.standard_normal((len(positions), 2, 16)).astype(np.float32)
+                cache.put(kv.astype(cache.config.dtype), kv.astype(cache.config.dtype))
+                cache.get()
+            if unified:
+                cache.page_table()
+                cache.layer_pool()
+                _attend(attend, cache, len(positions), rng)
+        cache.seq_add(1, 1, None, 3)   # shifts apply to cells of one sequence
+        cache.seq_div(1, 0, None, 2)
+        cache.copy_prefix(0, 2, 3)
+        cache.seq_cp(0, 3, 0, 2)
+        cache.seq_rm(3, 0, None)
+        cache.seq_keep(0) if not unified else cache.remove(1, 1, 2)
+        cache.seq_pos_min(0)
+        cache.seq_pos_max(0)
+        cache.can_resume(0, 1)
+        cache.apply_pending_shifts()
+        cache.defrag()
+        path = os.path.join(tmp, f"{dtype}-{unified}.safetensors")
+        cache.save_state(path)
+        cache.load_state(path)
+        data = cache.state_bytes(0)
+        cache.load_state_bytes(data, 0)
+        cache.close()
+
+
+def _attend(attend, cache, batch: int, rng: np.random.Generator) -> None:
+    """``attend`` with the dense backend and torch's (``attend`` takes torch queries: nothing
+    to do without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    q = torch.from_numpy(rng.standard_normal((batch, 4, 16)).astype(np.float32))
+    for backend in ("dense", "auto"):
+        attend(q, cache, backend=backend)
+
+
+def _windows_and_chunks(dtype: str) -> None:
+    """Sliding-window and chunked-attention caches over several forward passes."""
+    import numbakv as nkv
+
+    cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=16, dtype=dtype, capacity=64,
+                          max_seqs=2, max_batch=16, device="cpu")
+    kv = np.zeros((4, 2, 16), np.float32).astype(cfg.dtype)
+    for kwargs in ({"swa_window": 4}, {"chunk_size": 8}):
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(), **kwargs)
+        for step in range(6):
+            cache.start_forward(range(4 * step, 4 * step + 4), [0] * 4)
+            for layer in range(cfg.n_layers):
+                cache.set_layer(layer)
+                cache.put(kv, kv)
+                cache.get()
+        cache.close()
+
+
+def _quantized() -> None:
+    """q8_0, q4_0 and fp8 K/V: put, get, a shift and a defrag."""
+    import numbakv as nkv
+
+    for quant in ("q8_0", "q4_0", "fp8"):
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=32, dtype="float16",
+                              k_dtype=quant, v_dtype=quant, capacity=32, max_seqs=2,
+                              max_batch=8, device="cpu")
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+        kv = np.ones((4, 2, 32), np.float16)
+        cache.start_forward([0, 1, 2, 3], [0, 0, 1, 1])
+        cache.set_layer(0)
+        cache.put(kv, kv)
+        cache.get()
+        cache.seq_add(0, 0, None, 2)
+        cache.remove(1, 0, 1)
+        cache.apply_pending_shifts()
+        cache.defrag()
+        cache.close()
+
+
+def _prompt_cache(tmp: str) -> None:
+    """The README's prompt-cache walk: load, extend, shift, release, save and load a slot."""
+    import numbakv as nkv
+
+    cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=16, capacity=16, max_seqs=2,
+                          max_batch=16, device="cpu")
+    cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+    pc = nkv.PromptCache(cache, multi_user=True)
+    kv = np.zeros((12, 2, 16), cfg.dtype)
+    slot, remaining = pc.load(list(range(12)))
+    cache.start_forward(range(len(remaining)), [slot] * len(remaining))
+    cache.set_layer(0)
+    cache.put(kv, kv)
+    pc.extend(slot, remaining)
+    pc.shift(slot, num_keep=2)
+    path = os.path.join(tmp, "slot.safetensors")
+    pc.save_slot(slot, path)
+    pc.release(slot)
+    pc.load_slot(path)
+    cache.close()
+
+
+def common_path(verbose: bool = False) -> Dict[str, float]:
+    """Run the common path (module docstring) once on the CPU; returns seconds per part."""
+    from .demo import run_demo
+
+    parts = {
+        "demo float32": lambda tmp: run_demo(device="cpu", plot_path=None, progress=False),
+        "demo float16": lambda tmp: run_demo(device="cpu", plot_path=None, progress=False,
+                                             dtype="float16", steps=30),
+        "demo bfloat16": lambda tmp: run_demo(device="cpu", plot_path=None, progress=False,
+                                              dtype="bfloat16", steps=30),
+        "demo sliding window": lambda tmp: run_demo(device="cpu", plot_path=None,
+                                                    progress=False, swa_window=8, steps=30),
+        "tour float32": lambda tmp: _tour("float32", tmp),
+        "tour float16": lambda tmp: _tour("float16", tmp),
+        "tour bfloat16": lambda tmp: _tour("bfloat16", tmp),
+        "windows and chunks": lambda tmp: [_windows_and_chunks(d)
+                                             for d in ("float32", "float16")],
+        "quantized": lambda tmp: _quantized(),
+        "prompt cache": _prompt_cache,
+    }
+    times: Dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="numbakv-precompile-") as tmp:
+        for name, part in parts.items():
+            t0 = time.perf_counter()
+            part(tmp)
+            times[name] = time.perf_counter() - t0
+            if verbose:
+                print(f"  {name:<22} {times[name]:6.1f} s", flush=True)
+    return times
+
+
+class _CompileCounter:
+    """Records numba compiles (not cache loads) of functions whose module starts with
+    ``prefix`` while registered (a ``with`` block)."""
+
+    def __init__(self, prefix: str = "numbakv") -> None:
+        from numba.core import event
+
+        class Listener(event.Listener):
+            def on_start(inner, ev) -> None:  # noqa: N805 - numba's listener protocol
+                fn = getattr(ev.data.get("dispatcher"), "py_func", None)
+                if getattr(fn, "__module__", "").startswith(prefix):
+                    self.names.append(f"{fn.__module__}.{fn.__qualname__}")
+
+            def on_end(inner, ev) -> None:  # noqa: N805
+                pass
+
+        self.names: List[str] = []
+        self._listener = Listener()
+        self._event = event
+
+    def __enter__(self) -> "_CompileCounter":
+        self._event.register("numba:compile", self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._event.unregister("numba:compile", self._listener)
+
+
+def _child(mode: str) -> int:
+    """The child process of ``--ship``: ``build`` compiles the common path for the shipped
+    level; ``check`` runs it again and fails if anything of numbakv compiled."""
+    with _CompileCounter() as compiled:
+        t0 = time.perf_counter()
+        common_path(verbose=mode == "build")
+        took = time.perf_counter() - t0
+    print(f"{mode}: {len(compiled.names)} numbakv compiles, {took:.1f} s", flush=True)
+    if mode == "check" and compiled.names:
+        print("compiled although shipped: " + ", ".join(sorted(set(compiled.names))))
+        return 1
+    return 0
+
+
+def ship(verbose: bool = True) -> int:
+    """Rebuild ``numbakv/_precompiled/`` (module docstring); returns an exit status."""
+    out = _jit.SHIPPED_DIR
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    build_env = dict(os.environ, **{_jit.BUILD_ENV: "1", "NUMBA_CPU_NAME": _jit.SHIPPED_CPU,
+                                    "NUMBA_CPU_FEATURES": _jit.SHIPPED_FEATURES,
+                                    "NUMBAKV_COMPILE_NOTICE": "0"})
+    code = [sys.executable, "-m", "numbakv.precompile", _CHILD_FLAG]
+    print(f"compiling numbakv's common path for {_jit.SHIPPED_CPU} into {out}", flush=True)
+    rc = subprocess.call(code + ["build"], env=build_env)
+    if rc:
+        return rc
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"{len(list(out.glob('*.nbi')))} functions, {len(list(out.glob('*.nbc')))} "
+          f"signatures, {size / 2**20:.1f} MiB", flush=True)
+    with tempfile.TemporaryDirectory(prefix="numbakv-precompile-check-") as empty_cache:
+        check_env = dict(os.environ, NUMBA_CACHE_DIR=empty_cache, NUMBAKV_COMPILE_NOTICE="0")
+        check_env.pop(_jit.BUILD_ENV, None)
+        if not _jit.shipped_cache_usable():
+            print("this host cannot load the shipped code (not x86-64-v3): check skipped")
+            return 0
+        return subprocess.call(code + ["check"], env=check_env)
+
+
+def add_parser(sub) -> None:
+    """Add ``precompile`` to the ``numbakv`` command line's sub-commands."""
+    p = sub.add_parser(
+        "precompile", help="compile numbakv's common path ahead of its first use",
+        description="Compile numbakv's common path for this host into numba's cache ahead of "
+                    "its first use, or (--ship, for maintainers) rebuild the compiled code "
+                    "shipped in the package.")
+    p.add_argument("--ship", action="store_true",
+                   help="rebuild numbakv/_precompiled for x86-64-v3 and check that it loads")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``numbakv precompile [--ship]``; returns the exit status."""
+    if args.ship:
+        return ship()
+    with _CompileCounter() as compiled:
+        t0 = time.perf_counter()
+        common_path(verbose=True)
+    print(f"numbakv precompile: {len(compiled.names)} functions compiled, "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == _CHILD_FLAG:
+        sys.exit(_child(sys.argv[2]))
+    _parser = argparse.ArgumentParser(prog="python -m numbakv.precompile")
+    add_parser(_parser.add_subparsers(dest="command", required=True))
+    sys.exit(run(_parser.parse_args(["precompile"] + sys.argv[1:])))
