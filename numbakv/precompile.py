@@ -13,8 +13,8 @@ and commit the result.
 
 The common path is what a first session does: ``numbakv demo`` (float32, float16, bfloat16, with
 and without a sliding window), the README's examples, the sequence operations, page tables and
-the dense attention, quantized K/V, state save/load, stream caches and the prompt cache, on the
-CPU. Anything outside it still works; numba compiles it on first use.
+the dense attention, quantized K/V, state save/load, stream caches, the prompt cache and
+``numbakv bench --quick``, on the CPU. Anything outside it still works; numba compiles it on first use.
 """
 
 from __future__ import annotations
@@ -151,6 +151,16 @@ def _prompt_cache(tmp: str) -> None:
     cache.close()
 
 
+def _bench_quick() -> None:
+    """``numbakv bench --quick`` (its timings cut short, its report discarded)."""
+    import contextlib
+    import io
+
+    from .cli import main
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(["bench", "--quick", "--no-plot", "--budget", "0.01"])
+
+
 def common_path(verbose: bool = False) -> Dict[str, float]:
     """Run the common path (module docstring) once on the CPU; returns seconds per part."""
     from .demo import run_demo
@@ -170,6 +180,7 @@ def common_path(verbose: bool = False) -> Dict[str, float]:
                                              for d in ("float32", "float16")],
         "quantized": lambda tmp: _quantized(),
         "prompt cache": _prompt_cache,
+        "bench --quick": lambda tmp: _bench_quick(),
     }
     times: Dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="numbakv-precompile-") as tmp:
