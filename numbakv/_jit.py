@@ -13,8 +13,8 @@ function decorated with this module's :func:`njit` looks for a signature in thre
    every feature of the ``x86-64-v3`` level (AVX2, FMA, F16C: x86 server CPUs since 2013), the
    numba version and Python version it was built with, no ``NUMBA_CPU_NAME`` /
    ``NUMBA_CPU_FEATURES`` asking for another target, and ``NUMBAKV_PRECOMPILED`` not ``0``.
-   Each function's entry is used only while its source file's content (SHA-256) is what it was
-   built from, so an edited module simply compiles again;
+   Entries are used only while the modules holding compiled code (:data:`COMPILED_SOURCES`)
+   have the content (SHA-256) they were built from, so an edit means compiling again;
 3. numba compiles it (``_compile_notice`` prints one line the first time) and saves it to (1).
 
 The shipped code is built by ``numbakv precompile --ship`` (see :mod:`numbakv.precompile`): a
@@ -30,6 +30,7 @@ numba would otherwise compile.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -61,8 +62,10 @@ def building_shipped_cache() -> bool:
     return bool(os.environ.get(BUILD_ENV))
 
 
+@functools.lru_cache(maxsize=1)
 def _host_has_shipped_level() -> bool:
-    """Whether the host is x86-64 with every feature in :data:`SHIPPED_FEATURES`."""
+    """Whether the host is x86-64 with every feature in :data:`SHIPPED_FEATURES` (asked once:
+    LLVM's feature query costs ~0.4 ms, and every decorated function asks)."""
     try:
         import llvmlite.binding as llvm
         if not llvm.get_process_triple().startswith("x86_64"):
@@ -83,17 +86,35 @@ def shipped_cache_usable() -> bool:
     return _host_has_shipped_level()
 
 
+#: numbakv's modules that hold compiled code (``@njit``, element functions, kernels, intrinsics),
+#: relative to the package; tests/test_precompiled.py keeps this list complete. Compiled code
+#: inlines and links code of other modules, so a shipped entry is stamped with all of them: an
+#: edit to any one makes every shipped entry stale (numba's own cache only looks at the
+#: function's file).
+COMPILED_SOURCES = ("attention.py", "cells.py", "pages.py", "storage.py", "kernels/_common.py",
+                    "kernels/_registry.py", "kernels/mask.py", "kernels/move.py",
+                    "kernels/put.py", "kernels/quant.py", "kernels/rope.py")
+
 _SOURCE_HASHES: Dict[str, str] = {}
 
 
-def _source_hash(path: str) -> str:
-    """SHA-256 of a source file's bytes (once per file and process): the shipped cache's
-    freshness stamp, which survives copies and installs that change modification times."""
+def _file_hash(path: str) -> str:
+    """SHA-256 of a file's bytes, once per file and process."""
     digest = _SOURCE_HASHES.get(path)
     if digest is None:
         with open(path, "rb") as f:
             digest = _SOURCE_HASHES[path] = hashlib.sha256(f.read()).hexdigest()
     return digest
+
+
+def _source_hash(path: str) -> str:
+    """The shipped cache's freshness stamp for a function defined in ``path``: SHA-256 over the
+    content of every module in :data:`COMPILED_SOURCES` and of ``path`` (content, not
+    modification times, which copies and installs change)."""
+    root = Path(__file__).resolve().parent
+    parts = [_file_hash(str(root / name)) for name in COMPILED_SOURCES]
+    parts.append(_file_hash(path))
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
 class _ShippedLocator(caching._CacheLocator):
@@ -239,8 +260,7 @@ def shipped_manifest() -> Dict[str, Any]:
         with open(index, "rb") as f:
             version = pickle.load(f)
             stamp, _ = pickle.loads(f.read())
-        module = index.name.split(".", 1)[0]
-        source = _module_source(module)
+        source = _module_source(index.name.split(".", 1)[0])
         if source is None or _source_hash(source) != stamp:
             stale.append(index.name)
     return {"usable": shipped_cache_usable(), "numba": version, "numba_here": numba.__version__,
@@ -258,4 +278,4 @@ def _module_source(module: str) -> Optional[str]:
 
 
 __all__ = ["njit", "shipped_cache_usable", "shipped_manifest", "LayeredCache", "ShippedCache",
-           "SHIPPED_DIR", "SHIPPED_CPU", "SHIPPED_FEATURES"]
+           "COMPILED_SOURCES", "SHIPPED_DIR", "SHIPPED_CPU", "SHIPPED_FEATURES"]

@@ -90,6 +90,19 @@ def test_host_compiled_function_calls_shipped_code(tmp_path):
     assert line.split()[1:3] == ["8", "8"]  # 1 << 3, + first free cell 0; bit 3 set
 
 
+def test_every_module_with_compiled_code_stamps_the_shipped_code():
+    """COMPILED_SOURCES lists every numbakv module that defines compiled code, so an edit to
+    any of them makes the shipped code stale."""
+    import re
+    from pathlib import Path
+    root = Path(REPO) / "numbakv"
+    pattern = re.compile(r"^\s*@(\w+\.)?(njit|element|_bound_element|cuda_kernel|cuda_device|"
+                         r"_?intrinsic|cuda\.jit)\b|= *(_njit_inline|njit)\(", re.M)
+    defining = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                if pattern.search(p.read_text())}
+    assert defining == set(_jit.COMPILED_SOURCES)
+
+
 def test_switched_off_or_other_target_compiles_for_the_host(tmp_path):
     """NUMBAKV_PRECOMPILED=0, or NUMBA_CPU_NAME asking for another target, bypass the shipped
     code."""
