@@ -145,6 +145,17 @@ class _Shifted:
     keys: Any                  # the keys of ``cells`` before, [n_layers, k, n_kv_heads, head_dim]
 
 
+@dataclass
+class _Placed:
+    """Cells a copy from another stream claimed (``StreamCache``): enough to free them again
+    and to put back the K/V rows the copy writes over."""
+
+    slots: np.ndarray          # int32 [n]
+    head: int                  # the scatter head before
+    keys: Any                  # host K of ``slots`` before, [n_layers, n, n_kv_heads, head_dim]
+    values: Any                # host V of ``slots`` before, [n_layers, n, n_kv_heads, v_head_dim]
+
+
 @one_thread_at_a_time
 class CausalCache:
     """A KV cache for causal attention over many sequences sharing one pool of cells.
@@ -691,10 +702,34 @@ class CausalCache:
         for entry in reversed(journal):
             if isinstance(entry, _Shifted):
                 self._unshift(entry)
+            elif isinstance(entry, _Placed):
+                self.storage.write_cells(entry.slots, entry.keys, entry.values)
+                self.cells.unapply_batch(entry.slots, entry.head)
             else:
                 cells_journal, forward = entry
                 self.cells.rollback(cells_journal)
                 self._forward = forward
+
+    def _claim_for_copy(self, positions: np.ndarray) -> np.ndarray:
+        """Claim free cells for ``positions`` (int32 ``[n]``) of sequence 0, which a copy from
+        another stream is about to fill (``StreamCache``; the caller checked there is room):
+        a contiguous run where one exists, else scattered cells, never a defrag (it would move
+        the cells an enclosing undo log refers to). Inside a journal, the cells' K/V rows are
+        kept first, so that taking the copy back restores what it wrote over. Returns the cells
+        (int32 ``[n]``)."""
+        n = len(positions)
+        start = self.cells.find_contiguous(n)
+        slots = (np.arange(start, start + n, dtype=np.int32) if start >= 0
+                 else self.cells.find_scatter(n))
+        if slots is None:
+            raise KVCacheFullError(f"no room for {n} copied cells ({self.cells.n_free} free)")
+        head = self.cells.head
+        kept = self.storage.read_cells(slots) if self._outer_journal is not None else None
+        self.cells.apply_batch(slots, positions, np.zeros(n, np.int32))
+        if kept is not None:
+            self._outer_journal.append(_Placed(slots, head, *kept))
+        self._forward = None
+        return slots
 
     # ------------------------------------------------------------------ key rotation
     def _apply_pending_shifts(self) -> Optional[_Shifted]:

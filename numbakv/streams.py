@@ -469,12 +469,7 @@ class StreamCache(CausalCache):
             target.seq_rm(0, 0, None)
         if n == 0:
             return
-        start = target.cells.find_contiguous(n)
-        if start < 0:
-            target.defrag()
-            start = target.cells.find_contiguous(n)
-        slots = np.arange(start, start + n, dtype=np.int32)
-        target.cells.apply_batch(slots, positions, np.zeros(n, np.int32))
+        slots = target._claim_for_copy(positions)   # undo-logged inside a WrapperCache
         self.storage.copy_cells(cells + self._stream_offset(src),
                                 slots + self._stream_offset(dst))
 

@@ -411,6 +411,48 @@ def test_wrapper_cache_over_stream_caches():
     assert w.seq_pos_max(1) == 4
 
 
+@pytest.mark.parametrize("permuted", [False, True])
+def test_refused_fan_out_restores_the_copied_over_stream(monkeypatch, permuted):
+    """copy_prefix / seq_cp across streams inside a WrapperCache whose second cache refuses:
+    the first cache's cell tables and every K/V row are as they were, the rows the copy wrote
+    over (the destination's old cells) included, and a fork that has to scatter (no free run
+    long enough) never defrags."""
+    rng = np.random.default_rng(8)
+    first = nkv.CausalCache(stream_cfg(capacity=12, max_batch=9, permuted_v=permuted),
+                            shift=nkv.RopeShift())
+    second = nkv.CausalCache(stream_cfg(capacity=12, max_batch=9), shift=nkv.RopeShift())
+    w = nkv.WrapperCache([first, second], layer_groups=[0, 1, 0, 1])
+    w.start_forward(list(range(6)) + [0, 1, 2], [0] * 6 + [1] * 3)
+    for layer in range(4):
+        w.set_layer(layer)
+        k = kv(rng, 9)
+        w.put(k, -k)
+    w.seq_rm(1, 1, 2)   # a hole in sequence 1's stream: the fork below cannot be contiguous
+
+    def snapshot():
+        return ([s.cells.cells.copy() for s in first.streams],
+                [np.array(a, copy=True) for a in (first.storage.keys, first.storage.values)])
+
+    def refuse(*args):
+        raise RuntimeError("the second cache refuses")
+
+    before = snapshot()
+    monkeypatch.setattr(second, "copy_prefix", refuse)
+    monkeypatch.setattr(second, "seq_cp", refuse)
+    with pytest.raises(RuntimeError, match="refuses"):
+        w.copy_prefix(0, 1, 5)          # replaces sequence 1: its old cells are written over
+    with pytest.raises(RuntimeError, match="refuses"):
+        w.seq_cp(0, 1, 3, 6)            # 3 cells into a stream with 2 cells used, one hole
+    after = snapshot()
+    for a, b in zip(before[0] + before[1], after[0] + after[1]):
+        np.testing.assert_array_equal(a, b)
+    assert [first.seq_pos_max(s) for s in range(3)] == [5, 2, -1]
+    assert first.defrag_count == 0
+    monkeypatch.undo()
+    w.seq_cp(0, 1, 3, 6)                # accepted: positions 3..5 land around the hole
+    assert w.seq_pos_max(1) == 5 and first.defrag_count == 0
+
+
 def test_prompt_cache_forks_across_streams():
     """PromptCache's multi-user fork over a stream cache: copy_prefix copies the shared prefix's
     K/V into the new slot's stream, and only the rest of the prompt is evaluated."""
