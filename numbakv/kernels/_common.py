@@ -796,6 +796,32 @@ def to_device(device: str, *arrays: np.ndarray):
     return tuple(descs), dev
 
 
+_READBACK: List[Any] = []       # [capacity, pinned memory, host view]: one, reused
+_READBACK_LOCK = threading.Lock()
+
+
+def device_to_host(arr, stream) -> np.ndarray:
+    """A host copy of the CuPy array ``arr``, made on ``stream`` through one pinned, reused
+    buffer: a contiguous copy (if ``arr`` is strided) and an asynchronous device-to-host copy are
+    queued on ``stream``, then only that stream is synchronised (``cupy.asnumpy`` would copy on
+    the current stream into pageable memory). The caller refuses this during graph capture."""
+    import cupy
+    with stream:
+        dev = cupy.ascontiguousarray(arr)
+    nbytes = int(dev.nbytes)
+    if nbytes == 0:
+        return np.empty(dev.shape, dtype=dev.dtype)
+    with _READBACK_LOCK:
+        if not _READBACK or _READBACK[0] < nbytes:
+            cap = max(4096, 1 << (nbytes - 1).bit_length())
+            mem = cupy.cuda.alloc_pinned_memory(cap)
+            _READBACK[:] = [cap, mem, np.frombuffer(mem, np.uint8, cap)]
+        host = _READBACK[2]
+        dev.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, stream)
+        stream.synchronize()
+        return host[:nbytes].view(dev.dtype).reshape(dev.shape).copy()
+
+
 def device_arg(device: str, arr, dtype=None):
     """A storage/output array as a kernel argument: itself (numpy, optionally viewed as another
     dtype of the same size) or its :class:`Desc` on ``cuda``."""
@@ -811,4 +837,5 @@ __all__ = ["cpu_has_f16c", "f16_bits_to_f32_hw", "f32_to_f16_bits_hw", "BLOCKS_P
            "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "device_arg", "f16_bits_to_f32",
            "f32_to_bf16_bits", "f32_to_f16_bits", "fast_launch_enabled", "head_word", "launch",
            "set_fast_launch",
-           "numba_type", "to_device", "word_size", "copy_raw", "DEVICE_WORD", "WORD", "WORD16"]
+           "numba_type", "to_device", "word_size", "copy_raw", "DEVICE_WORD", "WORD", "WORD16",
+           "device_to_host"]
