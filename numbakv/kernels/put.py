@@ -105,8 +105,7 @@ def put_tiles(dst, src, slots, start, tile, tile_step, tid, nb):
     row = nh * nw
     n_r = (row + TILE - 1) // TILE
     n_tiles = ((batch + TILE - 1) // TILE) * n_r
-    # the tile holds raw words of V (its elements: permuted V is never copied in wider words)
-    buf = cuda.shared.array((TILE, TILE_PITCH), src.dtype)
+    buf = cuda.shared.array((TILE, TILE_PITCH), types.uint32)
     while tile < n_tiles:
         tt = tile // n_r
         t0 = tt * TILE
@@ -132,6 +131,34 @@ def put_tiles(dst, src, slots, start, tile, tile_step, tid, nb):
             k += nb
         cuda.syncthreads()
         tile += tile_step
+
+
+def tiles_of_elements(dst, src, slots, start, tile, tile_step, tid, nb):
+    """:func:`put_tiles`, which only permuted V takes, and permuted V is always copied element
+    by element (2 or 4 bytes, what the uint32 tile holds). The kernel is also compiled for
+    signatures whose V words are 8 or 16 bytes (rows, never tiled): for those the CUDA form
+    below is empty, so they neither fail to type (a 16-byte word into the uint32 tile) nor
+    reserve shared memory for a tile they never use. The simulator runs this Python."""
+    put_tiles(dst, src, slots, start, tile, tile_step, tid, nb)
+
+
+def _register_cuda_tiles() -> None:
+    from numba.cuda.extending import overload as cuda_overload
+
+    @cuda_overload(tiles_of_elements, target="cuda", inline="always")
+    def _tiles_cuda(dst, src, slots, start, tile, tile_step, tid, nb):
+        if src.dtype.bitwidth <= 32:
+            def impl(dst, src, slots, start, tile, tile_step, tid, nb):
+                put_tiles(dst, src, slots, start, tile, tile_step, tid, nb)
+            return impl
+
+        def never_tiled(dst, src, slots, start, tile, tile_step, tid, nb):
+            pass
+        return never_tiled
+
+
+if not _common._simulator_on():
+    _register_cuda_tiles()
 
 
 def _arr(dt, nd):
@@ -167,7 +194,7 @@ def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_mode, nbk):
     elif v_mode == 1:
         put_flat_cells(v_dst, v_src, slots, start, vb * nb + tid, nbv * nb)
     else:
-        put_tiles(v_dst, v_src, slots, start, vb, nbv, tid, nb)
+        tiles_of_elements(v_dst, v_src, slots, start, vb, nbv, tid, nb)
 
 
 # The token loop is written out in both twins: factored into a helper function, Numba's
