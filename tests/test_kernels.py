@@ -1191,3 +1191,25 @@ def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx():
                           timeout=600, cwd=root)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
     assert proc.stdout.count("ld.global.v2.u64") >= 3 * 2
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_emulated_cuda_move_on_a_cell_slice(emulated_cuda, permuted):
+    """A block move on a cell slice of a larger storage (per-sequence streams share one
+    allocation): the cuda launcher must use the slice's own layer stride, not cells x row.
+    Layers past the first moved the wrong cells, or other streams' cells, before."""
+    rng = np.random.default_rng(43)
+    keys = _random_bits(rng, (3, 30, 2, 8), "float32")
+    values = _random_bits(rng, (3, 2, 8, 30) if permuted else (3, 30, 2, 8), "float32")
+    ref_k, ref_v = keys.copy(), values.copy()
+    moves = np.array([[15, 0, 3], [12, 4, 2]])
+    sk, sv = ref_k[:, 5:25], (ref_v[..., 5:25] if permuted else ref_v[:, 5:25])
+    rk, rv = _ref_moves(sk, sv, moves, permuted)
+    sk[...], sv[...] = rk, rv
+    k_slice = keys[:, 5:25]
+    v_slice = values[..., 5:25] if permuted else values[:, 5:25]
+    k, _ = move.storage_args("cuda", _FakeDeviceArray(k_slice), _FakeDeviceArray(v_slice),
+                             permuted)
+    assert k.strides[0] == 30 * 64 and k.dtype == _common.WORD16
+    move.launch("cuda", _FakeDeviceArray(k_slice), _FakeDeviceArray(v_slice), moves, permuted)
+    assert np.array_equal(bits(keys), bits(ref_k)) and np.array_equal(bits(values), bits(ref_v))

@@ -3,8 +3,9 @@ conversions for 16-bit storage, and the fast CUDA launch path.
 
 Arrays reach the kernels as *raw bits* wherever the math does not look at the values (put, move,
 mask): 16-bit data as ``uint16``, 32-bit as ``uint32`` and, where the row length, strides and
-(on a GPU) the address allow, whole 4- or 8-byte words, so one kernel serves every dtype and
-copies move 8 bytes per thread. Only the rotary kernel converts to float32.
+(on a GPU) the address allow, whole 4-, 8- or (GPU kernels) 16-byte words, so one kernel serves
+every dtype and a plain copy moves 16 bytes per thread access (:func:`copy_raw`). Only the
+rotary kernel converts to float32.
 
 Launching: ``cpu`` runs the ``@njit`` twins on numpy arrays; ``sim`` runs the ``@cuda.jit``
 kernels through Numba's dispatcher (the simulator); ``cuda`` launches the same kernels on CuPy

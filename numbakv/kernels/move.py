@@ -243,11 +243,14 @@ def normalize(moves) -> np.ndarray:
     return np.ascontiguousarray(moves[keep])
 
 
-def _row_words(shape, isz, ptr, widest: int = 8):
-    """Word size for whole cell rows of a C-contiguous ``[layers, cells, heads, dim]`` array
-    (up to ``widest`` bytes: 16 for the GPU kernels, 8 for the CPU twins)."""
-    row = shape[2] * shape[3] * isz
-    return word_size(row, isz, (row,), ptr, isz, widest)
+def _row_words(arr, ptr, widest: int = 8):
+    """Word size for whole cell rows of ``arr [layers, cells, heads, dim]`` (each cell row
+    contiguous; the layer and cell strides as they are: a cell slice of a larger storage, as
+    per-sequence streams use, has a longer layer stride), up to ``widest`` bytes: 16 for the
+    GPU kernels, 8 for the CPU twins."""
+    isz = arr.dtype.itemsize
+    row = arr.shape[2] * arr.shape[3] * isz
+    return word_size(row, isz, (int(arr.strides[0]), int(arr.strides[1])), ptr, isz, widest)
 
 
 def _np_rows(arr: np.ndarray, w: int) -> np.ndarray:
@@ -264,37 +267,39 @@ def _np_cols(arr: np.ndarray) -> np.ndarray:
 
 
 def _desc_rows(arr, w: int) -> Desc:
+    """:func:`_np_rows` for a CuPy array, with its own layer and cell strides (a cell slice's
+    layers lie further apart than its cells times a row)."""
     lay, n, h, d = arr.shape
     row = h * d * arr.itemsize
-    return Desc(int(arr.data.ptr), (lay, n, 1, row // w), (n * row, row, row, w), WORD[w])
+    s = arr.strides
+    return Desc(int(arr.data.ptr), (lay, n, 1, row // w), (int(s[0]), int(s[1]), row, w), WORD[w])
 
 
 def _desc_cols(arr) -> Desc:
+    """:func:`_np_cols` for a CuPy array (its own strides, as above)."""
     lay, h, d, n = arr.shape
-    isz = arr.itemsize
-    return Desc(int(arr.data.ptr), (lay, n, h, d), (h * d * n * isz, isz, d * n * isz, n * isz),
-                UINT[isz])
+    s = arr.strides
+    return Desc(int(arr.data.ptr), (lay, n, h, d), (int(s[0]), int(s[3]), int(s[1]), int(s[2])),
+                UINT[arr.itemsize])
 
 
 def storage_args(device: str, keys, values, permuted: bool):
     """The K and V storage as the kernels index them, ``[layer, cell, head', word]``: on
     ``cuda`` and ``sim`` in 16-byte words where rows and addresses allow (decided here, once per
     launch), on ``cpu`` in words of up to 8 bytes."""
-    isz = keys.dtype.itemsize
     if device == "cuda":
-        k = _desc_rows(keys, _row_words(keys.shape, isz, int(keys.data.ptr), DEVICE_WORD))
+        k = _desc_rows(keys, _row_words(keys, int(keys.data.ptr), DEVICE_WORD))
         if permuted:
             v = _desc_cols(values)
         else:
-            v = _desc_rows(values, _row_words(values.shape, isz, int(values.data.ptr),
-                                              DEVICE_WORD))
+            v = _desc_rows(values, _row_words(values, int(values.data.ptr), DEVICE_WORD))
     elif device == "sim":  # the GPU's plan on numpy views, addresses included
-        k = _np_rows(keys, _row_words(keys.shape, isz, keys.ctypes.data, DEVICE_WORD))
+        k = _np_rows(keys, _row_words(keys, keys.ctypes.data, DEVICE_WORD))
         v = _np_cols(values) if permuted else _np_rows(
-            values, _row_words(values.shape, isz, values.ctypes.data, DEVICE_WORD))
+            values, _row_words(values, values.ctypes.data, DEVICE_WORD))
     else:
-        k = _np_rows(keys, _row_words(keys.shape, isz, None))
-        v = _np_cols(values) if permuted else _np_rows(values, _row_words(values.shape, isz, None))
+        k = _np_rows(keys, _row_words(keys, None))
+        v = _np_cols(values) if permuted else _np_rows(values, _row_words(values, None))
     return k, v
 
 
