@@ -382,3 +382,20 @@ def test_device_positions_are_refused_during_graph_capture_and_nothing_changes(f
     # host arrays are fine while capturing: the cache's bookkeeping is on the host
     cache.start_forward(np.array([2, 3], np.int32), np.array([0, 0], np.int32))
     assert cache._forward.positions.tolist() == [2, 3]
+
+
+def test_hf_reads_gpu_positions_back_on_the_cache_stream(fake_gpu):
+    """hf.attach's start_forward reads GPU positions back once, on the stream of the cache (or,
+    for a WrapperCache, of its caches), not on CuPy's current one."""
+    import numbakv as nkv
+    from numbakv import hf
+    cp, _ = fake_gpu
+    stream = cp.cuda.ExternalStream(0x7A)
+    cache = _cache_on(cp, stream)
+    assert hf._cache_stream(cache) is stream
+    cfg = CacheConfig(1, 1, 4, capacity=16, max_seqs=2, max_batch=4, device="cpu")
+    wrapper = nkv.WrapperCache([nkv.CausalCache(cfg), nkv.CausalCache(cfg)])
+    assert hf._cache_stream(wrapper) is None
+    for c in wrapper.caches:
+        c.storage._stream = stream
+    assert hf._cache_stream(wrapper) is stream
