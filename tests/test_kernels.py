@@ -756,6 +756,12 @@ def test_put_geometry_the_measured_cases():
     grid, nb, nbk, mode = put.geometry("cuda", (1, 1, 256), (1, 8, 128), True, H100_CAP)
     useful = 256 + 8 * 128
     assert grid[0] * nb < useful + 2 * nb and mode == put.V_CELLS_DIRECT
+    # the same put with K as 16-byte words (aligned input and storage): half K's threads
+    grid, nb, nbk, mode = put.geometry("cuda", (1, 1, 128), (1, 8, 128), True, H100_CAP)
+    assert nbk == 1 and grid[0] == 1 + 4 and mode == put.V_CELLS_DIRECT
+    # a row-layout prefill of 4096 tokens in 16-byte words: 4096 x 128 items each, capped
+    grid, nb, nbk, mode = put.geometry("cuda", (4096, 1, 128), (4096, 1, 128), False, H100_CAP)
+    assert nbk == min(4096 * 128 // nb, H100_CAP) and grid[0] == 2 * nbk and mode == put.V_ROWS
     # a 32k-token prefill: both spaces capped at the SM-sized grid, V through tiles
     grid, nb, nbk, mode = put.geometry("cuda", (32768, 1, 256), (32768, 8, 128), True, H100_CAP)
     assert nbk == H100_CAP and grid[0] - nbk == H100_CAP and mode == put.V_CELLS_TILED
