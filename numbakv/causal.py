@@ -49,14 +49,18 @@ def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
     return value
 
 
-def host_int_array(values, name: str) -> np.ndarray:
+def host_int_array(values, name: str, stream: Any = None) -> np.ndarray:
     """A 1-D int64 host copy of integer values given as a list, numpy/CuPy array or tensor.
     Anything that cannot be read as one (ragged lists, tensors on a ``meta`` device, objects)
-    is a ``ValueError`` naming ``name``."""
+    is a ``ValueError`` naming ``name``. Values in GPU memory are copied on ``stream`` (a CuPy
+    stream; None: CuPy's current stream), synchronising that stream only, and refused while it
+    captures a CUDA graph (:func:`_host_array`)."""
     if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
         return values.astype(np.int64, copy=False)  # the common case, checked cheaply
     try:
-        arr = _host_array(values)
+        arr = _host_array(values, name, stream)
+    except _CaptureRefused:
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever the foreign object raised
         raise ValueError(f"{name} must be a 1-D sequence of integers, got "
                          f"{type(values).__name__} that cannot be read as one: {exc}") from exc
@@ -69,25 +73,58 @@ def host_int_array(values, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _host_array(values) -> np.ndarray:
-    if hasattr(values, "__cuda_array_interface__") or type(values).__module__.startswith("cupy"):
-        import cupy
-        values = cupy.asnumpy(cupy.asarray(values))
-    elif hasattr(values, "__dlpack_device__") and not isinstance(values, np.ndarray):
-        if int(values.__dlpack_device__()[0]) not in (1, 3):  # not host memory
-            import cupy
-            values = cupy.asnumpy(cupy.from_dlpack(values))
-        else:
-            values = np.from_dlpack(values)
-    return np.asarray(values)
+class _CaptureRefused(ValueError):
+    """Device-resident positions/seqs while the cache's stream captures a CUDA graph."""
 
 
-def check_batch(positions, seqs, config: CacheConfig) -> Tuple[np.ndarray, np.ndarray]:
+def _on_gpu(values) -> bool:
+    """Whether ``values`` lives in GPU memory: a CuPy array, a CUDA ``__dlpack_device__``
+    (anything but CPU and pinned host memory), or the CUDA array interface."""
+    if type(values).__module__.startswith("cupy"):
+        return True
+    if hasattr(values, "__dlpack_device__") and not isinstance(values, np.ndarray):
+        return int(values.__dlpack_device__()[0]) not in (1, 3)
+    return hasattr(values, "__cuda_array_interface__")
+
+
+def _host_array(values, name: str = "values", stream: Any = None) -> np.ndarray:
+    """``values`` as a numpy array. GPU-resident values (CuPy arrays, torch CUDA tensors,
+    anything with a CUDA ``__dlpack_device__`` or ``__cuda_array_interface__``) are copied on
+    ``stream`` (the cache's stream; None: CuPy's current stream) into a pinned, reused buffer and
+    only that stream is synchronised, never the device; while ``stream`` captures a CUDA graph
+    that synchronisation is illegal, so they are refused with a ValueError before anything is
+    read (the cache keeps its bookkeeping on the host)."""
+    if not _on_gpu(values):
+        if hasattr(values, "__dlpack_device__") and not isinstance(values, np.ndarray):
+            return np.asarray(np.from_dlpack(values))
+        return np.asarray(values)
+    import cupy
+    from .kernels import _common
+    if stream is None:
+        stream = cupy.cuda.get_current_stream()
+    if _common.capturing(stream):
+        raise _CaptureRefused(
+            f"{name} must be a host array (numpy or a list) while the cache's stream is "
+            f"capturing a CUDA graph, got {type(values).__name__} in GPU memory: the cache keeps "
+            f"its bookkeeping on the host and reading device memory back would synchronise the "
+            f"stream; pass positions/seqs as host arrays inside graph capture")
+    if type(values).__module__.startswith("cupy"):
+        dev = values
+    else:
+        with stream:  # DLPack orders the producer's stream before ours (no host wait)
+            dev = cupy.from_dlpack(values) if hasattr(values, "__dlpack__") \
+                else cupy.asarray(values)
+    return _common.device_to_host(dev, stream)
+
+
+def check_batch(positions, seqs, config: CacheConfig,
+                stream: Any = None) -> Tuple[np.ndarray, np.ndarray]:
     """A batch's ``positions`` and ``seqs`` (any integer array-likes, ``[batch]``) as int32 host
     arrays, checked against ``config``: equal, non-zero length up to ``max_batch``, positions in
-    ``[0, UNLIMITED)``, sequence ids in ``[0, max_seqs)``."""
-    pos = host_int_array(positions, "positions")
-    sq = host_int_array(seqs, "seqs")
+    ``[0, UNLIMITED)``, sequence ids in ``[0, max_seqs)``. GPU-resident ones are read back on
+    ``stream`` (see :func:`host_int_array`)."""
+    pos = host_int_array(positions, "positions", stream)
+    sq = host_int_array(seqs, "seqs", stream)
     if len(pos) != len(sq):
         raise ValueError(f"positions and seqs must have the same length, got {len(pos)} "
                          f"and {len(sq)}")
@@ -262,6 +299,11 @@ class CausalCache:
         tokens there, applies pending key rotations and builds the mask. ``reserve=True``
         changes no metadata and sizes everything for the worst case. Raises
         ``KVCacheFullError`` when the batch cannot fit; then nothing has changed.
+
+        ``positions``/``seqs`` on the GPU (CuPy arrays, torch CUDA tensors) are copied to the
+        host on the cache's stream (:meth:`use_stream`, else CuPy's current stream) through a
+        pinned buffer, synchronising that stream only; while that stream captures a CUDA graph
+        they must be host arrays (``ValueError``, nothing changed): the bookkeeping is on the host.
         """
         undo = self._place(positions, seqs, reserve)
         try:
@@ -372,7 +414,9 @@ class CausalCache:
                 <= self.config.max_batch \
                 and _batch_ids_ok(self.config.max_seqs, positions, seqs) == 0:
             return positions.copy(), seqs.copy()
-        return check_batch(positions, seqs, self.config)
+        storage = self.storage
+        return check_batch(positions, seqs, self.config,
+                           None if storage is None else storage.stream)
 
     def _all_causal(self, batch: int) -> np.ndarray:
         """uint8 ones ``[batch]`` (a read-only slice of one array: set_causal replaces, never
@@ -422,7 +466,7 @@ class CausalCache:
         fwd = self._require_forward("set_causal")
         causal = np.ones(len(fwd.positions), np.uint8)
         if except_ is not None:
-            idx = host_int_array(except_, "except_")
+            idx = host_int_array(except_, "except_", self.storage.stream)
             if idx.size and (idx.min() < 0 or idx.max() >= len(causal)):
                 raise ValueError(f"except_ must hold batch indices in [0, {len(causal)}), got "
                                  f"{idx.tolist()}")

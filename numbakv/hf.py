@@ -570,8 +570,11 @@ def attach(model: Any, cache: Any) -> None:
     original_start = cache.start_forward
 
     def start_forward(positions, seqs, reserve: bool = False) -> None:
-        original_start(positions, seqs, reserve)
-        binding.positions = host_int_array(positions, "positions")
+        # read GPU positions back once, on the cache's stream (see CausalCache.start_forward)
+        host = positions if isinstance(positions, np.ndarray) else \
+            host_int_array(positions, "positions", _cache_stream(cache))
+        original_start(host, seqs, reserve)
+        binding.positions = host_int_array(host, "positions")
         binding.generation += 1
 
     start_forward.__doc__ = original_start.__doc__
@@ -579,6 +582,16 @@ def attach(model: Any, cache: Any) -> None:
     binding.hook = model.register_forward_pre_hook(_position_check(binding), with_kwargs=True)
     setattr(cache, _BINDING_ATTR, binding)
     setattr(model, _BINDING_ATTR, binding)
+
+
+def _cache_stream(cache):
+    """The stream ``cache`` queues its work on (a WrapperCache's caches share it; None: CuPy's
+    current stream), where GPU positions are read back."""
+    for c in getattr(cache, "caches", (cache,)):
+        storage = getattr(c, "storage", None)
+        if storage is not None:
+            return storage.stream
+    return None
 
 
 def _check_layer(layer: int, module, layer_cache: CausalCache, shapes: ModelShapes,

@@ -70,7 +70,14 @@ class FakeDeviceArray:
     def __init__(self, a, module=None):
         self._a = a
         self._m = module
-        self.data = _t.SimpleNamespace(ptr=a.ctypes.data, copy_from_host_async=self._copy_in)
+        self.data = _t.SimpleNamespace(ptr=a.ctypes.data, copy_from_host_async=self._copy_in,
+                                       copy_to_host_async=self._copy_out)
+
+    @property
+    def __cuda_array_interface__(self):
+        """Device memory, as far as numbakv can tell (the bytes are host memory here)."""
+        return {"shape": self._a.shape, "strides": self._a.strides, "typestr": self._a.dtype.str,
+                "data": (self._a.ctypes.data, False), "version": 3}
 
     def _copy_in(self, src_ptr, nbytes, stream):
         import ctypes
@@ -78,6 +85,15 @@ class FakeDeviceArray:
         ctypes.memmove(self._a.ctypes.data, src_ptr, nbytes)
         if self._m is not None:
             self._m.log.append(("h2d", stream.ptr, nbytes, src_ptr))
+
+    def _copy_out(self, dst_ptr, nbytes, stream):
+        """Device to host (the array must be contiguous, as CuPy's memory pointer is)."""
+        import ctypes
+        assert self._a.flags.c_contiguous
+        dst_ptr = dst_ptr if isinstance(dst_ptr, int) else dst_ptr.value
+        ctypes.memmove(dst_ptr, self._a.ctypes.data, nbytes)
+        if self._m is not None:
+            self._m.log.append(("d2h", stream.ptr, nbytes, dst_ptr))
 
     shape = property(lambda self: self._a.shape)
     strides = property(lambda self: self._a.strides)
@@ -122,6 +138,9 @@ class _FakeDevice:
     def __exit__(self, *exc):
         return False
 
+    def synchronize(self):
+        self.log.append(("device_sync", None))
+
 
 def fake_cupy(device_cc: str = "80"):
     """A module object to put in ``sys.modules['cupy']``."""
@@ -137,6 +156,11 @@ def fake_cupy(device_cc: str = "80"):
     def current():
         return m._stack[-1] if m._stack else null
 
+    def _make_device(i):
+        dev = _FakeDevice(device_cc)
+        dev.log = m.log
+        return dev
+
     def external(ptr, device_id=-1):
         return FakeStream(m, int(ptr))
 
@@ -148,14 +172,32 @@ def fake_cupy(device_cc: str = "80"):
     m.uint16 = np.uint16
     m.empty = lambda shape, dtype=np.float32: wrap(np.empty(shape, dtype))
     m.zeros = lambda shape, dtype=np.float32: wrap(np.zeros(shape, dtype))
-    m.asarray = lambda a: wrap(np.array(a))
+    m.asarray = lambda a: a if isinstance(a, FakeDeviceArray) else wrap(np.array(a))
+
+    def ascontiguousarray(a):
+        # a kernel (for a strided view) or nothing, on the current stream
+        m.log.append(("contiguous", current().ptr))
+        return a if a._a.flags.c_contiguous else wrap(np.ascontiguousarray(a._a))
+
+    def from_dlpack(obj):
+        m.log.append(("from_dlpack", current().ptr))
+        return wrap(obj.to_host_array())
+
+    def asnumpy(a, stream=None):
+        m.log.append(("asnumpy", getattr(stream, "ptr", None)))
+        return a._a.copy()
+
+    m.ascontiguousarray = ascontiguousarray
+    m.from_dlpack = from_dlpack
+    m.asnumpy = asnumpy
     m.cuda = _t.SimpleNamespace(
-        runtime=_t.SimpleNamespace(getDevice=lambda: 0),
+        runtime=_t.SimpleNamespace(getDevice=lambda: 0,
+                                   deviceSynchronize=lambda: m.log.append(("device_sync", None))),
         get_current_stream=current,
         Stream=lambda non_blocking=False: FakeStream(m, 0x5000 + len(m.log)),
         ExternalStream=external,
         Event=Event,
         alloc_pinned_memory=lambda n: _pinned(n, m.log),
-        Device=lambda i=0: _FakeDevice(device_cc),
+        Device=lambda i=0: _make_device(i),
     )
     return m

@@ -198,12 +198,17 @@ def test_put_cpu_large_batches(dtype, permuted, batch, parallel, monkeypatch):
 
 
 def test_put_word_plan():
-    """Rows are copied as 8-byte words when lengths, strides and addresses allow."""
-    assert put._plan((4, 8, 128), (2048, 256, 2), 2, 4096) == (True, 8)
-    assert put._plan((4, 8, 128), (4096, 256, 2), 2, 4096) == (True, 8)   # padded batch stride
-    assert put._plan((4, 8, 128), (256, 1024, 2), 2, 4096) == (False, 8)  # heads-major
+    """Rows are copied as 16-byte words when lengths, strides and both addresses (input and
+    storage) allow, else the widest narrower word that tiles them."""
+    assert put._plan((4, 8, 128), (2048, 256, 2), 2, 4096) == (True, 16)
+    assert put._plan((4, 8, 128), (4096, 256, 2), 2, 4096) == (True, 16)  # padded batch stride
+    assert put._plan((4, 8, 128), (256, 1024, 2), 2, 4096) == (False, 16)  # heads-major
+    assert put._plan((4, 8, 128), (2048, 256, 2), 2, 4104) == (True, 8)   # 8-aligned input
+    assert put._plan((4, 8, 128), (2048, 256, 2), 2, 4096, 8) == (True, 8)  # 8-aligned storage
+    assert put._plan((4, 8, 128), (2056, 256, 2), 2, 4096) == (True, 8)   # batch stride 8 mod 16
     assert put._plan((4, 8, 128), (2048, 256, 2), 2, 4098) == (True, 2)   # misaligned on GPU
-    assert put._plan((4, 8, 3), (48, 6, 2), 2, 0) == (True, 8)
+    assert put._plan((4, 8, 3), (48, 6, 2), 2, 0) == (True, 16)
+    assert put._plan((4, 4, 3), (24, 6, 2), 2, 0) == (True, 8)            # 24-byte rows
     assert put._plan((4, 2, 3), (12, 6, 2), 2, 0) == (True, 4)
     assert put._plan((4, 8, 64), (2048, 256, 4), 2, 0) == (False, 2)       # strided last axis
     assert put._plan((4, 1, 64), (256, 256, 4), 2, 0) == (False, 2)       # one head, strided
@@ -751,6 +756,12 @@ def test_put_geometry_the_measured_cases():
     grid, nb, nbk, mode = put.geometry("cuda", (1, 1, 256), (1, 8, 128), True, H100_CAP)
     useful = 256 + 8 * 128
     assert grid[0] * nb < useful + 2 * nb and mode == put.V_CELLS_DIRECT
+    # the same put with K as 16-byte words (aligned input and storage): half K's threads
+    grid, nb, nbk, mode = put.geometry("cuda", (1, 1, 128), (1, 8, 128), True, H100_CAP)
+    assert nbk == 1 and grid[0] == 1 + 4 and mode == put.V_CELLS_DIRECT
+    # a row-layout prefill of 4096 tokens in 16-byte words: 4096 x 128 items each, capped
+    grid, nb, nbk, mode = put.geometry("cuda", (4096, 1, 128), (4096, 1, 128), False, H100_CAP)
+    assert nbk == min(4096 * 128 // nb, H100_CAP) and grid[0] == 2 * nbk and mode == put.V_ROWS
     # a 32k-token prefill: both spaces capped at the SM-sized grid, V through tiles
     grid, nb, nbk, mode = put.geometry("cuda", (32768, 1, 256), (32768, 8, 128), True, H100_CAP)
     assert nbk == H100_CAP and grid[0] - nbk == H100_CAP and mode == put.V_CELLS_TILED
@@ -967,3 +978,244 @@ def test_fast_kernel_loads_a_cubin_for_the_device_and_caches_it(tmp_path):
                           timeout=600, cwd=root)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
     assert len(list(tmp_path.iterdir())) == 2
+
+
+# ------------------------------------------------------------------ 16-byte copies
+# put and block move copy rows as 16-byte words (one 128-bit load and store per thread) where the
+# row length, the strides and every base address allow it; the launcher decides once per launch
+# and otherwise falls back to 8-, 4- or 2-byte words, or elements.
+
+def _aligned(shape, dtype, offset=0):
+    """A zeroed numpy array whose data starts ``offset`` bytes past a 64-byte boundary."""
+    dt = np.dtype(STORAGE.get(dtype, dtype))
+    nbytes = int(np.prod(shape)) * dt.itemsize
+    raw = np.zeros(nbytes + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    return raw[start:start + nbytes].view(dt).reshape(shape)
+
+
+def _random_bits(rng, shape, dtype, offset=0):
+    """Every bit pattern of the storage dtype, NaN payloads included (a copy must keep them)."""
+    out = _aligned(shape, dtype, offset)
+    ubits = {2: np.uint16, 4: np.uint32}[out.itemsize]
+    out.view(ubits)[...] = rng.integers(0, np.iinfo(ubits).max, shape, dtype=ubits,
+                                        endpoint=True)
+    return out
+
+
+def _recording(monkeypatch, module):
+    """Record the arguments of every launch of ``module``'s kernels (still run for real)."""
+    seen = []
+    real = module._launch
+
+    def rec(device, kernel, grid, block, args):
+        seen.append((kernel, tuple(grid), block, args))
+        real(device, kernel, grid, block, args)
+    monkeypatch.setattr(module, "_launch", rec)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+def test_put_takes_16_byte_words_when_aligned(kernel_device, dtype, permuted, monkeypatch):
+    seen = _recording(monkeypatch, put)
+    rng = np.random.default_rng(hash((dtype, permuted)) % 2**32)
+    n, h, d, dv, b = 13, 2, 8, 8, 5      # rows of 32 (2-byte) or 64 bytes: whole 16-byte words
+    k_store, v_store = _random_bits(rng, (n, h, d), dtype), _random_bits(
+        rng, (h, dv, n) if permuted else (n, h, dv), dtype)
+    key, value = _random_bits(rng, (b, h, d), dtype), _random_bits(rng, (b, h, dv), dtype)
+    for slots, start in ((np.array([7, -1, 0, 12, 3], np.int32), -1), (None, 6)):
+        ks, vs = _aligned(k_store.shape, dtype), _aligned(v_store.shape, dtype)
+        ks[...], vs[...] = k_store, v_store
+        put.launch(kernel_device, to_dev(kernel_device, ks), to_dev(kernel_device, vs), slots,
+                   to_dev(kernel_device, key), to_dev(kernel_device, value), permuted,
+                   start=start)
+        eff = slots if slots is not None else np.arange(start, start + b, dtype=np.int32)
+        rk, rv = _ref_put(k_store, v_store, eff, key, value, permuted)
+        assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
+        kernel, grid, block, args = seen[-1]
+        kd, vd, _, k_src, v_src = args[:5]
+        row = h * d * ks.itemsize
+        assert kd.dtype == k_src.dtype == _common.WORD16 and k_src.shape == (b, 1, row // 16)
+        if permuted:   # permuted V is written element by element
+            assert vd.dtype.itemsize == v_src.dtype.itemsize == ks.itemsize
+        else:
+            assert vd.dtype == v_src.dtype == _common.WORD16
+        # blocks against useful work: K's index space counts 16-byte words
+        nbk = args[-1]
+        assert (nbk - 1) * block < b * row // 16 <= nbk * block
+
+
+# (shape [batch, heads, dim], input offset in elements, storage offset in bytes, expected word)
+_FALLBACKS = {
+    "row_24_bytes": ((3, 3, 4), "float16", 0, 0, 8),
+    "row_12_bytes": ((3, 1, 3), "float32", 0, 0, 4),
+    "row_10_bytes": ((3, 1, 5), "bfloat16", 0, 0, 2),
+    "input_off_by_one_f32": ((3, 2, 8), "float32", 1, 0, 4),
+    "input_off_by_one_f16": ((3, 2, 8), "float16", 1, 0, 2),
+    "storage_8_aligned": ((3, 2, 8), "bfloat16", 0, 8, 8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FALLBACKS))
+def test_put_falls_back_below_16_byte_words(kernel_device, case, monkeypatch):
+    """Rows whose length is no multiple of 16 bytes, inputs one element off a 16-byte boundary,
+    or storage only 8-byte aligned: narrower words, the same bits."""
+    (b, h, d), dtype, in_off, st_off, want = _FALLBACKS[case]
+    seen = _recording(monkeypatch, put)
+    rng = np.random.default_rng(len(case))
+    n = 9
+    k_store = _random_bits(rng, (n, h, d), dtype, st_off)
+    v_store = _random_bits(rng, (n, h, d), dtype, st_off)
+    flat = _random_bits(rng, (2, b * h * d + 1), dtype)
+    key, value = (f[in_off:in_off + b * h * d].reshape(b, h, d) for f in flat)
+    slots = np.array([4, -1, 8], np.int32)
+    ks, vs = k_store.copy(), v_store.copy()
+    if st_off:  # keep the storage's offset
+        ks, vs = _aligned(k_store.shape, dtype, st_off), _aligned(v_store.shape, dtype, st_off)
+        ks[...], vs[...] = k_store, v_store
+    put.launch(kernel_device, to_dev(kernel_device, ks), to_dev(kernel_device, vs), slots,
+               to_dev(kernel_device, key), to_dev(kernel_device, value), False)
+    rk, rv = _ref_put(k_store, v_store, slots, key, value, False)
+    assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
+    k_src = seen[-1][3][3]
+    assert k_src.dtype.itemsize == want and k_src.dtype != _common.WORD16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", ["defrag", "chain"])
+@pytest.mark.parametrize("offset,want", [(0, 16), (8, 8)])
+def test_move_takes_16_byte_words_when_aligned(kernel_device, dtype, plan, offset, want,
+                                               monkeypatch):
+    """Block moves: 16-byte words on 16-byte aligned storage, 8-byte words on storage 8 bytes
+    off; bit-identical to the sequential reference either way."""
+    seen = _recording(monkeypatch, move)
+    moves, _ = PLANS[plan]
+    rng = np.random.default_rng(31)
+    keys = _random_bits(rng, (2, 22, 2, 8), dtype, offset)
+    values = _random_bits(rng, (2, 22, 2, 8), dtype, offset)
+    kd = _aligned(keys.shape, dtype, offset)
+    vd = _aligned(values.shape, dtype, offset)
+    kd[...], vd[...] = keys, values
+    move.launch(kernel_device, to_dev(kernel_device, kd), to_dev(kernel_device, vd), moves, False)
+    rk, rv = _ref_moves(keys, values, moves, False)
+    assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
+    k, v = seen[-1][3][:2]
+    assert k.dtype.itemsize == v.dtype.itemsize == want
+    assert (k.dtype == _common.WORD16) == (want == 16)
+
+
+def test_move_geometry_counts_16_byte_words(kernel_device):
+    """The prepared block move over 16-byte words: blocks against layers x pairs x 16-byte
+    words of each row (half the 8-byte count), K and V each their own space."""
+    rng = np.random.default_rng(5)
+    keys = _random_bits(rng, (3, 40, 2, 8), "float32")     # 64-byte rows: 4 words of 16 bytes
+    values = _random_bits(rng, (3, 40, 2, 4), "float32")   # 32-byte rows: 2 words
+    p = move.prepare(kernel_device, keys, values, np.array([[30, 0, 5]]), False)
+    k, v = p.args[:2]
+    assert k.shape[3] == 4 and v.shape[3] == 2 and k.dtype == v.dtype == _common.WORD16
+    nb, cap = p.block, _common.max_blocks(kernel_device)
+    nbk = p.args[-1]
+    assert _space_ok(nbk, 3 * 5 * 4, nb, cap) and _space_ok(p.grid[0] - nbk, 3 * 5 * 2, nb, cap)
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_emulated_cuda_put_and_move_choose_16_byte_words(emulated_cuda, permuted):
+    """The ``cuda`` launcher's own decision (from CuPy pointers, per launch): 16-byte words for
+    aligned inputs and storage, narrower for an input one element off; results bit-identical."""
+    rng = np.random.default_rng(41)
+    n, h, d, b = 11, 2, 8, 3
+    seen = []
+    real = put._launch
+    put._launch = lambda device, kernel, grid, block, args: (seen.append(args),
+                                                             real(device, kernel, grid, block,
+                                                                  args))
+    try:
+        for in_off, want in ((0, 16), (1, 2)):
+            k_store = _random_bits(rng, (n, h, d), "float16")
+            v_store = _random_bits(rng, (h, d, n) if permuted else (n, h, d), "float16")
+            flat = _random_bits(rng, (2, b * h * d + 1), "float16")
+            key, value = (f[in_off:in_off + b * h * d].reshape(b, h, d) for f in flat)
+            slots = np.array([4, -1, 10], np.int32)
+            ks, vs = k_store.copy(), v_store.copy()
+            ks, vs = _aligned(ks.shape, "float16"), _aligned(vs.shape, "float16")
+            ks[...], vs[...] = k_store, v_store
+            put.launch("cuda", _FakeDeviceArray(ks), _FakeDeviceArray(vs), slots,
+                       _FakeDeviceArray(key), _FakeDeviceArray(value), permuted)
+            rk, rv = _ref_put(k_store, v_store, slots, key, value, permuted)
+            assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
+            assert seen[-1][3].dtype.itemsize == want
+            assert isinstance(seen[-1][3], _common.Desc)
+    finally:
+        put._launch = real
+    keys = _random_bits(rng, (2, 22, 2, 8), "float16")
+    values = _random_bits(rng, (2, 2, 8, 22) if permuted else (2, 22, 2, 8), "float16")
+    k, v = move.storage_args("cuda", _FakeDeviceArray(keys), _FakeDeviceArray(values), permuted)
+    assert k.dtype == _common.WORD16 and (v.dtype == _common.WORD16) != permuted
+    kd, vd = keys.copy(), values.copy()
+    move.launch("cuda", _FakeDeviceArray(kd), _FakeDeviceArray(vd), PLANS["defrag"][0],
+                permuted)
+    rk, rv = _ref_moves(keys, values, PLANS["defrag"][0], permuted)
+    assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
+
+
+def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx():
+    """Compiled offline (a fresh process: the simulator has no PTX compiler): the put and block
+    move kernels' 16-byte signatures load and store with ld.global.v2.u64 / st.global.v2.u64,
+    at sm_80 and sm_90; their 8-byte signatures do not (so the test would notice if the 128-bit
+    path fell back to two 8-byte accesses). A put whose V is in 16-byte rows declares no shared
+    tile (only element-wise permuted V is tiled)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import re\n"
+        "from numba import types\n"
+        "from numbakv.kernels import _common, move, put\n"
+        "from numbakv.kernels.ptx import _offline_device\n"
+        "vec = re.compile(r'\\b(ld|st)\\.global\\.v(2\\.(u|b|s|f)64|4\\.(u|b|s|f)32)\\b')\n"
+        "for kernel, sigs in ((put.put_kv_kernel, put._SIGS), (move.move_cells_kernel,"
+        " move._CELL_SIGS), (move.move_lanes_kernel, move._LANE_SIGS)):\n"
+        "    for sig in sigs:\n"
+        "        wide = sig[0].dtype == types.complex128\n"
+        "        for cc in ((8, 0), (9, 0)):\n"
+        "            with _offline_device(cc):\n"
+        "                ptx, _, _ = _common.ptx_entry(kernel.py_func, sig, cc)\n"
+        "            kinds = {m.group(1) for m in vec.finditer(ptx)}\n"
+        "            assert kinds == ({'ld', 'st'} if wide else set()), "
+        "(kernel.py_func.__name__, str(sig[0]), cc, kinds)\n"
+        "            if sig[1].dtype == types.complex128:  # V in rows: never tiled\n"
+        "                assert '.shared' not in ptx, (kernel.py_func.__name__, cc)\n"
+        "            if wide:\n"
+        "                print(kernel.py_func.__name__, cc, sorted(set(m.group(0) for m in "
+        "vec.finditer(ptx))))\n"
+        "print('ok')\n")
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    assert proc.stdout.count("ld.global.v2.u64") >= 3 * 2
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_emulated_cuda_move_on_a_cell_slice(emulated_cuda, permuted):
+    """A block move on a cell slice of a larger storage (per-sequence streams share one
+    allocation): the cuda launcher must use the slice's own layer stride, not cells x row.
+    Layers past the first moved the wrong cells, or other streams' cells, before."""
+    rng = np.random.default_rng(43)
+    keys = _random_bits(rng, (3, 30, 2, 8), "float32")
+    values = _random_bits(rng, (3, 2, 8, 30) if permuted else (3, 30, 2, 8), "float32")
+    ref_k, ref_v = keys.copy(), values.copy()
+    moves = np.array([[15, 0, 3], [12, 4, 2]])
+    sk, sv = ref_k[:, 5:25], (ref_v[..., 5:25] if permuted else ref_v[:, 5:25])
+    rk, rv = _ref_moves(sk, sv, moves, permuted)
+    sk[...], sv[...] = rk, rv
+    k_slice = keys[:, 5:25]
+    v_slice = values[..., 5:25] if permuted else values[:, 5:25]
+    k, _ = move.storage_args("cuda", _FakeDeviceArray(k_slice), _FakeDeviceArray(v_slice),
+                             permuted)
+    assert k.strides[0] == 30 * 64 and k.dtype == _common.WORD16
+    move.launch("cuda", _FakeDeviceArray(k_slice), _FakeDeviceArray(v_slice), moves, permuted)
+    assert np.array_equal(bits(keys), bits(ref_k)) and np.array_equal(bits(values), bits(ref_v))

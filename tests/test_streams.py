@@ -279,3 +279,123 @@ def test_side_stream_race_on_a_gpu():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--device", "cuda", "--steps", "32"]) == 0
+
+
+# ------------------------------------------------------------------ device-resident positions
+# start_forward's positions/seqs given as GPU arrays: read back on the cache's own stream into a
+# pinned, reused buffer, synchronising that stream only; refused during graph capture.
+
+class _DLPackOnGPU:
+    """What a torch CUDA tensor looks like to numbakv: a CUDA ``__dlpack_device__`` (and no
+    CUDA array interface, so the DLPack route is the one taken)."""
+
+    def __init__(self, values):
+        self._values = np.asarray(values)
+
+    def __dlpack_device__(self):
+        return (2, 0)   # kDLCUDA, device 0
+
+    def __dlpack__(self, stream=None):  # pragma: no cover - the stand-in CuPy reads it directly
+        raise AssertionError("not called by the stand-in")
+
+    def to_host_array(self):
+        return self._values
+
+
+def _cache_on(cp, stream):
+    """A CausalCache whose storage reports ``stream`` as its own (what use_stream sets on a cuda
+    cache; the cache itself runs on the CPU here, its bookkeeping is the same)."""
+    import numbakv as nkv
+    cache = nkv.CausalCache(CacheConfig(1, 1, 4, capacity=16, max_seqs=2, max_batch=4,
+                                        device="cpu"))
+    cache.storage._stream = stream
+    return cache
+
+
+def _table(cache):
+    t = cache.cells
+    return (t.cells.tobytes(), t._occ.tobytes(), t._ftree.tobytes(), t._stree.tobytes(),
+            t._sidx.tobytes(), t._meta.tobytes(), cache._forward)
+
+
+@pytest.mark.parametrize("kind", ["cuda-array-interface", "dlpack"])
+def test_device_positions_are_read_back_on_the_cache_stream(fake_gpu, kind):
+    cp, _ = fake_gpu
+    stream = cp.cuda.ExternalStream(0x77)
+    cache = _cache_on(cp, stream)
+    cp.log.clear()
+
+    def on_gpu(values, dtype):
+        if kind == "dlpack":
+            return _DLPackOnGPU(np.asarray(values, dtype))
+        wide = FakeDeviceArray(np.repeat(np.asarray(values, dtype), 2), cp)
+        return wide[::2]   # a strided device view: made contiguous on the stream first
+    for step, (pos, seqs) in enumerate((([0, 1, 2], [0, 0, 1]), ([3], [0]), ([3, 4], [1, 1]))):
+        cache.start_forward(on_gpu(pos, np.int64), on_gpu(seqs, np.int32))
+        assert cache._forward.positions.tolist() == pos
+        assert cache._forward.seqs.tolist() == seqs
+    kinds = [e[0] for e in cp.log]
+    copies = [e for e in cp.log if e[0] == "d2h"]
+    assert len(copies) == 6 and {e[1] for e in copies} == {0x77}
+    assert {e[1] for e in cp.log if e[0] in ("contiguous", "from_dlpack")} == {0x77}
+    assert ("stream_sync", 0x77) in cp.log and stream.synchronized == 6
+    assert not {"device_sync", "asnumpy"} & set(kinds), kinds
+    assert {e[1] for e in cp.log if e[0] == "stream_sync"} == {0x77}
+    # one pinned buffer, reused by every read-back
+    assert kinds.count("pinned_alloc") <= 1 and len({e[3] for e in copies}) == 1
+
+
+def test_device_positions_without_a_set_stream_use_cupys_current_stream(fake_gpu):
+    cp, _ = fake_gpu
+    cache = _cache_on(cp, None)
+    cp.log.clear()
+    current = cp.cuda.ExternalStream(0x88)
+    with current:
+        cache.start_forward(FakeDeviceArray(np.array([0, 1], np.int32), cp),
+                            FakeDeviceArray(np.array([1, 1], np.int32), cp))
+    assert {e[1] for e in cp.log if e[0] in ("d2h", "stream_sync")} == {0x88}
+    assert not any(e[0] in ("device_sync", "asnumpy") for e in cp.log)
+    assert cache._forward.seqs.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("which", ["positions", "seqs", "both"])
+def test_device_positions_are_refused_during_graph_capture_and_nothing_changes(fake_gpu, which):
+    cp, _ = fake_gpu
+    stream = cp.cuda.ExternalStream(0x79)
+    cache = _cache_on(cp, stream)
+    cache.start_forward([0, 1], [0, 0])
+    before = _table(cache)
+    stream.capturing = True
+    cp.log.clear()
+    pos = np.array([2, 3], np.int32)
+    seqs = np.array([0, 0], np.int32)
+    if which in ("positions", "both"):
+        pos = FakeDeviceArray(pos, cp)
+    if which in ("seqs", "both"):
+        seqs = _DLPackOnGPU(seqs)
+    with pytest.raises(ValueError, match=r"must be a host array .*capturing a CUDA graph.*"
+                                         r"positions/seqs as host arrays inside graph capture"):
+        cache.start_forward(pos, seqs)
+    assert _table(cache) == before
+    assert not any(e[0] in ("d2h", "stream_sync", "device_sync", "contiguous", "from_dlpack",
+                            "asnumpy") for e in cp.log), cp.log
+    # host arrays are fine while capturing: the cache's bookkeeping is on the host
+    cache.start_forward(np.array([2, 3], np.int32), np.array([0, 0], np.int32))
+    assert cache._forward.positions.tolist() == [2, 3]
+
+
+def test_hf_reads_gpu_positions_back_on_the_cache_stream(fake_gpu):
+    """hf.attach's start_forward reads GPU positions back once, on the stream of the cache (or,
+    for a WrapperCache, of its caches), not on CuPy's current one."""
+    import numbakv as nkv
+    from numbakv import hf
+    cp, _ = fake_gpu
+    stream = cp.cuda.ExternalStream(0x7A)
+    cache = _cache_on(cp, stream)
+    assert hf._cache_stream(cache) is stream
+    cfg = CacheConfig(1, 1, 4, capacity=16, max_seqs=2, max_batch=4, device="cpu")
+    wrapper = nkv.WrapperCache([nkv.CausalCache(cfg), nkv.CausalCache(cfg)])
+    assert hf._cache_stream(wrapper) is None
+    for c in wrapper.caches:
+        c.storage._stream = stream
+    assert hf._cache_stream(wrapper) is stream

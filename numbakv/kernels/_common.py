@@ -3,8 +3,9 @@ conversions for 16-bit storage, and the fast CUDA launch path.
 
 Arrays reach the kernels as *raw bits* wherever the math does not look at the values (put, move,
 mask): 16-bit data as ``uint16``, 32-bit as ``uint32`` and, where the row length, strides and
-(on a GPU) the address allow, whole 4- or 8-byte words, so one kernel serves every dtype and
-copies move 8 bytes per thread. Only the rotary kernel converts to float32.
+(on a GPU) the address allow, whole 4-, 8- or (GPU kernels) 16-byte words, so one kernel serves
+every dtype and a plain copy moves 16 bytes per thread access (:func:`copy_raw`). Only the
+rotary kernel converts to float32.
 
 Launching: ``cpu`` runs the ``@njit`` twins on numpy arrays; ``sim`` runs the ``@cuda.jit``
 kernels through Numba's dispatcher (the simulator); ``cuda`` launches the same kernels on CuPy
@@ -40,6 +41,15 @@ MAX_GRID_YZ = 65535
 #: unsigned integer dtype holding one raw element/word of each byte size
 UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
         8: np.dtype(np.uint64)}
+#: the dtype of a 16-byte raw word: complex128, numpy's only 16-byte scalar that Numba's CUDA
+#: target can type. The kernels never compute on it, they only copy its bits with
+#: :func:`copy_raw` (one 128-bit load and store on the GPU)
+WORD16 = np.dtype(np.complex128)
+#: the raw-word dtype of each width, 16 bytes included (:data:`UINT` plus :data:`WORD16`)
+WORD = {**UINT, 16: WORD16}
+#: the widest word the GPU kernels (and the simulator, which mirrors them) copy at once; the CPU
+#: twins keep 8 (LLVM vectorises their contiguous loops itself)
+DEVICE_WORD = 16
 
 
 def block_size(device: str) -> int:
@@ -241,13 +251,16 @@ f32_to_f16_bits_hw = _njit_inline(_f32_to_f16_hw)
 # raw-word views
 
 def word_size(row_bytes: int, itemsize: int, byte_strides: Sequence[int], ptr: Optional[int],
-              last_stride: int) -> int:
-    """The widest word (8, 4 or 2 bytes, never narrower than an element) that tiles a row of
-    ``row_bytes``: the last axis must be contiguous and every outer stride (and, on a GPU, the
-    address) a multiple of it. Falls back to the element size."""
+              last_stride: int, widest: int = 8) -> int:
+    """The widest word (``widest`` = 16 or 8 bytes, then 4 or 2, never narrower than an
+    element) that tiles a row of ``row_bytes``: the last axis must be contiguous and every outer
+    stride (and, on a GPU, the address) a multiple of it. Falls back to the element size. Decided
+    once per launch on the host, so the kernel's accesses are aligned by construction."""
     if last_stride != itemsize:
         return itemsize
-    for w in (8, 4, 2):
+    for w in (16, 8, 4, 2):
+        if w > widest:
+            continue
         if w < itemsize:
             break
         if row_bytes % w:
@@ -258,6 +271,80 @@ def word_size(row_bytes: int, itemsize: int, byte_strides: Sequence[int], ptr: O
             continue
         return w
     return itemsize
+
+
+def copy_raw(dst, di, src, si):
+    """``dst[di] = src[si]`` for one raw word (``di``, ``si``: index tuples), as the kernels and
+    CPU twins copy data. Plain Python here (the simulator runs it); Numba compiles it through the
+    overloads below: an assignment on the CPU and for words up to 8 bytes on the GPU, and for
+    16-byte words (:data:`WORD16`) one ``ld.global.v2.u64`` / ``st.global.v2.u64`` pair. Numba's
+    own complex128 copy would be two 8-byte accesses, since it cannot know the address is
+    16-byte aligned; the launchers guarantee it (:func:`word_size` checks every base pointer
+    and stride), so the CUDA form states that alignment to the compiler."""
+    dst[di] = src[si]
+
+
+from numba.extending import overload as _overload  # noqa: E402
+
+
+@_overload(copy_raw, inline="always")
+def _copy_raw_cpu(dst, di, src, si):
+    def impl(dst, di, src, si):
+        dst[di] = src[si]
+    return impl
+
+
+def _register_cuda_copy_raw() -> None:
+    """The CUDA target's :func:`copy_raw` (not while the simulator is on: it runs the Python)."""
+    from llvmlite import ir
+    from numba.cuda import cgutils as cuda_cgutils
+    from numba.cuda.extending import intrinsic as cuda_intrinsic, overload as cuda_overload
+
+    def item_pointer(context, builder, aryty, ary, idxty, idx):
+        indices = [context.cast(builder, v, t, types.intp) for v, t in
+                   zip(cuda_cgutils.unpack_tuple(builder, idx, idxty.count), idxty.types)]
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        return cuda_cgutils.get_item_pointer(context, builder, aryty, arr, indices,
+                                             wraparound=False)
+
+    @cuda_intrinsic
+    def copy16(typingctx, dst, di, src, si):
+        """One 16-byte word from ``src[si]`` to ``dst[di]``: a ``<2 x i64>`` load and store in
+        the global address space with 16-byte alignment, which the NVPTX back end emits as
+        ``ld.global.v2.u64`` / ``st.global.v2.u64``."""
+        def codegen(context, builder, sig, args):
+            dty, dity, sty, sity = sig.args
+            d, dix, s, six = args
+            vec = ir.VectorType(ir.IntType(64), 2)
+            glob = ir.PointerType(vec, 1)  # addrspace(1): global memory
+
+            def pointer(aryty, ary, idxty, idx):
+                p = item_pointer(context, builder, aryty, ary, idxty, idx)
+                return builder.addrspacecast(builder.bitcast(p, vec.as_pointer()), glob)
+            word = builder.load(pointer(sty, s, sity, six), align=16)
+            builder.store(word, pointer(dty, d, dity, dix), align=16)
+            return context.get_dummy_value()
+        return types.void(dst, di, src, si), codegen
+
+    @cuda_overload(copy_raw, target="cuda", inline="always")
+    def _copy_raw_cuda(dst, di, src, si):
+        if dst.dtype == src.dtype == types.complex128:
+            def impl16(dst, di, src, si):
+                copy16(dst, di, src, si)
+            return impl16
+
+        def impl(dst, di, src, si):
+            dst[di] = src[si]
+        return impl
+
+
+def _simulator_on() -> bool:
+    from numba.core import config as nb_config
+    return bool(nb_config.ENABLE_CUDASIM)
+
+
+if not _simulator_on():
+    _register_cuda_copy_raw()
 
 
 class Desc(NamedTuple):
@@ -710,6 +797,32 @@ def to_device(device: str, *arrays: np.ndarray):
     return tuple(descs), dev
 
 
+_READBACK: List[Any] = []       # [capacity, pinned memory, host view]: one, reused
+_READBACK_LOCK = threading.Lock()
+
+
+def device_to_host(arr, stream) -> np.ndarray:
+    """A host copy of the CuPy array ``arr``, made on ``stream`` through one pinned, reused
+    buffer: a contiguous copy (if ``arr`` is strided) and an asynchronous device-to-host copy are
+    queued on ``stream``, then only that stream is synchronised (``cupy.asnumpy`` would copy on
+    the current stream into pageable memory). The caller refuses this during graph capture."""
+    import cupy
+    with stream:
+        dev = cupy.ascontiguousarray(arr)
+    nbytes = int(dev.nbytes)
+    if nbytes == 0:
+        return np.empty(dev.shape, dtype=dev.dtype)
+    with _READBACK_LOCK:
+        if not _READBACK or _READBACK[0] < nbytes:
+            cap = max(4096, 1 << (nbytes - 1).bit_length())
+            mem = cupy.cuda.alloc_pinned_memory(cap)
+            _READBACK[:] = [cap, mem, np.frombuffer(mem, np.uint8, cap)]
+        host = _READBACK[2]
+        dev.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, stream)
+        stream.synchronize()
+        return host[:nbytes].view(dev.dtype).reshape(dev.shape).copy()
+
+
 def device_arg(device: str, arr, dtype=None):
     """A storage/output array as a kernel argument: itself (numpy, optionally viewed as another
     dtype of the same size) or its :class:`Desc` on ``cuda``."""
@@ -725,4 +838,5 @@ __all__ = ["cpu_has_f16c", "f16_bits_to_f32_hw", "f32_to_f16_bits_hw", "BLOCKS_P
            "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "device_arg", "f16_bits_to_f32",
            "f32_to_bf16_bits", "f32_to_f16_bits", "fast_launch_enabled", "head_word", "launch",
            "set_fast_launch",
-           "numba_type", "to_device", "word_size"]
+           "numba_type", "to_device", "word_size", "copy_raw", "DEVICE_WORD", "WORD", "WORD16",
+           "device_to_host"]

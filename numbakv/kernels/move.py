@@ -23,8 +23,8 @@ from numba import cuda, prange, types
 from .._jit import njit
 
 from . import _common
-from ._common import (UINT, Desc, Prepared, block_size, cdiv, head_word,
-                      launch as _launch, to_device, word_size)
+from ._common import (DEVICE_WORD, UINT, WORD, Desc, Prepared, block_size, cdiv, copy_raw,
+                      head_word, launch as _launch, to_device, word_size)
 from ._registry import cuda_device, cuda_kernel, element
 
 
@@ -43,7 +43,7 @@ def move_step(src, dst, length, k):
 def copy_word(arr, layer, s, d, h, w):
     """``arr[layer, d, h, w] = arr[layer, s, h, w]`` (``arr`` indexed ``[layer, cell, head,
     word]`` whatever the storage layout)."""
-    arr[layer, d, h, w] = arr[layer, s, h, w]
+    copy_raw(arr, (layer, d, h, w), arr, (layer, s, h, w))
 
 
 _move_step_cuda = move_step.cuda
@@ -97,8 +97,11 @@ def _arr(dt, nd):
     return types.Array(dt, nd, "A")
 
 
-# the word pairs that occur: K and V rows alike, or permuted V copied element-wise
-_PAIRS = [(types.uint64, types.uint64), (types.uint32, types.uint32), (types.uint16, types.uint16),
+# the word pairs that occur: K and V rows alike (16-byte words where aligned), or permuted V
+# copied element-wise
+_PAIRS = [(types.complex128, types.complex128), (types.uint64, types.uint64),
+          (types.uint32, types.uint32), (types.uint16, types.uint16),
+          (types.complex128, types.uint16), (types.complex128, types.uint32),
           (types.uint64, types.uint16), (types.uint64, types.uint32)]
 _CELL_SIGS = [(_arr(kw, 4), _arr(vw, 4), _arr(types.int32, 1), _arr(types.int32, 1),
                types.int64, types.int64) for kw, vw in _PAIRS]
@@ -242,10 +245,14 @@ def normalize(moves) -> np.ndarray:
     return np.ascontiguousarray(moves[keep])
 
 
-def _row_words(shape, isz, ptr):
-    """Word size for whole cell rows of a C-contiguous ``[layers, cells, heads, dim]`` array."""
-    row = shape[2] * shape[3] * isz
-    return word_size(row, isz, (row,), ptr, isz)
+def _row_words(arr, ptr, widest: int = 8):
+    """Word size for whole cell rows of ``arr [layers, cells, heads, dim]`` (each cell row
+    contiguous; the layer and cell strides as they are: a cell slice of a larger storage, as
+    per-sequence streams use, has a longer layer stride), up to ``widest`` bytes: 16 for the
+    GPU kernels, 8 for the CPU twins."""
+    isz = arr.dtype.itemsize
+    row = arr.shape[2] * arr.shape[3] * isz
+    return word_size(row, isz, (int(arr.strides[0]), int(arr.strides[1])), ptr, isz, widest)
 
 
 def _np_rows(arr: np.ndarray, w: int) -> np.ndarray:
@@ -253,7 +260,7 @@ def _np_rows(arr: np.ndarray, w: int) -> np.ndarray:
     viewing as ``w``-byte words, because :func:`_row_words` sized ``w`` from the whole row (a
     head's own row, e.g. 17 float32, need not be a multiple of it)."""
     lay, n = arr.shape[:2]
-    return arr.view(UINT[arr.itemsize]).reshape(lay, n, 1, -1).view(UINT[w])
+    return arr.view(UINT[arr.itemsize]).reshape(lay, n, 1, -1).view(WORD[w])
 
 
 def _np_cols(arr: np.ndarray) -> np.ndarray:
@@ -262,32 +269,39 @@ def _np_cols(arr: np.ndarray) -> np.ndarray:
 
 
 def _desc_rows(arr, w: int) -> Desc:
+    """:func:`_np_rows` for a CuPy array, with its own layer and cell strides (a cell slice's
+    layers lie further apart than its cells times a row)."""
     lay, n, h, d = arr.shape
     row = h * d * arr.itemsize
-    return Desc(int(arr.data.ptr), (lay, n, 1, row // w), (n * row, row, row, w), UINT[w])
+    s = arr.strides
+    return Desc(int(arr.data.ptr), (lay, n, 1, row // w), (int(s[0]), int(s[1]), row, w), WORD[w])
 
 
 def _desc_cols(arr) -> Desc:
+    """:func:`_np_cols` for a CuPy array (its own strides, as above)."""
     lay, h, d, n = arr.shape
-    isz = arr.itemsize
-    return Desc(int(arr.data.ptr), (lay, n, h, d), (h * d * n * isz, isz, d * n * isz, n * isz),
-                UINT[isz])
+    s = arr.strides
+    return Desc(int(arr.data.ptr), (lay, n, h, d), (int(s[0]), int(s[3]), int(s[1]), int(s[2])),
+                UINT[arr.itemsize])
 
 
 def storage_args(device: str, keys, values, permuted: bool):
-    """The K and V storage as the kernels index them, ``[layer, cell, head', word]``."""
-    isz = keys.dtype.itemsize
-    cuda_dev = device == "cuda"
-    kw = _row_words(keys.shape, isz, int(keys.data.ptr) if cuda_dev else None)
-    if cuda_dev:
-        k = _desc_rows(keys, kw)
+    """The K and V storage as the kernels index them, ``[layer, cell, head', word]``: on
+    ``cuda`` and ``sim`` in 16-byte words where rows and addresses allow (decided here, once per
+    launch), on ``cpu`` in words of up to 8 bytes."""
+    if device == "cuda":
+        k = _desc_rows(keys, _row_words(keys, int(keys.data.ptr), DEVICE_WORD))
         if permuted:
             v = _desc_cols(values)
         else:
-            v = _desc_rows(values, _row_words(values.shape, isz, int(values.data.ptr)))
+            v = _desc_rows(values, _row_words(values, int(values.data.ptr), DEVICE_WORD))
+    elif device == "sim":  # the GPU's plan on numpy views, addresses included
+        k = _np_rows(keys, _row_words(keys, keys.ctypes.data, DEVICE_WORD))
+        v = _np_cols(values) if permuted else _np_rows(
+            values, _row_words(values, values.ctypes.data, DEVICE_WORD))
     else:
-        k = _np_rows(keys, kw)
-        v = _np_cols(values) if permuted else _np_rows(values, _row_words(values.shape, isz, None))
+        k = _np_rows(keys, _row_words(keys, None))
+        v = _np_cols(values) if permuted else _np_rows(values, _row_words(values, None))
     return k, v
 
 

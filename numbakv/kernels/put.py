@@ -6,8 +6,10 @@ layout), K and V in one launch. A negative slot skips its token (padding), like 
 ``reshape_and_cache``. Slots come either as an int32 array or as a start (``slot = start + t``,
 the contiguous placement Ollama uses; no slot array is sent to the GPU then).
 
-Data moves as raw words: 8 bytes at a time when the row length, strides and addresses allow,
-and rows of all heads as one run when the input's heads are contiguous. Inputs may be strided.
+Data moves as raw words: on the GPU (and the simulator) 16 bytes at a time when the row length,
+strides and addresses allow (one 128-bit load and store per thread, see
+``_common.copy_raw``), else 8, 4 or 2; rows of all heads as one run when the input's heads are
+contiguous. The word size is chosen once per launch on the host. Inputs may be strided.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from numba import cuda, prange, types
 from .._jit import njit
 
 from . import _common
-from ._common import (UINT, Desc, block_size, cdiv, desc_of, head_word,
-                      launch as _launch, word_size)
+from ._common import (DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, desc_of,
+                      head_word, launch as _launch, word_size)
 from ._registry import cuda_device, cuda_kernel, element
 
 
@@ -38,7 +40,7 @@ def slot_of(slots, start, t):
 def put_word(dst, src, slot, t, h, w):
     """Copy word ``w`` of head ``h`` of batch token ``t`` into cell ``slot`` (callers skip
     negative slots). ``dst`` is indexed ``[cell, head, word]`` whatever the storage layout."""
-    dst[slot, h, w] = src[t, h, w]
+    copy_raw(dst, (slot, h, w), src, (t, h, w))
 
 
 _slot_of_cuda = slot_of.cuda
@@ -133,12 +135,43 @@ def put_tiles(dst, src, slots, start, tile, tile_step, tid, nb):
         tile += tile_step
 
 
+def tiles_of_elements(dst, src, slots, start, tile, tile_step, tid, nb):
+    """:func:`put_tiles`, which only permuted V takes, and permuted V is always copied element
+    by element (2 or 4 bytes, what the uint32 tile holds). The kernel is also compiled for
+    signatures whose V words are 8 or 16 bytes (rows, never tiled): for those the CUDA form
+    below is empty, so they neither fail to type (a 16-byte word into the uint32 tile) nor
+    reserve shared memory for a tile they never use. The simulator runs this Python."""
+    put_tiles(dst, src, slots, start, tile, tile_step, tid, nb)
+
+
+def _register_cuda_tiles() -> None:
+    from numba.cuda.extending import overload as cuda_overload
+
+    @cuda_overload(tiles_of_elements, target="cuda", inline="always")
+    def _tiles_cuda(dst, src, slots, start, tile, tile_step, tid, nb):
+        if src.dtype.bitwidth <= 32:
+            def impl(dst, src, slots, start, tile, tile_step, tid, nb):
+                put_tiles(dst, src, slots, start, tile, tile_step, tid, nb)
+            return impl
+
+        def never_tiled(dst, src, slots, start, tile, tile_step, tid, nb):
+            pass
+        return never_tiled
+
+
+if not _common._simulator_on():
+    _register_cuda_tiles()
+
+
 def _arr(dt, nd):
     return types.Array(dt, nd, "A")
 
 
-# the word pairs that occur: K and V rows alike, or permuted V copied element by element
-_PAIRS = [(types.uint64, types.uint64), (types.uint32, types.uint32), (types.uint16, types.uint16),
+# the word pairs that occur: K and V rows alike (16-byte words where aligned), or permuted V
+# copied element by element
+_PAIRS = [(types.complex128, types.complex128), (types.uint64, types.uint64),
+          (types.uint32, types.uint32), (types.uint16, types.uint16),
+          (types.complex128, types.uint16), (types.complex128, types.uint32),
           (types.uint64, types.uint16), (types.uint64, types.uint32)]
 _SIGS = [(_arr(kw, 3), _arr(vw, 3), _arr(types.int32, 1), _arr(kw, 3), _arr(vw, 3), types.int64,
           types.int64, types.int64) for kw, vw in _PAIRS]
@@ -163,7 +196,7 @@ def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_mode, nbk):
     elif v_mode == 1:
         put_flat_cells(v_dst, v_src, slots, start, vb * nb + tid, nbv * nb)
     else:
-        put_tiles(v_dst, v_src, slots, start, vb, nbv, tid, nb)
+        tiles_of_elements(v_dst, v_src, slots, start, vb, nbv, tid, nb)
 
 
 # The token loop is written out in both twins: factored into a helper function, Numba's
@@ -208,21 +241,24 @@ _NO_SLOTS = np.zeros(1, dtype=np.int32)
 _NO_SLOTS_DEV = {}
 
 
-def _plan(shape, strides, isz: int, ptr: Optional[int]):
-    """(heads flattened into one row?, word size) for an input ``[batch, heads, dim]``."""
+def _plan(shape, strides, isz: int, ptr: Optional[int], dst_ptr: int = 0):
+    """(heads flattened into one row?, word size) for an input ``[batch, heads, dim]`` at
+    address ``ptr`` going into storage at ``dst_ptr`` (both decide the 16-byte words: a word
+    must be aligned on both sides)."""
     _, h, d = shape
     last = strides[2] if d > 1 else isz
     flat = last == isz and (h == 1 or strides[1] == d * isz)
+    ptrs = None if ptr is None else ptr | dst_ptr
     if flat:
-        return True, word_size(h * d * isz, isz, (strides[0],), ptr, last)
-    return False, word_size(d * isz, isz, (strides[0], strides[1]), ptr, last)
+        return True, word_size(h * d * isz, isz, (strides[0],), ptrs, last, DEVICE_WORD)
+    return False, word_size(d * isz, isz, (strides[0], strides[1]), ptrs, last, DEVICE_WORD)
 
 
 def _np_pair(dst: np.ndarray, src: np.ndarray, flat: bool, w: int):
     """numpy views ``dst [n_cells, heads', words]`` and ``src [batch, heads', words]``."""
     n, h, d = dst.shape
     b = src.shape[0]
-    wd = UINT[w]
+    wd = WORD[w]
     dv = dst.view(UINT[dst.itemsize])
     sv = src.view(UINT[src.itemsize])
     if flat:
@@ -241,7 +277,7 @@ def _desc_pair(dst, src, flat: bool, w: int):
     n, h, d = dst.shape
     b, _, _ = src.shape
     isz = src.itemsize
-    wd = UINT[w]
+    wd = WORD[w]
     row = h * d * isz
     if flat:
         dd = Desc(int(dst.data.ptr), (n, 1, row // w), (row, row, w), wd)
@@ -272,9 +308,10 @@ def launch(device: str, k_dst, v_dst, slots: Optional[np.ndarray], key, value,
     if device == "cuda":
         _launch_cuda(k_dst, v_dst, slots, key, value, bool(permuted), int(start))
         return
-    # sim: the same plan as on the GPU, materialised as numpy views
-    kflat, kw = _plan(key.shape, key.strides, isz, None)
-    vflat, vw = (False, isz) if permuted else _plan(value.shape, value.strides, isz, None)
+    # sim: the same plan as on the GPU (addresses included), materialised as numpy views
+    kflat, kw = _plan(key.shape, key.strides, isz, key.ctypes.data, k_dst.ctypes.data)
+    vflat, vw = (False, isz) if permuted else _plan(value.shape, value.strides, isz,
+                                                    value.ctypes.data, v_dst.ctypes.data)
     kd, ks = _np_pair(k_dst, key, kflat, kw)
     if permuted:
         vd = v_dst.view(UINT[isz]).transpose(2, 0, 1)
@@ -316,14 +353,15 @@ class _CudaPut:
 
     def __init__(self, k_dst, v_dst, key, value, sl: Desc, permuted: bool, device_id: int):
         isz = k_dst.dtype.itemsize
-        kflat, kw = _plan(key.shape, key.strides, isz, int(key.data.ptr))
+        kflat, kw = _plan(key.shape, key.strides, isz, int(key.data.ptr), int(k_dst.data.ptr))
         kd, ks = _desc_pair(k_dst, key, kflat, kw)
         if permuted:
             hh, dv, n = v_dst.shape
             vd = Desc(int(v_dst.data.ptr), (n, hh, dv), (isz, dv * n * isz, n * isz), UINT[isz])
             vs = Desc(int(value.data.ptr), tuple(value.shape), tuple(value.strides), UINT[isz])
         else:
-            vflat, vw = _plan(value.shape, value.strides, isz, int(value.data.ptr))
+            vflat, vw = _plan(value.shape, value.strides, isz, int(value.data.ptr),
+                              int(v_dst.data.ptr))
             vd, vs = _desc_pair(v_dst, value, vflat, vw)
         self.descs = (kd, vd, sl, ks, vs)
         self.grid, self.block, self.nbk, self.v_mode = geometry(
@@ -358,15 +396,18 @@ def _launch_cuda(k_dst, v_dst, slots, key, value, permuted: bool, start: int) ->
     device_id = cupy.cuda.runtime.getDevice()
     kp = key.data.ptr
     vp = value.data.ptr
+    kdp = k_dst.data.ptr
+    vdp = v_dst.data.ptr
     sl = _dummy_slots_dev(device_id) if start >= 0 else _slots_to_device(slots, device_id)
+    # the low address bits decide the word size (16-byte words need 16-byte alignment)
     pkey = (device_id, k_dst.shape, v_dst.shape, k_dst.dtype, key.shape, key.strides,
-            value.shape, value.strides, kp & 7, vp & 7, permuted, start >= 0)
+            value.shape, value.strides, (kp | kdp) & 15, (vp | vdp) & 15, permuted, start >= 0)
     plan = _CUDA_PLANS.get(pkey)
     if plan is None:
         if len(_CUDA_PLANS) > 4096:  # shapes churning: forget old plans
             _CUDA_PLANS.clear()
         plan = _CUDA_PLANS[pkey] = _CudaPut(k_dst, v_dst, key, value, sl, permuted, device_id)
-    plan.launch((k_dst.data.ptr, v_dst.data.ptr, sl.ptr, kp, vp), start,
+    plan.launch((kdp, vdp, sl.ptr, kp, vp), start,
                 cupy.cuda.get_current_stream().ptr)
 
 
