@@ -578,3 +578,49 @@ def test_attend_on_a_quantized_cache_matches_its_dequantized_get():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="quantized blocks"):
         attend(q, cache, backend="torch")
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "float8_e4m3"])
+def test_large_cpu_puts_gets_and_shifts_thread_without_changing_a_bit(kind):
+    """A CPU put large enough to spread its tokens over numba's threads, of float16 rows widened
+    by numpy first, writes exactly the blocks the one-thread, per-value-conversion form writes:
+    every float16 bit pattern (subnormals, infinities, NaNs) included, scattered slots with
+    skips (negative) included. The threaded get and rotary shift match their one-thread forms
+    too."""
+    from numbakv.kernels import quant as Q
+    from numbakv.kernels.rope import KIND_F16_BITS
+    fmt = Q.FORMATS[kind]
+    heads, dim = 2, 64
+    batch = -(-Q.PARALLEL_MIN_VALUES // (heads * dim))   # just at the threaded size
+    bits = np.arange(batch * heads * dim, dtype=np.uint32) % 65536
+    x = bits.astype(np.uint16).view(np.float16).reshape(batch, heads, dim)
+    rng = np.random.default_rng(3)
+    slots = rng.permutation(batch + 16)[:batch].astype(np.int32)
+    slots[::97] = -1
+    row = dim // Q.BLOCK_VALUES[fmt] * Q.BLOCK_BYTES[fmt]
+    scales = np.full(1, 0.5, np.float32)
+    fast = np.zeros((1, batch + 16, heads, row), np.uint8)
+    Q.put_launch("cpu", fast, 0, x, slots, -1, fmt, scales, "float16")
+    slow = np.zeros_like(fast)
+    Q.quant_put_cpu(slow, x.view(np.uint16), slots, -1, 0, fmt, scales, KIND_F16_BITS)
+    np.testing.assert_array_equal(fast, slow)
+    assert fast.any()
+
+    got = np.zeros((batch, heads, dim), np.float16)
+    Q.get_launch("cpu", fast, 0, 0, got, fmt, scales, "float16")
+    want = np.zeros_like(got)
+    Q.quant_get_cpu(fast, 0, 0, fmt, scales, want.view(np.uint16), KIND_F16_BITS)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+    finite = np.where(np.isfinite(x), x, np.float16(1.0))   # rotations of finite keys
+    Q.put_launch("cpu", fast, 0, finite, None, 0, fmt, scales, "float16")
+    slow = fast.copy()
+    cells = np.arange(batch, dtype=np.int32)
+    deltas = (cells % 7 - 3).astype(np.int32)
+    inv_freq = 1e4 ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
+    Q.rope_launch("cpu", fast, dim, cells, deltas, inv_freq, True, fmt, scales)
+    from numbakv.kernels.rope import _merge
+    c2, d2 = _merge(cells, deltas)
+    tab, cos_t, sin_t = Q.tables(d2, inv_freq)
+    Q.quant_rope_cpu(slow, c2, tab, np.zeros(1, np.int32), cos_t, sin_t, 1, dim, scales, fmt)
+    np.testing.assert_array_equal(fast, slow)

@@ -29,15 +29,15 @@ from __future__ import annotations
 import types as pytypes
 
 import numpy as np
-from numba import cuda, types
+from numba import cuda, prange, types
 
 from .._jit import njit
 from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, device_arg, f16_bits_to_f32,
                       f32_to_bf16_bits, f32_to_f16_bits, launch as _launch, to_device)
 from ._registry import cuda_kernel, element
 from .move import move_step, normalize
-from .rope import (KIND_F16_BITS, KIND_F16_HW, load_f32, pair_index, rotate_pair, storage_kind,
-                   tables)
+from .rope import (KIND_F16_BITS, KIND_F16_HW, KIND_FLOAT, load_f32, pair_index, rotate_pair,
+                   storage_kind, tables)
 
 #: storage formats (kernel argument ``fmt``)
 FMT_Q8_0, FMT_Q4_0, FMT_F8 = 1, 2, 3
@@ -287,19 +287,30 @@ def quant_put_kernel(q, x, slots, start, layer, fmt, scales, kind):
 # branch), so the per-value format tests fold away: measured 10x faster than a runtime format.
 
 @njit(inline="always")
-def _put_rows_cpu(q, x, slots, start, layer, fmt, scale, kind):
+def _put_token_cpu(q, x, slots, start, layer, fmt, scale, kind, t):
     per = x.shape[2] if fmt == 3 else 32  # float8: a whole row per call
     nbytes = x.shape[2] if fmt == 3 else (34 if fmt == 1 else 18)
     nblk = x.shape[2] // per
+    cell = start + t if start >= 0 else np.int64(slots[t])
+    if cell < 0:
+        return
+    for h in range(x.shape[1]):
+        x_row = x[t, h]
+        q_row = q[layer, cell, h]
+        for blk in range(nblk):
+            _quantize_cpu(x_row, blk * per, per, kind, q_row, blk * nbytes, fmt, scale)
+
+
+@njit(inline="always")
+def _put_rows_cpu(q, x, slots, start, layer, fmt, scale, kind):
     for t in range(x.shape[0]):
-        cell = start + t if start >= 0 else np.int64(slots[t])
-        if cell < 0:
-            continue
-        for h in range(x.shape[1]):
-            x_row = x[t, h]
-            q_row = q[layer, cell, h]
-            for blk in range(nblk):
-                _quantize_cpu(x_row, blk * per, per, kind, q_row, blk * nbytes, fmt, scale)
+        _put_token_cpu(q, x, slots, start, layer, fmt, scale, kind, t)
+
+
+@njit(inline="always")
+def _put_rows_cpu_par(q, x, slots, start, layer, fmt, scale, kind):
+    for t in prange(x.shape[0]):   # tokens go to distinct cells (checked by the caller)
+        _put_token_cpu(q, x, slots, start, layer, fmt, scale, kind, t)
 
 
 @njit(cache=True)
@@ -312,6 +323,24 @@ def quant_put_cpu(q, x, slots, start, layer, fmt, scales, kind):
         _put_rows_cpu(q, x, slots, start, layer, 2, scale, kind)
     else:
         _put_rows_cpu(q, x, slots, start, layer, 3, scale, kind)
+
+
+@njit(cache=True, parallel=True)
+def quant_put_cpu_par(q, x, slots, start, layer, fmt, scales, kind):
+    """:func:`quant_put_cpu` with its tokens spread over numba's threads (large batches)."""
+    scale = scales[layer]
+    if fmt == 1:
+        _put_rows_cpu_par(q, x, slots, start, layer, 1, scale, kind)
+    elif fmt == 2:
+        _put_rows_cpu_par(q, x, slots, start, layer, 2, scale, kind)
+    else:
+        _put_rows_cpu_par(q, x, slots, start, layer, 3, scale, kind)
+
+
+#: values from which the CPU quantized put, get and rotary shift spread their tokens / cells over
+#: numba's threads: (de)quantizing is compute-bound (~1-4 ns a value on one core), so threads pay
+#: off far sooner than for plain copies
+PARALLEL_MIN_VALUES = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,16 +366,27 @@ def quant_get_kernel(q, layer, lo, fmt, scales, out, kind):
 
 
 @njit(inline="always")
-def _get_rows_cpu(q, layer, lo, fmt, scale, out, kind):
+def _get_cell_cpu(q, layer, lo, fmt, scale, out, kind, c):
     per = out.shape[2] if fmt == 3 else 32  # float8: a whole row per call
     nbytes = out.shape[2] if fmt == 3 else (34 if fmt == 1 else 18)
     nblk = out.shape[2] // per
+    for h in range(out.shape[1]):
+        q_row = q[layer, lo + c, h]
+        out_row = out[c, h]
+        for blk in range(nblk):
+            _dequantize_cpu(q_row, blk * nbytes, per, fmt, scale, out_row, blk * per, kind)
+
+
+@njit(inline="always")
+def _get_rows_cpu(q, layer, lo, fmt, scale, out, kind):
     for c in range(out.shape[0]):
-        for h in range(out.shape[1]):
-            q_row = q[layer, lo + c, h]
-            out_row = out[c, h]
-            for blk in range(nblk):
-                _dequantize_cpu(q_row, blk * nbytes, per, fmt, scale, out_row, blk * per, kind)
+        _get_cell_cpu(q, layer, lo, fmt, scale, out, kind, c)
+
+
+@njit(inline="always")
+def _get_rows_cpu_par(q, layer, lo, fmt, scale, out, kind):
+    for c in prange(out.shape[0]):
+        _get_cell_cpu(q, layer, lo, fmt, scale, out, kind, c)
 
 
 @njit(cache=True)
@@ -359,6 +399,18 @@ def quant_get_cpu(q, layer, lo, fmt, scales, out, kind):
         _get_rows_cpu(q, layer, lo, 2, scale, out, kind)
     else:
         _get_rows_cpu(q, layer, lo, 3, scale, out, kind)
+
+
+@njit(cache=True, parallel=True)
+def quant_get_cpu_par(q, layer, lo, fmt, scales, out, kind):
+    """:func:`quant_get_cpu` with its cells spread over numba's threads (large ranges)."""
+    scale = scales[layer]
+    if fmt == 1:
+        _get_rows_cpu_par(q, layer, lo, 1, scale, out, kind)
+    elif fmt == 2:
+        _get_rows_cpu_par(q, layer, lo, 2, scale, out, kind)
+    else:
+        _get_rows_cpu_par(q, layer, lo, 3, scale, out, kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,14 +470,26 @@ def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fm
 
 
 @njit(inline="always")
+def _rope_cell_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, c, work):
+    for z in range(layers.shape[0]):
+        layer = layers[z]
+        for h in range(q.shape[2]):
+            _rotate_row_cpu(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t, sin_t,
+                            tab[c], neox)
+
+
+@njit(inline="always")
 def _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
     work = np.empty(dim, np.float32)
     for c in range(cells.shape[0]):
-        for z in range(layers.shape[0]):
-            layer = layers[z]
-            for h in range(q.shape[2]):
-                _rotate_row_cpu(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t,
-                                sin_t, tab[c], neox)
+        _rope_cell_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, c, work)
+
+
+@njit(inline="always")
+def _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+    for c in prange(cells.shape[0]):   # distinct cells (merged by the launcher)
+        work = np.empty(dim, np.float32)
+        _rope_cell_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, c, work)
 
 
 @njit(cache=True)
@@ -437,6 +501,17 @@ def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
         _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 2)
     else:
         _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 3)
+
+
+@njit(cache=True, parallel=True)
+def quant_rope_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+    """:func:`quant_rope_cpu` with its cells spread over numba's threads (many cells)."""
+    if fmt == 1:
+        _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 1)
+    elif fmt == 2:
+        _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 2)
+    else:
+        _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,7 +573,14 @@ def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scale
     if slots is None:
         slots = np.zeros(1, np.int32)
     if device == "cpu":
-        quant_put_cpu(q, x.view(view_dtype), slots, int(start), int(layer), fmt, scales, kind)
+        x = x.view(view_dtype)
+        if kind == KIND_F16_BITS:
+            # widened by numpy (vectorised, F16C where present; exact, as the software form):
+            # the quantizer then runs its float32 form, ~3x faster than converting per value
+            x, kind = x.view(np.float16).astype(np.float32), KIND_FLOAT
+        launch = quant_put_cpu_par if x.size >= PARALLEL_MIN_VALUES and batch > 1 \
+            else quant_put_cpu
+        launch(q, x, slots, int(start), int(layer), fmt, scales, kind)
         return
     (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
     nb = block_size(device)
@@ -518,7 +600,9 @@ def get_launch(device: str, q, layer: int, lo: int, out, fmt: int, scales, dtype
         return
     view_dtype, kind = _kind(device, dtype)
     if device == "cpu":
-        quant_get_cpu(q, int(layer), int(lo), fmt, scales, out.view(view_dtype), kind)
+        launch = quant_get_cpu_par if out.size >= PARALLEL_MIN_VALUES and n > 1 \
+            else quant_get_cpu
+        launch(q, int(layer), int(lo), fmt, scales, out.view(view_dtype), kind)
         return
     nb = block_size(device)
     nblk = out.shape[2] // BLOCK_VALUES[fmt]
@@ -542,8 +626,10 @@ def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, f
         return
     tab, cos_t, sin_t = tables(deltas, inv_freq)
     if device == "cpu":
-        quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, int(bool(neox)), int(dim), scales,
-                       fmt)
+        values = cells.size * layers.size * q.shape[2] * int(dim)
+        launch = quant_rope_cpu_par if values >= PARALLEL_MIN_VALUES and cells.size > 1 \
+            else quant_rope_cpu
+        launch(q, cells, tab, layers, cos_t, sin_t, int(bool(neox)), int(dim), scales, fmt)
         return
     dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
     nb = min(block_size(device), ROPE_ROW_THREADS)
