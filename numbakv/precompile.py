@@ -109,9 +109,25 @@ def _windows_and_chunks(dtype: str) -> None:
 
 
 def _quantized() -> None:
-    """q8_0, q4_0 and fp8 K/V: put, get, a shift and a defrag."""
+    """q8_0, q4_0 and fp8 K/V: put, get, a shift and a defrag; and a prefill large enough for
+    the threaded put, get and shift (``kernels.quant.PARALLEL_MIN_VALUES``)."""
     import numbakv as nkv
+    from .kernels.quant import PARALLEL_MIN_VALUES
 
+    tokens = PARALLEL_MIN_VALUES // (2 * 64)
+    for quant in ("q8_0", "q4_0", "fp8"):
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=64, dtype="float16",
+                              k_dtype=quant, v_dtype=quant, capacity=tokens, max_seqs=1,
+                              max_batch=tokens, device="cpu")
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+        cache.start_forward(np.arange(tokens), np.zeros(tokens, np.int64))
+        cache.set_layer(0)
+        kv = np.ones((tokens, 2, 64), np.float16)
+        cache.put(kv, kv)
+        cache.get()
+        cache.seq_add(0, 0, None, 1)    # every cell turns: the threaded shift
+        cache.apply_pending_shifts()
+        cache.close()
     for quant in ("q8_0", "q4_0", "fp8"):
         cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=32, dtype="float16",
                               k_dtype=quant, v_dtype=quant, capacity=32, max_seqs=2,
