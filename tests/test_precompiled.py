@@ -53,6 +53,16 @@ def test_shipped_code_is_built_from_these_sources():
         f"the build), e.g. {MANIFEST['stale'][:3]}: run `numbakv precompile --ship` and commit")
 
 
+def test_readme_names_what_the_shipped_code_fits():
+    """The README says which Python and numba the shipped code serves (it is rebuilt with
+    whatever `numbakv precompile --ship` runs under)."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    tags = {name.split(".py")[-1].split(".")[0] for name in MANIFEST["entries"]}
+    assert len(tags) == 1, tags
+    tag = tags.pop()                     # e.g. "311"
+    assert f"CPython {tag[0]}.{tag[1:]} and numba {MANIFEST['numba']}" in readme
+
+
 @needs_shipped
 def test_common_path_loads_everything_with_an_empty_numba_cache(tmp_path):
     """What `numbakv demo` and the rest of the common path run compiles nothing numbakv."""
