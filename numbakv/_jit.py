@@ -194,8 +194,8 @@ class LayeredCache(caching._Cache):
     """numba's own cache first, then the shipped one; compiled code is saved to numba's own
     (or, in the build child, to the shipped one)."""
 
-    def __init__(self, py_func) -> None:
-        self._own = caching.FunctionCache(py_func)
+    def __init__(self, own: caching.FunctionCache, py_func) -> None:
+        self._own = own
         self._shipped = ShippedCache(py_func)
         self._build = building_shipped_cache()
         self._use_shipped = shipped_cache_usable()
@@ -228,10 +228,10 @@ class LayeredCache(caching._Cache):
 
 
 def _layer(dispatcher):
-    """Give a ``cache=True`` dispatcher the layered cache; any surprise from numba's internals
-    (another numba version) leaves numba's own cache in place."""
+    """Give a ``cache=True`` dispatcher the layered cache over the numba cache it already has;
+    any surprise from numba's internals (another numba version) leaves that cache in place."""
     try:
-        dispatcher._cache = LayeredCache(dispatcher.py_func)
+        dispatcher._cache = LayeredCache(dispatcher._cache, dispatcher.py_func)
     except Exception:  # noqa: BLE001 - the plain numba cache still works
         pass
     return dispatcher
