@@ -117,7 +117,14 @@ def _source_hash(path: str) -> str:
     return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
-class _ShippedLocator(caching._CacheLocator):
+def _numba_base(name: str) -> type:
+    """A class of numba's caching module to build on, or ``object`` where a numba version lacks
+    it: then constructing the shipped cache fails, :func:`_layer` catches that, and functions
+    keep numba's own cache (``import numbakv`` must not depend on numba's private names)."""
+    return getattr(caching, name, object)
+
+
+class _ShippedLocator(_numba_base("_CacheLocator")):
     """Locates a function's entries in :data:`SHIPPED_DIR`, stamped by source content."""
 
     def __init__(self, py_func, py_file: str) -> None:
@@ -141,7 +148,7 @@ class _ShippedLocator(caching._CacheLocator):
         return cls(py_func, py_file)
 
 
-class _CompressedFile(caching.IndexDataCacheFile):
+class _CompressedFile(_numba_base("IndexDataCacheFile")):
     """numba's index + data files, with the data (object code, mostly) zlib-compressed: about
     a third of the bytes in the package."""
 
@@ -155,7 +162,7 @@ class _CompressedFile(caching.IndexDataCacheFile):
             return pickle.loads(zlib.decompress(f.read()))
 
 
-class _ShippedImpl(caching.CompileResultCacheImpl):
+class _ShippedImpl(_numba_base("CompileResultCacheImpl")):
     """numba's compile-result (de)serialisation with the shipped locator, whatever
     ``NUMBA_CACHE_LOCATOR_CLASSES`` says (that setting is about the user's own cache)."""
 
@@ -168,7 +175,7 @@ class _ShippedImpl(caching.CompileResultCacheImpl):
                                                      getattr(sys, "abiflags", ""))
 
 
-class ShippedCache(caching.FunctionCache):
+class ShippedCache(_numba_base("FunctionCache")):
     """The shipped entries of one function: loaded when :func:`shipped_cache_usable`, written
     only by the build child. Keys name the shipped CPU level, not the host's CPU."""
 
@@ -190,11 +197,11 @@ class ShippedCache(caching.FunctionCache):
             super()._save_overload(sig, data)
 
 
-class LayeredCache(caching._Cache):
+class LayeredCache(_numba_base("_Cache")):
     """numba's own cache first, then the shipped one; compiled code is saved to numba's own
     (or, in the build child, to the shipped one)."""
 
-    def __init__(self, own: caching.FunctionCache, py_func) -> None:
+    def __init__(self, own, py_func) -> None:
         self._own = own
         self._shipped = ShippedCache(py_func)
         self._build = building_shipped_cache()

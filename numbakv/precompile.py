@@ -14,7 +14,8 @@ and commit the result.
 The common path is what a first session does: ``numbakv demo`` (float32, float16, bfloat16, with
 and without a sliding window), the README's examples, the sequence operations, page tables and
 the dense attention, quantized K/V, state save/load, stream caches, the prompt cache and
-``numbakv bench --quick``, on the CPU. Anything outside it still works; numba compiles it on first use.
+``numbakv bench --quick``, on the CPU. Anything outside it still works; numba compiles it on
+first use.
 """
 
 from __future__ import annotations

@@ -121,6 +121,19 @@ def test_switched_off_or_other_target_compiles_for_the_host(tmp_path):
     assert _run(code, tmp_path, NUMBA_CPU_NAME="generic").stdout.strip() == "False"
 
 
+def test_a_numba_without_the_caching_names_still_imports_and_compiles(tmp_path):
+    """numbakv builds on private classes of numba's caching module: a numba that renamed them
+    must cost only the shipped code, never `import numbakv`."""
+    proc = _run("""
+        from numba.core import caching
+        del caching._CacheLocator, caching.CompileResultCacheImpl  # unused by numba itself
+        import numbakv.cells as cells
+        print(type(cells._bit._cache).__name__, cells._bit(3))
+        """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["FunctionCache", "8"]   # numba's own cache, unlayered
+
+
 def test_build_load_and_stale_source(tmp_path):
     """The mechanism end to end on a throwaway module: the build child ships it, a fresh
     process loads it without compiling, and once the source changes it compiles again."""
