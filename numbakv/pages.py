@@ -196,6 +196,21 @@ def _grow(buf, need):
     return out
 
 
+@njit(cache=True, inline="always")
+def _take_leaf(cpos, cseqs, w, bit, c0, c1, lo, hi, intervals, search, cells, poss, nnz):
+    """Append the cells ``c0 .. c1 - 1`` that hold the sequence (word ``w``, ``bit``) at a
+    position in ``[lo, hi]`` (and, when ``search``, inside one of ``intervals``) to
+    ``cells``/``poss`` from ``nnz`` (they have room); returns the new ``nnz``."""
+    for c in range(c0, c1):
+        if (cseqs[c, w] & bit) != 0:
+            q = cpos[c]
+            if q >= lo and q <= hi and (not search or _inside(intervals, q)):
+                cells[nnz] = c
+                poss[nnz] = q
+                nnz += 1
+    return nnz
+
+
 @njit(cache=True)
 def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
     """Page table of a batch over the cell table (see the module docstring for the cost).
@@ -241,16 +256,15 @@ def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
                 continue
             c0 = (k - nl) << bshift
             c1 = min(c0 + (1 << bshift), n_cells)
-            for c in range(c0, c1):
-                if (cseqs[c, w] & bit) != 0:
-                    q = cpos[c]
-                    if q >= lo_all and q <= hi_all and (single or _inside(iv, q)):
-                        if nnz >= cells.shape[0]:
-                            cells = _grow(cells, nnz + 1)
-                            poss = _grow(poss, nnz + 1)
-                        cells[nnz] = c
-                        poss[nnz] = q
-                        nnz += 1
+            if nnz + (c1 - c0) > cells.shape[0]:   # room for the whole leaf, once per leaf
+                cells = _grow(cells, nnz + (c1 - c0))
+                poss = _grow(poss, nnz + (c1 - c0))
+            if single:   # the same inlined scan twice, the interval search folded out of one
+                nnz = _take_leaf(cpos, cseqs, w, bit, c0, c1, lo_all, hi_all, iv, False, cells,
+                                 poss, nnz)
+            else:
+                nnz = _take_leaf(cpos, cseqs, w, bit, c0, c1, lo_all, hi_all, iv, True, cells,
+                                 poss, nnz)
         kv_indptr[b + 1] = nnz
         # cells come in cell order; positions usually ascend with them (contiguous placement)
         ordered = True
