@@ -1,8 +1,10 @@
 """``numbakv precompile``: compile numbakv's common path ahead of its first use.
 
-``numbakv precompile`` runs :func:`common_path` in this process, so numba compiles (or loads)
-every function and signature it needs and caches them for this host (numba's cache: see
-:mod:`numbakv._jit`). A container image can run it once at build time.
+``numbakv precompile`` runs :func:`common_path` in a child process that ignores the shipped
+code, so numba compiles (or loads) every function and signature it needs for this host and
+caches them (numba's cache, which later runs consult first: see :mod:`numbakv._jit`). A
+container image can run it once at build time; a host the shipped code does not fit (another
+Python, ARM) then starts as fast as one it fits.
 
 ``numbakv precompile --ship`` is for numbakv's maintainers: it rebuilds the compiled code that
 ships in the package (``numbakv/_precompiled/``) by running :func:`common_path` in a child
@@ -239,11 +241,12 @@ class _CompileCounter:
 
 
 def _child(mode: str) -> int:
-    """The child process of ``--ship``: ``build`` compiles the common path for the shipped
-    level; ``check`` runs it again and fails if anything of numbakv compiled."""
+    """The child process: ``build`` (of ``--ship``) compiles the common path for the shipped
+    level; ``check`` runs it again and fails if anything of numbakv compiled; ``host`` (of
+    ``numbakv precompile``) compiles it for this host into numba's cache."""
     with _CompileCounter() as compiled:
         t0 = time.perf_counter()
-        common_path(verbose=mode == "build")
+        common_path(verbose=mode != "check")
         took = time.perf_counter() - t0
     print(f"{mode}: {len(compiled.names)} numbakv compiles, {took:.1f} s", flush=True)
     if mode == "check" and compiled.names:
@@ -294,12 +297,13 @@ def run(args: argparse.Namespace) -> int:
     """``numbakv precompile [--ship]``; returns the exit status."""
     if args.ship:
         return ship()
-    with _CompileCounter() as compiled:
-        t0 = time.perf_counter()
-        common_path(verbose=True)
-    print(f"numbakv precompile: {len(compiled.names)} functions compiled, "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    return 0
+    # a child that ignores the shipped code, so numba compiles (or finds) host-tuned code for
+    # all of the path and caches it; later runs look in numba's cache first
+    env = dict(os.environ, **{_jit.SWITCH_ENV: "0", "NUMBAKV_COMPILE_NOTICE": "0"})
+    print("numbakv precompile: compiling the common path for this host into numba's cache",
+          flush=True)
+    return subprocess.call([sys.executable, "-m", "numbakv.precompile", _CHILD_FLAG, "host"],
+                           env=env)
 
 
 if __name__ == "__main__":
