@@ -303,19 +303,14 @@ def _put_token_cpu(q, x, slots, start, layer, fmt, scale, kind, t):
 
 @njit(inline="always")
 def _put_rows_cpu(q, x, slots, start, layer, fmt, scale, kind):
-    for t in range(x.shape[0]):
+    # prange: threads in quant_put_cpu_par, a plain loop in quant_put_cpu; tokens go to
+    # distinct cells (checked by the caller)
+    for t in prange(x.shape[0]):
         _put_token_cpu(q, x, slots, start, layer, fmt, scale, kind, t)
 
 
 @njit(inline="always")
-def _put_rows_cpu_par(q, x, slots, start, layer, fmt, scale, kind):
-    for t in prange(x.shape[0]):   # tokens go to distinct cells (checked by the caller)
-        _put_token_cpu(q, x, slots, start, layer, fmt, scale, kind, t)
-
-
-@njit(cache=True)
-def quant_put_cpu(q, x, slots, start, layer, fmt, scales, kind):
-    """CPU twin of :func:`quant_put_kernel`."""
+def _put_by_format(q, x, slots, start, layer, fmt, scales, kind):
     scale = scales[layer]
     if fmt == 1:
         _put_rows_cpu(q, x, slots, start, layer, 1, scale, kind)
@@ -325,16 +320,16 @@ def quant_put_cpu(q, x, slots, start, layer, fmt, scales, kind):
         _put_rows_cpu(q, x, slots, start, layer, 3, scale, kind)
 
 
+@njit(cache=True)
+def quant_put_cpu(q, x, slots, start, layer, fmt, scales, kind):
+    """CPU twin of :func:`quant_put_kernel`."""
+    _put_by_format(q, x, slots, start, layer, fmt, scales, kind)
+
+
 @njit(cache=True, parallel=True)
 def quant_put_cpu_par(q, x, slots, start, layer, fmt, scales, kind):
     """:func:`quant_put_cpu` with its tokens spread over numba's threads (large batches)."""
-    scale = scales[layer]
-    if fmt == 1:
-        _put_rows_cpu_par(q, x, slots, start, layer, 1, scale, kind)
-    elif fmt == 2:
-        _put_rows_cpu_par(q, x, slots, start, layer, 2, scale, kind)
-    else:
-        _put_rows_cpu_par(q, x, slots, start, layer, 3, scale, kind)
+    _put_by_format(q, x, slots, start, layer, fmt, scales, kind)
 
 
 #: values from which the CPU quantized put, get and rotary shift spread their tokens / cells over
@@ -379,19 +374,12 @@ def _get_cell_cpu(q, layer, lo, fmt, scale, out, kind, c):
 
 @njit(inline="always")
 def _get_rows_cpu(q, layer, lo, fmt, scale, out, kind):
-    for c in range(out.shape[0]):
+    for c in prange(out.shape[0]):   # threads in quant_get_cpu_par only
         _get_cell_cpu(q, layer, lo, fmt, scale, out, kind, c)
 
 
 @njit(inline="always")
-def _get_rows_cpu_par(q, layer, lo, fmt, scale, out, kind):
-    for c in prange(out.shape[0]):
-        _get_cell_cpu(q, layer, lo, fmt, scale, out, kind, c)
-
-
-@njit(cache=True)
-def quant_get_cpu(q, layer, lo, fmt, scales, out, kind):
-    """CPU twin of :func:`quant_get_kernel` (one inlined body per format, see put)."""
+def _get_by_format(q, layer, lo, fmt, scales, out, kind):
     scale = scales[layer]
     if fmt == 1:
         _get_rows_cpu(q, layer, lo, 1, scale, out, kind)
@@ -401,16 +389,16 @@ def quant_get_cpu(q, layer, lo, fmt, scales, out, kind):
         _get_rows_cpu(q, layer, lo, 3, scale, out, kind)
 
 
+@njit(cache=True)
+def quant_get_cpu(q, layer, lo, fmt, scales, out, kind):
+    """CPU twin of :func:`quant_get_kernel` (one inlined body per format, see put)."""
+    _get_by_format(q, layer, lo, fmt, scales, out, kind)
+
+
 @njit(cache=True, parallel=True)
 def quant_get_cpu_par(q, layer, lo, fmt, scales, out, kind):
     """:func:`quant_get_cpu` with its cells spread over numba's threads (large ranges)."""
-    scale = scales[layer]
-    if fmt == 1:
-        _get_rows_cpu_par(q, layer, lo, 1, scale, out, kind)
-    elif fmt == 2:
-        _get_rows_cpu_par(q, layer, lo, 2, scale, out, kind)
-    else:
-        _get_rows_cpu_par(q, layer, lo, 3, scale, out, kind)
+    _get_by_format(q, layer, lo, fmt, scales, out, kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,31 +458,18 @@ def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fm
 
 
 @njit(inline="always")
-def _rope_cell_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, c, work):
-    for z in range(layers.shape[0]):
-        layer = layers[z]
-        for h in range(q.shape[2]):
-            _rotate_row_cpu(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t, sin_t,
-                            tab[c], neox)
-
-
-@njit(inline="always")
 def _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
-    work = np.empty(dim, np.float32)
-    for c in range(cells.shape[0]):
-        _rope_cell_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, c, work)
+    for c in prange(cells.shape[0]):   # threads in quant_rope_cpu_par; distinct cells (merged)
+        work = np.empty(dim, np.float32)
+        for z in range(layers.shape[0]):
+            layer = layers[z]
+            for h in range(q.shape[2]):
+                _rotate_row_cpu(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t,
+                                sin_t, tab[c], neox)
 
 
 @njit(inline="always")
-def _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
-    for c in prange(cells.shape[0]):   # distinct cells (merged by the launcher)
-        work = np.empty(dim, np.float32)
-        _rope_cell_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, c, work)
-
-
-@njit(cache=True)
-def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
-    """CPU twin of :func:`quant_rope_kernel` (one inlined body per format, see put)."""
+def _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
     if fmt == 1:
         _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 1)
     elif fmt == 2:
@@ -503,15 +478,16 @@ def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
         _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 3)
 
 
+@njit(cache=True)
+def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+    """CPU twin of :func:`quant_rope_kernel` (one inlined body per format, see put)."""
+    _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt)
+
+
 @njit(cache=True, parallel=True)
 def quant_rope_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
     """:func:`quant_rope_cpu` with its cells spread over numba's threads (many cells)."""
-    if fmt == 1:
-        _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 1)
-    elif fmt == 2:
-        _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 2)
-    else:
-        _rope_rows_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 3)
+    _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt)
 
 
 # --------------------------------------------------------------------------------------------
