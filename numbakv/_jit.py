@@ -182,10 +182,11 @@ class ShippedCache(_numba_base("FunctionCache")):
     _impl_class = _ShippedImpl
 
     def __init__(self, py_func) -> None:
-        super().__init__(py_func)
-        self._cache_file = _CompressedFile(cache_path=self._cache_path,
+        super().__init__(py_func)   # numba's Cache makes a plain index/data file: compress it
+        plain = self._cache_file
+        self._cache_file = _CompressedFile(cache_path=plain._cache_path,
                                            filename_base=self._impl.filename_base,
-                                           source_stamp=self._impl.locator.get_source_stamp())
+                                           source_stamp=plain._source_stamp)
 
     def _index_key(self, sig, codegen):
         sig_key, (triple, _cpu, _features), code_hashes = super()._index_key(sig, codegen)

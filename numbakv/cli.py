@@ -106,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="numbakv",
         description="numbakv: the KV cache of an LLM inference runtime. Commands: demo (a tiny "
                     "model serving several sequences through one cache, verified), bench "
-                    "(decode-step cost against other caches), info (versions and device), precompile (compile ahead of first "
-                    "use).")
+                    "(decode-step cost against other caches), info (versions and device), "
+                    "precompile (compile ahead of first use).")
     parser.add_argument("--version", action="version", version=f"numbakv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,precompile}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{demo,bench,info,precompile}")
     p_info = sub.add_parser("info", help="versions, device, GPU and simulator; --ptx also "
                                          "compiles every kernel to PTX",
                             description="Versions, the device numbakv would use, the GPU and "

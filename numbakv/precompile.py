@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 
@@ -255,30 +255,34 @@ def _child(mode: str) -> int:
     return 0
 
 
-def ship(verbose: bool = True) -> int:
+def _run_child(mode: str, **env: str) -> int:
+    """Run :func:`_child` ``mode`` in a fresh interpreter with ``env`` added to this one's (and
+    the compile notice off: the parent reports); returns its exit status."""
+    full = {k: v for k, v in os.environ.items() if k != _jit.BUILD_ENV}
+    full.update(NUMBAKV_COMPILE_NOTICE="0", **env)
+    return subprocess.call([sys.executable, "-m", "numbakv.precompile", _CHILD_FLAG, mode],
+                           env=full)
+
+
+def ship() -> int:
     """Rebuild ``numbakv/_precompiled/`` (module docstring); returns an exit status."""
     out = _jit.SHIPPED_DIR
     if out.exists():
         shutil.rmtree(out)
     out.mkdir()
-    build_env = dict(os.environ, **{_jit.BUILD_ENV: "1", "NUMBA_CPU_NAME": _jit.SHIPPED_CPU,
-                                    "NUMBA_CPU_FEATURES": _jit.SHIPPED_FEATURES,
-                                    "NUMBAKV_COMPILE_NOTICE": "0"})
-    code = [sys.executable, "-m", "numbakv.precompile", _CHILD_FLAG]
     print(f"compiling numbakv's common path for {_jit.SHIPPED_CPU} into {out}", flush=True)
-    rc = subprocess.call(code + ["build"], env=build_env)
+    rc = _run_child("build", **{_jit.BUILD_ENV: "1", "NUMBA_CPU_NAME": _jit.SHIPPED_CPU,
+                                "NUMBA_CPU_FEATURES": _jit.SHIPPED_FEATURES})
     if rc:
         return rc
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"{len(list(out.glob('*.nbi')))} functions, {len(list(out.glob('*.nbc')))} "
           f"signatures, {size / 2**20:.1f} MiB", flush=True)
+    if not _jit.shipped_cache_usable():
+        print("this host cannot load the shipped code (not x86-64-v3): check skipped")
+        return 0
     with tempfile.TemporaryDirectory(prefix="numbakv-precompile-check-") as empty_cache:
-        check_env = dict(os.environ, NUMBA_CACHE_DIR=empty_cache, NUMBAKV_COMPILE_NOTICE="0")
-        check_env.pop(_jit.BUILD_ENV, None)
-        if not _jit.shipped_cache_usable():
-            print("this host cannot load the shipped code (not x86-64-v3): check skipped")
-            return 0
-        return subprocess.call(code + ["check"], env=check_env)
+        return _run_child("check", NUMBA_CACHE_DIR=empty_cache)
 
 
 def add_parser(sub) -> None:
@@ -299,11 +303,9 @@ def run(args: argparse.Namespace) -> int:
         return ship()
     # a child that ignores the shipped code, so numba compiles (or finds) host-tuned code for
     # all of the path and caches it; later runs look in numba's cache first
-    env = dict(os.environ, **{_jit.SWITCH_ENV: "0", "NUMBAKV_COMPILE_NOTICE": "0"})
     print("numbakv precompile: compiling the common path for this host into numba's cache",
           flush=True)
-    return subprocess.call([sys.executable, "-m", "numbakv.precompile", _CHILD_FLAG, "host"],
-                           env=env)
+    return _run_child("host", **{_jit.SWITCH_ENV: "0"})
 
 
 if __name__ == "__main__":

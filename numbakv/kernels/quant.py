@@ -338,6 +338,12 @@ def quant_put_cpu_par(q, x, slots, start, layer, fmt, scales, kind):
 PARALLEL_MIN_VALUES = 1 << 18
 
 
+def _cpu_twin(single, threaded, values: int, items: int):
+    """The CPU twin to launch: ``threaded`` for at least :data:`PARALLEL_MIN_VALUES` values
+    spread over more than one token or cell, else ``single``."""
+    return threaded if values >= PARALLEL_MIN_VALUES and items > 1 else single
+
+
 # --------------------------------------------------------------------------------------------
 # get: dequantize cells lo .. lo + n - 1 of one layer into out [n, heads, dim]
 
@@ -554,8 +560,7 @@ def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scale
             # widened by numpy (vectorised, F16C where present; exact, as the software form):
             # the quantizer then runs its float32 form, ~3x faster than converting per value
             x, kind = x.view(np.float16).astype(np.float32), KIND_FLOAT
-        launch = quant_put_cpu_par if x.size >= PARALLEL_MIN_VALUES and batch > 1 \
-            else quant_put_cpu
+        launch = _cpu_twin(quant_put_cpu, quant_put_cpu_par, x.size, batch)
         launch(q, x, slots, int(start), int(layer), fmt, scales, kind)
         return
     (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
@@ -576,8 +581,7 @@ def get_launch(device: str, q, layer: int, lo: int, out, fmt: int, scales, dtype
         return
     view_dtype, kind = _kind(device, dtype)
     if device == "cpu":
-        launch = quant_get_cpu_par if out.size >= PARALLEL_MIN_VALUES and n > 1 \
-            else quant_get_cpu
+        launch = _cpu_twin(quant_get_cpu, quant_get_cpu_par, out.size, n)
         launch(q, int(layer), int(lo), fmt, scales, out.view(view_dtype), kind)
         return
     nb = block_size(device)
@@ -602,9 +606,8 @@ def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, f
         return
     tab, cos_t, sin_t = tables(deltas, inv_freq)
     if device == "cpu":
-        values = cells.size * layers.size * q.shape[2] * int(dim)
-        launch = quant_rope_cpu_par if values >= PARALLEL_MIN_VALUES and cells.size > 1 \
-            else quant_rope_cpu
+        launch = _cpu_twin(quant_rope_cpu, quant_rope_cpu_par,
+                           cells.size * layers.size * q.shape[2] * int(dim), cells.size)
         launch(q, cells, tab, layers, cos_t, sin_t, int(bool(neox)), int(dim), scales, fmt)
         return
     dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
