@@ -313,9 +313,9 @@ class RedisTier(ByteTier):
         self._remove_run(check_key(run_key, "run_key"), False)
 
     def _remove_run(self, run: str, invalid: bool) -> None:
-        if self._closed:
+        if not self._available():
             return
-        try:  # not gated by the pause: dropping a bad value matters more than a fast miss
+        try:
             self._remove(keys=self._books, args=[self._prefix, run, "1" if invalid else "0"])
             self._ok()
         except self._errors_caught as exc:
@@ -327,7 +327,7 @@ class RedisTier(ByteTier):
         self._remove_run(run, True)
 
     def clear(self) -> int:
-        if self._closed:
+        if not self._available():
             return 0
         try:
             n = int(self._clear(keys=self._books, args=[self._prefix]))
