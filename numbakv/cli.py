@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "precompile (compile ahead of first use).")
     parser.add_argument("--version", action="version", version=f"numbakv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{demo,bench,info,precompile}")
+                                metavar="{demo,bench,info,precompile,store}")
     p_info = sub.add_parser("info", help="versions, device, GPU and simulator; --ptx also "
                                          "compiles every kernel to PTX",
                             description="Versions, the device numbakv would use, the GPU and "
@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     from . import precompile
     precompile.add_parser(sub)
+    from numbakv.tools import store_cli
+    store_cli.add_parser(sub)
     return parser
 
 

@@ -348,3 +348,25 @@ def test_closed_tier_misses(tmp_path):
     assert tier.read_runs([tw.run_key(1)]) == [None]
     assert not put(tier, 2)
     tier.close()
+
+
+def test_store_cli_on_a_directory(tmp_path, capsys):
+    from numbakv.cli import main
+    assert last_json(worker("state_write", tmp_path, 1 << 22))["ok"]
+    with DiskTier("nkv1-2222222222222222", 1 << 20, tmp_path) as other:
+        assert put(other, 1) and put(other, 2)
+        other.read_runs([tw.run_key(1), tw.run_key(3)])
+    assert main(["store", "stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 namespace(s)" in out and "3 entries" in out and "1 hits, 1 misses" in out
+    assert "n_layers=2 n_kv_heads=2 head_dim=16" in out          # from the state's fingerprint
+    assert main(["store", "stats", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["namespaces"][NS]["fingerprint"]["head_dim"] == 16
+    assert main(["store", "clear", str(tmp_path), "--fingerprint", "2222"]) == 0
+    assert "nkv1-2222222222222222: removed 2 entries" in capsys.readouterr().out
+    assert scan_directory(tmp_path)["entries"] == 1
+    assert main(["store", "clear", str(tmp_path)]) == 0
+    assert scan_directory(tmp_path)["entries"] == 0
+    assert main(["store", "stats", str(tmp_path / "absent")]) == 2
+    assert "does not exist" in capsys.readouterr().err

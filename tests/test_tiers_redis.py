@@ -225,3 +225,27 @@ def test_bad_arguments(redis_url):
         with pytest.raises(ValueError, match="block_keys"):
             tier.find_blocks([tw.run_key(1), "a*"])
         assert put(tier, 1) and tier.stats()["entries"] == 1
+
+
+def test_store_cli_on_a_server(redis_url, capsys):
+    from numbakv.cli import main
+    assert last_json(worker("state_write", redis_url, 1 << 22))["ok"]
+    with open_tier(redis_url, "nkv1-2222222222222222", 1 << 20) as other:
+        assert put(other, 1) and put(other, 2)
+        other.read_runs([tw.run_key(1), tw.run_key(3)])
+    assert main(["store", "stats", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "2 namespace(s)" in out and "3 entries" in out and "1 hits, 1 misses" in out
+    assert "n_layers=2 n_kv_heads=2 head_dim=16" in out
+    assert main(["store", "clear", redis_url, "--fingerprint", "2222"]) == 0
+    assert "nkv1-2222222222222222: removed 2 entries" in capsys.readouterr().out
+    assert main(["store", "stats", redis_url, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["entries"] == 1 and info["namespaces"][NS]["entries"] == 1
+
+
+def test_store_cli_server_down(capsys):
+    from numbakv.cli import main
+    from redis_server import free_port
+    assert main(["store", "stats", f"redis://127.0.0.1:{free_port()}/0", "--timeout", "0.5"]) == 2
+    assert "numbakv store stats" in capsys.readouterr().err
