@@ -249,3 +249,15 @@ def test_store_cli_server_down(capsys):
     from redis_server import free_port
     assert main(["store", "stats", f"redis://127.0.0.1:{free_port()}/0", "--timeout", "0.5"]) == 2
     assert "numbakv store stats" in capsys.readouterr().err
+
+
+def test_budget_from_the_url(redis_url):
+    """PrefixStore has no remote budget argument (it passes 0): the URL carries it."""
+    from numbakv.prefix.tiers.redis import DEFAULT_BUDGET_BYTES
+    with open_tier(redis_url, NS, 0) as tier:
+        assert tier.budget_bytes == DEFAULT_BUDGET_BYTES
+    with open_tier(redis_url + "?budget_bytes=5000&socket_timeout=0.5", NS, 0) as tier:
+        assert tier.budget_bytes == 5000 and tier.stats()["bytes_free"] == 5000
+        assert put(tier, 1, 1000) and not put(tier, 2, 6000)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        open_tier(redis_url + "?budget_bytes=lots", NS, 0)

@@ -27,6 +27,11 @@ def open_tier(spec, namespace: str, budget_bytes: int, timeout: Optional[float] 
     go to the redis client and win over ``timeout``), else a :class:`DiskTier` in the directory
     ``spec`` (a str or ``os.PathLike``; created if absent).
 
+    For a URL, ``budget_bytes=0`` means "not given" (``PrefixStore`` has no remote budget
+    argument): the URL's ``budget_bytes`` query parameter, else
+    :data:`~numbakv.prefix.tiers.redis.DEFAULT_BUDGET_BYTES` (1 GiB); a ``budget_bytes`` in the
+    URL always wins. For a directory, 0 stores nothing.
+
     ``timeout`` (seconds, default 0.5 for Redis, 2.0 for disk): how long a request may wait
     for the server / for the directory's shared lock before it counts as a miss.
     Raises ``ValueError`` for a bad spec, namespace, budget or timeout and for a directory that

@@ -46,7 +46,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .base import (FORMAT_VERSION, ByteTier, check_budget, check_data, check_key, check_keys,
                    check_namespace)
 
-__all__ = ["RedisTier", "KEY_PREFIX", "scan_server", "clear_server", "connect"]
+__all__ = ["RedisTier", "KEY_PREFIX", "DEFAULT_BUDGET_BYTES", "scan_server", "clear_server",
+           "connect", "split_url"]
 
 #: Every key of the tier starts with this, then ``{<namespace>}:``.
 KEY_PREFIX = f"nkv:t{FORMAT_VERSION}:"
@@ -135,7 +136,14 @@ return #runs
 """
 
 
-def _parse_url(url: str) -> str:
+#: the namespace's budget when neither the caller nor the URL (``?budget_bytes=``) gives one
+DEFAULT_BUDGET_BYTES = 1 << 30
+
+
+def split_url(url: str) -> Tuple[str, Optional[int]]:
+    """``(client URL, budget)``: ``url`` checked, ``valkey://`` spelled ``redis://`` for the
+    client, and its ``budget_bytes`` query parameter (numbakv's, not the client's) taken out
+    (``None`` when absent). ``ValueError`` for anything else than a Redis/Valkey URL."""
     if not isinstance(url, str):
         raise ValueError(f"remote must be a URL string such as 'redis://host:6379/0', "
                          f"got {type(url).__name__}")
@@ -144,9 +152,23 @@ def _parse_url(url: str) -> str:
         raise ValueError(f"remote must be a redis://, rediss://, unix://, valkey:// or "
                          f"valkeys:// URL, got {url!r}")
     # the redis client knows redis(s)://; Valkey speaks the same protocol
-    if parts.scheme.startswith("valkey"):
-        url = "redis" + url[len("valkey"):]
-    return url
+    scheme = "redis" + parts.scheme[len("valkey"):] if parts.scheme.startswith("valkey") \
+        else parts.scheme
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    budget = None
+    kept = []
+    for name, value in query:
+        if name == "budget_bytes":
+            try:
+                budget = check_budget(int(value))
+            except ValueError:
+                raise ValueError(f"remote: budget_bytes must be an int >= 0, got {value!r}") \
+                    from None
+        else:
+            kept.append((name, value))
+    url = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path,
+                                   urllib.parse.urlencode(kept), parts.fragment))
+    return url, budget
 
 
 def connect(url: str, timeout: float = 0.5):
@@ -154,7 +176,7 @@ def connect(url: str, timeout: float = 0.5):
     seconds (connect and each reply) unless the URL's query sets ``socket_timeout`` /
     ``socket_connect_timeout``; ``ValueError`` for a bad URL or option, ``ImportError`` with the
     install hint when the ``redis`` client is missing."""
-    url = _parse_url(url)
+    url = split_url(url)[0]
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     try:
@@ -184,8 +206,10 @@ class RedisTier(ByteTier):
     namespace, budget_bytes
         As for every :class:`~numbakv.prefix.tiers.base.ByteTier`.
     url : str
-        ``redis://[user:password@]host:port/db[?socket_timeout=0.5&...]`` (also ``rediss://``,
-        ``unix://``, and ``valkey://`` as a synonym); query parameters go to the redis client.
+        ``redis://[user:password@]host:port/db[?socket_timeout=0.5&budget_bytes=N&...]`` (also
+        ``rediss://``, ``unix://``, and ``valkey://`` as a synonym); ``budget_bytes`` is the
+        namespace's budget (it wins over the argument; the store has no separate remote budget
+        argument); the other query parameters go to the redis client.
     timeout : float
         Seconds for connecting and for each reply when the URL does not say; a server down or
         stalled longer is a miss.
@@ -197,6 +221,11 @@ class RedisTier(ByteTier):
                  timeout: float = 0.5) -> None:
         check_namespace(namespace)
         check_budget(budget_bytes)
+        in_url = split_url(url)[1]
+        if in_url is not None:
+            budget_bytes = in_url
+        elif budget_bytes == 0:  # not given (PrefixStore has no remote budget argument)
+            budget_bytes = DEFAULT_BUDGET_BYTES
         client = connect(url, timeout)
         super().__init__(namespace, budget_bytes)
         import redis
