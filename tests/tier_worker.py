@@ -102,6 +102,43 @@ def fill(cache, seq: int, n: int, seed: int) -> None:
                   rng.standard_normal((n, 2, 16)).astype(np.float16))
 
 
+def store_cache(capacity: int = 64):
+    """A 2-sequence CPU cache (seq 1 retained by the store) small enough that a long batch
+    forces the store to evict (demote) what it keeps in cells."""
+    import numbakv as nkv
+    cfg = nkv.CacheConfig(2, 2, 16, capacity=capacity, max_seqs=2, max_batch=256, device="cpu")
+    return nkv.CausalCache(cfg)
+
+
+def open_store(cache, spec: str, salt: bytes = b""):
+    import numbakv as nkv
+    from numbakv.prefix.tiers import is_url
+    lower = {"remote": spec} if is_url(spec) else {"disk_dir": spec, "disk_bytes": 1 << 24}
+    return nkv.PrefixStore(cache, retain_seqs=(1,), salt=salt, **lower)
+
+
+def prompt(n: int = 40):
+    return list(range(1000, 1000 + n))
+
+
+def cmd_store_save(spec: str, salt: str = "") -> None:
+    """Process A: prefill seq 0 with seeded K/V for ``prompt()``, save it in a PrefixStore with
+    a disk or Redis tier, then force the store to evict it from cells (a batch that needs the
+    room), which demotes it to the lower tier. Exits without ``store.close()``: the runs stay."""
+    import numpy as np
+    cache = store_cache()
+    store = open_store(cache, spec, salt.encode())
+    fill(cache, 0, 40, seed=11)
+    assert store.save(0, prompt()) == 40
+    cache.seq_rm(0)
+    n = 100  # 128 cells, 40 held by the retained copy: placing 100 needs the store's room
+    cache.start_forward(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int32))
+    cache.seq_rm(0)
+    tiers = store.stats()["tiers"]
+    lower = {k: v["entries"] for k, v in tiers.items() if k in ("disk", "redis")}
+    print(json.dumps({"lower_entries": lower}), flush=True)
+
+
 def cmd_fsize(directory: str, limit: int, size: int) -> None:
     """With RLIMIT_FSIZE = limit (a full disk for this process): write a small run, then one of
     ``size`` bytes; report both results, the tier's errors and what is left in the directory."""
