@@ -370,3 +370,26 @@ def test_store_cli_on_a_directory(tmp_path, capsys):
     assert scan_directory(tmp_path)["entries"] == 0
     assert main(["store", "stats", str(tmp_path / "absent")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_full_tmpfs_enospc(tmp_path):
+    """A really full file system (a 1 MiB tmpfs; skipped where mounting is not allowed): the
+    write that does not fit is refused, the runs before it stay whole, no temporary file left."""
+    small = tmp_path / "small"
+    small.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                         capture_output=True)
+    if res.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with DiskTier(NS, 64 << 20, small) as tier:
+            assert put(tier, 1, 600_000)
+            assert not put(tier, 2, 600_000)            # ENOSPC: refused, not raised
+            st = tier.stats()
+            assert st["errors"] == 1 and st["entries"] == 1
+            assert tier.read_runs([tw.run_key(1)]) == [tw.payload(tw.run_key(1), 600_000, 1)]
+            assert not [n for n in run_files(small) if n.startswith(".tmp")]
+            tier.remove_run(tw.run_key(1))
+            assert put(tier, 2, 600_000)                # room again
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)

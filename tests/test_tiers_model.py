@@ -1,0 +1,126 @@
+"""Random operation sequences (Hypothesis) on the disk and Redis tiers, two instances sharing one
+directory / server as two processes would, checked against a reference of what was written:
+
+- a read returns exactly the bytes last written under that run key, or None (evicted/removed);
+- a run written with success is readable at once, from either instance;
+- a pointer names a run that holds that block at that index, per the writes;
+- the budget holds (bytes used <= budget; on disk, the files' sizes are the books' total);
+- nothing raises."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from numbakv.prefix.tiers import open_tier  # noqa: E402
+from redis_server import redis_server  # noqa: E402,F401
+
+NS = "nkv1-0000000000c0ffee"
+BUDGET = 6_000
+
+KEYS = [f"{i:032x}" for i in range(1, 9)]
+BLOCKS = [f"{i:032x}" for i in range(100, 112)]
+
+op = st.one_of(
+    st.tuples(st.just("write"), st.integers(0, 1), st.sampled_from(KEYS),
+              st.lists(st.sampled_from(BLOCKS), min_size=0, max_size=4, unique=True),
+              st.integers(1, 2_500), st.integers(0, 255)),
+    st.tuples(st.just("read"), st.integers(0, 1), st.lists(st.sampled_from(KEYS), max_size=3)),
+    st.tuples(st.just("find"), st.integers(0, 1), st.lists(st.sampled_from(BLOCKS), max_size=5)),
+    st.tuples(st.just("remove"), st.integers(0, 1), st.sampled_from(KEYS)),
+    st.tuples(st.just("invalid"), st.integers(0, 1), st.sampled_from(KEYS)),
+)
+
+
+def run_ops(tiers, ops, files_total=None):
+    """Apply ``ops`` to ``tiers`` (two instances of one namespace) and check the invariants."""
+    # run key -> (the bytes it may hold, its block keys). Run keys are content keys in the
+    # store (same key, same bytes), so a tier may keep the first copy when the same key comes
+    # again with the same blocks: both are acceptable then.
+    last = {}
+    for o in ops:
+        kind, who = o[0], tiers[o[1]]
+        if kind == "write":
+            _, _, key, blocks, size, fill = o
+            data = key.encode() + bytes([fill]) * size
+            if who.write_run(key, blocks, data):
+                old = last.get(key)
+                same = old is not None and old[1] == tuple(blocks)
+                last[key] = ((old[0] if same else set()) | {data}, tuple(blocks))
+                for t in tiers:   # readable at once, by either "process"
+                    [got] = t.read_runs([key])
+                    assert got in last[key][0]
+        elif kind == "read":
+            got = who.read_runs(o[2])
+            for key, data in zip(o[2], got):
+                assert data is None or (key in last and data in last[key][0])
+        elif kind == "find":
+            for block, hit in zip(o[2], who.find_blocks(o[2])):
+                if hit is None:
+                    continue
+                run, idx = hit
+                assert run in last and last[run][1][idx] == block
+        elif kind == "remove":
+            who.remove_run(o[2])
+            last.pop(o[2], None)
+            assert all(t.read_runs([o[2]]) == [None] for t in tiers)
+        else:
+            who.report_invalid(o[2])
+            last.pop(o[2], None)
+        for t in tiers:
+            s = t.stats()
+            assert 0 <= s["bytes_used"] <= BUDGET
+            assert s["bytes_used"] + s["bytes_free"] + s["bytes_pinned"] == BUDGET
+        if files_total is not None:
+            assert files_total() == tiers[0].stats()["bytes_used"]
+
+
+_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow,
+                                            HealthCheck.function_scoped_fixture])
+
+
+@_SETTINGS
+@given(ops=st.lists(op, min_size=1, max_size=25))
+def test_disk_tier_against_reference(ops):
+    root = tempfile.mkdtemp(prefix="nkv-model-")
+    runs = os.path.join(root, "t1." + NS, "runs")
+
+    def files_total():
+        return sum(os.path.getsize(os.path.join(runs, n)) for n in os.listdir(runs)
+                   if n.endswith(".run"))
+    try:
+        tiers = [open_tier(root, NS, BUDGET), open_tier(root, NS, BUDGET)]
+        try:
+            run_ops(tiers, ops, files_total)
+        finally:
+            for t in tiers:
+                t.close()
+        # a restart sees the same books
+        with open_tier(root, NS, BUDGET) as again:
+            assert again.stats()["bytes_used"] == files_total()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@_SETTINGS
+@given(ops=st.lists(op, min_size=1, max_size=25))
+def test_redis_tier_against_reference(redis_server, ops):  # noqa: F811
+    pytest.importorskip("redis")
+    raw = redis_server.client()
+    raw.flushall()
+    raw.close()
+    tiers = [open_tier(redis_server.url, NS, BUDGET), open_tier(redis_server.url, NS, BUDGET)]
+    try:
+        run_ops(tiers, ops)
+    finally:
+        for t in tiers:
+            t.close()
