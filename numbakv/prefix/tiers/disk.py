@@ -194,6 +194,112 @@ def _read_header(path: str) -> Tuple[dict, int]:
     return header, size
 
 
+class _Index:
+    """The parsed ``index.log`` of one namespace folder: ``runs`` (run key -> (file bytes, block
+    keys)), ``blocks`` (block key -> (run key, index)), ``used`` (bytes of the runs), the hit and
+    miss totals, and how far the log has been read (``ino``, ``off``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+        self.ino = -1
+        self.runs: Dict[str, Tuple[int, Tuple[str, ...]]] = {}
+        self.blocks: Dict[str, Tuple[str, int]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.runs.clear()
+        self.blocks.clear()
+        self.used = self.lines = self.hits = self.misses = 0
+        self.off = 0
+
+    def apply(self, line: bytes) -> None:
+        """Apply one complete index line (without its newline); skip it when malformed."""
+        body, _, crc = line.rpartition(b" ")
+        if len(crc) != 8:
+            return
+        try:
+            if int(crc, 16) != zlib.crc32(body):
+                return
+            parts = body.decode("ascii").split(" ")
+        except (ValueError, UnicodeDecodeError):
+            return
+        self.lines += 1
+        op = parts[0]
+        if op == "+" and len(parts) == 4:
+            run, size, blocks = parts[1], parts[2], parts[3]
+            try:
+                check_key(run)
+                nbytes = int(size)
+                keys = tuple(check_key(b) for b in blocks.split(",")) if blocks else ()
+            except ValueError:
+                return
+            self.add(run, nbytes, keys)
+        elif op == "-" and len(parts) == 2:
+            self.drop(parts[1])
+        elif op == "h" and len(parts) == 3:
+            try:
+                self.hits += int(parts[1])
+                self.misses += int(parts[2])
+            except ValueError:
+                return
+
+    def add(self, run: str, nbytes: int, keys: Tuple[str, ...]) -> None:
+        if run in self.runs:
+            self.drop(run)
+        self.runs[run] = (nbytes, keys)
+        self.used += nbytes
+        for i, key in enumerate(keys):
+            self.blocks[key] = (run, i)
+
+    def drop(self, run: str) -> None:
+        entry = self.runs.pop(run, None)
+        if entry is None:
+            return
+        self.used -= entry[0]
+        for key in entry[1]:
+            if self.blocks.get(key, (None,))[0] == run:
+                del self.blocks[key]
+
+    def refresh(self) -> bool:
+        """Bring the in-memory index up to date with the log: read what was appended since the
+        last call (a new inode: the log was compacted or rebuilt, read it all). ``False`` when
+        the log cannot be read (the index stays as it was)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:   # gone (rebuilt by the caller) or unreadable: keep what we know
+            return False
+        if st.st_ino != self.ino or st.st_size < self.off:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return False
+            if self.fd >= 0:
+                os.close(self.fd)
+            self.fd = fd
+            self.ino = os.fstat(fd).st_ino
+            self.reset()
+            st = os.fstat(fd)
+        if st.st_size == self.off:
+            return True
+        try:
+            chunk = os.pread(self.fd, st.st_size - self.off, self.off)
+        except OSError:
+            return False
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return True
+        for line in chunk[:end].split(b"\n"):
+            self.apply(line)
+        self.off += end + 1
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class DiskTier(ByteTier):
     """Runs as files in ``directory`` (see the module docstring for layout, atomicity, the
     shared index, the budget and faults).
@@ -217,7 +323,8 @@ class DiskTier(ByteTier):
                  lock_timeout: float = 2.0) -> None:
         check_namespace(namespace)
         check_budget(budget_bytes)
-        if isinstance(directory, (bytes, bytearray)) or not isinstance(directory, (str, os.PathLike)):
+        if isinstance(directory, (bytes, bytearray)) \
+                or not isinstance(directory, (str, os.PathLike)):
             raise ValueError(f"directory (disk_dir) must be a str or os.PathLike, "
                              f"got {type(directory).__name__}")
         if not isinstance(lock_timeout, (int, float)) or isinstance(lock_timeout, bool) \
@@ -230,17 +337,8 @@ class DiskTier(ByteTier):
         self._runs_dir = os.path.join(self._dir, "runs")
         self._log_path = os.path.join(self._dir, "index.log")
         self._lock_fd = -1
-        self._log_fd = -1
+        self._ix = _Index(self._log_path)   # the index, parsed from the log
         self._open_checked()
-        # the index, parsed from the log
-        self._runs: Dict[str, Tuple[int, Tuple[str, ...]]] = {}
-        self._blocks: Dict[str, Tuple[str, int]] = {}
-        self._used = 0
-        self._lines = 0
-        self._log_hits = 0
-        self._log_misses = 0
-        self._log_ino = -1
-        self._log_off = 0
         self._pending = [0, 0]          # hits, misses not yet appended to the log
         self._foreign = 0
         self._others = 0
@@ -317,95 +415,6 @@ class DiskTier(ByteTier):
         return DiskTier._Held(self, blocking)
 
     # -- the index -----------------------------------------------------------------------------
-    def _reset_index(self) -> None:
-        self._runs.clear()
-        self._blocks.clear()
-        self._used = self._lines = self._log_hits = self._log_misses = 0
-        self._log_off = 0
-
-    def _apply(self, line: bytes) -> None:
-        """Apply one complete index line (without its newline); skip it when malformed."""
-        body, _, crc = line.rpartition(b" ")
-        if len(crc) != 8:
-            return
-        try:
-            if int(crc, 16) != zlib.crc32(body):
-                return
-            parts = body.decode("ascii").split(" ")
-        except (ValueError, UnicodeDecodeError):
-            return
-        self._lines += 1
-        op = parts[0]
-        if op == "+" and len(parts) == 4:
-            run, size, blocks = parts[1], parts[2], parts[3]
-            try:
-                check_key(run)
-                nbytes = int(size)
-                keys = tuple(check_key(b) for b in blocks.split(",")) if blocks else ()
-            except ValueError:
-                return
-            self._add(run, nbytes, keys)
-        elif op == "-" and len(parts) == 2:
-            self._drop(parts[1])
-        elif op == "h" and len(parts) == 3:
-            try:
-                self._log_hits += int(parts[1])
-                self._log_misses += int(parts[2])
-            except ValueError:
-                return
-
-    def _add(self, run: str, nbytes: int, keys: Tuple[str, ...]) -> None:
-        if run in self._runs:
-            self._drop(run)
-        self._runs[run] = (nbytes, keys)
-        self._used += nbytes
-        for i, key in enumerate(keys):
-            self._blocks[key] = (run, i)
-
-    def _drop(self, run: str) -> None:
-        entry = self._runs.pop(run, None)
-        if entry is None:
-            return
-        self._used -= entry[0]
-        for key in entry[1]:
-            if self._blocks.get(key, (None,))[0] == run:
-                del self._blocks[key]
-
-    def _refresh(self) -> bool:
-        """Bring the in-memory index up to date with the log: read what was appended since the
-        last call (a new inode: the log was compacted or rebuilt, read it all). ``False`` when
-        the log cannot be read (the index stays as it was)."""
-        try:
-            st = os.stat(self._log_path)
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return False
-        if st.st_ino != self._log_ino or st.st_size < self._log_off:
-            try:
-                fd = os.open(self._log_path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                return False
-            if self._log_fd >= 0:
-                os.close(self._log_fd)
-            self._log_fd = fd
-            self._log_ino = os.fstat(fd).st_ino
-            self._reset_index()
-            st = os.fstat(fd)
-        if st.st_size == self._log_off:
-            return True
-        try:
-            chunk = os.pread(self._log_fd, st.st_size - self._log_off, self._log_off)
-        except OSError:
-            return False
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return True
-        for line in chunk[:end].split(b"\n"):
-            self._apply(line)
-        self._log_off += end + 1
-        return True
-
     def _append(self, lines: Sequence[bytes]) -> None:
         """Append index lines (the caller holds the lock for stored/removed lines)."""
         if not lines:
@@ -442,7 +451,7 @@ class DiskTier(ByteTier):
     def _reconcile(self) -> None:
         """Under the lock: make the log describe exactly the run files present (rebuilding it by
         scanning when it is missing), drop dead writers' temporary files, count foreign files."""
-        have_log = self._refresh()
+        have_log = self._ix.refresh()
         present: Dict[str, int] = {}
         foreign = 0
         now = time.time()
@@ -462,7 +471,7 @@ class DiskTier(ByteTier):
         # files the log lacks (or all of them when the log is gone): read their headers
         adds: Dict[str, Tuple[int, Tuple[str, ...]]] = {}
         for run, size in present.items():
-            known = self._runs.get(run)
+            known = self._ix.runs.get(run)
             if known is not None and known[0] == size:
                 continue
             try:
@@ -474,20 +483,20 @@ class DiskTier(ByteTier):
                 foreign += 1
                 continue
             adds[run] = (size, keys)
-        gone = [run for run in self._runs if run not in present]
+        gone = [run for run in self._ix.runs if run not in present]
         self._foreign = foreign
         self._others = self._count_other_namespaces()
         if not have_log:
-            runs = {run: self._runs[run] for run in present if run in self._runs}
+            runs = {run: self._ix.runs[run] for run in present if run in self._ix.runs}
             runs.update(adds)
-            self._write_log(runs, self._log_hits, self._log_misses)
-            self._log_ino = -1
-            self._refresh()
+            self._write_log(runs, self._ix.hits, self._ix.misses)
+            self._ix.ino = -1
+            self._ix.refresh()
             return
         lines = [_line(f"- {run}") for run in gone]
         lines += [_line(f"+ {run} {size} {','.join(keys)}") for run, (size, keys) in adds.items()]
         self._append(lines)
-        self._refresh()
+        self._ix.refresh()
         self._maybe_compact()
 
     def _drop_stale_tmp(self, entry: os.DirEntry, now: float) -> None:
@@ -510,10 +519,10 @@ class DiskTier(ByteTier):
 
     def _maybe_compact(self) -> None:
         """Under the lock: rewrite the log when it is mostly history."""
-        if self._lines <= _COMPACT_FACTOR * len(self._runs) + _COMPACT_FLOOR:
+        if self._ix.lines <= _COMPACT_FACTOR * len(self._ix.runs) + _COMPACT_FLOOR:
             return
-        self._write_log(dict(self._runs), self._log_hits, self._log_misses)
-        self._refresh()
+        self._write_log(dict(self._ix.runs), self._ix.hits, self._ix.misses)
+        self._ix.refresh()
 
     def _flush_counts(self) -> None:
         """Append this process's pending hit/miss counts to the log if the lock is free now (a
@@ -537,7 +546,7 @@ class DiskTier(ByteTier):
             if self._closed:
                 out: List[Optional[Tuple[str, int]]] = [None] * len(keys)
             else:
-                if not self._refresh():
+                if not self._ix.refresh():
                     self._count("errors")
                     if not os.path.exists(self._log_path):
                         try:  # the log was deleted: rebuild it by scanning
@@ -545,7 +554,7 @@ class DiskTier(ByteTier):
                                 self._reconcile()
                         except OSError:
                             pass
-                get = self._blocks.get
+                get = self._ix.blocks.get
                 out = [get(k) for k in keys]
             found = sum(1 for x in out if x is not None)
             self._counts["block_hits"] += found
@@ -614,8 +623,8 @@ class DiskTier(ByteTier):
         if self._closed or size > self.budget_bytes:
             return False
         with self._lock:
-            self._refresh()
-            entry = self._runs.get(run)
+            self._ix.refresh()
+            entry = self._ix.runs.get(run)
             if entry is not None and entry[1] == tuple(keys) and self._touch(run):
                 return True
         tmp = os.path.join(self._runs_dir,
@@ -623,8 +632,8 @@ class DiskTier(ByteTier):
         try:
             self._write_tmp(tmp, header, view)
             with self._locked():
-                self._refresh()
-                entry = self._runs.get(run)
+                self._ix.refresh()
+                entry = self._ix.runs.get(run)
                 if entry is not None and entry[1] == tuple(keys) and self._touch(run):
                     os.unlink(tmp)          # another writer stored it meanwhile
                     return True
@@ -634,7 +643,7 @@ class DiskTier(ByteTier):
                 os.replace(tmp, self._path(run))
                 self._fsync_dir()
                 self._append([_line(f"+ {run} {size} {','.join(keys)}")])
-                self._refresh()
+                self._ix.refresh()
                 self._maybe_compact()
         except OSError:
             try:
@@ -677,12 +686,12 @@ class DiskTier(ByteTier):
     def _make_room(self, size: int, keep: str) -> bool:
         """Under the lock (index fresh): evict least-recently-used runs until ``size`` more
         bytes fit the budget. ``False`` when they cannot."""
-        old = self._runs.get(keep)
-        need = self._used - (old[0] if old else 0) + size - self.budget_bytes
+        old = self._ix.runs.get(keep)
+        need = self._ix.used - (old[0] if old else 0) + size - self.budget_bytes
         if need <= 0:
             return True
         ages = []
-        for run, (nbytes, _) in self._runs.items():
+        for run, (nbytes, _) in self._ix.runs.items():
             if run == keep:
                 continue
             try:
@@ -704,7 +713,7 @@ class DiskTier(ByteTier):
             except FileNotFoundError:
                 pass
         self._append([_line(f"- {run}") for run in victims])
-        self._refresh()
+        self._ix.refresh()
         self._count("evictions", len(victims))
         return True
 
@@ -712,21 +721,21 @@ class DiskTier(ByteTier):
         run = check_key(run_key, "run_key")
         try:
             with self._locked():
-                self._refresh()
+                self._ix.refresh()
                 try:
                     os.unlink(self._path(run))
                 except FileNotFoundError:
                     pass
-                if run in self._runs:
+                if run in self._ix.runs:
                     self._append([_line(f"- {run}")])
-                    self._refresh()
+                    self._ix.refresh()
         except OSError:
             self._count("errors")
 
     def clear(self) -> int:
         try:
             with self._locked():
-                self._refresh()
+                self._ix.refresh()
                 removed = 0
                 for entry in self._scan_files():
                     name = entry.name
@@ -736,8 +745,8 @@ class DiskTier(ByteTier):
                             removed += name.endswith(_RUN_SUFFIX)
                         except OSError:
                             self._count("errors")
-                self._write_log({}, self._log_hits, self._log_misses)
-                self._refresh()
+                self._write_log({}, self._ix.hits, self._ix.misses)
+                self._ix.refresh()
                 return removed
         except OSError:
             self._count("errors")
@@ -746,11 +755,11 @@ class DiskTier(ByteTier):
     def stats(self) -> dict:
         with self._lock:
             if not self._closed:
-                self._refresh()
-            out = self._budget_stats(self._used, len(self._runs))
+                self._ix.refresh()
+            out = self._budget_stats(self._ix.used, len(self._ix.runs))
             out.update(other_namespaces=self._others, foreign_files=self._foreign,
-                       hits_all_processes=self._log_hits + self._pending[0],
-                       misses_all_processes=self._log_misses + self._pending[1],
+                       hits_all_processes=self._ix.hits + self._pending[0],
+                       misses_all_processes=self._ix.misses + self._pending[1],
                        directory=self._dir)
         return out
 
@@ -761,18 +770,17 @@ class DiskTier(ByteTier):
             if self._lock_fd >= 0:
                 self._flush_counts()
             super().close()
-            for attr in ("_lock_fd", "_log_fd"):
-                fd = getattr(self, attr)
-                if fd >= 0:
-                    os.close(fd)
-                    setattr(self, attr, -1)
+            self._ix.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
     def __del__(self) -> None:
         try:
-            for attr in ("_lock_fd", "_log_fd"):
-                fd = getattr(self, attr, -1)
-                if fd >= 0:
-                    os.close(fd)
+            if getattr(self, "_lock_fd", -1) >= 0:
+                os.close(self._lock_fd)
+            if getattr(self, "_ix", None) is not None:
+                self._ix.close()
         except Exception:
             pass
 
@@ -833,21 +841,13 @@ def scan_directory(directory) -> dict:
     namespaces = _namespaces(directory)
     out["foreign"] = len(os.listdir(directory)) - len(namespaces)
     for ns in namespaces:
-        # a read-only view: parse the log without taking the lock or writing anything
-        view = DiskTier.__new__(DiskTier)
-        ByteTier.__init__(view, ns, 0)
-        view._dir = _namespace_dir(directory, ns)
-        view._log_path = os.path.join(view._dir, "index.log")
-        view._runs, view._blocks, view._log_fd, view._log_ino = {}, {}, -1, -1
-        view._reset_index()
-        view._refresh()
-        if view._log_fd >= 0:
-            os.close(view._log_fd)
-            view._log_fd = -1
-        view._closed = True
-        entries, nbytes = len(view._runs), view._used
-        out["namespaces"][ns] = {"entries": entries, "bytes": nbytes, "hits": view._log_hits,
-                                 "misses": view._log_misses,
+        # read-only: parse the log without taking the lock or writing anything
+        ix = _Index(os.path.join(_namespace_dir(directory, ns), "index.log"))
+        ix.refresh()
+        ix.close()
+        entries, nbytes = len(ix.runs), ix.used
+        out["namespaces"][ns] = {"entries": entries, "bytes": nbytes, "hits": ix.hits,
+                                 "misses": ix.misses,
                                  "fingerprint": _fingerprint_summary(directory, ns)}
         out["entries"] += entries
         out["bytes"] += nbytes
