@@ -40,7 +40,9 @@ temporary files of dead writers.
 runs, for every process sharing it (each should pass the same budget; the smallest wins in
 practice since every writer evicts down to its own). Under the lock, a writer evicts runs in
 order of file modification time, oldest first, until its run fits; a read sets the file's times
-to now (``utime``), so the order is least-recently-*used* across processes.
+to now (``utime``), so the order is least-recently-*used* across processes (to the file
+system's timestamp granularity, a few milliseconds: runs used within one tick leave in key
+order).
 
 **Faults.** An unreadable, read-only or non-directory ``directory`` is a ``ValueError`` at
 construction; at run time every I/O failure (file gone, permission changed, disk full, lock not
