@@ -25,6 +25,15 @@ NS = tw.NAMESPACE
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def cli_main():
+    """``numbakv``'s main(): numbakv/tools/cli.py since the layout move, numbakv/cli.py before."""
+    try:
+        from numbakv.tools.cli import main
+    except ImportError:
+        from numbakv.cli import main
+    return main
+
+
 def worker(*args, timeout=120, **kw):
     return subprocess.run([sys.executable, os.path.join(HERE, "tier_worker.py"), *map(str, args)],
                           env=ENV, capture_output=True, text=True, timeout=timeout, **kw)
@@ -351,7 +360,7 @@ def test_closed_tier_misses(tmp_path):
 
 
 def test_store_cli_on_a_directory(tmp_path, capsys):
-    from numbakv.cli import main
+    main = cli_main()
     tw.cmd_state_write(str(tmp_path), 1 << 22)          # in-process: no child needed here
     assert json.loads(capsys.readouterr().out)["ok"]
     with DiskTier("nkv1-2222222222222222", 1 << 20, tmp_path) as other:

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import tier_worker as tw  # noqa: E402
 from redis_server import own_redis_server, redis_server, redis_url  # noqa: E402,F401
-from test_tiers_disk import ENV, assert_same_rows, last_json, put, worker  # noqa: E402
+from test_tiers_disk import (ENV, assert_same_rows, cli_main, last_json, put,  # noqa: E402
+                             worker)
 
 NS = tw.NAMESPACE
 
@@ -228,7 +229,7 @@ def test_bad_arguments(redis_url):
 
 
 def test_store_cli_on_a_server(redis_url, capsys):
-    from numbakv.cli import main
+    main = cli_main()
     tw.cmd_state_write(redis_url, 1 << 22)               # in-process: no child needed here
     assert json.loads(capsys.readouterr().out)["ok"]
     with open_tier(redis_url, "nkv1-2222222222222222", 1 << 20) as other:
@@ -246,7 +247,7 @@ def test_store_cli_on_a_server(redis_url, capsys):
 
 
 def test_store_cli_server_down(capsys):
-    from numbakv.cli import main
+    main = cli_main()
     from redis_server import free_port
     assert main(["store", "stats", f"redis://127.0.0.1:{free_port()}/0", "--timeout", "0.5"]) == 2
     assert "numbakv store stats" in capsys.readouterr().err
