@@ -124,3 +124,45 @@ def test_redis_tier_against_reference(redis_server, ops):  # noqa: F811
     finally:
         for t in tiers:
             t.close()
+
+
+def _threads(tier, n_threads=4, rounds=30):
+    """``n_threads`` threads writing, finding and reading the same keys through one tier: every
+    read is one writer's whole payload, nothing raises."""
+    import threading
+    import tier_worker as tw
+    errors = []
+
+    def work(w):
+        try:
+            for r in range(rounds):
+                i = (r * 7 + w) % 6
+                key = tw.run_key(i)
+                tier.write_run(key, tw.block_keys(i, 2), tw.payload(key, 3_000 + 100 * w, w))
+                hit = tier.find_blocks(tw.block_keys(i, 2))[0]
+                if hit is not None:
+                    [data] = tier.read_runs([hit[0]])
+                    assert data is None or tw.check_payload(hit[0], data)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    assert tier.stats()["bytes_used"] <= tier.budget_bytes
+
+
+def test_disk_tier_threads(tmp_path):
+    with open_tier(tmp_path, NS, 4 * 3_500) as tier:
+        _threads(tier)
+
+
+def test_redis_tier_threads(redis_server):  # noqa: F811
+    raw = redis_server.client()
+    raw.flushall()
+    raw.close()
+    with open_tier(redis_server.url, NS, 4 * 3_600) as tier:
+        _threads(tier)
