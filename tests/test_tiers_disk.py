@@ -255,6 +255,7 @@ def test_other_models_files_are_ignored_and_counted(tmp_path):
         st = tier.stats()
         assert st["other_namespaces"] == 2 and st["foreign_files"] == 2 and st["entries"] == 0
         assert tier.find_blocks(tw.block_keys(1)) == [None] * 4
+        assert tier.read_runs([tw.run_key(1)]) == [None]       # never served by name either
     scan = scan_directory(tmp_path)
     assert scan["namespaces"][other]["entries"] == 1 and scan["foreign"] == 1
     assert clear_directory(tmp_path, other[-8:]) == {other: 1}

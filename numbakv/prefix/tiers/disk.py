@@ -569,8 +569,13 @@ class DiskTier(ByteTier):
         errors = 0
         with self._lock:
             closed = self._closed
-        for run in runs:
-            data = None if closed else self._read_one(run)
+            if not closed:
+                self._ix.refresh()
+            # only runs the index lists: a file under a run's name that no writer of this
+            # namespace logged (copied in, another model's) is never served
+            known = [not closed and run in self._ix.runs for run in runs]
+        for run, listed in zip(runs, known):
+            data = self._read_one(run) if listed else None
             if data is False:
                 errors += 1
                 data = None
