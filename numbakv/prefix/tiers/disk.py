@@ -435,16 +435,25 @@ class DiskTier(ByteTier):
     def _write_log(self, runs: Dict[str, Tuple[int, Tuple[str, ...]]], hits: int,
                    misses: int) -> None:
         """Replace the log with one describing ``runs`` (atomic: temp file, fsync, rename)."""
-        tmp = os.path.join(self._dir, f"{_TMP_PREFIX}{_HOST}.{os.getpid()}.index")
+        # beside the runs' temporary files, so a crashed writer's is cleaned up the same way
+        tmp = os.path.join(self._runs_dir,
+                           f"{_TMP_PREFIX}{_HOST}.{os.getpid()}.{os.urandom(6).hex()}")
         lines = [_line(f"h {hits} {misses}")]
         lines += [_line(f"+ {run} {size} {','.join(keys)}") for run, (size, keys) in runs.items()]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            _write_all(fd, b"".join(lines))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self._log_path)
+            try:
+                _write_all(fd, b"".join(lines))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._log_path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def _scan_files(self) -> Iterator[os.DirEntry]:
         with os.scandir(self._runs_dir) as it:
