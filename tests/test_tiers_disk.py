@@ -288,6 +288,11 @@ def test_bad_arguments_raise_before_anything_changes(tmp_path):
             tier.write_run(tw.run_key(1), [tw.run_key(2), "x/y"], b"x")
         with pytest.raises(ValueError, match="block_keys"):
             tier.find_blocks(tw.run_key(1))
+        with pytest.raises(ValueError, match=r"block_keys\[1\]"):   # a comma inside a key
+            tier.find_blocks([tw.run_key(1), tw.run_key(2) + "," + tw.run_key(3)])
+        with pytest.raises(ValueError, match=r"run_keys\[0\]"):
+            tier.read_runs([None])
+        assert tier.find_blocks([]) == [] and tier.read_runs([]) == []
         with pytest.raises(ValueError, match="data"):
             tier.write_run(tw.run_key(1), [], "text")
         assert tier.stats()["entries"] == 0 and run_files(tmp_path / "d") == {}

@@ -56,10 +56,23 @@ def check_key(key, what: str = "key") -> str:
     return key
 
 
+_KEYS = re.compile(r"[0-9a-f]{8,128}(?:,[0-9a-f]{8,128})*\Z")
+
+
 def check_keys(keys, what: str = "block_keys") -> List[str]:
-    """A list of hex keys (see :func:`check_key`); ``keys`` must be a sequence, not a string."""
+    """A list of hex keys (see :func:`check_key`); ``keys`` must be a sequence, not a string.
+    Checked with one pattern match over the joined keys (a prompt has hundreds); the message of
+    a failure names the first bad one."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise ValueError(f"{what} must be a sequence of hex strings, got {type(keys).__name__}")
+    keys = list(keys)
+    try:
+        joined = ",".join(keys)
+        # the comma count rules out a key that itself holds a comma
+        if not keys or (_KEYS.match(joined) and joined.count(",") == len(keys) - 1):
+            return keys
+    except TypeError:   # not all str
+        pass
     return [check_key(k, f"{what}[{i}]") for i, k in enumerate(keys)]
 
 

@@ -76,6 +76,8 @@ _TMP_PREFIX = ".tmp."
 _TMP_MAX_AGE = 3600.0
 #: rewrite the log when it holds more than this many lines per live run (plus a floor)
 _COMPACT_FACTOR, _COMPACT_FLOOR = 4, 1024
+#: seconds between appends of this process's hit/miss counts to the log (and at close)
+_FLUSH_EVERY = 1.0
 _HOST = socket.gethostname().replace(".", "_")[:64] or "host"
 
 
@@ -342,6 +344,7 @@ class DiskTier(ByteTier):
         self._ix = _Index(self._log_path)   # the index, parsed from the log
         self._open_checked()
         self._pending = [0, 0]          # hits, misses not yet appended to the log
+        self._flushed = 0.0
         self._foreign = 0
         self._others = 0
         try:
@@ -535,11 +538,15 @@ class DiskTier(ByteTier):
         self._write_log(dict(self._ix.runs), self._ix.hits, self._ix.misses)
         self._ix.refresh()
 
-    def _flush_counts(self) -> None:
-        """Append this process's pending hit/miss counts to the log if the lock is free now (a
-        reader never waits for a writer)."""
+    def _flush_counts(self, force: bool = False) -> None:
+        """Append this process's pending hit/miss counts to the log (at most once a second
+        unless ``force``), if the lock is free now: a reader never waits for a writer."""
         if not (self._pending[0] or self._pending[1]):
             return
+        now = time.monotonic()
+        if not force and now - self._flushed < _FLUSH_EVERY:
+            return
+        self._flushed = now
         try:
             with self._locked(blocking=False):
                 self._append([_line(f"h {self._pending[0]} {self._pending[1]}")])
@@ -784,7 +791,7 @@ class DiskTier(ByteTier):
             if self._closed:
                 return
             if self._lock_fd >= 0:
-                self._flush_counts()
+                self._flush_counts(force=True)
             super().close()
             self._ix.close()
             if self._lock_fd >= 0:
