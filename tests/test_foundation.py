@@ -348,7 +348,7 @@ def test_get_return_annotation():
 
 
 def test_version_help_and_info_without_ptx(capsys):
-    from numbakv import cli
+    from numbakv.tools import cli
     with pytest.raises(SystemExit) as exc:
         cli.main(["--version"])
     assert exc.value.code == 0
