@@ -99,10 +99,10 @@ def _host_array(values, name: str = "values", stream: Any = None) -> np.ndarray:
             return np.asarray(np.from_dlpack(values))
         return np.asarray(values)
     import cupy
-    from .kernels import _common
+    from .kernels import launch as _launch_mod
     if stream is None:
         stream = cupy.cuda.get_current_stream()
-    if _common.capturing(stream):
+    if _launch_mod.capturing(stream):
         raise _CaptureRefused(
             f"{name} must be a host array (numpy or a list) while the cache's stream is "
             f"capturing a CUDA graph, got {type(values).__name__} in GPU memory: the cache keeps "
@@ -114,7 +114,7 @@ def _host_array(values, name: str = "values", stream: Any = None) -> np.ndarray:
         with stream:  # DLPack orders the producer's stream before ours (no host wait)
             dev = cupy.from_dlpack(values) if hasattr(values, "__dlpack__") \
                 else cupy.asarray(values)
-    return _common.device_to_host(dev, stream)
+    return _launch_mod.device_to_host(dev, stream)
 
 
 def check_batch(positions, seqs, config: CacheConfig,

@@ -23,8 +23,8 @@ from numba import cuda, prange, types
 from .._jit import njit
 
 from . import _common
-from ._common import (DEVICE_WORD, UINT, WORD, Desc, Prepared, block_size, cdiv, copy_raw,
-                      head_word, launch as _launch, to_device, word_size)
+from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, head_word, word_size
+from .launch import Prepared, launch as _launch, to_device
 from ._registry import cuda_device, cuda_kernel, element
 
 
