@@ -284,7 +284,7 @@ class KVStorage:
         whose event has passed. Skipped while the stream is capturing a graph (recording there
         would bind the event to the graph; querying would be an implicit synchronisation)."""
         import cupy
-        from .kernels.launch import capturing
+        from .device import capturing
         stream = self._stream if self._stream is not None else cupy.cuda.get_current_stream()
         if capturing(stream):
             return

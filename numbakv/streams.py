@@ -40,7 +40,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
-from .causal import CausalCache, PathLike, _check_memory, _check_index, UNLIMITED
+from ._inputs import UNLIMITED, host_int_array
+from ._inputs import check_index as _check_index
+from .causal import CausalCache, PathLike, _check_memory
 from .config import CacheConfig, round_up
 from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -291,7 +293,6 @@ class StreamCache(CausalCache):
         batch = len(fwd.token_order)
         drop = np.zeros(batch, bool)
         if except_ is not None:
-            from .causal import host_int_array
             idx = host_int_array(except_, "except_")
             if idx.size and (idx.min() < 0 or idx.max() >= batch):
                 raise ValueError(f"except_ must hold batch indices in [0, {batch}), got "

@@ -12,7 +12,9 @@ from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
-from .causal import UNLIMITED, CausalCache, PathLike, _check_index, check_batch, host_int_array
+from ._inputs import UNLIMITED, check_batch, host_int_array
+from ._inputs import check_index as _check_index
+from .causal import CausalCache, PathLike
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 from numba import types
 
+from ..device import capturing, device_to_host  # noqa: F401 - re-exported
 from ._common import Desc, _DeviceView, desc_of
 
 def link_cubin(ptx: str, cc: Tuple[int, int]) -> Tuple[bytes, str]:
@@ -329,16 +330,6 @@ class Prepared(NamedTuple):
     keep: Any
 
 
-def capturing(stream) -> bool:
-    """Whether ``stream`` is capturing a CUDA graph. Asking about the legacy NULL stream while
-    another stream captures in global mode is itself an error: counted as capturing (then
-    nothing queries or synchronises)."""
-    try:
-        return bool(stream.is_capturing())
-    except Exception:  # noqa: BLE001
-        return True
-
-
 class HostStaging:
     """Pinned host buffers through which one stream's host-to-device inputs travel, reused.
 
@@ -444,32 +435,6 @@ def to_device(device: str, *arrays: np.ndarray):
             acc *= s
         descs.append(Desc(base + off, tuple(p.shape), tuple(reversed(strides)), p.dtype))
     return tuple(descs), dev
-
-
-_READBACK: List[Any] = []       # [capacity, pinned memory, host view]: one, reused
-_READBACK_LOCK = threading.Lock()
-
-
-def device_to_host(arr, stream) -> np.ndarray:
-    """A host copy of the CuPy array ``arr``, made on ``stream`` through one pinned, reused
-    buffer: a contiguous copy (if ``arr`` is strided) and an asynchronous device-to-host copy are
-    queued on ``stream``, then only that stream is synchronised (``cupy.asnumpy`` would copy on
-    the current stream into pageable memory). The caller refuses this during graph capture."""
-    import cupy
-    with stream:
-        dev = cupy.ascontiguousarray(arr)
-    nbytes = int(dev.nbytes)
-    if nbytes == 0:
-        return np.empty(dev.shape, dtype=dev.dtype)
-    with _READBACK_LOCK:
-        if not _READBACK or _READBACK[0] < nbytes:
-            cap = max(4096, 1 << (nbytes - 1).bit_length())
-            mem = cupy.cuda.alloc_pinned_memory(cap)
-            _READBACK[:] = [cap, mem, np.frombuffer(mem, np.uint8, cap)]
-        host = _READBACK[2]
-        dev.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, stream)
-        stream.synchronize()
-        return host[:nbytes].view(dev.dtype).reshape(dev.shape).copy()
 
 
 def device_arg(device: str, arr, dtype=None):
