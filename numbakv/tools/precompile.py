@@ -175,9 +175,12 @@ def _bench_quick() -> None:
     import contextlib
     import io
 
-    from .cli import main
+    from . import bench  # bench's own sub-command parser: cli imports this module, not back
+    parser = argparse.ArgumentParser(prog="numbakv")
+    bench.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--quick", "--no-plot", "--budget", "0.01"])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        main(["bench", "--quick", "--no-plot", "--budget", "0.01"])
+        args.func(args)
 
 
 def common_path(verbose: bool = False) -> Dict[str, float]:
