@@ -25,6 +25,7 @@ from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
+from .state.files import StateMethods
 from .storage import KVStorage
 from ._inputs import UNLIMITED, check_batch, host_int_array
 from ._inputs import check_index as _check_index
@@ -89,7 +90,7 @@ class _Placed:
 
 
 @one_thread_at_a_time
-class CausalCache:
+class CausalCache(StateMethods):
     """A KV cache for causal attention over many sequences sharing one pool of cells.
 
     One thread at a time: a second thread calling in while another is inside raises
@@ -735,41 +736,9 @@ class CausalCache:
             view[...] = out
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save the whole cache (``seq=None``) or one sequence to a safetensors file,
-        atomically."""
-        from . import state
-        state.save_cache(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
-        (replacing what ``seq`` held). Returns the saved tokens and metadata. ``strict``: a
-        state saved by a cache with another model fingerprint (shift, window, memory, chunk,
-        dtypes, head shapes) raises ``StateError`` naming the field."""
-        from . import state
-        out = state.load_cache(self, path, seq, strict=strict, progress=progress)
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    def _after_state_load(self) -> None:
         self._forward = None      # a state load ends the forward pass in progress
-        return out
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
-                    metadata: Optional[dict] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What ``save_state`` writes, as bytes."""
-        from . import state
-        return state.cache_to_bytes(self, seq, tokens=tokens, metadata=metadata,
-                                    progress=progress)
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """Load ``state_bytes`` output: the whole cache, or the saved sequence as ``seq``
-        (``strict`` as in ``load_state``)."""
-        from . import state
-        out = state.cache_from_bytes(self, data, seq, strict=strict, progress=progress)
-        self._forward = None      # a state load ends the forward pass in progress
-        return out
 
     # ------------------------------------------------------------------ misc
     def use_stream(self, stream: Any) -> None:

@@ -18,13 +18,14 @@ from .causal import CausalCache, PathLike
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
+from .state.files import StateMethods
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
 
 
 @one_thread_at_a_time
-class WrapperCache:
+class WrapperCache(StateMethods):
     """One ``CausalCache`` per layer group; every operation fans out to all of them, all or
     nothing (cell tables and K/V: keys a failed ``remove`` already re-rotated in one group come
     back bit-exact), and ``set_layer`` picks the group (and the layer inside it). One thread at
@@ -231,35 +232,8 @@ class WrapperCache:
 
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save every group cache (``seq=None``) or one sequence of each to a safetensors file,
-        atomically (``numbakv.state``, kind ``wrapper`` / ``wrapper-seq``)."""
-        from . import state
-        state.save(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
-                    metadata: Optional[dict] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What ``save_state`` writes, as bytes."""
-        from . import state
-        return state.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what ``save_state`` wrote into every group, all or nothing (``strict`` as in
-        ``CausalCache.load_state``, per group). Returns the saved tokens and metadata."""
-        from . import state
-        return state.load(path, self, seq, strict=strict, progress=progress)[1]
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """Load ``state_bytes`` output (see ``load_state``)."""
-        from . import state
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
-        return state.load(data, self, seq, strict=strict, progress=progress)[1]
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    _STATE_IO = "wrapper"
 
 
 def _check_groupable(caches: List[CausalCache], same_layers: bool) -> None:

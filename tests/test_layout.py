@@ -126,7 +126,8 @@ def test_the_walk_sees_the_imports():
     checks below would pass on an empty graph)."""
     assert {"causal", "cells", "storage", "_inputs"} <= GRAPH["streams"] | GRAPH["causal"]
     assert "kernels.launch" in GRAPH["kernels.put"]
-    assert "state" in GRAPH["causal"]               # `from . import state` inside a method
+    assert "state" in GRAPH["simple"]               # `from . import state` inside a method
+    assert "state.files" in GRAPH["causal"]         # `from .state.files import StateMethods`
     assert "tools.demo" in GRAPH["tools.cli"]       # `from . import demo` inside a function
     assert "tools.cli" in GRAPH["__main__"]
 

@@ -375,8 +375,21 @@ def desc_of(arr, dtype=None) -> Desc:
     return Desc(int(arr.data.ptr), tuple(arr.shape), tuple(arr.strides), np.dtype(dt))
 
 
+def sig_array(dt, nd: int) -> types.Array:
+    """The Numba type of a kernel's array argument in an eager signature: ``nd``-D of ``dt``,
+    layout ``'A'`` (strided), as the fast launch path types every array (launch.numba_type)."""
+    return types.Array(dt, nd, "A")
+
+
+#: the (K word, V word) pairs the put and move kernels are compiled for: K and V rows alike
+#: (16-byte words where aligned), or a permuted V copied element by element
+WORD_PAIRS = [(types.complex128, types.complex128), (types.uint64, types.uint64),
+              (types.uint32, types.uint32), (types.uint16, types.uint16),
+              (types.complex128, types.uint16), (types.complex128, types.uint32),
+              (types.uint64, types.uint16), (types.uint64, types.uint32)]
+
 __all__ = ["cpu_has_f16c", "f16_bits_to_f32_hw", "f32_to_f16_bits_hw", "BLOCKS_PER_SM",
            "BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "SIM_MAX_BLOCKS", "flat_blocks", "max_blocks", "sm_count",
            "UINT", "Desc", "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "f16_bits_to_f32",
            "f32_to_bf16_bits", "f32_to_f16_bits", "head_word", "word_size", "copy_raw",
-           "DEVICE_WORD", "WORD", "WORD16"]
+           "DEVICE_WORD", "WORD", "WORD16", "sig_array", "WORD_PAIRS"]

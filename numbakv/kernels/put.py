@@ -22,6 +22,7 @@ from numba import cuda, prange, types
 from .._jit import njit
 
 from . import _common, launch as _launch_mod
+from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
 from ._common import (DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, desc_of, head_word,
                       word_size)
 from .launch import launch as _launch
@@ -164,16 +165,6 @@ if not _common._simulator_on():
     _register_cuda_tiles()
 
 
-def _arr(dt, nd):
-    return types.Array(dt, nd, "A")
-
-
-# the word pairs that occur: K and V rows alike (16-byte words where aligned), or permuted V
-# copied element by element
-_PAIRS = [(types.complex128, types.complex128), (types.uint64, types.uint64),
-          (types.uint32, types.uint32), (types.uint16, types.uint16),
-          (types.complex128, types.uint16), (types.complex128, types.uint32),
-          (types.uint64, types.uint16), (types.uint64, types.uint32)]
 _SIGS = [(_arr(kw, 3), _arr(vw, 3), _arr(types.int32, 1), _arr(kw, 3), _arr(vw, 3), types.int64,
           types.int64, types.int64) for kw, vw in _PAIRS]
 

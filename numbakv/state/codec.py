@@ -206,8 +206,22 @@ def _file_mode(path: str) -> int:
         return 0o666 & ~umask
 
 
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def _check_data(data) -> None:
+    """``data`` of the ``*_from_bytes`` calls must be bytes-like."""
+    if not isinstance(data, _BYTES_LIKE):
+        raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
+
+
+def _check_source(source) -> Source:
+    """A ``Source``: bytes-like data as it is, anything else checked as a path."""
+    return source if isinstance(source, _BYTES_LIKE) else _check_path(source)
+
+
 def _check_path(path) -> str:
-    if isinstance(path, (bytes, bytearray, memoryview)) or not isinstance(path, (str, os.PathLike)):
+    if isinstance(path, _BYTES_LIKE) or not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     return os.fspath(path)
 
@@ -541,7 +555,7 @@ class _Opened:
 
     def __enter__(self) -> _State:
         src = self.source
-        if isinstance(src, (bytes, bytearray, memoryview)):
+        if isinstance(src, _BYTES_LIKE):
             buf = memoryview(src)
             if not buf.c_contiguous:
                 raise ValueError("data must be a contiguous bytes-like object")

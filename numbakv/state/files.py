@@ -58,9 +58,10 @@ import numpy as np
 from ..device import synchronize
 from ..errors import KVCacheError
 from .codec import (_POS_LIMIT, _SIMPLE_KINDS, _ST_DTYPES, _STORAGE_ST, Source, _base_metadata,
-                    _cfg_int, _check_metadata, _check_path, _check_progress, _check_strict,
-                    _check_tokens, _clip, _close_bar, _host_le, _is_int, _load_bar, _Opened,
-                    _save, _Spec, _State, _to_bytes, _tokens_spec, _untrusted)
+                    _cfg_int, _check_data, _check_metadata, _check_path, _check_progress,
+                    _check_source, _check_strict, _check_tokens, _clip, _close_bar, _host_le,
+                    _is_int, _load_bar, _Opened, _save, _Spec, _State, _to_bytes, _tokens_spec,
+                    _untrusted)
 
 
 def _side_format(cfg, which: str) -> Tuple[str, int]:
@@ -715,8 +716,7 @@ def load_cache(cache, path, seq: Optional[int] = None, *, strict: bool = True,
 def cache_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool = True,
                      progress: Optional[bool] = None) -> dict:
     """``load_cache`` from bytes in memory."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
+    _check_data(data)
     return _load_causal(cache, data, seq, progress, strict)
 
 
@@ -844,8 +844,7 @@ def load_streams(cache, path, seq: Optional[int] = None, *, strict: bool = True,
 def streams_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool = True,
                        progress: Optional[bool] = None) -> dict:
     """``load_streams`` from bytes in memory."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
+    _check_data(data)
     return _load_streams(cache, data, seq, progress, strict)
 
 
@@ -1038,8 +1037,7 @@ def load_simple(source: Source, *, device: str = "auto", return_info: bool = Fal
     """A new ``StepCache`` / ``RotatingCache`` (or the list of them that was saved) on
     ``device``, rebuilt from a ``save_simple`` file (a path) or its bytes. With ``return_info``
     returns ``(cache, {"tokens": list[int] | None, "metadata": dict[str, str]})``."""
-    if not isinstance(source, (bytes, bytearray, memoryview)):
-        source = _check_path(source)
+    source = _check_source(source)
     from ..device import resolve_device
     device = resolve_device(device)  # a bad device is the caller's ValueError, checked first
     _check_progress(progress)
@@ -1101,8 +1099,7 @@ def load(source: Source, cache=None, seq: Optional[int] = None, *, device: str =
     required; ``seq`` as in ``load_cache``). ``step`` / ``rotating`` / ``simple-list`` states
     build a new cache (or list of caches) on ``device`` (``cache`` must be None). ``strict``: as
     in ``load_cache`` (each group of a WrapperCache is checked)."""
-    if not isinstance(source, (bytes, bytearray, memoryview)):
-        source = _check_path(source)
+    source = _check_source(source)
     strict = _check_strict(strict)
     _check_progress(progress)
     family = _cache_family(cache)
@@ -1127,8 +1124,7 @@ def load(source: Source, cache=None, seq: Optional[int] = None, *, device: str =
 def read_info(source: Source, *, verify: bool = True) -> dict:
     """What a state holds, without loading it: ``{"kind", "version", "config", "tokens",
     "metadata", "nbytes"}`` (``nbytes``: tensor payload). ``verify`` checks the checksum too."""
-    if not isinstance(source, (bytes, bytearray, memoryview)):
-        source = _check_path(source)
+    source = _check_source(source)
     with _Opened(source) as state, _untrusted(state.what):
         if verify:
             state.verify_checksum()
@@ -1137,7 +1133,75 @@ def read_info(source: Source, *, verify: bool = True) -> dict:
                 "metadata": state.user_metadata(), "nbytes": state.data_bytes}
 
 
+
+def load_wrapper(cache, path, seq: Optional[int] = None, *, strict: bool = True,
+                 progress: Optional[bool] = None) -> dict:
+    """``load_cache`` for a ``WrapperCache``: every group cache, all or nothing (``strict`` per
+    group)."""
+    return _load_wrapper(cache, _check_path(path), seq, progress, _check_strict(strict))
+
+
+def wrapper_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool = True,
+                       progress: Optional[bool] = None) -> dict:
+    """``load_wrapper`` from bytes in memory."""
+    _check_data(data)
+    return _load_wrapper(cache, data, seq, progress, _check_strict(strict))
+
+
+# ============================================================================ the cache methods
+#: (save, to bytes, load, from bytes) of each family of caches that hold sequences
+_STATE_IO = {"causal": (save_cache, cache_to_bytes, load_cache, cache_from_bytes),
+             "streams": (save_streams, streams_to_bytes, load_streams, streams_from_bytes),
+             "wrapper": (save, to_bytes, load_wrapper, wrapper_from_bytes)}
+
+
+class StateMethods:
+    """``save_state`` / ``load_state`` / ``state_bytes`` / ``load_state_bytes``, written once for
+    the caches that hold sequences (``CausalCache``, ``StreamCache``, ``WrapperCache``). A class
+    names its family of this module's functions in ``_STATE_IO`` and says what a load ends in
+    ``_after_state_load``."""
+
+    _STATE_IO = "causal"
+
+    def _after_state_load(self) -> None:
+        """What a state load ends (the forward pass in progress); nothing by default."""
+
+    def save_state(self, path, seq: Optional[int] = None, *, tokens=None,
+                   metadata: Optional[Mapping[str, str]] = None,
+                   progress: Optional[bool] = None) -> None:
+        """Save the whole cache (``seq=None``; every stream / group cache) or one sequence to the
+        safetensors file ``path``, atomically (``numbakv.state``: a sequence's file loads into
+        any cache of the same model, unified or streams). ``tokens`` (integers ``[t]``) and
+        str -> str ``metadata`` travel with it."""
+        _STATE_IO[self._STATE_IO][0](self, path, seq, tokens=tokens, metadata=metadata,
+                                     progress=progress)
+
+    def state_bytes(self, seq: Optional[int] = None, *, tokens=None,
+                    metadata: Optional[Mapping[str, str]] = None,
+                    progress: Optional[bool] = None) -> bytes:
+        """What ``save_state`` writes, as bytes."""
+        return _STATE_IO[self._STATE_IO][1](self, seq, tokens=tokens, metadata=metadata,
+                                            progress=progress)
+
+    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
+                   progress: Optional[bool] = None) -> dict:
+        """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
+        (replacing what ``seq`` held), all or nothing; ends the forward pass in progress.
+        Returns ``{"tokens": list[int] | None, "metadata": dict[str, str]}``. ``strict``: a
+        state saved by a cache with another model fingerprint (shift, window, memory, chunk,
+        dtypes, head shapes) raises ``StateError`` naming the field."""
+        out = _STATE_IO[self._STATE_IO][2](self, path, seq, strict=strict, progress=progress)
+        self._after_state_load()
+        return out
+
+    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
+                         progress: Optional[bool] = None) -> dict:
+        """Load ``state_bytes`` output (as ``load_state``)."""
+        out = _STATE_IO[self._STATE_IO][3](self, data, seq, strict=strict, progress=progress)
+        self._after_state_load()
+        return out
+
 __all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache", "load_cache",
            "cache_to_bytes", "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes",
            "save_streams", "load_streams", "streams_to_bytes", "streams_from_bytes",
-           "register_simple_class"]
+           "load_wrapper", "wrapper_from_bytes", "register_simple_class", "StateMethods"]
