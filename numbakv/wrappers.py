@@ -299,7 +299,8 @@ class EncoderCache:
 
     @property
     def encoder_cached(self) -> bool:
-        """True when encoder output is stored for every layer."""
+        """True when encoder output is stored for every layer (Ollama's ``EncoderCached()``: a
+        runner asks it to skip the encoder; public although the cache itself never needs it)."""
         return self.encoder_len > 0 and bool(self._layers_written.all())
 
     def start_forward(self, positions, seqs, reserve: bool = False, *,

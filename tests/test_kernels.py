@@ -547,44 +547,25 @@ def test_rotate_cpu_large(parallel, monkeypatch):
 # host-to-device copies, cached slot buffers) still runs here: a stand-in ``cupy`` over numpy
 # memory, and the descriptors turned back into numpy views for the simulator.
 
-from fake_cupy import FakeDeviceArray as _FakeDeviceArray, fake_cupy as _fake_cupy  # noqa: E402
-
-
-def _desc_to_numpy(d):
-    import ctypes
-    span = sum((s - 1) * st for s, st in zip(d.shape, d.strides)) + d.dtype.itemsize \
-        if all(d.shape) else 0
-    buf = (ctypes.c_char * max(span, 1)).from_address(d.ptr)
-    return np.ndarray(d.shape, dtype=d.dtype, buffer=buf, strides=d.strides)
+from fake_cupy import FakeDeviceArray as _FakeDeviceArray  # noqa: E402
+from helpers import clear_launch_caches, emulate_cuda  # noqa: E402
 
 
 @pytest.fixture
 def emulated_cuda(kernel_device, monkeypatch):
+    """The kernels launched on the emulated ``cuda`` path, in order."""
     if kernel_device != "sim":
         pytest.skip("a real GPU runs the cuda path itself")
-    import sys
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
-    put._SLOT_CACHE.clear()
-    put._NO_SLOTS_DEV.clear()
-    put._CUDA_PLANS.clear()
-    monkeypatch.setattr(launch, "_FAST_ENABLED", False)
     launched = []
 
-    def fake_launch(device, kernel, grid, block, args):
-        assert device == "cuda"
+    def record(kernel, args):
         for a in args:  # exactly what the fast path would flatten
             assert isinstance(a, (_common.Desc, int)), type(a)
         launched.append(kernel)
-        launch.launch("sim", kernel, grid, block,
-                       [_desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
 
-    for mod in (put, mask, move, rope):
-        monkeypatch.setattr(mod, "_launch", fake_launch)
-        monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    emulate_cuda(monkeypatch, record)
     yield launched
-    put._SLOT_CACHE.clear()
-    put._NO_SLOTS_DEV.clear()
-    put._CUDA_PLANS.clear()
+    clear_launch_caches()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,16 +13,8 @@ import pytest
 from numbakv.config import CacheConfig, RopeShift
 from numbakv.kernels import _common, launch, mask, move, put, rope
 from numbakv.storage import KVStorage
-from fake_cupy import FakeDeviceArray, fake_cupy
-from helpers import random_storage
-
-
-def _desc_to_numpy(d):
-    import ctypes
-    span = sum((s - 1) * st for s, st in zip(d.shape, d.strides)) + d.dtype.itemsize \
-        if all(d.shape) else 0
-    buf = (ctypes.c_char * max(span, 1)).from_address(d.ptr)
-    return np.ndarray(d.shape, dtype=d.dtype, buffer=buf, strides=d.strides)
+from fake_cupy import FakeDeviceArray
+from helpers import clear_launch_caches, emulate_cuda, random_storage
 
 
 @pytest.fixture
@@ -30,25 +22,11 @@ def fake_gpu(kernel_device, monkeypatch):
     """``(cupy stand-in, launches)``: every launch recorded as (kernel name, stream handle)."""
     if kernel_device != "sim":
         pytest.skip("a real GPU runs the cuda path itself")
-    cp = fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setattr(launch, "_FAST_ENABLED", False)
-    for cache in (put._SLOT_CACHE, put._NO_SLOTS_DEV, put._CUDA_PLANS, launch._STAGING):
-        cache.clear()
     launches = []
-
-    def fake_launch(device, kernel, grid, block, args):
-        assert device == "cuda"
-        launches.append((kernel.py_func.__name__, cp.cuda.get_current_stream().ptr))
-        launch.launch("sim", kernel, grid, block,
-                       [_desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
-
-    for mod in (put, mask, move, rope):
-        monkeypatch.setattr(mod, "_launch", fake_launch)
-        monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    cp = emulate_cuda(monkeypatch, lambda kernel, args: launches.append(
+        (kernel.py_func.__name__, sys.modules["cupy"].cuda.get_current_stream().ptr)))
     yield cp, launches
-    for cache in (put._SLOT_CACHE, put._NO_SLOTS_DEV, put._CUDA_PLANS, launch._STAGING):
-        cache.clear()
+    clear_launch_caches()
 
 
 def _storage(dtype="float16", permuted=False):
