@@ -115,15 +115,12 @@ def _load_time(data: bytes, repeats: int) -> Optional[float]:
     """Seconds to place the run's bytes into an empty cache (the state codec's load: parse,
     crc32, copy), for context: the part of a promotion after the tier's read."""
     import numbakv as nkv
-    from numbakv import state
-    import json as _json
     n = int.from_bytes(data[:8], "little")
-    config = _json.loads(_json.loads(data[8:8 + n])["__metadata__"]["config"])
+    config = json.loads(json.loads(data[8:8 + n])["__metadata__"]["config"])
     cfg = nkv.CacheConfig(config["n_layers"], config["n_kv_heads"], config["head_dim"],
                           dtype=config["dtype"], capacity=config["n_cells"], max_seqs=1,
                           device="cpu")
     cache = nkv.CausalCache(cfg)
-    del state
 
     def load():
         cache.seq_rm(0)
