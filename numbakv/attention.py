@@ -289,7 +289,7 @@ def _pack_index(kv_indptr, seqs):
     return idx, ptr
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"reassoc", "contract"})   # no nnan/ninf: -inf marks masked cells
 def _attend_packed(q, k, v, seqs, ptr, qo_indptr, token_order, kv_pos, q_pos, causal, window,
                    chunk, scale, soft_cap, out):
     """Attention of several short sequences at once (single-threaded, exact softmax with max
@@ -352,35 +352,53 @@ def _attend_packed(q, k, v, seqs, ptr, qo_indptr, token_order, kv_pos, q_pos, ca
                     out[t, h, d] = acc[d] / tot
 
 
-def _packed(torch, q, host: HostPages, key_pool, value_pool, seqs, scale, soft_cap, permuted,
-            out):
-    """Sequences ``seqs`` (batch indices) through :func:`_attend_packed`: their cells gathered
-    with one ``index_select`` per pool, results scattered into ``out`` (or returned, rows in
-    batch order, when ``out`` is None)."""
-    seqs = np.ascontiguousarray(seqs, dtype=np.int64)
-    idx, ptr = _pack_index(host.kv_indptr.astype(np.int64), seqs)
-    cells = torch.from_numpy(host.kv_indices[idx].astype(np.int64))
-    k = key_pool.index_select(0, cells).float().contiguous().numpy()
+def _pack_plan(torch, host: HostPages):
+    """Which sequences of this pass are computed packed, and everything about them that does
+    not change between layers (planned once per forward pass, kept in ``host.plans``)."""
+    key = ("packed", _PACK_CELLS, _PACK_TOKENS)
+    plan = host.plans.get(key)
+    if plan is None:
+        short = (np.diff(host.kv_indptr) <= _PACK_CELLS) & \
+            (np.diff(host.qo_indptr) <= _PACK_TOKENS)
+        seqs = np.flatnonzero(short).astype(np.int64)
+        idx, ptr = _pack_index(host.kv_indptr.astype(np.int64), seqs)
+        rows = np.concatenate([host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
+                               for b in seqs]).astype(np.int64) if len(seqs) else None
+        plan = {"short": short, "seqs": seqs, "ptr": ptr,
+                "cells": torch.from_numpy(host.kv_indices[idx].astype(np.int64)),
+                "kv_pos": host.kv_positions[idx].astype(np.int64),
+                "qo_indptr": host.qo_indptr.astype(np.int64),
+                "token_order": host.token_order.astype(np.int64),
+                "q_pos": host.q_positions.astype(np.int64),
+                "rows": None if rows is None else torch.from_numpy(rows),
+                "rest": np.flatnonzero(~short).tolist()}
+        host.plans[key] = plan
+    return plan
+
+
+def _packed(torch, q, host: HostPages, plan: dict, key_pool, value_pool, scale, soft_cap,
+            permuted, out):
+    """The plan's sequences through :func:`_attend_packed`: their cells gathered with one
+    ``index_select`` per pool, results scattered into ``out`` (or returned, rows in batch
+    order, when ``out`` is None)."""
+    cells = plan["cells"]
+    k = key_pool.index_select(0, cells).float().numpy()
     if permuted:
-        v = value_pool.index_select(2, cells).permute(2, 0, 1)
+        v = value_pool.index_select(2, cells).permute(2, 0, 1).float().contiguous().numpy()
     else:
-        v = value_pool.index_select(0, cells)
-    v = v.float().contiguous().numpy()
+        v = value_pool.index_select(0, cells).float().numpy()
     qn = q.detach().float().contiguous().numpy()
-    res = np.zeros((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    res = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
     rule = host.rule
-    _attend_packed(qn, k, v, seqs, ptr, host.qo_indptr.astype(np.int64),
-                   host.token_order.astype(np.int64), host.kv_positions[idx].astype(np.int64),
-                   host.q_positions.astype(np.int64), rule.causal, int(rule.window),
+    _attend_packed(qn, k, v, plan["seqs"], plan["ptr"], plan["qo_indptr"], plan["token_order"],
+                   plan["kv_pos"], plan["q_pos"], rule.causal, int(rule.window),
                    int(rule.chunk), np.float32(scale),
                    np.float32(soft_cap if soft_cap is not None else 0.0), res)
     res_t = torch.from_numpy(res)
     if out is None:
         return res_t.to(q.dtype)
-    rows = np.concatenate([host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
-                           for b in seqs]).astype(np.int64)
-    rows_t = torch.from_numpy(rows)
-    out[rows_t] = res_t[rows_t].to(out.dtype)
+    rows = plan["rows"]
+    out[rows] = res_t[rows].to(out.dtype)
     return out
 
 
@@ -412,13 +430,13 @@ def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_ca
         out = torch.empty((q.shape[0], H, dv), dtype=q.dtype, device=dev)
     todo = range(n_b)
     if dev.type == "cpu":
-        short = (np.diff(host.kv_indptr) <= _PACK_CELLS) & (np.diff(host.qo_indptr) <= _PACK_TOKENS)
-        if short.any():
-            packed = _packed(torch, q, host, key_pool, value_pool, np.flatnonzero(short), scale,
-                             soft_cap, permuted, out)
+        plan = _pack_plan(torch, host)
+        if len(plan["seqs"]):
+            packed = _packed(torch, q, host, plan, key_pool, value_pool, scale, soft_cap,
+                             permuted, out)
             if out is None:
                 return packed
-            todo = np.flatnonzero(~short).tolist()
+            todo = plan["rest"]
 
     def run_view(lo, hi):
         return key_pool[lo:hi], value_pool[:, :, lo:hi] if permuted else value_pool[lo:hi]

@@ -44,7 +44,8 @@ _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
-SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams")
+SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
+            "attend")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1128,6 +1129,8 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
     if s.device != "cuda":
         out.append({"target": "GPU put/move/shift >= 85% of D2D copy; host cost per put <= 10 us",
                     "status": "not measured", "detail": "no GPU in this run"})
+    from .tools.bench_attend import targets as attend_targets
+    out += attend_targets(results.get("attend", {}))
     cap = results.get("capacity", [])
     for batch in sorted({r["batch"] for r in cap}):
         rows = sorted((r for r in cap if r["batch"] == batch), key=lambda r: r["capacity_cells"])
@@ -1270,6 +1273,8 @@ def format_report(results: dict) -> str:
         lines += ["", format_section(results)]
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
+    from .tools.bench_attend import format_attend
+    lines += format_attend(results.get("attend", {}))
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
@@ -1451,6 +1456,9 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "streams" in s.sections:
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
+    if "attend" in s.sections:      # numbakv/tools/bench_attend.py
+        from .tools.bench_attend import run_attend
+        results["attend"] = run_attend(s, notes, log)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
