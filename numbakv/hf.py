@@ -455,6 +455,9 @@ class _Binding:
             raise ValueError(f"numbakv runs one packed batch: input_ids must be [1, tokens], got "
                              f"a batch of {query.shape[0]} rows")
         self.begin_layer(layer, query.shape[2])
+        # inference only: inputs that require grad (a model called without torch.no_grad())
+        # are detached, since the cache stores plain values
+        query, key, value = query.detach(), key.detach(), value.detach()
         k = key[0].transpose(0, 1)                  # [q, KVH, D]
         v = value[0].transpose(0, 1)
         want = self.storage_dtypes[layer]
@@ -629,9 +632,16 @@ def _position_check(binding: _Binding):
     (else RoPE and the mask would disagree, silently)."""
 
     def hook(module, args, kwargs):
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+            raise KVCacheError("this model is attached to a numbakv cache (hf.attach), which "
+                               "runs packed batches under cache.start_forward; for "
+                               "model.generate(), hf.detach(model) and pass "
+                               "past_key_values=hf.generation_cache(model, max_new_tokens=...)")
         if binding.generation == 0:
             raise KVCacheError("no forward pass: call cache.start_forward(positions, seqs) "
-                               "before running the attached model")
+                               "before running the attached model (for model.generate(), "
+                               "hf.detach(model) and pass past_key_values="
+                               "hf.generation_cache(model, max_new_tokens=...))")
         expected = binding.positions
         given = kwargs.get("position_ids")
         if given is None:
@@ -678,6 +688,8 @@ def attached_cache(model: Any) -> Optional[Any]:
     return None if binding is None else binding.cache
 
 
+from .hf_generate import Server, generation_cache  # noqa: E402 (they call back into this module)
+
 __all__ = ["ATTENTION_NAME", "INTERLEAVED_MODEL_TYPES", "ModelShapes", "LayerAttention",
            "model_shapes", "layer_attention", "rope_shift_for", "cache_for", "attach", "detach",
-           "attached_cache"]
+           "attached_cache", "generation_cache", "Server"]
