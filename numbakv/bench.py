@@ -95,11 +95,15 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          "nothing useful: use --device cpu or cuda")
     s = BenchSettings(device=device, dtype=args.dtype)
     if args.quick:
-        s.layers, s.kv_heads, s.head_dim = 2, 2, 16
-        s.contexts, s.batches = [16, 64], [1, 2]
-        s.budget, s.min_reps = 0.01, 3
+        # the decode step at shapes where the comparison means something (8 layers of 8 KV
+        # heads x 128, context 1024: K/V ~130 MiB at batch 8) and enough repetitions that the
+        # ratios hold between runs; the other sections only when asked (--sections)
+        s.layers, s.kv_heads, s.head_dim = 8, 8, 128
+        s.contexts, s.batches = [1024], [1, 8]
+        s.budget, s.min_reps = 0.05, 5
+        s.sections = ["decode"]
         s.capacities, s.capacity_context, s.capacity_layers = [64, 256, 1024], 16, 2
-        s.put_tokens, s.mask_shapes = [1, 8, 64], [(2, 64), (16, 256)]
+        s.put_tokens, s.mask_shapes = [1, 64, 512], [(2, 64), (16, 256)]
         s.move_cells, s.rotate_cells, s.kernel_layers = [8, 32], [8, 32], 2
         s.copy_bytes = 1 << 20
         s.quick = True
@@ -1195,6 +1199,8 @@ def format_report(results: dict) -> str:
              f"; numpy {m['numpy']}, numba {m['numba']}, torch {m['torch'] or '-'}"
              f"{' (' + str(m.get('torch_threads')) + ' threads)' if m.get('torch') else ''}, "
              f"transformers {m['transformers'] or '-'}"]
+    from .tools.bench_summary import headline
+    lines += headline(results)
     decode = results.get("decode", [])
     if decode:
         names = [n for n, _, _ in CONTENDERS]
@@ -1321,7 +1327,7 @@ def _what_differs(s: dict, decode: List[dict]) -> List[str]:
              "length, nothing shared or removed. HF StaticCache writes into a preallocated "
              "[B, H, max_len, D] buffer, HF DynamicCache concatenates; neither builds a mask.",
              "  The 'same work' table compares only the storage work both sides do."]
-    if s.get("quick"):
+    if s.get("quick") and max(s["contexts"]) < 1024:
         ctx = max(s["contexts"])
         lines.append(f"  --quick: tiny shapes ({s['layers']} layers, context <= {ctx}) make "
                      "numbakv's fixed per-step start_forward the whole story; real models "
@@ -1763,10 +1769,14 @@ def add_parser(subparsers) -> None:
                    help="seconds of timed repetitions per measurement (default 0.5)")
     p.add_argument("--sections", default=None,
                    help=f"comma list of {', '.join(SECTIONS)} (default: the first three)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes: runs in seconds")
+    p.add_argument("--quick", action="store_true",
+                   help="the decode-step comparison at 8 layers x 8 KV heads x 128, context "
+                        "1024, batch 1 and 8: under a minute")
     p.add_argument("--full", action="store_true", help="adds context 8192, longer timing")
-    p.add_argument("--png", default="numbakv_bench.png", help="where to save the plot")
-    p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="save the plot there (nothing is written unless asked)")
+    p.add_argument("--no-plot", action="store_true",
+                   help="no plot (the default; kept for old scripts)")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--verbose", "-v", action="store_true", help="print progress")
     p.set_defaults(func=main)
@@ -1781,8 +1791,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else \
         (lambda _: None)
+    from .tools.bench_summary import cost_note
+    print(cost_note(s), file=sys.stderr, flush=True)
     results = run_bench(s, log)
-    if not args.no_plot:
+    if args.png and not args.no_plot:
         why = save_plot(results, args.png)
         results["notes"].append(why if why else f"plot saved to {args.png}")
     print(format_report(results))
