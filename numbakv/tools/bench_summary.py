@@ -55,6 +55,9 @@ def cost_note(s: Any, memory_factor: int = 2) -> str:
     if "capacity" in s.sections:
         peak = max(peak, 2 * max(s.capacities) * s.capacity_layers * s.kv_heads * s.head_dim
                    * itemsize)
+    if "attend" in s.sections and not s.quick:
+        # 8 x 4k decode, float32: the pool plus the floor's contiguous copies
+        peak = max(peak, 3 * 2 * 8 * 4100 * 8 * 128 * 4)
     runs = len(s.batches) * len(s.contexts) if "decode" in s.sections else 0
     # the default run (3 contexts x 2 batches, 32 layers, budget 0.5 s) took ~160 s on 2 cores
     secs = 30 + runs * 6 * (s.budget * 3 + 2 * s.layers * max(s.contexts) / 2 ** 17)
