@@ -182,3 +182,17 @@ def test_server_argument_errors():
         srv.submit([1, 2], max_new_tokens=0)
     assert srv.pending == 0
     hf.detach(model)
+
+
+def test_server_sampling_is_reproducible_per_seed():
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=64, max_seqs=2)
+    srv = hf.Server(model, cache)
+    a = srv.submit([5, 6, 7], max_new_tokens=6, do_sample=True, top_k=10, seed=11)
+    b = srv.submit([5, 6, 7], max_new_tokens=6, do_sample=True, top_k=10, seed=11)
+    c = srv.submit([5, 6, 7], max_new_tokens=6, eos_token_id=None)
+    srv.run()
+    assert srv.finished[a] == srv.finished[b] and len(srv.finished[a]) == 6
+    assert len(srv.finished[c]) == 6 and srv.pending == 0
+    assert cache.n_used == 0                  # finished requests freed their cells
+    hf.detach(model)
