@@ -77,7 +77,8 @@ def test_report_and_plot(quick_run):
     res, text, png = quick_run
     for title in ("Where numbakv stands", "Decode step", "numbakv speed-up",
                   "Same work per step", "What differs per step", "--quick: tiny shapes",
-                  "numbakv step breakdown", "Kernels vs a plain copy", "Capacity", "Targets (defined at real shapes"):
+                  "numbakv step breakdown", "Kernels vs a plain copy", "Capacity",
+                  "Targets (defined at real shapes"):
         assert title in text
     # the same-work ratios divide by numbakv's per-layer work alone
     same = text.split("Same work per step")[1].split("What differs")[0].splitlines()[2]
