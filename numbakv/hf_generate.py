@@ -299,49 +299,70 @@ class Server:
 
     def step(self) -> Dict[int, int]:
         """One forward pass: ``{request id: new token id}`` for the requests that produced a
-        token (decodes, and prompts whose last chunk ran)."""
+        token (decodes, and prompts whose last chunk ran). The batch is planned first and the
+        server's state changes only after the pass ran: a pass that raises (the cache full, the
+        model failing) leaves the requests as they were and the cache without its tokens."""
         torch = self._torch
         tokens: List[int] = []
         positions: List[int] = []
         seqs: List[int] = []
         last_row: Dict[int, int] = {}
+        placed: Dict[int, int] = {}                # sequence -> first position this pass puts
+        chunks: List[tuple] = []                   # (rid, seq, tokens taken)
+        free = list(self._free)
         room = self._max_batch
         for rid, r in self._reqs.items():          # one decode token per running request
             if r["seq"] is not None and r["done"] == len(r["prompt"]) and room > 0:
+                p = len(r["prompt"]) + len(r["out"]) - 1
                 tokens.append(r["out"][-1])
-                positions.append(len(r["prompt"]) + len(r["out"]) - 1)
+                positions.append(p)
                 seqs.append(r["seq"])
+                placed[r["seq"]] = p
                 last_row[rid] = len(tokens) - 1
                 room -= 1
-        for rid in list(self._waiting):            # then prompt chunks in the room left
+        for rid in self._waiting:                  # then prompt chunks in the room left
             r = self._reqs[rid]
             if room <= 0:
                 break
-            if r["seq"] is None:
-                if not self._free:
+            seq = r["seq"]
+            if seq is None:
+                if not free:
                     break
-                r["seq"] = self._free.pop(0)
+                seq = free.pop(0)
             n = min(self.prefill_chunk, room, len(r["prompt"]) - r["done"])
             tokens += r["prompt"][r["done"]:r["done"] + n]
             positions += range(r["done"], r["done"] + n)
-            seqs += [r["seq"]] * n
-            r["done"] += n
+            seqs += [seq] * n
+            placed[seq] = r["done"]
+            chunks.append((rid, seq, n))
             room -= n
-            if r["done"] == len(r["prompt"]):
-                self._waiting.remove(rid)
+            if r["done"] + n == len(r["prompt"]):
                 last_row[rid] = len(tokens) - 1
         self._last_batch = len(tokens)
         if not tokens:
             return {}
         self.cache.start_forward(positions, seqs)
-        ids = torch.tensor([tokens], device=self._device)
-        pos = torch.tensor([positions], device=self._device)
-        with torch.no_grad():
-            logits = self.model(input_ids=ids, position_ids=pos).logits[0]
-        new: Dict[int, int] = {}
-        for rid, row in last_row.items():
+        try:
+            ids = torch.tensor([tokens], device=self._device)
+            pos = torch.tensor([positions], device=self._device)
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, position_ids=pos).logits[0]
+            picks = {rid: self._pick(logits[row].float(), self._reqs[rid])
+                     for rid, row in last_row.items()}
+        except BaseException:
+            for seq, p0 in placed.items():         # the tokens of the failed pass go again
+                self.cache.remove(seq, p0)
+            raise
+        self._free = free
+        for rid, seq, n in chunks:
             r = self._reqs[rid]
-            tok = self._pick(logits[row].float(), r)
+            r["seq"] = seq
+            r["done"] += n
+            if r["done"] == len(r["prompt"]):
+                self._waiting.remove(rid)
+        new: Dict[int, int] = {}
+        for rid, tok in picks.items():
+            r = self._reqs[rid]
             r["out"].append(tok)
             new[rid] = tok
             if len(r["out"]) >= r["max"] or (r["eos"] is not None and tok == r["eos"]):

@@ -196,3 +196,26 @@ def test_server_sampling_is_reproducible_per_seed():
     assert len(srv.finished[c]) == 6 and srv.pending == 0
     assert cache.n_used == 0                  # finished requests freed their cells
     hf.detach(model)
+
+
+def test_server_step_that_fails_changes_nothing():
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=32, max_seqs=2)
+    srv = hf.Server(model, cache)
+    rid = srv.submit([5, 6, 7, 8], max_new_tokens=3)
+    srv.step()                                  # the prompt ran; one token out
+    used = cache.n_used
+    state = {k: (list(v) if isinstance(v, list) else v) for k, v in srv._reqs[rid].items()
+             if k != "gen"}
+    real = model.forward
+    model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("model failed"))
+    try:
+        with pytest.raises(RuntimeError, match="model failed"):
+            srv.step()
+    finally:
+        model.forward = real
+    assert cache.n_used == used
+    assert {k: v for k, v in srv._reqs[rid].items() if k != "gen"} == state
+    srv.run()                                   # and it goes on as if nothing happened
+    assert len(srv.finished[rid]) == 3
+    hf.detach(model)
