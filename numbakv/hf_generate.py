@@ -98,8 +98,6 @@ def _layer_class():
             elif self.cumulative_length + new != state.columns:
                 raise KVCacheError(f"layer {self.layer} got {new} new columns, the pass started "
                                    f"with {state.columns - self.cumulative_length}")
-            self.is_initialized = True
-            self.cumulative_length += new
             cache = state.cache
             cache.set_layer(self.layer)
             # rows then columns: the order begin() gave start_forward
@@ -124,6 +122,8 @@ def _layer_class():
             vs = vp.index_select(0, idx_t).reshape(batch, -1, heads, vp.shape[-1]).transpose(1, 2)
             self.keys = ks.to(key_states.dtype)
             self.values = vs.to(value_states.dtype)
+            self.is_initialized = True
+            self.cumulative_length += new        # counted once stored and read back
             return self.keys, self.values
 
         def get_mask_sizes(self, query_length: int):
