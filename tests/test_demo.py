@@ -359,7 +359,7 @@ def test_picture_groups_wide_caches_instead_of_one_pixel_stripes(tmp_path):
 
 
 def test_shift_mark_covers_only_the_shifted_requests_cells_and_labels_do_not_overlap():
-    from numbakv.demo import label_rows, picture_marks
+    from numbakv.tools.demo import label_rows, picture_marks
     report = _synthetic_report(64)
     shift = next(m for m in picture_marks(report, group=1) if m.kind == "shift")
     row = report.owners[min(shift.step, len(report.owners) - 1)]

@@ -3,7 +3,7 @@ interleaved cells, a 16-token prefill chunk mixed with three decodes) against SD
 over its own contiguous K/V, measured interleaved in one process
 (``numbakv/tools/bench_attend.py``; target <= 1.3x). 8 x 4k decode is in ``bench_attention``."""
 
-from numbakv.bench import _time_alternating
+from numbakv.tools.bench import _time_alternating
 from numbakv.tools.bench_attend import demo_shape_case
 
 _MEMO = {}

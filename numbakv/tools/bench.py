@@ -1133,7 +1133,7 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
     if s.device != "cuda":
         out.append({"target": "GPU put/move/shift >= 85% of D2D copy; host cost per put <= 10 us",
                     "status": "not measured", "detail": "no GPU in this run"})
-    from .tools.bench_attend import targets as attend_targets
+    from .bench_attend import targets as attend_targets
     out += attend_targets(results.get("attend", {}))
     cap = results.get("capacity", [])
     for batch in sorted({r["batch"] for r in cap}):
@@ -1199,7 +1199,7 @@ def format_report(results: dict) -> str:
              f"; numpy {m['numpy']}, numba {m['numba']}, torch {m['torch'] or '-'}"
              f"{' (' + str(m.get('torch_threads')) + ' threads)' if m.get('torch') else ''}, "
              f"transformers {m['transformers'] or '-'}"]
-    from .tools.bench_summary import headline
+    from .bench_summary import headline
     lines += headline(results)
     decode = results.get("decode", [])
     if decode:
@@ -1279,7 +1279,7 @@ def format_report(results: dict) -> str:
         lines += ["", format_section(results)]
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
-    from .tools.bench_attend import format_attend
+    from .bench_attend import format_attend
     lines += format_attend(results.get("attend", {}))
     targets = results.get("targets", [])
     if targets:
@@ -1463,8 +1463,14 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
     if "attend" in s.sections:      # numbakv/tools/bench_attend.py
-        from .tools.bench_attend import run_attend
-        results["attend"] = run_attend(s, notes, log)
+        from .bench_attend import run_attend
+
+        def decode_8x4k(dtype: str) -> dict:
+            case = attention_case(_Device("cpu"), dtype, 8, 4096, 1)
+            return {"cache": case["cache"], "q": case["q"],
+                    "fns": {"floor": case["fns"]["floor"], "attend": case["fns"]["torch"]}}
+        results["attend"] = run_attend(s, notes, log, timer=_time_alternating,
+                                       decode_case=decode_8x4k)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
@@ -1791,7 +1797,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else \
         (lambda _: None)
-    from .tools.bench_summary import cost_note
+    from .bench_summary import cost_note
     print(cost_note(s), file=sys.stderr, flush=True)
     results = run_bench(s, log)
     if args.png and not args.no_plot:

@@ -11,7 +11,7 @@
   child interpreter that has torch (attention through ``attend`` over the page table) and in one
   where torch is hidden (``get()`` and the dense mask), alternated. Target: <= 1.5x.
 
-Calls are interleaved (``bench._time_alternating``) so a busy machine moves both sides together;
+Calls are interleaved (``bench._time_alternating``, passed in by ``bench``) so a busy machine moves both sides together;
 only ratios are judged.
 """
 
@@ -83,19 +83,11 @@ def demo_shape_case(dtype: str, *, seed: int = 0) -> dict:
             "fns": {"floor": floor, "attend": lambda: attend(q, cache, backend="torch")}}
 
 
-def decode_case(dtype: str, n_seq: int = 8, context: int = 4096) -> dict:
-    """``n_seq`` x ``context`` decode, 32 query / 8 KV heads of 128 (``bench.attention_case``)."""
-    from ..bench import _Device, attention_case
-    case = attention_case(_Device("cpu"), dtype, n_seq, context, 1)
-    return {"cache": case["cache"], "q": case["q"],
-            "fns": {"floor": case["fns"]["floor"], "attend": case["fns"]["torch"]}}
-
-
 def _demo_child(hide_torch: bool) -> float:
     """Seconds of cache calls per step of one ``run_demo`` in a fresh interpreter."""
     code = ("import sys, json\n"
             + ("sys.modules['torch'] = None\n" if hide_torch else "")
-            + "from numbakv.demo import run_demo\n"
+            + "from numbakv.tools.demo import run_demo\n"
               "r = run_demo(progress=False, plot_path=None, verify=False)\n"
               "print(json.dumps(r.cache_time / max(r.steps, 1)))\n")
     env = dict(os.environ)
@@ -158,10 +150,17 @@ def cache_calls_pair(rounds: int = 300) -> dict:
     return {"with_torch_us": a * 1e6, "without_torch_us": b * 1e6, "ratio": a / b}
 
 
-def run_attend(s: Any, notes: List[str], log: Callable[[str], None] = lambda _: None) -> dict:
-    """The section's figures: ``{"cases": [rows], "demo": {...}}`` (see the module docstring)."""
-    from ..bench import _optional_torch, _time_alternating
-    if _optional_torch() is None:
+def run_attend(s: Any, notes: List[str], log: Callable[[str], None], *,
+               timer: Callable[[Dict[str, Callable[[], Any]], float, int], Dict[str, float]],
+               decode_case: Callable[[str], dict]) -> dict:
+    """The section's figures: ``{"cases": [rows], "demo": {...}}`` (see the module docstring).
+
+    ``timer(fns, budget, min_reps)`` -> median seconds per call of each (called interleaved);
+    ``decode_case(dtype)`` -> the 8 x 4k decode case, ``{"cache", "q", "fns": {"floor",
+    "attend"}}``. Both come from ``bench`` (which imports this module, not the reverse)."""
+    try:
+        import torch  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken torch install counts as "not installed"
         notes.append("attend section skipped: PyTorch is not installed")
         return {}
     if s.device == "cuda":
@@ -174,7 +173,7 @@ def run_attend(s: Any, notes: List[str], log: Callable[[str], None] = lambda _: 
         for dtype in ("float32", "float16"):
             log(f"attend {name} {dtype} ...")
             case = build(dtype)
-            t = _time_alternating(case["fns"], s.budget, 20)
+            t = timer(case["fns"], s.budget, 20)
             rows.append({"case": name, "dtype": dtype, "floor_us": t["floor"] * 1e6,
                          "attend_us": t["attend"] * 1e6, "ratio": t["attend"] / t["floor"]})
             case["cache"].close()
@@ -234,5 +233,5 @@ def format_attend(res: dict) -> List[str]:
     return lines
 
 
-__all__ = ["run_attend", "format_attend", "targets", "demo_shape_case", "decode_case",
-           "demo_cache_calls"]
+__all__ = ["run_attend", "format_attend", "targets", "demo_shape_case", "demo_cache_calls",
+           "cache_calls_pair"]
