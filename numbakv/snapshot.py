@@ -588,19 +588,27 @@ def _to_host_pinned(storage, keys: list, values: list) -> Tuple[list, list]:
     return out[:len(keys)], out[len(keys):]
 
 
-def _to_device_pinned(storage, a):
-    """Host rows -> a device array, through a pinned buffer, asynchronously on the storage's
-    stream (the caller synchronises that stream before the host buffer is dropped)."""
+def _to_device_pinned(storage, arrays: list) -> Tuple[list, np.ndarray]:
+    """Host rows -> device arrays through one pinned buffer, copied asynchronously on the
+    storage's stream; returns the device arrays and the pinned buffer, which must stay alive
+    until that stream has run past the copies (the caller synchronises it)."""
     import cupy
     stream = storage.stream if storage.stream is not None else cupy.cuda.get_current_stream()
-    a = np.ascontiguousarray(a)
-    host = _pinned_host(a.nbytes)[:a.nbytes].view(a.dtype).reshape(a.shape)
-    host[...] = a
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    total = sum(-(-int(a.nbytes) // 64) * 64 for a in arrays)
+    host = _pinned_host(total)
+    out, off = [], 0
     with stream:
-        dev = cupy.empty(a.shape, dtype=a.dtype)
-    if a.nbytes:
-        dev.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), a.nbytes, stream)
-    return dev, host
+        for a in arrays:
+            view = host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+            view[...] = a
+            dev = cupy.empty(a.shape, dtype=a.dtype)
+            if a.nbytes:
+                dev.data.copy_from_host_async(ctypes.c_void_p(view.ctypes.data), a.nbytes,
+                                              stream)
+            out.append(dev)
+            off += -(-int(a.nbytes) // 64) * 64
+    return out, host
 
 
 def export_seq(cache, seq: int, p0: int = 0, p1: Optional[int] = None, *,
@@ -734,35 +742,35 @@ def _alone(table, s: int) -> int:
 
 def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads: slice) -> None:
     """Every layer's K and V rows into ``slots``: one batched copy per layer and side (a slice
-    assignment for a run of cells, a scatter otherwise)."""
+    assignment for a run of cells, a scatter otherwise). On cuda, host rows go up through one
+    pinned buffer on the cache's stream, which is synchronised before the buffer is dropped."""
     storage = unit.storage
     k = len(slots)
     start = _run_start(slots)
-    on_gpu = unit.device == "cuda"
-    staged = []
+    L = unit.config.n_layers
+    keys = [part.keys[layer][rows, heads] for layer in range(L)]
+    values = [part.values[layer][rows, heads] for layer in range(L)]
     with storage._on_device():
-        xp = storage.xp
-        idx = slice(start, start + k) if start >= 0 else (
-            xp.asarray(slots.astype(np.int64)) if on_gpu else slots.astype(np.int64))
-        for layer in range(unit.config.n_layers):
-            kr = part.keys[layer][rows, heads]
-            vr = part.values[layer][rows, heads]
-            if on_gpu:
-                kr, vr = _device_rows(storage, kr, staged), _device_rows(storage, vr, staged)
-            _st._write_rows(unit, layer, idx, kr, vr)
-        if on_gpu and staged:
+        pinned = None
+        if unit.device == "cuda":
+            import cupy
+            idx = slice(start, start + k) if start >= 0 else cupy.asarray(slots.astype(np.int64))
+            host = [i for i, a in enumerate(keys + values) if not _is_device_array(a)]
+            if host:
+                staged, pinned = _to_device_pinned(storage, [(keys + values)[i] for i in host])
+                both = keys + values
+                for i, dev in zip(host, staged):
+                    both[i] = dev
+                keys, values = both[:L], both[L:]
+        else:
+            idx = slice(start, start + k) if start >= 0 else slots.astype(np.int64)
+        for layer in range(L):
+            _st._write_rows(unit, layer, idx, keys[layer], values[layer])
+        if pinned is not None:
             import cupy
             stream = storage.stream if storage.stream is not None \
                 else cupy.cuda.get_current_stream()
-            stream.synchronize()  # the pinned buffers are dropped after this
-
-
-def _device_rows(storage, a, staged: list):
-    if _is_device_array(a):
-        return a
-    dev, host = _to_device_pinned(storage, a)
-    staged.append(host)
-    return dev
+            stream.synchronize()  # the pinned buffer is dropped after this
 
 
 def _rotate(unit, slots: np.ndarray, delta: int) -> None:
@@ -874,9 +882,7 @@ def _commit(plans: List[_Placement]) -> int:
         for plan in reversed(done):
             plan.rollback()
         raise
-    from .device import synchronize
-    synchronize(plans[0].unit.device)
-    return len(plans[0].positions)
+    return max(len(plan.positions) for plan in plans)
 
 
 def _end_forward(cache) -> None:
@@ -887,8 +893,8 @@ def _end_forward(cache) -> None:
 
 def import_seq(cache, seq: int, snap: SeqSnapshot, *, at: Optional[int] = None) -> int:
     """Place ``snap``'s tokens into free cells for ``seq`` and write their K/V (see the module
-    docstring); returns the tokens placed (the first part's: a sliding-window group keeps at
-    most its window memory). Raises, with nothing changed: ``StateError`` (fingerprint),
+    docstring); returns the tokens placed (for a WrapperCache the largest part's: a
+    sliding-window group holds only what its window memory kept). Raises, with nothing changed: ``StateError`` (fingerprint),
     ``ValueError`` (layers, head shapes or range, formats, positions ``seq`` already holds),
     ``KVCacheFullError`` (room), ``NotSupportedError`` (``at`` moves positions and the cache
     has no shift)."""
