@@ -627,3 +627,37 @@ def test_kernel_device_round_trip_and_at(kernel_device):
     assert pos.tolist() == list(range(30, 39))
     want = rope_ref(seq_rows(src, 1)[1], np.full(9, 30))
     assert np.allclose(k, want, atol=2e-5, rtol=0)
+
+
+def test_cuda_transfers_go_through_pinned_buffers_on_the_cache_stream(monkeypatch):
+    """The cuda half of export/import (no GPU here: ``fake_cupy`` records what a GPU would be
+    asked): device rows come to the host through one pinned buffer, copied on the storage's
+    stream, which alone is synchronised; host rows go up the same way."""
+    import sys
+    from types import SimpleNamespace
+    from fake_cupy import FakeStream, fake_cupy
+    cp = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    stream = FakeStream(cp, 0x77)
+    storage = SimpleNamespace(stream=stream)
+    rng = np.random.default_rng(16)
+    rows = [rng.standard_normal((5, H, D)).astype(np.float16),
+            rng.integers(0, 255, (5, H, 34), dtype=np.uint8)]
+    spaced = np.zeros((10, H, D), np.float16)
+    spaced[::2] = rows[0]
+    strided = spaced[::2]                                # a non-contiguous view
+    assert not strided.flags.c_contiguous
+    keys, values = snapmod._to_host_pinned(storage, [cp.asarray(rows[0])],
+                                           [cp.asarray(rows[1])])
+    assert same(keys[0], rows[0]) and same(values[0], rows[1])
+    assert [e[0] for e in cp.log].count("pinned_alloc") == 1
+    assert [e for e in cp.log if e[0] == "d2h"] == [
+        ("d2h", 0x77, rows[0].nbytes, keys[0].ctypes.data),
+        ("d2h", 0x77, rows[1].nbytes, values[0].ctypes.data)]
+    assert stream.synchronized == 1
+    cp.log.clear()
+    devs, pinned = snapmod._to_device_pinned(storage, [strided, rows[1]])
+    assert same(devs[0].get(), rows[0]) and same(devs[1].get(), rows[1])
+    assert [e[0] for e in cp.log].count("pinned_alloc") == 1
+    assert [(e[0], e[1], e[2]) for e in cp.log if e[0] == "h2d"] == [
+        ("h2d", 0x77, rows[0].nbytes), ("h2d", 0x77, rows[1].nbytes)]
