@@ -661,3 +661,14 @@ def test_cuda_transfers_go_through_pinned_buffers_on_the_cache_stream(monkeypatc
     assert [e[0] for e in cp.log].count("pinned_alloc") == 1
     assert [(e[0], e[1], e[2]) for e in cp.log if e[0] == "h2d"] == [
         ("h2d", 0x77, rows[0].nbytes), ("h2d", 0x77, rows[1].nbytes)]
+
+
+def test_bench_section_runs_and_judges_the_target():
+    from numbakv.tools import bench_snapshot
+    rows = bench_snapshot.run("cpu", "float16", layers=2, heads=2, dim=32, tokens=48,
+                              budget=0.01, min_reps=2)
+    assert [r["case"] for r in rows] == ["views", "gather", "bytes"]
+    assert all(r["bytes"] == 2 * 2 * 48 * 2 * 32 * 2 and r["fraction"] > 0 for r in rows)
+    (target,) = bench_snapshot.targets(rows)
+    assert target["status"] in ("met", "missed") and "50%" in target["target"]
+    assert "views" in "\n".join(bench_snapshot.format_lines(rows))
