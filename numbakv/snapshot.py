@@ -594,21 +594,36 @@ def _to_device_pinned(storage, arrays: list) -> Tuple[list, np.ndarray]:
     until that stream has run past the copies (the caller synchronises it)."""
     import cupy
     stream = storage.stream if storage.stream is not None else cupy.cuda.get_current_stream()
-    arrays = [np.ascontiguousarray(a) for a in arrays]
-    total = sum(-(-int(a.nbytes) // 64) * 64 for a in arrays)
-    host = _pinned_host(total)
+    # rows already in pinned memory (an export's) are copied from where they are
+    direct = [a.flags.c_contiguous and _is_pinned(a) for a in arrays]
+    total = sum(-(-int(a.nbytes) // 64) * 64 for a, d in zip(arrays, direct) if not d)
+    host = _pinned_host(total) if total else None
     out, off = [], 0
     with stream:
-        for a in arrays:
-            view = host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-            view[...] = a
+        for a, d in zip(arrays, direct):
+            if d:
+                view = a
+            else:
+                view = host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+                view[...] = a
+                off += -(-int(a.nbytes) // 64) * 64
             dev = cupy.empty(a.shape, dtype=a.dtype)
             if a.nbytes:
                 dev.data.copy_from_host_async(ctypes.c_void_p(view.ctypes.data), a.nbytes,
                                               stream)
             out.append(dev)
-            off += -(-int(a.nbytes) // 64) * 64
     return out, host
+
+
+def _is_pinned(a: np.ndarray) -> bool:
+    """Whether ``a``'s memory is page-locked host memory CUDA knows (asynchronous copies from
+    it need no staging)."""
+    try:
+        import cupy
+        attrs = cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data)
+        return int(getattr(attrs, "type", 0)) == 1      # cudaMemoryTypeHost
+    except Exception:  # noqa: BLE001 - no runtime, or memory CUDA does not know
+        return False
 
 
 def export_seq(cache, seq: int, p0: int = 0, p1: Optional[int] = None, *,
@@ -742,8 +757,9 @@ def _alone(table, s: int) -> int:
 
 def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads: slice) -> None:
     """Every layer's K and V rows into ``slots``: one batched copy per layer and side (a slice
-    assignment for a run of cells, a scatter otherwise). On cuda, host rows go up through one
-    pinned buffer on the cache's stream, which is synchronised before the buffer is dropped."""
+    assignment for a run of cells, a scatter otherwise). On cuda, host rows go up on the cache's
+    stream through one pinned buffer (rows already pinned, e.g. an export's, directly), and that
+    stream is synchronised before they may be dropped."""
     storage = unit.storage
     k = len(slots)
     start = _run_start(slots)
@@ -751,13 +767,14 @@ def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads:
     keys = [part.keys[layer][rows, heads] for layer in range(L)]
     values = [part.values[layer][rows, heads] for layer in range(L)]
     with storage._on_device():
-        pinned = None
+        staged_from_host = False
         if unit.device == "cuda":
             import cupy
             idx = slice(start, start + k) if start >= 0 else cupy.asarray(slots.astype(np.int64))
             host = [i for i, a in enumerate(keys + values) if not _is_device_array(a)]
             if host:
-                staged, pinned = _to_device_pinned(storage, [(keys + values)[i] for i in host])
+                staged_from_host = True
+                staged, _pinned = _to_device_pinned(storage, [(keys + values)[i] for i in host])
                 both = keys + values
                 for i, dev in zip(host, staged):
                     both[i] = dev
@@ -766,11 +783,13 @@ def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads:
             idx = slice(start, start + k) if start >= 0 else slots.astype(np.int64)
         for layer in range(L):
             _st._write_rows(unit, layer, idx, keys[layer], values[layer])
-        if pinned is not None:
+        if staged_from_host:
             import cupy
             stream = storage.stream if storage.stream is not None \
                 else cupy.cuda.get_current_stream()
-            stream.synchronize()  # the pinned buffer is dropped after this
+            # the host rows (a staging buffer, or the caller's pinned rows copied in place)
+            # must outlive the copies reading them
+            stream.synchronize()
 
 
 def _rotate(unit, slots: np.ndarray, delta: int) -> None:
