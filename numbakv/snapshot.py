@@ -57,7 +57,7 @@ def _is_int(x) -> bool:
 
 
 def _is_device_array(x) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
+    return type(x) is not np.ndarray and type(x).__module__.split(".")[0] == "cupy"
 
 
 def _row_dtype(fmt: str) -> np.dtype:
@@ -78,6 +78,10 @@ def _check_rows(arrays, name: str, fmt: str) -> Tuple[Any, ...]:
     if not arrays:
         raise ValueError(f"{name} must hold at least one layer")
     want = _row_dtype(fmt)
+    shape0 = getattr(arrays[0], "shape", None)
+    if all(type(a) is np.ndarray and a.dtype == want and a.ndim == 3 and a.shape == shape0
+           for a in arrays):
+        return arrays      # the common case, checked at once
     for i, a in enumerate(arrays):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise ValueError(f"{name}[{i}] must be a numpy or CuPy array, got {type(a).__name__}")
@@ -530,12 +534,15 @@ def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
     permuted = cfg.permuted_v
     keys_out, values_out = [], []
     on_gpu = unit.device == "cuda"
+    keys_all, values_all = storage.keys, storage.values
+    if not on_gpu:     # views handed out are read-only: a snapshot never writes the cache
+        keys_all, values_all = _read_only(keys_all), _read_only(values_all)
     with storage._on_device():
         idx = None
         if start < 0 and n:
             idx = cells if not on_gpu else storage.xp.asarray(cells)
         for layer in range(cfg.n_layers):
-            k_all, v_all = storage.keys[layer], storage.values[layer]
+            k_all, v_all = keys_all[layer], values_all[layer]
             if n == 0:
                 k = k_all[:0]
                 v = v_all[:, :, :0].transpose(2, 0, 1) if permuted else v_all[:0]
@@ -551,9 +558,6 @@ def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
             values_out.append(v)
         if on_gpu and not device:
             keys_out, values_out = _to_host_pinned(storage, keys_out, values_out)
-    if not on_gpu:
-        keys_out = [_read_only(k) for k in keys_out]
-        values_out = [_read_only(v) for v in values_out]
     return SnapshotPart(positions=positions, keys=keys_out, values=values_out,
                         k_format=cfg.k_dtype, v_format=cfg.v_dtype)
 
