@@ -672,3 +672,39 @@ def test_bench_section_runs_and_judges_the_target():
     (target,) = bench_snapshot.targets(rows)
     assert target["status"] in ("met", "missed") and "50%" in target["target"]
     assert "views" in "\n".join(bench_snapshot.format_lines(rows))
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.booleans()),
+                    min_size=1, max_size=8),
+       seq=st.integers(0, 2), span=st.tuples(st.integers(0, 20), st.integers(0, 40)),
+       busy=st.integers(0, 10), permuted=st.booleans())
+def test_random_layouts_round_trip(ops, seq, span, busy, permuted):
+    """Whatever cells the source scattered the sequence over and whatever the destination
+    holds, the imported rows are the exported ones, position by position."""
+    rng = np.random.default_rng(len(ops) * 31 + busy)
+    src = make(capacity=40, max_seqs=3)
+    nxt = [0, 0, 0]
+    for s, n, drop in ops:
+        fill(src, s, range(nxt[s], nxt[s] + n), rng)
+        nxt[s] += n
+        if drop and nxt[s] > 2:
+            src.seq_rm(s, nxt[s] - 2, nxt[s] - 1)          # a hole
+    p0, p1 = min(span), max(span)
+    snap = src.export_seq(seq, p0, p1)
+    pos, k, v = seq_rows(src, seq)
+    sel = (pos >= p0) & (pos < p1)
+    assert_rows(part_rows(snap.parts[0]), (pos[sel], k[:, sel], v[:, sel]))
+    dst = make(capacity=30, max_seqs=2, permuted_v=permuted)
+    if busy:
+        fill(dst, 0, range(busy), rng)
+        dst.seq_rm(0, 0, busy // 2)
+    before = frozen(dst)
+    if len(snap) > dst.cells.n_free:
+        with pytest.raises(KVCacheFullError):
+            dst.import_seq(1, snap)
+        assert_unchanged(dst, before)
+        return
+    assert dst.import_seq(1, snap) == len(snap)
+    assert_rows(seq_rows(dst, 1), (pos[sel], k[:, sel], v[:, sel]))
+    dst.cells.check_consistency()
