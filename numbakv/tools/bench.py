@@ -1142,7 +1142,7 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                     "detail": f"{ratio:.2f}x ({lo['start_forward_us']:.1f} -> "
                               f"{hi['start_forward_us']:.1f} us per start_forward)"})
     if results.get("snapshot"):
-        from .tools import bench_snapshot
+        from . import bench_snapshot
         out += bench_snapshot.targets(results["snapshot"])
     return out
 
@@ -1275,7 +1275,7 @@ def format_report(results: dict) -> str:
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
     if results.get("snapshot"):
-        from .tools import bench_snapshot
+        from . import bench_snapshot
         lines += bench_snapshot.format_lines(results["snapshot"])
     targets = results.get("targets", [])
     if targets:
@@ -1459,7 +1459,7 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
     if "snapshot" in s.sections:     # numbakv/tools/bench_snapshot.py
-        from .tools import bench_snapshot
+        from . import bench_snapshot
         results["snapshot"] = bench_snapshot.run(
             s.device, s.dtype, layers=s.layers, heads=s.kv_heads, dim=s.head_dim,
             tokens=64 if s.quick else bench_snapshot.TOKENS, budget=max(s.budget * 4, 0.05),
