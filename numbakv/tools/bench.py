@@ -45,7 +45,7 @@ _MARGIN = 16
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
 SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
-            "attend")
+            "attend", "snapshot")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1147,6 +1147,9 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                     "status": "met" if ratio <= 2 else "missed", "value": ratio,
                     "detail": f"{ratio:.2f}x ({lo['start_forward_us']:.1f} -> "
                               f"{hi['start_forward_us']:.1f} us per start_forward)"})
+    if results.get("snapshot"):
+        from . import bench_snapshot
+        out += bench_snapshot.targets(results["snapshot"])
     return out
 
 
@@ -1281,6 +1284,9 @@ def format_report(results: dict) -> str:
     lines += format_streams(results.get("streams", []))
     from .bench_attend import format_attend
     lines += format_attend(results.get("attend", {}))
+    if results.get("snapshot"):
+        from . import bench_snapshot
+        lines += bench_snapshot.format_lines(results["snapshot"])
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
@@ -1471,6 +1477,12 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
                     "fns": {"floor": case["fns"]["floor"], "attend": case["fns"]["torch"]}}
         results["attend"] = run_attend(s, notes, log, timer=_time_alternating,
                                        decode_case=decode_8x4k)
+    if "snapshot" in s.sections:     # numbakv/tools/bench_snapshot.py
+        from . import bench_snapshot
+        results["snapshot"] = bench_snapshot.run(
+            s.device, s.dtype, layers=s.layers, heads=s.kv_heads, dim=s.head_dim,
+            tokens=64 if s.quick else bench_snapshot.TOKENS, budget=max(s.budget * 4, 0.05),
+            min_reps=3, log=log)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,

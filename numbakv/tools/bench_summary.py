@@ -63,7 +63,7 @@ def cost_note(s: Any, memory_factor: int = 2) -> str:
     secs = 30 + runs * 6 * (s.budget * 3 + 2 * s.layers * max(s.contexts) / 2 ** 17)
     secs += 40 * ("kernels" in s.sections) + 30 * ("capacity" in s.sections)
     secs += 60 * sum(x in s.sections for x in ("quant", "seqops", "attention", "streams",
-                                                "attend"))
+                                                "attend", "snapshot"))
     return (f"numbakv bench: this run measures {', '.join(s.sections)}; expect about "
             f"{max(10, round(secs, -1)):.0f} s on a 2-core machine and a peak of about "
             f"{peak / 2 ** 30:.1f} GiB of memory (largest K/V held by a baseline that copies it)"
