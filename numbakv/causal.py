@@ -642,6 +642,8 @@ class CausalCache:
         src = self._check_seq(src, "src")
         dst = self._check_seq(dst, "dst")
         p0, p1 = self._check_span(p0, p1)
+        if src != dst:
+            _refuse_held(self.cells, src, dst, p0, p1, "seq_cp")
         self._edit(self.cells.seq_cp, (src, dst, p0, p1))
 
     def seq_keep(self, seq: int) -> None:
@@ -958,6 +960,37 @@ class CausalCache:
         return (f"CausalCache(n_cells={self.n_cells}, used={self.cells.n_used}, layers="
                 f"{cfg.n_layers}, kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}, dtype="
                 f"{cfg.dtype}, device={self.device}{extra})")
+
+
+def _held_twice(cells: CellTable, src: int, dst: int, p0: int, p1: Optional[int]) -> np.ndarray:
+    """Positions (int64, ascending) that ``seq_cp(src, dst, p0, p1)`` would give ``dst`` a
+    second time: ``src`` holds them in ``[p0, p1)`` in a cell ``dst`` does not share, and ``dst``
+    already holds them in another cell. O(cells of src + cells of dst)."""
+    stop = UNLIMITED if p1 is None else p1
+    src_cells = cells.seq_cells(src)
+    pos = cells._pos[src_cells]
+    pick = (pos >= p0) & (pos < stop)
+    if not pick.any():
+        return np.zeros(0, np.int64)
+    word, bit = dst >> 6, np.uint64(1 << (dst & 63))
+    joins = src_cells[pick][(cells._seqs[src_cells[pick], word] & bit) == 0]
+    if not len(joins):
+        return np.zeros(0, np.int64)
+    held = cells._pos[cells.seq_cells(dst)]
+    return np.intersect1d(cells._pos[joins], held).astype(np.int64)
+
+
+def _refuse_held(cells: CellTable, src: int, dst: int, p0: int, p1: Optional[int],
+                 what: str) -> None:
+    """Refuse (``ValueError`` naming the positions) a copy that would leave ``dst`` holding a
+    position twice: llama.cpp's batch rule (a (sequence, position) is stored at most once)
+    applied to ``seq_cp``, as the stream cache already did; llama.cpp itself asserts."""
+    twice = _held_twice(cells, src, dst, p0, p1)
+    if len(twice):
+        shown = twice[:16].tolist()
+        more = f" and {len(twice) - 16} more" if len(twice) > 16 else ""
+        raise ValueError(f"{what}: sequence {dst} already holds positions {shown}{more} that "
+                         f"sequence {src} would copy into it; seq_rm them from {dst} first")
 
 
 _TABLE_SAMPLE_CELLS = 4096

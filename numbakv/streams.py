@@ -456,9 +456,13 @@ class StreamCache(CausalCache):
         n = len(cells)
         if not replace and n:
             have, _ = self._cells_in(dst, int(positions.min()), int(positions.max()) + 1)
-            if len(have) and np.isin(target.cells._pos[have], positions).any():
-                raise ValueError(f"seq_cp: sequence {dst} already holds some of positions "
-                                 f"[{p0}, {p1}) of sequence {src}; seq_rm them first")
+            twice = np.intersect1d(target.cells._pos[have], positions) if len(have) else have
+            if len(twice):
+                shown = twice[:16].tolist()
+                more = f" and {len(twice) - 16} more" if len(twice) > 16 else ""
+                raise ValueError(f"seq_cp: sequence {dst} already holds positions {shown}{more} "
+                                 f"that sequence {src} would copy into it; seq_rm them from "
+                                 f"{dst} first")
         free_after = self.cells_per_stream - (0 if replace else target.n_used)
         if n > free_after:
             raise KVCacheFullError(f"stream {dst}: copying {n} cells of sequence {src} needs "

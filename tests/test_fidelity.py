@@ -1,0 +1,144 @@
+"""Fidelity round 3 (issue 29): where numbakv met its references' interfaces only in part, and
+four reliability defects. Each test below failed on the code before its fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numbakv as nkv
+from numbakv import KVCacheFullError
+
+H, D = 2, 4
+
+
+def _cfg(**kw):
+    base = dict(n_layers=2, n_kv_heads=H, head_dim=D, dtype="float32", capacity=8, max_seqs=3,
+                max_batch=8, device="cpu")
+    base.update(kw)
+    return nkv.CacheConfig(**base)
+
+
+def _fill(cache, positions, seqs, value=1.0):
+    """One forward pass that puts ``value`` + batch index in every layer."""
+    cache.start_forward(positions, seqs)
+    n_layers = getattr(cache, "n_layers", None) or cache.config.n_layers
+    rows = (value + np.arange(len(positions), dtype=np.float32))[:, None, None]
+    kv = np.broadcast_to(rows, (len(positions), H, D)).astype(np.float32)
+    for layer in range(n_layers):
+        cache.set_layer(layer)
+        cache.put(kv, kv)
+
+
+def _everything(cache):
+    """Every array of every cell table (and the K/V pool) of a cache, as bytes: what must not
+    change when a call is refused."""
+    caches = getattr(cache, "caches", None) or [cache]
+    out = []
+    for c in caches:
+        tables = [s.cells for s in c.streams] if hasattr(c, "streams") else [c.cells]
+        for t in tables:
+            for name in sorted(vars(t)):
+                v = getattr(t, name)
+                if isinstance(v, np.ndarray):
+                    out.append((name, v.tobytes()))
+        out.append(("keys", np.asarray(c.storage.keys).tobytes()))
+        out.append(("values", np.asarray(c.storage.values).tobytes()))
+    return out
+
+
+def _unified(**kw):
+    return nkv.CausalCache(_cfg(**kw), shift=nkv.RopeShift(base=100.0))
+
+
+def _streams(**kw):
+    return nkv.CausalCache(_cfg(unified=False, **kw), shift=nkv.RopeShift(base=100.0))
+
+
+def _wrapper(kind="unified"):
+    make = _unified if kind == "unified" else _streams
+    return nkv.WrapperCache([make(n_layers=1), make(n_layers=1)], layer_groups=[0, 1])
+
+
+KINDS = ["unified", "streams", "wrapper", "wrapper-streams"]
+
+
+def _make(kind):
+    return {"unified": _unified, "streams": _streams, "wrapper": lambda: _wrapper("unified"),
+            "wrapper-streams": lambda: _wrapper("streams")}[kind]()
+
+
+# ------------------------------------------------------------------------------------------
+# 4. seq_cp into positions the destination already holds
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seq_cp_into_held_positions_is_refused(kind):
+    c = _make(kind)
+    _fill(c, [0, 1, 2, 3], [0, 0, 0, 0])
+    _fill(c, [0, 1], [1, 1], value=10.0)
+    before = _everything(c)
+    with pytest.raises(ValueError, match=r"seq_cp.*\[0, 1\]"):
+        c.seq_cp(0, 1)
+    assert _everything(c) == before
+    # positions the destination does not hold are still copied
+    c.seq_cp(0, 1, 2, None)
+    assert (c.seq_pos_min(1), c.seq_pos_max(1)) == (0, 3)
+
+
+def test_seq_cp_unified_holds_each_position_once():
+    c = _unified()
+    _fill(c, [0, 1, 2, 3], [0, 0, 0, 0])
+    c.seq_cp(0, 1)
+    c.seq_cp(0, 1)          # dst already shares those very cells: nothing to add, accepted
+    c.start_forward([4], [1])
+    assert c.page_table().kv_positions.tolist() == [0, 1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------
+# 8. a second put for the same layer in one forward pass
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_put_for_a_layer_is_refused(kind):
+    c = _make(kind)
+    c.start_forward([0, 1], [0, 0])
+    kv = np.ones((2, H, D), np.float32)
+    c.set_layer(0)
+    c.put(kv, kv)
+    before = _everything(c)
+    with pytest.raises(ValueError, match="set_layer"):
+        c.put(2 * kv, 2 * kv)          # a loop that forgot set_layer
+    assert _everything(c) == before
+    c.set_layer(1)
+    c.put(kv, kv)                      # the next layer is fine
+    c.start_forward([2], [0])          # a new pass writes every layer again
+    c.set_layer(0)
+    c.put(kv[:1], kv[:1])
+
+
+def test_second_put_refused_in_a_reserve_pass_too():
+    c = _unified()
+    c.start_forward([0, 1], [0, 0], reserve=True)
+    kv = np.ones((2, H, D), np.float32)
+    c.put(kv, kv)
+    with pytest.raises(ValueError, match="set_layer"):
+        c.put(kv, kv)
+
+
+# ------------------------------------------------------------------------------------------
+# 6. stream caches: the whole batch is validated before any stream reports it is full
+# ------------------------------------------------------------------------------------------
+
+def test_streams_validate_the_whole_batch_before_room():
+    c = _streams(capacity=4)
+    _fill(c, [0, 1, 2, 3], [0, 0, 0, 0])     # stream 0 is full
+    _fill(c, [0, 1], [1, 1])
+    before = _everything(c)
+    # sequence 0 has no room, and sequence 1 re-puts position 1: the ValueError wins
+    with pytest.raises(ValueError, match=r"sequence 1, position 1"):
+        c.start_forward([4, 1], [0, 1])
+    assert _everything(c) == before
+    with pytest.raises(KVCacheFullError):
+        c.start_forward([4, 2], [0, 1])
+    assert _everything(c) == before
