@@ -155,6 +155,15 @@ class _Forward:
     causal: np.ndarray         # uint8 [batch]; 0 where set_causal dropped the future-position test
     mask: Any = None
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
+    written: int = 0           # bit l: layer l had its put() in this pass
+
+
+def second_put_error(layer: int) -> ValueError:
+    """The error of a second ``put`` for one layer in one forward pass (a model loop that forgot
+    ``set_layer`` would overwrite that layer and leave the next ones unwritten)."""
+    return ValueError(f"put(): layer {layer} was already written in this forward pass; call "
+                      f"set_layer(layer) before each layer's put (a second put for layer {layer} "
+                      "would overwrite it and leave the following layers unwritten)")
 
 
 @dataclass
@@ -488,14 +497,21 @@ class CausalCache:
                 and key.shape[1:] == self._kv_tail[0] and value.shape[1:] == self._kv_tail[1] \
                 and key.shape[0] == value.shape[0] == len(fwd.positions) and key.ndim == 3 \
                 and value.ndim == 3 and self.storage is not None and self.device != "cuda":
+            bit = 1 << self._layer
+            if fwd.written & bit:
+                raise second_put_error(self._layer)
             if not fwd.reserve:
                 self.storage.put_range_trusted(self._layer, fwd.start, key, value)
+            fwd.written |= bit
             return
         fwd = self._require_forward("put")
+        bit = 1 << self._layer
+        if fwd.written & bit:
+            raise second_put_error(self._layer)
         k, v = self._batch_kv(key, value, len(fwd.positions))
-        if fwd.reserve:
-            return
-        self.storage.put_range(self._layer, fwd.start, k, v)
+        if not fwd.reserve:
+            self.storage.put_range(self._layer, fwd.start, k, v)
+        fwd.written |= bit
 
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,

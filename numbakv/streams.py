@@ -40,7 +40,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
-from .causal import CausalCache, PathLike, _check_memory, _check_index, UNLIMITED
+from .causal import (CausalCache, PathLike, _check_memory, _check_index, UNLIMITED,
+                     second_put_error)
 from .config import CacheConfig, round_up
 from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -86,6 +87,7 @@ class _StreamForward:
     n_kv: int = 0
     mask: Any = None
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
+    written: int = 0           # bit l: layer l had its put() in this pass
 
 
 @dataclass
@@ -309,7 +311,11 @@ class StreamCache(CausalCache):
         n_kv_heads, v_head_dim]`` (batch order) for the current layer, each token into its
         sequence's stream."""
         fwd = self._require_forward("put")
+        bit = 1 << self._layer
+        if fwd.written & bit:
+            raise second_put_error(self._layer)
         k, v = self._batch_kv(key, value, len(fwd.token_order))
+        fwd.written |= bit
         if fwd.reserve:
             return
         for b, s in enumerate(fwd.seq_ids.tolist()):
