@@ -212,6 +212,16 @@ class StreamCache(CausalCache):
         groups = [token_order[qo_indptr[b]:qo_indptr[b + 1]] for b in range(len(seq_ids))]
         undo = _StreamUndo(self._forward, [])
         zeros = np.zeros(len(pos), np.int32)
+        if not reserve:
+            # the whole batch first (llama.cpp's batch validation, as the unified cache does):
+            # a re-put position is a ValueError even when an earlier stream has no room
+            for b, s in enumerate(seq_ids.tolist()):
+                idx = groups[b]
+                bad = self.streams[s].cells.batch_conflict(pos[idx], zeros[:len(idx)])
+                if bad >= 0:
+                    i = int(idx[bad])
+                    raise ValueError(f"positions/seqs: token {i} (sequence {s}, position "
+                                     f"{int(pos[i])}) is already stored or repeated in the batch")
         s = -1
         try:
             for b, s in enumerate(seq_ids.tolist()):
