@@ -1457,7 +1457,7 @@ _SIMPLE_CLASSES = {"StepCache": "step", "RotatingCache": "rotating"}
 
 
 def _is_simple(cache) -> bool:
-    return hasattr(cache, "state") and hasattr(type(cache), "from_state") and \
+    return hasattr(cache, "meta_state") and hasattr(type(cache), "from_state") and \
         hasattr(cache, "update")
 
 
@@ -1481,19 +1481,19 @@ def _json_scalar(x):
 def _simple_entry(cache, prefix: str) -> Tuple[dict, List[_Spec]]:
     """The config record and tensors (``keys``, ``values``: ``[batch, n_kv_heads, n, dim]``) of
     one single-stream cache, from its ``state()``."""
-    st = cache.state()
-    meta = st["meta"]
-    entry = {"class": type(cache).__name__, "offset": int(st["offset"]),
+    keys, values = cache.state()
+    meta = dict(cache.meta_state())
+    offset = meta.pop("offset")     # the file keeps the offset beside the meta record
+    entry = {"class": type(cache).__name__, "offset": int(offset),
              "meta": json.loads(json.dumps(meta, default=_json_scalar))}
     if entry["class"] not in _SIMPLE_CLASSES:
         raise ValueError(f"cannot save a {entry['class']}: not a StepCache or RotatingCache")
-    if st["keys"] is None:
+    if keys is None:
         return entry, []
     sd = _STORAGE_ST[meta["dtype"]]
     le = _ST_DTYPES[sd]
     specs = []
-    for name in ("keys", "values"):
-        arr = st[name]
+    for name, arr in (("keys", keys), ("values", values)):
         raw = arr.bits if type(arr).__name__ == "BFloat16View" else arr  # bfloat16 bits
         specs.append(_Spec(prefix + name, sd, tuple(int(d) for d in raw.shape),
                            lambda raw=raw: _host_le(raw, le)))
@@ -1606,11 +1606,11 @@ def _load_simple_checked(state: _State, device: str, progress: Optional[bool]):
         caches = []
         for cls, entry, prefix, where in zip(plans, entries, prefixes, wheres):
             has = prefix + "keys" in state.tensors
-            values = {"keys": state.tensor(prefix + "keys") if has else None,
-                      "values": state.tensor(prefix + "values") if has else None,
-                      "offset": entry["offset"], "meta": dict(entry["meta"])}
+            values = (state.tensor(prefix + "keys") if has else None,
+                      state.tensor(prefix + "values") if has else None)
+            meta = {**entry["meta"], "offset": entry["offset"]}
             try:  # from_state copies the arrays into fresh storage on `device`
-                caches.append(classes[cls].from_state(values, device=device))
+                caches.append(classes[cls].from_state(values, meta, device=device))
             except ValueError as exc:  # the device was resolved before: this is the state's
                 raise state.fail(f"the saved {cls} state is inconsistent{where}: "
                                  f"{_clip(str(exc))}") from None

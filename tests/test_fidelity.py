@@ -142,3 +142,45 @@ def test_streams_validate_the_whole_batch_before_room():
     with pytest.raises(KVCacheFullError):
         c.start_forward([4, 2], [0, 1])
     assert _everything(c) == before
+
+
+# ------------------------------------------------------------------------------------------
+# 1. StepCache / RotatingCache: the seed's and mlx-lm's state protocol
+# ------------------------------------------------------------------------------------------
+
+def _chunk(rng, n):
+    k = rng.standard_normal((1, H, n, D)).astype(np.float32)
+    return k, -k
+
+
+@pytest.mark.parametrize("make", [lambda: nkv.StepCache(4, device="cpu"),
+                                  lambda: nkv.RotatingCache(5, 2, device="cpu")],
+                         ids=["step", "rotating"])
+def test_simple_state_is_keys_values(make, tmp_path):
+    import json
+    c = make()
+    assert c.state() == (None, None)
+    rng = np.random.default_rng(0)
+    for n in (3, 1, 1, 1, 1, 2, 1):          # the ring wraps and is rotated
+        c.update(*_chunk(rng, n))
+    keys, values = c.state()                  # code ported from the seed / mlx-lm
+    assert keys.shape[:2] == (1, H) and keys.shape[3] == D and values.shape == keys.shape
+    meta = c.meta_state()
+    assert json.loads(json.dumps(meta)) == meta     # plain ints and strings
+    assert meta["offset"] == c.offset
+    back = type(c).from_state((keys, values), meta, device="cpu")
+    k2, v2 = back.state()
+    assert np.array_equal(k2, keys) and np.array_equal(v2, values)
+    assert back.meta_state() == meta and len(back) == len(c)
+    # both go on identically
+    k, v = _chunk(rng, 1)
+    assert np.array_equal(c.update(k, v)[0], back.update(k, v)[0])
+    # state files keep working
+    c.save_state(tmp_path / "s.st")
+    again = type(c).load_state(tmp_path / "s.st", device="cpu")
+    assert again.meta_state() == c.meta_state()
+    assert np.array_equal(again.state()[0], c.state()[0])
+    with pytest.raises(ValueError, match="meta_state"):
+        type(c).from_state((keys, values), device="cpu")
+    with pytest.raises(ValueError, match="kind"):
+        type(c).from_state((keys, values), {**meta, "kind": "nope"}, device="cpu")
