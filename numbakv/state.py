@@ -1216,13 +1216,14 @@ def _plan_causal(cache, state: _State, config: dict, seq: Optional[int], prefix:
 
 def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kind: str,
                whole_kind: str, configs: Sequence[dict], progress: Optional[bool],
-               strict: bool = True) -> dict:
-    """Validate ``state`` against every cache, verify the checksum, then commit all of them."""
+               strict: bool = True, seqs: Optional[list] = None) -> dict:
+    """Validate ``state`` against every cache, verify the checksum, then commit all of them
+    (``seqs[i]``, when given: the sequence cache ``i`` loads instead of ``seq``)."""
     bar = None
     try:
         with _untrusted(state.what):
             plans, tokens, bar = _validate_into(caches, state, seq, seq_kind, whole_kind,
-                                                configs, progress, strict)
+                                                configs, progress, strict, seqs)
         done: List[_Plan] = []
         try:
             for plan in plans:
@@ -1239,7 +1240,7 @@ def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kin
 
 def _validate_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kind: str,
                    whole_kind: str, configs: Sequence[dict], progress: Optional[bool],
-                   strict: bool):
+                   strict: bool, seqs: Optional[list] = None):
     """Everything ``_load_into`` checks before the first cache changes; returns the plans, the
     saved tokens and the progress bar (already advanced past the checksum pass)."""
     want = whole_kind if seq is None else seq_kind
@@ -1257,7 +1258,8 @@ def _validate_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq
         where = f" (group {i})" if multi else ""
         if not isinstance(config, dict):
             raise state.fail(f"config{where} must be an object")
-        plan = _plan_causal(cache, state, config, seq, prefix, where, strict)
+        plan = _plan_causal(cache, state, config, seq if seqs is None else seqs[i], prefix,
+                            where, strict)
         plans.append(plan)
         expected.update(plan.expected)
     state.expect(expected, optional=("tokens",))
@@ -1329,8 +1331,35 @@ def _check_wrapper(cache) -> list:
     if not isinstance(caches, list) or not caches:
         raise ValueError(f"cache must be a numbakv.WrapperCache, got {type(cache).__name__}")
     for c in caches:
-        _check_causal(c)
+        if isinstance(getattr(c, "streams", None), list):
+            _check_streams(c)
+        else:
+            _check_causal(c)
     return caches
+
+
+def _wrapper_leaves(caches: list, seq: Optional[int]) -> Tuple[list, list, list]:
+    """``(leaves, seqs, layout)``: the cell tables a WrapperCache's state is made of. A unified
+    group is one leaf (sequence ``seq``); a stream cache group is one leaf per stream for a
+    whole state (``layout[g]`` = its stream count), or for one sequence the stream holding it
+    (sequence 0 there, as its own per-sequence files are)."""
+    leaves, seqs, layout = [], [], []
+    for c in caches:
+        streams = getattr(c, "streams", None)
+        if isinstance(streams, list):
+            if seq is None:
+                leaves += streams
+                seqs += [None] * len(streams)
+                layout.append(len(streams))
+            else:
+                leaves.append(streams[seq])
+                seqs.append(0)
+                layout.append(1)
+        else:
+            leaves.append(c)
+            seqs.append(seq)
+            layout.append(1)
+    return leaves, seqs, layout
 
 
 def _build_wrapper(cache, seq, tokens, metadata):
@@ -1339,19 +1368,25 @@ def _build_wrapper(cache, seq, tokens, metadata):
         s = None if seq is None else _check_seq(caches[0], seq)
         toks = _check_tokens(tokens)
         user = _check_metadata(metadata)
-        groups, specs = _group_specs(caches, s)
-        meta = _base_metadata("wrapper" if s is None else "wrapper-seq", {"groups": groups},
-                              user)
+        leaves, seqs, layout = _wrapper_leaves(caches, s)
+        groups, specs = _group_specs(leaves, s, seqs)
+        config: Dict[str, Any] = {"groups": groups}
+        if any(n != 1 for n in layout):
+            config["layout"] = layout      # stream groups: their cell tables, in order
+        meta = _base_metadata("wrapper" if s is None else "wrapper-seq", config, user)
         return meta, specs + _tokens_spec(toks)
     return build
 
 
-def _group_specs(caches: list, seq: Optional[int]) -> Tuple[list, List[_Spec]]:
+def _group_specs(caches: list, seq: Optional[int],
+                 seqs: Optional[list] = None) -> Tuple[list, List[_Spec]]:
     """``(configs, specs)`` of several group caches (a WrapperCache's groups, a stream cache's
-    streams), group ``i``'s tensors prefixed ``g{i}.``."""
+    streams), group ``i``'s tensors prefixed ``g{i}.``; ``seqs[i]``, when given, is the sequence
+    group ``i`` saves instead of ``seq``."""
     groups, specs = [], []
     for i, c in enumerate(caches):
-        config, group_specs = _causal_specs(c, seq, prefix=f"g{i}.")
+        config, group_specs = _causal_specs(c, seq if seqs is None else seqs[i],
+                                            prefix=f"g{i}.")
         groups.append(config)
         specs += group_specs
     return groups, specs
@@ -1361,13 +1396,17 @@ def _load_wrapper(cache, source: Source, seq, progress: Optional[bool],
                   strict: bool = True) -> dict:
     caches = _check_wrapper(cache)
     s = None if seq is None else _check_seq(caches[0], seq)
-    return _load_groups(caches, source, "wrapper", "wrapper-seq", progress, strict, s)
+    leaves, seqs, layout = _wrapper_leaves(caches, s)
+    return _load_groups(leaves, source, "wrapper", "wrapper-seq", progress, strict, s,
+                        seqs=seqs, layout=layout)
 
 
 def _load_groups(caches: list, source: Source, whole_kind: str, seq_kind: str,
-                 progress: Optional[bool], strict: bool, seq: Optional[int] = None) -> dict:
+                 progress: Optional[bool], strict: bool, seq: Optional[int] = None, *,
+                 seqs: Optional[list] = None, layout: Optional[list] = None) -> dict:
     """Load a state of several group caches (a WrapperCache's groups, a stream cache's streams)
-    whose config lists one object per group under ``groups``."""
+    whose config lists one object per group under ``groups``. ``layout`` (a WrapperCache's
+    whole state): cell tables per group, which the saved ``layout`` must equal."""
     strict = _check_strict(strict)
     _check_progress(progress)
     what = {"wrapper": "cache groups, the WrapperCache", "streams": "streams, the cache"}[whole_kind]
@@ -1376,11 +1415,20 @@ def _load_groups(caches: list, source: Source, whole_kind: str, seq_kind: str,
             groups = state.config.get("groups")
             if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
                 raise state.fail("config field 'groups' must be a list of objects")
+            if layout is not None and state.kind == whole_kind:
+                saved = state.config.get("layout", [1] * len(groups))
+                if not isinstance(saved, list) or not all(_is_int(n) and n >= 1 for n in saved):
+                    raise state.fail("config field 'layout' must be a list of integers >= 1")
+                if saved != layout:
+                    raise state.fail(
+                        f"the state's groups hold {_clip(str(saved))} cell tables each (a stream "
+                        f"cache group holds one per sequence), the WrapperCache's {layout}")
             if len(groups) != len(caches):
                 raise state.fail(f"the state has {len(groups)} {what} {len(caches)}")
         else:
             groups = [state.config] * len(caches)  # _load_into reports the kind mismatch
-        return _load_into(caches, state, seq, seq_kind, whole_kind, groups, progress, strict)
+        return _load_into(caches, state, seq, seq_kind, whole_kind, groups, progress, strict,
+                          seqs=seqs)
 
 
 # ====================================================================================== streams

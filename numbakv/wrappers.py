@@ -249,7 +249,15 @@ class WrapperCache:
         """Restore what ``save_state`` wrote into every group, all or nothing (``strict`` as in
         ``CausalCache.load_state``, per group). Returns the saved tokens and metadata."""
         from . import state
-        return state.load(path, self, seq, strict=strict, progress=progress)[1]
+        out = state.load(path, self, seq, strict=strict, progress=progress)[1]
+        self._end_forwards()
+        return out
+
+    def _end_forwards(self) -> None:
+        """A state load ends every group's forward pass (a stream cache keeps its own beside its
+        streams')."""
+        for cache in self.caches:
+            cache._forward = None
 
     def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
                          progress: Optional[bool] = None) -> dict:
@@ -257,7 +265,9 @@ class WrapperCache:
         from . import state
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
-        return state.load(data, self, seq, strict=strict, progress=progress)[1]
+        out = state.load(data, self, seq, strict=strict, progress=progress)[1]
+        self._end_forwards()
+        return out
 
 
 def _check_groupable(caches: List[CausalCache], same_layers: bool) -> None:

@@ -47,6 +47,20 @@ def _everything(cache):
     return out
 
 
+def _observable(cache):
+    """Every cell record and the K/V of every used cell, per cell table (what a state saves;
+    not the scatter head)."""
+    caches = getattr(cache, "caches", None) or [cache]
+    out = []
+    for c in caches:
+        for leaf in getattr(c, "streams", None) or [c]:
+            cells = leaf.cells.cells
+            used = np.flatnonzero(cells["pos"] >= 0).astype(np.int32)
+            k, v = leaf.storage.read_cells(used)
+            out.append((cells.tobytes(), np.asarray(k).tobytes(), np.asarray(v).tobytes()))
+    return out
+
+
 def _unified(**kw):
     return nkv.CausalCache(_cfg(**kw), shift=nkv.RopeShift(base=100.0))
 
@@ -184,3 +198,72 @@ def test_simple_state_is_keys_values(make, tmp_path):
         type(c).from_state((keys, values), device="cpu")
     with pytest.raises(ValueError, match="kind"):
         type(c).from_state((keys, values), {**meta, "kind": "nope"}, device="cpu")
+
+
+# ------------------------------------------------------------------------------------------
+# 5. a WrapperCache over stream caches saves and loads state
+# ------------------------------------------------------------------------------------------
+
+def _kv_of(cache, seq):
+    """Every layer's K rows of ``seq``'s positions, by position, through the wrapper's groups."""
+    out = []
+    for c in cache.caches:
+        if hasattr(c, "streams"):
+            t, st = c.streams[seq].cells, c.streams[seq].storage
+            cells = t.seq_cells(0)
+        else:
+            t, st = c.cells, c.storage
+            cells = t.seq_cells(seq)
+        order = np.argsort(t._pos[cells])
+        out.append((t._pos[cells][order].tolist(),
+                    np.asarray(st.read_cells(cells[order].astype(np.int32))[0]).tobytes()))
+    return out
+
+
+@pytest.mark.parametrize("other", ["wrapper-streams", "wrapper"])
+def test_wrapper_over_streams_state_round_trips(other, tmp_path):
+    w = _wrapper("streams")
+    _fill(w, [0, 1, 2], [0, 0, 0])
+    _fill(w, [0, 1], [2, 2], value=5.0)
+    data = w.state_bytes(tokens=[7, 8, 9])
+    fresh = _wrapper("streams")
+    assert fresh.load_state_bytes(data)["tokens"] == [7, 8, 9]
+    assert _observable(fresh) == _observable(w)
+    w.save_state(tmp_path / "w.st")
+    fresh2 = _wrapper("streams")
+    fresh2.load_state(tmp_path / "w.st")
+    assert _observable(fresh2) == _observable(w)
+    # one sequence, into a wrapper over streams or over unified caches, as another sequence
+    one = w.state_bytes(2)
+    target = _make(other)
+    target.load_state_bytes(one, 1)
+    assert _kv_of(target, 1) == _kv_of(w, 2)
+    assert target.seq_pos_max(1) == 1 and target.seq_pos_max(2) == -1
+    # and the prompt cache's slot files
+    pc = nkv.PromptCache(_wrapper("streams"), multi_user=True)
+    slot, remaining = pc.load([11, 12, 13])
+    _fill(pc.cache, list(range(len(remaining))), [slot] * len(remaining))
+    pc.extend(slot, remaining)
+    pc.release(slot)
+    saved = pc.slot_bytes(slot)
+    pc2 = nkv.PromptCache(_wrapper("streams"), multi_user=True)
+    assert pc2.load_slot(saved, 1) == 1 and pc2.inputs(1) == [11, 12, 13]
+
+
+def test_wrapper_state_refuses_another_layout():
+    w = _wrapper("streams")
+    _fill(w, [0, 1], [0, 0])
+    data = w.state_bytes()
+    plain = _wrapper("unified")
+    before = _everything(plain)
+    with pytest.raises(nkv.StateError):
+        plain.load_state_bytes(data)
+    assert _everything(plain) == before
+
+
+def test_wrapper_state_error_does_not_call_streams_not_causal():
+    w = _wrapper("streams")
+    w.caches[0].close()
+    with pytest.raises(nkv.KVCacheError) as e:
+        w.state_bytes()
+    assert "not a CausalCache" not in str(e.value)
