@@ -178,6 +178,7 @@ class _Undo:
     head: int = 0                           # the scatter head before apply_batch
     defrag_moves: Optional[np.ndarray] = None   # a defrag's plan (undone by moving cells back)
     defrag_head: int = 0                    # the scatter head before that defrag
+    defrag_meta: Optional[np.ndarray] = None    # the table's counters before that defrag
     evicted_kv: Optional[tuple] = None      # (cells, K, V) a defrag wrote over, as they were
     shifts: Optional[tuple] = None          # (cells, deltas, key rows before) of applied shifts
 
@@ -359,6 +360,9 @@ class CausalCache:
                 # cell it writes, so the undo gives each evicted (sequence, position) its own
                 # K/V back and leaves every cell's data as it was
                 undo.defrag_head = self.cells.head
+                # undo_defrag rebuilds the indexes, which tightens the pending-shift range
+                # hint: keep the counters to put them back exactly (issue 29, item 7)
+                undo.defrag_meta = self.cells._meta.copy()
                 undo.defrag_moves = moves = self.cells.plan_defrag()
                 if len(moves):
                     dst = np.concatenate([np.arange(d, d + n, dtype=np.int32)
@@ -407,6 +411,8 @@ class CausalCache:
             self.cells.unapply_batch(undo.slots, undo.head)
         if undo.defrag_moves is not None:
             self.cells.undo_defrag(undo.defrag_moves, undo.defrag_head)
+            if undo.defrag_meta is not None:
+                self.cells._meta[:] = undo.defrag_meta
         if undo.pruned is not None and len(undo.pruned):
             self.cells.undo_prune(undo.pruned)
         if undo.evicted_kv is not None:
