@@ -203,6 +203,25 @@ class _Placed:
     values: Any                # host V of ``slots`` before, [n_layers, n, n_kv_heads, v_head_dim]
 
 
+@dataclass
+class _Counters:
+    """The cell table's counters and index hints before an edit whose undo would rebuild them
+    tighter: put back last, once everything else is undone."""
+
+    meta: np.ndarray
+
+
+SHARED_SHIFT_MODES = ("error", "copy")
+
+
+def check_shared_shift(value: Any) -> str:
+    """``shared_shift`` checked: ``"error"`` or ``"copy"``."""
+    if not isinstance(value, str) or value not in SHARED_SHIFT_MODES:
+        raise ValueError(f"shared_shift must be one of {list(SHARED_SHIFT_MODES)}, got "
+                         f"{value!r}")
+    return value
+
+
 @one_thread_at_a_time
 class CausalCache:
     """A KV cache for causal attention over many sequences sharing one pool of cells.
@@ -224,6 +243,14 @@ class CausalCache:
         swa_memory: positions kept per sequence behind the window (default ``W``); memory below
             the window is an error; memory >= capacity keeps everything.
         chunk_size: chunked attention ``C``: a token at ``p`` sees ``p - p % C .. p``.
+        shared_shift: what ``remove`` (with a finite ``end``), ``seq_add`` and ``seq_div`` do
+            when cells they would move are shared with other sequences (``copy_prefix`` /
+            ``seq_cp`` forks). ``"error"`` (default, Ollama's rule): ``NotSupportedError``.
+            ``"copy"``: the moving sequence first gets its own copies of those cells (K/V
+            copied into free cells in every layer, its sequence bit moved to them), then the
+            positions move; all or nothing, and ``KVCacheFullError`` with nothing changed when
+            there are not enough free cells. llama.cpp instead moves the position for every
+            sequence in the cell, silently corrupting the others; numbakv never does.
     """
 
     #: the class that serves ``CacheConfig(unified=False)`` (``streams.StreamCache`` registers
@@ -239,7 +266,8 @@ class CausalCache:
 
     def __init__(self, config: CacheConfig, *, shift: Union[None, RopeShift, ShiftFn] = None,
                  swa_window: Optional[int] = None, swa_memory: Optional[int] = None,
-                 chunk_size: Optional[int] = None, _storage_factory=None) -> None:
+                 chunk_size: Optional[int] = None, shared_shift: str = "error",
+                 _storage_factory=None) -> None:
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a numbakv.CacheConfig, got {type(config).__name__}")
         if shift is not None and not isinstance(shift, RopeShift) and not callable(shift):
@@ -264,6 +292,7 @@ class CausalCache:
             raise ValueError(f"swa_memory ({memory}) must be at least the window swa_window "
                              f"({window})")
         chunk = 0 if chunk_size is None else _check_index("chunk_size", chunk_size, 1)
+        shared_shift = check_shared_shift(shared_shift)
 
         self.config = config
         self.device = resolve_device(config.device)
@@ -271,6 +300,9 @@ class CausalCache:
         self.swa_memory = None if memory == UNLIMITED else memory
         self.chunk_size = chunk or None
         self.shift = shift
+        #: "error" (Ollama: moving cells another sequence shares is refused) or "copy" (the
+        #: moving sequence first gets its own copies of them)
+        self.shared_shift = shared_shift
         self.n_cells = config.n_cells(self.swa_memory)
         if _storage_factory is None:
             _check_memory(config, self.n_cells, self.device)
@@ -582,6 +614,9 @@ class CausalCache:
         ``end``, later positions move down by ``end - begin`` and their keys are re-rotated by
         that negative delta through ``shift``."""
         seq, begin, end = self._check_remove(seq, begin, end)
+        if end is not None and self.shared_shift == "copy":
+            self._edit_unshared(self.cells.remove, (seq, begin, end), seq, end, None, True)
+            return
         self._edit(self.cells.remove, (seq, begin, end), apply_shifts=True)
 
     def _check_remove(self, seq, begin, end) -> Tuple[int, int, Optional[int]]:
@@ -601,7 +636,10 @@ class CausalCache:
                     f"removing positions [{begin}, {end}) of sequence {seq} moves later "
                     "positions and needs a shift function (CausalCache(shift=...))")
         if end is not None and self.cells.shared_cells_moving(seq, begin, end):
-            raise NotSupportedError(SHARED_SHIFT_MESSAGE)
+            if self.shared_shift != "copy":
+                raise NotSupportedError(SHARED_SHIFT_MESSAGE + " (CausalCache(shared_shift="
+                                        "'copy') gives the moving sequence its own copies)")
+            self._check_room_for_copies(seq, end, None)
         return seq, begin, end
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
@@ -685,6 +723,9 @@ class CausalCache:
             self._forward = None
             return
         self._require_shift_for(seq, p0, p1, "seq_add")
+        if self.shared_shift == "copy":
+            self._edit_unshared(self.cells.seq_add, (seq, p0, p1, delta), seq, p0, p1)
+            return
         self._edit(self.cells.seq_add, (seq, p0, p1, delta))
 
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
@@ -698,6 +739,9 @@ class CausalCache:
             self._forward = None
             return
         self._require_shift_for(seq, p0, p1, "seq_div")
+        if self.shared_shift == "copy":
+            self._edit_unshared(self.cells.seq_div, (seq, p0, p1, d), seq, p0, p1)
+            return
         self._edit(self.cells.seq_div, (seq, p0, p1, d))
 
     def seq_pos_min(self, seq: int) -> int:
@@ -758,6 +802,92 @@ class CausalCache:
         self._forward = None
         return result
 
+    def _shared_cells(self, seq: int, p0: int,
+                      p1: Optional[int]) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``(cells, positions, shifts)`` (int32 ``[k]``, ascending by position) of ``seq``'s
+        cells with ``p0 <= pos < p1`` that other sequences share too; None when there are none.
+        O(cells of seq)."""
+        if not self.cells.shared_cells_in(seq, p0, p1):
+            return None
+        stop = UNLIMITED if p1 is None else p1
+        cells = self.cells.seq_cells(seq)
+        pos = self.cells._pos[cells]
+        cells = cells[(pos >= p0) & (pos < stop)]
+        bits = self.cells._seqs[cells].copy()
+        bits[:, seq >> 6] &= ~np.uint64(1 << (seq & 63))
+        cells = cells[bits.any(axis=1)]
+        pos = self.cells._pos[cells]
+        order = np.argsort(pos, kind="stable")
+        cells = cells[order].astype(np.int32)
+        return cells, pos[order].astype(np.int32), self.cells._shift[cells].astype(np.int32)
+
+    def _check_room_for_copies(self, seq: int, p0: int, p1: Optional[int]) -> int:
+        """``shared_shift="copy"``: refuse (``KVCacheFullError``, nothing changed) a move whose
+        shared cells do not fit in the free cells; returns how many copies it needs."""
+        shared = self._shared_cells(seq, p0, p1)
+        n = 0 if shared is None else len(shared[0])
+        if n > self.cells.n_free:
+            raise KVCacheFullError(
+                f"shared_shift='copy': sequence {seq} needs its own copies of {n} cells it "
+                f"shares with other sequences before its positions move, and only "
+                f"{self.cells.n_free} cells are free (cache full); nothing changed")
+        return n
+
+    def _edit_unshared(self, op: Callable[..., Any], args: tuple, seq: int, p0: int,
+                       p1: Optional[int], apply_shifts: bool = False) -> Any:
+        """``shared_shift="copy"``: give ``seq`` its own copies of the cells in ``[p0, p1)`` it
+        shares (K/V copied in every layer by the move kernel, pending shifts carried, ``seq``'s
+        bit moved to the copies), then run ``op`` as :meth:`_edit` does. All or nothing: the
+        free cells' K/V written over are kept first, and every step has its undo."""
+        shared = self._shared_cells(seq, p0, p1)
+        if shared is None:
+            return self._edit(op, args, apply_shifts)
+        src, positions, shifts = shared
+        n = len(src)
+        self._check_room_for_copies(seq, p0, p1)
+        table = self.cells
+        meta = table._meta.copy()       # index hints an undo would leave tightened
+        forward = self._forward
+        unshare: list = []
+        journal: list = []
+        placed: Optional[_Placed] = None
+        shifted = None
+        try:
+            # seq leaves the shared cells: each run of consecutive positions at once (seq holds
+            # a position once, so the run's cells are exactly the shared ones)
+            breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+            for run in np.split(positions, breaks):
+                table.seq_rm(seq, int(run[0]), int(run[-1]) + 1, journal=unshare)
+            head = table.head
+            start = table.find_contiguous(n)
+            slots = (np.arange(start, start + n, dtype=np.int32) if start >= 0
+                     else table.find_scatter(n))
+            kept = self.storage.read_cells(slots)
+            table.apply_batch(slots, positions, np.full(n, seq, np.int32))
+            placed = _Placed(slots, head, *kept)
+            moving = shifts != 0
+            if moving.any():           # the copies carry the rotations still owed
+                table.restore_shifts(slots[moving], shifts[moving])
+            self.storage.copy_cells(src, slots)
+            result = op(*args, journal=journal)
+            if apply_shifts:
+                shifted = self._apply_pending_shifts()
+        except BaseException:
+            table.rollback(journal)
+            if placed is not None:
+                self.storage.write_cells(placed.slots, placed.keys, placed.values)
+                table.unapply_batch(placed.slots, placed.head)
+            table.rollback(unshare)
+            table._meta[:] = meta
+            raise
+        if self._outer_journal is not None:
+            self._outer_journal += [_Counters(meta), (unshare, forward), placed,
+                                    (journal, forward)]
+            if shifted is not None:
+                self._outer_journal.append(shifted)
+        self._forward = None
+        return result
+
     def _journal_begin(self) -> None:
         """Record every following sequence operation until :meth:`_journal_end` (a WrapperCache
         that may have to take back what its first caches did when a later one refuses)."""
@@ -773,6 +903,8 @@ class CausalCache:
             elif isinstance(entry, _Placed):
                 self.storage.write_cells(entry.slots, entry.keys, entry.values)
                 self.cells.unapply_batch(entry.slots, entry.head)
+            elif isinstance(entry, _Counters):
+                self.cells._meta[:] = entry.meta
             else:
                 cells_journal, forward = entry
                 self.cells.rollback(cells_journal)

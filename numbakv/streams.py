@@ -110,7 +110,8 @@ class StreamCache(CausalCache):
     """
 
     def __init__(self, config: CacheConfig, *, shift=None, swa_window: Optional[int] = None,
-                 swa_memory: Optional[int] = None, chunk_size: Optional[int] = None) -> None:
+                 swa_memory: Optional[int] = None, chunk_size: Optional[int] = None,
+                 shared_shift: str = "error") -> None:
         if not isinstance(config, CacheConfig) or config.unified:
             raise ValueError("StreamCache needs a numbakv.CacheConfig with unified=False")
         if config.k_quantized or config.v_quantized:
@@ -141,8 +142,12 @@ class StreamCache(CausalCache):
         for _ in range(self.n_streams):
             self.streams.append(CausalCache(stream_config, shift=shift, swa_window=swa_window,
                                             swa_memory=swa_memory, chunk_size=chunk_size,
+                                            shared_shift=shared_shift,
                                             _storage_factory=slice_of_pool))
         first = self.streams[0]
+        # a stream holds one sequence, so no cell is ever shared there: "copy" never copies,
+        # and is accepted so that one setting fits every kind of cache
+        self.shared_shift = first.shared_shift
         self.shift = first.shift
         self.swa_window, self.swa_memory, self.chunk_size = \
             first.swa_window, first.swa_memory, first.chunk_size

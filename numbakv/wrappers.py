@@ -12,7 +12,8 @@ from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
-from .causal import UNLIMITED, CausalCache, PathLike, _check_index, check_batch, host_int_array
+from .causal import (UNLIMITED, CausalCache, PathLike, _check_index, check_batch,
+                     check_shared_shift, host_int_array)
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
@@ -33,10 +34,14 @@ class WrapperCache:
         layer_groups: for each model layer, the index of its cache in ``caches``. Cache ``g``
             must have as many layers as ``layer_groups`` names ``g``. Default: every cache sees
             every layer (``n_layers`` equal across caches, ``set_layer_type`` picks the cache).
+        shared_shift: ``None`` keeps each cache's own setting; ``"error"`` or ``"copy"`` sets
+            it on every cache (see ``CausalCache``: moving cells other sequences share is
+            refused, or first gives the moving sequence its own copies, in every group).
     """
 
     def __init__(self, caches: Sequence[CausalCache],
-                 layer_groups: Optional[Sequence[int]] = None) -> None:
+                 layer_groups: Optional[Sequence[int]] = None, *,
+                 shared_shift: Optional[str] = None) -> None:
         if isinstance(caches, (CausalCache, str, bytes)) or not hasattr(caches, "__iter__"):
             raise ValueError(f"caches must be a non-empty sequence of CausalCache, got "
                              f"{type(caches).__name__}")
@@ -44,6 +49,11 @@ class WrapperCache:
         if not caches or not all(isinstance(c, CausalCache) for c in caches):
             raise ValueError("caches must be a non-empty sequence of CausalCache")
         _check_groupable(caches, layer_groups is None)
+        if shared_shift is not None:
+            shared_shift = check_shared_shift(shared_shift)
+            for cache in caches:
+                for leaf in [cache] + list(getattr(cache, "streams", [])):
+                    leaf.shared_shift = shared_shift
         self.caches = caches
         if layer_groups is None:
             self.layer_groups = None

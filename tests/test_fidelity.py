@@ -267,3 +267,149 @@ def test_wrapper_state_error_does_not_call_streams_not_causal():
     with pytest.raises(nkv.KVCacheError) as e:
         w.state_bytes()
     assert "not a CausalCache" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------
+# 3. shifting cells shared by several sequences: shared_shift="copy"
+# ------------------------------------------------------------------------------------------
+
+def _rows(cache, seq):
+    """``{position: (K bytes, V bytes) over every layer}`` of what ``seq`` holds."""
+    cache.apply_pending_shifts()
+    cells = cache.cells.seq_cells(seq)
+    k, v = cache.storage.read_cells(cells)
+    pos = cache.cells._pos[cells]
+    return {int(p): (k[:, i].tobytes(), v[:, i].tobytes()) for i, p in enumerate(pos)}
+
+
+def _random_fill(cache, seq, n, rng, start=0):
+    cache.start_forward(list(range(start, start + n)), [seq] * n)
+    for layer in range(cache.config.n_layers):
+        cache.set_layer(layer)
+        k = rng.standard_normal((n, H, D)).astype(np.float32)
+        cache.put(k, -k)
+
+
+OPS = [("remove", lambda c, s: c.remove(s, 2, 4)),
+       ("remove-shared-gap", lambda c, s: c.remove(s, 6, 7)),
+       ("seq_add", lambda c, s: c.seq_add(s, 3, None, 5)),
+       ("seq_add-drop", lambda c, s: c.seq_add(s, 0, 4, -2)),
+       ("seq_div", lambda c, s: c.seq_div(s, 2, 9, 2))]
+
+
+@pytest.mark.parametrize("name, op", OPS, ids=[n for n, _ in OPS])
+def test_shared_shift_copy_equals_an_unshared_twin(name, op):
+    """Forked seq 1 shares seq 0's first 8 cells; shifting seq 1 with shared_shift="copy" gives
+    exactly what the same shift gives a twin cache where seq 1 holds its own copies, and seq 0
+    keeps its positions and K/V."""
+    shift = nkv.RopeShift(base=100.0)
+    rng = np.random.default_rng(1)
+    c = nkv.CausalCache(_cfg(capacity=16, max_seqs=2), shift=shift, shared_shift="copy")
+    _random_fill(c, 0, 8, rng)
+    c.copy_prefix(0, 1, 8)
+    _random_fill(c, 1, 2, rng, start=8)      # seq 1's own tail
+    c.seq_add(0, 6, None, 1)                 # a pending shift the copies must carry
+    c.seq_add(0, 6, None, -1)
+    twin = nkv.CausalCache(_cfg(capacity=16, max_seqs=2), shift=shift)
+    twin.load_state_bytes(c.state_bytes())
+    rows1 = _rows(c, 1)
+    twin.seq_rm(1)
+    twin.load_state_bytes(c.state_bytes(1), 1)     # seq 1's own copies
+    assert _rows(twin, 1) == rows1
+    seq0 = _rows(c, 0)
+    op(c, 1)
+    op(twin, 1)
+    assert _rows(c, 1) != rows1                  # seq 1 did move
+    assert _rows(c, 1) == _rows(twin, 1)
+    assert _rows(c, 0) == seq0
+    c.cells.check_consistency()
+
+
+def test_shared_shift_default_refuses_and_copy_refuses_without_room():
+    rng = np.random.default_rng(2)
+    c = nkv.CausalCache(_cfg(capacity=4, max_seqs=2), shift=nkv.RopeShift(base=100.0))
+    _random_fill(c, 0, 6, rng)
+    c.copy_prefix(0, 1, 6)
+    with pytest.raises(nkv.NotSupportedError, match="shared"):
+        c.remove(1, 0, 2)
+    full = nkv.CausalCache(_cfg(capacity=4, max_seqs=2), shift=nkv.RopeShift(base=100.0),
+                           shared_shift="copy")
+    _random_fill(full, 0, 6, rng)
+    full.copy_prefix(0, 1, 6)
+    before = _everything(full)
+    for call in (lambda: full.remove(1, 0, 2), lambda: full.seq_add(1, 0, None, 3),
+                 lambda: full.seq_div(1, 0, None, 2)):
+        with pytest.raises(KVCacheFullError, match="copies"):
+            call()
+        assert _everything(full) == before
+    with pytest.raises(ValueError, match="shared_shift"):
+        nkv.CausalCache(_cfg(), shared_shift="move")
+
+
+def test_shared_shift_copy_is_all_or_nothing_when_the_rotation_fails():
+    class Failing:
+        def __call__(self, layer, key, deltas):
+            raise RuntimeError("device failure")
+    rng = np.random.default_rng(3)
+    c = nkv.CausalCache(_cfg(capacity=16, max_seqs=2), shift=Failing(), shared_shift="copy")
+    _random_fill(c, 0, 6, rng)
+    c.copy_prefix(0, 1, 6)
+    before = _everything(c)
+    with pytest.raises(RuntimeError, match="device"):
+        c.remove(1, 1, 3)
+    assert _everything(c) == before
+
+
+def test_shared_shift_copy_in_a_wrapper_is_all_or_nothing():
+    rng = np.random.default_rng(4)
+    shift = nkv.RopeShift(base=100.0)
+    roomy = nkv.CausalCache(_cfg(n_layers=1, capacity=8, max_seqs=2), shift=shift)
+    tight = nkv.CausalCache(_cfg(n_layers=1, capacity=4, max_seqs=2), shift=shift)
+    w = nkv.WrapperCache([roomy, tight], layer_groups=[0, 1], shared_shift="copy")
+    assert roomy.shared_shift == tight.shared_shift == "copy"
+    w.start_forward(list(range(6)), [0] * 6)
+    for layer in range(2):
+        w.set_layer(layer)
+        k = rng.standard_normal((6, H, D)).astype(np.float32)
+        w.put(k, k)
+    w.copy_prefix(0, 1, 6)
+    before = _everything(w)
+    with pytest.raises(KVCacheFullError):        # the tight group has 2 free cells, needs 4
+        w.seq_add(1, 2, None, 1)
+    assert _everything(w) == before
+    w.seq_add(1, 4, None, 1)                     # two copies fit in both groups
+    assert w.seq_pos_max(1) == 6 and w.seq_pos_max(0) == 5
+    with pytest.raises(KVCacheFullError):
+        w.remove(1, 0, 1)
+    assert w.seq_pos_min(1) == 0
+
+
+def test_streams_accept_shared_shift():
+    c = nkv.CausalCache(_cfg(unified=False), shift=nkv.RopeShift(base=100.0), shared_shift="copy")
+    assert c.shared_shift == "copy" and all(s.shared_shift == "copy" for s in c.streams)
+    _fill(c, [0, 1, 2, 3], [0, 0, 0, 0])
+    c.copy_prefix(0, 1, 4)
+    c.remove(1, 0, 2)
+    assert (c.seq_pos_min(1), c.seq_pos_max(1)) == (0, 1)
+    assert (c.seq_pos_min(0), c.seq_pos_max(0)) == (0, 3)
+
+
+def test_prompt_cache_shift_works_on_forked_slots():
+    shift = nkv.RopeShift(base=100.0)
+    c = nkv.CausalCache(_cfg(capacity=8, max_seqs=2, max_batch=8), shift=shift,
+                        shared_shift="copy")
+    pc = nkv.PromptCache(c, multi_user=True)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    slot, remaining = pc.load(prompt)
+    _fill(c, list(range(len(remaining))), [slot] * len(remaining))
+    pc.extend(slot, remaining)
+    pc.release(slot)
+    other, rest = pc.load(prompt[:6] + [9])      # forks the shared prefix into the other slot
+    assert other != slot and len(rest) <= 2
+    start = len(prompt[:6] + [9]) - len(rest)
+    _fill(c, list(range(start, start + len(rest))), [other] * len(rest))
+    pc.extend(other, rest)
+    assert c.cells.shared_cells_in(other)
+    discard = pc.shift(other, 1)                 # the shared prefix reaches past num_keep
+    assert discard > 0 and len(pc.inputs(other)) == 7 - discard
+    assert c.seq_pos_max(slot) == 6              # the other slot kept everything
