@@ -413,3 +413,12 @@ def test_prompt_cache_shift_works_on_forked_slots():
     discard = pc.shift(other, 1)                 # the shared prefix reaches past num_keep
     assert discard > 0 and len(pc.inputs(other)) == 7 - discard
     assert c.seq_pos_max(slot) == 6              # the other slot kept everything
+
+
+def test_bench_fidelity_runs():
+    """The benchmark section runs and reports its figures (timings are not asserted here)."""
+    from numbakv.tools import bench_fidelity
+    res = bench_fidelity.run(shared=16, own=4, n_layers=2, heads=2, dim=8, repeats=2)
+    assert res["shared_cells_copied"] == 14
+    assert min(res["copy_mode_ms"], res["unshared_twin_ms"], res["copy_alone_ms"]) > 0
+    assert "extra / copy" in bench_fidelity.format_section(res)
