@@ -340,7 +340,8 @@ class CausalCache:
         of free cells (defragmenting once if only fragmentation is in the way), records the
         tokens there, applies pending key rotations and builds the mask. ``reserve=True``
         changes no metadata and sizes everything for the worst case. Raises
-        ``KVCacheFullError`` when the batch cannot fit; then nothing has changed.
+        ``KVCacheFullError`` when the batch cannot fit; then nothing has changed (pending key
+        rotations stay pending, where llama.cpp has applied them by then; docs/fidelity.md).
 
         ``positions``/``seqs`` on the GPU (CuPy arrays, torch CUDA tensors) are copied to the
         host on the cache's stream (:meth:`use_stream`, else CuPy's current stream) through a
@@ -612,7 +613,12 @@ class CausalCache:
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
         """Drop positions ``[begin, end)`` of ``seq`` (``end=None``: to the end). With a finite
         ``end``, later positions move down by ``end - begin`` and their keys are re-rotated by
-        that negative delta through ``shift``."""
+        that negative delta through ``shift``.
+
+        Deliberate differences (docs/fidelity.md): ``remove(s, b, b)`` (an empty range) is a
+        no-op where Ollama errors; cells other sequences share that would move are refused, or
+        copied first with ``shared_shift="copy"``; a failure changes nothing (Ollama keeps the
+        edits made before it)."""
         seq, begin, end = self._check_remove(seq, begin, end)
         if end is not None and self.shared_shift == "copy":
             self._edit_unshared(self.cells.remove, (seq, begin, end), seq, end, None, True)
@@ -644,7 +650,10 @@ class CausalCache:
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         """Make ``dst_seq`` hold exactly the first ``length`` positions of ``src_seq`` (shared
-        cells, no data copied)."""
+        cells, no data copied).
+
+        Deliberate difference (docs/fidelity.md): ``copy_prefix(s, s, n)`` is a no-op; Ollama
+        first removes the destination everywhere, so it would wipe the sequence."""
         self._check_open()
         src = self._check_seq(src_seq, "src_seq")
         dst = self._check_seq(dst_seq, "dst_seq")
@@ -666,7 +675,11 @@ class CausalCache:
 
     def defrag(self) -> None:
         """Move every used cell to the front, keeping each (sequence, position) with its own K/V.
-        Ends the forward pass in progress (its cells may have moved)."""
+        Ends the forward pass in progress (its cells may have moved).
+
+        Deliberate difference (docs/fidelity.md): the used cells keep their order; Ollama fills
+        holes from the end, reversing it (attention is the same, later cell indices differ),
+        and its merged moves pair metadata with another cell's K/V, which numbakv never does."""
         self._check_open()
         self._defrag_plan_and_move()
         self._forward = None
@@ -730,7 +743,10 @@ class CausalCache:
 
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
         """Divide the positions in ``[p0, p1)`` of ``seq`` by ``d`` (integer division); keys are
-        re-rotated at the next ``start_forward``."""
+        re-rotated at the next ``start_forward``.
+
+        Deliberate difference (docs/fidelity.md): the pending shift recorded is ``new - old``
+        (negative), the correct sign; llama.cpp recorded it with the wrong sign for a while."""
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
