@@ -158,6 +158,17 @@ class _Forward:
     written: int = 0           # bit l: layer l had its put() in this pass
 
 
+def no_put_error(config: CacheConfig, layer: int) -> ValueError:
+    """The error of a put() on a layer that stores no K/V in this cache (``layer_reuse``)."""
+    src = config.owner_layer(layer)
+    if src < 0:
+        return ValueError(f"put(): layer {layer} has no K/V in this cache (layer_reuse"
+                          f"[{layer}] = -1): skip the cache for it")
+    return ValueError(f"put(): layer {layer} reuses layer {src}'s K/V (layer_reuse[{layer}] "
+                      f"= {src}) and stores none: only layer {src} puts; get() on layer "
+                      f"{layer} reads layer {src}'s")
+
+
 def second_put_error(layer: int) -> ValueError:
     """The error of a second ``put`` for one layer in one forward pass (a model loop that forgot
     ``set_layer`` would overwrite that layer and leave the next ones unwritten)."""
@@ -312,10 +323,14 @@ class CausalCache:
         self._chunk = chunk
         self.cells = CellTable(self.n_cells, config.max_seqs)
         # a stream of a per-sequence cache works on its slice of the streams' one allocation
-        self.storage = KVStorage(config, self.n_cells, self.device) if _storage_factory is None \
-            else _storage_factory(self.n_cells, self.device)
+        # owning layers only (layer_reuse): the storage's layer axis is config.storage_layers
+        self.storage = KVStorage(config.storage_config(), self.n_cells, self.device) \
+            if _storage_factory is None else _storage_factory(self.n_cells, self.device)
         self._xp = array_module(self.device)
+        self._storage_layers = config.storage_layers
         self._layer = 0
+        self._read_layer = self._storage_layers[0]     # storage layer get() reads (-1: none)
+        self._put_layer = self._read_layer if config.owner_layer(0) == 0 else -1
         self._forward: Optional[_Forward] = None
         self._closed = False
         self._mask_buf = None
@@ -506,7 +521,20 @@ class CausalCache:
     def set_layer(self, layer: int) -> None:
         """Choose the layer that ``put`` and ``get`` work on."""
         self._check_open()
-        self._layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._layer = layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._read_layer = self._storage_layers[layer]
+        self._put_layer = self._read_layer if self.config.owner_layer(layer) == layer else -1
+
+    def _no_put(self) -> ValueError:
+        """put() on a layer that stores no K/V here (``layer_reuse``)."""
+        return no_put_error(self.config, self._layer)
+
+    def _read_layer_checked(self, what: str) -> int:
+        """The storage layer ``what`` reads for the current layer (its K/V source)."""
+        if self._read_layer < 0:
+            raise ValueError(f"{what}(): layer {self._layer} has no K/V in this cache "
+                             f"(layer_reuse[{self._layer}] = -1)")
+        return self._read_layer
 
     def set_causal(self, except_: Optional[Sequence[int]] = None) -> None:
         """Drop the future-position test for these batch indices (sequence, window and chunk
@@ -539,17 +567,21 @@ class CausalCache:
             bit = 1 << self._layer
             if fwd.written & bit:
                 raise second_put_error(self._layer)
+            if self._put_layer < 0:
+                raise self._no_put()
             if not fwd.reserve:
-                self.storage.put_range_trusted(self._layer, fwd.start, key, value)
+                self.storage.put_range_trusted(self._put_layer, fwd.start, key, value)
             fwd.written |= bit
             return
         fwd = self._require_forward("put")
         bit = 1 << self._layer
         if fwd.written & bit:
             raise second_put_error(self._layer)
+        if self._put_layer < 0:
+            raise self._no_put()
         k, v = self._batch_kv(key, value, len(fwd.positions))
         if not fwd.reserve:
-            self.storage.put_range(self._layer, fwd.start, k, v)
+            self.storage.put_range(self._put_layer, fwd.start, k, v)
         fwd.written |= bit
 
     def _batch_kv(self, key, value, batch: int):
@@ -576,10 +608,11 @@ class CausalCache:
         fwd = self._forward
         if fwd is None or self._closed:
             fwd = self._require_forward("get")
+        layer = self._read_layer if self._read_layer >= 0 else self._read_layer_checked("get")
         if self.storage.quantized:  # dequantized into a scratch the next get() reuses
-            key, value = self.storage.dequantized_views(self._layer, fwd.lo, fwd.hi)
+            key, value = self.storage.dequantized_views(layer, fwd.lo, fwd.hi)
         else:
-            key, value = self.storage.views_trusted(self._layer, fwd.lo, fwd.hi)
+            key, value = self.storage.views_trusted(layer, fwd.lo, fwd.hi)
         if self._bf16:
             return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
         return key, value, fwd.exported
@@ -590,7 +623,8 @@ class CausalCache:
         (34 bytes per 32 values) and q4_0 (18), one float8_e4m3fn byte per value for
         float8_e4m3 (stored = x / scale), and the little-endian bytes of a float side."""
         fwd = self._require_forward("get_quantized")
-        k, v = self.storage.quantized_views(self._layer, fwd.lo, fwd.hi)
+        k, v = self.storage.quantized_views(self._read_layer_checked("get_quantized"), fwd.lo,
+                                            fwd.hi)
         return export_view(k, "uint8"), export_view(v, "uint8")
 
     def cell_range(self) -> Tuple[int, int]:
@@ -998,9 +1032,10 @@ class CausalCache:
             windows.append((first, last + 1, window_deltas))
             i = j + 1
         results = []
-        for layer in range(cfg.n_layers):
+        # each stored key once, in its own layer (layer_reuse: the owning layers)
+        for slot, layer in enumerate(cfg.owner_layers):
             for lo, hi, window_deltas in windows:
-                view = self.storage.key_view(layer, lo, hi)
+                view = self.storage.key_view(slot, lo, hi)
                 d = self._xp.asarray(window_deltas)
                 out = self.shift(layer, export_view(view, cfg.dtype), d)
                 out = as_array(out, self.device, cfg.dtype, name="shift result")
@@ -1090,13 +1125,18 @@ class CausalCache:
     def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of every cell of ``layer`` (the current layer when None): key
         ``[n_cells, n_kv_heads, head_dim]``, value likewise (``[n_kv_heads, v_head_dim,
-        n_cells]`` when permuted); ``page_table().kv_indices`` index their cell axis."""
+        n_cells]`` when permuted); ``page_table().kv_indices`` index their cell axis. A layer
+        that reuses another's K/V (``layer_reuse``) gets that layer's views."""
         self._check_open()
         layer = self._layer if layer is None else _check_index("layer", layer, 0,
                                                                self.config.n_layers)
+        slot = self._storage_layers[layer]
+        if slot < 0:
+            raise ValueError(f"layer_pool(): layer {layer} has no K/V in this cache "
+                             f"(layer_reuse[{layer}] = -1)")
         dtype = self.config.dtype
-        return (export_view(self.storage.key_view(layer, 0, self.n_cells), dtype),
-                export_view(self.storage.value_view(layer, 0, self.n_cells), dtype))
+        return (export_view(self.storage.key_view(slot, 0, self.n_cells), dtype),
+                export_view(self.storage.value_view(slot, 0, self.n_cells), dtype))
 
     @property
     def _attention_cache(self) -> "CausalCache":

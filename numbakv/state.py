@@ -741,6 +741,8 @@ def fingerprint(cache) -> Dict[str, Any]:
     for name in _FINGERPRINT_CONFIG_FIELDS:
         if hasattr(cfg, name):
             fields[name] = _json_value(getattr(cfg, name))
+    if getattr(cfg, "layer_reuse", None) is not None:   # absent otherwise: older states match
+        fields["layer_reuse"] = list(cfg.layer_reuse)
     return fields
 
 
@@ -862,7 +864,7 @@ def _layer_specs(cache, prefix: str, rows: int, idx=None) -> List[_Spec]:
     (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
     k_le, v_le = _ST_DTYPES[k_st], _ST_DTYPES[v_st]
     specs = []
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_stored_layers):     # owning layers only (layer_reuse)
         def k_rows(layer=layer):
             if rows == 0:  # an empty sequence: nothing to gather
                 return np.zeros(0, k_le)
@@ -1007,7 +1009,7 @@ def _layer_expect(cache, prefix: str, rows: int) -> Dict[str, Tuple[str, Tuple[i
     cfg = cache.config
     (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
     out = {}
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_stored_layers):
         out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.n_kv_heads, k_row))
         out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.n_kv_heads, v_row))
     return out
@@ -1082,7 +1084,7 @@ class _WholePlan(_Plan):
         cache, p = self.cache, self.prefix
         try:
             with _on_device(cache):
-                for layer in range(cache.config.n_layers):
+                for layer in range(cache.config.n_stored_layers):
                     k = state.tensor(f"{p}k.{layer}")
                     v = state.tensor(f"{p}v.{layer}")
                     _write_rows(cache, layer, None, _to_device(cache, k), _to_device(cache, v))
@@ -1183,12 +1185,12 @@ class _SeqPlan(_Plan):
             if len(self.reused):
                 ridx = _device_index(cache, self.reused.astype(np.int64))
                 rows = []
-                for layer in range(cache.config.n_layers):
+                for layer in range(cache.config.n_stored_layers):
                     rows.append((cache.storage.keys[layer][ridx].copy(),
                                  _v_rows(cache, layer, ridx).copy()))
                 self.backup = (ridx, rows)
             try:
-                for layer in range(cache.config.n_layers):
+                for layer in range(cache.config.n_stored_layers):
                     k = state.tensor(f"{p}k.{layer}")
                     v = state.tensor(f"{p}v.{layer}")
                     _write_rows(cache, layer, idx, _to_device(cache, k), _to_device(cache, v))

@@ -41,7 +41,7 @@ from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
 from .causal import (CausalCache, PathLike, _check_memory, _check_index, UNLIMITED,
-                     second_put_error)
+                     no_put_error, second_put_error)
 from .config import CacheConfig, round_up
 from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -130,7 +130,8 @@ class StreamCache(CausalCache):
             # the first stream sizes the pool for all of them, checked before allocating
             if self._pool is None:
                 _check_memory(stream_config, n_cells * self.n_streams, device)
-                self._pool = KVStorage(stream_config, n_cells * self.n_streams, device)
+                self._pool = KVStorage(stream_config.storage_config(), n_cells * self.n_streams,
+                                       device)
             s = len(self.streams)
             return self._pool.cell_slice(s * n_cells, (s + 1) * n_cells)
 
@@ -155,13 +156,14 @@ class StreamCache(CausalCache):
         self.cells_per_stream = first.n_cells
         self.n_cells = self.cells_per_stream * self.n_streams
         self.storage = self._pool
-        L, S, C = config.n_layers, self.n_streams, self.cells_per_stream
+        L, S, C = config.n_stored_layers, self.n_streams, self.cells_per_stream
         H, D, Dv = config.n_kv_heads, config.head_dim, config.v_head_dim
         # [layer, stream, cell, head, dim] views of the pool (reshapes, no copies)
         self._k5 = self._pool.keys.reshape(L, S, C, H, D)
         self._v5 = (self._pool.values.reshape(L, H, Dv, S, C) if config.permuted_v
                     else self._pool.values.reshape(L, S, C, H, Dv))
         self._layer = 0
+        self._storage_layers = config.storage_layers     # layer_pool's map (layer_reuse)
         self._forward: Optional[_StreamForward] = None
         self._closed = False
 
@@ -329,6 +331,8 @@ class StreamCache(CausalCache):
         bit = 1 << self._layer
         if fwd.written & bit:
             raise second_put_error(self._layer)
+        if self.config.owner_layer(self._layer) != self._layer:
+            raise no_put_error(self.config, self._layer)
         k, v = self._batch_kv(key, value, len(fwd.token_order))
         fwd.written |= bit
         if fwd.reserve:
@@ -348,7 +352,11 @@ class StreamCache(CausalCache):
         n_kv]``), mask ``[n_b, rows, n_kv]`` (0 visible, -inf masked). Zero-copy views when the
         batch's sequence ids are consecutive and ascending, else gathered copies."""
         fwd = self._require_forward("get")
-        n_kv, layer, ids = fwd.n_kv, self._layer, fwd.seq_ids
+        n_kv, ids = fwd.n_kv, fwd.seq_ids
+        layer = self.config.storage_layer(self._layer)
+        if layer < 0:
+            raise ValueError(f"get(): layer {self._layer} has no K/V in this cache "
+                             f"(layer_reuse[{self._layer}] = -1)")
         k5, v5 = self._k5[layer], self._v5[layer]
         if fwd.consecutive:
             s0, s1 = int(ids[0]), int(ids[0]) + len(ids)

@@ -422,3 +422,114 @@ def test_bench_fidelity_runs():
     assert res["shared_cells_copied"] == 14
     assert min(res["copy_mode_ms"], res["unshared_twin_ms"], res["copy_alone_ms"]) > 0
     assert "extra / copy" in bench_fidelity.format_section(res)
+
+
+# ------------------------------------------------------------------------------------------
+# 2. llama.cpp's layer filter / reuse: CacheConfig(layer_reuse=...)
+# ------------------------------------------------------------------------------------------
+
+REUSE = (0, 1, 1, -1, 0)      # layer 2 reads layer 1, layer 4 reads layer 0, layer 3 has none
+
+
+def _reuse_cache(**kw):
+    cfg = _cfg(n_layers=5, layer_reuse=REUSE, **kw)
+    return nkv.CausalCache(cfg, shift=nkv.RopeShift(base=100.0))
+
+
+def _put_owners(cache, positions, seqs, rng):
+    """A forward pass putting random K/V on the owning layers (0 and 1); returns them."""
+    cache.start_forward(positions, seqs)
+    out = {}
+    for layer in (0, 1):
+        cache.set_layer(layer)
+        k = rng.standard_normal((len(positions), H, D)).astype(np.float32)
+        cache.put(k, -k)
+        out[layer] = k
+    return out
+
+
+def test_layer_reuse_config_checks_and_nbytes():
+    plain = _cfg(n_layers=5)
+    cfg = _cfg(n_layers=5, layer_reuse=REUSE)
+    assert cfg.owner_layers == (0, 1) and cfg.n_stored_layers == 2
+    assert cfg.storage_layers == (0, 1, 1, -1, 0)
+    assert cfg.owner_layer(4) == 0 and cfg.owner_layer(3) == -1
+    assert cfg.nbytes() * 5 == plain.nbytes() * 2
+    c = nkv.CausalCache(cfg)
+    assert c.storage.keys.shape[0] == 2            # storage for the owning layers only
+    for bad, match in [((0, 1), "n_layers"), ((0, 2, 1, -1, 0), "own"), ((0, 1, 1, 5, 0), "-1"),
+                       ((-1,) * 5, "at least one"), ((0, 1, 2, 2, 1.0), "layer_reuse\\[4\\]")]:
+        with pytest.raises(ValueError, match=match):
+            _cfg(n_layers=5, layer_reuse=bad)
+
+
+@pytest.mark.parametrize("unified", [True, False], ids=["unified", "streams"])
+def test_layer_reuse_put_get_and_refusals(unified):
+    rng = np.random.default_rng(5)
+    c = _reuse_cache(unified=unified)
+    kv = _put_owners(c, [0, 1, 2], [0, 0, 0], rng)
+    for layer, src in ((2, 1), (4, 0)):
+        c.set_layer(layer)
+        with pytest.raises(ValueError, match=f"reuses layer {src}"):
+            c.put(kv[0], kv[0])
+        k, v, _ = c.get()
+        c.set_layer(src)
+        k2, v2, _ = c.get()
+        assert np.array_equal(np.asarray(k), np.asarray(k2))
+        assert np.array_equal(np.asarray(c.layer_pool(layer)[0]), np.asarray(c.layer_pool()[0]))
+    c.set_layer(3)
+    for call in (lambda: c.put(kv[0], kv[0]), c.get, c.layer_pool):
+        with pytest.raises(ValueError, match="no K/V"):
+            call()
+
+
+def test_layer_reuse_shift_rotates_each_key_once_and_state_round_trips(tmp_path):
+    rng = np.random.default_rng(6)
+    c = _reuse_cache()
+    ref = nkv.CausalCache(_cfg(n_layers=2), shift=nkv.RopeShift(base=100.0))
+    kv = _put_owners(c, [0, 1, 2, 3], [0] * 4, rng)
+    ref.start_forward([0, 1, 2, 3], [0] * 4)
+    for layer in (0, 1):
+        ref.set_layer(layer)
+        ref.put(kv[layer], -kv[layer])
+    for cache in (c, ref):
+        cache.remove(0, 1, 2)         # positions 2, 3 move down, keys rotated once
+        cache.defrag()
+    assert np.array_equal(np.asarray(c.storage.keys), np.asarray(ref.storage.keys))
+    data = c.state_bytes()
+    fresh = _reuse_cache()
+    fresh.load_state_bytes(data)
+    assert np.array_equal(np.asarray(fresh.storage.keys), np.asarray(c.storage.keys))
+    fresh.load_state_bytes(c.state_bytes(0), 0)
+    with pytest.raises(nkv.StateError, match="layer_reuse"):
+        nkv.CausalCache(_cfg(n_layers=5), shift=nkv.RopeShift(base=100.0)).load_state_bytes(data)
+
+
+def test_layer_reuse_attend_reads_the_source_layer():
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    rng = np.random.default_rng(7)
+    c = _reuse_cache()
+    _put_owners(c, [0, 1, 2], [0, 0, 0], rng)
+    q = torch.from_numpy(rng.standard_normal((3, H, D)).astype(np.float32))
+    c.set_layer(2)
+    a = attend(q, c)
+    c.set_layer(1)
+    b = attend(q, c)
+    assert torch.equal(a, b)
+
+
+def test_layer_reuse_quantized_keys():
+    rng = np.random.default_rng(8)
+    cfg = nkv.CacheConfig(n_layers=3, n_kv_heads=1, head_dim=32, dtype="float32", capacity=8,
+                          device="cpu", k_dtype="q8_0", v_dtype="q8_0", layer_reuse=(0, 0, -1))
+    c = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+    c.start_forward([0, 1], [0, 0])
+    c.set_layer(0)
+    k = rng.standard_normal((2, 1, 32)).astype(np.float32)
+    c.put(k, k)
+    c.set_layer(1)
+    k1 = np.asarray(c.get()[0]).copy()
+    c.set_layer(0)
+    assert np.array_equal(np.asarray(c.get()[0]), k1)
+    assert c.config.nbytes() == 8 * 1 * 2 * 34
