@@ -533,3 +533,67 @@ def test_layer_reuse_quantized_keys():
     c.set_layer(0)
     assert np.array_equal(np.asarray(c.get()[0]), k1)
     assert c.config.nbytes() == 8 * 1 * 2 * 34
+
+
+def _tiny_gemma3n():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma3nTextConfig"):
+        pytest.skip("this transformers has no Gemma 3n")
+    cfg = transformers.Gemma3nTextConfig(
+        vocab_size=64, vocab_size_per_layer_input=64, hidden_size=64, intermediate_size=64,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_size_per_layer_input=8, sliding_window=4, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 3, laurel_rank=4,
+        altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 6, max_position_embeddings=128)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25)
+    return model.eval()
+
+
+def test_gemma3n_kv_sharing_logits_equal_its_own_forward():
+    import torch
+    from numbakv import hf
+    model = _tiny_gemma3n()
+    # layers 4 (sliding) and 5 (full) reuse the last earlier layer of their type: 2 and 3
+    assert hf.kv_reuse_for(model.config) == [0, 1, 2, 3, 2, 3]
+    cache = hf.cache_for(model, capacity=32, max_seqs=2, max_batch=16, device="cpu")
+    groups = cache.caches
+    assert [g.config.layer_reuse for g in groups] == [(0, 1, 1), (0, 1, 1)]
+    assert sum(g.config.n_stored_layers for g in groups) == 4     # of 6 layers
+    rng = np.random.default_rng(0)
+    toks = [rng.integers(0, 64, 9).tolist(), rng.integers(0, 64, 7).tolist()]
+    want = []
+    for t in toks:
+        with torch.no_grad():
+            want.append(model(input_ids=torch.tensor(t)[None],
+                              position_ids=torch.arange(len(t))[None]).logits[0])
+    hf.attach(model, cache)
+    try:
+        got = [[], []]
+        steps = [[(0, 0, 5), (1, 0, 4)], [(0, 5, 9), (1, 4, 5)], [(1, 5, 7)]]
+        for step in steps:
+            tokens, positions, seqs = [], [], []
+            for s, a, b in step:
+                tokens += toks[s][a:b]
+                positions += range(a, b)
+                seqs += [s] * (b - a)
+            cache.start_forward(positions, seqs)
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor(tokens)[None],
+                            position_ids=torch.tensor(positions)[None]).logits[0]
+            i = 0
+            for s, a, b in step:
+                got[s].append(out[i:i + b - a])
+                i += b - a
+    finally:
+        hf.detach(model)
+    for s in (0, 1):
+        g = torch.cat(got[s])
+        scale = max(1.0, float(want[s].abs().max()))
+        assert float((g - want[s]).abs().max()) <= 2e-5 * scale
