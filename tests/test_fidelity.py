@@ -277,7 +277,7 @@ def _rows(cache, seq):
     """``{position: (K bytes, V bytes) over every layer}`` of what ``seq`` holds."""
     cache.apply_pending_shifts()
     cells = cache.cells.seq_cells(seq)
-    k, v = cache.storage.read_cells(cells)
+    k, v = (np.asarray(x) for x in cache.storage.read_cells(cells))
     pos = cache.cells._pos[cells]
     return {int(p): (k[:, i].tobytes(), v[:, i].tobytes()) for i, p in enumerate(pos)}
 
@@ -302,15 +302,25 @@ def test_shared_shift_copy_equals_an_unshared_twin(name, op):
     """Forked seq 1 shares seq 0's first 8 cells; shifting seq 1 with shared_shift="copy" gives
     exactly what the same shift gives a twin cache where seq 1 holds its own copies, and seq 0
     keeps its positions and K/V."""
+    _check_twin(op, "cpu")
+
+
+def test_shared_shift_copy_on_the_kernel_device(kernel_device):
+    """The same through the @cuda.jit move and rotary kernels (the simulator, or a GPU)."""
+    _check_twin(OPS[0][1], kernel_device)
+
+
+def _check_twin(op, device):
     shift = nkv.RopeShift(base=100.0)
     rng = np.random.default_rng(1)
-    c = nkv.CausalCache(_cfg(capacity=16, max_seqs=2), shift=shift, shared_shift="copy")
+    c = nkv.CausalCache(_cfg(capacity=16, max_seqs=2, device=device), shift=shift,
+                        shared_shift="copy")
     _random_fill(c, 0, 8, rng)
     c.copy_prefix(0, 1, 8)
     _random_fill(c, 1, 2, rng, start=8)      # seq 1's own tail
     c.seq_add(0, 6, None, 1)                 # a pending shift the copies must carry
     c.seq_add(0, 6, None, -1)
-    twin = nkv.CausalCache(_cfg(capacity=16, max_seqs=2), shift=shift)
+    twin = nkv.CausalCache(_cfg(capacity=16, max_seqs=2, device=device), shift=shift)
     twin.load_state_bytes(c.state_bytes())
     rows1 = _rows(c, 1)
     twin.seq_rm(1)
