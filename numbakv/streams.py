@@ -164,6 +164,7 @@ class StreamCache(CausalCache):
                     else self._pool.values.reshape(L, S, C, H, Dv))
         self._layer = 0
         self._storage_layers = config.storage_layers     # layer_pool's map (layer_reuse)
+        self._put_layer = 0 if config.owner_layer(0) == 0 else -1
         self._forward: Optional[_StreamForward] = None
         self._closed = False
 
@@ -301,7 +302,10 @@ class StreamCache(CausalCache):
     def set_layer(self, layer: int) -> None:
         """Choose the layer that ``put`` and ``get`` work on."""
         self._check_open()
-        self._layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._layer = layer = _check_index("layer", layer, 0, self.config.n_layers)
+        # whether this layer stores K/V here (layer_reuse), as CausalCache keeps it
+        self._put_layer = self._storage_layers[layer] \
+            if self.config.owner_layer(layer) == layer else -1
 
     def set_causal(self, except_: Optional[Sequence[int]] = None) -> None:
         """Drop the future-position test for these batch indices until the next
@@ -331,7 +335,7 @@ class StreamCache(CausalCache):
         bit = 1 << self._layer
         if fwd.written & bit:
             raise second_put_error(self._layer)
-        if self.config.owner_layer(self._layer) != self._layer:
+        if self._put_layer < 0:
             raise no_put_error(self.config, self._layer)
         k, v = self._batch_kv(key, value, len(fwd.token_order))
         fwd.written |= bit
