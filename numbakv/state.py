@@ -687,6 +687,10 @@ _SHAPE_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "v_head_dim")
 def _check_causal(cache) -> None:
     if getattr(cache, "closed", False):
         raise KVCacheError("the cache is closed")
+    if isinstance(getattr(cache, "streams", None), list):
+        raise ValueError(f"cache is a per-sequence stream cache ({type(cache).__name__}): save "
+                         "and load it with its own save_state/state_bytes methods (it keeps one "
+                         "cell table per stream)")
     for attr in ("config", "cells", "storage", "n_cells"):
         if not hasattr(cache, attr):
             raise ValueError(f"cache must be a numbakv.CausalCache, got {type(cache).__name__}")
