@@ -302,8 +302,11 @@ class PromptCache:
         re-rotated) and drop those inputs. Returns ``discard`` (0: nothing to do).
 
         If the cache refuses (``NotSupportedError``: no shift function, or cells shared with
-        another sequence would move), the slot is emptied and ``ReprocessError`` is raised with
-        ``inputs`` = the kept inputs, to evaluate again from position 0."""
+        another sequence would move; ``KVCacheFullError``: with ``shared_shift="copy"``, no room
+        for the forked slot's own copies of the shared cells), the slot is emptied and
+        ``ReprocessError`` is raised with ``inputs`` = the kept inputs, to evaluate again from
+        position 0. A cache built with ``shared_shift="copy"`` shifts forked slots whose shared
+        prefix reaches past ``num_keep``."""
         state = self._slot(slot)
         num_keep = self._check_keep(num_keep)
         discard = self.shift_discard(len(state.inputs), num_keep)
