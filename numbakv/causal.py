@@ -155,7 +155,6 @@ class _Forward:
     causal: np.ndarray         # uint8 [batch]; 0 where set_causal dropped the future-position test
     mask: Any = None
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
-    written: int = 0           # bit l: layer l had its put() in this pass
 
 
 def no_put_error(config: CacheConfig, layer: int) -> ValueError:
@@ -170,11 +169,12 @@ def no_put_error(config: CacheConfig, layer: int) -> ValueError:
 
 
 def second_put_error(layer: int) -> ValueError:
-    """The error of a second ``put`` for one layer in one forward pass (a model loop that forgot
-    ``set_layer`` would overwrite that layer and leave the next ones unwritten)."""
-    return ValueError(f"put(): layer {layer} was already written in this forward pass; call "
-                      f"set_layer(layer) before each layer's put (a second put for layer {layer} "
-                      "would overwrite it and leave the following layers unwritten)")
+    """The error of a second ``put`` for one layer in one forward pass with no ``set_layer``
+    between them (a model loop that forgot ``set_layer`` would overwrite that layer and leave
+    the next ones unwritten)."""
+    return ValueError(f"put(): layer {layer} was already written in this forward pass and "
+                      f"set_layer was not called since; call set_layer(layer) before each "
+                      f"layer's put (set_layer({layer}) again to overwrite it on purpose)")
 
 
 @dataclass
@@ -329,6 +329,7 @@ class CausalCache:
         self._xp = array_module(self.device)
         self._storage_layers = config.storage_layers
         self._layer = 0
+        self._put_in = None      # the forward pass whose put() the current layer already had
         self._read_layer = self._storage_layers[0]     # storage layer get() reads (-1: none)
         self._put_layer = self._read_layer if config.owner_layer(0) == 0 else -1
         self._forward: Optional[_Forward] = None
@@ -522,6 +523,7 @@ class CausalCache:
         """Choose the layer that ``put`` and ``get`` work on."""
         self._check_open()
         self._layer = layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._put_in = None
         self._read_layer = self._storage_layers[layer]
         self._put_layer = self._read_layer if self.config.owner_layer(layer) == layer else -1
 
@@ -564,25 +566,23 @@ class CausalCache:
                 and key.shape[1:] == self._kv_tail[0] and value.shape[1:] == self._kv_tail[1] \
                 and key.shape[0] == value.shape[0] == len(fwd.positions) and key.ndim == 3 \
                 and value.ndim == 3 and self.storage is not None and self.device != "cuda":
-            bit = 1 << self._layer
-            if fwd.written & bit:
+            if self._put_in is fwd:
                 raise second_put_error(self._layer)
             if self._put_layer < 0:
                 raise self._no_put()
             if not fwd.reserve:
                 self.storage.put_range_trusted(self._put_layer, fwd.start, key, value)
-            fwd.written |= bit
+            self._put_in = fwd
             return
         fwd = self._require_forward("put")
-        bit = 1 << self._layer
-        if fwd.written & bit:
+        if self._put_in is fwd:
             raise second_put_error(self._layer)
         if self._put_layer < 0:
             raise self._no_put()
         k, v = self._batch_kv(key, value, len(fwd.positions))
         if not fwd.reserve:
             self.storage.put_range(self._put_layer, fwd.start, k, v)
-        fwd.written |= bit
+        self._put_in = fwd
 
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,

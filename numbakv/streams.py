@@ -87,7 +87,6 @@ class _StreamForward:
     n_kv: int = 0
     mask: Any = None
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
-    written: int = 0           # bit l: layer l had its put() in this pass
 
 
 @dataclass
@@ -165,6 +164,7 @@ class StreamCache(CausalCache):
         self._layer = 0
         self._storage_layers = config.storage_layers     # layer_pool's map (layer_reuse)
         self._put_layer = 0 if config.owner_layer(0) == 0 else -1
+        self._put_in = None      # the forward pass whose put() the current layer already had
         self._forward: Optional[_StreamForward] = None
         self._closed = False
 
@@ -303,6 +303,7 @@ class StreamCache(CausalCache):
         """Choose the layer that ``put`` and ``get`` work on."""
         self._check_open()
         self._layer = layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._put_in = None
         # whether this layer stores K/V here (layer_reuse), as CausalCache keeps it
         self._put_layer = self._storage_layers[layer] \
             if self.config.owner_layer(layer) == layer else -1
@@ -332,13 +333,12 @@ class StreamCache(CausalCache):
         n_kv_heads, v_head_dim]`` (batch order) for the current layer, each token into its
         sequence's stream."""
         fwd = self._require_forward("put")
-        bit = 1 << self._layer
-        if fwd.written & bit:
+        if self._put_in is fwd:
             raise second_put_error(self._layer)
         if self._put_layer < 0:
             raise no_put_error(self.config, self._layer)
         k, v = self._batch_kv(key, value, len(fwd.token_order))
-        fwd.written |= bit
+        self._put_in = fwd
         if fwd.reserve:
             return
         for b, s in enumerate(fwd.seq_ids.tolist()):

@@ -126,6 +126,8 @@ def test_second_put_for_a_layer_is_refused(kind):
     assert _everything(c) == before
     c.set_layer(1)
     c.put(kv, kv)                      # the next layer is fine
+    c.set_layer(0)
+    c.put(3 * kv, 3 * kv)              # set_layer again: an overwrite on purpose
     c.start_forward([2], [0])          # a new pass writes every layer again
     c.set_layer(0)
     c.put(kv[:1], kv[:1])
