@@ -12,18 +12,20 @@ from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
-from .causal import (UNLIMITED, CausalCache, PathLike, _check_index, check_batch,
-                     check_shared_shift, host_int_array)
+from ._inputs import UNLIMITED, check_batch, host_int_array
+from ._inputs import check_index as _check_index
+from .causal import CausalCache, PathLike, check_shared_shift
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
+from .state.files import StateMethods
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
 
 
 @one_thread_at_a_time
-class WrapperCache:
+class WrapperCache(StateMethods):
     """One ``CausalCache`` per layer group; every operation fans out to all of them, all or
     nothing (cell tables and K/V: keys a failed ``remove`` already re-rotated in one group come
     back bit-exact), and ``set_layer`` picks the group (and the layer inside it). One thread at
@@ -239,45 +241,14 @@ class WrapperCache:
 
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save every group cache (``seq=None``) or one sequence of each to a safetensors file,
-        atomically (``numbakv.state``, kind ``wrapper`` / ``wrapper-seq``)."""
-        from . import state
-        state.save(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    _STATE_IO = "wrapper"
 
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
-                    metadata: Optional[dict] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What ``save_state`` writes, as bytes."""
-        from . import state
-        return state.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what ``save_state`` wrote into every group, all or nothing (``strict`` as in
-        ``CausalCache.load_state``, per group). Returns the saved tokens and metadata."""
-        from . import state
-        out = state.load(path, self, seq, strict=strict, progress=progress)[1]
-        self._end_forwards()
-        return out
-
-    def _end_forwards(self) -> None:
+    def _after_state_load(self) -> None:
         """A state load ends every group's forward pass (a stream cache keeps its own beside its
         streams')."""
         for cache in self.caches:
             cache._forward = None
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """Load ``state_bytes`` output (see ``load_state``)."""
-        from . import state
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
-        out = state.load(data, self, seq, strict=strict, progress=progress)[1]
-        self._end_forwards()
-        return out
 
 
 def _check_groupable(caches: List[CausalCache], same_layers: bool) -> None:
@@ -343,7 +314,8 @@ class EncoderCache:
 
     @property
     def encoder_cached(self) -> bool:
-        """True when encoder output is stored for every layer."""
+        """True when encoder output is stored for every layer (Ollama's ``EncoderCached()``: a
+        runner asks it to skip the encoder; public although the cache itself never needs it)."""
         return self.encoder_len > 0 and bool(self._layers_written.all())
 
     def start_forward(self, positions, seqs, reserve: bool = False, *,
