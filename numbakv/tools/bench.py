@@ -21,6 +21,8 @@ Three sections, all measured in one run on one device with one dtype and one set
   from 4k to 128k cells: it should stay flat.
 * **Sequence operations** (``--sections seqops``, not in the default run): see
   ``numbakv/tools/bench_seqops.py``.
+* **shared_shift="copy"** (``--sections fidelity``, not in the default run): see
+  ``numbakv/tools/bench_fidelity.py``.
 
 Baselines that are not installed (torch, transformers, matplotlib for the plot) are skipped with
 a note, never replaced by something else.
@@ -44,7 +46,8 @@ _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
-SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams")
+SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
+            "fidelity")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1270,6 +1273,9 @@ def format_report(results: dict) -> str:
         lines += ["", format_section(results)]
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
+    if results.get("fidelity"):
+        from .bench_fidelity import format_section as format_fidelity
+        lines += ["", format_fidelity(results["fidelity"])]
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
@@ -1451,6 +1457,10 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "streams" in s.sections:
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
+    if "fidelity" in s.sections:           # numbakv/tools/bench_fidelity.py
+        log("shared_shift='copy' ...")
+        from .bench_fidelity import run as run_fidelity
+        results["fidelity"] = run_fidelity(device=dev.name)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
