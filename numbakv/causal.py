@@ -38,6 +38,15 @@ if TYPE_CHECKING:  # pragma: no cover
 PathLike = Union[str, os.PathLike]   # a file path
 
 
+class _NeedRoom(KVCacheFullError):
+    """No contiguous run of free cells for a batch, raised (nothing changed) instead of a defrag
+    when the cache has a room provider to ask first (see ``CausalCache._room_provider``)."""
+
+    def __init__(self, message: str, cells: int) -> None:
+        super().__init__(message)
+        self.cells = cells
+
+
 @dataclass
 class _Forward:
     """The forward pass in progress (from ``start_forward`` to the next one)."""
@@ -111,6 +120,12 @@ class CausalCache(StateMethods):
             the window is an error; memory >= capacity keeps everything.
         chunk_size: chunked attention ``C``: a token at ``p`` sees ``p - p % C .. p``.
     """
+
+    #: called as ``provider(n_cells)`` when a batch of ``n_cells`` tokens finds no contiguous
+    #: run of free cells, before the cache defragments or raises ``KVCacheFullError``: a prefix
+    #: store (``numbakv.prefix.PrefixStore``) sets it to evict the prefixes it keeps in cells.
+    #: None (the default): placement is exactly Ollama's.
+    _room_provider: Optional[Callable[[int], Any]] = None
 
     #: the class that serves ``CacheConfig(unified=False)`` (``streams.StreamCache`` registers
     #: itself here: an outer module, so this one never imports it)
@@ -201,14 +216,23 @@ class CausalCache(StateMethods):
         pinned buffer, synchronising that stream only; while that stream captures a CUDA graph
         they must be host arrays (``ValueError``, nothing changed): the bookkeeping is on the host.
         """
-        undo = self._place(positions, seqs, reserve)
+        provider = self._room_provider
+        try:
+            undo = self._place(positions, seqs, reserve, ask_room=provider is not None)
+        except _NeedRoom as need:
+            # a prefix store holds cells: let it evict (demoting what it can) before the
+            # Ollama path (defrag, then KVCacheFullError). What it evicted stays evicted if
+            # this pass still fails: those were the store's cached prefixes, not the caller's.
+            provider(need.cells)
+            undo = self._place(positions, seqs, reserve)
         try:
             self._finish_forward(undo)
         except BaseException:
             self._undo(undo)      # e.g. a shift function that failed: nothing placed, no leak
             raise
 
-    def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> "_Undo":
+    def _place(self, positions, seqs, reserve: bool, undoable: bool = False,
+               ask_room: bool = False) -> "_Undo":
         """The metadata half of start_forward; returns what ``_undo`` needs to take it back (a
         WrapperCache does when a sibling cache fails).
 
@@ -217,7 +241,10 @@ class CausalCache(StateMethods):
         back (block moves copy, so the source rows still hold their data); the K/V of the cells
         a defrag writes over (evicted ones among them) are kept aside first, so undoing the
         eviction gets each (sequence, position) its own K/V back. ``undoable`` is kept for
-        callers that will call ``_undo``; every pass can be undone."""
+        callers that will call ``_undo``; every pass can be undone. ``ask_room``: when no
+        contiguous run of free cells holds the batch, raise ``_NeedRoom`` (nothing changed)
+        instead of defragmenting, so the caller can ask its room provider (a prefix store)
+        first."""
         self._check_open()
         if not isinstance(reserve, (bool, np.bool_)):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
@@ -238,6 +265,8 @@ class CausalCache(StateMethods):
             range_window = -1 if self._memory == UNLIMITED else self._window
             lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
             if start < 0:
+                if ask_room:
+                    raise _NeedRoom(f"no contiguous run of {batch} free cells", batch)
                 if self.cells.n_used + batch > self.n_cells:
                     raise KVCacheFullError(
                         f"no room for a batch of {batch} tokens: {self.cells.n_used} of "

@@ -14,7 +14,7 @@ from ._guard import one_thread_at_a_time
 from ._memory import check_memory
 from ._inputs import UNLIMITED, check_batch, host_int_array
 from ._inputs import check_index as _check_index
-from .causal import CausalCache, PathLike
+from .causal import CausalCache, PathLike, _NeedRoom
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
@@ -80,10 +80,23 @@ class WrapperCache(StateMethods):
         if any of them fails (e.g. ``KVCacheFullError``), each one's undo log takes back what it
         did (evictions, defrags and key rotations included), so every (sequence, position) keeps
         its own K/V."""
+        provider = self._room_provider
+        try:
+            self._start_forward(positions, seqs, reserve, provider is not None)
+        except _NeedRoom as need:
+            # a prefix store holds cells: it evicts first (see CausalCache._room_provider)
+            provider(need.cells)
+            self._start_forward(positions, seqs, reserve, False)
+
+    #: as ``CausalCache._room_provider``, for the wrapper as a whole (its caches' stay None)
+    _room_provider = None
+
+    def _start_forward(self, positions, seqs, reserve: bool, ask_room: bool) -> None:
         undos: List[Tuple[CausalCache, object]] = []
         try:
             for cache in self.caches:
-                undos.append((cache, cache._place(positions, seqs, reserve, undoable=True)))
+                undos.append((cache, cache._place(positions, seqs, reserve, undoable=True,
+                                                  ask_room=ask_room)))
             for cache, undo in undos:
                 cache._finish_forward(undo)
         except BaseException:
