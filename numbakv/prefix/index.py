@@ -117,13 +117,14 @@ class BlockIndex:
         self.tier_rank = tier_rank or {"cells": 0, "host": 1}
 
     # ------------------------------------------------------------------ matching
-    def walk(self, root: bytes, buf: bytes) -> Tuple[List[Node], int, Optional[Node]]:
-        """``(full path, tokens matched, partial node)``: the nodes whose whole block matches
-        ``buf`` from the start, how many tokens match in all, and the node the match ends
-        inside (None when it ends on a node boundary)."""
+    def walk(self, root: bytes, buf: bytes) -> Tuple[List[Node], int, List[Node]]:
+        """``(full path, tokens matched, partial nodes)``: the nodes whose whole block matches
+        ``buf`` from the start, how many tokens match in all, and the children the match ends
+        inside (every one sharing the most tokens with the next block: a full block and a
+        tail may tie; empty when the match ends on a node boundary)."""
         node = self.roots.get(root)
         if node is None:
-            return [], 0, None
+            return [], 0, []
         path: List[Node] = []
         width = self.width
         pos, size = 0, len(buf)
@@ -138,12 +139,15 @@ class BlockIndex:
             pos += width
         matched = pos // _TOKEN
         rest = buf[pos:pos + width]
-        best, best_n = None, 0
+        best: List[Node] = []
+        best_n = 0
         if rest:
             for cand in node.by_first.get(rest[:_TOKEN], ()):
                 k = _common_tokens(cand.tok, rest)
                 if k > best_n:
-                    best, best_n = cand, k
+                    best, best_n = [cand], k
+                elif k == best_n and k:
+                    best.append(cand)
         return path, matched + best_n, best
 
     def match(self, root: bytes, buf: bytes) -> Match:
@@ -151,40 +155,45 @@ class BlockIndex:
         and the best entry to serve it (the lowest tier rank, then the shortest entry). O(prompt
         blocks) without sliding windows; with them, entries of the path are checked against
         their ``floor`` too."""
-        path, n_tok, partial = self.walk(root, buf)
+        path, n_tok, partials = self.walk(root, buf)
         if n_tok == 0:
             return Match(0, None, path, 0)
-        deepest = partial if partial is not None else path[-1]
+        deepest = partials if partials else [path[-1]]
         rank = self.tier_rank
         best: Optional[Entry] = None
-        for e in deepest.entries.values():   # every one of them covers n_tok tokens
-            if e.floor <= n_tok and (best is None or (rank[e.tier], e.length) <
-                                     (rank[best.tier], best.length)):
-                best = e
-        full_path = path + ([partial] if partial is not None else [])
+        for node in deepest:
+            for e in node.entries.values():   # every one of them covers n_tok tokens
+                if e.floor <= n_tok and (best is None or (rank[e.tier], e.length) <
+                                         (rank[best.tier], best.length)):
+                    best = e
+        full_path = path + partials[:1]
         if best is not None:
             return Match(n_tok, best, full_path, n_tok)
         # sliding windows: the deepest length some entry can still resume at. Nodes deepest
-        # first; an entry is judged at the deepest node it covers (it shares the query's
-        # tokens up to that node's end, or to n_tok at the last node)
+        # first; an entry is judged at the deepest node of the query's path it covers: it
+        # shares the query's tokens up to that node's end (n_tok at the partial nodes), plus
+        # what its next block shares with the query's next block
         best_n = 0
         seen = set()
-        last = len(full_path) - 1
-        for i in range(last, -1, -1):
-            node = full_path[i]
-            node_n = n_tok if i == last else node.end
-            if best_n >= node_n:
+        levels = ([(len(path), n_tok, partials)] if partials else []) + \
+            [(i, node.end, [node]) for i, node in reversed(list(enumerate(path)))]
+        for i, node_n, nodes in levels:
+            if best_n >= node_n + (self.block_tokens if i < len(path) else 0):
                 break
-            for e in node.entries.values():
-                if e.id in seen:
-                    continue
-                seen.add(e.id)
-                c = min(e.length, node_n)
-                if e.floor > c:
-                    continue
-                if c > best_n or (c == best_n and best is not None
-                                  and rank[e.tier] < rank[best.tier]):
-                    best, best_n = e, c
+            for node in nodes:
+                for e in node.entries.values():
+                    if e.id in seen:
+                        continue
+                    seen.add(e.id)
+                    c = min(e.length, node_n)
+                    if i < len(path) and e.length > node_n:
+                        nxt = e.path[i + 1]
+                        c = node_n + _common_tokens(nxt.tok, buf[_TOKEN * node_n:])
+                    if e.floor > c:
+                        continue
+                    if c > best_n or (c == best_n and best is not None
+                                      and rank[e.tier] < rank[best.tier]):
+                        best, best_n = e, c
         return Match(best_n, best, full_path, n_tok)
 
     # ------------------------------------------------------------------ entries

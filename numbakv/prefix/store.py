@@ -368,18 +368,20 @@ class PrefixStore:
             for r, _ in pending:
                 self._release_seq(r)
             return 0
-        kept = 0
-        for r, n in pending:   # marked checkpoints: their tokens are known now
+        self._pending[seq] = pending   # main may take one of them when nothing else is free
+        main = self._keep(seq, root, buf)
+        pending = self._pending.pop(seq, [])
+        protect = {main.id} if main is not None else set()
+        for r, n in pending:   # marked checkpoints: their tokens are known now (no new cells)
             if n <= length and self._serves(root, buf[:8 * n]) < n:
-                self._add_cells_entry(root, buf[:8 * n], r)
+                protect.add(self._add_cells_entry(root, buf[:8 * n], r).id)
             else:
                 self._release_seq(r)
-        main = self._keep(seq, root, buf)
         tail = self.checkpoint_tail
         if main is not None and self._sliding and tail and length - tail > 0:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
-                self._keep(seq, root, buf[:8 * c], protect={main.id})
+                self._keep(seq, root, buf[:8 * c], protect=protect)
         return 0 if main is None else length
 
     def checkpoint(self, seq: int) -> int:
