@@ -389,9 +389,14 @@ def test_host_budget_is_hard_and_failed_promotion_keeps_the_entry():
         assert s["bytes_used"] <= one + one // 2
     assert store.match(prompts[-1]) == 20 and store.match(prompts[-2]) == 20
     assert store.match(prompts[0]) == 0
+    assert store.pin(prompts[-1]) == 20                 # its 20 cells cannot be given up
     prefill(cache, 0, list(range(40)))                  # 40 request cells + 20 retained: full
     prefill(cache, 1, [1, 2, 3])
     with pytest.raises(KVCacheFullError):
         store.load(2, prompts[-2])
     assert cache.seq_pos_max(2) == -1
     assert store.match(prompts[-2]) == 20               # still in host RAM
+    assert store.stats()["tiers"]["host"]["entries"] == 1
+    cache.seq_rm(0)                                     # room again: the promotion goes through
+    assert store.load(2, prompts[-2]) == 20
+    check_holds(cache, 2, prompts[-2], 20)

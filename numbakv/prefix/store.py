@@ -115,6 +115,24 @@ def _slice_snapshot(snap, n: int):
                       head_range=snap.head_range)
 
 
+def _owned(snap):
+    """``snap`` with rows of its own: an export may hand out views of the cache's storage
+    (contiguous runs), which later writes to those cells would change. Rows that own their data
+    (gathered) are kept as they are."""
+    def own(a):
+        if isinstance(a, np.ndarray) and a.flags.owndata:
+            return a
+        return a.copy()
+    if all(isinstance(a, np.ndarray) and a.flags.owndata
+           for p in snap.parts for a in (*p.keys, *p.values)):
+        return snap
+    parts = tuple(type(p)(positions=np.array(p.positions, copy=True),
+                          keys=tuple(own(a) for a in p.keys),
+                          values=tuple(own(a) for a in p.values), k_format=p.k_format,
+                          v_format=p.v_format) for p in snap.parts)
+    return type(snap)(parts=parts, fingerprint=snap.fingerprint, head_range=snap.head_range)
+
+
 class PrefixStore:
     """A content-addressed prefix store over ``cache`` (see the module docstring).
 
@@ -608,7 +626,7 @@ class PrefixStore:
         if not others and (self.host_bytes or self._lower) \
                 and callable(getattr(self.cache, "export_seq", None)):
             try:
-                snap = self.cache.export_seq(e.seq, 0, e.length)
+                snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
             except (KVCacheError, ValueError):
                 snap = None   # cannot export (e.g. an unsupported cache): dropped instead
         self._drop_entry(e)
@@ -632,10 +650,12 @@ class PrefixStore:
 
     def _make_room(self, n_cells: int) -> bool:
         """The cache's room provider: evict unpinned cells entries, least recently (or
-        frequently) used first, until every cell group has a contiguous run of ``n_cells`` free
-        cells (or nothing is left to evict). Returns whether anything was evicted."""
+        frequently) used first, until every cell group has ``n_cells`` free cells (or nothing is
+        left to evict). The cache then places the batch, defragmenting if the free cells are
+        not contiguous: moving cached K/V is cheaper than computing it again. Returns whether
+        anything was evicted."""
         def roomy() -> bool:
-            return all(g.cells.find_contiguous(n_cells) >= 0 for g in self._groups)
+            return all(g.cells.n_free >= n_cells for g in self._groups)
         evicted = False
         if roomy():
             return False
