@@ -22,6 +22,8 @@ from __future__ import annotations
 import itertools
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
+
 from .keys import block_digest
 
 _TOKEN = 8   # bytes per token id (int64)
@@ -31,7 +33,7 @@ class Node:
     """One block of a prompt (see the module docstring)."""
 
     __slots__ = ("parent", "tok", "start", "end", "digest", "children", "by_first", "entries",
-                 "tier_count", "__weakref__")
+                 "tier_count", "fp", "fast", "__weakref__")
 
     def __init__(self, parent: Optional["Node"], tok: bytes, start: int, digest: bytes) -> None:
         self.parent = parent
@@ -43,6 +45,8 @@ class Node:
         self.by_first: Dict[bytes, List["Node"]] = {}    # first token's bytes -> children
         self.entries: Dict[int, "Entry"] = {}            # entries covering this node
         self.tier_count: Dict[str, int] = {}             # tier -> entries of it covering this
+        self.fp = None                                   # fingerprint of a full block
+        self.fast: Dict[int, "Node"] = {}                # full children by fingerprint
 
     @property
     def key(self) -> str:
@@ -58,7 +62,7 @@ class Entry:
 
     _ids = itertools.count(1)
     __slots__ = ("id", "tier", "root", "path", "length", "floor", "seq", "payload", "nbytes",
-                 "pins", "hits")
+                 "pins", "hits", "buf")
 
     def __init__(self, tier: str, root: bytes, path: List[Node], *, floor: int = 0,
                  seq: Optional[int] = None, payload: Any = None, nbytes: int = 0) -> None:
@@ -73,9 +77,10 @@ class Entry:
         self.nbytes = nbytes
         self.pins = 0
         self.hits = 0
+        self.buf = b"".join(n.tok for n in path)   # its tokens (int64 LE): one compare checks a walk
 
     def tokens_bytes(self) -> bytes:
-        return b"".join(n.tok for n in self.path)
+        return self.buf
 
     def __repr__(self) -> str:
         return (f"Entry(id={self.id}, tier={self.tier}, length={self.length}, floor={self.floor},"
@@ -94,6 +99,29 @@ class Match:
         self.entry = entry
         self.path = path
         self.tokens_matched = tokens_matched
+
+
+_MULT_CACHE: Dict[int, np.ndarray] = {}
+
+
+def block_fingerprints(buf: bytes, block_tokens: int) -> List[int]:
+    """A 64-bit fingerprint of each full block of ``buf`` (int64-LE tokens), vectorised: the
+    fast path of a walk. Collisions cost a slower walk, never a wrong answer (every fast walk is
+    checked against an entry's tokens with one compare)."""
+    nb = len(buf) // (8 * block_tokens)
+    if nb == 0:
+        return []
+    mult = _MULT_CACHE.get(block_tokens)
+    if mult is None:
+        rng = np.random.default_rng(0x6E6B76)   # fixed: fingerprints are per-process anyway
+        mult = _MULT_CACHE[block_tokens] = (rng.integers(1, 2**63, block_tokens,
+                                                         dtype=np.uint64) | np.uint64(1))
+    toks = np.frombuffer(buf, dtype=np.uint64, count=nb * block_tokens).reshape(nb,
+                                                                                  block_tokens)
+    with np.errstate(over="ignore"):
+        fp = (toks * mult).sum(axis=1, dtype=np.uint64)
+        fp ^= fp >> np.uint64(29)
+    return fp.tolist()
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:
@@ -125,18 +153,23 @@ class BlockIndex:
         node = self.roots.get(root)
         if node is None:
             return [], 0, []
-        path: List[Node] = []
+        path = self._walk_fast(node, buf)
+        if path is None:                       # a fingerprint collision: the exact walk
+            path = []
+            width = self.width
+            pos, size = 0, len(buf)
+            children = node.children
+            while pos + width <= size:
+                child = children.get(buf[pos:pos + width])
+                if child is None or len(child.tok) != width:
+                    break
+                path.append(child)
+                children = child.children
+                pos += width
+        if path:
+            node = path[-1]
         width = self.width
-        pos, size = 0, len(buf)
-        children = node.children
-        while pos + width <= size:
-            child = children.get(buf[pos:pos + width])
-            if child is None or len(child.tok) != width:
-                break
-            path.append(child)
-            node = child
-            children = child.children
-            pos += width
+        pos = len(path) * width
         matched = pos // _TOKEN
         rest = buf[pos:pos + width]
         best: List[Node] = []
@@ -149,6 +182,23 @@ class BlockIndex:
                 elif k == best_n and k:
                     best.append(cand)
         return path, matched + best_n, best
+
+    def _walk_fast(self, node: Node, buf: bytes) -> Optional[List[Node]]:
+        """The full-block path by fingerprints, checked with one compare against the tokens of
+        an entry covering its end; None when the check fails (a collision)."""
+        path: List[Node] = []
+        for fp in block_fingerprints(buf, self.block_tokens):
+            child = node.fast.get(fp)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        if not path:
+            return path
+        n = _TOKEN * path[-1].end
+        for e in path[-1].entries.values():
+            return path if e.buf[:n] == buf[:n] else None
+        return None
 
     def match(self, root: bytes, buf: bytes) -> Match:
         """The longest prefix of the prompt ``buf`` (int64-LE token bytes) some entry can serve,
@@ -212,6 +262,9 @@ class BlockIndex:
                              block_digest(node.digest, chunk, len(chunk) == width))
                 node.children[chunk] = child
                 node.by_first.setdefault(chunk[:_TOKEN], []).append(child)
+                if len(chunk) == width:
+                    child.fp = block_fingerprints(chunk, self.block_tokens)[0]
+                    node.fast.setdefault(child.fp, child)   # a collision keeps the first
             path.append(child)
             node = child
         return path
@@ -260,6 +313,12 @@ class BlockIndex:
             return
         if parent.children.get(node.tok) is node:
             del parent.children[node.tok]
+            if node.fp is not None and parent.fast.get(node.fp) is node:
+                del parent.fast[node.fp]
+                for other in parent.children.values():   # a colliding sibling takes its place
+                    if other.fp == node.fp:
+                        parent.fast[node.fp] = other
+                        break
             lst = parent.by_first.get(node.tok[:_TOKEN])
             if lst is not None:
                 lst.remove(node)
