@@ -400,3 +400,23 @@ def test_host_budget_is_hard_and_failed_promotion_keeps_the_entry():
     cache.seq_rm(0)                                     # room again: the promotion goes through
     assert store.load(2, prompts[-2]) == 20
     check_holds(cache, 2, prompts[-2], 20)
+
+
+# ---------------------------------------------------------------------- hf.attach chat
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_chat_through_the_store_matches_a_chat_without_it(family):
+    """A 3-turn chat on a tiny model through hf.attach: from turn 2 on nearly the whole prompt
+    comes from the store (Gemma 3: sliding + full layers), and every logit equals the same chat
+    without the store up to float32 rounding."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from numbakv.tools import bench_prefix as bp
+    model = bp.tiny_gemma3(layers=6, hidden=64, window=8) if family == "gemma3" \
+        else bp.tiny_llama(layers=2, hidden=64)
+    rows, with_store, stats = bp.chat(model, turns=3, system=48, user=3, reply=3)
+    _, without, _ = bp.chat(model, turns=3, system=48, user=3, reply=3, use_store=False)
+    for r in rows[1:]:
+        assert r["reused"] >= r["prompt"] - 5, rows
+    for a, b in zip(with_store, without):
+        assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+    assert stats["tiers"]["cells"]["hits"] == 2 and stats["tokens_reused"] > 0

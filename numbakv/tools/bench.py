@@ -44,7 +44,8 @@ _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
-SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams")
+SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
+            "prefix")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1270,6 +1271,9 @@ def format_report(results: dict) -> str:
         lines += ["", format_section(results)]
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
+    if results.get("prefix"):
+        from .tools.bench_prefix import format_prefix
+        lines += ["", format_prefix(results["prefix"])]
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
@@ -1451,6 +1455,9 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "streams" in s.sections:
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
+    if "prefix" in s.sections:      # numbakv/tools/bench_prefix.py (CPU figures)
+        from .tools.bench_prefix import run_prefix
+        results["prefix"] = run_prefix(s.quick, log)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
