@@ -33,7 +33,7 @@ class Node:
     """One block of a prompt (see the module docstring)."""
 
     __slots__ = ("parent", "tok", "start", "end", "digest", "children", "by_first", "entries",
-                 "tier_count", "fp", "fast", "__weakref__")
+                 "tier_count", "fp", "fast", "h", "__weakref__")
 
     def __init__(self, parent: Optional["Node"], tok: bytes, start: int, digest: bytes) -> None:
         self.parent = parent
@@ -47,6 +47,7 @@ class Node:
         self.tier_count: Dict[str, int] = {}             # tier -> entries of it covering this
         self.fp = None                                   # fingerprint of a full block
         self.fast: Dict[int, "Node"] = {}                # full children by fingerprint
+        self.h = 0                                       # prefix hash of full-block paths
 
     @property
     def key(self) -> str:
@@ -89,16 +90,36 @@ class Entry:
 
 class Match:
     """What :meth:`BlockIndex.match` found: ``n`` tokens servable by ``entry`` (None when
-    ``n == 0``), and ``path``: the nodes of the query's prefix the index holds (full blocks, then
-    the node the last partial match was in)."""
+    ``n == 0``), ``tokens_matched`` (the token match before windows), and ``path``: the nodes of
+    the query's prefix the index holds (full blocks, then the node the last partial match was
+    in), built on first use."""
 
-    __slots__ = ("n", "entry", "path", "tokens_matched")
+    __slots__ = ("n", "entry", "_path", "_end", "_partial", "tokens_matched")
 
-    def __init__(self, n: int, entry: Optional[Entry], path: List[Node], tokens_matched: int):
+    def __init__(self, n: int, entry: Optional[Entry], end: Optional["Node"],
+                 partial: Optional["Node"], tokens_matched: int):
         self.n = n
         self.entry = entry
-        self.path = path
+        self._end = end
+        self._partial = partial
+        self._path = None
         self.tokens_matched = tokens_matched
+
+    @property
+    def path(self) -> List["Node"]:
+        if self._path is None:
+            self._path = _path_to(self._end) + ([self._partial] if self._partial else [])
+        return self._path
+
+
+def _path_to(node: Optional["Node"]) -> List["Node"]:
+    """The nodes from the root's child down to ``node`` (root excluded)."""
+    out: List[Node] = []
+    while node is not None and node.parent is not None:
+        out.append(node)
+        node = node.parent
+    out.reverse()
+    return out
 
 
 _MULT_CACHE: Dict[int, np.ndarray] = {}
@@ -124,6 +145,34 @@ def block_fingerprints(buf: bytes, block_tokens: int) -> List[int]:
     return fp.tolist()
 
 
+_POW: np.ndarray = np.zeros(0, np.uint64)
+_P = 0x9E3779B97F4A7C15
+
+
+def _powers(n: int) -> np.ndarray:
+    """``P**j`` mod 2**64 for j < n (the rolling prefix hash's weights)."""
+    global _POW
+    if len(_POW) < n:
+        size = max(n, 2 * len(_POW), 1024)
+        out = np.empty(size, np.uint64)
+        acc = 1
+        for j in range(size):
+            out[j] = acc
+            acc = (acc * _P) & 0xFFFFFFFFFFFFFFFF
+        _POW = out
+    return _POW[:n]
+
+
+def prefix_hashes(fps: List[int]) -> List[int]:
+    """The rolling hash of every full-block prefix: ``H_i = sum_{j <= i} fp_j * P**j`` mod
+    2**64 (vectorised; collisions only cost the exact walk)."""
+    if not fps:
+        return []
+    f = np.asarray(fps, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return np.cumsum(f * _powers(len(f)), dtype=np.uint64).tolist()
+
+
 def _common_tokens(a: bytes, b: bytes) -> int:
     """Leading whole tokens two int64-LE byte strings share."""
     n = min(len(a), len(b)) // _TOKEN
@@ -142,35 +191,37 @@ class BlockIndex:
         self.width = _TOKEN * block_tokens
         self.roots: Dict[bytes, Node] = {}
         self.entries: Dict[int, Entry] = {}
+        #: (root, depth in full blocks, rolling prefix hash) -> node: the walk's binary search
+        self.deep: Dict[Tuple[bytes, int, int], Node] = {}
         self.tier_rank = tier_rank or {"cells": 0, "host": 1}
 
     # ------------------------------------------------------------------ matching
-    def walk(self, root: bytes, buf: bytes) -> Tuple[List[Node], int, List[Node]]:
-        """``(full path, tokens matched, partial nodes)``: the nodes whose whole block matches
-        ``buf`` from the start, how many tokens match in all, and the children the match ends
-        inside (every one sharing the most tokens with the next block: a full block and a
-        tail may tie; empty when the match ends on a node boundary)."""
-        node = self.roots.get(root)
-        if node is None:
-            return [], 0, []
-        path = self._walk_fast(node, buf)
-        if path is None:                       # a fingerprint collision: the exact walk
-            path = []
+    def walk(self, root: bytes, buf: bytes) -> Tuple[Optional[Node], int, List[Node]]:
+        """``(deepest full node, tokens matched, partial nodes)``: the deepest node whose whole
+        path of full blocks matches ``buf`` from the start (None: not even the first block),
+        how many tokens match in all, and the children the match ends inside (every one sharing
+        the most tokens with the next block: a full block and a tail may tie; empty when the
+        match ends on a node boundary)."""
+        rnode = self.roots.get(root)
+        if rnode is None:
+            return None, 0, []
+        end = self._deepest_fast(root, buf)
+        if end is False:                       # a hash collision: the exact walk
+            end = None
             width = self.width
             pos, size = 0, len(buf)
-            children = node.children
+            children = rnode.children
             while pos + width <= size:
                 child = children.get(buf[pos:pos + width])
                 if child is None or len(child.tok) != width:
                     break
-                path.append(child)
+                end = child
                 children = child.children
                 pos += width
-        if path:
-            node = path[-1]
+        node = end if end is not None else rnode
         width = self.width
-        pos = len(path) * width
-        matched = pos // _TOKEN
+        pos = _TOKEN * node.end
+        matched = node.end
         rest = buf[pos:pos + width]
         best: List[Node] = []
         best_n = 0
@@ -181,34 +232,39 @@ class BlockIndex:
                     best, best_n = [cand], k
                 elif k == best_n and k:
                     best.append(cand)
-        return path, matched + best_n, best
+        return end, matched + best_n, best
 
-    def _walk_fast(self, node: Node, buf: bytes) -> Optional[List[Node]]:
-        """The full-block path by fingerprints, checked with one compare against the tokens of
-        an entry covering its end; None when the check fails (a collision)."""
-        path: List[Node] = []
-        for fp in block_fingerprints(buf, self.block_tokens):
-            child = node.fast.get(fp)
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        if not path:
-            return path
-        n = _TOKEN * path[-1].end
-        for e in path[-1].entries.values():
-            return path if e.buf[:n] == buf[:n] else None
-        return None
+    def _deepest_fast(self, root: bytes, buf: bytes):
+        """The deepest full-block node of ``buf``'s path, by a binary search over the rolling
+        prefix hashes of its blocks (O(log blocks) dict look-ups after one vectorised pass),
+        checked with one compare against the tokens of an entry covering it. None: no block
+        matches; False: the check failed (a collision), use the exact walk."""
+        hashes = prefix_hashes(block_fingerprints(buf, self.block_tokens))
+        deep = self.deep
+        lo, hi = 0, len(hashes)        # depths 1..lo exist; find the largest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (root, mid, hashes[mid - 1]) in deep:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return None
+        node = deep[(root, lo, hashes[lo - 1])]
+        n = _TOKEN * node.end
+        for e in node.entries.values():
+            return node if e.buf[:n] == buf[:n] else False
+        return False
 
     def match(self, root: bytes, buf: bytes) -> Match:
         """The longest prefix of the prompt ``buf`` (int64-LE token bytes) some entry can serve,
         and the best entry to serve it (the lowest tier rank, then the shortest entry). O(prompt
         blocks) without sliding windows; with them, entries of the path are checked against
         their ``floor`` too."""
-        path, n_tok, partials = self.walk(root, buf)
+        end, n_tok, partials = self.walk(root, buf)
         if n_tok == 0:
-            return Match(0, None, path, 0)
-        deepest = partials if partials else [path[-1]]
+            return Match(0, None, None, None, 0)
+        deepest = partials if partials else [end]
         rank = self.tier_rank
         best: Optional[Entry] = None
         for node in deepest:
@@ -216,9 +272,9 @@ class BlockIndex:
                 if e.floor <= n_tok and (best is None or (rank[e.tier], e.length) <
                                          (rank[best.tier], best.length)):
                     best = e
-        full_path = path + partials[:1]
         if best is not None:
-            return Match(n_tok, best, full_path, n_tok)
+            return Match(n_tok, best, end, partials[0] if partials else None, n_tok)
+        path = _path_to(end)
         # sliding windows: the deepest length some entry can still resume at. Nodes deepest
         # first; an entry is judged at the deepest node of the query's path it covers: it
         # shares the query's tokens up to that node's end (n_tok at the partial nodes), plus
@@ -244,7 +300,7 @@ class BlockIndex:
                     if c > best_n or (c == best_n and best is not None
                                       and rank[e.tier] < rank[best.tier]):
                         best, best_n = e, c
-        return Match(best_n, best, full_path, n_tok)
+        return Match(best_n, best, end, partials[0] if partials else None, n_tok)
 
     # ------------------------------------------------------------------ entries
     def insert_path(self, root: bytes, buf: bytes) -> List[Node]:
@@ -265,6 +321,10 @@ class BlockIndex:
                 if len(chunk) == width:
                     child.fp = block_fingerprints(chunk, self.block_tokens)[0]
                     node.fast.setdefault(child.fp, child)   # a collision keeps the first
+                    depth = child.end // self.block_tokens
+                    child.h = (node.h + child.fp * int(_powers(depth)[depth - 1])) \
+                        & 0xFFFFFFFFFFFFFFFF
+                    self.deep.setdefault((root, depth, child.h), child)
             path.append(child)
             node = child
         return path
@@ -313,6 +373,10 @@ class BlockIndex:
             return
         if parent.children.get(node.tok) is node:
             del parent.children[node.tok]
+            if node.fp is not None:
+                key = (self._root_of(node), node.end // self.block_tokens, node.h)
+                if self.deep.get(key) is node:
+                    del self.deep[key]
             if node.fp is not None and parent.fast.get(node.fp) is node:
                 del parent.fast[node.fp]
                 for other in parent.children.values():   # a colliding sibling takes its place
@@ -327,8 +391,14 @@ class BlockIndex:
         if parent.parent is None and not parent.children:
             self.roots.pop(parent.digest, None)
 
+    def _root_of(self, node: Node) -> bytes:
+        while node.parent is not None:
+            node = node.parent
+        return node.digest
+
     def clear(self) -> List[Entry]:
         out = list(self.entries.values())
+        self.deep.clear()
         self.roots.clear()
         self.entries.clear()
         return out

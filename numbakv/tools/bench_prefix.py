@@ -137,6 +137,7 @@ def _torch():
     import torch
     torch.set_flush_denormal(True)   # denormal exp() in attention (see NOTES)
     torch.set_grad_enabled(False)
+    torch.set_num_threads(1)         # both sides alike, and no oversubscription of shared cores
     return torch
 
 
