@@ -129,9 +129,11 @@ def block_fingerprints(buf: bytes, block_tokens: int) -> List[int]:
     """A 64-bit fingerprint of each full block of ``buf`` (int64-LE tokens), vectorised: the
     fast path of a walk. Collisions cost a slower walk, never a wrong answer (every fast walk is
     checked against an entry's tokens with one compare)."""
+    return _fingerprints(buf, block_tokens).tolist()
+
+
+def _fingerprints(buf: bytes, block_tokens: int) -> np.ndarray:
     nb = len(buf) // (8 * block_tokens)
-    if nb == 0:
-        return []
     mult = _MULT_CACHE.get(block_tokens)
     if mult is None:
         rng = np.random.default_rng(0x6E6B76)   # fixed: fingerprints are per-process anyway
@@ -142,7 +144,7 @@ def block_fingerprints(buf: bytes, block_tokens: int) -> List[int]:
     with np.errstate(over="ignore"):
         fp = (toks * mult).sum(axis=1, dtype=np.uint64)
         fp ^= fp >> np.uint64(29)
-    return fp.tolist()
+    return fp
 
 
 _POW: np.ndarray = np.zeros(0, np.uint64)
@@ -163,14 +165,13 @@ def _powers(n: int) -> np.ndarray:
     return _POW[:n]
 
 
-def prefix_hashes(fps: List[int]) -> List[int]:
+def prefix_hashes(fps: np.ndarray) -> List[int]:
     """The rolling hash of every full-block prefix: ``H_i = sum_{j <= i} fp_j * P**j`` mod
     2**64 (vectorised; collisions only cost the exact walk)."""
-    if not fps:
+    if not len(fps):
         return []
-    f = np.asarray(fps, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        return np.cumsum(f * _powers(len(f)), dtype=np.uint64).tolist()
+        return np.cumsum(fps * _powers(len(fps)), dtype=np.uint64).tolist()
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:
@@ -239,7 +240,7 @@ class BlockIndex:
         prefix hashes of its blocks (O(log blocks) dict look-ups after one vectorised pass),
         checked with one compare against the tokens of an entry covering it. None: no block
         matches; False: the check failed (a collision), use the exact walk."""
-        hashes = prefix_hashes(block_fingerprints(buf, self.block_tokens))
+        hashes = prefix_hashes(_fingerprints(buf, self.block_tokens))
         deep = self.deep
         lo, hi = 0, len(hashes)        # depths 1..lo exist; find the largest
         while lo < hi:
