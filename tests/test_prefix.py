@@ -223,6 +223,12 @@ def test_extension_reuses_the_entry_one_per_conversation():
         assert n == (0 if i == 0 else len(turn) - 5)
         turn = turn + [50 + i] * 5
     assert len(store.index.entries) == 1
+    ev = store.take_events()
+    stored = [e for e in ev if e["type"] == "BlockStored"]
+    removed = [e for e in ev if e["type"] == "BlockRemoved"]
+    assert len(stored) == 4                                    # each turn's new blocks only
+    assert all(len(e["block_hashes"]) == 1 for e in removed)   # the old partial tail only
+    assert sum(len(e["token_ids"]) for e in stored) >= 25
 
 
 def test_lfu_policy_keeps_the_frequent_entry():

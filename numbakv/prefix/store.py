@@ -556,12 +556,15 @@ class PrefixStore:
                 if reuse is not None:
                     break
         if reuse is not None:
-            r = reuse.seq
+            # the longer prefix first, then the shorter entry goes: its blocks stay covered
+            # (no removed/stored event pair for them)
+            self.cache.copy_prefix(seq, reuse.seq, n)
+            entry = self._add_cells_entry(root, buf, reuse.seq)
             self._drop_entry(reuse)
-        else:
-            r = self._take_seq(protect=protect)
-            if r is None:
-                return None
+            return entry
+        r = self._take_seq(protect=protect)
+        if r is None:
+            return None
         try:
             self.cache.copy_prefix(seq, r, n)
         except BaseException:
@@ -709,7 +712,7 @@ class PrefixStore:
         try:
             return self.cache.import_seq(seq, snap)
         except KVCacheFullError:
-            self._make_room(len(snap.parts[0].positions))
+            self._make_room(max(len(p.positions) for p in snap.parts))
             return self.cache.import_seq(seq, snap)
 
     def _promote(self, seq: int, root: bytes, buf: bytes, source: Optional[Entry]) -> None:
