@@ -426,3 +426,119 @@ def test_chat_through_the_store_matches_a_chat_without_it(family):
     for a, b in zip(with_store, without):
         assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
     assert stats["tiers"]["cells"]["hits"] == 2 and stats["tokens_reused"] > 0
+
+
+def test_cache_false_skips_the_write_and_drops_marked_checkpoints():
+    cache = small_cache(swa_window=8)
+    store = PrefixStore(cache, retain_seqs=[2, 3], block_tokens=4)
+    toks = list(range(40))
+    prefill(cache, 0, toks[:20], chunk=10)
+    assert store.checkpoint(0) == 20 and cache.seq_pos_max(3) == 19
+    prefill(cache, 0, toks, start=20, chunk=10)
+    assert store.save(0, toks, cache=False) == 0
+    assert store.match(toks) == 0 and not store.index.entries
+    assert cache.seq_pos_max(2) == cache.seq_pos_max(3) == -1     # the checkpoint's cells freed
+
+
+@needs_snapshot
+def test_wrapper_cache_tier1_round_trip_keeps_windows():
+    cache = wrapper_cache(max_seqs=3, window=8, capacity=64)
+    store = PrefixStore(cache, retain_seqs=[2], block_tokens=4, host_bytes=1 << 20)
+    a, b = list(range(500, 540)), list(range(600, 630))
+    for toks in (a, b):
+        prefill(cache, 0, toks, chunk=10)
+        store.save(0, toks)
+        cache.seq_rm(0)
+    s = store.stats()["tiers"]
+    assert s["host"]["entries"] == 1 and s["cells"]["entries"] == 1   # a was demoted
+    assert store.match(a + [1]) == 40 and store.match(a[:30]) == 0    # only its end's window
+    assert store.load(1, a + [7]) == 40
+    check_holds(cache, 1, a, 40)
+    assert cache.can_resume(1, 40)
+    prefill(cache, 1, a + [7], start=40)
+
+
+class _MemoryTier:
+    """A byte tier held in a dict, following the ByteTier protocol of the tiers package: the
+    store's wiring to the lower tiers (runs written on host eviction, one find + one read per
+    load, corrupt bytes reported) checked without a disk or server."""
+
+    name = "disk"
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.runs, self.ptr = budget, {}, {}
+        self.invalid = self.finds = self.reads = 0
+
+    def find_blocks(self, keys):
+        self.finds += 1
+        return [self.ptr.get(k) for k in keys]
+
+    def read_runs(self, run_keys):
+        self.reads += 1
+        return [self.runs.get(k) for k in run_keys]
+
+    def write_run(self, run_key, block_keys, data):
+        if len(data) > self.budget:
+            return False
+        self.runs[run_key] = bytes(data)
+        for i, k in enumerate(block_keys):
+            self.ptr[k] = (run_key, i)
+        return True
+
+    def remove_run(self, run_key):
+        self.runs.pop(run_key, None)
+        self.ptr = {k: v for k, v in self.ptr.items() if v[0] != run_key}
+
+    def report_invalid(self, run_key):
+        self.invalid += 1
+        self.remove_run(run_key)
+
+    def clear(self):
+        n = len(self.runs)
+        self.runs.clear()
+        self.ptr.clear()
+        return n
+
+    def stats(self):
+        used = sum(map(len, self.runs.values()))
+        return {"bytes_used": used, "bytes_evictable": used, "bytes_pinned": 0,
+                "bytes_free": self.budget - used, "entries": len(self.runs), "hits": 0,
+                "misses": 0, "invalid": self.invalid, "errors": 0, "budget": self.budget}
+
+    def close(self):
+        pass
+
+
+@needs_snapshot
+def test_lower_tier_wiring_write_on_eviction_read_on_miss_and_corrupt_bytes_miss():
+    cache = small_cache(max_seqs=4, capacity=16)
+    one = cache.config.nbytes(20)
+    store = PrefixStore(cache, retain_seqs=[3], block_tokens=4, host_bytes=one)
+    tier = _MemoryTier(1 << 20)
+    store._lower = [tier]
+    store._counts["disk"] = {"hits": 0, "misses": 0}
+    prompts = [list(range(i * 100, i * 100 + 20)) for i in range(3)]
+    for toks in prompts:              # 1 in cells, 1 in host, the oldest written down
+        prefill(cache, 0, toks)
+        store.save(0, toks)
+        cache.seq_rm(0)
+    assert len(tier.runs) == 1 and store.index.match(store._root(None),
+                                                     np.asarray(prompts[0], "<i8").tobytes()).n == 0
+    assert store.match(prompts[0] + [5]) == 20
+    finds = tier.finds
+    assert store.match(prompts[0][:18] + [5]) == 16   # lower tiers: whole blocks (keys)
+    assert store.load(1, prompts[0][:18] + [5]) == 16
+    assert tier.finds == finds + 2 and tier.reads == 1
+    check_holds(cache, 1, prompts[0], 16)
+    cache.seq_rm(1)
+    key = next(iter(tier.runs))
+    tier.runs[key] = tier.runs[key][:-7] + b"garbage"          # corrupt: a miss, reported
+    for e in list(store.index.entries.values()):
+        if e.tokens_bytes()[:8] == np.asarray(prompts[0][:1], "<i8").tobytes():
+            store._drop_entry(e)
+            if e.tier == "host":
+                store.host.remove(e.nbytes)
+            else:
+                store._release_seq(e.seq)
+    assert store.load(1, prompts[0]) == 0 and tier.invalid == 1
+    assert cache.seq_pos_max(1) == -1 and key not in tier.runs
