@@ -542,3 +542,16 @@ def test_lower_tier_wiring_write_on_eviction_read_on_miss_and_corrupt_bytes_miss
                 store._release_seq(e.seq)
     assert store.load(1, prompts[0]) == 0 and tier.invalid == 1
     assert cache.seq_pos_max(1) == -1 and key not in tier.runs
+
+
+@needs_snapshot
+def test_without_retained_sequences_save_goes_to_host_ram():
+    cache = small_cache()
+    store = PrefixStore(cache, block_tokens=4, host_bytes=1 << 20)
+    toks = list(range(30))
+    prefill(cache, 0, toks)
+    assert store.save(0, toks) == 30
+    cache.seq_rm(0)
+    assert cache.n_used == 0 and store.stats()["tiers"]["host"]["entries"] == 1
+    assert store.load(1, toks[:25]) == 25
+    check_holds(cache, 1, toks, 25)

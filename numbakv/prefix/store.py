@@ -140,8 +140,8 @@ class PrefixStore:
         cache: a ``CausalCache`` or ``WrapperCache`` (e.g. ``hf.cache_for``'s).
         retain_seqs: sequence ids of ``cache`` the store may use to keep prefixes in cells
             (tier 0). They must be empty, and are never to be handed to requests
-            (``PromptCache(store=...)`` skips them). Empty: no tier 0 (the store then keeps
-            prefixes only in the lower tiers).
+            (``PromptCache(store=...)`` skips them). Empty: no tier 0 (``save`` then copies
+            the prefix straight to host RAM or the lower tiers).
         block_tokens: tokens per block (key granularity; matching is token granular anyway).
         host_bytes: hard budget of the host-RAM tier (0: no host tier).
         disk_dir, disk_bytes: a directory tier and its budget (``tiers/disk.py``).
@@ -385,6 +385,12 @@ class PrefixStore:
         if not cache or length == 0 or not self.retain_seqs:
             for r, _ in pending:
                 self._release_seq(r)
+            if cache and length and not self.retain_seqs and (self.host_bytes or self._lower) \
+                    and self._serves(root, buf) < length:
+                # no tier 0: straight to host RAM (or the next tier down)
+                snap = _owned(self.cache.export_seq(seq, 0, length))
+                self.bytes_moved += snap.nbytes
+                return length if self._admit_host(root, buf, snap) else 0
             return 0
         self._pending[seq] = pending   # main may take one of them when nothing else is free
         main = self._keep(seq, root, buf)
