@@ -138,6 +138,18 @@ class StoreMachine(RuleBasedStateMachine):
                 check_holds(self.cache, e["seq"], e["tokens"], e["length"])
 
     @invariant()
+    def index_holds_only_covered_blocks(self):
+        """Every block node the index keeps is covered by a live entry (a stale node would
+        shadow a real match)."""
+        stack = list(self.store.index.roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                assert node.entries, "a block no entry covers stayed in the index"
+                assert all(e.id in self.store.index.entries for e in node.entries.values())
+            stack.extend(node.children.values())
+
+    @invariant()
     def budgets(self):
         s = self.store.stats()
         for name, t in s["tiers"].items():

@@ -704,7 +704,11 @@ class PrefixStore:
                 self.host.add(nbytes)
                 self._register(e)
                 return True
-        self._write_lower(self.index.insert_path(root, buf), snap)
+        path = self.index.insert_path(root, buf)     # the block keys (no entry covers them)
+        try:
+            self._write_lower(path, snap)
+        finally:
+            self.index.prune(path)                   # nodes no entry covers leave the index
         return False
 
     def _evict_host(self, e: Entry) -> None:
