@@ -244,8 +244,12 @@ class PromptCache:
         held = len(state.inputs)
         if self.store is not None and cache_prompt and len(prompt) > 1 \
                 and _all_token_ids(prompt):
-            # the store's prefix (keeping one input to evaluate) beats the slots' best?
-            if self.store.match(prompt[:-1]) > num_past:
+            # the store's prefix (keeping one input to evaluate) beats the slots' best? (a
+            # slot prefix a sliding window no longer covers counts as none)
+            usable = min(num_past, len(prompt) - 1)
+            if usable > 0 and not self.cache.can_resume(slot, usable):
+                usable = 0
+            if self.store.match(prompt[:-1]) > usable:
                 return self._load_from_store(state, prompt, held)
         if fork is not None:
             # Share the source's first num_past cells; the slot now holds that prefix.

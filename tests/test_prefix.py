@@ -294,10 +294,11 @@ def test_events_published_over_zmq_loopback():
 
 
 # ---------------------------------------------------------------------- PromptCache
-def test_prompt_cache_loads_from_store_and_saves_on_release():
+@pytest.mark.parametrize("multi_user", [False, True])
+def test_prompt_cache_loads_from_store_and_saves_on_release(multi_user):
     cache = small_cache(max_seqs=5)
     store = PrefixStore(cache, retain_seqs=[2, 3, 4], block_tokens=4)
-    pc = nkv.PromptCache(cache, store=store)
+    pc = nkv.PromptCache(cache, store=store, multi_user=multi_user)
     sys_prompt = list(range(1000, 1040))
 
     def serve(prompt):
