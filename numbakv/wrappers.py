@@ -93,10 +93,11 @@ class WrapperCache(StateMethods):
 
     def _start_forward(self, positions, seqs, reserve: bool, ask_room: bool) -> None:
         undos: List[Tuple[CausalCache, object]] = []
+        extra = {"ask_room": True} if ask_room else {}   # stream caches take no ask_room
         try:
             for cache in self.caches:
                 undos.append((cache, cache._place(positions, seqs, reserve, undoable=True,
-                                                  ask_room=ask_room)))
+                                                  **extra)))
             for cache, undo in undos:
                 cache._finish_forward(undo)
         except BaseException:
