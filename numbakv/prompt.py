@@ -166,8 +166,9 @@ class PromptCache:
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning the time, got {clock!r}")
         if store is not None:
-            from .prefix import PrefixStore
-            if not isinstance(store, PrefixStore):
+            # duck-typed: prefix/ is an outer layer of prompt.py (DESIGN's table)
+            if not all(callable(getattr(store, n, None)) for n in ("match", "load", "save")) \
+                    or not hasattr(store, "retain_seqs"):
                 raise ValueError(f"store must be a numbakv.PrefixStore or None, got "
                                  f"{type(store).__name__}")
             if store.cache is not cache:

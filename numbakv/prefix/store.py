@@ -773,7 +773,7 @@ class PrefixStore:
         return 0, None
 
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
-        from .. import SeqSnapshot   # the snapshot codec (numbakv.state)
+        from ..snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, _) = hit
         data = tier.read_runs([run_key])[0]
         if data is None:
