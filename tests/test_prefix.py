@@ -197,6 +197,10 @@ def test_full_cache_evicts_store_entries_lru_and_never_pinned():
         cache.seq_rm(0)
     assert cache.n_used == 40
     store.pin(b)
+    t = store.stats()["tiers"]["cells"]
+    per_cell = cache.config.nbytes(1)
+    assert (t["bytes_used"], t["bytes_pinned"], t["bytes_evictable"]) == \
+        (40 * per_cell, 20 * per_cell, 20 * per_cell)
     store.match(a)
     prefill(cache, 0, list(range(30)))               # needs 30 cells: only 24 free
     assert store.match(a) == 0 and store.match(b) == 20   # a (LRU, unpinned) went, b stayed
