@@ -560,3 +560,11 @@ def test_without_retained_sequences_save_goes_to_host_ram():
     assert cache.n_used == 0 and store.stats()["tiers"]["host"]["entries"] == 1
     assert store.load(1, toks[:25]) == 25
     check_holds(cache, 1, toks, 25)
+
+
+def test_demo_segment_reuses_from_every_tier_and_checks_rows():
+    from numbakv.tools.demo_prefix import format_prefix_demo, run_prefix_demo
+    res = run_prefix_demo(users=6, turns=3, system=48, message=8, reply=8)
+    t = res["totals"]
+    assert t["cells"] > 0 and t["host"] > 0 and t["computed"] > 0
+    assert "reused" in format_prefix_demo(res)
