@@ -568,3 +568,19 @@ def test_demo_segment_reuses_from_every_tier_and_checks_rows():
     t = res["totals"]
     assert t["cells"] > 0 and t["host"] > 0 and t["computed"] > 0
     assert "reused" in format_prefix_demo(res)
+
+
+@needs_snapshot
+def test_close_writes_local_entries_down_to_the_lower_tiers():
+    cache = small_cache()
+    store = PrefixStore(cache, retain_seqs=[3], block_tokens=4, host_bytes=1 << 20)
+    tier = _MemoryTier(1 << 20)
+    store._lower = [tier]
+    store._counts["disk"] = {"hits": 0, "misses": 0}
+    for toks in (list(range(20)), list(range(50, 70))):
+        prefill(cache, 0, toks)
+        store.save(0, toks)
+        cache.seq_rm(0)
+    assert len(tier.runs) == 0                 # one in cells, one in host RAM
+    store.close()
+    assert len(tier.runs) == 2 and cache.n_used == 0

@@ -515,10 +515,13 @@ class PrefixStore:
         self.events.emit(ev.all_cleared())
 
     def close(self) -> None:
-        """Clear the store's cells and host entries, stop acting as the cache's room provider and
-        close the lower tiers (their stored runs stay for other processes)."""
+        """Write the local entries down to the lower tiers (when configured), clear the store's
+        cells and host entries, stop acting as the cache's room provider and close the lower
+        tiers (their stored runs stay for other processes)."""
         if self._closed:
             return
+        if self._lower and not getattr(self.cache, "closed", False):
+            self._flush_down()
         lower, self._lower = self._lower, []
         try:
             if not getattr(self.cache, "closed", False):
@@ -740,6 +743,20 @@ class PrefixStore:
             self.host.remove(source.nbytes)
 
     # ------------------------------------------------------------------ disk / redis
+    def _flush_down(self) -> None:
+        """Write every local entry the lower tiers may not hold yet (cells, then host) down to
+        them, so a later process finds what this one kept (``close``). Best effort: a tier
+        that refuses (full, down) is skipped, as at any demotion."""
+        for e in sorted(self.index.entries.values(), key=lambda e: -e.length):
+            if e.tier == CELLS:
+                try:
+                    snap = self.cache.export_seq(e.seq, 0, e.length)
+                except (KVCacheError, ValueError):
+                    continue
+            else:
+                snap = e.payload
+            self._write_lower(e.path, snap)
+
     def _write_lower(self, path, snap) -> None:
         if not self._lower or not path:
             return
