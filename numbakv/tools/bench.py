@@ -1272,7 +1272,7 @@ def format_report(results: dict) -> str:
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
     if results.get("prefix"):
-        from .tools.bench_prefix import format_prefix
+        from .bench_prefix import format_prefix
         lines += ["", format_prefix(results["prefix"])]
     targets = results.get("targets", [])
     if targets:
@@ -1456,7 +1456,7 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
     if "prefix" in s.sections:      # numbakv/tools/bench_prefix.py (CPU figures)
-        from .tools.bench_prefix import run_prefix
+        from .bench_prefix import run_prefix
         results["prefix"] = run_prefix(s.quick, log)
 
 
