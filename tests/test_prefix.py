@@ -562,6 +562,7 @@ def test_without_retained_sequences_save_goes_to_host_ram():
     check_holds(cache, 1, toks, 25)
 
 
+@needs_snapshot
 def test_demo_segment_reuses_from_every_tier_and_checks_rows():
     from numbakv.tools.demo_prefix import format_prefix_demo, run_prefix_demo
     res = run_prefix_demo(users=6, turns=3, system=48, message=8, reply=8)
