@@ -245,6 +245,22 @@ class WrapperCache(StateMethods):
         return self.caches[self._current]
 
 
+    # ------------------------------------------------------------------ one sequence's K/V
+    def export_seq(self, seq: int, p0: int = 0, p1: Optional[int] = None, *,
+                   device: bool = False):
+        """One ``numbakv.SeqSnapshot`` of positions ``[p0, p1)`` of ``seq`` with one part per
+        group (a sliding-window group holds only the cells it keeps); see
+        ``CausalCache.export_seq``."""
+        from .state import snapshot
+        return snapshot.export_seq(self, seq, p0, p1, device=device)
+
+    def import_seq(self, seq: int, snap, *, at: Optional[int] = None) -> int:
+        """Import every group's part of ``snap`` for ``seq``, all or nothing (see
+        ``CausalCache.import_seq``); returns the tokens placed in the group that placed the
+        most (a sliding-window group holds only what its window memory kept)."""
+        from .state import snapshot
+        return snapshot.import_seq(self, seq, snap, at=at)
+
     # ------------------------------------------------------------------ state
     # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
     _STATE_IO = "wrapper"

@@ -790,10 +790,7 @@ class PrefixStore:
         return 0, None
 
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
-        try:                                 # the snapshot codec: state/ (DESIGN's home)
-            from ..state.snapshot import SeqSnapshot
-        except ImportError:                  # the snapshot branch as first written
-            from ..snapshot import SeqSnapshot
+        from ..state.snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, _) = hit
         data = tier.read_runs([run_key])[0]
         if data is None:
