@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -51,6 +51,8 @@ from .policy import make_policy
 from .tiers.host import HostTier
 
 CELLS, HOST = "cells", "host"
+#: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
+TokenIds = Union[Sequence[int], np.ndarray]
 _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
 
 
@@ -309,7 +311,7 @@ class PrefixStore:
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
     # ------------------------------------------------------------------ public API
-    def match(self, tokens, *, salt: Optional[bytes] = None) -> int:
+    def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
         """The longest prefix of ``tokens`` the store can load now (token granular; on
         sliding-window caches the deepest checkpoint at or below the token match), over every
         tier. No side effects (the lower tiers may count a miss)."""
@@ -321,7 +323,7 @@ class PrefixStore:
             n = max(n, self._lower_probe(root, buf, n)[0])
         return n
 
-    def load(self, seq: int, tokens, *, salt: Optional[bytes] = None) -> int:
+    def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
         """Make the empty sequence ``seq`` hold ``tokens[:n]`` at positions ``0..n-1`` from the
         store, ``n`` the longest prefix it can serve (``match``); returns ``n`` (0: a miss,
         nothing changed). Tier 0 hits share cells (no K/V copy); other tiers import the rows
@@ -362,7 +364,8 @@ class PrefixStore:
         self.tokens_reused += n
         return n
 
-    def save(self, seq: int, tokens, *, salt: Optional[bytes] = None, cache: bool = True) -> int:
+    def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
+             cache: bool = True) -> int:
         """Record that ``seq`` holds ``tokens`` (``tokens[i]`` at position ``i``) so later
         prompts sharing a prefix with it can ``load`` it. ``cache=False``: skip this one (the
         engine's admission control); checkpoints ``checkpoint(seq)`` marked are dropped too.
@@ -432,7 +435,7 @@ class PrefixStore:
             self._release_seq(lst.pop(0)[0])
         return n
 
-    def pin(self, tokens, *, salt: Optional[bytes] = None) -> int:
+    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
         """Keep the prefix of ``tokens`` the store serves now from eviction until ``unpin``
         (the entry serving it stays in its tier). Returns the pinned length (0: not stored)."""
         self._check_open()
@@ -447,7 +450,7 @@ class PrefixStore:
         self._pins[(root, buf)].append(m.entry)
         return m.n
 
-    def unpin(self, tokens, *, salt: Optional[bytes] = None) -> bool:
+    def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> bool:
         """Undo one ``pin(tokens)`` (same tokens and salt). Returns False when none was held."""
         self._check_open()
         buf = token_buffer(tokens)
