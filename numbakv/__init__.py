@@ -19,6 +19,7 @@ from .streams import StreamCache  # registers itself for CacheConfig(unified=Fal
 from .wrappers import EncoderCache, WrapperCache
 from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
+from .snapshot import SeqSnapshot, SnapshotPart
 
 __version__ = "0.1.0"
 
@@ -27,3 +28,4 @@ __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotS
            "EncoderCache", "__version__"]
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
 __all__ += ["ConcurrentUseError"]
+__all__ += ["SeqSnapshot", "SnapshotPart"]

@@ -34,6 +34,7 @@ ShiftFn = Callable[[int, Any, Any], Any]
 _I32 = np.dtype(np.int32)
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
+    from .snapshot import SeqSnapshot
 
 PathLike = Union[str, os.PathLike]   # a file path
 
@@ -875,6 +876,26 @@ class CausalCache:
         out = state.cache_from_bytes(self, data, seq, strict=strict, progress=progress)
         self._forward = None      # a state load ends the forward pass in progress
         return out
+
+    # ------------------------------------------------------------------ one sequence's K/V
+    def export_seq(self, seq: int, p0: int = 0, p1: Optional[int] = None, *,
+                   device: bool = False) -> "SeqSnapshot":
+        """A ``numbakv.SeqSnapshot`` of positions ``[p0, p1)`` of ``seq`` (``p1=None``: to the
+        end): the positions, the raw stored K/V rows of every layer (``[n, n_kv_heads, row]``,
+        the storage format, V never permuted), the head range and the model fingerprint.
+        Rows of a run of consecutive cells are read-only views of the storage (``snap.copy()``
+        owns them); ``device=True`` keeps a cuda cache's rows on the GPU. See
+        :mod:`numbakv.snapshot`."""
+        from . import snapshot
+        return snapshot.export_seq(self, seq, p0, p1, device=device)
+
+    def import_seq(self, seq: int, snap: "SeqSnapshot", *, at: Optional[int] = None) -> int:
+        """Place ``snap``'s tokens into free cells for ``seq`` (positions as saved, or moved to
+        start at ``at`` with the keys re-rotated) and write their K/V; returns the tokens
+        placed. Everything is checked first (fingerprint, shapes, formats, head range,
+        positions ``seq`` holds, room): a refusal changes nothing. Ends the forward pass."""
+        from . import snapshot
+        return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ misc
     def use_stream(self, stream: Any) -> None:

@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 
 from .device import synchronize
-from .errors import KVCacheError, StateError
+from .errors import KVCacheError, KVCacheFullError, StateError
 
 #: ``format`` metadata value of every numbakv state.
 FORMAT = "numbakv.state"
@@ -102,7 +102,9 @@ _CAUSAL_KINDS = ("causal", "causal-seq")
 _WRAPPER_KINDS = ("wrapper", "wrapper-seq")
 _STREAM_KINDS = ("streams",)
 _SIMPLE_KINDS = ("step", "rotating", "simple-list")
-KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _STREAM_KINDS + _SIMPLE_KINDS
+#: one sequence's rows of any cache (``numbakv.snapshot.SeqSnapshot.to_bytes``)
+_SNAPSHOT_KINDS = ("seq-snapshot",)
+KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _STREAM_KINDS + _SIMPLE_KINDS + _SNAPSHOT_KINDS
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
@@ -890,8 +892,8 @@ def _causal_specs(cache, seq: Optional[int], prefix: str = "") -> Tuple[dict, Li
     # Keys still waiting for a rotation would not match the positions saved beside them.
     cache.apply_pending_shifts()
     config = _causal_config(cache)
-    table = cache.cells.cells
     if seq is None:
+        table = cache.cells.cells
         n = int(cache.n_cells)
         words = _seq_words(cache)
         # Snapshots: the metadata must describe exactly the data written after it.
@@ -904,17 +906,11 @@ def _causal_specs(cache, seq: Optional[int], prefix: str = "") -> Tuple[dict, Li
                  _Spec(prefix + "cells.shift", "I32", (n,), lambda: shift)]
         specs += _layer_specs(cache, prefix, n)
         return config, specs
-    cells = np.asarray(cache.cells.seq_cells(seq), dtype=np.int64)
-    pos = table["pos"][cells].astype(np.int64)
-    order = np.lexsort((cells, pos))
-    cells, positions = cells[order], np.ascontiguousarray(pos[order], dtype="<i4")
+    # one sequence: its snapshot (numbakv.snapshot) in this file's tensor names
+    from . import snapshot
     config["seq"] = seq
-    k = len(cells)
-    specs = [_Spec(prefix + "positions", "I32", (k,), lambda: positions)]
-    with _on_device(cache):
-        idx = _device_index(cache, cells) if k else None
-    specs += _layer_specs(cache, prefix, k, idx)
-    return config, specs
+    part = snapshot.export_seq(cache, seq).parts[0]
+    return config, snapshot._part_specs(part, prefix)
 
 
 def _build_causal(cache, seq, tokens, metadata):
@@ -1137,73 +1133,29 @@ class _SeqPlan(_Plan):
         self.k = k
 
     def check_values(self, state: _State, where: str) -> None:
-        cache, k, seq = self.cache, self.k, self.seq
-        pos = state.tensor(self.prefix + "positions")
-        if k:
-            if pos.min() < 0 or pos.max() >= _POS_LIMIT:
-                raise state.fail(f"positions hold {int(pos.min())}..{int(pos.max())}, outside "
-                                 f"[0, {_POS_LIMIT}){where}")
-            if k > 1 and (np.diff(pos.astype(np.int64)) < 0).any():
-                raise state.fail(f"positions are not in ascending order{where}")
-        table = cache.cells.copy()
-        seqs = table.cells["seqs"].reshape(len(table.cells), -1)
-        free_before = ~seqs.any(axis=1)
-        table.seq_rm(seq, 0, None)
-        seqs = table.cells["seqs"].reshape(len(table.cells), -1)
-        free_after = ~seqs.any(axis=1)
-        room = int(free_after.sum())
-        if k > room:
-            raise state.fail(f"the sequence needs {k} cells but only {room} are free in the "
-                             f"cache (counting those sequence {seq} holds alone){where}")
-        slots = None
-        if k:
-            # Prefer cells that were free before, so no data the cache still refers to is
-            # overwritten; fall back to the cells freed by dropping the old sequence.
-            start = int(cache.cells.find_contiguous(k))
-            if start < 0 or not free_before[start:start + k].all():
-                start = int(table.find_contiguous(k))
-            if start >= 0:
-                slots = np.arange(start, start + k, dtype=np.int32)
-            else:
-                found = table.find_scatter(k)
-                if found is None or len(found) != k:  # cannot happen: room was counted
-                    raise state.fail(f"no {k} free cells for the sequence{where}")
-                slots = np.asarray(found, dtype=np.int32)
-            # row i of the file (position pos[i]) goes to cell slots[i]
-            table.apply_batch(slots, np.array(pos, dtype=np.int32),
-                              np.full(k, seq, dtype=np.int32))
-            self.reused = slots[~free_before[slots]]
-        self.slots = slots
-        self.table = table
+        """The saved rows as a ``SnapshotPart`` and its placement, checked (``numbakv.snapshot``
+        does the placing: this file format is one more way to carry a snapshot)."""
+        from . import snapshot
+        cfg, p = self.cache.config, self.prefix
+        try:
+            part = snapshot.SnapshotPart(
+                positions=state.tensor(p + "positions"),
+                keys=[snapshot._native(state.tensor(f"{p}k.{l}"), cfg.k_dtype)
+                      for l in range(cfg.n_layers)],
+                values=[snapshot._native(state.tensor(f"{p}v.{l}"), cfg.v_dtype)
+                        for l in range(cfg.n_layers)],
+                k_format=cfg.k_dtype, v_format=cfg.v_dtype)
+            self.placement = snapshot._placement(self.cache, self.seq, part, replace=True)
+        except (ValueError, KVCacheFullError) as exc:
+            raise state.fail(f"{exc}{where}") from None
 
     def commit(self, state: _State, bar) -> None:
-        with _on_device(self.cache):
-            self._commit(state, bar)
+        self.placement.commit()
+        if bar is not None:
+            bar.update(self.placement.part.nbytes)
 
-    def _commit(self, state: _State, bar) -> None:
-        cache, p = self.cache, self.prefix
-        if self.k:
-            idx = _device_index(cache, self.slots.astype(np.int64))
-            if len(self.reused):
-                ridx = _device_index(cache, self.reused.astype(np.int64))
-                rows = []
-                for layer in range(cache.config.n_layers):
-                    rows.append((cache.storage.keys[layer][ridx].copy(),
-                                 _v_rows(cache, layer, ridx).copy()))
-                self.backup = (ridx, rows)
-            try:
-                for layer in range(cache.config.n_layers):
-                    k = state.tensor(f"{p}k.{layer}")
-                    v = state.tensor(f"{p}v.{layer}")
-                    _write_rows(cache, layer, idx, _to_device(cache, k), _to_device(cache, v))
-                    if bar is not None:
-                        bar.update(k.nbytes + v.nbytes)
-                synchronize(cache.device)
-            except BaseException:
-                self.rollback()
-                raise
-        cache.cells = self.table
-        cache._forward = None
+    def rollback(self) -> None:
+        self.placement.rollback()
 
 
 def _plan_causal(cache, state: _State, config: dict, seq: Optional[int], prefix: str = "",

@@ -228,6 +228,21 @@ class WrapperCache:
         return self.caches[self._current]
 
 
+    # ------------------------------------------------------------------ one sequence's K/V
+    def export_seq(self, seq: int, p0: int = 0, p1: Optional[int] = None, *,
+                   device: bool = False):
+        """One ``numbakv.SeqSnapshot`` of positions ``[p0, p1)`` of ``seq`` with one part per
+        group (a sliding-window group holds only the cells it keeps); see
+        ``CausalCache.export_seq``."""
+        from . import snapshot
+        return snapshot.export_seq(self, seq, p0, p1, device=device)
+
+    def import_seq(self, seq: int, snap, *, at: Optional[int] = None) -> int:
+        """Import every group's part of ``snap`` for ``seq``, all or nothing (see
+        ``CausalCache.import_seq``); returns the tokens the first group placed."""
+        from . import snapshot
+        return snapshot.import_seq(self, seq, snap, at=at)
+
     # ------------------------------------------------------------------ state
     def save_state(self, path: PathLike, seq: Optional[int] = None, *,
                    tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
