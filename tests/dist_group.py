@@ -42,10 +42,10 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             results.put((rank, "error", f"{type(exc).__name__}: {exc}\n"
                                         f"{traceback.format_exc()}"))
-    try:
-        tdist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    # no destroy_process_group: with a dead peer it can block; the process exits instead
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 class Group:
@@ -55,6 +55,7 @@ class Group:
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
         self.world = world
+        self.broken = False
         port = free_port()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
