@@ -367,3 +367,32 @@ def tensor_parallel(rank: int, world: int, n_new: int = 5) -> float:
     else:
         raise AssertionError("check_replicated missed diverged tables")
     return err
+
+
+def nixl_transfer(rank: int, world: int) -> list:
+    """The same transfers with transport="nixl": 0 -> 1 for two storage kinds, and 2 -> 1
+    resharding (ranks 0, 1 shards -> rank 2), bit-exact."""
+    pair_done = []
+    for i, kind in enumerate(("float16", "q8_0")):
+        seed = 300 + i
+        if rank == 0:
+            cache = make_cache(kind)
+            fill(cache, 0, 17, seed)
+            assert dist.send_seq(cache, 0, 1, transport="nixl", timeout=60) == 17
+        elif rank == 1:
+            cache, ref = make_cache(kind), make_cache(kind)
+            fill(ref, 0, 17, seed)
+            assert dist.recv_seq(cache, 2, 0, transport="nixl", timeout=60) == 17
+            assert rows(cache.export_seq(2)) == rows(ref.export_seq(0)), kind
+            pair_done.append(kind)
+    if rank < 2:
+        cache = make_cache("bfloat16", head_shard=(rank, 2))
+        fill(cache, 0, 9, 400)
+        dist.send_seq(cache, 0, 2, transport="nixl", timeout=60)
+    else:
+        cache, ref = make_cache("bfloat16"), make_cache("bfloat16")
+        fill(ref, 0, 9, 400)
+        assert dist.recv_seq(cache, 0, [0, 1], transport="nixl", timeout=60) == 9
+        assert rows(cache.export_seq(0)) == rows(ref.export_seq(0))
+        pair_done.append("reshard")
+    return pair_done

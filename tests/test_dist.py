@@ -78,6 +78,14 @@ def test_tensor_parallel_two_ranks_equals_one(group):
     assert errs[0] <= 1e-4 and errs[1] <= 1e-4
 
 
+def test_nixl_transport(group):
+    from numbakv.dist import _nixl
+    if not _nixl.available():
+        pytest.skip("NIXL is not installed (pip install nixl-cu12 or nixl-cu13)")
+    out = group.run(S, "nixl_transfer", timeout=180)
+    assert out[1] == ["float16", "q8_0"] and out[2] == ["reshard"]
+
+
 def test_peer_killed_mid_transfer_times_out_naming_it(group):
     group.broken = True     # rank 0 dies on purpose
     out = group.run(S, "peer_dies", timeout=90)

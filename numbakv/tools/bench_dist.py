@@ -2,7 +2,7 @@
 CPU) against ``torch.distributed`` send/recv of one tensor of the same bytes, in the same run.
 
     python -m numbakv.tools.bench_dist [--tokens 4096] [--layers 32] [--heads 8] [--dim 128]
-                                       [--dtype float16] [--repeat 3] [--json]
+                                       [--dtype float16] [--repeat 3] [--transport torch|nixl] [--json]
 
 Rank 0 holds the sequence; rank 1 receives it into an empty cache (``recv_seq``: header,
 verdict, rows, ``import_seq``, acknowledgement: everything a real transfer does) and drops it
@@ -70,15 +70,15 @@ def _rank(rank: int, port: int, args, out) -> None:
         tdist.barrier()
         t0 = time.perf_counter()
         if rank == 0:
-            dist.send_seq(cache, 0, 1)
+            dist.send_seq(cache, 0, 1, transport=args.transport)
             t_send.append(time.perf_counter() - t0)
         else:
-            got = dist.recv_seq(cache, 0, 0)
+            got = dist.recv_seq(cache, 0, 0, transport=args.transport)
             t_seq.append(time.perf_counter() - t0)
             assert got == n, got
             cache.seq_rm(0)
     if rank == 1:
-        out.put({"tokens": n, "layers": args.layers, "heads": args.heads, "dim": args.dim,
+        out.put({"transport": args.transport, "tokens": n, "layers": args.layers, "heads": args.heads, "dim": args.dim,
                  "k_dtype": cfg.k_dtype, "v_dtype": cfg.v_dtype, "bytes": nbytes,
                  "tensor_s": min(t_tensor), "seq_s": min(t_seq),
                  "ratio": min(t_tensor) / min(t_seq)})
@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k-dtype", default=None)
     ap.add_argument("--v-dtype", default=None)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--transport", default="torch", choices=("torch", "nixl"),
+                    help="how the rows move (the baseline is always torch.distributed)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(argv)
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
               f"{r['k_dtype']}/{r['v_dtype']}: {mib:.1f} MiB")
         print(f"torch.distributed send/recv of one tensor: {r['tensor_s'] * 1e3:8.1f} ms "
               f"({mib / r['tensor_s']:.0f} MiB/s)")
-        print(f"numbakv.dist send_seq/recv_seq:           {r['seq_s'] * 1e3:8.1f} ms "
+        print(f"numbakv.dist send_seq/recv_seq ({r['transport']}): {r['seq_s'] * 1e3:8.1f} ms "
               f"({mib / r['seq_s']:.0f} MiB/s; sender {r['send_s'] * 1e3:.1f} ms)")
         print(f"ratio (tensor time / sequence time): {r['ratio']:.2f} (target >= 0.50)")
     return 0
