@@ -2,7 +2,8 @@
 CPU) against ``torch.distributed`` send/recv of one tensor of the same bytes, in the same run.
 
     python -m numbakv.tools.bench_dist [--tokens 4096] [--layers 32] [--heads 8] [--dim 128]
-                                       [--dtype float16] [--repeat 3] [--transport torch|nixl] [--json]
+                                       [--dtype float16] [--repeat 3] [--json]
+                                       [--transport torch|nixl]
 
 Rank 0 holds the sequence; rank 1 receives it into an empty cache (``recv_seq``: header,
 verdict, rows, ``import_seq``, acknowledgement: everything a real transfer does) and drops it
