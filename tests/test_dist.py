@@ -104,3 +104,31 @@ def test_head_shard_config():
         with pytest.raises(ValueError, match="head_shard"):
             nkv.CacheConfig(2, 8, 16, head_shard=bad)
     assert cfg.nbytes(10) * 4 == cfg.replace(head_shard=None).nbytes(10)
+
+
+def test_cover_plan_and_header_parsing():
+    """The receiver's pure decisions (no processes): which sender gives which heads, and
+    malformed headers refused with a reason."""
+    from numbakv.dist import _wire
+    # 2 -> 1, in any order of the senders
+    assert _wire.plan_cover([(4, 8), (0, 4)], (0, 8)) == [(4, 8), (0, 4)]
+    # replicated heads (H=2, world=4): the first sender of each head, the others skip
+    assert _wire.plan_cover([(0, 1), (0, 1), (1, 2), (1, 2)], (0, 2)) == \
+        [(0, 1), None, (1, 2), None]
+    # a receiver shard keeps only the overlap
+    assert _wire.plan_cover([(2, 4)], (2, 4)) == [(2, 4)]
+    for ranges in ([(0, 4)], [(0, 3), (4, 8)], [None, None]):
+        with pytest.raises(_wire.Refusal, match="do not cover"):
+            _wire.plan_cover(ranges, (0, 8))
+    for data, why in [(b"\xff", "UTF-8"), (b"[1]", "protocol"),
+                      (b'{"protocol": "other/9"}', "protocol"),
+                      (b'{"protocol": "numbakv-seq/1"}', "lacks"),
+                      (b'{"protocol": "numbakv-seq/1", "fingerprint": {}, "head_range": [2, 1],'
+                       b' "n_kv_heads": 4, "parts": []}', "head_range"),
+                      (b'{"protocol": "numbakv-seq/1", "fingerprint": {}, "head_range": [0, 1],'
+                       b' "n_kv_heads": 4, "parts": [{"n": 2, "positions": "AAAA"}]}',
+                       "malformed")]:
+        with pytest.raises(_wire.Refusal, match=why):
+            _wire.decode_header(data)
+    code, reason = _wire.decode_verdict(_wire.encode_verdict(_wire.REFUSED, "é" * 2000))
+    assert code == _wire.REFUSED and reason.startswith("éé")
