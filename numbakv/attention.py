@@ -104,8 +104,8 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         raise ValueError(f"q must have shape [batch={batch}, n_heads, head_dim={cfg.head_dim}], "
                          f"got {list(q.shape)}")
     if q.shape[1] % cfg.local_kv_heads:
-        raise ValueError(f"q's n_heads ({q.shape[1]}) must be a multiple of the cache's "
-                         f"local_kv_heads ({cfg.local_kv_heads})")
+        raise ValueError(f"q's n_heads ({q.shape[1]}) must be a multiple of n_kv_heads held by "
+                         f"the cache (local_kv_heads={cfg.local_kv_heads})")
     if not q.is_floating_point():
         raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
     on_cuda = src.device == "cuda"
