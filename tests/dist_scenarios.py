@@ -396,3 +396,69 @@ def nixl_transfer(rank: int, world: int) -> list:
         assert rows(cache.export_seq(0)) == rows(ref.export_seq(0))
         pair_done.append("reshard")
     return pair_done
+
+
+def _wrapper(head_shard=None):
+    """Two layer groups: a sliding-window group and a full one (Gemma-style)."""
+    def cfg():
+        return nkv.CacheConfig(n_layers=1, n_kv_heads=H, head_dim=D, capacity=32, max_seqs=2,
+                               device="cpu", head_shard=head_shard)
+    swa = nkv.CausalCache(cfg(), shift=nkv.RopeShift(), swa_window=4, swa_memory=6)
+    full = nkv.CausalCache(cfg(), shift=nkv.RopeShift())
+    return nkv.WrapperCache([swa, full], layer_groups=[0, 1])
+
+
+def _fill_wrapper(cache, seq, n, seed):
+    a, b = cache.caches[0].config.head_range
+    g = torch.Generator().manual_seed(seed)
+    cache.start_forward(np.arange(n), [seq] * n)
+    for layer in range(2):
+        k = torch.randn(n, H, D, generator=g).half()
+        v = torch.randn(n, H, D, generator=g).half()
+        cache.set_layer(layer)
+        cache.put(k[:, a:b].contiguous(), v[:, a:b].contiguous())
+
+
+def layer_groups_and_streams(rank: int, world: int) -> list:
+    """A WrapperCache sequence (a sliding-window group and a full
+    group) and a per-sequence-stream cache's sequence, 0 -> 1 and 2 -> 1 resharded (ranks 0, 2
+    hold halves), bit-exact; check_replicated over a wrapper and a stream cache."""
+    done = []
+    if rank == 0:
+        w = _wrapper()
+        _fill_wrapper(w, 0, 11, 500)
+        assert dist.send_seq(w, 0, 1, timeout=60) == 11
+        s = nkv.CausalCache(
+            nkv.CacheConfig(n_layers=2, n_kv_heads=H, head_dim=D, capacity=32, max_seqs=2,
+                            unified=False, device="cpu", head_shard=(0, 2)),
+            shift=nkv.RopeShift())
+        fill(s, 1, 7, 501)
+        assert dist.send_seq(s, 1, 1, timeout=60) == 7
+    elif rank == 2:
+        s = nkv.CausalCache(
+            nkv.CacheConfig(n_layers=2, n_kv_heads=H, head_dim=D, capacity=32, max_seqs=2,
+                            unified=False, device="cpu", head_shard=(1, 2)),
+            shift=nkv.RopeShift())
+        fill(s, 1, 7, 501)
+        assert dist.send_seq(s, 1, 1, timeout=60) == 7
+    else:
+        w, ref = _wrapper(), _wrapper()
+        _fill_wrapper(ref, 0, 11, 500)
+        assert dist.recv_seq(w, 1, 0, timeout=60) == 11
+        got, want = w.export_seq(1), ref.export_seq(0)
+        assert len(got.parts) == 2
+        assert rows(got) == rows(want)
+        done.append("wrapper")
+        cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=H, head_dim=D, capacity=32, max_seqs=2,
+                              unified=False, device="cpu")
+        s, sref = nkv.CausalCache(cfg, shift=nkv.RopeShift()), \
+            nkv.CausalCache(cfg, shift=nkv.RopeShift())
+        fill(sref, 1, 7, 501)
+        assert dist.recv_seq(s, 0, [0, 2], timeout=60) == 7
+        assert rows(s.export_seq(0)) == rows(sref.export_seq(1))
+        done.append("streams")
+    # bookkeeping replicated across all three ranks, on caches built the same way
+    w = _wrapper(head_shard=(rank % 2, 2) if rank < 2 else None)
+    _fill_wrapper(w, 0, 9, 600)
+    dist.check_replicated(w)
+    return done

@@ -62,6 +62,11 @@ def test_refusals_raise_on_both_sides(group):
     assert "already holds" in receiver[3][1] or "holds" in receiver[3][1], receiver[3]
 
 
+def test_layer_groups_and_streams(group):
+    out = group.run(S, "layer_groups_and_streams")
+    assert out[1] == ["wrapper", "streams"]
+
+
 def test_async_send_and_receive(group):
     assert group.run(S, "async_transfer")[:2] == [9, 9]
 

@@ -549,8 +549,12 @@ def irecv_seq(cache, seq: int, src: Union[int, Sequence[int]], *, at: Optional[i
 # -------------------------------------------------------------------------------- replication
 def _tables(cache) -> List[Any]:
     caches = getattr(cache, "caches", None) or [cache]
+    units = []
+    for c in caches:   # a stream cache's cell tables are its streams'
+        streams = getattr(c, "streams", None)
+        units += streams if isinstance(streams, list) else [c]
     out = []
-    for c in caches:
+    for c in units:
         table = getattr(c, "cells", None)
         if table is None or not hasattr(table, "_ps"):
             raise ValueError(f"cache must be a numbakv CausalCache, StreamCache or WrapperCache, "
