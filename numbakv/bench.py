@@ -44,7 +44,8 @@ _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
-SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams")
+SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
+            "snapshot")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1140,6 +1141,9 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                     "status": "met" if ratio <= 2 else "missed", "value": ratio,
                     "detail": f"{ratio:.2f}x ({lo['start_forward_us']:.1f} -> "
                               f"{hi['start_forward_us']:.1f} us per start_forward)"})
+    if results.get("snapshot"):
+        from .tools import bench_snapshot
+        out += bench_snapshot.targets(results["snapshot"])
     return out
 
 
@@ -1270,6 +1274,9 @@ def format_report(results: dict) -> str:
         lines += ["", format_section(results)]
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
+    if results.get("snapshot"):
+        from .tools import bench_snapshot
+        lines += bench_snapshot.format_lines(results["snapshot"])
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
@@ -1451,6 +1458,12 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "streams" in s.sections:
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
+    if "snapshot" in s.sections:     # numbakv/tools/bench_snapshot.py
+        from .tools import bench_snapshot
+        results["snapshot"] = bench_snapshot.run(
+            s.device, s.dtype, layers=s.layers, heads=s.kv_heads, dim=s.head_dim,
+            tokens=64 if s.quick else bench_snapshot.TOKENS, budget=max(s.budget * 4, 0.05),
+            min_reps=3, log=log)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,

@@ -57,7 +57,7 @@ def _is_int(x) -> bool:
 
 
 def _is_device_array(x) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
+    return type(x) is not np.ndarray and type(x).__module__.split(".")[0] == "cupy"
 
 
 def _row_dtype(fmt: str) -> np.dtype:
@@ -78,6 +78,10 @@ def _check_rows(arrays, name: str, fmt: str) -> Tuple[Any, ...]:
     if not arrays:
         raise ValueError(f"{name} must hold at least one layer")
     want = _row_dtype(fmt)
+    shape0 = getattr(arrays[0], "shape", None)
+    if all(type(a) is np.ndarray and a.dtype == want and a.ndim == 3 and a.shape == shape0
+           for a in arrays):
+        return arrays      # the common case, checked at once
     for i, a in enumerate(arrays):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise ValueError(f"{name}[{i}] must be a numpy or CuPy array, got {type(a).__name__}")
@@ -530,12 +534,15 @@ def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
     permuted = cfg.permuted_v
     keys_out, values_out = [], []
     on_gpu = unit.device == "cuda"
+    keys_all, values_all = storage.keys, storage.values
+    if not on_gpu:     # views handed out are read-only: a snapshot never writes the cache
+        keys_all, values_all = _read_only(keys_all), _read_only(values_all)
     with storage._on_device():
         idx = None
         if start < 0 and n:
             idx = cells if not on_gpu else storage.xp.asarray(cells)
         for layer in range(cfg.n_layers):
-            k_all, v_all = storage.keys[layer], storage.values[layer]
+            k_all, v_all = keys_all[layer], values_all[layer]
             if n == 0:
                 k = k_all[:0]
                 v = v_all[:, :, :0].transpose(2, 0, 1) if permuted else v_all[:0]
@@ -551,9 +558,6 @@ def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
             values_out.append(v)
         if on_gpu and not device:
             keys_out, values_out = _to_host_pinned(storage, keys_out, values_out)
-    if not on_gpu:
-        keys_out = [_read_only(k) for k in keys_out]
-        values_out = [_read_only(v) for v in values_out]
     return SnapshotPart(positions=positions, keys=keys_out, values=values_out,
                         k_format=cfg.k_dtype, v_format=cfg.v_dtype)
 
@@ -588,19 +592,42 @@ def _to_host_pinned(storage, keys: list, values: list) -> Tuple[list, list]:
     return out[:len(keys)], out[len(keys):]
 
 
-def _to_device_pinned(storage, a):
-    """Host rows -> a device array, through a pinned buffer, asynchronously on the storage's
-    stream (the caller synchronises that stream before the host buffer is dropped)."""
+def _to_device_pinned(storage, arrays: list) -> Tuple[list, np.ndarray]:
+    """Host rows -> device arrays through one pinned buffer, copied asynchronously on the
+    storage's stream; returns the device arrays and the pinned buffer, which must stay alive
+    until that stream has run past the copies (the caller synchronises it)."""
     import cupy
     stream = storage.stream if storage.stream is not None else cupy.cuda.get_current_stream()
-    a = np.ascontiguousarray(a)
-    host = _pinned_host(a.nbytes)[:a.nbytes].view(a.dtype).reshape(a.shape)
-    host[...] = a
+    # rows already in pinned memory (an export's) are copied from where they are
+    direct = [a.flags.c_contiguous and _is_pinned(a) for a in arrays]
+    total = sum(-(-int(a.nbytes) // 64) * 64 for a, d in zip(arrays, direct) if not d)
+    host = _pinned_host(total) if total else None
+    out, off = [], 0
     with stream:
-        dev = cupy.empty(a.shape, dtype=a.dtype)
-    if a.nbytes:
-        dev.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), a.nbytes, stream)
-    return dev, host
+        for a, d in zip(arrays, direct):
+            if d:
+                view = a
+            else:
+                view = host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+                view[...] = a
+                off += -(-int(a.nbytes) // 64) * 64
+            dev = cupy.empty(a.shape, dtype=a.dtype)
+            if a.nbytes:
+                dev.data.copy_from_host_async(ctypes.c_void_p(view.ctypes.data), a.nbytes,
+                                              stream)
+            out.append(dev)
+    return out, host
+
+
+def _is_pinned(a: np.ndarray) -> bool:
+    """Whether ``a``'s memory is page-locked host memory CUDA knows (asynchronous copies from
+    it need no staging)."""
+    try:
+        import cupy
+        attrs = cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data)
+        return int(getattr(attrs, "type", 0)) == 1      # cudaMemoryTypeHost
+    except Exception:  # noqa: BLE001 - no runtime, or memory CUDA does not know
+        return False
 
 
 def export_seq(cache, seq: int, p0: int = 0, p1: Optional[int] = None, *,
@@ -734,35 +761,39 @@ def _alone(table, s: int) -> int:
 
 def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads: slice) -> None:
     """Every layer's K and V rows into ``slots``: one batched copy per layer and side (a slice
-    assignment for a run of cells, a scatter otherwise)."""
+    assignment for a run of cells, a scatter otherwise). On cuda, host rows go up on the cache's
+    stream through one pinned buffer (rows already pinned, e.g. an export's, directly), and that
+    stream is synchronised before they may be dropped."""
     storage = unit.storage
     k = len(slots)
     start = _run_start(slots)
-    on_gpu = unit.device == "cuda"
-    staged = []
+    L = unit.config.n_layers
+    keys = [part.keys[layer][rows, heads] for layer in range(L)]
+    values = [part.values[layer][rows, heads] for layer in range(L)]
     with storage._on_device():
-        xp = storage.xp
-        idx = slice(start, start + k) if start >= 0 else (
-            xp.asarray(slots.astype(np.int64)) if on_gpu else slots.astype(np.int64))
-        for layer in range(unit.config.n_layers):
-            kr = part.keys[layer][rows, heads]
-            vr = part.values[layer][rows, heads]
-            if on_gpu:
-                kr, vr = _device_rows(storage, kr, staged), _device_rows(storage, vr, staged)
-            _st._write_rows(unit, layer, idx, kr, vr)
-        if on_gpu and staged:
+        staged_from_host = False
+        if unit.device == "cuda":
+            import cupy
+            idx = slice(start, start + k) if start >= 0 else cupy.asarray(slots.astype(np.int64))
+            host = [i for i, a in enumerate(keys + values) if not _is_device_array(a)]
+            if host:
+                staged_from_host = True
+                staged, _pinned = _to_device_pinned(storage, [(keys + values)[i] for i in host])
+                both = keys + values
+                for i, dev in zip(host, staged):
+                    both[i] = dev
+                keys, values = both[:L], both[L:]
+        else:
+            idx = slice(start, start + k) if start >= 0 else slots.astype(np.int64)
+        for layer in range(L):
+            _st._write_rows(unit, layer, idx, keys[layer], values[layer])
+        if staged_from_host:
             import cupy
             stream = storage.stream if storage.stream is not None \
                 else cupy.cuda.get_current_stream()
-            stream.synchronize()  # the pinned buffers are dropped after this
-
-
-def _device_rows(storage, a, staged: list):
-    if _is_device_array(a):
-        return a
-    dev, host = _to_device_pinned(storage, a)
-    staged.append(host)
-    return dev
+            # the host rows (a staging buffer, or the caller's pinned rows copied in place)
+            # must outlive the copies reading them
+            stream.synchronize()
 
 
 def _rotate(unit, slots: np.ndarray, delta: int) -> None:
@@ -874,9 +905,7 @@ def _commit(plans: List[_Placement]) -> int:
         for plan in reversed(done):
             plan.rollback()
         raise
-    from .device import synchronize
-    synchronize(plans[0].unit.device)
-    return len(plans[0].positions)
+    return max(len(plan.positions) for plan in plans)
 
 
 def _end_forward(cache) -> None:
@@ -887,8 +916,8 @@ def _end_forward(cache) -> None:
 
 def import_seq(cache, seq: int, snap: SeqSnapshot, *, at: Optional[int] = None) -> int:
     """Place ``snap``'s tokens into free cells for ``seq`` and write their K/V (see the module
-    docstring); returns the tokens placed (the first part's: a sliding-window group keeps at
-    most its window memory). Raises, with nothing changed: ``StateError`` (fingerprint),
+    docstring); returns the tokens placed (for a WrapperCache the largest part's: a
+    sliding-window group holds only what its window memory kept). Raises, with nothing changed: ``StateError`` (fingerprint),
     ``ValueError`` (layers, head shapes or range, formats, positions ``seq`` already holds),
     ``KVCacheFullError`` (room), ``NotSupportedError`` (``at`` moves positions and the cache
     has no shift)."""

@@ -239,7 +239,8 @@ class WrapperCache:
 
     def import_seq(self, seq: int, snap, *, at: Optional[int] = None) -> int:
         """Import every group's part of ``snap`` for ``seq``, all or nothing (see
-        ``CausalCache.import_seq``); returns the tokens the first group placed."""
+        ``CausalCache.import_seq``); returns the tokens placed in the group that placed the
+        most (a sliding-window group holds only what its window memory kept)."""
         from . import snapshot
         return snapshot.import_seq(self, seq, snap, at=at)
 
