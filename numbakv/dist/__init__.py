@@ -294,6 +294,11 @@ def _send_prepared(link: _Link, snap, dst: int, n_kv_heads: int) -> int:
         return 0
     if code != _wire.OK:
         raise TransferRefused(f"rank {dst} refused the sequence: {reason}")
+    # the receiver names the heads it keeps: only those travel (1 -> 2 resharding sends each
+    # shard its half, as vLLM's heterogeneous-TP transfer reads only the slice it needs)
+    lo, hi = _wire.parse_heads(reason, snap.head_range)
+    if (lo, hi) != tuple(snap.head_range):
+        snap = snap.select_heads(lo, hi)
     if link.transport == "nixl":
         from . import _nixl
         blob = _recv_blob(link, dst, "the NIXL offer")
@@ -414,15 +419,16 @@ def _receive_rows(link: _Link, cache, seq, srcs: List[int], at):
         link.send([(link.tensor(_wire.encode_verdict(_wire.REFUSED, reason)), s, "the verdict")
                    for s in srcs])
         raise TransferRefused(f"refused the sequence from rank(s) {srcs}: {reason}")
-    link.send([(link.tensor(_wire.encode_verdict(_wire.OK if p else _wire.SKIP)), s,
-                "the verdict") for s, p in zip(srcs, plan)])
+    link.send([(link.tensor(_wire.encode_verdict(_wire.OK, f"{p[0]} {p[1]}") if p
+                            else _wire.encode_verdict(_wire.SKIP)), s, "the verdict")
+               for s, p in zip(srcs, plan)])
     # the header fits: now allocate and receive the rows
     items, bufs = [], []
     for s, h, p in zip(srcs, headers, plan):
         if p is None:
             continue
         for g, part in enumerate(h["parts"]):
-            nbytes, layout = _wire.part_layout(part)
+            nbytes, layout = _wire.part_layout(part, p[1] - p[0])
             t = _POOL.take(link, nbytes)
             bufs.append((s, h, p, g, t))
             for i, (offset, shape, dt) in enumerate(layout):
@@ -435,8 +441,8 @@ def _receive_rows(link: _Link, cache, seq, srcs: List[int], at):
         ag = _nixl.agent(link.rank)
         for s in [s for s, p in zip(srcs, plan) if p is not None]:
             mine = [(t, [(o, o + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize)
-                         for o, shape, dt in _wire.part_layout(h["parts"][g])[1]])
-                    for s2, h, _, g, t in bufs if s2 == s]
+                         for o, shape, dt in _wire.part_layout(h["parts"][g], p[1] - p[0])[1]])
+                    for s2, h, p, g, t in bufs if s2 == s]
             blob, regs, tag = _nixl.receiver_offer(ag, link.rank, mine)
             _send_blob(link, s, blob, "the NIXL offer")
             try:
@@ -471,13 +477,11 @@ def _assemble(probe, need, bufs):
     for s, h, take, g, t in bufs:
         flat = _host(t)
         part = h["parts"][g]
-        _, layout = _wire.part_layout(part)
+        _, layout = _wire.part_layout(part, take[1] - take[0])   # only the heads taken came
         arrays = []
-        first = h["head_range"][0]
         for offset, shape, dt in layout:
             n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-            arr = flat[offset:offset + n].view(dt).reshape(shape)
-            arrays.append(arr[:, take[0] - first:take[1] - first])
+            arrays.append(flat[offset:offset + n].view(dt).reshape(shape))
         by_group.setdefault(g, []).append((take[0], part, arrays))
     parts = []
     for g in range(len(probe.parts)):

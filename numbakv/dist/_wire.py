@@ -7,11 +7,12 @@ One transfer of a sequence (sender -> receiver unless marked):
    fingerprint, head range, and per part the positions, formats, row shapes and dtypes;
 2. verdict (receiver -> sender): uint8 ``[VERDICT_BYTES]``: byte 0 is :data:`OK`, :data:`SKIP`
    (the receiver needs none of the sender's heads) or :data:`REFUSED`, the rest the reason
-   (UTF-8, NUL padded). The receiver decides it from the header alone, before it allocates
+   (UTF-8, NUL padded); an OK verdict's text is ``"lo hi"``: the heads the sender must send
+   (the receiver's share of the sender's range). The receiver decides it from the header alone, before it allocates
    anything for the rows;
-3. payload: one message per layer of each part (:func:`part_layout`, :func:`layer_spans`): its
-   K rows then its V rows, in the stored format (quantized blocks stay quantized), received
-   into one flat buffer per part;
+3. payload: K rows then V rows of each layer of each part, one message each, only the heads
+   the verdict asked for, in the stored format (quantized blocks stay quantized), received
+   into one flat buffer per part (:func:`part_layout`);
 4. ack (receiver -> sender): a verdict record again, after ``import_seq``: the import itself may
    still refuse (positions the sequence holds, no room), and the sender then raises too.
 """
@@ -241,28 +242,36 @@ def plan_cover(ranges: Sequence[Optional[Tuple[int, int]]],
     return take
 
 
-def part_layout(p: Dict[str, Any]) -> Tuple[int, List[Tuple[int, tuple, str]]]:
+def part_layout(p: Dict[str, Any],
+                heads: Optional[int] = None) -> Tuple[int, List[Tuple[int, tuple, str]]]:
     """``(nbytes, [(offset, shape, dtype), ...])`` of one part's flat payload: for each layer
-    its K rows ``[n, heads, row]`` then its V rows, each C-contiguous in the stored dtype."""
+    its K rows ``[n, heads, row]`` then its V rows, each C-contiguous in the stored dtype.
+    ``heads``: the heads that travel (the receiver's share), default all the header's."""
     n = int(p["n"])
     entries, offset = [], 0
     for layer in range(int(p["n_layers"])):
         for side in ("k", "v"):
-            shape = (n, *map(int, p[f"{side}_row"][layer]))
+            row = list(map(int, p[f"{side}_row"][layer]))
+            if heads is not None:
+                row[0] = int(heads)
+            shape = (n, *row)
             dt = np.dtype(p[f"{side}_dtype"][layer])
             entries.append((offset, shape, dt.str))
             offset += int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     return offset, entries
 
 
-def layer_spans(layout: List[Tuple[int, tuple, str]]) -> List[Tuple[int, int]]:
-    """Byte range ``(lo, hi)`` of each layer's message (its K entry then its V entry)."""
-    spans = []
-    for i in range(0, len(layout), 2):
-        lo = layout[i][0]
-        off, shape, dt = layout[i + 1]
-        spans.append((lo, off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize))
-    return spans
+def parse_heads(reason: str, held: Tuple[int, int]) -> Tuple[int, int]:
+    """The heads ``(lo, hi)`` an OK verdict asks for (``"lo hi"``), inside ``held``; an old or
+    empty verdict means all of them."""
+    try:
+        lo, hi = (int(x) for x in reason.split())
+    except ValueError:
+        return tuple(held)
+    if not held[0] <= lo < hi <= held[1]:
+        from . import TransferError
+        raise TransferError(f"the receiver asked for heads {lo, hi} outside {tuple(held)}")
+    return lo, hi
 
 
 def encode_verdict(code: int, reason: str = "") -> np.ndarray:
