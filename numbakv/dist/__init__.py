@@ -33,8 +33,8 @@ from ..errors import KVCacheError
 from . import _wire
 
 __all__ = ["send_seq", "recv_seq", "isend_seq", "irecv_seq", "check_replicated",
-           "TransferHandle", "release_buffers", "table_digest", "TransferError", "TransferRefused", "TransferTimeout",
-           "ReplicationError"]
+           "TransferHandle", "release_buffers", "table_digest", "TransferError",
+           "TransferRefused", "TransferTimeout", "ReplicationError"]
 
 
 class TransferError(KVCacheError):

@@ -8,8 +8,8 @@ One transfer of a sequence (sender -> receiver unless marked):
 2. verdict (receiver -> sender): uint8 ``[VERDICT_BYTES]``: byte 0 is :data:`OK`, :data:`SKIP`
    (the receiver needs none of the sender's heads) or :data:`REFUSED`, the rest the reason
    (UTF-8, NUL padded); an OK verdict's text is ``"lo hi"``: the heads the sender must send
-   (the receiver's share of the sender's range). The receiver decides it from the header alone, before it allocates
-   anything for the rows;
+   (the receiver's share of the sender's range). The receiver decides it from the header
+   alone, before it allocates anything for the rows;
 3. payload: K rows then V rows of each layer of each part, one message each, only the heads
    the verdict asked for, in the stored format (quantized blocks stay quantized), received
    into one flat buffer per part (:func:`part_layout`);

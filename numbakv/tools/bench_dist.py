@@ -90,7 +90,8 @@ def _rank(rank: int, port: int, args, out) -> None:
             assert got == n, got
             cache.seq_rm(0)
     if rank == 1:
-        out.put({"transport": args.transport, "tokens": n, "layers": args.layers, "heads": args.heads, "dim": args.dim,
+        out.put({"transport": args.transport, "tokens": n, "layers": args.layers,
+                 "heads": args.heads, "dim": args.dim,
                  "k_dtype": cfg.k_dtype, "v_dtype": cfg.v_dtype, "bytes": nbytes,
                  "tensor_s": min(t_tensor), "seq_s": min(t_seq),
                  "import_s": t_import[t_seq.index(min(t_seq))],
