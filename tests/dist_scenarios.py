@@ -188,7 +188,9 @@ def async_transfer(rank: int, world: int) -> int:
         fill(cache, 0, 9, 21)
         h = dist.isend_seq(cache, 0, 1, timeout=30)
         fill(cache, 1, 4, 22)          # the sender's cache changes meanwhile: already exported
-        return h.wait()
+        n = h.wait()
+        assert dist.send_seq(cache, 2, 1, timeout=30) == 0     # an empty sequence
+        return n
     cache = make_cache("q8_0")
     ref = make_cache("q8_0")
     fill(ref, 0, 9, 21)
@@ -198,6 +200,7 @@ def async_transfer(rank: int, world: int) -> int:
     assert n == 9 and h.wait() == 9
     assert rows(cache.export_seq(0)) == rows(ref.export_seq(0))
     assert cache.seq_pos_max(1) == 5
+    assert dist.recv_seq(cache, 2, 0, timeout=30) == 0 and cache.seq_pos_max(2) == -1
     return n
 
 

@@ -313,6 +313,8 @@ def _send_prepared(link: _Link, snap, dst: int, n_kv_heads: int) -> int:
             for layer in range(len(part.keys)):
                 for side, arr in (("K", part.keys[layer]), ("V", part.values[layer])):
                     flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+                    if not flat.size:   # nothing to send (the receiver posts nothing either)
+                        continue
                     works.append(link.post_send(link.tensor(flat, readonly_ok=True), dst,
                                                 f"the {side} rows of group {g} layer {layer}"))
         link.wait(works)
@@ -433,6 +435,8 @@ def _receive_rows(link: _Link, cache, seq, srcs: List[int], at):
             bufs.append((s, h, p, g, t))
             for i, (offset, shape, dt) in enumerate(layout):
                 n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                if not n:
+                    continue
                 items.append((t[offset:offset + n], s, f"the {'KV'[i % 2]} rows of group {g} "
                                                        f"layer {i // 2}"))
     # (on a failure the buffers are not pooled again: a receive still posted may write them)
