@@ -19,7 +19,7 @@ from .streams import StreamCache  # registers itself for CacheConfig(unified=Fal
 from .wrappers import EncoderCache, WrapperCache
 from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
-from .snapshot import SeqSnapshot, SnapshotPart
+from .state.snapshot import SeqSnapshot, SnapshotPart
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ function decorated with this module's :func:`njit` looks for a signature in thre
    have the content (SHA-256) they were built from, so an edit means compiling again;
 3. numba compiles it (``_compile_notice`` prints one line the first time) and saves it to (1).
 
-The shipped code is built by ``numbakv precompile --ship`` (see :mod:`numbakv.precompile`): a
+The shipped code is built by ``numbakv precompile --ship`` (see :mod:`numbakv.tools.precompile`): a
 child process with ``NUMBA_CPU_NAME=x86-64-v3`` runs the common path and writes every compiled
 signature here, zlib-compressed. Code for that level runs on any CPU that has its features; it
 is not tuned to the host's (AVX-512 goes unused). ``numbakv precompile`` without ``--ship``

@@ -25,122 +25,18 @@ from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
+from .state.files import StateMethods
 from .storage import KVStorage
-
-#: Stands for "no limit" in window, memory and range arithmetic (Ollama's math.MaxInt32).
-UNLIMITED = 2**31 - 1
+from ._inputs import UNLIMITED, check_batch, host_int_array
+from ._inputs import check_index as _check_index
 
 ShiftFn = Callable[[int, Any, Any], Any]
 _I32 = np.dtype(np.int32)
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
-    from .snapshot import SeqSnapshot
+    from .state.snapshot import SeqSnapshot
 
 PathLike = Union[str, os.PathLike]   # a file path
-
-
-def _check_index(name: str, value, low: int, high: Optional[int] = None) -> int:
-    """``value`` as an int in ``[low, high)`` (``high=None``: no upper bound)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < low or (high is not None and value >= high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
-def host_int_array(values, name: str, stream: Any = None) -> np.ndarray:
-    """A 1-D int64 host copy of integer values given as a list, numpy/CuPy array or tensor.
-    Anything that cannot be read as one (ragged lists, tensors on a ``meta`` device, objects)
-    is a ``ValueError`` naming ``name``. Values in GPU memory are copied on ``stream`` (a CuPy
-    stream; None: CuPy's current stream), synchronising that stream only, and refused while it
-    captures a CUDA graph (:func:`_host_array`)."""
-    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
-        return values.astype(np.int64, copy=False)  # the common case, checked cheaply
-    try:
-        arr = _host_array(values, name, stream)
-    except _CaptureRefused:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever the foreign object raised
-        raise ValueError(f"{name} must be a 1-D sequence of integers, got "
-                         f"{type(values).__name__} that cannot be read as one: {exc}") from exc
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
-
-
-class _CaptureRefused(ValueError):
-    """Device-resident positions/seqs while the cache's stream captures a CUDA graph."""
-
-
-def _on_gpu(values) -> bool:
-    """Whether ``values`` lives in GPU memory: a CuPy array, a CUDA ``__dlpack_device__``
-    (anything but CPU and pinned host memory), or the CUDA array interface."""
-    if type(values).__module__.startswith("cupy"):
-        return True
-    if hasattr(values, "__dlpack_device__") and not isinstance(values, np.ndarray):
-        return int(values.__dlpack_device__()[0]) not in (1, 3)
-    return hasattr(values, "__cuda_array_interface__")
-
-
-def _host_array(values, name: str = "values", stream: Any = None) -> np.ndarray:
-    """``values`` as a numpy array. GPU-resident values (CuPy arrays, torch CUDA tensors,
-    anything with a CUDA ``__dlpack_device__`` or ``__cuda_array_interface__``) are copied on
-    ``stream`` (the cache's stream; None: CuPy's current stream) into a pinned, reused buffer and
-    only that stream is synchronised, never the device; while ``stream`` captures a CUDA graph
-    that synchronisation is illegal, so they are refused with a ValueError before anything is
-    read (the cache keeps its bookkeeping on the host)."""
-    if not _on_gpu(values):
-        if hasattr(values, "__dlpack_device__") and not isinstance(values, np.ndarray):
-            return np.asarray(np.from_dlpack(values))
-        return np.asarray(values)
-    import cupy
-    from .kernels import _common
-    if stream is None:
-        stream = cupy.cuda.get_current_stream()
-    if _common.capturing(stream):
-        raise _CaptureRefused(
-            f"{name} must be a host array (numpy or a list) while the cache's stream is "
-            f"capturing a CUDA graph, got {type(values).__name__} in GPU memory: the cache keeps "
-            f"its bookkeeping on the host and reading device memory back would synchronise the "
-            f"stream; pass positions/seqs as host arrays inside graph capture")
-    if type(values).__module__.startswith("cupy"):
-        dev = values
-    else:
-        with stream:  # DLPack orders the producer's stream before ours (no host wait)
-            dev = cupy.from_dlpack(values) if hasattr(values, "__dlpack__") \
-                else cupy.asarray(values)
-    return _common.device_to_host(dev, stream)
-
-
-def check_batch(positions, seqs, config: CacheConfig,
-                stream: Any = None) -> Tuple[np.ndarray, np.ndarray]:
-    """A batch's ``positions`` and ``seqs`` (any integer array-likes, ``[batch]``) as int32 host
-    arrays, checked against ``config``: equal, non-zero length up to ``max_batch``, positions in
-    ``[0, UNLIMITED)``, sequence ids in ``[0, max_seqs)``. GPU-resident ones are read back on
-    ``stream`` (see :func:`host_int_array`)."""
-    pos = host_int_array(positions, "positions", stream)
-    sq = host_int_array(seqs, "seqs", stream)
-    if len(pos) != len(sq):
-        raise ValueError(f"positions and seqs must have the same length, got {len(pos)} "
-                         f"and {len(sq)}")
-    if len(pos) == 0:
-        raise ValueError("positions must hold at least one token")
-    if len(pos) > config.max_batch:
-        raise ValueError(f"batch of {len(pos)} tokens is larger than max_batch="
-                         f"{config.max_batch}")
-    if pos.min() < 0 or pos.max() >= UNLIMITED:
-        raise ValueError(f"positions must be in [0, {UNLIMITED}), got min {pos.min()} "
-                         f"max {pos.max()}")
-    if sq.min() < 0 or sq.max() >= config.max_seqs:
-        raise ValueError(f"seqs must be in [0, max_seqs={config.max_seqs}), got min "
-                         f"{sq.min()} max {sq.max()}")
-    return pos.astype(np.int32), sq.astype(np.int32)
 
 
 @dataclass
@@ -195,7 +91,7 @@ class _Placed:
 
 
 @one_thread_at_a_time
-class CausalCache:
+class CausalCache(StateMethods):
     """A KV cache for causal attention over many sequences sharing one pool of cells.
 
     One thread at a time: a second thread calling in while another is inside raises
@@ -841,41 +737,9 @@ class CausalCache:
             view[...] = out
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save the whole cache (``seq=None``) or one sequence to a safetensors file,
-        atomically."""
-        from . import state
-        state.save_cache(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
-        (replacing what ``seq`` held). Returns the saved tokens and metadata. ``strict``: a
-        state saved by a cache with another model fingerprint (shift, window, memory, chunk,
-        dtypes, head shapes) raises ``StateError`` naming the field."""
-        from . import state
-        out = state.load_cache(self, path, seq, strict=strict, progress=progress)
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    def _after_state_load(self) -> None:
         self._forward = None      # a state load ends the forward pass in progress
-        return out
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
-                    metadata: Optional[dict] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What ``save_state`` writes, as bytes."""
-        from . import state
-        return state.cache_to_bytes(self, seq, tokens=tokens, metadata=metadata,
-                                    progress=progress)
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """Load ``state_bytes`` output: the whole cache, or the saved sequence as ``seq``
-        (``strict`` as in ``load_state``)."""
-        from . import state
-        out = state.cache_from_bytes(self, data, seq, strict=strict, progress=progress)
-        self._forward = None      # a state load ends the forward pass in progress
-        return out
 
     # ------------------------------------------------------------------ one sequence's K/V
     def export_seq(self, seq: int, p0: int = 0, p1: Optional[int] = None, *,
@@ -885,8 +749,8 @@ class CausalCache:
         the storage format, V never permuted), the head range and the model fingerprint.
         Rows of a run of consecutive cells are read-only views of the storage (``snap.copy()``
         owns them); ``device=True`` keeps a cuda cache's rows on the GPU. See
-        :mod:`numbakv.snapshot`."""
-        from . import snapshot
+        :mod:`numbakv.state.snapshot`."""
+        from .state import snapshot
         return snapshot.export_seq(self, seq, p0, p1, device=device)
 
     def import_seq(self, seq: int, snap: "SeqSnapshot", *, at: Optional[int] = None) -> int:
@@ -894,7 +758,7 @@ class CausalCache:
         start at ``at`` with the keys re-rotated) and write their K/V; returns the tokens
         placed. Everything is checked first (fingerprint, shapes, formats, head range,
         positions ``seq`` holds, room): a refusal changes nothing. Ends the forward pass."""
-        from . import snapshot
+        from .state import snapshot
         return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ misc
@@ -976,7 +840,8 @@ class CausalCache:
         extra = "".join(f", {k}={v}" for k, v in (("swa_window", self.swa_window),
                                                   ("swa_memory", self.swa_memory),
                                                   ("chunk_size", self.chunk_size)) if v)
-        shard = "" if cfg.head_shard is None else f" (heads {cfg.head_range} of {cfg.n_kv_heads})"
+        shard = "" if cfg.head_shard is None else \
+            f" (heads {cfg.head_range} of {cfg.n_kv_heads})"
         return (f"CausalCache(n_cells={self.n_cells}, used={self.cells.n_used}, layers="
                 f"{cfg.n_layers}, kv_heads={cfg.local_kv_heads}{shard}, head_dim={cfg.head_dim}, dtype="
                 f"{cfg.dtype}, device={self.device}{extra})")

@@ -372,27 +372,6 @@ def _st_leaf_from_cells(stree, cpos, cseqs, s, blk, bshift):
 
 
 @njit(cache=True)
-def _st_rebuild_cells(stree, cpos, cseqs, s, c0, c1, bshift):
-    """Recompute s's leaves for the blocks covering cells c0..c1 (inclusive) and their
-    ancestors, from the cells themselves."""
-    if c1 < c0:
-        return
-    nl = stree.shape[1] >> 1
-    b0 = c0 >> bshift
-    b1 = c1 >> bshift
-    for b in range(b0, b1 + 1):
-        _st_leaf_from_cells(stree, cpos, cseqs, s, b, bshift)
-    lo = (nl + b0) >> 1
-    hi = (nl + b1) >> 1
-    while lo >= 1:
-        for k in range(lo, hi + 1):
-            stree[0, k, s] = min(stree[0, 2 * k, s], stree[0, 2 * k + 1, s])
-            stree[1, k, s] = max(stree[1, 2 * k, s], stree[1, 2 * k + 1, s])
-        lo >>= 1
-        hi >>= 1
-
-
-@njit(cache=True)
 def _st_first_leaf_min_lt(stree, s, t):
     """Leftmost block whose lowest position of s is < t, or -1."""
     if stree[0, 1, s] >= t:
@@ -1777,7 +1756,9 @@ class CellTable:
 
     @property
     def max_free_run(self) -> int:
-        """Longest run of free cells (a batch of this many tokens fits contiguously)."""
+        """Longest run of free cells (a batch of this many tokens fits contiguously). Public
+        although the caches do not call it: a scheduler asks it whether a batch fits without a
+        defrag, and the tests check the free-run tree against the cells with it."""
         return int(self._ftree[2, 1])
 
     @property
@@ -1905,6 +1886,8 @@ class CellTable:
     # ---- queries --------------------------------------------------------------------------
 
     def has_seq(self, cell: int, seq: int) -> bool:
+        """Whether ``cell`` holds sequence ``seq``. Public although the caches read the bitsets
+        in bulk: the one-cell question for callers inspecting the table, and for the tests."""
         cell = self._cell(cell)
         seq = self._seq(seq)
         return bool((int(self._seqs[cell, seq >> 6]) >> (seq & 63)) & 1)
@@ -2059,7 +2042,8 @@ class CellTable:
                                      seq, end, _INF))
 
     def shared_cells_in(self, seq: int, p0: int = 0, p1: Optional[int] = None) -> bool:
-        """Whether a cell of seq with p0 <= pos < p1 is shared (seq_add / seq_div would refuse)."""
+        """Whether a cell of seq with p0 <= pos < p1 is shared (seq_add / seq_div would refuse).
+        Public although the caches find out by trying: a caller asks it before a shift."""
         seq = self._seq(seq)
         p0, p1 = self._range(p0, p1)
         return bool(_shared_in_range(self._pos, self._seqs, self._stree, self._sidx, self._meta,

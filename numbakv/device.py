@@ -9,11 +9,12 @@ copy when the memory already lives there, and wraps views for export (bfloat16 i
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
 import warnings
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -303,5 +304,44 @@ def export_view(arr, dtype: str):
     return arr
 
 
+# ---------------------------------------------------------------------------- CUDA stream helpers
+# (platform level: the cache's input checks (_inputs.py) and the kernels' launch path both use them)
+def capturing(stream) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph. Asking about the legacy NULL stream while
+    another stream captures in global mode is itself an error: counted as capturing (then
+    nothing queries or synchronises)."""
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+_READBACK: List[Any] = []       # [capacity, pinned memory, host view]: one, reused
+_READBACK_LOCK = threading.Lock()
+
+
+def device_to_host(arr, stream) -> np.ndarray:
+    """A host copy of the CuPy array ``arr``, made on ``stream`` through one pinned, reused
+    buffer: a contiguous copy (if ``arr`` is strided) and an asynchronous device-to-host copy are
+    queued on ``stream``, then only that stream is synchronised (``cupy.asnumpy`` would copy on
+    the current stream into pageable memory). The caller refuses this during graph capture."""
+    import cupy
+    with stream:
+        dev = cupy.ascontiguousarray(arr)
+    nbytes = int(dev.nbytes)
+    if nbytes == 0:
+        return np.empty(dev.shape, dtype=dev.dtype)
+    with _READBACK_LOCK:
+        if not _READBACK or _READBACK[0] < nbytes:
+            cap = max(4096, 1 << (nbytes - 1).bit_length())
+            mem = cupy.cuda.alloc_pinned_memory(cap)
+            _READBACK[:] = [cap, mem, np.frombuffer(mem, np.uint8, cap)]
+        host = _READBACK[2]
+        dev.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, stream)
+        stream.synchronize()
+        return host[:nbytes].view(dev.dtype).reshape(dev.shape).copy()
+
+
 __all__ = ["simulator_enabled", "cuda_usable", "cuda_status", "GPU_EXTRA", "resolve_device", "array_module", "synchronize",
-           "as_array", "export_view", "dtype_name", "input_device", "DEVICE_NAMES"]
+           "as_array", "export_view", "dtype_name", "input_device", "DEVICE_NAMES",
+           "capturing", "device_to_host"]

@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from .causal import CausalCache, host_int_array
+from ._inputs import host_int_array
+from .causal import CausalCache
 from .config import CacheConfig, RopeShift, normalize_dtype
 from .errors import KVCacheError, NotSupportedError
 from .wrappers import WrapperCache

@@ -37,7 +37,7 @@ from typing import Callable, Hashable, List, Mapping, Optional, Sequence, Tuple,
 
 import numpy as np
 
-from .causal import _check_index
+from ._inputs import check_index as _check_index
 from .errors import KVCacheError, NoSlotError, ReprocessError, StateError
 
 

@@ -32,6 +32,7 @@ from ._guard import one_thread_at_a_time
 from ._memory import check_memory
 from .config import STORAGE_DTYPES, normalize_dtype, round_up
 from .device import array_module, as_array, dtype_name, export_view, input_device, resolve_device
+from .state.files import register_simple_class as _register_simple_class
 
 __all__ = ["StepCache", "RotatingCache"]
 
@@ -536,3 +537,8 @@ class RotatingCache(_SingleStreamCache):
         cache._start = start
         cache._offset = offset
         return cache
+
+
+# load_simple builds these classes; registering them here keeps state/ below the caches
+_register_simple_class(StepCache)
+_register_simple_class(RotatingCache)

@@ -284,7 +284,7 @@ class KVStorage:
         whose event has passed. Skipped while the stream is capturing a graph (recording there
         would bind the event to the graph; querying would be an implicit synchronisation)."""
         import cupy
-        from .kernels._common import capturing
+        from .device import capturing
         stream = self._stream if self._stream is not None else cupy.cuda.get_current_stream()
         if capturing(stream):
             return
@@ -302,7 +302,7 @@ class KVStorage:
         launching them on no data, block moves and the rotary shift for the storage's word
         types), so that the first forward pass does not pay for it. Called by the constructor on
         ``cuda``."""
-        from .kernels import _common
+        from .kernels import _common, launch as _launch_mod
         cfg = self.config
         xp = self.xp
         sdt = self._sdt
@@ -317,7 +317,7 @@ class KVStorage:
                 self.fill_mask(out, np.zeros(1, np.int32), np.zeros((1, _SEQ_WORDS), np.uint64),
                                np.zeros(0, np.int32), np.zeros(0, np.int32),
                                np.zeros(0, np.uint8))
-            if not _common.fast_launch_enabled():
+            if not _launch_mod.fast_launch_enabled():
                 return
             k, v = _move.storage_args("cuda", self.keys, self.values, self.permuted)
             i32 = _common.Desc(0, (1,), (4,), np.dtype(np.int32))
@@ -329,7 +329,8 @@ class KVStorage:
             kd = _common.desc_of(self.keys, view_dtype)
             sigs.append((_rope.rope_shift_kernel, (kd, i32, i32, i32, f32, f32, 0, 0)))
             for kernel, args in sigs:
-                _common.preload(kernel, [_common.numba_type(a) for a in args], self._device_id)
+                _launch_mod.preload(kernel, [_launch_mod.numba_type(a) for a in args],
+                                    self._device_id)
     def _check_layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                 or not 0 <= layer < self.config.n_layers:

@@ -40,7 +40,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
-from .causal import CausalCache, PathLike, _check_memory, _check_index, UNLIMITED
+from ._inputs import UNLIMITED, host_int_array
+from ._inputs import check_index as _check_index
+from .causal import CausalCache, PathLike, _check_memory
 from .config import CacheConfig, round_up
 from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -291,7 +293,6 @@ class StreamCache(CausalCache):
         batch = len(fwd.token_order)
         drop = np.zeros(batch, bool)
         if except_ is not None:
-            from .causal import host_int_array
             idx = host_int_array(except_, "except_")
             if idx.size and (idx.min() < 0 or idx.max() >= batch):
                 raise ValueError(f"except_ must hold batch indices in [0, {batch}), got "
@@ -544,38 +545,11 @@ class StreamCache(CausalCache):
             sub.use_stream(stream)
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save the whole cache (every stream) or one sequence (the same file a unified cache
-        writes for a sequence, so it loads into either kind)."""
-        from . import state
-        state.save_streams(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    _STATE_IO = "streams"
 
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Load a whole stream cache (``seq=None``) or one sequence saved by any CausalCache
-        (``strict``: refuse another model fingerprint, as ``CausalCache.load_state``)."""
-        from . import state
-        out = state.load_streams(self, path, seq, strict=strict, progress=progress)
+    def _after_state_load(self) -> None:
         self._end_forward()
-        return out
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
-                    metadata: Optional[dict] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """``save_state`` into bytes."""
-        from . import state
-        return state.streams_to_bytes(self, seq, tokens=tokens, metadata=metadata,
-                                      progress=progress)
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """``load_state`` from bytes."""
-        from . import state
-        out = state.streams_from_bytes(self, data, seq, strict=strict, progress=progress)
-        self._end_forward()
-        return out
 
     def close(self) -> None:
         """Free the storage; every later call raises."""

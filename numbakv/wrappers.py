@@ -12,17 +12,20 @@ from numpy.typing import ArrayLike
 
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
-from .causal import UNLIMITED, CausalCache, PathLike, _check_index, check_batch, host_int_array
+from ._inputs import UNLIMITED, check_batch, host_int_array
+from ._inputs import check_index as _check_index
+from .causal import CausalCache, PathLike
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
+from .state.files import StateMethods
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
 
 
 @one_thread_at_a_time
-class WrapperCache:
+class WrapperCache(StateMethods):
     """One ``CausalCache`` per layer group; every operation fans out to all of them, all or
     nothing (cell tables and K/V: keys a failed ``remove`` already re-rotated in one group come
     back bit-exact), and ``set_layer`` picks the group (and the layer inside it). One thread at
@@ -234,46 +237,19 @@ class WrapperCache:
         """One ``numbakv.SeqSnapshot`` of positions ``[p0, p1)`` of ``seq`` with one part per
         group (a sliding-window group holds only the cells it keeps); see
         ``CausalCache.export_seq``."""
-        from . import snapshot
+        from .state import snapshot
         return snapshot.export_seq(self, seq, p0, p1, device=device)
 
     def import_seq(self, seq: int, snap, *, at: Optional[int] = None) -> int:
         """Import every group's part of ``snap`` for ``seq``, all or nothing (see
         ``CausalCache.import_seq``); returns the tokens placed in the group that placed the
         most (a sliding-window group holds only what its window memory kept)."""
-        from . import snapshot
+        from .state import snapshot
         return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[ArrayLike] = None, metadata: Optional[dict] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save every group cache (``seq=None``) or one sequence of each to a safetensors file,
-        atomically (``numbakv.state``, kind ``wrapper`` / ``wrapper-seq``)."""
-        from . import state
-        state.save(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[ArrayLike] = None,
-                    metadata: Optional[dict] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What ``save_state`` writes, as bytes."""
-        from . import state
-        return state.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what ``save_state`` wrote into every group, all or nothing (``strict`` as in
-        ``CausalCache.load_state``, per group). Returns the saved tokens and metadata."""
-        from . import state
-        return state.load(path, self, seq, strict=strict, progress=progress)[1]
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """Load ``state_bytes`` output (see ``load_state``)."""
-        from . import state
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
-        return state.load(data, self, seq, strict=strict, progress=progress)[1]
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    _STATE_IO = "wrapper"
 
 
 def _check_groupable(caches: List[CausalCache], same_layers: bool) -> None:
@@ -339,7 +315,8 @@ class EncoderCache:
 
     @property
     def encoder_cached(self) -> bool:
-        """True when encoder output is stored for every layer."""
+        """True when encoder output is stored for every layer (Ollama's ``EncoderCached()``: a
+        runner asks it to skip the encoder; public although the cache itself never needs it)."""
         return self.encoder_len > 0 and bool(self._layers_written.all())
 
     def start_forward(self, positions, seqs, reserve: bool = False, *,

@@ -1,4 +1,4 @@
-"""Plain numpy references shared by the tests (no numbakv code inside)."""
+"""Helpers shared by the tests: plain numpy references, and the emulated CUDA launch path."""
 
 import numpy as np
 
@@ -27,3 +27,51 @@ def random_storage(rng, shape, dtype: str) -> np.ndarray:
 
 def as_f32(arr, dtype: str) -> np.ndarray:
     return bf16_bits_to_f32(arr) if dtype == "bfloat16" else np.asarray(arr, dtype=np.float32)
+
+
+# ------------------------------------------------------------------ the CUDA launch path, emulated
+# Without a GPU the ``cuda`` code path (CuPy arrays described by pointer/shape/strides, packed
+# host-to-device copies, cached slot buffers) still runs: a stand-in ``cupy`` over numpy memory
+# (tests/fake_cupy.py), and the descriptors turned back into numpy views for the simulator.
+# Shared by test_kernels.py and test_streams.py.
+
+def desc_to_numpy(d) -> np.ndarray:
+    """The numpy view of the host memory a ``kernels._common.Desc`` describes."""
+    import ctypes
+    span = sum((s - 1) * st for s, st in zip(d.shape, d.strides)) + d.dtype.itemsize \
+        if all(d.shape) else 0
+    buf = (ctypes.c_char * max(span, 1)).from_address(d.ptr)
+    return np.ndarray(d.shape, dtype=d.dtype, buffer=buf, strides=d.strides)
+
+
+def clear_launch_caches() -> None:
+    """Forget the device buffers the put kernels and the launch path keep between calls."""
+    from numbakv.kernels import launch, put
+    for cache in (put._SLOT_CACHE, put._NO_SLOTS_DEV, put._CUDA_PLANS, launch._STAGING):
+        cache.clear()
+
+
+def emulate_cuda(monkeypatch, record):
+    """Install the ``cupy`` stand-in and run every ``cuda`` launch of the put, mask, move and
+    rope kernels in the simulator on the memory its descriptors name (dispatcher path: the fast
+    launch is off), calling ``record(kernel, args)`` first. Returns the stand-in; the caller
+    calls :func:`clear_launch_caches` at teardown."""
+    import sys
+
+    from fake_cupy import fake_cupy
+    from numbakv.kernels import _common, launch, mask, move, put, rope
+    cp = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(launch, "_FAST_ENABLED", False)
+    clear_launch_caches()
+
+    def fake_launch(device, kernel, grid, block, args):
+        assert device == "cuda"
+        record(kernel, args)
+        launch.launch("sim", kernel, grid, block,
+                      [desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
+
+    for mod in (put, mask, move, rope):
+        monkeypatch.setattr(mod, "_launch", fake_launch)
+        monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    return cp

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from numbakv import bench, cli
+from numbakv.tools import bench, cli
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_HF = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
@@ -189,7 +189,7 @@ def test_attention_section_quick(capsys):
 
 def test_attention_rows_agree_with_dense():
     pytest.importorskip("torch")
-    from numbakv import bench
+    from numbakv.tools import bench
     s = bench.BenchSettings(device="cpu", budget=0.01, min_reps=3, quick=True,
                             kv_heads=2, head_dim=16, sections=["attention"])
     rows = bench.run_attention(s, bench._Device("cpu"), [])

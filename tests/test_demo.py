@@ -10,7 +10,7 @@ import pytest
 
 import numbakv as nkv
 from numbakv.causal import CausalCache
-from numbakv.demo import (FREE, SHARED, DemoVerificationError, ModelConfig, TinyLlama, Workload,
+from numbakv.tools.demo import (FREE, SHARED, DemoVerificationError, ModelConfig, TinyLlama, Workload,
                           _RefSeq, cell_owners, reference_forward, run_demo)
 
 #: small enough for the CUDA simulator (Python per GPU thread)
@@ -230,7 +230,7 @@ def test_picture_png_and_terminal(tmp_path):
     assert len(lines) == 1 + min(6, report.steps_recorded)
     assert all(line.count("|") == 2 for line in lines[1:])
     pytest.importorskip("matplotlib")
-    from numbakv.demo import save_picture
+    from numbakv.tools.demo import save_picture
     path = tmp_path / "occupancy.png"
     assert save_picture(report, str(path)) == str(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -295,7 +295,7 @@ def test_workload_follow_ups():
 def _synthetic_report(n_cells, n_steps=30, n_req=20):
     """A DemoReport with interleaved one-cell decode tokens (the comb the picture must not draw
     one pixel wide), a shared prefix and one event of each marked kind."""
-    from numbakv.demo import DemoReport
+    from numbakv.tools.demo import DemoReport
     owners = np.full((n_steps, n_cells), FREE, np.int32)
     owners[:, :8] = SHARED
     for step in range(n_steps):
@@ -313,7 +313,7 @@ def _synthetic_report(n_cells, n_steps=30, n_req=20):
 def test_picture_colours_are_distinct_and_never_free_or_shared():
     pytest.importorskip("matplotlib")
     from matplotlib.colors import to_rgb
-    from numbakv.demo import FREE_COLOR, REQUEST_COLORS, SHARED_COLOR, request_color
+    from numbakv.tools.demo import FREE_COLOR, REQUEST_COLORS, SHARED_COLOR, request_color
     rgb = [to_rgb(c) for c in REQUEST_COLORS]
     assert len(set(rgb)) == len(rgb)
     for special in (FREE_COLOR, SHARED_COLOR):
@@ -325,7 +325,7 @@ def test_picture_colours_are_distinct_and_never_free_or_shared():
 
 
 def test_picture_marks_label_every_defrag_shift_and_reuse():
-    from numbakv.demo import picture_marks
+    from numbakv.tools.demo import picture_marks
     marks = picture_marks(_synthetic_report(64), group=1)
     kinds = [m.kind for m in marks]
     assert sorted(kinds) == ["copy_prefix", "defrag", "shift"]  # arrivals are not marked
@@ -338,7 +338,7 @@ def test_picture_marks_label_every_defrag_shift_and_reuse():
 
 def test_picture_groups_wide_caches_instead_of_one_pixel_stripes(tmp_path):
     pytest.importorskip("matplotlib")
-    from numbakv.demo import MIN_COLUMN_PX, picture_columns, save_picture
+    from numbakv.tools.demo import MIN_COLUMN_PX, picture_columns, save_picture
     report = _synthetic_report(4096)
     cols, group = picture_columns(report.owners, 1280 // MIN_COLUMN_PX)
     assert group == 13 and cols.shape == (30, 316)

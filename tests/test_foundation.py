@@ -225,15 +225,15 @@ def test_parameter_layout_check_catches_a_swapped_field():
     """layout_problems compares by order: a fast path that swapped nitems and the data pointer
     (same count) must be reported, for a 1-d and a 4-d array signature."""
     code = (
-        "from numbakv.kernels import ptx, _common, registered\n"
+        "from numbakv.kernels import ptx, launch, registered\n"
         "sigs = [s for spec in registered() for s in spec.signatures]\n"
         "assert all(ptx.layout_problems(s) == [] for s in sigs)\n"
-        "orig = _common._flatten\n"
+        "orig = launch._flatten\n"
         "def swapped(args):\n"
         "    out = orig(args)\n"
         "    out[2], out[4] = out[4], out[2]\n"
         "    return out\n"
-        "_common._flatten = swapped\n"
+        "launch._flatten = swapped\n"
         "assert all(ptx.layout_problems(s) for s in sigs)\n"
         "print('ok', len(sigs))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=_ptx_env(), capture_output=True,
@@ -348,7 +348,7 @@ def test_get_return_annotation():
 
 
 def test_version_help_and_info_without_ptx(capsys):
-    from numbakv import cli
+    from numbakv.tools import cli
     with pytest.raises(SystemExit) as exc:
         cli.main(["--version"])
     assert exc.value.code == 0

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from numbakv.kernels import _common, mask, move, put, rope
+from numbakv.kernels import _common, launch, mask, move, put, rope
 from helpers import as_f32, bf16_bits_to_f32, f32_to_bf16_bits, random_storage
 
 DTYPES = ["float16", "float32", "bfloat16"]
@@ -547,44 +547,25 @@ def test_rotate_cpu_large(parallel, monkeypatch):
 # host-to-device copies, cached slot buffers) still runs here: a stand-in ``cupy`` over numpy
 # memory, and the descriptors turned back into numpy views for the simulator.
 
-from fake_cupy import FakeDeviceArray as _FakeDeviceArray, fake_cupy as _fake_cupy  # noqa: E402
-
-
-def _desc_to_numpy(d):
-    import ctypes
-    span = sum((s - 1) * st for s, st in zip(d.shape, d.strides)) + d.dtype.itemsize \
-        if all(d.shape) else 0
-    buf = (ctypes.c_char * max(span, 1)).from_address(d.ptr)
-    return np.ndarray(d.shape, dtype=d.dtype, buffer=buf, strides=d.strides)
+from fake_cupy import FakeDeviceArray as _FakeDeviceArray  # noqa: E402
+from helpers import clear_launch_caches, emulate_cuda  # noqa: E402
 
 
 @pytest.fixture
 def emulated_cuda(kernel_device, monkeypatch):
+    """The kernels launched on the emulated ``cuda`` path, in order."""
     if kernel_device != "sim":
         pytest.skip("a real GPU runs the cuda path itself")
-    import sys
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
-    put._SLOT_CACHE.clear()
-    put._NO_SLOTS_DEV.clear()
-    put._CUDA_PLANS.clear()
-    monkeypatch.setattr(_common, "_FAST_ENABLED", False)
     launched = []
 
-    def fake_launch(device, kernel, grid, block, args):
-        assert device == "cuda"
+    def record(kernel, args):
         for a in args:  # exactly what the fast path would flatten
             assert isinstance(a, (_common.Desc, int)), type(a)
         launched.append(kernel)
-        _common.launch("sim", kernel, grid, block,
-                       [_desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
 
-    for mod in (put, mask, move, rope):
-        monkeypatch.setattr(mod, "_launch", fake_launch)
-        monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    emulate_cuda(monkeypatch, record)
     yield launched
-    put._SLOT_CACHE.clear()
-    put._NO_SLOTS_DEV.clear()
-    put._CUDA_PLANS.clear()
+    clear_launch_caches()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -621,7 +602,7 @@ def test_emulated_cuda_put_fast_path_parameters(emulated_cuda, monkeypatch):
 
     general = []
     monkeypatch.setattr(put, "_launch", lambda device, kernel, grid, block, args:
-                        general.append((tuple(grid), block, _common._flatten(args))))
+                        general.append((tuple(grid), block, launch._flatten(args))))
     calls = []
     for permuted in (False, True):
         for layout in ("contiguous", "heads_major"):
@@ -634,8 +615,8 @@ def test_emulated_cuda_put_fast_path_parameters(emulated_cuda, monkeypatch):
                 calls.append((ks, vs, slots, key, value, permuted, start))
     for fast in (False, True):  # each mode reuses its cached plans across calls
         put._CUDA_PLANS.clear()
-        monkeypatch.setattr(_common, "_fast_kernel", lambda *a: Recorder() if fast else None)
-        monkeypatch.setattr(_common, "_FAST_ENABLED", fast)
+        monkeypatch.setattr(launch, "_fast_kernel", lambda *a: Recorder() if fast else None)
+        monkeypatch.setattr(launch, "_FAST_ENABLED", fast)
         for ks, vs, slots, key, value, permuted, start in calls:
             put.launch("cuda", ks, vs, slots, key, value, permuted, start=start)
     assert len(put._CUDA_PLANS) < len(calls)
@@ -688,7 +669,7 @@ def test_cuda_fast_launch_matches_dispatcher():
     rng = np.random.default_rng(30)
     results = {}
     for fast in (True, False):
-        _common.set_fast_launch(fast)
+        launch.set_fast_launch(fast)
         put._CUDA_PLANS.clear()
         try:
             ks = cupy.zeros((40, 4, 64), cupy.float16)
@@ -706,7 +687,7 @@ def test_cuda_fast_launch_matches_dispatcher():
             mask.launch("cuda", out, *_mask_case(np.random.default_rng(3), 40, 16, 70), window=9)
             results[fast] = [to_host(x) for x in (ks, vs, keys, values, out)]
         finally:
-            _common.set_fast_launch(True)
+            launch.set_fast_launch(True)
             put._CUDA_PLANS.clear()
     for a, b in zip(results[True], results[False]):
         assert np.array_equal(bits(a), bits(b))
@@ -953,22 +934,22 @@ def test_fast_kernel_loads_a_cubin_for_the_device_and_caches_it(tmp_path):
         "        moduleLoadData=lambda image: loaded.append(image) or 'module',\n"
         "        moduleGetFunction=lambda m, name: ('fn', name), launchKernel=None)\n"
         "    sys.modules['cupy'] = cp\n"
-        "    from numbakv.kernels import _common, put\n"
+        "    from numbakv.kernels import launch, put\n"
         "    from numbakv.kernels.ptx import _offline_device\n"
         "    sig = put._SIGS[0]\n"
         "    with _offline_device((int(cc[0]), int(cc[1]))):\n"
-        "        fk = _common.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
+        "        fk = launch.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
         "    assert fk.image_kind == 'cubin' and loaded[0][:4] == b'\\x7fELF'\n"
         "    flags = struct.unpack_from('<I', loaded[0], 48)[0]\n"
         # CUDA 13's cubins (ELF ABI version 8) keep the SM in e_flags bits 8-15, older ones in
         # bits 0-7
         "    arch = (flags >> 8) & 0xFF if loaded[0][8] >= 8 else flags & 0xFF\n"
         "    assert arch == int(cc), (cc, hex(flags), loaded[0][7:9])\n"
-        "    real = _common.ptx_entry\n"
-        "    _common.ptx_entry = lambda *a: (_ for _ in ()).throw(AssertionError('compiled'))\n"
-        "    fk2 = _common.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
+        "    real = launch.ptx_entry\n"
+        "    launch.ptx_entry = lambda *a: (_ for _ in ()).throw(AssertionError('compiled'))\n"
+        "    fk2 = launch.FastKernel(put.put_kv_kernel.py_func, sig, 0)\n"
         "    assert loaded[1] == loaded[0] and fk2.n_params == fk.n_params\n"
-        "    _common.ptx_entry = real\n"
+        "    launch.ptx_entry = real\n"
         "print('ok')\n")
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
@@ -1171,7 +1152,7 @@ def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx():
     code = (
         "import re\n"
         "from numba import types\n"
-        "from numbakv.kernels import _common, move, put\n"
+        "from numbakv.kernels import _common, launch, move, put\n"
         "from numbakv.kernels.ptx import _offline_device\n"
         "vec = re.compile(r'\\b(ld|st)\\.global\\.v(2\\.(u|b|s|f)64|4\\.(u|b|s|f)32)\\b')\n"
         "for kernel, sigs in ((put.put_kv_kernel, put._SIGS), (move.move_cells_kernel,"
@@ -1180,7 +1161,7 @@ def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx():
         "        wide = sig[0].dtype == types.complex128\n"
         "        for cc in ((8, 0), (9, 0)):\n"
         "            with _offline_device(cc):\n"
-        "                ptx, _, _ = _common.ptx_entry(kernel.py_func, sig, cc)\n"
+        "                ptx, _, _ = launch.ptx_entry(kernel.py_func, sig, cc)\n"
         "            kinds = {m.group(1) for m in vec.finditer(ptx)}\n"
         "            assert kinds == ({'ld', 'st'} if wide else set()), "
         "(kernel.py_func.__name__, str(sig[0]), cc, kinds)\n"

@@ -66,7 +66,7 @@ def test_readme_names_what_the_shipped_code_fits():
 @needs_shipped
 def test_common_path_loads_everything_with_an_empty_numba_cache(tmp_path):
     """What `numbakv demo` and the rest of the common path run compiles nothing numbakv."""
-    proc = subprocess.run([sys.executable, "-m", "numbakv.precompile", "--child", "check"],
+    proc = subprocess.run([sys.executable, "-m", "numbakv.tools.precompile", "--child", "check"],
                           env=dict(CHILD_ENV, NUMBA_CACHE_DIR=str(tmp_path)), cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -80,7 +80,7 @@ def test_host_compiled_function_calls_shipped_code(tmp_path):
         import numpy as np
         from numba import njit
         from numbakv import cells
-        from numbakv.precompile import _CompileCounter
+        from numbakv.tools.precompile import _CompileCounter
 
         @njit
         def user(occ, i, n):
@@ -151,7 +151,7 @@ def test_build_load_and_stale_source(tmp_path):
         from numbakv import _jit
         _jit.SHIPPED_DIR = Path({str(tmp_path / 'ship')!r})
         sys.path.insert(0, {str(tmp_path)!r})
-        from numbakv.precompile import _CompileCounter
+        from numbakv.tools.precompile import _CompileCounter
         import shipmod
         with _CompileCounter(prefix="") as compiled:
             print("value", shipmod.twice(21))

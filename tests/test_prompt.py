@@ -504,7 +504,7 @@ def _serve(seed, multi_user, **over):
     """Many conversations (new ones sharing a system prompt, and follow-up turns of finished
     ones) served through a PromptCache on a small cache by the demo's run loop, every forward
     pass checked against the recomputation without the cache (the demo's verification)."""
-    from numbakv.demo import ModelConfig, run_demo
+    from numbakv.tools.demo import ModelConfig, run_demo
     model = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                         vocab=128)
     kw = dict(n_seqs=14, steps=90, n_layers=2, capacity=24, model=model, slots=3, seed=seed,

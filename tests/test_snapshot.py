@@ -1,4 +1,4 @@
-"""One sequence's K/V as a unit (``numbakv.snapshot``): ``export_seq`` / ``import_seq`` /
+"""One sequence's K/V as a unit (``numbakv.state.snapshot``): ``export_seq`` / ``import_seq`` /
 ``SeqSnapshot``.
 
 Round trips are checked against an independent reading of the storage (the sequence's cells
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import numbakv as nkv
 from numbakv import KVCacheFullError, NotSupportedError, SeqSnapshot, SnapshotPart, StateError
-from numbakv import snapshot as snapmod
+from numbakv.state import snapshot as snapmod
 from numbakv import state
 from numbakv.causal import CausalCache
 from numbakv.wrappers import WrapperCache
@@ -404,14 +404,14 @@ def test_wrapper_rolls_back_a_committed_group(monkeypatch):
     w2 = wrapper()
     wfill(w2, 0, range(2), rng)
     before = [frozen(c) for c in w2.caches]
-    real = state._write_rows
+    real = snapmod._write_rows
 
     def failing(cache, layer, idx, k, v):
         if cache is w2.caches[1]:
             raise RuntimeError("device error")
         return real(cache, layer, idx, k, v)
 
-    monkeypatch.setattr(state, "_write_rows", failing)
+    monkeypatch.setattr(snapmod, "_write_rows", failing)
     with pytest.raises(RuntimeError, match="device error"):
         w2.import_seq(1, snap)
     for c, b in zip(w2.caches, before):
@@ -431,7 +431,7 @@ def test_failed_write_rolls_back(monkeypatch, replace):
     dst.start_forward([6], [0])
     before = frozen(dst)
     calls = []
-    real = state._write_rows
+    real = snapmod._write_rows
 
     def failing(cache, layer, idx, k, v):
         calls.append(layer)
@@ -439,7 +439,7 @@ def test_failed_write_rolls_back(monkeypatch, replace):
             raise RuntimeError("device error")
         return real(cache, layer, idx, k, v)
 
-    monkeypatch.setattr(state, "_write_rows", failing)
+    monkeypatch.setattr(snapmod, "_write_rows", failing)
     with pytest.raises(RuntimeError, match="device error"):
         if replace:
             snapmod.replace_seq(dst, 1, snap)

@@ -344,7 +344,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
             raise RuntimeError("device lost")
         return real(arr, dtype)
 
-    monkeypatch.setattr(state, "_host_le", failing)
+    monkeypatch.setattr(state.files, "_host_le", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         c.save_state(path)
     assert path.read_bytes() == before
@@ -423,7 +423,7 @@ def test_progress_bar(tmp_path, capsys, monkeypatch):
     assert "loading state" in capsys.readouterr().err
     c.save_state(tmp_path / "b.st")    # small: no bar
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(state, "PROGRESS_THRESHOLD", 0)
+    monkeypatch.setattr(state.codec, "PROGRESS_THRESHOLD", 0)
     state.save_cache(c, tmp_path / "c.st", progress=False)
     assert capsys.readouterr().err == ""
     c.save_state(tmp_path / "d.st")    # above the threshold, but stderr is not a terminal
@@ -697,7 +697,7 @@ def test_failed_write_rolls_back(monkeypatch):
             raise RuntimeError("device error")
         return real(cache, layer, idx, k, v)
 
-    monkeypatch.setattr(state, "_write_rows", failing)
+    monkeypatch.setattr(state.snapshot, "_write_rows", failing)
     with pytest.raises(RuntimeError, match="device error"):
         c.load_state_bytes(data, 0)
     assert_unchanged(c, snap)
@@ -710,7 +710,7 @@ def test_failed_whole_write_leaves_an_empty_consistent_cache(states, target, mon
     def failing(cache, layer, idx, k, v):
         raise RuntimeError("device error")
 
-    monkeypatch.setattr(state, "_write_rows", failing)
+    monkeypatch.setattr(state.files, "_write_rows", failing)
     with pytest.raises(RuntimeError, match="device error"):
         target.load_state_bytes(states["whole"])
     assert target.n_used == 0 and target._forward is None

@@ -11,18 +11,10 @@ import numpy as np
 import pytest
 
 from numbakv.config import CacheConfig, RopeShift
-from numbakv.kernels import _common, mask, move, put, rope
+from numbakv.kernels import _common, launch, mask, move, put, rope
 from numbakv.storage import KVStorage
-from fake_cupy import FakeDeviceArray, fake_cupy
-from helpers import random_storage
-
-
-def _desc_to_numpy(d):
-    import ctypes
-    span = sum((s - 1) * st for s, st in zip(d.shape, d.strides)) + d.dtype.itemsize \
-        if all(d.shape) else 0
-    buf = (ctypes.c_char * max(span, 1)).from_address(d.ptr)
-    return np.ndarray(d.shape, dtype=d.dtype, buffer=buf, strides=d.strides)
+from fake_cupy import FakeDeviceArray
+from helpers import clear_launch_caches, emulate_cuda, random_storage
 
 
 @pytest.fixture
@@ -30,25 +22,11 @@ def fake_gpu(kernel_device, monkeypatch):
     """``(cupy stand-in, launches)``: every launch recorded as (kernel name, stream handle)."""
     if kernel_device != "sim":
         pytest.skip("a real GPU runs the cuda path itself")
-    cp = fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setattr(_common, "_FAST_ENABLED", False)
-    for cache in (put._SLOT_CACHE, put._NO_SLOTS_DEV, put._CUDA_PLANS, _common._STAGING):
-        cache.clear()
     launches = []
-
-    def fake_launch(device, kernel, grid, block, args):
-        assert device == "cuda"
-        launches.append((kernel.py_func.__name__, cp.cuda.get_current_stream().ptr))
-        _common.launch("sim", kernel, grid, block,
-                       [_desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
-
-    for mod in (put, mask, move, rope):
-        monkeypatch.setattr(mod, "_launch", fake_launch)
-        monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    cp = emulate_cuda(monkeypatch, lambda kernel, args: launches.append(
+        (kernel.py_func.__name__, sys.modules["cupy"].cuda.get_current_stream().ptr)))
     yield cp, launches
-    for cache in (put._SLOT_CACHE, put._NO_SLOTS_DEV, put._CUDA_PLANS, _common._STAGING):
-        cache.clear()
+    clear_launch_caches()
 
 
 def _storage(dtype="float16", permuted=False):
@@ -165,7 +143,7 @@ def test_host_inputs_travel_through_pinned_reused_buffers(fake_gpu):
     srcs = [e[3] for e in cp.log if e[0] == "h2d"]
     assert srcs[2] in srcs[:2]                      # reused once its copy has passed
     assert sum(e[0] == "pinned_alloc" for e in cp.log) == 2
-    pinned = _common._STAGING[(0, 0x44)]
+    pinned = launch._STAGING[(0, 0x44)]
     assert all(slot[0] >= 16 for slot in pinned._free + pinned._busy)
 
 
@@ -182,7 +160,7 @@ def test_no_implicit_synchronisation_while_capturing_a_graph(fake_gpu):
     kinds = {e[0] for e in cp.log}
     assert "h2d" in kinds and launches                      # the work was queued (captured)
     assert not kinds & {"record", "event_sync", "stream_sync"}, kinds
-    staged = _common._STAGING[(0, 0x45)]
+    staged = launch._STAGING[(0, 0x45)]
     assert staged.captured and not staged._free and not staged._busy   # kept for replays
     stream.capturing = False
     st.new_mask(1, 1)                                        # after capture: covered by an event
@@ -210,12 +188,12 @@ def test_warm_up_loads_every_kernel_the_first_forward_needs(fake_gpu, monkeypatc
     def record(kernel, key, sig, device_id):
         loads.append(key)
         return None   # no GPU: the dispatcher (the simulator here) runs the launch
-    monkeypatch.setattr(_common, "_load", record)
-    monkeypatch.setattr(_common, "_FAST_ENABLED", True)
+    monkeypatch.setattr(launch, "_load", record)
+    monkeypatch.setattr(launch, "_FAST_ENABLED", True)
     real = put._launch
 
     def launch_via_fast_path(device, kernel, grid, block, args):
-        _common._fast_kernel(kernel, args, 0)   # what the real launcher asks first
+        launch._fast_kernel(kernel, args, 0)   # what the real launcher asks first
         real(device, kernel, grid, block, args)
     for mod in (put, mask, move, rope):
         monkeypatch.setattr(mod, "_launch", launch_via_fast_path)

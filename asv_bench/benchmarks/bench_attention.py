@@ -9,7 +9,7 @@ same process with the calls interleaved (the issue's target: attend <= 1.3x the 
 decode). The workload is built once per process and parameter set.
 """
 
-from numbakv.bench import _Device, _time_alternating, attention_case
+from numbakv.tools.bench import _Device, _time_alternating, attention_case
 from numbakv.device import cuda_usable
 
 CASES = {"decode 8x4k": (8, 4096, 1), "prefill 512 into 4k": (1, 3584, 512),

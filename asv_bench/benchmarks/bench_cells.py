@@ -130,7 +130,7 @@ class SeqOpsVsCapacity:
     warmup_time = 0
 
     def setup(self, n_cells, op):
-        from numbakv import bench_seqops as sq
+        from numbakv.tools import bench_seqops as sq
         self.cache = sq._cache(n_cells, 1, 8, 128, "float16", "cpu")
         sq._fill(self.cache, 0, self.cache.n_cells - 1024)
         self.step, self.reset = sq._op_steps(self.cache)[op]
@@ -157,7 +157,7 @@ class SpeculativeStep:
     warmup_time = 0
 
     def setup(self, context, cache):
-        from numbakv import bench_seqops as sq
+        from numbakv.tools import bench_seqops as sq
         if cache == "numbakv":
             self.c = sq.SpecStep(context, 8, 8, 128, "float16", "cpu")
         else:
@@ -186,7 +186,7 @@ class ServerLoop:
     warmup_time = 0
 
     def setup(self, n_cells):
-        from numbakv import bench_seqops as sq
+        from numbakv.tools import bench_seqops as sq
         self.loop = sq.ServerLoop(n_cells, 4, 8, 128, "float16", "cpu")
         self.loop.step()
 

@@ -16,7 +16,7 @@ import timeit
 import numpy as np
 
 from numbakv.config import CacheConfig, RopeShift
-from numbakv.kernels import _common, move, put, rope
+from numbakv.kernels import _common, launch, move, put, rope
 from numbakv.storage import KVStorage
 
 N_KV_HEADS, HEAD_DIM = 8, 128
@@ -268,12 +268,12 @@ class KernelPutGPU:
 
     def track_put_range_host_us_numba_dispatcher(self, batch):
         """The same through Numba's dispatcher (what the fast path saves)."""
-        _common.set_fast_launch(False)
+        launch.set_fast_launch(False)
         put._CUDA_PLANS.clear()
         try:
             return self.track_put_range_host_us(batch)
         finally:
-            _common.set_fast_launch(True)
+            launch.set_fast_launch(True)
             put._CUDA_PLANS.clear()
     track_put_range_host_us_numba_dispatcher.unit = "us"
 
@@ -340,7 +340,7 @@ class KernelMoveGPU:
 
     def kernel_only(self):
         p = self.prepared
-        _common.launch("cuda", p.kernel, p.grid, p.block, p.args)
+        launch.launch("cuda", p.kernel, p.grid, p.block, p.args)
 
     def track_move_vs_d2d(self):
         """The whole call, host planning and transfers included."""
@@ -381,7 +381,7 @@ class KernelRotateGPU:
 
     def kernel_only(self):
         p = self.prepared
-        _common.launch("cuda", p.kernel, p.grid, p.block, p.args)
+        launch.launch("cuda", p.kernel, p.grid, p.block, p.args)
 
     def track_rotate_vs_d2d(self):
         """The whole call, host tables and transfers included."""

@@ -20,7 +20,8 @@ import numpy as np
 from numba import cuda, prange, types
 
 from .._jit import njit
-from ._common import MAX_GRID_YZ, block_size, cdiv, device_arg, launch as _launch, to_device
+from ._common import MAX_GRID_YZ, block_size, cdiv
+from .launch import device_arg, launch as _launch, to_device
 from ._registry import cuda_kernel, element
 
 #: raw bit patterns written for a masked entry, by mask dtype

@@ -23,8 +23,9 @@ from numba import cuda, prange, types
 from .._jit import njit
 
 from . import _common
-from ._common import (DEVICE_WORD, UINT, WORD, Desc, Prepared, block_size, cdiv, copy_raw,
-                      head_word, launch as _launch, to_device, word_size)
+from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
+from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, head_word, word_size
+from .launch import Prepared, launch as _launch, to_device
 from ._registry import cuda_device, cuda_kernel, element
 
 
@@ -93,16 +94,6 @@ def copy_flat_cells(arr, src, dst, i, step):
         i += step
 
 
-def _arr(dt, nd):
-    return types.Array(dt, nd, "A")
-
-
-# the word pairs that occur: K and V rows alike (16-byte words where aligned), or permuted V
-# copied element-wise
-_PAIRS = [(types.complex128, types.complex128), (types.uint64, types.uint64),
-          (types.uint32, types.uint32), (types.uint16, types.uint16),
-          (types.complex128, types.uint16), (types.complex128, types.uint32),
-          (types.uint64, types.uint16), (types.uint64, types.uint32)]
 _CELL_SIGS = [(_arr(kw, 4), _arr(vw, 4), _arr(types.int32, 1), _arr(types.int32, 1),
                types.int64, types.int64) for kw, vw in _PAIRS]
 _LANE_SIGS = [(_arr(kw, 4), _arr(vw, 4), _arr(types.int64, 2), types.int64) for kw, vw in _PAIRS]

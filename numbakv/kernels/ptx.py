@@ -43,17 +43,6 @@ class Resources(NamedTuple):
     local_bytes: int
 
 
-def link_cubin(ptx: str, cc: Tuple[int, int]) -> Tuple[bytes, str]:
-    """``(cubin, info log)``: ``ptx`` linked by nvJitLink (through ``cuda.core``) for ``sm_XY``.
-    Runs without a GPU or driver; a cubin loads on any driver that supports the architecture,
-    whatever PTX ISA version the toolkit emitted."""
-    from cuda.core import Linker, LinkerOptions, ObjectCode
-    linker = Linker(ObjectCode.from_ptx(ptx.encode()),
-                    options=LinkerOptions(arch=f"sm_{cc[0]}{cc[1]}", verbose=True))
-    cubin = linker.link("cubin")
-    return bytes(cubin.code), linker.get_info_log() or ""
-
-
 _REGS = re.compile(r"[Uu]sed (\d+) registers")
 _STACK = re.compile(r"(\d+) bytes stack frame")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -105,14 +94,14 @@ def resource_problems(res: Resources, kernel: str = "") -> List[str]:
 
 
 def layout_problems(sig) -> List[str]:
-    """Whether :func:`numbakv.kernels._common._flatten` lays out the arguments of ``sig`` exactly
+    """Whether :func:`numbakv.kernels.launch._flatten` lays out the arguments of ``sig`` exactly
     as Numba's CUDA data model does, *by order*: each array as meminfo, parent, nitems, itemsize,
     data, shape..., strides...; each scalar as its value. Distinct sentinel values stand in for
     every field, so swapping any two (say nitems and data) is caught, not just a wrong count."""
     import numpy as np
     from numba import types as nbtypes
     from numba.cuda.descriptor import cuda_target
-    from . import _common
+    from . import _common, launch as _launch_mod
     ctx = cuda_target.target_context
     args, expected = [], []
     for i, t in enumerate(sig):
@@ -131,7 +120,7 @@ def layout_problems(sig) -> List[str]:
             args.append(70000 + i)
             expected.append(70000 + i)
     packed = len(ctx.get_arg_packer(sig).argument_types)
-    flat = _common._flatten(args)
+    flat = _launch_mod._flatten(args)
     out = []
     if flat != expected:
         out.append(f"parameter layout {flat} != data model {expected}")
@@ -184,11 +173,11 @@ def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[st
     """Every kernel x signature x target: PTX compiled, checked (:func:`ptx_problems`), linked to
     a cubin by nvJitLink and its resources checked (:func:`resource_problems`), plus the
     fast-launch parameter layout and count (:func:`layout_problems`,
-    :func:`numbakv.kernels._common.ptx_entry`). Returns per kernel the lines to print; raises
+    :func:`numbakv.kernels.launch.ptx_entry`). Returns per kernel the lines to print; raises
     ``RuntimeError`` listing every problem found."""
     from numba import cuda
     from ..device import simulator_enabled
-    from . import _common, registered
+    from . import launch as _launch_mod, registered
     if simulator_enabled():
         raise RuntimeError("the check needs Numba's CUDA target; the simulator is on "
                            "(unset NUMBA_ENABLE_CUDASIM)")
@@ -208,13 +197,13 @@ def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[st
                 ctx = contextlib.nullcontext() if have_gpu else _offline_device(cc)
                 with ctx:
                     try:
-                        ptx, _, _ = _common.ptx_entry(spec.py_func, sig, cc)
+                        ptx, _, _ = _launch_mod.ptx_entry(spec.py_func, sig, cc)
                     except Exception as exc:  # noqa: BLE001
                         problems.append(f"{where} {tag}: {type(exc).__name__}: {exc}")
                         continue
                 problems += [f"{where} {tag}: {p}" for p in ptx_problems(ptx)]
                 try:
-                    _, log = link_cubin(ptx, cc)
+                    _, log = _launch_mod.link_cubin(ptx, cc)
                     res = parse_resources(log)
                 except Exception as exc:  # noqa: BLE001
                     problems.append(f"{where} {tag}: link failed: {type(exc).__name__}: {exc}")

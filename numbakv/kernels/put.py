@@ -21,9 +21,11 @@ from numba import cuda, prange, types
 
 from .._jit import njit
 
-from . import _common
-from ._common import (DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, desc_of,
-                      head_word, launch as _launch, word_size)
+from . import _common, launch as _launch_mod
+from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
+from ._common import (DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, desc_of, head_word,
+                      word_size)
+from .launch import launch as _launch
 from ._registry import cuda_device, cuda_kernel, element
 
 
@@ -163,16 +165,6 @@ if not _common._simulator_on():
     _register_cuda_tiles()
 
 
-def _arr(dt, nd):
-    return types.Array(dt, nd, "A")
-
-
-# the word pairs that occur: K and V rows alike (16-byte words where aligned), or permuted V
-# copied element by element
-_PAIRS = [(types.complex128, types.complex128), (types.uint64, types.uint64),
-          (types.uint32, types.uint32), (types.uint16, types.uint16),
-          (types.complex128, types.uint16), (types.complex128, types.uint32),
-          (types.uint64, types.uint16), (types.uint64, types.uint32)]
 _SIGS = [(_arr(kw, 3), _arr(vw, 3), _arr(types.int32, 1), _arr(kw, 3), _arr(vw, 3), types.int64,
           types.int64, types.int64) for kw, vw in _PAIRS]
 
@@ -367,10 +359,10 @@ class _CudaPut:
         self.grid, self.block, self.nbk, self.v_mode = geometry(
             "cuda", ks.shape, vs.shape, permuted, _common.max_blocks("cuda"))
         args = self.descs + (0, self.v_mode, self.nbk)
-        self.fast = _common._fast_kernel(put_kv_kernel, args, device_id) \
-            if _common.fast_launch_enabled() else None
-        flat = _common._flatten(args)
-        offsets = _common._flat_offsets(args)
+        self.fast = _launch_mod._fast_kernel(put_kv_kernel, args, device_id) \
+            if _launch_mod.fast_launch_enabled() else None
+        flat = _launch_mod._flatten(args)
+        offsets = _launch_mod._flat_offsets(args)
         self.template = flat
         self.ptr_idx = tuple(offsets[i] + 4 for i in range(5))  # data pointer of each array
         self.start_idx = offsets[5]
@@ -467,7 +459,7 @@ def _slots_to_device(slots: np.ndarray, device_id: Optional[int] = None) -> Desc
     hit = _SLOT_CACHE.get(key)
     if hit is not None and hit[0] == raw:
         return hit[2]
-    (desc,), buf = _common.to_device("cuda", np.frombuffer(raw, dtype=np.int32))
+    (desc,), buf = _launch_mod.to_device("cuda", np.frombuffer(raw, dtype=np.int32))
     _SLOT_CACHE[key] = (raw, buf, desc)
     return desc
 

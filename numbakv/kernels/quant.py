@@ -32,8 +32,9 @@ import numpy as np
 from numba import cuda, prange, types
 
 from .._jit import njit
-from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, device_arg, f16_bits_to_f32,
-                      f32_to_bf16_bits, f32_to_f16_bits, launch as _launch, to_device)
+from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, f16_bits_to_f32, f32_to_bf16_bits,
+                      f32_to_f16_bits)
+from .launch import device_arg, launch as _launch, to_device
 from ._registry import cuda_kernel, element
 from .move import move_step, normalize
 from .rope import (KIND_F16_BITS, KIND_F16_HW, KIND_FLOAT, load_f32, pair_index, rotate_pair,

@@ -23,9 +23,9 @@ from numba import cuda, prange, types
 from .._jit import njit
 
 from . import _common
-from ._common import (Prepared, bf16_bits_to_f32, block_size, cdiv, device_arg,
-                      f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, launch as _launch,
-                      to_device)
+from ._common import (bf16_bits_to_f32, block_size, cdiv, f16_bits_to_f32, f32_to_bf16_bits,
+                      f32_to_f16_bits)
+from .launch import Prepared, device_arg, launch as _launch, to_device
 from ._registry import cuda_kernel, element
 
 #: how the kernel reads the storage: native floats, float16 bit patterns, bfloat16 bit patterns;

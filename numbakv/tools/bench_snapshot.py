@@ -89,7 +89,7 @@ def run(device: str = "cpu", dtype: str = "float16", *, layers: int = LAYERS,
     """One row per case: ``{"case", "bytes", "snapshot_s", "copy_s", "gbps", "copy_gbps",
     "fraction"}`` (``fraction``: copy time / snapshot time, i.e. the share of the baseline's
     bandwidth the snapshot reaches)."""
-    from ..snapshot import SeqSnapshot
+    from ..state.snapshot import SeqSnapshot
     rows = []
     for case in cases:
         log(f"snapshot {case} ...")

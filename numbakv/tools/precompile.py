@@ -33,7 +33,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from . import _jit
+from .. import _jit
 
 _CHILD_FLAG = "--child"
 
@@ -42,7 +42,7 @@ def _tour(dtype: str, tmp: str) -> None:
     """One of every public operation of :class:`~numbakv.CausalCache` (and the stream and
     wrapper caches) on a tiny ``dtype`` cache."""
     import numbakv as nkv
-    from .attention import attend
+    from ..attention import attend
 
     rng = np.random.default_rng(0)
     shift = nkv.RopeShift(base=10000.0, neox=True)
@@ -115,7 +115,7 @@ def _quantized() -> None:
     """q8_0, q4_0 and fp8 K/V: put, get, a shift and a defrag; and a prefill large enough for
     the threaded put, get and shift (``kernels.quant.PARALLEL_MIN_VALUES``)."""
     import numbakv as nkv
-    from .kernels.quant import PARALLEL_MIN_VALUES
+    from ..kernels.quant import PARALLEL_MIN_VALUES
 
     tokens = PARALLEL_MIN_VALUES // (2 * 64)
     for quant in ("q8_0", "q4_0", "fp8"):
@@ -175,9 +175,12 @@ def _bench_quick() -> None:
     import contextlib
     import io
 
-    from .cli import main
+    from . import bench  # bench's own sub-command parser: cli imports this module, not back
+    parser = argparse.ArgumentParser(prog="numbakv")
+    bench.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--quick", "--no-plot", "--budget", "0.01"])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        main(["bench", "--quick", "--no-plot", "--budget", "0.01"])
+        args.func(args)
 
 
 def common_path(verbose: bool = False) -> Dict[str, float]:
@@ -260,7 +263,7 @@ def _run_child(mode: str, **env: str) -> int:
     the compile notice off: the parent reports); returns its exit status."""
     full = {k: v for k, v in os.environ.items() if k != _jit.BUILD_ENV}
     full.update(NUMBAKV_COMPILE_NOTICE="0", **env)
-    return subprocess.call([sys.executable, "-m", "numbakv.precompile", _CHILD_FLAG, mode],
+    return subprocess.call([sys.executable, "-m", "numbakv.tools.precompile", _CHILD_FLAG, mode],
                            env=full)
 
 
@@ -311,6 +314,6 @@ def run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == _CHILD_FLAG:
         sys.exit(_child(sys.argv[2]))
-    _parser = argparse.ArgumentParser(prog="python -m numbakv.precompile")
+    _parser = argparse.ArgumentParser(prog="python -m numbakv.tools.precompile")
     add_parser(_parser.add_subparsers(dest="command", required=True))
     sys.exit(run(_parser.parse_args(["precompile"] + sys.argv[1:])))

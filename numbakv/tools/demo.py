@@ -35,11 +35,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .causal import CausalCache
-from .config import CacheConfig, RopeShift, normalize_dtype
-from .device import array_module, resolve_device, synchronize
-from .errors import NoSlotError, ReprocessError
-from .prompt import PromptCache
+from ..causal import CausalCache
+from ..config import CacheConfig, RopeShift, normalize_dtype
+from ..device import array_module, resolve_device, synchronize
+from ..errors import NoSlotError, ReprocessError
+from ..prompt import PromptCache
 
 #: Owner codes in the occupancy picture besides request ids (>= 0).
 FREE = -1
@@ -261,7 +261,7 @@ class TinyLlama:
                 timer[0] += time.perf_counter() - t0
             if torch is not None:
                 # each sequence attends over its own cells only (cache.page_table())
-                from .attention import attend
+                from ..attention import attend
                 out = attend(torch.from_dlpack(xp.ascontiguousarray(q, dtype=xp.float32)), cache)
                 attn = xp.from_dlpack(out).reshape(t, -1)
             else:

@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from .causal import CausalCache
-from .config import CacheConfig, RopeShift
+from ..causal import CausalCache
+from ..config import CacheConfig, RopeShift
 
 #: operation -> cells it touches (the same at every capacity)
 OPS = ["remove nothing", "remove middle (3 move)", "seq_add tail + shift (3)", "seq_div (4)",

@@ -20,7 +20,7 @@ Three sections, all measured in one run on one device with one dtype and one set
 * **Capacity.** numbakv's per-step cost at a fixed context while the cache's capacity grows
   from 4k to 128k cells: it should stay flat.
 * **Sequence operations** (``--sections seqops``, not in the default run): see
-  ``numbakv/bench_seqops.py``.
+  ``numbakv/tools/bench_seqops.py``.
 
 Baselines that are not installed (torch, transformers, matplotlib for the plot) are skipped with
 a note, never replaced by something else.
@@ -87,7 +87,7 @@ class BenchSettings:
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Turn parsed command-line options into :class:`BenchSettings` (``--quick``: tiny shapes
     that run in seconds; ``--full``: adds context 8192)."""
-    from .device import resolve_device
+    from ..device import resolve_device
 
     device = resolve_device(args.device)
     if device == "sim":
@@ -442,8 +442,8 @@ class NumbakvContender(_Contender):
 
     def __init__(self, s: BenchSettings, batch: int, context: int, inputs: _DecodeInputs,
                  dev: _Device, capacity: Optional[int] = None, layers: Optional[int] = None):
-        from .causal import CausalCache
-        from .config import CacheConfig
+        from ..causal import CausalCache
+        from ..config import CacheConfig
 
         self.layers = s.layers if layers is None else layers
         self.context, self.batch = context, batch
@@ -831,8 +831,8 @@ def run_decode(s: BenchSettings, dev: _Device, notes: List[str],
 
 
 def _storage(s: BenchSettings, dev: _Device, n_cells: int, layers: int):
-    from .config import CacheConfig
-    from .storage import KVStorage
+    from ..config import CacheConfig
+    from ..storage import KVStorage
     cfg = CacheConfig(layers, s.kv_heads, s.head_dim, dtype=s.dtype, capacity=n_cells,
                       max_seqs=1, max_batch=max(n_cells, 1), device=dev.name)
     return cfg, KVStorage(cfg, n_cells, dev.name)
@@ -882,8 +882,8 @@ def run_kernels(s: BenchSettings, dev: _Device, notes: List[str],
                 log: Callable[[str], None]) -> Tuple[List[dict], dict]:
     """Kernel bandwidth vs a plain copy of the same bytes; returns rows and the device's copy
     bandwidth on ``copy_bytes``."""
-    from .cells import CellTable
-    from .config import RopeShift
+    from ..cells import CellTable
+    from ..config import RopeShift
 
     budget = max(s.budget / 2, 0.005)
     rng = np.random.default_rng(6)
@@ -1012,8 +1012,8 @@ def run_quant(s: BenchSettings, dev: _Device, notes: List[str],
     rotate (dequantize, rotate, requantize the keys) against a plain copy of the same tokens'
     ``dtype`` bytes, i.e. what a float cache moves for the same work (K and V for put/get, K for
     rotate)."""
-    from .config import CacheConfig, RopeShift
-    from .storage import KVStorage
+    from ..config import CacheConfig, RopeShift
+    from ..storage import KVStorage
 
     rows: List[dict] = []
     dim = -(-s.head_dim // 32) * 32  # ggml blocks need a multiple of 32
@@ -1468,7 +1468,7 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,
                 log: Callable[[str], None]) -> None:
-    """The seqops section (numbakv/bench_seqops.py): sequence operations vs capacity, the
+    """The seqops section (numbakv/tools/bench_seqops.py): sequence operations vs capacity, the
     speculative-decoding step vs HF StaticCache, a server loop."""
     from . import bench_seqops as sq
     kw = dict(device=s.device, dtype=s.dtype, heads=s.kv_heads, dim=s.head_dim, log=log)
@@ -1522,9 +1522,9 @@ def attention_case(dev: _Device, dtype: str, n_seq: int, context: int, n_q: int,
     sequence's own contiguous K/V, one call per sequence) and ``dense`` (``get()`` + the masked
     SDPA over the union of the batch's cells)."""
     torch = _optional_torch()
-    from .attention import attend, flashinfer_available
-    from .causal import CausalCache
-    from .config import CacheConfig
+    from ..attention import attend, flashinfer_available
+    from ..causal import CausalCache
+    from ..config import CacheConfig
     F = torch.nn.functional
     tdev = _torch_device(dev)
     tdt = getattr(torch, dtype)
@@ -1604,7 +1604,7 @@ def run_attention(s: BenchSettings, dev: _Device, notes: List[str],
     if torch is None:
         notes.append("attention section skipped: PyTorch is not installed")
         return []
-    from .attention import attend, flashinfer_available
+    from ..attention import attend, flashinfer_available
     rows = []
     if dev.name == "cuda" and not flashinfer_available():
         notes.append("attention: flashinfer is not importable here; its figures are unmeasured")
@@ -1651,8 +1651,8 @@ def run_streams(s: BenchSettings, dev: _Device, notes: List[str],
     if torch is None:
         notes.append("streams section skipped: PyTorch is not installed")
         return []
-    from .causal import CausalCache
-    from .config import CacheConfig
+    from ..causal import CausalCache
+    from ..config import CacheConfig
     F = torch.nn.functional
     tdev = _torch_device(dev)
     cases = [("decode 4 x 64", 4, 64)] if s.quick else [("decode 8 x 4k", 8, 4096)]

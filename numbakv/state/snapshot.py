@@ -40,9 +40,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import state as _st
-from .config import KV_TYPES, QUANT_TYPES, STORAGE_DTYPES, RopeShift, row_bytes
-from .errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
+from ..config import KV_TYPES, QUANT_TYPES, STORAGE_DTYPES, RopeShift, row_bytes
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
+from . import codec as _st
 
 #: ``kind`` of a serialized snapshot in the state codec
 KIND = "seq-snapshot"
@@ -271,7 +271,7 @@ class SeqSnapshot:
                 raise ValueError(f"head ranges must be adjacent, got {prev.head_range} then "
                                  f"{s.head_range}")
         for s in snaps[1:]:
-            diff = _st._fingerprint_diff(s.fingerprint, first.fingerprint)
+            diff = _fingerprint_diff(s.fingerprint, first.fingerprint)
             if diff is not None:
                 raise ValueError(f"fingerprints differ: {diff[0]} is {diff[1]!r} and "
                                  f"{diff[2]!r}")
@@ -447,6 +447,88 @@ def _native(arr: np.ndarray, fmt: str) -> np.ndarray:
     return arr if arr.dtype == want else arr.astype(want)
 
 
+# ====================================================================================== model fingerprint
+# (what state files record and snapshots carry; files.py imports these)
+#: CacheConfig fields that describe how K/V are stored; those the config has are fingerprinted
+#: (``k_dtype``/``v_dtype``/``k_scale``/``v_scale``: quantized storage, where present)
+_FINGERPRINT_CONFIG_FIELDS = ("dtype", "k_dtype", "v_dtype", "k_scale", "v_scale",
+                              "n_layers", "n_kv_heads", "head_dim", "v_head_dim")
+
+
+def fingerprint(cache) -> Dict[str, Any]:
+    """The model fingerprint of a ``CausalCache``: named, JSON-able fields that must agree for a
+    saved state to mean the same thing in another cache. ``shift``: ``{"type": "none"}``,
+    ``{"type": "rope", "base", "freq_scale", "dim" (rotary dims), "neox" (pairing),
+    "freq_factors"}`` or ``{"type": "callable", "name"}``; ``swa_window``, ``swa_memory``,
+    ``chunk_size`` (None when off); then the storage fields of the config (dtypes, head
+    shapes). A new field is one more entry here; states saved before it was added then need
+    ``strict=False``."""
+    cfg = cache.config
+    fields: Dict[str, Any] = {"shift": _shift_fingerprint(getattr(cache, "shift", None),
+                                                          cfg.head_dim),
+                              "swa_window": cache.swa_window, "swa_memory": cache.swa_memory,
+                              "chunk_size": cache.chunk_size}
+    for name in _FINGERPRINT_CONFIG_FIELDS:
+        if hasattr(cfg, name):
+            fields[name] = _json_value(getattr(cfg, name))
+    # a head-sharded cache holds only some KV heads: its rows load only into the same head range
+    # (recorded only when sharded, so states of unsharded caches keep their fingerprint)
+    if getattr(cfg, "head_shard", None) is not None:
+        fields["head_range"] = [int(h) for h in cfg.head_range]
+    return fields
+
+
+def _json_value(x):
+    """Config values as JSON keeps them (numpy scalars and dtypes to plain values)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(getattr(x, "name", x))
+
+
+def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
+    if shift is None:
+        return {"type": "none"}
+    if hasattr(shift, "inv_freq") and hasattr(shift, "rotary_dim"):  # a RopeShift
+        factors = shift.freq_factors
+        return {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
+                "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
+                "freq_factors": None if factors is None else [float(f) for f in factors]}
+    name = getattr(shift, "__qualname__", None) or type(shift).__qualname__
+    module = getattr(shift, "__module__", None) or type(shift).__module__
+    return {"type": "callable", "name": f"{module}.{name}"}
+
+
+def _fingerprint_diff(saved: Any, current: Any, path: str = "") -> Optional[Tuple[str, Any, Any]]:
+    """The first field (dotted path) where the saved fingerprint differs from the cache's."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        # the cache's field order (the shift's type first), then fields only the state has
+        for key in list(current) + [k for k in saved if k not in current]:
+            diff = _fingerprint_diff(saved.get(key, _MISSING), current.get(key, _MISSING),
+                                     f"{path}.{key}" if path else str(key))
+            if diff is not None:
+                return diff
+        return None
+    if saved is _MISSING or current is _MISSING or type(saved) is not type(current) \
+            and not (_is_number(saved) and _is_number(current)) or saved != current:
+        return path, saved, current
+    return None
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(not recorded)"
+
+
+_MISSING = _Missing()
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+
 # ====================================================================================== caches
 def _head_range(cache) -> Tuple[int, int]:
     cfg = cache.config
@@ -476,8 +558,8 @@ def _units(cache, seq: int) -> List[Tuple[Any, int]]:
 def cache_fingerprint(cache) -> Dict[str, Any]:
     """What :attr:`SeqSnapshot.fingerprint` of ``cache`` is."""
     if isinstance(getattr(cache, "caches", None), list):
-        return {"groups": [_st.fingerprint(g) for g in cache.caches]}
-    return _st.fingerprint(cache)
+        return {"groups": [fingerprint(g) for g in cache.caches]}
+    return fingerprint(cache)
 
 
 def _check_seq_arg(cache, seq) -> int:
@@ -786,7 +868,7 @@ def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads:
         else:
             idx = slice(start, start + k) if start >= 0 else slots.astype(np.int64)
         for layer in range(L):
-            _st._write_rows(unit, layer, idx, keys[layer], values[layer])
+            _write_rows(unit, layer, idx, keys[layer], values[layer])
         if staged_from_host:
             import cupy
             stream = storage.stream if storage.stream is not None \
@@ -794,6 +876,24 @@ def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads:
             # the host rows (a staging buffer, or the caller's pinned rows copied in place)
             # must outlive the copies reading them
             stream.synchronize()
+
+
+def _write_rows(cache, layer: int, idx, k, v) -> None:
+    """Write K ``[k, H, D]`` and V ``[k, H, Dv]`` rows (device arrays) to cells ``idx`` (device
+    indices) of ``layer``, or to every cell when ``idx`` is None."""
+    storage = cache.storage
+    if idx is None:
+        storage.keys[layer][...] = k
+        if cache.config.permuted_v:
+            storage.values[layer][...] = v.transpose(1, 2, 0)
+        else:
+            storage.values[layer][...] = v
+        return
+    storage.keys[layer][idx] = k
+    if cache.config.permuted_v:
+        storage.values[layer][:, :, idx] = v.transpose(1, 2, 0)
+    else:
+        storage.values[layer][idx] = v
 
 
 def _rotate(unit, slots: np.ndarray, delta: int) -> None:
@@ -831,7 +931,7 @@ def _check_part_shapes(unit, part: SnapshotPart, heads_held: int, where: str) ->
 
 
 def _check_fingerprint(snap: SeqSnapshot, cache) -> None:
-    diff = _st._fingerprint_diff(snap.fingerprint, cache_fingerprint(cache))
+    diff = _fingerprint_diff(snap.fingerprint, cache_fingerprint(cache))
     if diff is not None:
         field, was, now = diff
         raise StateError(f"snap: model fingerprint differs: {field} is {was!r} in the "
