@@ -31,28 +31,11 @@ import numpy as np
 
 from ..errors import KVCacheError
 from . import _wire
+from ._errors import ReplicationError, TransferError, TransferRefused, TransferTimeout
 
 __all__ = ["send_seq", "recv_seq", "isend_seq", "irecv_seq", "check_replicated",
            "TransferHandle", "release_buffers", "table_digest", "TransferError",
            "TransferRefused", "TransferTimeout", "ReplicationError"]
-
-
-class TransferError(KVCacheError):
-    """A sequence transfer failed; the receiving cache is unchanged."""
-
-
-class TransferRefused(TransferError):
-    """The receiver refused the sequence (fingerprint, layout, head range, or its
-    ``import_seq`` refused it); raised on both sides with the receiver's reason."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """The peer did not answer within the timeout, or its connection broke (it died): the
-    message names the peer rank."""
-
-
-class ReplicationError(KVCacheError):
-    """The ranks' cell tables differ (``check_replicated``): bookkeeping diverged."""
 
 
 #: how the rows move: "torch" (torch.distributed point-to-point messages) or "nixl" (NIXL's
@@ -460,9 +443,8 @@ def _receive_rows(link: _Link, cache, seq, srcs: List[int], at):
 
 def _snapshot_api():
     """The module of ``SeqSnapshot`` (SnapshotPart, cache_fingerprint live beside it)."""
-    import sys
-    from .. import SeqSnapshot
-    return sys.modules[SeqSnapshot.__module__]
+    from ..state import snapshot
+    return snapshot
 
 
 def _check_seq(cache, seq) -> int:

@@ -86,7 +86,7 @@ def receiver_offer(ag, rank: int, tensors_and_spans: List[Tuple[Any, List[Tuple[
 
 
 def receiver_wait(ag, sender_name: str, tag: bytes, timeout: Optional[float], peer: int) -> None:
-    from . import TransferTimeout
+    from ._errors import TransferTimeout
     deadline = None if timeout is None else time.monotonic() + timeout
     while not ag.check_remote_xfer_done(sender_name, tag):
         if deadline is not None and time.monotonic() > deadline:
@@ -108,7 +108,7 @@ def sender_write(ag, blob: bytes, arrays: List[np.ndarray], timeout: Optional[fl
     """WRITE ``arrays`` (host arrays, in order) into the receiver's descriptors from ``blob``."""
     import torch
 
-    from . import TransferError, TransferTimeout
+    from ._errors import TransferError, TransferTimeout
     try:   # JSON, never pickle: bytes from the network are data
         offer = json.loads(blob.decode("utf-8"))
         offer["meta"] = base64.b64decode(offer["meta"], validate=True)

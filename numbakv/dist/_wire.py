@@ -269,7 +269,7 @@ def parse_heads(reason: str, held: Tuple[int, int]) -> Tuple[int, int]:
     except ValueError:
         return tuple(held)
     if not held[0] <= lo < hi <= held[1]:
-        from . import TransferError
+        from ._errors import TransferError
         raise TransferError(f"the receiver asked for heads {lo, hi} outside {tuple(held)}")
     return lo, hi
 
