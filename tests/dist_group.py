@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 class Group:
     """``world`` spawned processes (torch.multiprocessing, spawn) in one gloo group."""
 
-    def __init__(self, world: int, start_timeout: float = 240.0) -> None:
+    def __init__(self, world: int, start_timeout: float = 300.0) -> None:
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
         self.world = world

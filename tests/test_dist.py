@@ -33,6 +33,10 @@ class _Groups:
 
 @pytest.fixture(scope="module")
 def groups():
+    # compile once here (numba's disk cache), so the spawned ranks load instead of all three
+    # compiling the same code at once on a cold cache
+    import dist_scenarios
+    dist_scenarios.warm_up()
     holder = _Groups()
     yield holder
     if holder.current is not None:
