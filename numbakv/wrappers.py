@@ -21,6 +21,7 @@ from .errors import KVCacheError, NotSupportedError
 from .state.files import StateMethods
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .state.snapshot import SeqSnapshot
     from .pages import PageTable
 
 
@@ -233,14 +234,14 @@ class WrapperCache(StateMethods):
 
     # ------------------------------------------------------------------ one sequence's K/V
     def export_seq(self, seq: int, p0: int = 0, p1: Optional[int] = None, *,
-                   device: bool = False):
+                   device: bool = False) -> "SeqSnapshot":
         """One ``numbakv.SeqSnapshot`` of positions ``[p0, p1)`` of ``seq`` with one part per
         group (a sliding-window group holds only the cells it keeps); see
         ``CausalCache.export_seq``."""
         from .state import snapshot
         return snapshot.export_seq(self, seq, p0, p1, device=device)
 
-    def import_seq(self, seq: int, snap, *, at: Optional[int] = None) -> int:
+    def import_seq(self, seq: int, snap: "SeqSnapshot", *, at: Optional[int] = None) -> int:
         """Import every group's part of ``snap`` for ``seq``, all or nothing (see
         ``CausalCache.import_seq``); returns the tokens placed in the group that placed the
         most (a sliding-window group holds only what its window memory kept)."""

@@ -41,6 +41,15 @@ def test_flashinfer_decode_example(capsys):
     assert out.startswith("skipped:") or out.endswith("OK")
 
 
+@pytest.mark.torch
+def test_serve_batch_example(capsys):
+    pytest.importorskip("transformers")
+    example = load("serve_batch")
+    outputs = example.main()
+    assert len(outputs) == 4 and all(len(toks) == 8 for toks in outputs.values())
+    assert capsys.readouterr().out.count("request ") == 4
+
+
 @pytest.mark.slow
 def test_disaggregated_example(capsys):
     """Two spawned processes (gloo): ~40 s of imports, hence slow; tests/test_dist.py covers the

@@ -708,3 +708,13 @@ def test_random_layouts_round_trip(ops, seq, span, busy, permuted):
     assert dst.import_seq(1, snap) == len(snap)
     assert_rows(seq_rows(dst, 1), (pos[sel], k[:, sel], v[:, sel]))
     dst.cells.check_consistency()
+
+
+def test_bench_command_has_the_section():
+    from numbakv.tools import bench
+    s = bench.BenchSettings(device="cpu", layers=2, kv_heads=2, head_dim=16, budget=0.005,
+                            sections=["snapshot"], quick=True)
+    res = bench.run_bench(s)
+    assert [r["case"] for r in res["snapshot"]] == ["views", "gather", "bytes"]
+    assert any("snapshot export+import" in t["target"] for t in res["targets"])
+    assert "Snapshots:" in bench.format_report(res)

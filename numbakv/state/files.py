@@ -51,7 +51,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -994,6 +995,9 @@ _STATE_IO = {"causal": (save_cache, cache_to_bytes, load_cache, cache_from_bytes
              "wrapper": (save, to_bytes, load_wrapper, wrapper_from_bytes)}
 
 
+PathLike = Union[str, "os.PathLike[str]"]   # a file path
+
+
 class StateMethods:
     """``save_state`` / ``load_state`` / ``state_bytes`` / ``load_state_bytes``, written once for
     the caches that hold sequences (``CausalCache``, ``StreamCache``, ``WrapperCache``). A class
@@ -1005,7 +1009,8 @@ class StateMethods:
     def _after_state_load(self) -> None:
         """What a state load ends (the forward pass in progress); nothing by default."""
 
-    def save_state(self, path, seq: Optional[int] = None, *, tokens=None,
+    def save_state(self, path: "PathLike", seq: Optional[int] = None, *,
+                   tokens: Optional[Sequence[int]] = None,
                    metadata: Optional[Mapping[str, str]] = None,
                    progress: Optional[bool] = None) -> None:
         """Save the whole cache (``seq=None``; every stream / group cache) or one sequence to the
@@ -1015,14 +1020,14 @@ class StateMethods:
         _STATE_IO[self._STATE_IO][0](self, path, seq, tokens=tokens, metadata=metadata,
                                      progress=progress)
 
-    def state_bytes(self, seq: Optional[int] = None, *, tokens=None,
+    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[Sequence[int]] = None,
                     metadata: Optional[Mapping[str, str]] = None,
                     progress: Optional[bool] = None) -> bytes:
         """What ``save_state`` writes, as bytes."""
         return _STATE_IO[self._STATE_IO][1](self, seq, tokens=tokens, metadata=metadata,
                                             progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
+    def load_state(self, path: "PathLike", seq: Optional[int] = None, *, strict: bool = True,
                    progress: Optional[bool] = None) -> dict:
         """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
         (replacing what ``seq`` held), all or nothing; ends the forward pass in progress.

@@ -36,7 +36,7 @@ from __future__ import annotations
 import ctypes
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -157,6 +157,7 @@ class SnapshotPart:
 
     @property
     def n_layers(self) -> int:
+        """Layers of the group this part holds rows for."""
         return len(self.keys)
 
     @property
@@ -166,6 +167,7 @@ class SnapshotPart:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K/V rows this part holds (stored format)."""
         return sum(int(a.nbytes) for a in self.keys) + sum(int(a.nbytes) for a in self.values)
 
     def _heads(self, a: int, b: int) -> "SnapshotPart":
@@ -314,7 +316,7 @@ class SeqSnapshot:
         return _st._to_bytes(build, False)
 
     @staticmethod
-    def from_bytes(data) -> "SeqSnapshot":
+    def from_bytes(data: "Union[bytes, bytearray, memoryview]") -> "SeqSnapshot":
         """A snapshot from ``to_bytes`` output (or a ``causal-seq`` / ``wrapper-seq`` state).
         The rows are read-only views of ``data`` when it is ``bytes``. Anything that does not
         parse as one raises ``StateError``."""
