@@ -197,7 +197,7 @@ class CausalCache(StateMethods):
         self._outer_journal: Optional[list] = None
         # the put/get fast path compares against these
         self._sdt = config.storage_dtype
-        self._kv_tail = ((config.n_kv_heads, config.head_dim), (config.n_kv_heads,
+        self._kv_tail = ((config.local_kv_heads, config.head_dim), (config.local_kv_heads,
                                                                 config.v_head_dim))
         #: how many defrags ran (on a full cache or by request): the demo and benches read it
         self.defrag_count = 0
@@ -429,12 +429,12 @@ class CausalCache(StateMethods):
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
-        if tuple(k.shape) != (batch, cfg.n_kv_heads, cfg.head_dim):
-            raise ValueError(f"key must have shape [batch={batch}, n_kv_heads={cfg.n_kv_heads}, "
+        if tuple(k.shape) != (batch, cfg.local_kv_heads, cfg.head_dim):
+            raise ValueError(f"key must have shape [batch={batch}, local_kv_heads={cfg.local_kv_heads}, "
                              f"head_dim={cfg.head_dim}], got {list(k.shape)}")
-        if tuple(v.shape) != (batch, cfg.n_kv_heads, cfg.v_head_dim):
-            raise ValueError(f"value must have shape [batch={batch}, n_kv_heads="
-                             f"{cfg.n_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
+        if tuple(v.shape) != (batch, cfg.local_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [batch={batch}, local_kv_heads="
+                             f"{cfg.local_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
                              f"{list(v.shape)}")
         return k, v
 
@@ -869,8 +869,10 @@ class CausalCache(StateMethods):
         extra = "".join(f", {k}={v}" for k, v in (("swa_window", self.swa_window),
                                                   ("swa_memory", self.swa_memory),
                                                   ("chunk_size", self.chunk_size)) if v)
+        shard = "" if cfg.head_shard is None else \
+            f" (heads {cfg.head_range} of {cfg.n_kv_heads})"
         return (f"CausalCache(n_cells={self.n_cells}, used={self.cells.n_used}, layers="
-                f"{cfg.n_layers}, kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}, dtype="
+                f"{cfg.n_layers}, kv_heads={cfg.local_kv_heads}{shard}, head_dim={cfg.head_dim}, dtype="
                 f"{cfg.dtype}, device={self.device}{extra})")
 
 

@@ -314,9 +314,9 @@ class EncoderCache:
                       "mask at max_batch": mask_rows * config.capacity
                       * MASK_DTYPES[config.mask_dtype].itemsize},
                      hint="lower capacity (encoder tokens) or n_layers")
-        self.keys = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+        self.keys = self._xp.zeros((config.n_layers, config.capacity, config.local_kv_heads,
                                     config.head_dim), dtype=sd)
-        self.values = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+        self.values = self._xp.zeros((config.n_layers, config.capacity, config.local_kv_heads,
                                       config.v_head_dim), dtype=sd)
         self.encoder_len = 0            # encoder tokens stored (0: nothing cached)
         self.encoder_pos: Optional[int] = None   # position of the input the encoder output is for
@@ -369,12 +369,12 @@ class EncoderCache:
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
         n = k.shape[0] if k.ndim == 3 else -1
-        if k.ndim != 3 or tuple(k.shape[1:]) != (cfg.n_kv_heads, cfg.head_dim) \
+        if k.ndim != 3 or tuple(k.shape[1:]) != (cfg.local_kv_heads, cfg.head_dim) \
                 or not 1 <= n <= cfg.capacity:
-            raise ValueError(f"key must have shape [n_enc <= {cfg.capacity}, {cfg.n_kv_heads}, "
+            raise ValueError(f"key must have shape [n_enc <= {cfg.capacity}, {cfg.local_kv_heads}, "
                              f"{cfg.head_dim}], got {list(k.shape)}")
-        if tuple(v.shape) != (n, cfg.n_kv_heads, cfg.v_head_dim):
-            raise ValueError(f"value must have shape [{n}, {cfg.n_kv_heads}, {cfg.v_head_dim}],"
+        if tuple(v.shape) != (n, cfg.local_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [{n}, {cfg.local_kv_heads}, {cfg.v_head_dim}],"
                              f" got {list(v.shape)}")
         if not self._storing:
             if self._reserve:

@@ -193,8 +193,8 @@ def _layer_specs(cache, prefix: str, rows: int, idx=None) -> List[_Spec]:
             with _on_device(cache):
                 return _host_le(_v_rows(cache, layer, idx), v_le)
 
-        specs.append(_Spec(f"{prefix}k.{layer}", k_st, (rows, cfg.n_kv_heads, k_row), k_rows))
-        specs.append(_Spec(f"{prefix}v.{layer}", v_st, (rows, cfg.n_kv_heads, v_row), v_rows))
+        specs.append(_Spec(f"{prefix}k.{layer}", k_st, (rows, cfg.local_kv_heads, k_row), k_rows))
+        specs.append(_Spec(f"{prefix}v.{layer}", v_st, (rows, cfg.local_kv_heads, v_row), v_rows))
     return specs
 
 
@@ -289,8 +289,8 @@ def _layer_expect(cache, prefix: str, rows: int) -> Dict[str, Tuple[str, Tuple[i
     (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
     out = {}
     for layer in range(cfg.n_layers):
-        out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.n_kv_heads, k_row))
-        out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.n_kv_heads, v_row))
+        out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.local_kv_heads, k_row))
+        out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.local_kv_heads, v_row))
     return out
 
 

@@ -473,6 +473,10 @@ def fingerprint(cache) -> Dict[str, Any]:
     for name in _FINGERPRINT_CONFIG_FIELDS:
         if hasattr(cfg, name):
             fields[name] = _json_value(getattr(cfg, name))
+    # a head-sharded cache holds only some KV heads: its rows load only into the same head range
+    # (recorded only when sharded, so states of unsharded caches keep their fingerprint)
+    if getattr(cfg, "head_shard", None) is not None:
+        fields["head_range"] = [int(h) for h in cfg.head_range]
     return fields
 
 
