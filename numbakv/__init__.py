@@ -19,6 +19,8 @@ from .streams import StreamCache  # registers itself for CacheConfig(unified=Fal
 from .wrappers import EncoderCache, WrapperCache
 from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
+from .state.snapshot import SeqSnapshot, SnapshotPart
+from .prefix import PrefixStore
 
 __version__ = "0.1.0"
 
@@ -27,3 +29,5 @@ __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotS
            "EncoderCache", "__version__"]
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
 __all__ += ["ConcurrentUseError"]
+__all__ += ["SeqSnapshot", "SnapshotPart"]
+__all__ += ["PrefixStore"]

@@ -43,6 +43,15 @@ _MIN_RUN = 256
 _MAX_GAP = 32
 #: parts of at most this many cells are computed with matmuls instead of the flash kernel
 _SMALL_PART = 256
+#: On the CPU, every sequence that sees at most this many cells and has at most _PACK_TOKENS
+#: queries is computed in one single-threaded numba call for the whole batch (gathered once):
+#: a torch call per such sequence costs more than its arithmetic, and on a loaded CPU each
+#: parallel torch op also waits for its worker threads to be scheduled.
+_PACK_CELLS = 512
+_PACK_TOKENS = 64
+#: exp(x) for x below this is a float32 denormal (or 0): such weights are flushed to exactly 0,
+#: because arithmetic on denormals runs ~100x slower on x86 and changes nothing visible
+_EXP_FLUSH = -87.0
 
 
 def _torch():
@@ -68,8 +77,10 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
 
     Args:
         q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch
-            order; ``n_heads`` a multiple of the cache's ``n_kv_heads`` (grouped-query
-            attention: query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``).
+            order; ``n_heads`` a multiple of the cache's ``local_kv_heads`` (grouped-query
+            attention: query head ``h`` reads KV head ``h // (n_heads // local_kv_heads)``).
+            A head-sharded cache (``CacheConfig(head_shard=...)``) holds only its rank's KV
+            heads: ``q`` then holds the rank's query heads (the ones that read those KV heads).
         cache: a ``CausalCache``, ``WrapperCache`` (the current layer's cache) or
             ``EncoderCache``, after ``start_forward`` (and ``put`` for the current layer).
         scale: factor on ``q . k`` (default ``1 / sqrt(head_dim)``).
@@ -101,9 +112,9 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     if q.ndim != 3 or q.shape[0] != batch or q.shape[2] != cfg.head_dim:
         raise ValueError(f"q must have shape [batch={batch}, n_heads, head_dim={cfg.head_dim}], "
                          f"got {list(q.shape)}")
-    if q.shape[1] % cfg.n_kv_heads:
-        raise ValueError(f"q's n_heads ({q.shape[1]}) must be a multiple of n_kv_heads "
-                         f"({cfg.n_kv_heads})")
+    if q.shape[1] % cfg.local_kv_heads:
+        raise ValueError(f"q's n_heads ({q.shape[1]}) must be a multiple of n_kv_heads held by "
+                         f"the cache (local_kv_heads={cfg.local_kv_heads})")
     if not q.is_floating_point():
         raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
     on_cuda = src.device == "cuda"
@@ -203,7 +214,8 @@ def _part_with_lse(torch, qf, k, v_hnd, mask, scale):
             sees = mask[:, None, :].expand(mask.shape[0], g, n).reshape(-1, n)
             sc = sc.masked_fill(~sees[None], float("-inf"))
         lse = torch.logsumexp(sc, dim=-1)
-        p = torch.exp(sc - lse[..., None]).nan_to_num_(0.0)
+        d = sc - lse[..., None]
+        p = torch.exp(d.masked_fill_(d < _EXP_FLUSH, float("-inf"))).nan_to_num_(0.0)
         return torch.matmul(p, v_hnd.float()), lse
     if v_hnd.stride(-1) != 1:       # permuted V: the kernel wants unit-stride rows
         v_hnd = v_hnd.contiguous()
@@ -256,11 +268,140 @@ def _add_small_part(qf, k, v, mask, scale, out, lse):
             for d in range(dv):
                 out[h, r, d] = out[h, r, d] * w_old if w_old > 0.0 else 0.0
             for j in range(m):
-                if mask[t, j]:
+                if mask[t, j] and s[j] - new > _EXP_FLUSH:     # no denormal weights
                     p = math.exp(s[j] - new)
                     for d in range(dv):
                         out[h, r, d] += p * v[h, j, d]
             lse[h, r] = new
+
+
+@njit(cache=True)
+def _pack_index(kv_indptr, seqs):
+    """List indices (into ``kv_indices``) of the cells of batch sequences ``seqs``, concatenated,
+    and ``ptr int64 [len(seqs) + 1]``: sequence ``seqs[i]``'s cells are rows ``ptr[i]:ptr[i+1]``."""
+    ptr = np.zeros(seqs.shape[0] + 1, np.int64)
+    for i in range(seqs.shape[0]):
+        b = seqs[i]
+        ptr[i + 1] = ptr[i] + kv_indptr[b + 1] - kv_indptr[b]
+    idx = np.empty(ptr[-1], np.int64)
+    for i in range(seqs.shape[0]):
+        b = seqs[i]
+        for j in range(kv_indptr[b + 1] - kv_indptr[b]):
+            idx[ptr[i] + j] = kv_indptr[b] + j
+    return idx, ptr
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})   # no nnan/ninf: -inf marks masked cells
+def _attend_packed(q, k, v, seqs, ptr, qo_indptr, token_order, kv_pos, q_pos, causal, window,
+                   chunk, scale, soft_cap, out):
+    """Attention of several short sequences at once (single-threaded, exact softmax with max
+    subtraction; weights below exp(_EXP_FLUSH) are flushed to 0 so no denormal arises).
+
+    q float32 ``[T, H, D]`` (batch rows), k float32 ``[m, Hkv, D]`` and v float32 ``[m, Hkv,
+    Dv]`` the gathered cells (sequence ``seqs[i]``'s are rows ``ptr[i]:ptr[i+1]``, positions
+    ``kv_pos``), out float32 ``[T, H, Dv]``: the rows of these sequences' tokens are written
+    (a token that sees no cell gets zeros). soft_cap <= 0: none."""
+    H = q.shape[1]
+    dim = q.shape[2]
+    hkv = k.shape[1]
+    g = H // hkv
+    dv = v.shape[2]
+    s = np.empty(k.shape[0], np.float32)
+    acc = np.empty(dv, np.float32)
+    for i in range(seqs.shape[0]):
+        b = seqs[i]
+        c0, c1 = ptr[i], ptr[i + 1]
+        for qi in range(qo_indptr[b], qo_indptr[b + 1]):
+            t = token_order[qi]
+            p = np.int64(q_pos[t])
+            lo = np.int64(0)
+            if window >= 0:
+                lo = max(lo, p - window)
+            if chunk > 0:
+                lo = max(lo, p - p % chunk)
+            hi = p if causal[t] != 0 else np.int64(2 ** 62)
+            for h in range(H):
+                kh = h // g
+                mx = -np.inf
+                for j in range(c0, c1):
+                    kp = kv_pos[j]
+                    if kp < lo or kp > hi:
+                        s[j] = -np.inf
+                        continue
+                    a = np.float32(0.0)
+                    for d in range(dim):
+                        a += q[t, h, d] * k[j, kh, d]
+                    a *= scale
+                    if soft_cap > 0:
+                        a = soft_cap * math.tanh(a / soft_cap)
+                    s[j] = a
+                    mx = max(mx, a)
+                for d in range(dv):
+                    acc[d] = 0.0
+                if mx == -np.inf:
+                    for d in range(dv):
+                        out[t, h, d] = 0.0
+                    continue
+                tot = np.float32(0.0)
+                for j in range(c0, c1):
+                    x = s[j] - mx
+                    if x > _EXP_FLUSH:
+                        w = np.float32(math.exp(x))
+                        tot += w
+                        for d in range(dv):
+                            acc[d] += w * v[j, kh, d]
+                for d in range(dv):
+                    out[t, h, d] = acc[d] / tot
+
+
+def _pack_plan(torch, host: HostPages):
+    """Which sequences of this pass are computed packed, and everything about them that does
+    not change between layers (planned once per forward pass, kept in ``host.plans``)."""
+    key = ("packed", _PACK_CELLS, _PACK_TOKENS)
+    plan = host.plans.get(key)
+    if plan is None:
+        short = (np.diff(host.kv_indptr) <= _PACK_CELLS) & \
+            (np.diff(host.qo_indptr) <= _PACK_TOKENS)
+        seqs = np.flatnonzero(short).astype(np.int64)
+        idx, ptr = _pack_index(host.kv_indptr.astype(np.int64), seqs)
+        rows = np.concatenate([host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
+                               for b in seqs]).astype(np.int64) if len(seqs) else None
+        plan = {"short": short, "seqs": seqs, "ptr": ptr,
+                "cells": torch.from_numpy(host.kv_indices[idx].astype(np.int64)),
+                "kv_pos": host.kv_positions[idx].astype(np.int64),
+                "qo_indptr": host.qo_indptr.astype(np.int64),
+                "token_order": host.token_order.astype(np.int64),
+                "q_pos": host.q_positions.astype(np.int64),
+                "rows": None if rows is None else torch.from_numpy(rows),
+                "rest": np.flatnonzero(~short).tolist()}
+        host.plans[key] = plan
+    return plan
+
+
+def _packed(torch, q, host: HostPages, plan: dict, key_pool, value_pool, scale, soft_cap,
+            permuted, out):
+    """The plan's sequences through :func:`_attend_packed`: their cells gathered with one
+    ``index_select`` per pool, results scattered into ``out`` (or returned, rows in batch
+    order, when ``out`` is None)."""
+    cells = plan["cells"]
+    k = key_pool.index_select(0, cells).float().numpy()
+    if permuted:
+        v = value_pool.index_select(2, cells).permute(2, 0, 1).float().contiguous().numpy()
+    else:
+        v = value_pool.index_select(0, cells).float().numpy()
+    qn = q.detach().float().contiguous().numpy()
+    res = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    rule = host.rule
+    _attend_packed(qn, k, v, plan["seqs"], plan["ptr"], plan["qo_indptr"], plan["token_order"],
+                   plan["kv_pos"], plan["q_pos"], rule.causal, int(rule.window),
+                   int(rule.chunk), np.float32(scale),
+                   np.float32(soft_cap if soft_cap is not None else 0.0), res)
+    res_t = torch.from_numpy(res)
+    if out is None:
+        return res_t.to(q.dtype)
+    rows = plan["rows"]
+    out[rows] = res_t[rows].to(out.dtype)
+    return out
 
 
 def _merge_parts(torch, outs, lses):
@@ -270,7 +411,8 @@ def _merge_parts(torch, outs, lses):
     lse = torch.logsumexp(torch.stack(lses), dim=0)
     total = None
     for o, l in zip(outs, lses):
-        w = torch.exp(l - lse)[..., None]
+        d = l - lse
+        w = torch.exp(d.masked_fill_(d < _EXP_FLUSH, float("-inf")))[..., None]
         part = torch.where(w > 0, o.float() * w, 0.0)   # a part a row cannot see may hold NaN
         total = part if total is None else total + part
     return total, lse
@@ -288,6 +430,15 @@ def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_ca
         out = None      # one sequence holds the whole batch: results are already in batch order
     else:
         out = torch.empty((q.shape[0], H, dv), dtype=q.dtype, device=dev)
+    todo = range(n_b)
+    if dev.type == "cpu":
+        plan = _pack_plan(torch, host)
+        if len(plan["seqs"]):
+            packed = _packed(torch, q, host, plan, key_pool, value_pool, scale, soft_cap,
+                             permuted, out)
+            if out is None:
+                return packed
+            todo = plan["rest"]
 
     def run_view(lo, hi):
         return key_pool[lo:hi], value_pool[:, :, lo:hi] if permuted else value_pool[lo:hi]
@@ -297,7 +448,7 @@ def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_ca
         v = value_pool.index_select(2, idx) if permuted else value_pool.index_select(0, idx)
         return key_pool.index_select(0, idx), v
 
-    for b in range(n_b):
+    for b in todo:
         q0, q1 = int(host.qo_indptr[b]), int(host.qo_indptr[b + 1])
         L = q1 - q0
         toks = host.token_order[q0:q1]

@@ -34,8 +34,18 @@ ShiftFn = Callable[[int, Any, Any], Any]
 _I32 = np.dtype(np.int32)
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
+    from .state.snapshot import SeqSnapshot
 
 PathLike = Union[str, os.PathLike]   # a file path
+
+
+class _NeedRoom(KVCacheFullError):
+    """No contiguous run of free cells for a batch, raised (nothing changed) instead of a defrag
+    when the cache has a room provider to ask first (see ``CausalCache._room_provider``)."""
+
+    def __init__(self, message: str, cells: int) -> None:
+        super().__init__(message)
+        self.cells = cells
 
 
 @dataclass
@@ -160,6 +170,12 @@ class CausalCache(StateMethods):
             sequence in the cell, silently corrupting the others; numbakv never does.
     """
 
+    #: called as ``provider(n_cells)`` when a batch of ``n_cells`` tokens finds no contiguous
+    #: run of free cells, before the cache defragments or raises ``KVCacheFullError``: a prefix
+    #: store (``numbakv.prefix.PrefixStore``) sets it to evict the prefixes it keeps in cells.
+    #: None (the default): placement is exactly Ollama's.
+    _room_provider: Optional[Callable[[int], Any]] = None
+
     #: the class that serves ``CacheConfig(unified=False)`` (``streams.StreamCache`` registers
     #: itself here: an outer module, so this one never imports it)
     _stream_class: Optional[type] = None
@@ -239,7 +255,7 @@ class CausalCache(StateMethods):
         self._outer_journal: Optional[list] = None
         # the put/get fast path compares against these
         self._sdt = config.storage_dtype
-        self._kv_tail = ((config.n_kv_heads, config.head_dim), (config.n_kv_heads,
+        self._kv_tail = ((config.local_kv_heads, config.head_dim), (config.local_kv_heads,
                                                                 config.v_head_dim))
         #: how many defrags ran (on a full cache or by request): the demo and benches read it
         self.defrag_count = 0
@@ -260,14 +276,23 @@ class CausalCache(StateMethods):
         pinned buffer, synchronising that stream only; while that stream captures a CUDA graph
         they must be host arrays (``ValueError``, nothing changed): the bookkeeping is on the host.
         """
-        undo = self._place(positions, seqs, reserve)
+        provider = self._room_provider
+        try:
+            undo = self._place(positions, seqs, reserve, ask_room=provider is not None)
+        except _NeedRoom as need:
+            # a prefix store holds cells: let it evict (demoting what it can) before the
+            # Ollama path (defrag, then KVCacheFullError). What it evicted stays evicted if
+            # this pass still fails: those were the store's cached prefixes, not the caller's.
+            provider(need.cells)
+            undo = self._place(positions, seqs, reserve)
         try:
             self._finish_forward(undo)
         except BaseException:
             self._undo(undo)      # e.g. a shift function that failed: nothing placed, no leak
             raise
 
-    def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> "_Undo":
+    def _place(self, positions, seqs, reserve: bool, undoable: bool = False,
+               ask_room: bool = False) -> "_Undo":
         """The metadata half of start_forward; returns what ``_undo`` needs to take it back (a
         WrapperCache does when a sibling cache fails).
 
@@ -276,7 +301,10 @@ class CausalCache(StateMethods):
         back (block moves copy, so the source rows still hold their data); the K/V of the cells
         a defrag writes over (evicted ones among them) are kept aside first, so undoing the
         eviction gets each (sequence, position) its own K/V back. ``undoable`` is kept for
-        callers that will call ``_undo``; every pass can be undone."""
+        callers that will call ``_undo``; every pass can be undone. ``ask_room``: when no
+        contiguous run of free cells holds the batch, raise ``_NeedRoom`` (nothing changed)
+        instead of defragmenting, so the caller can ask its room provider (a prefix store)
+        first."""
         self._check_open()
         if not isinstance(reserve, (bool, np.bool_)):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
@@ -297,6 +325,8 @@ class CausalCache(StateMethods):
             range_window = -1 if self._memory == UNLIMITED else self._window
             lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
             if start < 0:
+                if ask_room:
+                    raise _NeedRoom(f"no contiguous run of {batch} free cells", batch)
                 if self.cells.n_used + batch > self.n_cells:
                     raise KVCacheFullError(
                         f"no room for a batch of {batch} tokens: {self.cells.n_used} of "
@@ -486,12 +516,12 @@ class CausalCache(StateMethods):
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
-        if tuple(k.shape) != (batch, cfg.n_kv_heads, cfg.head_dim):
-            raise ValueError(f"key must have shape [batch={batch}, n_kv_heads={cfg.n_kv_heads}, "
+        if tuple(k.shape) != (batch, cfg.local_kv_heads, cfg.head_dim):
+            raise ValueError(f"key must have shape [batch={batch}, local_kv_heads={cfg.local_kv_heads}, "
                              f"head_dim={cfg.head_dim}], got {list(k.shape)}")
-        if tuple(v.shape) != (batch, cfg.n_kv_heads, cfg.v_head_dim):
-            raise ValueError(f"value must have shape [batch={batch}, n_kv_heads="
-                             f"{cfg.n_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
+        if tuple(v.shape) != (batch, cfg.local_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [batch={batch}, local_kv_heads="
+                             f"{cfg.local_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
                              f"{list(v.shape)}")
         return k, v
 
@@ -947,6 +977,26 @@ class CausalCache(StateMethods):
     def _after_state_load(self) -> None:
         self._forward = None      # a state load ends the forward pass in progress
 
+    # ------------------------------------------------------------------ one sequence's K/V
+    def export_seq(self, seq: int, p0: int = 0, p1: Optional[int] = None, *,
+                   device: bool = False) -> "SeqSnapshot":
+        """A ``numbakv.SeqSnapshot`` of positions ``[p0, p1)`` of ``seq`` (``p1=None``: to the
+        end): the positions, the raw stored K/V rows of every layer (``[n, n_kv_heads, row]``,
+        the storage format, V never permuted), the head range and the model fingerprint.
+        Rows of a run of consecutive cells are read-only views of the storage (``snap.copy()``
+        owns them); ``device=True`` keeps a cuda cache's rows on the GPU. See
+        :mod:`numbakv.state.snapshot`."""
+        from .state import snapshot
+        return snapshot.export_seq(self, seq, p0, p1, device=device)
+
+    def import_seq(self, seq: int, snap: "SeqSnapshot", *, at: Optional[int] = None) -> int:
+        """Place ``snap``'s tokens into free cells for ``seq`` (positions as saved, or moved to
+        start at ``at`` with the keys re-rotated) and write their K/V; returns the tokens
+        placed. Everything is checked first (fingerprint, shapes, formats, head range,
+        positions ``seq`` holds, room): a refusal changes nothing. Ends the forward pass."""
+        from .state import snapshot
+        return snapshot.import_seq(self, seq, snap, at=at)
+
     # ------------------------------------------------------------------ misc
     def use_stream(self, stream: Any) -> None:
         """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a
@@ -1031,8 +1081,10 @@ class CausalCache(StateMethods):
         extra = "".join(f", {k}={v}" for k, v in (("swa_window", self.swa_window),
                                                   ("swa_memory", self.swa_memory),
                                                   ("chunk_size", self.chunk_size)) if v)
+        shard = "" if cfg.head_shard is None else \
+            f" (heads {cfg.head_range} of {cfg.n_kv_heads})"
         return (f"CausalCache(n_cells={self.n_cells}, used={self.cells.n_used}, layers="
-                f"{cfg.n_layers}, kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}, dtype="
+                f"{cfg.n_layers}, kv_heads={cfg.local_kv_heads}{shard}, head_dim={cfg.head_dim}, dtype="
                 f"{cfg.dtype}, device={self.device}{extra})")
 
 

@@ -85,6 +85,29 @@ def _check_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
+def _check_head_shard(value, n_kv_heads: int) -> "Optional[Tuple[int, int]]":
+    """``None`` or ``(rank, world)`` with ``world >= 1``, ``0 <= rank < world`` and ``world``
+    dividing ``n_kv_heads`` or a multiple of it (replicated heads)."""
+    if value is None:
+        return None
+    try:
+        rank, world = value
+    except (TypeError, ValueError):
+        raise ValueError(f"head_shard must be None or (rank, world), got {value!r}") from None
+    for x in (rank, world):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise ValueError(f"head_shard must be a pair of integers (rank, world), got {value!r}")
+    rank, world = int(rank), int(world)
+    if world < 1:
+        raise ValueError(f"head_shard world must be >= 1, got {value!r}")
+    if not 0 <= rank < world:
+        raise ValueError(f"head_shard rank must be in [0, world={world}), got {value!r}")
+    if n_kv_heads % world and world % n_kv_heads:
+        raise ValueError(f"head_shard world must divide n_kv_heads={n_kv_heads} or be a multiple "
+                         f"of it, got {value!r}")
+    return (rank, world)
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -93,9 +116,10 @@ def round_up(value: int, multiple: int) -> int:
 class CacheConfig:
     """Shapes, dtypes and limits of a cache.
 
-    K storage is ``[n_layers, n_cells, n_kv_heads, head_dim]``; V storage is
-    ``[n_layers, n_cells, n_kv_heads, v_head_dim]`` or, with ``permuted_v``,
-    ``[n_layers, n_kv_heads, v_head_dim, n_cells]``. ``capacity`` is the number of tokens each
+    K storage is ``[n_layers, n_cells, local_kv_heads, head_dim]``; V storage is
+    ``[n_layers, n_cells, local_kv_heads, v_head_dim]`` or, with ``permuted_v``,
+    ``[n_layers, local_kv_heads, v_head_dim, n_cells]`` (``local_kv_heads == n_kv_heads`` unless
+    ``head_shard`` is set). ``capacity`` is the number of tokens each
     sequence may keep; ``max_seqs`` how many sequences share the cache; ``max_batch`` the most
     tokens one forward pass may add. ``cache_padding`` rounds the cell count and every ``get()``
     range; ``mask_batch_padding`` rounds the mask's rows.
@@ -127,6 +151,11 @@ class CacheConfig:
     #: Gemma 3n's last ones); ``-1`` no K/V in this cache (a recurrent or linear-attention
     #: layer, or one another cache holds). Storage is allocated for owning layers only.
     layer_reuse: Optional[Sequence[int]] = None
+    #: ``(rank, world)``: this cache is one shard of a tensor-parallel group and keeps only the KV
+    #: heads :attr:`head_range` of every layer (``None``: all ``n_kv_heads``). ``n_kv_heads``
+    #: stays the model's total; storage, ``put``, ``get``, page tables, ``layer_pool`` and
+    #: ``attend`` use :attr:`local_kv_heads`.
+    head_shard: Optional[Tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -154,6 +183,30 @@ class CacheConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._check_kv_types(set_)
         set_("layer_reuse", _check_layer_reuse(self.layer_reuse, self.n_layers))
+        set_("head_shard", _check_head_shard(self.head_shard, self.n_kv_heads))
+
+    @property
+    def head_range(self) -> Tuple[int, int]:
+        """``(first, stop)``: the KV heads this cache keeps, ``(0, n_kv_heads)`` unless
+        ``head_shard`` is set. With ``head_shard=(rank, world)`` and ``H = n_kv_heads``: heads
+        ``[rank*H/world, (rank+1)*H/world)`` when ``world <= H``; when ``world > H`` each rank keeps
+        the single head ``rank * H // world`` (replicated ``world / H`` times, as vLLM does)."""
+        if self.head_shard is None:
+            return (0, self.n_kv_heads)
+        rank, world = self.head_shard
+        H = self.n_kv_heads
+        if world <= H:
+            per = H // world
+            return (rank * per, (rank + 1) * per)
+        head = rank * H // world
+        return (head, head + 1)
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads held per layer: ``stop - first`` of :attr:`head_range` (``n_kv_heads``
+        unless head-sharded). Every storage shape uses it."""
+        first, stop = self.head_range
+        return stop - first
 
     def _check_kv_types(self, set_) -> None:
         """``k_dtype``/``v_dtype``: ``dtype`` (the default) or a quantized type; ggml blocks need
@@ -245,8 +298,8 @@ class CacheConfig:
         owning layers only (``layer_reuse``)."""
         if n_cells is None:
             n_cells = self.n_cells(swa_memory)
-        per_cell = self.n_stored_layers * self.n_kv_heads * (self.k_row_bytes +
-                                                             self.v_row_bytes)
+        per_cell = self.n_stored_layers * self.local_kv_heads * (self.k_row_bytes +
+                                                                 self.v_row_bytes)
         return int(n_cells) * per_cell
 
     # -- layer filter / reuse (llama.cpp's ``filter`` and ``reuse``)

@@ -157,7 +157,7 @@ class StreamCache(CausalCache):
         self.n_cells = self.cells_per_stream * self.n_streams
         self.storage = self._pool
         L, S, C = config.n_stored_layers, self.n_streams, self.cells_per_stream
-        H, D, Dv = config.n_kv_heads, config.head_dim, config.v_head_dim
+        H, D, Dv = config.local_kv_heads, config.head_dim, config.v_head_dim
         # [layer, stream, cell, head, dim] views of the pool (reshapes, no copies)
         self._k5 = self._pool.keys.reshape(L, S, C, H, D)
         self._v5 = (self._pool.values.reshape(L, H, Dv, S, C) if config.permuted_v
@@ -599,7 +599,7 @@ class StreamCache(CausalCache):
         c = self.config
         state = "closed" if self._closed else f"{self.n_used}/{self.n_cells} cells used"
         return (f"StreamCache({c.n_layers} layers x {self.n_streams} streams x "
-                f"{self.cells_per_stream} cells, {c.n_kv_heads}x{c.head_dim} {c.dtype}, "
+                f"{self.cells_per_stream} cells, {c.local_kv_heads}x{c.head_dim} {c.dtype}, "
                 f"device={self.device}, {state})")
 
 

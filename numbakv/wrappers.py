@@ -14,13 +14,14 @@ from ._guard import one_thread_at_a_time
 from ._memory import check_memory
 from ._inputs import UNLIMITED, check_batch, host_int_array
 from ._inputs import check_index as _check_index
-from .causal import CausalCache, PathLike, check_shared_shift
+from .causal import CausalCache, PathLike, _NeedRoom, check_shared_shift
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
 from .state.files import StateMethods
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .state.snapshot import SeqSnapshot
     from .pages import PageTable
 
 
@@ -89,10 +90,24 @@ class WrapperCache(StateMethods):
         if any of them fails (e.g. ``KVCacheFullError``), each one's undo log takes back what it
         did (evictions, defrags and key rotations included), so every (sequence, position) keeps
         its own K/V."""
+        provider = self._room_provider
+        try:
+            self._start_forward(positions, seqs, reserve, provider is not None)
+        except _NeedRoom as need:
+            # a prefix store holds cells: it evicts first (see CausalCache._room_provider)
+            provider(need.cells)
+            self._start_forward(positions, seqs, reserve, False)
+
+    #: as ``CausalCache._room_provider``, for the wrapper as a whole (its caches' stay None)
+    _room_provider = None
+
+    def _start_forward(self, positions, seqs, reserve: bool, ask_room: bool) -> None:
         undos: List[Tuple[CausalCache, object]] = []
+        extra = {"ask_room": True} if ask_room else {}   # stream caches take no ask_room
         try:
             for cache in self.caches:
-                undos.append((cache, cache._place(positions, seqs, reserve, undoable=True)))
+                undos.append((cache, cache._place(positions, seqs, reserve, undoable=True,
+                                                  **extra)))
             for cache, undo in undos:
                 cache._finish_forward(undo)
         except BaseException:
@@ -240,6 +255,22 @@ class WrapperCache(StateMethods):
         return self.caches[self._current]
 
 
+    # ------------------------------------------------------------------ one sequence's K/V
+    def export_seq(self, seq: int, p0: int = 0, p1: Optional[int] = None, *,
+                   device: bool = False) -> "SeqSnapshot":
+        """One ``numbakv.SeqSnapshot`` of positions ``[p0, p1)`` of ``seq`` with one part per
+        group (a sliding-window group holds only the cells it keeps); see
+        ``CausalCache.export_seq``."""
+        from .state import snapshot
+        return snapshot.export_seq(self, seq, p0, p1, device=device)
+
+    def import_seq(self, seq: int, snap: "SeqSnapshot", *, at: Optional[int] = None) -> int:
+        """Import every group's part of ``snap`` for ``seq``, all or nothing (see
+        ``CausalCache.import_seq``); returns the tokens placed in the group that placed the
+        most (a sliding-window group holds only what its window memory kept)."""
+        from .state import snapshot
+        return snapshot.import_seq(self, seq, snap, at=at)
+
     # ------------------------------------------------------------------ state
     # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
     _STATE_IO = "wrapper"
@@ -298,9 +329,9 @@ class EncoderCache:
                       "mask at max_batch": mask_rows * config.capacity
                       * MASK_DTYPES[config.mask_dtype].itemsize},
                      hint="lower capacity (encoder tokens) or n_layers")
-        self.keys = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+        self.keys = self._xp.zeros((config.n_layers, config.capacity, config.local_kv_heads,
                                     config.head_dim), dtype=sd)
-        self.values = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+        self.values = self._xp.zeros((config.n_layers, config.capacity, config.local_kv_heads,
                                       config.v_head_dim), dtype=sd)
         self.encoder_len = 0            # encoder tokens stored (0: nothing cached)
         self.encoder_pos: Optional[int] = None   # position of the input the encoder output is for
@@ -353,12 +384,12 @@ class EncoderCache:
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
         n = k.shape[0] if k.ndim == 3 else -1
-        if k.ndim != 3 or tuple(k.shape[1:]) != (cfg.n_kv_heads, cfg.head_dim) \
+        if k.ndim != 3 or tuple(k.shape[1:]) != (cfg.local_kv_heads, cfg.head_dim) \
                 or not 1 <= n <= cfg.capacity:
-            raise ValueError(f"key must have shape [n_enc <= {cfg.capacity}, {cfg.n_kv_heads}, "
+            raise ValueError(f"key must have shape [n_enc <= {cfg.capacity}, {cfg.local_kv_heads}, "
                              f"{cfg.head_dim}], got {list(k.shape)}")
-        if tuple(v.shape) != (n, cfg.n_kv_heads, cfg.v_head_dim):
-            raise ValueError(f"value must have shape [{n}, {cfg.n_kv_heads}, {cfg.v_head_dim}],"
+        if tuple(v.shape) != (n, cfg.local_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [{n}, {cfg.local_kv_heads}, {cfg.v_head_dim}],"
                              f" got {list(v.shape)}")
         if not self._storing:
             if self._reserve:

@@ -49,11 +49,16 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=["as-is", "split-flash", "split-matmul"])
+@pytest.fixture(params=["as-is", "per-seq", "split-flash", "split-matmul"])
 def split_mode(request, monkeypatch):
-    """"split-*": every sequence's page list is cut into pool views and a gathered rest, merged
-    by log-sum-exp (the path long, scattered sequences take), even at these tiny sizes; each part
-    through PyTorch's CPU flash kernel or, as small parts are, through matmuls."""
+    """"as-is": these tiny sequences are packed into one numba call (on the CPU); "per-seq":
+    one attention call per sequence (a view of its run of the pool or a gather), the path
+    longer sequences take; "split-*": every sequence's page list is cut into pool views and a
+    gathered rest, merged by log-sum-exp (the path long, scattered sequences take), even at
+    these tiny sizes; each part through PyTorch's CPU flash kernel or, as small parts are,
+    through matmuls."""
+    if request.param != "as-is":
+        monkeypatch.setattr(attention, "_PACK_CELLS", -1)
     if request.param == "split-flash":
         monkeypatch.setattr(attention, "_SMALL_PART", 0)
     if request.param.startswith("split"):
@@ -156,3 +161,28 @@ def test_attend_errors_name_the_argument():
         attend(torch.randn(2, 4, 8), cache, soft_cap=0.0)
     with pytest.raises(ValueError, match="q must be a torch.Tensor"):
         attend(np.zeros((2, 4, 8), np.float32), cache)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_attend_with_underflowing_weights_and_grad_inputs(pack, monkeypatch):
+    # large scores: most softmax weights underflow below float32's normal range (the weights
+    # that used to come out as denormals); q requires grad and is used without torch.no_grad()
+    if not pack:
+        monkeypatch.setattr(attention, "_PACK_CELLS", -1)
+        monkeypatch.setattr(attention, "_SPAN_SLACK", -1.0)
+        monkeypatch.setattr(attention, "_SPAN_MIN_SLACK", -1)
+    cache = make_cache("cpu", capacity=64, max_seqs=3)
+    rng = np.random.default_rng(5)
+    for step in range(4):                    # interleaved: each sequence's cells are scattered
+        pos = [4 * step + i for i in range(4)] * 3
+        seqs = [0] * 4 + [1] * 4 + [2] * 4
+        cache.start_forward(pos, seqs)
+        for layer in range(2):
+            cache.set_layer(layer)
+            kv = (30 * rng.standard_normal((12, 2, 8))).astype(np.float32)
+            cache.put(kv, kv.copy())
+    q = (30 * torch.randn(12, 4, 8)).requires_grad_(True)
+    ref = _independent_reference(q.detach(), cache, 1 / math.sqrt(8), None)
+    out = attend(q, cache, backend="torch")
+    assert torch.isfinite(out).all()
+    np.testing.assert_allclose(out.detach().numpy(), ref, atol=1e-4, rtol=1e-4)

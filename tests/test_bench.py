@@ -15,7 +15,9 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_HF = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
-QUICK = ["bench", "--quick", "--device", "cpu", "--contexts", "16,40", "--batch", "1,3"]
+QUICK = ["bench", "--quick", "--device", "cpu", "--contexts", "16,40", "--batch", "1,3",
+         "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--sections",
+         "decode,kernels,capacity"]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +75,10 @@ def test_kernel_and_capacity_sections(quick_run):
 
 def test_report_and_plot(quick_run):
     res, text, png = quick_run
-    for title in ("Decode step", "numbakv speed-up", "Same work per step", "What differs per "
-                  "step", "--quick: tiny shapes", "numbakv step breakdown", "Kernels vs a "
-                  "plain copy", "Capacity", "Targets (defined at real shapes"):
+    for title in ("Where numbakv stands", "Decode step", "numbakv speed-up",
+                  "Same work per step", "What differs per step", "--quick: tiny shapes",
+                  "numbakv step breakdown", "Kernels vs a plain copy", "Capacity",
+                  "Targets (defined at real shapes"):
         assert title in text
     # the same-work ratios divide by numbakv's per-layer work alone
     same = text.split("Same work per step")[1].split("What differs")[0].splitlines()[2]
@@ -209,3 +212,16 @@ def test_streams_section_quick(capsys):
     out = capsys.readouterr().out
     assert "Per-sequence streams (unified=False)" in out
     assert out.count("decode 4 x 64") == 2      # float32 and float16 rows
+
+
+def test_quick_writes_nothing_unasked_and_leads_with_the_comparison(monkeypatch, tmp_path,
+                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["bench", "--quick", "--device", "cpu", "--sections", "decode", "--contexts",
+                   "8", "--batch", "1", "--layers", "1", "--kv-heads", "1", "--head-dim", "8"])
+    assert rc == 0
+    assert list(tmp_path.iterdir()) == []          # no PNG (or anything) without --png
+    out, err = capsys.readouterr()
+    assert "expect about" in err and "GiB of memory" in err      # the cost, said up front
+    if HAVE_TORCH:
+        assert out.index("Where numbakv stands") < out.index("Decode step")

@@ -356,3 +356,15 @@ def test_picture_groups_wide_caches_instead_of_one_pixel_stripes(tmp_path):
     change = np.nonzero(np.any(np.abs(np.diff(row, axis=0)) > 0.05, axis=1))[0]
     runs = np.diff(change)
     assert np.median(runs[runs > 1]) >= MIN_COLUMN_PX - 1
+
+
+def test_shift_mark_covers_only_the_shifted_requests_cells_and_labels_do_not_overlap():
+    from numbakv.tools.demo import label_rows, picture_marks
+    report = _synthetic_report(64)
+    shift = next(m for m in picture_marks(report, group=1) if m.kind == "shift")
+    row = report.owners[min(shift.step, len(report.owners) - 1)]
+    covered = {c for lo, hi in shift.segments for c in range(lo, hi + 1)}
+    assert covered == set(np.nonzero(row == 0)[0].tolist())     # r0's cells, nothing between
+    rows = label_rows([3.0, 3.5, 4.0, 40.0, 99.0, 99.0], gap=2.0, top=0.0, bottom=100.0)
+    assert all(b - a >= 2.0 - 1e-9 for a, b in zip(rows, rows[1:]))
+    assert rows[0] >= 3.0 - 1e-9 and rows[-1] <= 100.0 and rows[3] == 40.0

@@ -39,3 +39,23 @@ def test_flashinfer_decode_example(capsys):
     assert example.main(["--seqs", "2", "--prompt", "16", "--steps", "2"]) == 0
     out = capsys.readouterr().out.strip()
     assert out.startswith("skipped:") or out.endswith("OK")
+
+
+@pytest.mark.torch
+def test_serve_batch_example(capsys):
+    pytest.importorskip("transformers")
+    example = load("serve_batch")
+    outputs = example.main()
+    assert len(outputs) == 4 and all(len(toks) == 8 for toks in outputs.values())
+    assert capsys.readouterr().out.count("request ") == 4
+
+
+@pytest.mark.slow
+def test_disaggregated_example(capsys):
+    """Two spawned processes (gloo): ~40 s of imports, hence slow; tests/test_dist.py covers the
+    same transfer in its module-wide group."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    example = load("disaggregated")
+    assert example.main(["--tokens", "4", "--prompt", "12"]) == 0
+    assert capsys.readouterr().out.strip().endswith("OK")

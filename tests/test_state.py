@@ -697,7 +697,7 @@ def test_failed_write_rolls_back(monkeypatch):
             raise RuntimeError("device error")
         return real(cache, layer, idx, k, v)
 
-    monkeypatch.setattr(state.files, "_write_rows", failing)
+    monkeypatch.setattr(state.snapshot, "_write_rows", failing)
     with pytest.raises(RuntimeError, match="device error"):
         c.load_state_bytes(data, 0)
     assert_unchanged(c, snap)

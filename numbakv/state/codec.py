@@ -56,7 +56,9 @@ _CAUSAL_KINDS = ("causal", "causal-seq")
 _WRAPPER_KINDS = ("wrapper", "wrapper-seq")
 _STREAM_KINDS = ("streams",)
 _SIMPLE_KINDS = ("step", "rotating", "simple-list")
-KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _STREAM_KINDS + _SIMPLE_KINDS
+#: one sequence's rows of any cache (``numbakv.state.snapshot.SeqSnapshot.to_bytes``)
+_SNAPSHOT_KINDS = ("seq-snapshot",)
+KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _STREAM_KINDS + _SIMPLE_KINDS + _SNAPSHOT_KINDS
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 # ====================================================================================== writing

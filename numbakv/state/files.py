@@ -51,17 +51,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..device import synchronize
-from ..errors import KVCacheError
+from ..errors import KVCacheError, KVCacheFullError
 from .codec import (_POS_LIMIT, _SIMPLE_KINDS, _ST_DTYPES, _STORAGE_ST, Source, _base_metadata,
                     _cfg_int, _check_data, _check_metadata, _check_path, _check_progress,
                     _check_source, _check_strict, _check_tokens, _clip, _close_bar, _host_le,
                     _is_int, _load_bar, _Opened, _save, _Spec, _State, _to_bytes, _tokens_spec,
                     _untrusted)
+from . import snapshot
+# the model fingerprint and the row writer live with the snapshot, which every one-sequence
+# save and load goes through (re-exported here: numbakv.state's names)
+from .snapshot import _MISSING, _fingerprint_diff, _write_rows, fingerprint
 
 
 def _side_format(cfg, which: str) -> Tuple[str, int]:
@@ -118,84 +123,6 @@ def _quant_config(cfg) -> dict:
             "v_scale": list(cfg.v_scale) if isinstance(cfg.v_scale, tuple) else cfg.v_scale}
 
 
-# -------------------------------------------------------------------------- model fingerprint
-#: CacheConfig fields that describe how K/V are stored; those the config has are fingerprinted
-#: (``k_dtype``/``v_dtype``/``k_scale``/``v_scale``: quantized storage, where present)
-_FINGERPRINT_CONFIG_FIELDS = ("dtype", "k_dtype", "v_dtype", "k_scale", "v_scale",
-                              "n_layers", "n_kv_heads", "head_dim", "v_head_dim")
-
-
-def fingerprint(cache) -> Dict[str, Any]:
-    """The model fingerprint of a ``CausalCache``: named, JSON-able fields that must agree for a
-    saved state to mean the same thing in another cache. ``shift``: ``{"type": "none"}``,
-    ``{"type": "rope", "base", "freq_scale", "dim" (rotary dims), "neox" (pairing),
-    "freq_factors"}`` or ``{"type": "callable", "name"}``; ``swa_window``, ``swa_memory``,
-    ``chunk_size`` (None when off); then the storage fields of the config (dtypes, head
-    shapes). A new field is one more entry here; states saved before it was added then need
-    ``strict=False``."""
-    cfg = cache.config
-    fields: Dict[str, Any] = {"shift": _shift_fingerprint(getattr(cache, "shift", None),
-                                                          cfg.head_dim),
-                              "swa_window": cache.swa_window, "swa_memory": cache.swa_memory,
-                              "chunk_size": cache.chunk_size}
-    for name in _FINGERPRINT_CONFIG_FIELDS:
-        if hasattr(cfg, name):
-            fields[name] = _json_value(getattr(cfg, name))
-    if getattr(cfg, "layer_reuse", None) is not None:   # absent otherwise: older states match
-        fields["layer_reuse"] = list(cfg.layer_reuse)
-    return fields
-
-
-def _json_value(x):
-    """Config values as JSON keeps them (numpy scalars and dtypes to plain values)."""
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(getattr(x, "name", x))
-
-
-def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
-    if shift is None:
-        return {"type": "none"}
-    if hasattr(shift, "inv_freq") and hasattr(shift, "rotary_dim"):  # a RopeShift
-        factors = shift.freq_factors
-        return {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
-                "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
-                "freq_factors": None if factors is None else [float(f) for f in factors]}
-    name = getattr(shift, "__qualname__", None) or type(shift).__qualname__
-    module = getattr(shift, "__module__", None) or type(shift).__module__
-    return {"type": "callable", "name": f"{module}.{name}"}
-
-
-def _fingerprint_diff(saved: Any, current: Any, path: str = "") -> Optional[Tuple[str, Any, Any]]:
-    """The first field (dotted path) where the saved fingerprint differs from the cache's."""
-    if isinstance(saved, dict) and isinstance(current, dict):
-        # the cache's field order (the shift's type first), then fields only the state has
-        for key in list(current) + [k for k in saved if k not in current]:
-            diff = _fingerprint_diff(saved.get(key, _MISSING), current.get(key, _MISSING),
-                                     f"{path}.{key}" if path else str(key))
-            if diff is not None:
-                return diff
-        return None
-    if saved is _MISSING or current is _MISSING or type(saved) is not type(current) \
-            and not (_is_number(saved) and _is_number(current)) or saved != current:
-        return path, saved, current
-    return None
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "(not recorded)"
-
-
-_MISSING = _Missing()
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _check_fingerprint(state: "_State", cache, config: dict, where: str, strict: bool) -> None:
     """A strict load refuses a state whose model fingerprint differs from the cache's, naming
     the first field that differs (shapes and dtypes are checked whatever ``strict`` says: the
@@ -231,14 +158,6 @@ def _on_device(cache):
     if cache.device == "cuda":
         return cache.storage.keys.device
     return contextlib.nullcontext()
-
-
-def _device_index(cache, idx: np.ndarray):
-    """Cell indices on the storage's device (fancy indexing a CuPy array wants CuPy indices)."""
-    if cache.device == "cuda":
-        import cupy
-        return cupy.asarray(idx)
-    return idx
 
 
 def _to_device(cache, arr: np.ndarray):
@@ -278,8 +197,8 @@ def _layer_specs(cache, prefix: str, rows: int, idx=None) -> List[_Spec]:
             with _on_device(cache):
                 return _host_le(_v_rows(cache, layer, idx), v_le)
 
-        specs.append(_Spec(f"{prefix}k.{layer}", k_st, (rows, cfg.n_kv_heads, k_row), k_rows))
-        specs.append(_Spec(f"{prefix}v.{layer}", v_st, (rows, cfg.n_kv_heads, v_row), v_rows))
+        specs.append(_Spec(f"{prefix}k.{layer}", k_st, (rows, cfg.local_kv_heads, k_row), k_rows))
+        specs.append(_Spec(f"{prefix}v.{layer}", v_st, (rows, cfg.local_kv_heads, v_row), v_rows))
     return specs
 
 
@@ -288,8 +207,8 @@ def _causal_specs(cache, seq: Optional[int], prefix: str = "") -> Tuple[dict, Li
     # Keys still waiting for a rotation would not match the positions saved beside them.
     cache.apply_pending_shifts()
     config = _causal_config(cache)
-    table = cache.cells.cells
     if seq is None:
+        table = cache.cells.cells
         n = int(cache.n_cells)
         words = _seq_words(cache)
         # Snapshots: the metadata must describe exactly the data written after it.
@@ -345,35 +264,9 @@ class _Plan:
         self.cache = cache
         self.old_cells = cache.cells
         self.old_forward = getattr(cache, "_forward", None)
-        self.backup: Optional[Tuple[Any, list]] = None
 
-    def rollback(self) -> None:
-        cache = self.cache
-        if self.backup is not None:
-            idx, rows = self.backup
-            with _on_device(cache):
-                for layer, (k, v) in enumerate(rows):
-                    _write_rows(cache, layer, idx, k, v)
-        cache.cells = self.old_cells
-        cache._forward = self.old_forward
-
-
-def _write_rows(cache, layer: int, idx, k, v) -> None:
-    """Write K ``[k, H, D]`` and V ``[k, H, Dv]`` rows (device arrays) to cells ``idx`` (device
-    indices) of ``layer``, or to every cell when ``idx`` is None."""
-    storage = cache.storage
-    if idx is None:
-        storage.keys[layer][...] = k
-        if cache.config.permuted_v:
-            storage.values[layer][...] = v.transpose(1, 2, 0)
-        else:
-            storage.values[layer][...] = v
-        return
-    storage.keys[layer][idx] = k
-    if cache.config.permuted_v:
-        storage.values[layer][:, :, idx] = v.transpose(1, 2, 0)
-    else:
-        storage.values[layer][idx] = v
+    def rollback(self) -> None:  # pragma: no cover - every plan says how it is taken back
+        raise NotImplementedError
 
 
 def _check_shapes(state: _State, cache, config: dict, where: str = "") -> None:
@@ -399,9 +292,9 @@ def _layer_expect(cache, prefix: str, rows: int) -> Dict[str, Tuple[str, Tuple[i
     cfg = cache.config
     (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
     out = {}
-    for layer in range(cfg.n_stored_layers):
-        out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.n_kv_heads, k_row))
-        out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.n_kv_heads, v_row))
+    for layer in range(cfg.n_stored_layers):     # owning layers only (layer_reuse)
+        out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.local_kv_heads, k_row))
+        out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.local_kv_heads, v_row))
     return out
 
 
@@ -498,23 +391,14 @@ class _WholePlan(_Plan):
 
 
 # ============================================================ one sequence (begin)
-# Everything specific to saving / loading ONE sequence of a CausalCache ("causal-seq" and the
-# per-group "wrapper-seq" states): the specs it writes and the plan that loads it. The
-# SeqSnapshot work (issue 24 item 1, state/snapshot.py) replaces this block.
+# Saving / loading ONE sequence of a CausalCache ("causal-seq" and the per-group "wrapper-seq"
+# states) is a SeqSnapshot (state/snapshot.py) in this file's tensor names: the specs come from
+# export_seq, the plan places the rows as import_seq does (dropping what the sequence held).
 def _seq_specs(cache, config: dict, seq: int, prefix: str = "") -> Tuple[dict, List[_Spec]]:
     """The config record and tensors of sequence ``seq`` (``config`` from ``_causal_config``)."""
-    table = cache.cells.cells
-    cells = np.asarray(cache.cells.seq_cells(seq), dtype=np.int64)
-    pos = table["pos"][cells].astype(np.int64)
-    order = np.lexsort((cells, pos))
-    cells, positions = cells[order], np.ascontiguousarray(pos[order], dtype="<i4")
     config["seq"] = seq
-    k = len(cells)
-    specs = [_Spec(prefix + "positions", "I32", (k,), lambda: positions)]
-    with _on_device(cache):
-        idx = _device_index(cache, cells) if k else None
-    specs += _layer_specs(cache, prefix, k, idx)
-    return config, specs
+    part = snapshot.export_seq(cache, seq).parts[0]
+    return config, snapshot._part_specs(part, prefix)
 
 
 class _SeqPlan(_Plan):
@@ -545,73 +429,27 @@ class _SeqPlan(_Plan):
         self.k = k
 
     def check_values(self, state: _State, where: str) -> None:
-        cache, k, seq = self.cache, self.k, self.seq
-        pos = state.tensor(self.prefix + "positions")
-        if k:
-            if pos.min() < 0 or pos.max() >= _POS_LIMIT:
-                raise state.fail(f"positions hold {int(pos.min())}..{int(pos.max())}, outside "
-                                 f"[0, {_POS_LIMIT}){where}")
-            if k > 1 and (np.diff(pos.astype(np.int64)) < 0).any():
-                raise state.fail(f"positions are not in ascending order{where}")
-        table = cache.cells.copy()
-        seqs = table.cells["seqs"].reshape(len(table.cells), -1)
-        free_before = ~seqs.any(axis=1)
-        table.seq_rm(seq, 0, None)
-        seqs = table.cells["seqs"].reshape(len(table.cells), -1)
-        free_after = ~seqs.any(axis=1)
-        room = int(free_after.sum())
-        if k > room:
-            raise state.fail(f"the sequence needs {k} cells but only {room} are free in the "
-                             f"cache (counting those sequence {seq} holds alone){where}")
-        slots = None
-        if k:
-            # Prefer cells that were free before, so no data the cache still refers to is
-            # overwritten; fall back to the cells freed by dropping the old sequence.
-            start = int(cache.cells.find_contiguous(k))
-            if start < 0 or not free_before[start:start + k].all():
-                start = int(table.find_contiguous(k))
-            if start >= 0:
-                slots = np.arange(start, start + k, dtype=np.int32)
-            else:
-                found = table.find_scatter(k)
-                if found is None or len(found) != k:  # cannot happen: room was counted
-                    raise state.fail(f"no {k} free cells for the sequence{where}")
-                slots = np.asarray(found, dtype=np.int32)
-            # row i of the file (position pos[i]) goes to cell slots[i]
-            table.apply_batch(slots, np.array(pos, dtype=np.int32),
-                              np.full(k, seq, dtype=np.int32))
-            self.reused = slots[~free_before[slots]]
-        self.slots = slots
-        self.table = table
+        """The saved rows as a ``SnapshotPart`` and its placement, checked."""
+        cfg, p = self.cache.config, self.prefix
+        try:
+            part = snapshot.SnapshotPart(
+                positions=state.tensor(p + "positions"),
+                keys=[snapshot._native(state.tensor(f"{p}k.{l}"), cfg.k_dtype)
+                      for l in range(cfg.n_stored_layers)],
+                values=[snapshot._native(state.tensor(f"{p}v.{l}"), cfg.v_dtype)
+                        for l in range(cfg.n_stored_layers)],
+                k_format=cfg.k_dtype, v_format=cfg.v_dtype)
+            self.placement = snapshot._placement(self.cache, self.seq, part, replace=True)
+        except (ValueError, KVCacheFullError) as exc:
+            raise state.fail(f"{exc}{where}") from None
 
     def commit(self, state: _State, bar) -> None:
-        with _on_device(self.cache):
-            self._commit(state, bar)
+        self.placement.commit()
+        if bar is not None:
+            bar.update(self.placement.part.nbytes)
 
-    def _commit(self, state: _State, bar) -> None:
-        cache, p = self.cache, self.prefix
-        if self.k:
-            idx = _device_index(cache, self.slots.astype(np.int64))
-            if len(self.reused):
-                ridx = _device_index(cache, self.reused.astype(np.int64))
-                rows = []
-                for layer in range(cache.config.n_stored_layers):
-                    rows.append((cache.storage.keys[layer][ridx].copy(),
-                                 _v_rows(cache, layer, ridx).copy()))
-                self.backup = (ridx, rows)
-            try:
-                for layer in range(cache.config.n_stored_layers):
-                    k = state.tensor(f"{p}k.{layer}")
-                    v = state.tensor(f"{p}v.{layer}")
-                    _write_rows(cache, layer, idx, _to_device(cache, k), _to_device(cache, v))
-                    if bar is not None:
-                        bar.update(k.nbytes + v.nbytes)
-                synchronize(cache.device)
-            except BaseException:
-                self.rollback()
-                raise
-        cache.cells = self.table
-        cache._forward = None
+    def rollback(self) -> None:
+        self.placement.rollback()
 
 
 # ============================================================ one sequence (end)
@@ -1209,6 +1047,9 @@ _STATE_IO = {"causal": (save_cache, cache_to_bytes, load_cache, cache_from_bytes
              "wrapper": (save, to_bytes, load_wrapper, wrapper_from_bytes)}
 
 
+PathLike = Union[str, "os.PathLike[str]"]   # a file path
+
+
 class StateMethods:
     """``save_state`` / ``load_state`` / ``state_bytes`` / ``load_state_bytes``, written once for
     the caches that hold sequences (``CausalCache``, ``StreamCache``, ``WrapperCache``). A class
@@ -1220,7 +1061,8 @@ class StateMethods:
     def _after_state_load(self) -> None:
         """What a state load ends (the forward pass in progress); nothing by default."""
 
-    def save_state(self, path, seq: Optional[int] = None, *, tokens=None,
+    def save_state(self, path: "PathLike", seq: Optional[int] = None, *,
+                   tokens: Optional[Sequence[int]] = None,
                    metadata: Optional[Mapping[str, str]] = None,
                    progress: Optional[bool] = None) -> None:
         """Save the whole cache (``seq=None``; every stream / group cache) or one sequence to the
@@ -1230,14 +1072,14 @@ class StateMethods:
         _STATE_IO[self._STATE_IO][0](self, path, seq, tokens=tokens, metadata=metadata,
                                      progress=progress)
 
-    def state_bytes(self, seq: Optional[int] = None, *, tokens=None,
+    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[Sequence[int]] = None,
                     metadata: Optional[Mapping[str, str]] = None,
                     progress: Optional[bool] = None) -> bytes:
         """What ``save_state`` writes, as bytes."""
         return _STATE_IO[self._STATE_IO][1](self, seq, tokens=tokens, metadata=metadata,
                                             progress=progress)
 
-    def load_state(self, path, seq: Optional[int] = None, *, strict: bool = True,
+    def load_state(self, path: "PathLike", seq: Optional[int] = None, *, strict: bool = True,
                    progress: Optional[bool] = None) -> dict:
         """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
         (replacing what ``seq`` held), all or nothing; ends the forward pass in progress.

@@ -47,7 +47,7 @@ _MARGIN = 16
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
 SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
-            "fidelity")
+            "attend", "snapshot", "prefix", "fidelity")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -97,11 +97,15 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          "nothing useful: use --device cpu or cuda")
     s = BenchSettings(device=device, dtype=args.dtype)
     if args.quick:
-        s.layers, s.kv_heads, s.head_dim = 2, 2, 16
-        s.contexts, s.batches = [16, 64], [1, 2]
-        s.budget, s.min_reps = 0.01, 3
+        # the decode step at shapes where the comparison means something (8 layers of 8 KV
+        # heads x 128, context 1024: K/V ~130 MiB at batch 8) and enough repetitions that the
+        # ratios hold between runs; the other sections only when asked (--sections)
+        s.layers, s.kv_heads, s.head_dim = 8, 8, 128
+        s.contexts, s.batches = [1024], [1, 8]
+        s.budget, s.min_reps = 0.05, 5
+        s.sections = ["decode"]
         s.capacities, s.capacity_context, s.capacity_layers = [64, 256, 1024], 16, 2
-        s.put_tokens, s.mask_shapes = [1, 8, 64], [(2, 64), (16, 256)]
+        s.put_tokens, s.mask_shapes = [1, 64, 512], [(2, 64), (16, 256)]
         s.move_cells, s.rotate_cells, s.kernel_layers = [8, 32], [8, 32], 2
         s.copy_bytes = 1 << 20
         s.quick = True
@@ -1131,6 +1135,8 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
     if s.device != "cuda":
         out.append({"target": "GPU put/move/shift >= 85% of D2D copy; host cost per put <= 10 us",
                     "status": "not measured", "detail": "no GPU in this run"})
+    from .bench_attend import targets as attend_targets
+    out += attend_targets(results.get("attend", {}))
     cap = results.get("capacity", [])
     for batch in sorted({r["batch"] for r in cap}):
         rows = sorted((r for r in cap if r["batch"] == batch), key=lambda r: r["capacity_cells"])
@@ -1143,6 +1149,9 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                     "status": "met" if ratio <= 2 else "missed", "value": ratio,
                     "detail": f"{ratio:.2f}x ({lo['start_forward_us']:.1f} -> "
                               f"{hi['start_forward_us']:.1f} us per start_forward)"})
+    if results.get("snapshot"):
+        from . import bench_snapshot
+        out += bench_snapshot.targets(results["snapshot"])
     return out
 
 
@@ -1195,6 +1204,8 @@ def format_report(results: dict) -> str:
              f"; numpy {m['numpy']}, numba {m['numba']}, torch {m['torch'] or '-'}"
              f"{' (' + str(m.get('torch_threads')) + ' threads)' if m.get('torch') else ''}, "
              f"transformers {m['transformers'] or '-'}"]
+    from .bench_summary import headline
+    lines += headline(results)
     decode = results.get("decode", [])
     if decode:
         names = [n for n, _, _ in CONTENDERS]
@@ -1273,6 +1284,14 @@ def format_report(results: dict) -> str:
         lines += ["", format_section(results)]
     lines += format_attention(results.get("attention", []))
     lines += format_streams(results.get("streams", []))
+    from .bench_attend import format_attend
+    lines += format_attend(results.get("attend", {}))
+    if results.get("snapshot"):
+        from . import bench_snapshot
+        lines += bench_snapshot.format_lines(results["snapshot"])
+    if results.get("prefix"):
+        from .bench_prefix import format_prefix
+        lines += ["", format_prefix(results["prefix"])]
     if results.get("fidelity"):
         from .bench_fidelity import format_section as format_fidelity
         lines += ["", format_fidelity(results["fidelity"])]
@@ -1322,7 +1341,7 @@ def _what_differs(s: dict, decode: List[dict]) -> List[str]:
              "length, nothing shared or removed. HF StaticCache writes into a preallocated "
              "[B, H, max_len, D] buffer, HF DynamicCache concatenates; neither builds a mask.",
              "  The 'same work' table compares only the storage work both sides do."]
-    if s.get("quick"):
+    if s.get("quick") and max(s["contexts"]) < 1024:
         ctx = max(s["contexts"])
         lines.append(f"  --quick: tiny shapes ({s['layers']} layers, context <= {ctx}) make "
                      "numbakv's fixed per-step start_forward the whole story; real models "
@@ -1457,6 +1476,24 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "streams" in s.sections:
         log("per-sequence streams ...")
         results["streams"] = run_streams(s, dev, notes, log)
+    if "attend" in s.sections:      # numbakv/tools/bench_attend.py
+        from .bench_attend import run_attend
+
+        def decode_8x4k(dtype: str) -> dict:
+            case = attention_case(_Device("cpu"), dtype, 8, 4096, 1)
+            return {"cache": case["cache"], "q": case["q"],
+                    "fns": {"floor": case["fns"]["floor"], "attend": case["fns"]["torch"]}}
+        results["attend"] = run_attend(s, notes, log, timer=_time_alternating,
+                                       decode_case=decode_8x4k)
+    if "snapshot" in s.sections:     # numbakv/tools/bench_snapshot.py
+        from . import bench_snapshot
+        results["snapshot"] = bench_snapshot.run(
+            s.device, s.dtype, layers=s.layers, heads=s.kv_heads, dim=s.head_dim,
+            tokens=64 if s.quick else bench_snapshot.TOKENS, budget=max(s.budget * 4, 0.05),
+            min_reps=3, log=log)
+    if "prefix" in s.sections:      # numbakv/tools/bench_prefix.py (CPU figures)
+        from .bench_prefix import run_prefix
+        results["prefix"] = run_prefix(s.quick, log)
     if "fidelity" in s.sections:           # numbakv/tools/bench_fidelity.py
         log("shared_shift='copy' ...")
         from .bench_fidelity import run as run_fidelity
@@ -1765,10 +1802,14 @@ def add_parser(subparsers) -> None:
                    help="seconds of timed repetitions per measurement (default 0.5)")
     p.add_argument("--sections", default=None,
                    help=f"comma list of {', '.join(SECTIONS)} (default: the first three)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes: runs in seconds")
+    p.add_argument("--quick", action="store_true",
+                   help="the decode-step comparison at 8 layers x 8 KV heads x 128, context "
+                        "1024, batch 1 and 8: under a minute")
     p.add_argument("--full", action="store_true", help="adds context 8192, longer timing")
-    p.add_argument("--png", default="numbakv_bench.png", help="where to save the plot")
-    p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="save the plot there (nothing is written unless asked)")
+    p.add_argument("--no-plot", action="store_true",
+                   help="no plot (the default; kept for old scripts)")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--verbose", "-v", action="store_true", help="print progress")
     p.set_defaults(func=main)
@@ -1783,8 +1824,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else \
         (lambda _: None)
+    from .bench_summary import cost_note
+    print(cost_note(s), file=sys.stderr, flush=True)
     results = run_bench(s, log)
-    if not args.no_plot:
+    if args.png and not args.no_plot:
         why = save_plot(results, args.png)
         results["notes"].append(why if why else f"plot saved to {args.png}")
     print(format_report(results))

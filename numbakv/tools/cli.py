@@ -49,21 +49,6 @@ def ptx_check() -> str:
     return ("works: " if proc.returncode == 0 else "FAILS: ") + (lines[-1] if lines else "")
 
 
-def _shipped_status() -> str:
-    """Whether the compiled code shipped in the package serves this process, and why not."""
-    from numbakv import _jit
-    m = _jit.shipped_manifest()
-    if not m["entries"]:
-        return "none shipped: numba compiles on first use"
-    where = f"{len(m['entries'])} functions for {_jit.SHIPPED_CPU}, numba {m['numba']}"
-    if not m["usable"]:
-        return f"shipped ({where}) but not usable here: numba compiles for this host"
-    if m["numba"] != m["numba_here"]:
-        return f"shipped ({where}) for another numba: numba compiles for this host"
-    stale = f", {len(m['stale'])} stale" if m["stale"] else ""
-    return f"shipped, in use ({where}{stale})"
-
-
 def info(args: argparse.Namespace) -> int:
     """``numbakv info``: versions, the device ``auto`` picks, the GPU and the simulator; the PTX
     compilation check (several seconds) only with ``--ptx``. Returns 0, or 1 when ``--ptx``
@@ -85,7 +70,8 @@ def info(args: argparse.Namespace) -> int:
         rows.append(("GPU memory", f"{total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free"))
     else:
         rows.append(("GPU", "none usable"))
-    rows.append(("compiled code", _shipped_status()))
+    from numbakv.tools.info_compiled import rows as compiled_rows
+    rows += compiled_rows()
     status = 0
     if args.ptx:
         result = ptx_check()

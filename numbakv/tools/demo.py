@@ -241,6 +241,9 @@ class TinyLlama:
         xp, dtype = self.xp, cache.config.dtype
         sync = cache.device == "cuda"
         t = len(tokens)
+        # resolved before any timing: the first `import torch` takes ~1.5 s, which must not be
+        # counted as cache calls
+        torch = _attend_torch()
         x = self.embed[xp.asarray(tokens)]
         pos = xp.asarray(positions)
         for layer in range(self.config.n_layers):
@@ -250,7 +253,6 @@ class TinyLlama:
             t0 = time.perf_counter()
             cache.set_layer(layer)
             cache.put(to_storage(k, dtype, xp), to_storage(v, dtype, xp))
-            torch = _attend_torch()
             if torch is not None:
                 cache.page_table()          # the cache's part of attention (once per pass)
             else:
@@ -630,6 +632,10 @@ def _warm_up(cfg: CacheConfig, shift: RopeShift, swa_window: Optional[int]) -> f
         cache.set_layer(0)
         cache.put(to_storage(k, small.dtype, xp), to_storage(k, small.dtype, xp))
         cache.get()
+        torch = _attend_torch()     # imported here (~1.5 s), not inside the first timed step
+        if torch is not None:
+            from ..attention import attend
+            attend(torch.zeros((3, small.n_kv_heads, small.head_dim)), cache)
     cache.copy_prefix(0, 1, 2)
     cache.remove(0, 1, 2)
     cache.remove(1, 0)
@@ -1045,6 +1051,9 @@ class PictureMark:
     col_lo: float
     col_hi: float
     label: str
+    #: the runs of picture columns ``(lo, hi)`` (inclusive) the mark is drawn over: only the
+    #: cells the event touched (a shift: the shifted request's own cells, not the span between)
+    segments: Tuple[Tuple[int, int], ...] = ()
 
 
 def picture_columns(owners: np.ndarray, max_columns: int) -> Tuple[np.ndarray, int]:
@@ -1106,9 +1115,27 @@ def picture_marks(report: DemoReport, group: int) -> List[PictureMark]:
             label = "prefix reuse → " + ", ".join(f"r{r}" for r in rids)
         if len(cells) == 0:
             cells = np.arange(len(row))
-        marks.append(PictureMark(step, kind, float(cells.min() // group),
-                                 float(min(cells.max() // group, n_cols - 1)), label))
+        cols = np.unique(np.minimum(cells // group, n_cols - 1))
+        breaks = np.nonzero(np.diff(cols) > 1)[0]
+        starts = np.concatenate([[0], breaks + 1])
+        ends = np.concatenate([breaks, [len(cols) - 1]])
+        segments = tuple((int(cols[a]), int(cols[b])) for a, b in zip(starts, ends))
+        marks.append(PictureMark(step, kind, float(cols.min()), float(cols.max()), label,
+                                 segments))
     return marks
+
+
+def label_rows(steps: Sequence[float], gap: float, top: float, bottom: float) -> List[float]:
+    """Rows for labels wanted at ``steps`` (ascending) so that no two are closer than ``gap``
+    and all lie in ``[top, bottom]``: pushed down past their predecessors, then back up from
+    the bottom edge."""
+    rows: List[float] = []
+    for y in steps:
+        rows.append(max(y, top) if not rows else max(y, rows[-1] + gap))
+    for i in range(len(rows) - 1, -1, -1):
+        limit = bottom if i == len(rows) - 1 else rows[i + 1] - gap
+        rows[i] = min(rows[i], limit)
+    return rows
 
 
 def save_picture(report: DemoReport, path: str) -> Optional[str]:
@@ -1134,9 +1161,10 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
     # owner codes SHARED (-2), FREE (-1) and request ids 0.. map to colour index code + 2
     colors = [SHARED_COLOR, FREE_COLOR] + [request_color(r) for r in range(n_req)]
     plot_px = min(_PLOT_WIDTH_PX, n_cols * max(MIN_COLUMN_PX, _PLOT_WIDTH_PX // n_cols))
-    fig = Figure(figsize=((plot_px + 420) / _DPI, 7.0), dpi=_DPI)
+    width = plot_px + 600          # y labels, the cells, the event labels' column, the legend
+    fig = Figure(figsize=(width / _DPI, 7.0), dpi=_DPI)
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((90 / (plot_px + 420), 0.09, plot_px / (plot_px + 420), 0.83))
+    ax = fig.add_axes((90 / width, 0.14, plot_px / width, 0.78))
     ax.imshow(columns + 2, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors),
               vmin=-0.5, vmax=len(colors) - 0.5, origin="upper",
               extent=(-0.5, n_cols - 0.5, n_steps - 0.5, -0.5))
@@ -1155,21 +1183,23 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
               "copy_prefix": dict(linestyle=":", linewidth=2.2)}
     box = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor=EVENT_COLOR,
                linewidth=0.6, alpha=0.9)
-    for mark in picture_marks(report, group):
+    marks = sorted(picture_marks(report, group), key=lambda m: (m.step, m.kind))
+    # labels sit in a column right of the cells, one per mark, never overlapping (rows at least
+    # one label height apart), each joined to its line by a thin leader
+    axes_px = 0.78 * 7.0 * _DPI
+    gap = n_steps * 13.0 / axes_px
+    rows = label_rows([m.step - 0.5 for m in marks], gap, -0.5 + gap / 2, n_steps - 0.5 - gap / 2)
+    for mark, row in zip(marks, rows):
         y = mark.step - 0.5   # the event happened before this step's tokens were placed
-        ax.plot([mark.col_lo - 0.5, mark.col_hi + 0.5], [y, y], color=EVENT_COLOR,
-                **styles[mark.kind])
-        # labels stay inside the axes: a reuse right of the shared cells, a defrag at the right
-        # end of its line, a shift at the left end of the cells it moved
-        if mark.kind == "copy_prefix" or (mark.kind == "shift" and mark.col_lo > 0.6 * n_cols):
-            at, ha, dx = (mark.col_hi + 0.5, "left", 3) if mark.kind == "copy_prefix" \
-                else (mark.col_hi + 0.5, "right", 0)
-        elif mark.kind == "defrag":
-            at, ha, dx = mark.col_hi + 0.5, "right", -2
-        else:
-            at, ha, dx = mark.col_lo - 0.5, "left", 2
-        ax.annotate(mark.label, (at, y), xytext=(dx, 2), textcoords="offset points", ha=ha,
-                    va="bottom", fontsize=7.5, bbox=box)
+        for lo, hi in mark.segments or ((int(mark.col_lo), int(mark.col_hi)),):
+            ax.plot([lo - 0.5, hi + 0.5], [y, y], color=EVENT_COLOR, solid_capstyle="butt",
+                    **styles[mark.kind])
+        ax.plot([mark.col_hi + 0.5, n_cols - 0.5], [y, y], color="#888888", linewidth=0.5,
+                linestyle=":")
+        ax.annotate(mark.label, (n_cols - 0.5, y), xytext=(n_cols + 0.03 * n_cols, row),
+                    textcoords="data", ha="left", va="center", fontsize=7.5, bbox=box,
+                    annotation_clip=False,
+                    arrowprops=dict(arrowstyle="-", color="#888888", linewidth=0.5))
     ax.set_xlim(-0.5, n_cols - 0.5)
     ax.set_ylim(n_steps - 0.5, -0.5)
     handles = [Patch(facecolor=FREE_COLOR, edgecolor="#999999", label="free"),
@@ -1179,7 +1209,15 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
     handles += [Line2D([], [], color=EVENT_COLOR, label=EVENT_LABELS[k], **st)
                 for k, st in styles.items()]
     fig.legend(handles=handles, loc="upper left", fontsize=8, frameon=False,
-               bbox_to_anchor=((plot_px + 110) / (plot_px + 420), 0.92))
+               bbox_to_anchor=((plot_px + 300) / width, 0.92))
+    fig.text(90 / width, 0.015,
+             "Each row is one step: one forward pass of the model over a packed batch (new "
+             "requests' prompt chunks and one decode token of every running request).\n"
+             "Light grey is free cells: a light-grey band opening across a request's cells "
+             "is where that request finished (its cells freed) or a context shift discarded "
+             "its oldest tokens.\nEvent lines run over the cells the event touched: a context "
+             "shift over the shifted request's own cells, a prefix reuse over the shared "
+             "prompt, a defrag over the whole cache.", fontsize=8, va="bottom", ha="left")
     fig.savefig(path)
     return str(path)
 
@@ -1210,6 +1248,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", default="numbakv_demo.png", metavar="PATH",
                    help="where to save the occupancy picture (default numbakv_demo.png)")
     p.add_argument("--no-plot", action="store_true", help="do not save the picture")
+    p.add_argument("--prefix-store", action="store_true",
+                   help="also run the prefix-store segment: users' multi-turn chats through "
+                        "PromptCache(store=PrefixStore), tokens reused per tier vs computed")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no terminal picture; only the table")
     p.set_defaults(func=main)
@@ -1231,6 +1272,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"numbakv demo: {exc}", file=sys.stderr)
         return 2
     print(report.table())
+    if getattr(args, "prefix_store", False):
+        from .demo_prefix import format_prefix_demo, run_prefix_demo
+        try:
+            segment = run_prefix_demo(seed=args.seed)
+        except AssertionError as exc:
+            print(f"numbakv demo: VERIFICATION FAILED (prefix store): {exc}", file=sys.stderr)
+            return 1
+        print()
+        print(format_prefix_demo(segment))
     if not report.plot_path and not args.quiet:
         print()
         print(report.terminal_picture())

@@ -1,0 +1,1048 @@
+"""One sequence's K/V as a unit: :class:`SeqSnapshot`, ``export_seq`` and ``import_seq``.
+
+What prefix tiers, transfers between processes and state files move is the same thing: the K/V
+rows of a range of one sequence's positions, with those positions and the model fingerprint.
+
+- ``snap = export_seq(cache, seq, p0=0, p1=None, *, device=False)`` reads positions
+  ``[p0, p1)`` of ``seq``: the raw stored rows of every layer in the cache's storage format
+  (float16 / bfloat16 bit patterns / float32, or the uint8 blocks of q8_0 / q4_0 / float8_e4m3:
+  nothing is converted, a round trip is bit-exact), V always in the row layout ``[n, heads,
+  v_row]`` whatever the storage's (permuted V is read transposed). Pending key rotations are
+  applied first so the keys match the positions saved beside them. Where a layer's rows are a
+  run of consecutive cells the arrays are **zero-copy, read-only views of the cache** (valid
+  until the cache next writes those cells: ``snap.copy()`` owns its rows); otherwise one
+  gather per layer copies them. On a GPU the rows come to the host through pinned buffers on
+  the cache's stream, or stay device arrays with ``device=True``.
+- ``import_seq(cache, seq, snap, *, at=None)`` checks everything first (fingerprint, layer count,
+  head shapes and range, formats, positions ``seq`` already holds, room), then places the
+  tokens in free cells (a contiguous run when there is one, else scattered cells), writes
+  every layer's rows with one batched copy per layer and, with ``at``, moves the positions to
+  start at ``at`` and re-rotates the keys through the cache's shift. A refusal changes
+  nothing; a failure after the first write takes every change back (the cells it filled were
+  free, so no sequence's data is lost). It ends the forward pass in progress, as the other
+  sequence operations do.
+
+``SeqSnapshot.to_bytes`` / ``from_bytes`` use the state file codec (``numbakv.state``, kind
+``seq-snapshot``: tensors ``g<i>.positions``, ``g<i>.k.<l>``, ``g<i>.v.<l>`` per part; the head
+range, the formats and the fingerprint in ``config``). ``from_bytes`` also reads a
+``causal-seq`` / ``wrapper-seq`` state (what ``state_bytes(seq=...)`` writes).
+
+This module is the one friend of the caches' internals (cell tables, storage arrays); the
+caches' ``export_seq`` / ``import_seq`` methods delegate here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..config import KV_TYPES, QUANT_TYPES, STORAGE_DTYPES, RopeShift, row_bytes
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
+from . import codec as _st
+
+#: ``kind`` of a serialized snapshot in the state codec
+KIND = "seq-snapshot"
+#: largest valid position + 1 (Ollama's math.MaxInt32 means "no position")
+_POS_LIMIT = 2**31 - 1
+_SEQ_KINDS = (KIND, "causal-seq", "wrapper-seq")
+
+
+# ====================================================================================== model
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_device_array(x) -> bool:
+    return type(x) is not np.ndarray and type(x).__module__.split(".")[0] == "cupy"
+
+
+def _row_dtype(fmt: str) -> np.dtype:
+    """The numpy dtype rows of storage format ``fmt`` are held in (uint8 blocks when
+    quantized, uint16 bit patterns for bfloat16)."""
+    return np.dtype(np.uint8) if fmt in QUANT_TYPES else STORAGE_DTYPES[fmt]
+
+
+def _safetensors_dtype(fmt: str) -> str:
+    return "U8" if fmt in QUANT_TYPES else _st._STORAGE_ST[fmt]
+
+
+def _check_rows(arrays, name: str, fmt: str) -> Tuple[Any, ...]:
+    if isinstance(arrays, (np.ndarray, str, bytes)) or not hasattr(arrays, "__len__"):
+        raise ValueError(f"{name} must be a list with one array per layer, got "
+                         f"{type(arrays).__name__}")
+    arrays = tuple(arrays)
+    if not arrays:
+        raise ValueError(f"{name} must hold at least one layer")
+    want = _row_dtype(fmt)
+    shape0 = getattr(arrays[0], "shape", None)
+    if all(type(a) is np.ndarray and a.dtype == want and a.ndim == 3 and a.shape == shape0
+           for a in arrays):
+        return arrays      # the common case, checked at once
+    for i, a in enumerate(arrays):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"{name}[{i}] must be a numpy or CuPy array, got {type(a).__name__}")
+        if len(a.shape) != 3:
+            raise ValueError(f"{name}[{i}] must be [n, n_heads, row], got shape {tuple(a.shape)}")
+        if np.dtype(a.dtype) != want:
+            raise ValueError(f"{name}[{i}] must have dtype {want} (format {fmt!r}), got "
+                             f"{a.dtype}")
+        if tuple(a.shape) != tuple(arrays[0].shape):
+            raise ValueError(f"{name}[{i}] has shape {tuple(a.shape)}, {name}[0] "
+                             f"{tuple(arrays[0].shape)}: every layer must agree")
+    return arrays
+
+
+@dataclass(frozen=True, eq=False)
+class SnapshotPart:
+    """The rows of one cache group (the only one of a CausalCache / StreamCache, one per group
+    of a WrapperCache).
+
+    Attributes:
+        positions: int32 ``[n]``, strictly ascending, each in ``[0, 2**31 - 1)``.
+        keys: one array per layer of the group, ``[n, n_heads_held, k_row]`` in the stored
+            format (``k_row``: ``head_dim`` for float formats, the block bytes of a quantized
+            row otherwise).
+        values: likewise ``[n, n_heads_held, v_row]``: never permuted here.
+        k_format, v_format: the stored formats (``"float16"``, ``"bfloat16"`` (uint16 bit
+            patterns), ``"float32"``, ``"q8_0"``, ``"q4_0"``, ``"float8_e4m3"``: uint8).
+
+    The constructor validates what it is given (shapes, dtypes, positions) and raises
+    ``ValueError``; arrays are kept as given (numpy or CuPy, views allowed).
+    """
+
+    positions: np.ndarray
+    keys: Tuple[Any, ...]
+    values: Tuple[Any, ...]
+    k_format: str
+    v_format: str
+
+    def __post_init__(self) -> None:
+        for name in ("k_format", "v_format"):
+            fmt = getattr(self, name)
+            if not isinstance(fmt, str) or fmt not in KV_TYPES:
+                raise ValueError(f"{name} must be one of {sorted(KV_TYPES)}, got {fmt!r}")
+        pos = self.positions
+        if _is_device_array(pos):
+            pos = pos.get()
+        pos = np.asarray(pos)
+        if pos.ndim != 1 or (pos.size and pos.dtype.kind not in "iu"):
+            raise ValueError(f"positions must be a 1-D integer array, got shape {pos.shape} "
+                             f"dtype {pos.dtype}")
+        if pos.size:
+            if int(pos.min()) < 0 or int(pos.max()) >= _POS_LIMIT:
+                raise ValueError(f"positions hold {int(pos.min())}..{int(pos.max())}, outside "
+                                 f"[0, {_POS_LIMIT})")
+            if pos.size > 1 and not (np.diff(pos.astype(np.int64)) > 0).all():
+                raise ValueError("positions must be strictly ascending")
+        pos = np.ascontiguousarray(pos, dtype=np.int32)
+        keys = _check_rows(self.keys, "keys", self.k_format)
+        values = _check_rows(self.values, "values", self.v_format)
+        if len(keys) != len(values):
+            raise ValueError(f"keys and values must have one array per layer each, got "
+                             f"{len(keys)} and {len(values)}")
+        n, heads = keys[0].shape[0], keys[0].shape[1]
+        if n != len(pos) or values[0].shape[0] != n:
+            raise ValueError(f"keys and values must have one row per position ({len(pos)}), "
+                             f"got {n} and {values[0].shape[0]}")
+        if values[0].shape[1] != heads:
+            raise ValueError(f"keys and values must hold the same heads, got {heads} and "
+                             f"{values[0].shape[1]}")
+        object.__setattr__(self, "positions", pos)
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "values", values)
+
+    @property
+    def n_layers(self) -> int:
+        """Layers of the group this part holds rows for."""
+        return len(self.keys)
+
+    @property
+    def n_heads(self) -> int:
+        """KV heads the rows hold."""
+        return int(self.keys[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V rows this part holds (stored format)."""
+        return sum(int(a.nbytes) for a in self.keys) + sum(int(a.nbytes) for a in self.values)
+
+    def _heads(self, a: int, b: int) -> "SnapshotPart":
+        return SnapshotPart(positions=self.positions, keys=[k[:, a:b] for k in self.keys],
+                            values=[v[:, a:b] for v in self.values], k_format=self.k_format,
+                            v_format=self.v_format)
+
+    def _copy(self) -> "SnapshotPart":
+        def own(a):
+            return a.copy() if _is_device_array(a) else np.array(a, copy=True, order="C")
+        return SnapshotPart(positions=self.positions.copy(), keys=[own(k) for k in self.keys],
+                            values=[own(v) for v in self.values], k_format=self.k_format,
+                            v_format=self.v_format)
+
+
+@dataclass(frozen=True, eq=False)
+class SeqSnapshot:
+    """One sequence's positions and raw K/V rows, self-describing (see the module docstring).
+
+    Attributes:
+        parts: one :class:`SnapshotPart` per cache group (one for a CausalCache / StreamCache,
+            one per group of a WrapperCache, in group order; a sliding-window group holds only
+            the positions its cells still keep).
+        fingerprint: the model fingerprint state files record
+            (:func:`numbakv.state.fingerprint`); a WrapperCache's is ``{"groups": [one per
+            group]}``.
+        head_range: ``(first, stop)``: the KV heads the rows hold.
+    """
+
+    parts: Tuple[SnapshotPart, ...]
+    fingerprint: Dict[str, Any]
+    head_range: Tuple[int, int]
+
+    def __post_init__(self) -> None:
+        parts = self.parts
+        if isinstance(parts, SnapshotPart):
+            parts = (parts,)
+        if not hasattr(parts, "__len__") or not len(parts) \
+                or not all(isinstance(p, SnapshotPart) for p in parts):
+            raise ValueError("parts must be a non-empty sequence of SnapshotPart")
+        if not isinstance(self.fingerprint, dict):
+            raise ValueError(f"fingerprint must be a dict, got {type(self.fingerprint).__name__}")
+        hr = self.head_range
+        if not (isinstance(hr, (tuple, list)) and len(hr) == 2 and all(_is_int(h) for h in hr)
+                and 0 <= hr[0] < hr[1]):
+            raise ValueError(f"head_range must be (first, stop) with 0 <= first < stop, got "
+                             f"{hr!r}")
+        hr = (int(hr[0]), int(hr[1]))
+        for i, p in enumerate(parts):
+            if p.n_heads != hr[1] - hr[0]:
+                raise ValueError(f"parts[{i}] holds {p.n_heads} heads, head_range {hr} says "
+                                 f"{hr[1] - hr[0]}")
+        object.__setattr__(self, "parts", tuple(parts))
+        object.__setattr__(self, "head_range", hr)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int32 ``[n]``: the first part's positions."""
+        return self.parts[0].positions
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V rows held (stored format)."""
+        return sum(p.nbytes for p in self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts[0].positions)
+
+    def __repr__(self) -> str:
+        pos = self.positions
+        span = f"{int(pos[0])}..{int(pos[-1])}" if len(pos) else "empty"
+        return (f"SeqSnapshot({len(self.parts)} part(s), positions {span} ({len(pos)}), heads "
+                f"{self.head_range}, {self.nbytes} bytes)")
+
+    def copy(self) -> "SeqSnapshot":
+        """A snapshot owning its rows (an exported snapshot may view the cache's storage)."""
+        return SeqSnapshot(parts=tuple(p._copy() for p in self.parts),
+                           fingerprint=json.loads(json.dumps(self.fingerprint)),
+                           head_range=self.head_range)
+
+    def select_heads(self, first: int, stop: int) -> "SeqSnapshot":
+        """Views of KV heads ``[first, stop)`` (absolute head indices inside ``head_range``)."""
+        h0, h1 = self.head_range
+        if not (_is_int(first) and _is_int(stop) and h0 <= first < stop <= h1):
+            raise ValueError(f"first, stop must be integers with {h0} <= first < stop <= {h1} "
+                             f"(the snapshot's head_range), got {first!r}, {stop!r}")
+        a, b = int(first) - h0, int(stop) - h0
+        return SeqSnapshot(parts=tuple(p._heads(a, b) for p in self.parts),
+                           fingerprint=self.fingerprint, head_range=(int(first), int(stop)))
+
+    @staticmethod
+    def concat_heads(snaps: Sequence["SeqSnapshot"]) -> "SeqSnapshot":
+        """Join snapshots of adjacent head ranges (any order) of the same positions, formats
+        and fingerprint into one (resharding: two ranks' halves into one cache)."""
+        snaps = list(snaps) if hasattr(snaps, "__iter__") else snaps
+        if not isinstance(snaps, list) or not snaps or \
+                not all(isinstance(s, SeqSnapshot) for s in snaps):
+            raise ValueError("snaps must be a non-empty sequence of SeqSnapshot")
+        snaps = sorted(snaps, key=lambda s: s.head_range)
+        first = snaps[0]
+        for prev, s in zip(snaps, snaps[1:]):
+            if s.head_range[0] != prev.head_range[1]:
+                raise ValueError(f"head ranges must be adjacent, got {prev.head_range} then "
+                                 f"{s.head_range}")
+        for s in snaps[1:]:
+            diff = _fingerprint_diff(s.fingerprint, first.fingerprint)
+            if diff is not None:
+                raise ValueError(f"fingerprints differ: {diff[0]} is {diff[1]!r} and "
+                                 f"{diff[2]!r}")
+            if len(s.parts) != len(first.parts):
+                raise ValueError("snapshots must have the same number of parts")
+            for g, (p, q) in enumerate(zip(first.parts, s.parts)):
+                if not np.array_equal(p.positions, q.positions):
+                    raise ValueError(f"part {g}: snapshots must hold the same positions")
+                if (p.k_format, p.v_format, p.n_layers) != (q.k_format, q.v_format, q.n_layers):
+                    raise ValueError(f"part {g}: formats or layer counts differ")
+        parts = []
+        for g, p in enumerate(first.parts):
+            mods = [s.parts[g] for s in snaps]
+            xp = _xp_of(p.keys[0])
+            keys = [xp.concatenate([m.keys[l] for m in mods], axis=1) for l in range(p.n_layers)]
+            values = [xp.concatenate([m.values[l] for m in mods], axis=1)
+                      for l in range(p.n_layers)]
+            parts.append(SnapshotPart(positions=p.positions, keys=keys, values=values,
+                                      k_format=p.k_format, v_format=p.v_format))
+        return SeqSnapshot(parts=tuple(parts), fingerprint=first.fingerprint,
+                           head_range=(first.head_range[0], snaps[-1].head_range[1]))
+
+    # ---------------------------------------------------------------- bytes
+    def to_bytes(self) -> bytes:
+        """The snapshot in the state codec (safetensors with a checksum; kind
+        ``seq-snapshot``)."""
+        config = {"head_range": list(self.head_range), "fingerprint": self.fingerprint,
+                  "parts": [{"k_format": p.k_format, "v_format": p.v_format,
+                             "n_layers": p.n_layers} for p in self.parts]}
+        try:
+            json.dumps(config)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"fingerprint must be JSON-able: {exc}") from None
+
+        def build():
+            specs: List[_st._Spec] = []
+            for g, p in enumerate(self.parts):
+                specs += _part_specs(p, f"g{g}.")
+            return _st._base_metadata(KIND, config, None), specs
+        return _st._to_bytes(build, False)
+
+    @staticmethod
+    def from_bytes(data: "Union[bytes, bytearray, memoryview]") -> "SeqSnapshot":
+        """A snapshot from ``to_bytes`` output (or a ``causal-seq`` / ``wrapper-seq`` state).
+        The rows are read-only views of ``data`` when it is ``bytes``. Anything that does not
+        parse as one raises ``StateError``."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"data must be bytes-like, got {type(data).__name__}")
+        with _st._Opened(data) as state, _st._untrusted(state.what):
+            return _snapshot_of_state(state)
+
+
+def _xp_of(a):
+    if _is_device_array(a):
+        import cupy
+        return cupy
+    return np
+
+
+def _part_specs(part: SnapshotPart, prefix: str) -> List["_st._Spec"]:
+    """State codec tensors of one part: ``positions``, ``k.<l>``, ``v.<l>``."""
+    n = len(part.positions)
+    specs = [_st._Spec(prefix + "positions", "I32", (n,),
+                       lambda: np.ascontiguousarray(part.positions, dtype="<i4"))]
+    for which, fmt, rows in (("k", part.k_format, part.keys), ("v", part.v_format, part.values)):
+        sd = _safetensors_dtype(fmt)
+        le = _st._ST_DTYPES[sd]
+        for layer, arr in enumerate(rows):
+            specs.append(_st._Spec(f"{prefix}{which}.{layer}", sd, tuple(int(d) for d in arr.shape),
+                                   lambda arr=arr, le=le: _st._host_le(arr, le)))
+    # k.0, v.0, k.1, ...: the order state files use
+    head, rest = specs[:1], specs[1:]
+    L = part.n_layers
+    return head + [s for pair in zip(rest[:L], rest[L:]) for s in pair]
+
+
+def _snapshot_of_state(state) -> SeqSnapshot:
+    """Check a parsed state holding one sequence and build the snapshot (views of its bytes)."""
+    if state.kind not in _SEQ_KINDS:
+        raise state.fail(f"the state holds a {state.kind!r} cache, not one sequence (kind "
+                         f"{KIND!r}, 'causal-seq' or 'wrapper-seq')")
+    config = state.config
+    if state.kind == KIND:
+        parts_cfg = config.get("parts")
+        if not isinstance(parts_cfg, list) or not parts_cfg or \
+                not all(isinstance(p, dict) for p in parts_cfg):
+            raise state.fail("config field 'parts' must be a non-empty list of objects")
+        hr = config.get("head_range")
+        if not (isinstance(hr, list) and len(hr) == 2 and all(_st._is_int(h) for h in hr)
+                and 0 <= hr[0] < hr[1]):
+            raise state.fail(f"config field 'head_range' must be [first, stop], got {hr!r}")
+        fp = config.get("fingerprint")
+        if not isinstance(fp, dict):
+            raise state.fail("config field 'fingerprint' must be an object")
+        formats = []
+        for g, p in enumerate(parts_cfg):
+            kf, vf, L = p.get("k_format"), p.get("v_format"), p.get("n_layers")
+            if kf not in KV_TYPES or vf not in KV_TYPES:
+                raise state.fail(f"part {g}: formats {kf!r}, {vf!r} are not storage formats")
+            if not _st._is_int(L) or L < 1:
+                raise state.fail(f"part {g}: n_layers must be an integer >= 1, got {L!r}")
+            formats.append((kf, vf, L))
+        prefixes = [f"g{g}." for g in range(len(parts_cfg))]
+        head_range = (hr[0], hr[1])
+    else:
+        groups = config.get("groups") if state.kind == "wrapper-seq" else [config]
+        if not isinstance(groups, list) or not groups or \
+                not all(isinstance(g, dict) for g in groups):
+            raise state.fail("config field 'groups' must be a non-empty list of objects")
+        formats, fps, heads = [], [], None
+        for g, c in enumerate(groups):
+            where = f" (group {g})" if state.kind == "wrapper-seq" else ""
+            L = _st._cfg_int(state, c, "n_layers", where=where)
+            H = _st._cfg_int(state, c, "n_kv_heads", where=where)
+            dtype = c.get("dtype")
+            if dtype not in STORAGE_DTYPES:
+                raise state.fail(f"config{where} dtype {dtype!r} is not a storage dtype")
+            kf, vf = c.get("k_dtype", dtype), c.get("v_dtype", dtype)
+            if kf not in KV_TYPES or vf not in KV_TYPES:
+                raise state.fail(f"config{where}: formats {kf!r}, {vf!r} are not storage formats")
+            if L < 1 or H < 1 or (heads is not None and H != heads):
+                raise state.fail(f"config{where}: n_layers {L} / n_kv_heads {H} do not fit")
+            heads = H
+            formats.append((kf, vf, L))
+            fp = c.get("fingerprint", {})
+            fps.append(fp if isinstance(fp, dict) else {})
+        prefixes = ["g%d." % g for g in range(len(groups))] if state.kind == "wrapper-seq" \
+            else [""]
+        fp = {"groups": fps} if state.kind == "wrapper-seq" else fps[0]
+        head_range = (0, heads)
+    expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    for prefix, (kf, vf, L) in zip(prefixes, formats):
+        t = state.tensors.get(prefix + "positions")
+        if t is None or t.dtype != "I32" or len(t.shape) != 1:
+            raise state.fail(f"tensor {prefix}positions must be there, I32 [n]")
+        n = t.shape[0]
+        expected[prefix + "positions"] = ("I32", (n,))
+        for layer in range(L):
+            for which, fmt in (("k", kf), ("v", vf)):
+                name = f"{prefix}{which}.{layer}"
+                t = state.tensors.get(name)
+                if t is None:
+                    raise state.fail(f"tensor {name} missing")
+                shape = tuple(t.shape)
+                if len(shape) != 3 or shape[0] != n or shape[1] != head_range[1] - head_range[0]:
+                    raise state.fail(f"tensor {name} has shape {list(shape)}, expected "
+                                     f"[{n}, {head_range[1] - head_range[0]}, row]")
+                if fmt in QUANT_TYPES and shape[2] % QUANT_TYPES[fmt][1]:
+                    raise state.fail(f"tensor {name}: {shape[2]} bytes is not whole {fmt} blocks")
+                expected[name] = (_safetensors_dtype(fmt), shape)
+    state.expect(expected, optional=("tokens",))
+    state.verify_checksum()
+    parts = []
+    for g, (prefix, (kf, vf, L)) in enumerate(zip(prefixes, formats)):
+        try:
+            parts.append(SnapshotPart(
+                positions=state.tensor(prefix + "positions"),
+                keys=[_native(state.tensor(f"{prefix}k.{l}"), kf) for l in range(L)],
+                values=[_native(state.tensor(f"{prefix}v.{l}"), vf) for l in range(L)],
+                k_format=kf, v_format=vf))
+        except ValueError as exc:
+            raise state.fail(f"part {g}: {exc}") from None
+    try:
+        return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range)
+    except ValueError as exc:
+        raise state.fail(str(exc)) from None
+
+
+def _native(arr: np.ndarray, fmt: str) -> np.ndarray:
+    """A little-endian codec array as the format's native dtype (a view on little-endian
+    hosts)."""
+    want = _row_dtype(fmt)
+    return arr if arr.dtype == want else arr.astype(want)
+
+
+# ====================================================================================== model fingerprint
+# (what state files record and snapshots carry; files.py imports these)
+#: CacheConfig fields that describe how K/V are stored; those the config has are fingerprinted
+#: (``k_dtype``/``v_dtype``/``k_scale``/``v_scale``: quantized storage, where present)
+_FINGERPRINT_CONFIG_FIELDS = ("dtype", "k_dtype", "v_dtype", "k_scale", "v_scale",
+                              "n_layers", "n_kv_heads", "head_dim", "v_head_dim")
+
+
+def fingerprint(cache) -> Dict[str, Any]:
+    """The model fingerprint of a ``CausalCache``: named, JSON-able fields that must agree for a
+    saved state to mean the same thing in another cache. ``shift``: ``{"type": "none"}``,
+    ``{"type": "rope", "base", "freq_scale", "dim" (rotary dims), "neox" (pairing),
+    "freq_factors"}`` or ``{"type": "callable", "name"}``; ``swa_window``, ``swa_memory``,
+    ``chunk_size`` (None when off); then the storage fields of the config (dtypes, head
+    shapes). A new field is one more entry here; states saved before it was added then need
+    ``strict=False``."""
+    cfg = cache.config
+    fields: Dict[str, Any] = {"shift": _shift_fingerprint(getattr(cache, "shift", None),
+                                                          cfg.head_dim),
+                              "swa_window": cache.swa_window, "swa_memory": cache.swa_memory,
+                              "chunk_size": cache.chunk_size}
+    for name in _FINGERPRINT_CONFIG_FIELDS:
+        if hasattr(cfg, name):
+            fields[name] = _json_value(getattr(cfg, name))
+    # a head-sharded cache holds only some KV heads: its rows load only into the same head range
+    # (recorded only when sharded, so states of unsharded caches keep their fingerprint)
+    if getattr(cfg, "head_shard", None) is not None:
+        fields["head_range"] = [int(h) for h in cfg.head_range]
+    if getattr(cfg, "layer_reuse", None) is not None:   # absent otherwise: older states match
+        fields["layer_reuse"] = list(cfg.layer_reuse)
+    return fields
+
+
+def _json_value(x):
+    """Config values as JSON keeps them (numpy scalars and dtypes to plain values)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(getattr(x, "name", x))
+
+
+def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
+    if shift is None:
+        return {"type": "none"}
+    if hasattr(shift, "inv_freq") and hasattr(shift, "rotary_dim"):  # a RopeShift
+        factors = shift.freq_factors
+        return {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
+                "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
+                "freq_factors": None if factors is None else [float(f) for f in factors]}
+    name = getattr(shift, "__qualname__", None) or type(shift).__qualname__
+    module = getattr(shift, "__module__", None) or type(shift).__module__
+    return {"type": "callable", "name": f"{module}.{name}"}
+
+
+def _fingerprint_diff(saved: Any, current: Any, path: str = "") -> Optional[Tuple[str, Any, Any]]:
+    """The first field (dotted path) where the saved fingerprint differs from the cache's."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        # the cache's field order (the shift's type first), then fields only the state has
+        for key in list(current) + [k for k in saved if k not in current]:
+            diff = _fingerprint_diff(saved.get(key, _MISSING), current.get(key, _MISSING),
+                                     f"{path}.{key}" if path else str(key))
+            if diff is not None:
+                return diff
+        return None
+    if saved is _MISSING or current is _MISSING or type(saved) is not type(current) \
+            and not (_is_number(saved) and _is_number(current)) or saved != current:
+        return path, saved, current
+    return None
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(not recorded)"
+
+
+_MISSING = _Missing()
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+
+# ====================================================================================== caches
+def _head_range(cache) -> Tuple[int, int]:
+    cfg = cache.config
+    return tuple(getattr(cfg, "head_range", None) or (0, cfg.n_kv_heads))
+
+
+def _check_open(cache) -> None:
+    if getattr(cache, "closed", False):
+        raise KVCacheError("the cache is closed")
+
+
+def _units(cache, seq: int) -> List[Tuple[Any, int]]:
+    """``[(CausalCache with its own cell table, sequence id there)]``: one per group; a stream
+    cache's sequence lives in its own stream as sequence 0."""
+    groups = cache.caches if isinstance(getattr(cache, "caches", None), list) else [cache]
+    out = []
+    for g in groups:
+        _check_open(g)
+        streams = getattr(g, "streams", None)
+        if isinstance(streams, list):
+            out.append((streams[seq], 0))
+        else:
+            out.append((g, seq))
+    return out
+
+
+def cache_fingerprint(cache) -> Dict[str, Any]:
+    """What :attr:`SeqSnapshot.fingerprint` of ``cache`` is."""
+    if isinstance(getattr(cache, "caches", None), list):
+        return {"groups": [fingerprint(g) for g in cache.caches]}
+    return fingerprint(cache)
+
+
+def _check_seq_arg(cache, seq) -> int:
+    first = cache.caches[0] if isinstance(getattr(cache, "caches", None), list) else cache
+    n = first.config.max_seqs
+    if not _is_int(seq) or not 0 <= int(seq) < n:
+        raise ValueError(f"seq must be an integer in [0, max_seqs={n}), got {seq!r}")
+    return int(seq)
+
+
+def _check_span(p0, p1) -> Tuple[int, int]:
+    if not _is_int(p0):
+        raise ValueError(f"p0 must be an integer, got {p0!r}")
+    if p1 is not None and not _is_int(p1):
+        raise ValueError(f"p1 must be None or an integer, got {p1!r}")
+    lo = max(int(p0), 0)
+    hi = _POS_LIMIT if p1 is None or int(p1) < 0 else min(int(p1), _POS_LIMIT)
+    return lo, hi
+
+
+def _seq_rows(unit, s: int, p0: int, p1: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(cells, positions) of sequence ``s`` with ``p0 <= pos < p1``, ascending by position."""
+    table = unit.cells
+    cells = np.asarray(table.seq_cells(s), dtype=np.int64)
+    pos = table._pos[cells]
+    keep = (pos >= p0) & (pos < p1)
+    cells, pos = cells[keep], pos[keep]
+    order = np.argsort(pos, kind="stable")
+    return cells[order], np.ascontiguousarray(pos[order], dtype=np.int32)
+
+
+def _run_start(cells: np.ndarray) -> int:
+    """The first cell when ``cells`` are consecutive ascending, else -1."""
+    n = len(cells)
+    if n and int(cells[-1]) - int(cells[0]) == n - 1 and (n == 1 or (np.diff(cells) == 1).all()):
+        return int(cells[0])
+    return -1
+
+
+def _read_only(a):
+    if isinstance(a, np.ndarray):
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
+    unit.apply_pending_shifts()  # the keys must match the positions saved beside them
+    cfg = unit.config
+    storage = unit.storage
+    cells, positions = _seq_rows(unit, s, p0, p1)
+    n = len(cells)
+    start = _run_start(cells)
+    permuted = cfg.permuted_v
+    keys_out, values_out = [], []
+    on_gpu = unit.device == "cuda"
+    keys_all, values_all = storage.keys, storage.values
+    if not on_gpu:     # views handed out are read-only: a snapshot never writes the cache
+        keys_all, values_all = _read_only(keys_all), _read_only(values_all)
+    with storage._on_device():
+        idx = None
+        if start < 0 and n:
+            idx = cells if not on_gpu else storage.xp.asarray(cells)
+        for layer in range(cfg.n_stored_layers):    # owning layers only (layer_reuse)
+            k_all, v_all = keys_all[layer], values_all[layer]
+            if n == 0:
+                k = k_all[:0]
+                v = v_all[:, :, :0].transpose(2, 0, 1) if permuted else v_all[:0]
+            elif start >= 0:         # zero-copy views of a run of cells
+                k = k_all[start:start + n]
+                v = (v_all[:, :, start:start + n].transpose(2, 0, 1) if permuted
+                     else v_all[start:start + n])
+            else:                    # one gather per layer and side
+                k = k_all.take(idx, axis=0)
+                v = (v_all.take(idx, axis=2).transpose(2, 0, 1) if permuted
+                     else v_all.take(idx, axis=0))
+            keys_out.append(k)
+            values_out.append(v)
+        if on_gpu and not device:
+            keys_out, values_out = _to_host_pinned(storage, keys_out, values_out)
+    return SnapshotPart(positions=positions, keys=keys_out, values=values_out,
+                        k_format=cfg.k_dtype, v_format=cfg.v_dtype)
+
+
+def _pinned_host(nbytes: int) -> np.ndarray:
+    import cupy
+    mem = cupy.cuda.alloc_pinned_memory(max(int(nbytes), 1))
+    return np.frombuffer(mem, np.uint8, max(int(nbytes), 1))
+
+
+def _to_host_pinned(storage, keys: list, values: list) -> Tuple[list, list]:
+    """Device rows -> host arrays in one pinned allocation: each array made contiguous and
+    copied asynchronously on the storage's stream, then that stream (only) synchronised."""
+    import cupy
+    stream = storage.stream if storage.stream is not None else cupy.cuda.get_current_stream()
+    arrays = keys + values
+    total = sum(-(-int(a.nbytes) // 64) * 64 for a in arrays)
+    host = _pinned_host(total)
+    out, off, keep = [], 0, []
+    with stream:
+        for a in arrays:
+            dev = cupy.ascontiguousarray(a)
+            nbytes = int(dev.nbytes)
+            view = host[off:off + nbytes].view(dev.dtype).reshape(dev.shape)
+            if nbytes:
+                dev.data.copy_to_host_async(ctypes.c_void_p(view.ctypes.data), nbytes, stream)
+            keep.append(dev)
+            out.append(view)
+            off += -(-nbytes // 64) * 64
+    stream.synchronize()
+    del keep
+    return out[:len(keys)], out[len(keys):]
+
+
+def _to_device_pinned(storage, arrays: list) -> Tuple[list, np.ndarray]:
+    """Host rows -> device arrays through one pinned buffer, copied asynchronously on the
+    storage's stream; returns the device arrays and the pinned buffer, which must stay alive
+    until that stream has run past the copies (the caller synchronises it)."""
+    import cupy
+    stream = storage.stream if storage.stream is not None else cupy.cuda.get_current_stream()
+    # rows already in pinned memory (an export's) are copied from where they are
+    direct = [a.flags.c_contiguous and _is_pinned(a) for a in arrays]
+    total = sum(-(-int(a.nbytes) // 64) * 64 for a, d in zip(arrays, direct) if not d)
+    host = _pinned_host(total) if total else None
+    out, off = [], 0
+    with stream:
+        for a, d in zip(arrays, direct):
+            if d:
+                view = a
+            else:
+                view = host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+                view[...] = a
+                off += -(-int(a.nbytes) // 64) * 64
+            dev = cupy.empty(a.shape, dtype=a.dtype)
+            if a.nbytes:
+                dev.data.copy_from_host_async(ctypes.c_void_p(view.ctypes.data), a.nbytes,
+                                              stream)
+            out.append(dev)
+    return out, host
+
+
+def _is_pinned(a: np.ndarray) -> bool:
+    """Whether ``a``'s memory is page-locked host memory CUDA knows (asynchronous copies from
+    it need no staging)."""
+    try:
+        import cupy
+        attrs = cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data)
+        return int(getattr(attrs, "type", 0)) == 1      # cudaMemoryTypeHost
+    except Exception:  # noqa: BLE001 - no runtime, or memory CUDA does not know
+        return False
+
+
+def export_seq(cache, seq: int, p0: int = 0, p1: Optional[int] = None, *,
+               device: bool = False) -> SeqSnapshot:
+    """A :class:`SeqSnapshot` of positions ``[p0, p1)`` of ``seq`` (``p1=None``: to the end)
+    of a CausalCache, stream cache or WrapperCache; see the module docstring. ``device=True``
+    keeps the rows of a cuda cache as CuPy arrays (ignored on cpu/sim)."""
+    _check_open(cache)
+    seq = _check_seq_arg(cache, seq)
+    p0, p1 = _check_span(p0, p1)
+    if not isinstance(device, (bool, np.bool_)):
+        raise ValueError(f"device must be a bool, got {device!r}")
+    units = _units(cache, seq)
+    parts = tuple(_export_unit(u, s, p0, p1, bool(device)) for u, s in units)
+    return SeqSnapshot(parts=parts, fingerprint=cache_fingerprint(cache),
+                       head_range=_head_range(units[0][0]))
+
+
+# ------------------------------------------------------------------------------------ import
+class _Placement:
+    """A checked import of one part into one unit: ``commit()`` writes it, ``rollback()`` takes
+    a committed (or half-committed) placement back."""
+
+    def __init__(self, unit, s: int, part: SnapshotPart, positions: np.ndarray,
+                 rows: slice, head_slice: slice, delta: int, replace: bool, where: str,
+                 label: int) -> None:
+        self.unit, self.s, self.part = unit, s, part
+        self.label = label                  # the caller's sequence id (a stream's is 0 inside)
+        self.positions = positions          # int32 [k]: where the rows land (after `at`)
+        self.rows = rows                    # which rows of the part (the window may drop some)
+        self.heads = head_slice
+        self.delta = delta
+        self.replace = replace
+        self.where = where
+        self.slots: Optional[np.ndarray] = None
+        self.journal: list = []
+        self.head = 0
+        self.backup = None
+        self.applied = False
+        self.old_forward = None
+
+    # -------------------------------------------------------------- checks (no change)
+    def check(self) -> None:
+        unit, s, k = self.unit, self.s, len(self.positions)
+        table = unit.cells
+        if not self.replace and k:
+            held = _held(unit, s, self.positions)
+            if len(held):
+                shown = ", ".join(str(int(p)) for p in held[:8])
+                more = f" and {len(held) - 8} more" if len(held) > 8 else ""
+                raise ValueError(f"seq {self.label} already holds position(s) {shown}{more}"
+                                 f"{self.where}: seq_rm them first")
+        room = table.n_free
+        if self.replace:
+            room += _alone(table, s)
+        if k > room:
+            raise KVCacheFullError(f"no room for {k} tokens{self.where}: {room} cells are free "
+                                   f"of {unit.n_cells} (cache full)")
+
+    # -------------------------------------------------------------- commit
+    def commit(self) -> None:
+        unit, s = self.unit, self.s
+        table = unit.cells
+        k = len(self.positions)
+        self.old_forward = unit._forward
+        self.head = table.head
+        try:
+            slots = None
+            if k:
+                # prefer cells free before a replaced sequence is dropped: its rows stay intact
+                start = table.find_contiguous(k)
+                if start >= 0:
+                    slots = np.arange(start, start + k, dtype=np.int32)
+            if self.replace:
+                table.seq_rm(s, 0, None, journal=self.journal)
+            if k:
+                if slots is None:
+                    start = table.find_contiguous(k)
+                    slots = (np.arange(start, start + k, dtype=np.int32) if start >= 0
+                             else table.find_scatter(k))
+                    if slots is None:  # cannot happen: room was counted
+                        raise KVCacheFullError(f"no {k} free cells{self.where}")
+                    slots = np.asarray(slots, dtype=np.int32)
+                    if self.replace:   # cells the dropped sequence held: keep their rows
+                        self.backup = (slots, *unit.storage.read_cells(slots))
+                table.apply_batch(slots, self.positions, np.full(k, s, np.int32))
+                self.slots = slots
+                self.applied = True
+                _write_part(unit, slots, self.part, self.rows, self.heads)
+                if self.delta:
+                    _rotate(unit, slots, self.delta)
+            unit._forward = None
+        except BaseException:
+            self.rollback()
+            raise
+
+    def rollback(self) -> None:
+        unit = self.unit
+        table = unit.cells
+        if self.backup is not None:
+            unit.storage.write_cells(*self.backup)
+            self.backup = None
+        if self.applied:
+            table.unapply_batch(self.slots, self.head)
+            self.applied = False
+        if self.journal:
+            table.rollback(self.journal)
+        unit._forward = self.old_forward
+
+
+def _held(unit, s: int, positions: np.ndarray) -> np.ndarray:
+    """Which of ``positions`` sequence ``s`` already holds."""
+    table = unit.cells
+    lo, hi = int(table.seq_pos_min[s]), int(table.seq_pos_max[s])
+    if hi < 0 or int(positions[-1]) < lo or int(positions[0]) > hi:
+        return np.zeros(0, np.int32)
+    cells = np.asarray(table.seq_cells(s), dtype=np.int64)
+    have = table._pos[cells]
+    return positions[np.isin(positions, have)]
+
+
+def _alone(table, s: int) -> int:
+    """Cells that only sequence ``s`` holds (free once it is dropped)."""
+    cells = np.asarray(table.seq_cells(s), dtype=np.int64)
+    if not len(cells):
+        return 0
+    seqs = table._seqs[cells].copy()
+    seqs[:, s >> 6] &= ~np.uint64(1 << (s & 63))
+    return int((~seqs.any(axis=1)).sum())
+
+
+def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads: slice) -> None:
+    """Every layer's K and V rows into ``slots``: one batched copy per layer and side (a slice
+    assignment for a run of cells, a scatter otherwise). On cuda, host rows go up on the cache's
+    stream through one pinned buffer (rows already pinned, e.g. an export's, directly), and that
+    stream is synchronised before they may be dropped."""
+    storage = unit.storage
+    k = len(slots)
+    start = _run_start(slots)
+    L = unit.config.n_stored_layers     # owning layers only (layer_reuse)
+    keys = [part.keys[layer][rows, heads] for layer in range(L)]
+    values = [part.values[layer][rows, heads] for layer in range(L)]
+    with storage._on_device():
+        staged_from_host = False
+        if unit.device == "cuda":
+            import cupy
+            idx = slice(start, start + k) if start >= 0 else cupy.asarray(slots.astype(np.int64))
+            host = [i for i, a in enumerate(keys + values) if not _is_device_array(a)]
+            if host:
+                staged_from_host = True
+                staged, _pinned = _to_device_pinned(storage, [(keys + values)[i] for i in host])
+                both = keys + values
+                for i, dev in zip(host, staged):
+                    both[i] = dev
+                keys, values = both[:L], both[L:]
+        else:
+            idx = slice(start, start + k) if start >= 0 else slots.astype(np.int64)
+        for layer in range(L):
+            _write_rows(unit, layer, idx, keys[layer], values[layer])
+        if staged_from_host:
+            import cupy
+            stream = storage.stream if storage.stream is not None \
+                else cupy.cuda.get_current_stream()
+            # the host rows (a staging buffer, or the caller's pinned rows copied in place)
+            # must outlive the copies reading them
+            stream.synchronize()
+
+
+def _write_rows(cache, layer: int, idx, k, v) -> None:
+    """Write K ``[k, H, D]`` and V ``[k, H, Dv]`` rows (device arrays) to cells ``idx`` (device
+    indices) of ``layer``, or to every cell when ``idx`` is None."""
+    storage = cache.storage
+    if idx is None:
+        storage.keys[layer][...] = k
+        if cache.config.permuted_v:
+            storage.values[layer][...] = v.transpose(1, 2, 0)
+        else:
+            storage.values[layer][...] = v
+        return
+    storage.keys[layer][idx] = k
+    if cache.config.permuted_v:
+        storage.values[layer][:, :, idx] = v.transpose(1, 2, 0)
+    else:
+        storage.values[layer][idx] = v
+
+
+def _rotate(unit, slots: np.ndarray, delta: int) -> None:
+    """Re-rotate the keys of ``slots`` by ``delta`` positions with the cache's shift."""
+    deltas = np.full(len(slots), delta, np.int32)
+    if isinstance(unit.shift, RopeShift):
+        unit.storage.rotate(slots, deltas, unit.shift)
+    else:
+        unit._shift_with_callable(slots, deltas)
+
+
+def _check_part_shapes(unit, part: SnapshotPart, heads_held: int, where: str) -> None:
+    cfg = unit.config
+    if part.n_layers != cfg.n_stored_layers:
+        raise ValueError(f"snap has {part.n_layers} layers of K/V{where}, the cache "
+                         f"{cfg.n_stored_layers}")
+    if (part.k_format, part.v_format) != (cfg.k_dtype, cfg.v_dtype):
+        raise ValueError(f"snap stores K/V as {part.k_format}/{part.v_format}{where}, the cache "
+                         f"as {cfg.k_dtype}/{cfg.v_dtype}")
+    want_k = row_bytes(cfg.k_dtype, cfg.head_dim) if cfg.k_quantized else cfg.head_dim
+    want_v = row_bytes(cfg.v_dtype, cfg.v_head_dim) if cfg.v_quantized else cfg.v_head_dim
+    got_k, got_v = part.keys[0].shape[2], part.values[0].shape[2]
+    if (got_k, got_v) != (want_k, want_v):
+        raise ValueError(f"snap rows are {got_k}/{got_v} wide (K/V){where}, the cache's "
+                         f"{want_k}/{want_v} (head_dim {cfg.head_dim}, v_head_dim "
+                         f"{cfg.v_head_dim})")
+    stored = unit.storage.keys.shape[2]
+    if stored != heads_held:
+        raise ValueError(f"the cache stores {stored} heads but its head range holds "
+                         f"{heads_held}")
+    on_gpu = unit.device == "cuda"
+    for a in part.keys + part.values:
+        if _is_device_array(a) and not on_gpu:
+            raise ValueError(f"snap holds CuPy arrays{where} but the cache stores on "
+                             f"{unit.device}: pass host arrays")
+
+
+def _check_fingerprint(snap: SeqSnapshot, cache) -> None:
+    diff = _fingerprint_diff(snap.fingerprint, cache_fingerprint(cache))
+    if diff is not None:
+        field, was, now = diff
+        raise StateError(f"snap: model fingerprint differs: {field} is {was!r} in the "
+                         f"snapshot but {now!r} in this cache (another model or cache setup)")
+
+
+def _plan_import(cache, seq: int, snap: SeqSnapshot, at: Optional[int], replace: bool,
+                 check_fingerprint: bool = True) -> List[_Placement]:
+    """Every check, no change; returns the placements to commit in order."""
+    units = _units(cache, seq)
+    if not isinstance(snap, SeqSnapshot):
+        raise ValueError(f"snap must be a numbakv.SeqSnapshot, got {type(snap).__name__}")
+    if len(snap.parts) != len(units):
+        raise ValueError(f"snap has {len(snap.parts)} part(s), the cache {len(units)} "
+                         "group(s)")
+    if check_fingerprint:
+        _check_fingerprint(snap, cache)
+    h0, h1 = _head_range(units[0][0])
+    s0, s1 = snap.head_range
+    if not s0 <= h0 < h1 <= s1:
+        raise ValueError(f"snap holds KV heads {snap.head_range}, the cache needs heads "
+                         f"{(h0, h1)}: head_range does not cover them")
+    heads = slice(h0 - s0, h1 - s0)
+    delta = 0
+    if at is not None:
+        if not _is_int(at) or not 0 <= int(at) < _POS_LIMIT:
+            raise ValueError(f"at must be None or an integer in [0, {_POS_LIMIT}), got {at!r}")
+        firsts = [int(p.positions[0]) for p in snap.parts if len(p.positions)]
+        if firsts:
+            delta = int(at) - min(firsts)
+    multi = len(units) > 1
+    plans = []
+    for g, ((unit, s), part) in enumerate(zip(units, snap.parts)):
+        where = f" (group {g})" if multi else ""
+        _check_part_shapes(unit, part, h1 - h0, where)
+        pos = part.positions.astype(np.int64)
+        rows = slice(0, len(pos))
+        if len(pos):
+            if delta:
+                pos = pos + delta
+                if pos[-1] >= _POS_LIMIT:
+                    raise ValueError(f"at={at} moves positions past {_POS_LIMIT - 1}")
+                if unit.shift is None:
+                    raise NotSupportedError(f"at={at} moves the positions by {delta} and needs "
+                                            "a shift function to re-rotate the keys "
+                                            "(CausalCache(shift=...))")
+        plan = _Placement(unit, s, part, np.ascontiguousarray(pos, dtype=np.int32), rows,
+                          heads, delta, replace, where, seq)
+        plan.check()
+        plans.append(plan)
+    return plans
+
+
+def _placement(unit, s: int, part: SnapshotPart, replace: bool) -> _Placement:
+    """A checked placement of ``part`` for sequence ``s`` of the CausalCache ``unit``, positions
+    as saved, all heads (a state file load: the file's config was checked already)."""
+    _check_part_shapes(unit, part, unit.storage.keys.shape[2], "")
+    plan = _Placement(unit, s, part, part.positions, slice(0, len(part.positions)),
+                      slice(None), 0, replace, "", s)
+    plan.check()
+    return plan
+
+
+def _commit(plans: List[_Placement]) -> int:
+    done: List[_Placement] = []
+    try:
+        for plan in plans:
+            plan.commit()
+            done.append(plan)
+    except BaseException:
+        for plan in reversed(done):
+            plan.rollback()
+        raise
+    return max(len(plan.positions) for plan in plans)
+
+
+def _end_forward(cache) -> None:
+    """Ending the forward pass at every level (a stream cache and a WrapperCache's groups)."""
+    for c in (cache.caches if isinstance(getattr(cache, "caches", None), list) else [cache]):
+        c._forward = None
+
+
+def import_seq(cache, seq: int, snap: SeqSnapshot, *, at: Optional[int] = None) -> int:
+    """Place ``snap``'s tokens into free cells for ``seq`` and write their K/V (see the module
+    docstring); returns the tokens placed (for a WrapperCache the largest part's: a
+    sliding-window group holds only what its window memory kept). Raises, with nothing changed: ``StateError`` (fingerprint),
+    ``ValueError`` (layers, head shapes or range, formats, positions ``seq`` already holds),
+    ``KVCacheFullError`` (room), ``NotSupportedError`` (``at`` moves positions and the cache
+    has no shift)."""
+    _check_open(cache)
+    seq = _check_seq_arg(cache, seq)
+    plans = _plan_import(cache, seq, snap, at, replace=False)
+    n = _commit(plans)
+    _end_forward(cache)
+    return n
+
+
+def replace_seq(cache, seq: int, snap: SeqSnapshot, *, strict: bool = True) -> int:
+    """``seq`` drops everything it holds and holds ``snap``'s tokens instead, all or nothing
+    (what a state load of one sequence does). ``strict=False`` skips the fingerprint check."""
+    _check_open(cache)
+    seq = _check_seq_arg(cache, seq)
+    plans = _plan_import(cache, seq, snap, None, replace=True, check_fingerprint=strict)
+    n = _commit(plans)
+    _end_forward(cache)
+    return n
+
+
+__all__ = ["SeqSnapshot", "SnapshotPart", "export_seq", "import_seq", "KIND"]

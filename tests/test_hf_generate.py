@@ -1,0 +1,221 @@
+"""hf.generation_cache: model.generate() over a numbakv cache equals generate() over transformers'
+own DynamicCache token for token (tiny random-weight Llama, Mistral with a sliding window, Qwen3,
+Gemma 3 with sliding + global layers; batch 1 and a left-padded batch; greedy and sampling with one
+seed); quantized K/V against numbakv's own packed path; hf.Server against per-prompt greedy
+generate()."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from numbakv import hf  # noqa: E402
+from numbakv.errors import KVCacheError  # noqa: E402
+from test_hf import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+NEW = 10
+
+
+def _batch(padded: bool):
+    g = torch.Generator().manual_seed(1)
+    if not padded:
+        ids = torch.randint(3, 64, (1, 9), generator=g)
+        return ids, torch.ones_like(ids)
+    ids = torch.randint(3, 64, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in ((1, 5), (2, 2)):           # left padding, as tokenizers pad for generate
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, cache, sample: bool, kwarg: str = "past_key_values"):
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # 5.24: past_key_values -> cache
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=sample,
+                              top_k=20, pad_token_id=0, **{kwarg: cache})
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3", "gemma3"])
+@pytest.mark.parametrize("padded", [False, True], ids=["batch1", "padded"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
+def test_generate_equals_dynamic_cache(name, padded, sample):
+    model = tiny_model(name)
+    ids, mask = _batch(padded)
+    ref = _generate(model, ids, mask, transformers.DynamicCache(config=model.config), sample)
+    cache = hf.generation_cache(model, max_new_tokens=NEW)
+    out = _generate(model, ids, mask, cache, sample, kwarg="cache" if padded else
+                    "past_key_values")
+    assert out.shape[1] > ids.shape[1]
+    assert torch.equal(out, ref)
+    held = cache.numbakv_cache
+    assert held is not None and cache.get_seq_length() == out.shape[1] - 1
+
+
+def test_generation_cache_windows_are_numbakv_windows():
+    model = tiny_model("gemma3")
+    cache = hf.generation_cache(model, max_new_tokens=NEW)
+    ids, mask = _batch(False)
+    _generate(model, ids, mask, cache, False)
+    wrap = cache.numbakv_cache
+    assert [c.swa_window for c in wrap.caches] == [3, None]     # Gemma 3 W=4 counts the query
+    assert cache.is_sliding == [True, False]
+
+
+def _greedy_packed(model, cache, prompt, n):
+    """numbakv's own path: attach, prefill the prompt in one packed pass, decode greedily."""
+    hf.attach(model, cache)
+    try:
+        toks = list(prompt)
+        with torch.no_grad():
+            cache.start_forward(list(range(len(toks))), [0] * len(toks))
+            logits = model(input_ids=torch.tensor([toks]),
+                           position_ids=torch.arange(len(toks))[None]).logits[0]
+            for _ in range(n):
+                toks.append(int(logits[-1].argmax()))
+                p = len(toks) - 1
+                cache.start_forward([p], [0])
+                logits = model(input_ids=torch.tensor([[toks[-1]]]),
+                               position_ids=torch.tensor([[p]])).logits[0]
+    finally:
+        hf.detach(model)
+    return toks[len(prompt):]
+
+
+def test_quantized_generate_equals_numbakv_packed_path():
+    # q8_0 K/V: both paths attend over the same dequantized values (generate through the
+    # model's own attention, the packed path through attend); greedy tokens must agree
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      num_hidden_layers=2, max_position_embeddings=128)
+    config._attn_implementation = "eager"          # head_dim 32: one q8_0 block per row
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25)
+    ids, mask = _batch(False)
+    cache = hf.generation_cache(model, max_new_tokens=NEW, k_dtype="q8_0", v_dtype="q8_0")
+    out = _generate(model, ids, mask, cache, False)
+    assert cache.numbakv_cache.config.k_dtype == "q8_0"
+    packed = _greedy_packed(model, hf.cache_for(model, capacity=64, k_dtype="q8_0",
+                                                v_dtype="q8_0"), ids[0].tolist(), NEW)
+    assert out[0, ids.shape[1]:].tolist() == packed
+
+
+def test_plain_generate_after_attach_says_what_to_do():
+    model = tiny_model("llama")
+    hf.attach(model, hf.cache_for(model, capacity=64))
+    try:
+        with pytest.raises(KVCacheError, match="generation_cache"):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, pad_token_id=0)
+        with pytest.raises(ValueError, match="detach"):
+            hf.generation_cache(model, max_new_tokens=4)
+    finally:
+        hf.detach(model)
+
+
+def test_generation_cache_argument_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hf.generation_cache(model)
+    with pytest.raises(ValueError, match="capacity"):
+        hf.generation_cache(model, capacity=0)
+    with pytest.raises(ValueError, match="CacheConfig"):
+        hf.generation_cache(model, max_new_tokens=4, bogus=1)
+
+
+def test_attached_model_without_no_grad():
+    # the packed path with inputs that require grad: detached inside numbakv
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=32)
+    hf.attach(model, cache)
+    try:
+        cache.start_forward([0, 1, 2], [0, 0, 0])
+        logits = model(input_ids=torch.tensor([[5, 6, 7]]),
+                       position_ids=torch.arange(3)[None]).logits
+        assert torch.isfinite(logits).all()
+    finally:
+        hf.detach(model)
+
+
+def test_server_equals_per_prompt_greedy_generate():
+    model = tiny_model("qwen3")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (7, 19, 3, 11)]
+    refs = []
+    for p in prompts:
+        out = _generate(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                        transformers.DynamicCache(config=model.config), False)
+        refs.append(out[0, len(p):].tolist())
+    # room for two sequences and small chunks: requests wait, prefill in chunks mixed with
+    # other requests' decodes, and reuse freed sequences
+    srv = hf.Server(model, hf.cache_for(model, capacity=128, max_seqs=2, max_batch=8),
+                    prefill_chunk=6)
+    rids = [srv.submit(p, max_new_tokens=NEW) for p in prompts]
+    mixed = False
+    while srv.pending:
+        before = {r: len(srv._reqs[r]["out"]) for r in srv._reqs if srv._reqs[r]["seq"]
+                  is not None}
+        new = srv.step()
+        mixed |= len(new) >= 2 and any(before.get(r, 0) == 0 for r in new)
+    assert [srv.finished[r] for r in rids] == refs
+    assert mixed                     # some pass finished a prompt next to another's decode
+    hf.detach(model)
+
+
+def test_server_argument_errors():
+    model = tiny_model("llama")
+    srv = hf.Server(model, hf.cache_for(model, capacity=32))
+    with pytest.raises(ValueError, match="prompt_ids"):
+        srv.submit([])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        srv.submit([1, 2], max_new_tokens=0)
+    assert srv.pending == 0
+    hf.detach(model)
+
+
+def test_server_sampling_is_reproducible_per_seed():
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=64, max_seqs=2)
+    srv = hf.Server(model, cache)
+    a = srv.submit([5, 6, 7], max_new_tokens=6, do_sample=True, top_k=10, seed=11)
+    b = srv.submit([5, 6, 7], max_new_tokens=6, do_sample=True, top_k=10, seed=11)
+    c = srv.submit([5, 6, 7], max_new_tokens=6, eos_token_id=None)
+    srv.run()
+    assert srv.finished[a] == srv.finished[b] and len(srv.finished[a]) == 6
+    assert len(srv.finished[c]) == 6 and srv.pending == 0
+    assert cache.n_used == 0                  # finished requests freed their cells
+    hf.detach(model)
+
+
+def test_server_step_that_fails_changes_nothing():
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=32, max_seqs=2)
+    srv = hf.Server(model, cache)
+    rid = srv.submit([5, 6, 7, 8], max_new_tokens=3)
+    srv.step()                                  # the prompt ran; one token out
+    used = cache.n_used
+    state = {k: (list(v) if isinstance(v, list) else v) for k, v in srv._reqs[rid].items()
+             if k != "gen"}
+    real = model.forward
+    model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("model failed"))
+    try:
+        with pytest.raises(RuntimeError, match="model failed"):
+            srv.step()
+    finally:
+        model.forward = real
+    assert cache.n_used == used
+    assert {k: v for k, v in srv._reqs[rid].items() if k != "gen"} == state
+    srv.run()                                   # and it goes on as if nothing happened
+    assert len(srv.finished[rid]) == 3
+    hf.detach(model)
