@@ -609,3 +609,16 @@ def test_gemma3n_kv_sharing_logits_equal_its_own_forward():
         g = torch.cat(got[s])
         scale = max(1.0, float(want[s].abs().max()))
         assert float((g - want[s]).abs().max()) <= 2e-5 * scale
+
+
+def test_layer_reuse_snapshots_hold_the_owning_layers():
+    rng = np.random.default_rng(9)
+    c = _reuse_cache()
+    _put_owners(c, [0, 1, 2], [0, 0, 0], rng)
+    snap = c.export_seq(0)
+    assert snap.fingerprint["layer_reuse"] == list(REUSE)
+    fresh = _reuse_cache()
+    assert fresh.import_seq(1, nkv.SeqSnapshot.from_bytes(snap.to_bytes())) == 3
+    assert _rows(fresh, 1) == _rows(c, 0)
+    with pytest.raises((ValueError, nkv.StateError)):
+        nkv.CausalCache(_cfg(n_layers=5), shift=nkv.RopeShift(base=100.0)).import_seq(0, snap)
