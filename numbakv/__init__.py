@@ -20,6 +20,7 @@ from .wrappers import EncoderCache, WrapperCache
 from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
 from .state.snapshot import SeqSnapshot, SnapshotPart
+from .prefix import PrefixStore
 
 __version__ = "0.1.0"
 
@@ -29,3 +30,4 @@ __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotS
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
 __all__ += ["ConcurrentUseError"]
 __all__ += ["SeqSnapshot", "SnapshotPart"]
+__all__ += ["PrefixStore"]

@@ -77,8 +77,10 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
 
     Args:
         q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch
-            order; ``n_heads`` a multiple of the cache's ``n_kv_heads`` (grouped-query
-            attention: query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``).
+            order; ``n_heads`` a multiple of the cache's ``local_kv_heads`` (grouped-query
+            attention: query head ``h`` reads KV head ``h // (n_heads // local_kv_heads)``).
+            A head-sharded cache (``CacheConfig(head_shard=...)``) holds only its rank's KV
+            heads: ``q`` then holds the rank's query heads (the ones that read those KV heads).
         cache: a ``CausalCache``, ``WrapperCache`` (the current layer's cache) or
             ``EncoderCache``, after ``start_forward`` (and ``put`` for the current layer).
         scale: factor on ``q . k`` (default ``1 / sqrt(head_dim)``).
@@ -110,9 +112,9 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     if q.ndim != 3 or q.shape[0] != batch or q.shape[2] != cfg.head_dim:
         raise ValueError(f"q must have shape [batch={batch}, n_heads, head_dim={cfg.head_dim}], "
                          f"got {list(q.shape)}")
-    if q.shape[1] % cfg.n_kv_heads:
-        raise ValueError(f"q's n_heads ({q.shape[1]}) must be a multiple of n_kv_heads "
-                         f"({cfg.n_kv_heads})")
+    if q.shape[1] % cfg.local_kv_heads:
+        raise ValueError(f"q's n_heads ({q.shape[1]}) must be a multiple of n_kv_heads held by "
+                         f"the cache (local_kv_heads={cfg.local_kv_heads})")
     if not q.is_floating_point():
         raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
     on_cuda = src.device == "cuda"

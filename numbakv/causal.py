@@ -39,6 +39,15 @@ if TYPE_CHECKING:  # pragma: no cover
 PathLike = Union[str, os.PathLike]   # a file path
 
 
+class _NeedRoom(KVCacheFullError):
+    """No contiguous run of free cells for a batch, raised (nothing changed) instead of a defrag
+    when the cache has a room provider to ask first (see ``CausalCache._room_provider``)."""
+
+    def __init__(self, message: str, cells: int) -> None:
+        super().__init__(message)
+        self.cells = cells
+
+
 @dataclass
 class _Forward:
     """The forward pass in progress (from ``start_forward`` to the next one)."""
@@ -54,6 +63,26 @@ class _Forward:
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
 
 
+def no_put_error(config: CacheConfig, layer: int) -> ValueError:
+    """The error of a put() on a layer that stores no K/V in this cache (``layer_reuse``)."""
+    src = config.owner_layer(layer)
+    if src < 0:
+        return ValueError(f"put(): layer {layer} has no K/V in this cache (layer_reuse"
+                          f"[{layer}] = -1): skip the cache for it")
+    return ValueError(f"put(): layer {layer} reuses layer {src}'s K/V (layer_reuse[{layer}] "
+                      f"= {src}) and stores none: only layer {src} puts; get() on layer "
+                      f"{layer} reads layer {src}'s")
+
+
+def second_put_error(layer: int) -> ValueError:
+    """The error of a second ``put`` for one layer in one forward pass with no ``set_layer``
+    between them (a model loop that forgot ``set_layer`` would overwrite that layer and leave
+    the next ones unwritten)."""
+    return ValueError(f"put(): layer {layer} was already written in this forward pass and "
+                      f"set_layer was not called since; call set_layer(layer) before each "
+                      f"layer's put (set_layer({layer}) again to overwrite it on purpose)")
+
+
 @dataclass
 class _Undo:
     """What a ``start_forward`` changed, so it can be taken back without a copy of the table:
@@ -66,6 +95,7 @@ class _Undo:
     head: int = 0                           # the scatter head before apply_batch
     defrag_moves: Optional[np.ndarray] = None   # a defrag's plan (undone by moving cells back)
     defrag_head: int = 0                    # the scatter head before that defrag
+    defrag_meta: Optional[np.ndarray] = None    # the table's counters before that defrag
     evicted_kv: Optional[tuple] = None      # (cells, K, V) a defrag wrote over, as they were
     shifts: Optional[tuple] = None          # (cells, deltas, key rows before) of applied shifts
 
@@ -90,6 +120,25 @@ class _Placed:
     values: Any                # host V of ``slots`` before, [n_layers, n, n_kv_heads, v_head_dim]
 
 
+@dataclass
+class _Counters:
+    """The cell table's counters and index hints before an edit whose undo would rebuild them
+    tighter: put back last, once everything else is undone."""
+
+    meta: np.ndarray
+
+
+SHARED_SHIFT_MODES = ("error", "copy")
+
+
+def check_shared_shift(value: Any) -> str:
+    """``shared_shift`` checked: ``"error"`` or ``"copy"``."""
+    if not isinstance(value, str) or value not in SHARED_SHIFT_MODES:
+        raise ValueError(f"shared_shift must be one of {list(SHARED_SHIFT_MODES)}, got "
+                         f"{value!r}")
+    return value
+
+
 @one_thread_at_a_time
 class CausalCache(StateMethods):
     """A KV cache for causal attention over many sequences sharing one pool of cells.
@@ -111,7 +160,21 @@ class CausalCache(StateMethods):
         swa_memory: positions kept per sequence behind the window (default ``W``); memory below
             the window is an error; memory >= capacity keeps everything.
         chunk_size: chunked attention ``C``: a token at ``p`` sees ``p - p % C .. p``.
+        shared_shift: what ``remove`` (with a finite ``end``), ``seq_add`` and ``seq_div`` do
+            when cells they would move are shared with other sequences (``copy_prefix`` /
+            ``seq_cp`` forks). ``"error"`` (default, Ollama's rule): ``NotSupportedError``.
+            ``"copy"``: the moving sequence first gets its own copies of those cells (K/V
+            copied into free cells in every layer, its sequence bit moved to them), then the
+            positions move; all or nothing, and ``KVCacheFullError`` with nothing changed when
+            there are not enough free cells. llama.cpp instead moves the position for every
+            sequence in the cell, silently corrupting the others; numbakv never does.
     """
+
+    #: called as ``provider(n_cells)`` when a batch of ``n_cells`` tokens finds no contiguous
+    #: run of free cells, before the cache defragments or raises ``KVCacheFullError``: a prefix
+    #: store (``numbakv.prefix.PrefixStore``) sets it to evict the prefixes it keeps in cells.
+    #: None (the default): placement is exactly Ollama's.
+    _room_provider: Optional[Callable[[int], Any]] = None
 
     #: the class that serves ``CacheConfig(unified=False)`` (``streams.StreamCache`` registers
     #: itself here: an outer module, so this one never imports it)
@@ -126,7 +189,8 @@ class CausalCache(StateMethods):
 
     def __init__(self, config: CacheConfig, *, shift: Union[None, RopeShift, ShiftFn] = None,
                  swa_window: Optional[int] = None, swa_memory: Optional[int] = None,
-                 chunk_size: Optional[int] = None, _storage_factory=None) -> None:
+                 chunk_size: Optional[int] = None, shared_shift: str = "error",
+                 _storage_factory=None) -> None:
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a numbakv.CacheConfig, got {type(config).__name__}")
         if shift is not None and not isinstance(shift, RopeShift) and not callable(shift):
@@ -151,6 +215,7 @@ class CausalCache(StateMethods):
             raise ValueError(f"swa_memory ({memory}) must be at least the window swa_window "
                              f"({window})")
         chunk = 0 if chunk_size is None else _check_index("chunk_size", chunk_size, 1)
+        shared_shift = check_shared_shift(shared_shift)
 
         self.config = config
         self.device = resolve_device(config.device)
@@ -158,6 +223,9 @@ class CausalCache(StateMethods):
         self.swa_memory = None if memory == UNLIMITED else memory
         self.chunk_size = chunk or None
         self.shift = shift
+        #: "error" (Ollama: moving cells another sequence shares is refused) or "copy" (the
+        #: moving sequence first gets its own copies of them)
+        self.shared_shift = shared_shift
         self.n_cells = config.n_cells(self.swa_memory)
         if _storage_factory is None:
             _check_memory(config, self.n_cells, self.device)
@@ -167,10 +235,15 @@ class CausalCache(StateMethods):
         self._chunk = chunk
         self.cells = CellTable(self.n_cells, config.max_seqs)
         # a stream of a per-sequence cache works on its slice of the streams' one allocation
-        self.storage = KVStorage(config, self.n_cells, self.device) if _storage_factory is None \
-            else _storage_factory(self.n_cells, self.device)
+        # owning layers only (layer_reuse): the storage's layer axis is config.storage_layers
+        self.storage = KVStorage(config.storage_config(), self.n_cells, self.device) \
+            if _storage_factory is None else _storage_factory(self.n_cells, self.device)
         self._xp = array_module(self.device)
+        self._storage_layers = config.storage_layers
         self._layer = 0
+        self._put_in = None      # the forward pass whose put() the current layer already had
+        self._read_layer = self._storage_layers[0]     # storage layer get() reads (-1: none)
+        self._put_layer = self._read_layer if config.owner_layer(0) == 0 else -1
         self._forward: Optional[_Forward] = None
         self._closed = False
         self._mask_buf = None
@@ -182,7 +255,7 @@ class CausalCache(StateMethods):
         self._outer_journal: Optional[list] = None
         # the put/get fast path compares against these
         self._sdt = config.storage_dtype
-        self._kv_tail = ((config.n_kv_heads, config.head_dim), (config.n_kv_heads,
+        self._kv_tail = ((config.local_kv_heads, config.head_dim), (config.local_kv_heads,
                                                                 config.v_head_dim))
         #: how many defrags ran (on a full cache or by request): the demo and benches read it
         self.defrag_count = 0
@@ -195,21 +268,31 @@ class CausalCache(StateMethods):
         of free cells (defragmenting once if only fragmentation is in the way), records the
         tokens there, applies pending key rotations and builds the mask. ``reserve=True``
         changes no metadata and sizes everything for the worst case. Raises
-        ``KVCacheFullError`` when the batch cannot fit; then nothing has changed.
+        ``KVCacheFullError`` when the batch cannot fit; then nothing has changed (pending key
+        rotations stay pending, where llama.cpp has applied them by then; docs/fidelity.md).
 
         ``positions``/``seqs`` on the GPU (CuPy arrays, torch CUDA tensors) are copied to the
         host on the cache's stream (:meth:`use_stream`, else CuPy's current stream) through a
         pinned buffer, synchronising that stream only; while that stream captures a CUDA graph
         they must be host arrays (``ValueError``, nothing changed): the bookkeeping is on the host.
         """
-        undo = self._place(positions, seqs, reserve)
+        provider = self._room_provider
+        try:
+            undo = self._place(positions, seqs, reserve, ask_room=provider is not None)
+        except _NeedRoom as need:
+            # a prefix store holds cells: let it evict (demoting what it can) before the
+            # Ollama path (defrag, then KVCacheFullError). What it evicted stays evicted if
+            # this pass still fails: those were the store's cached prefixes, not the caller's.
+            provider(need.cells)
+            undo = self._place(positions, seqs, reserve)
         try:
             self._finish_forward(undo)
         except BaseException:
             self._undo(undo)      # e.g. a shift function that failed: nothing placed, no leak
             raise
 
-    def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> "_Undo":
+    def _place(self, positions, seqs, reserve: bool, undoable: bool = False,
+               ask_room: bool = False) -> "_Undo":
         """The metadata half of start_forward; returns what ``_undo`` needs to take it back (a
         WrapperCache does when a sibling cache fails).
 
@@ -218,7 +301,10 @@ class CausalCache(StateMethods):
         back (block moves copy, so the source rows still hold their data); the K/V of the cells
         a defrag writes over (evicted ones among them) are kept aside first, so undoing the
         eviction gets each (sequence, position) its own K/V back. ``undoable`` is kept for
-        callers that will call ``_undo``; every pass can be undone."""
+        callers that will call ``_undo``; every pass can be undone. ``ask_room``: when no
+        contiguous run of free cells holds the batch, raise ``_NeedRoom`` (nothing changed)
+        instead of defragmenting, so the caller can ask its room provider (a prefix store)
+        first."""
         self._check_open()
         if not isinstance(reserve, (bool, np.bool_)):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
@@ -239,6 +325,8 @@ class CausalCache(StateMethods):
             range_window = -1 if self._memory == UNLIMITED else self._window
             lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
             if start < 0:
+                if ask_room:
+                    raise _NeedRoom(f"no contiguous run of {batch} free cells", batch)
                 if self.cells.n_used + batch > self.n_cells:
                     raise KVCacheFullError(
                         f"no room for a batch of {batch} tokens: {self.cells.n_used} of "
@@ -247,6 +335,9 @@ class CausalCache(StateMethods):
                 # cell it writes, so the undo gives each evicted (sequence, position) its own
                 # K/V back and leaves every cell's data as it was
                 undo.defrag_head = self.cells.head
+                # undo_defrag rebuilds the indexes, which tightens the pending-shift range
+                # hint: keep the counters to put them back exactly (issue 29, item 7)
+                undo.defrag_meta = self.cells._meta.copy()
                 undo.defrag_moves = moves = self.cells.plan_defrag()
                 if len(moves):
                     dst = np.concatenate([np.arange(d, d + n, dtype=np.int32)
@@ -295,6 +386,8 @@ class CausalCache(StateMethods):
             self.cells.unapply_batch(undo.slots, undo.head)
         if undo.defrag_moves is not None:
             self.cells.undo_defrag(undo.defrag_moves, undo.defrag_head)
+            if undo.defrag_meta is not None:
+                self.cells._meta[:] = undo.defrag_meta
         if undo.pruned is not None and len(undo.pruned):
             self.cells.undo_prune(undo.pruned)
         if undo.evicted_kv is not None:
@@ -355,7 +448,21 @@ class CausalCache(StateMethods):
     def set_layer(self, layer: int) -> None:
         """Choose the layer that ``put`` and ``get`` work on."""
         self._check_open()
-        self._layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._layer = layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._put_in = None
+        self._read_layer = self._storage_layers[layer]
+        self._put_layer = self._read_layer if self.config.owner_layer(layer) == layer else -1
+
+    def _no_put(self) -> ValueError:
+        """put() on a layer that stores no K/V here (``layer_reuse``)."""
+        return no_put_error(self.config, self._layer)
+
+    def _read_layer_checked(self, what: str) -> int:
+        """The storage layer ``what`` reads for the current layer (its K/V source)."""
+        if self._read_layer < 0:
+            raise ValueError(f"{what}(): layer {self._layer} has no K/V in this cache "
+                             f"(layer_reuse[{self._layer}] = -1)")
+        return self._read_layer
 
     def set_causal(self, except_: Optional[Sequence[int]] = None) -> None:
         """Drop the future-position test for these batch indices (sequence, window and chunk
@@ -385,14 +492,23 @@ class CausalCache(StateMethods):
                 and key.shape[1:] == self._kv_tail[0] and value.shape[1:] == self._kv_tail[1] \
                 and key.shape[0] == value.shape[0] == len(fwd.positions) and key.ndim == 3 \
                 and value.ndim == 3 and self.storage is not None and self.device != "cuda":
+            if self._put_in is fwd:
+                raise second_put_error(self._layer)
+            if self._put_layer < 0:
+                raise self._no_put()
             if not fwd.reserve:
-                self.storage.put_range_trusted(self._layer, fwd.start, key, value)
+                self.storage.put_range_trusted(self._put_layer, fwd.start, key, value)
+            self._put_in = fwd
             return
         fwd = self._require_forward("put")
+        if self._put_in is fwd:
+            raise second_put_error(self._layer)
+        if self._put_layer < 0:
+            raise self._no_put()
         k, v = self._batch_kv(key, value, len(fwd.positions))
-        if fwd.reserve:
-            return
-        self.storage.put_range(self._layer, fwd.start, k, v)
+        if not fwd.reserve:
+            self.storage.put_range(self._put_layer, fwd.start, k, v)
+        self._put_in = fwd
 
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,
@@ -400,12 +516,12 @@ class CausalCache(StateMethods):
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
-        if tuple(k.shape) != (batch, cfg.n_kv_heads, cfg.head_dim):
-            raise ValueError(f"key must have shape [batch={batch}, n_kv_heads={cfg.n_kv_heads}, "
+        if tuple(k.shape) != (batch, cfg.local_kv_heads, cfg.head_dim):
+            raise ValueError(f"key must have shape [batch={batch}, local_kv_heads={cfg.local_kv_heads}, "
                              f"head_dim={cfg.head_dim}], got {list(k.shape)}")
-        if tuple(v.shape) != (batch, cfg.n_kv_heads, cfg.v_head_dim):
-            raise ValueError(f"value must have shape [batch={batch}, n_kv_heads="
-                             f"{cfg.n_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
+        if tuple(v.shape) != (batch, cfg.local_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [batch={batch}, local_kv_heads="
+                             f"{cfg.local_kv_heads}, v_head_dim={cfg.v_head_dim}], got "
                              f"{list(v.shape)}")
         return k, v
 
@@ -418,10 +534,11 @@ class CausalCache(StateMethods):
         fwd = self._forward
         if fwd is None or self._closed:
             fwd = self._require_forward("get")
+        layer = self._read_layer if self._read_layer >= 0 else self._read_layer_checked("get")
         if self.storage.quantized:  # dequantized into a scratch the next get() reuses
-            key, value = self.storage.dequantized_views(self._layer, fwd.lo, fwd.hi)
+            key, value = self.storage.dequantized_views(layer, fwd.lo, fwd.hi)
         else:
-            key, value = self.storage.views_trusted(self._layer, fwd.lo, fwd.hi)
+            key, value = self.storage.views_trusted(layer, fwd.lo, fwd.hi)
         if self._bf16:
             return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
         return key, value, fwd.exported
@@ -432,7 +549,8 @@ class CausalCache(StateMethods):
         (34 bytes per 32 values) and q4_0 (18), one float8_e4m3fn byte per value for
         float8_e4m3 (stored = x / scale), and the little-endian bytes of a float side."""
         fwd = self._require_forward("get_quantized")
-        k, v = self.storage.quantized_views(self._layer, fwd.lo, fwd.hi)
+        k, v = self.storage.quantized_views(self._read_layer_checked("get_quantized"), fwd.lo,
+                                            fwd.hi)
         return export_view(k, "uint8"), export_view(v, "uint8")
 
     def cell_range(self) -> Tuple[int, int]:
@@ -455,8 +573,16 @@ class CausalCache(StateMethods):
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
         """Drop positions ``[begin, end)`` of ``seq`` (``end=None``: to the end). With a finite
         ``end``, later positions move down by ``end - begin`` and their keys are re-rotated by
-        that negative delta through ``shift``."""
+        that negative delta through ``shift``.
+
+        Deliberate differences (docs/fidelity.md): ``remove(s, b, b)`` (an empty range) is a
+        no-op where Ollama errors; cells other sequences share that would move are refused, or
+        copied first with ``shared_shift="copy"``; a failure changes nothing (Ollama keeps the
+        edits made before it)."""
         seq, begin, end = self._check_remove(seq, begin, end)
+        if end is not None and self.shared_shift == "copy":
+            self._edit_unshared(self.cells.remove, (seq, begin, end), seq, end, None, True)
+            return
         self._edit(self.cells.remove, (seq, begin, end), apply_shifts=True)
 
     def _check_remove(self, seq, begin, end) -> Tuple[int, int, Optional[int]]:
@@ -476,12 +602,18 @@ class CausalCache(StateMethods):
                     f"removing positions [{begin}, {end}) of sequence {seq} moves later "
                     "positions and needs a shift function (CausalCache(shift=...))")
         if end is not None and self.cells.shared_cells_moving(seq, begin, end):
-            raise NotSupportedError(SHARED_SHIFT_MESSAGE)
+            if self.shared_shift != "copy":
+                raise NotSupportedError(SHARED_SHIFT_MESSAGE + " (CausalCache(shared_shift="
+                                        "'copy') gives the moving sequence its own copies)")
+            self._check_room_for_copies(seq, end, None)
         return seq, begin, end
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         """Make ``dst_seq`` hold exactly the first ``length`` positions of ``src_seq`` (shared
-        cells, no data copied)."""
+        cells, no data copied).
+
+        Deliberate difference (docs/fidelity.md): ``copy_prefix(s, s, n)`` is a no-op; Ollama
+        first removes the destination everywhere, so it would wipe the sequence."""
         self._check_open()
         src = self._check_seq(src_seq, "src_seq")
         dst = self._check_seq(dst_seq, "dst_seq")
@@ -503,7 +635,11 @@ class CausalCache(StateMethods):
 
     def defrag(self) -> None:
         """Move every used cell to the front, keeping each (sequence, position) with its own K/V.
-        Ends the forward pass in progress (its cells may have moved)."""
+        Ends the forward pass in progress (its cells may have moved).
+
+        Deliberate difference (docs/fidelity.md): the used cells keep their order; Ollama fills
+        holes from the end, reversing it (attention is the same, later cell indices differ),
+        and its merged moves pair metadata with another cell's K/V, which numbakv never does."""
         self._check_open()
         self._defrag_plan_and_move()
         self._forward = None
@@ -539,6 +675,8 @@ class CausalCache(StateMethods):
         src = self._check_seq(src, "src")
         dst = self._check_seq(dst, "dst")
         p0, p1 = self._check_span(p0, p1)
+        if src != dst:
+            _refuse_held(self.cells, src, dst, p0, p1, "seq_cp")
         self._edit(self.cells.seq_cp, (src, dst, p0, p1))
 
     def seq_keep(self, seq: int) -> None:
@@ -558,11 +696,17 @@ class CausalCache(StateMethods):
             self._forward = None
             return
         self._require_shift_for(seq, p0, p1, "seq_add")
+        if self.shared_shift == "copy":
+            self._edit_unshared(self.cells.seq_add, (seq, p0, p1, delta), seq, p0, p1)
+            return
         self._edit(self.cells.seq_add, (seq, p0, p1, delta))
 
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
         """Divide the positions in ``[p0, p1)`` of ``seq`` by ``d`` (integer division); keys are
-        re-rotated at the next ``start_forward``."""
+        re-rotated at the next ``start_forward``.
+
+        Deliberate difference (docs/fidelity.md): the pending shift recorded is ``new - old``
+        (negative), the correct sign; llama.cpp recorded it with the wrong sign for a while."""
         self._check_open()
         seq = self._check_seq(seq)
         p0, p1 = self._check_span(p0, p1)
@@ -571,6 +715,9 @@ class CausalCache(StateMethods):
             self._forward = None
             return
         self._require_shift_for(seq, p0, p1, "seq_div")
+        if self.shared_shift == "copy":
+            self._edit_unshared(self.cells.seq_div, (seq, p0, p1, d), seq, p0, p1)
+            return
         self._edit(self.cells.seq_div, (seq, p0, p1, d))
 
     def seq_pos_min(self, seq: int) -> int:
@@ -631,6 +778,92 @@ class CausalCache(StateMethods):
         self._forward = None
         return result
 
+    def _shared_cells(self, seq: int, p0: int,
+                      p1: Optional[int]) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``(cells, positions, shifts)`` (int32 ``[k]``, ascending by position) of ``seq``'s
+        cells with ``p0 <= pos < p1`` that other sequences share too; None when there are none.
+        O(cells of seq)."""
+        if not self.cells.shared_cells_in(seq, p0, p1):
+            return None
+        stop = UNLIMITED if p1 is None else p1
+        cells = self.cells.seq_cells(seq)
+        pos = self.cells._pos[cells]
+        cells = cells[(pos >= p0) & (pos < stop)]
+        bits = self.cells._seqs[cells].copy()
+        bits[:, seq >> 6] &= ~np.uint64(1 << (seq & 63))
+        cells = cells[bits.any(axis=1)]
+        pos = self.cells._pos[cells]
+        order = np.argsort(pos, kind="stable")
+        cells = cells[order].astype(np.int32)
+        return cells, pos[order].astype(np.int32), self.cells._shift[cells].astype(np.int32)
+
+    def _check_room_for_copies(self, seq: int, p0: int, p1: Optional[int]) -> int:
+        """``shared_shift="copy"``: refuse (``KVCacheFullError``, nothing changed) a move whose
+        shared cells do not fit in the free cells; returns how many copies it needs."""
+        shared = self._shared_cells(seq, p0, p1)
+        n = 0 if shared is None else len(shared[0])
+        if n > self.cells.n_free:
+            raise KVCacheFullError(
+                f"shared_shift='copy': sequence {seq} needs its own copies of {n} cells it "
+                f"shares with other sequences before its positions move, and only "
+                f"{self.cells.n_free} cells are free (cache full); nothing changed")
+        return n
+
+    def _edit_unshared(self, op: Callable[..., Any], args: tuple, seq: int, p0: int,
+                       p1: Optional[int], apply_shifts: bool = False) -> Any:
+        """``shared_shift="copy"``: give ``seq`` its own copies of the cells in ``[p0, p1)`` it
+        shares (K/V copied in every layer by the move kernel, pending shifts carried, ``seq``'s
+        bit moved to the copies), then run ``op`` as :meth:`_edit` does. All or nothing: the
+        free cells' K/V written over are kept first, and every step has its undo."""
+        shared = self._shared_cells(seq, p0, p1)
+        if shared is None:
+            return self._edit(op, args, apply_shifts)
+        src, positions, shifts = shared
+        n = len(src)
+        self._check_room_for_copies(seq, p0, p1)
+        table = self.cells
+        meta = table._meta.copy()       # index hints an undo would leave tightened
+        forward = self._forward
+        unshare: list = []
+        journal: list = []
+        placed: Optional[_Placed] = None
+        shifted = None
+        try:
+            # seq leaves the shared cells: each run of consecutive positions at once (seq holds
+            # a position once, so the run's cells are exactly the shared ones)
+            breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+            for run in np.split(positions, breaks):
+                table.seq_rm(seq, int(run[0]), int(run[-1]) + 1, journal=unshare)
+            head = table.head
+            start = table.find_contiguous(n)
+            slots = (np.arange(start, start + n, dtype=np.int32) if start >= 0
+                     else table.find_scatter(n))
+            kept = self.storage.read_cells(slots)
+            table.apply_batch(slots, positions, np.full(n, seq, np.int32))
+            placed = _Placed(slots, head, *kept)
+            moving = shifts != 0
+            if moving.any():           # the copies carry the rotations still owed
+                table.restore_shifts(slots[moving], shifts[moving])
+            self.storage.copy_cells(src, slots)
+            result = op(*args, journal=journal)
+            if apply_shifts:
+                shifted = self._apply_pending_shifts()
+        except BaseException:
+            table.rollback(journal)
+            if placed is not None:
+                self.storage.write_cells(placed.slots, placed.keys, placed.values)
+                table.unapply_batch(placed.slots, placed.head)
+            table.rollback(unshare)
+            table._meta[:] = meta
+            raise
+        if self._outer_journal is not None:
+            self._outer_journal += [_Counters(meta), (unshare, forward), placed,
+                                    (journal, forward)]
+            if shifted is not None:
+                self._outer_journal.append(shifted)
+        self._forward = None
+        return result
+
     def _journal_begin(self) -> None:
         """Record every following sequence operation until :meth:`_journal_end` (a WrapperCache
         that may have to take back what its first caches did when a later one refuses)."""
@@ -646,6 +879,8 @@ class CausalCache(StateMethods):
             elif isinstance(entry, _Placed):
                 self.storage.write_cells(entry.slots, entry.keys, entry.values)
                 self.cells.unapply_batch(entry.slots, entry.head)
+            elif isinstance(entry, _Counters):
+                self.cells._meta[:] = entry.meta
             else:
                 cells_journal, forward = entry
                 self.cells.rollback(cells_journal)
@@ -723,9 +958,10 @@ class CausalCache(StateMethods):
             windows.append((first, last + 1, window_deltas))
             i = j + 1
         results = []
-        for layer in range(cfg.n_layers):
+        # each stored key once, in its own layer (layer_reuse: the owning layers)
+        for slot, layer in enumerate(cfg.owner_layers):
             for lo, hi, window_deltas in windows:
-                view = self.storage.key_view(layer, lo, hi)
+                view = self.storage.key_view(slot, lo, hi)
                 d = self._xp.asarray(window_deltas)
                 out = self.shift(layer, export_view(view, cfg.dtype), d)
                 out = as_array(out, self.device, cfg.dtype, name="shift result")
@@ -803,13 +1039,18 @@ class CausalCache(StateMethods):
     def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of every cell of ``layer`` (the current layer when None): key
         ``[n_cells, n_kv_heads, head_dim]``, value likewise (``[n_kv_heads, v_head_dim,
-        n_cells]`` when permuted); ``page_table().kv_indices`` index their cell axis."""
+        n_cells]`` when permuted); ``page_table().kv_indices`` index their cell axis. A layer
+        that reuses another's K/V (``layer_reuse``) gets that layer's views."""
         self._check_open()
         layer = self._layer if layer is None else _check_index("layer", layer, 0,
                                                                self.config.n_layers)
+        slot = self._storage_layers[layer]
+        if slot < 0:
+            raise ValueError(f"layer_pool(): layer {layer} has no K/V in this cache "
+                             f"(layer_reuse[{layer}] = -1)")
         dtype = self.config.dtype
-        return (export_view(self.storage.key_view(layer, 0, self.n_cells), dtype),
-                export_view(self.storage.value_view(layer, 0, self.n_cells), dtype))
+        return (export_view(self.storage.key_view(slot, 0, self.n_cells), dtype),
+                export_view(self.storage.value_view(slot, 0, self.n_cells), dtype))
 
     @property
     def _attention_cache(self) -> "CausalCache":
@@ -840,9 +1081,42 @@ class CausalCache(StateMethods):
         extra = "".join(f", {k}={v}" for k, v in (("swa_window", self.swa_window),
                                                   ("swa_memory", self.swa_memory),
                                                   ("chunk_size", self.chunk_size)) if v)
+        shard = "" if cfg.head_shard is None else \
+            f" (heads {cfg.head_range} of {cfg.n_kv_heads})"
         return (f"CausalCache(n_cells={self.n_cells}, used={self.cells.n_used}, layers="
-                f"{cfg.n_layers}, kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}, dtype="
+                f"{cfg.n_layers}, kv_heads={cfg.local_kv_heads}{shard}, head_dim={cfg.head_dim}, dtype="
                 f"{cfg.dtype}, device={self.device}{extra})")
+
+
+def _held_twice(cells: CellTable, src: int, dst: int, p0: int, p1: Optional[int]) -> np.ndarray:
+    """Positions (int64, ascending) that ``seq_cp(src, dst, p0, p1)`` would give ``dst`` a
+    second time: ``src`` holds them in ``[p0, p1)`` in a cell ``dst`` does not share, and ``dst``
+    already holds them in another cell. O(cells of src + cells of dst)."""
+    stop = UNLIMITED if p1 is None else p1
+    src_cells = cells.seq_cells(src)
+    pos = cells._pos[src_cells]
+    pick = (pos >= p0) & (pos < stop)
+    if not pick.any():
+        return np.zeros(0, np.int64)
+    word, bit = dst >> 6, np.uint64(1 << (dst & 63))
+    joins = src_cells[pick][(cells._seqs[src_cells[pick], word] & bit) == 0]
+    if not len(joins):
+        return np.zeros(0, np.int64)
+    held = cells._pos[cells.seq_cells(dst)]
+    return np.intersect1d(cells._pos[joins], held).astype(np.int64)
+
+
+def _refuse_held(cells: CellTable, src: int, dst: int, p0: int, p1: Optional[int],
+                 what: str) -> None:
+    """Refuse (``ValueError`` naming the positions) a copy that would leave ``dst`` holding a
+    position twice: llama.cpp's batch rule (a (sequence, position) is stored at most once)
+    applied to ``seq_cp``, as the stream cache already did; llama.cpp itself asserts."""
+    twice = _held_twice(cells, src, dst, p0, p1)
+    if len(twice):
+        shown = twice[:16].tolist()
+        more = f" and {len(twice) - 16} more" if len(twice) > 16 else ""
+        raise ValueError(f"{what}: sequence {dst} already holds positions {shown}{more} that "
+                         f"sequence {src} would copy into it; seq_rm them from {dst} first")
 
 
 _TABLE_SAMPLE_CELLS = 4096

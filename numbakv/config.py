@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -85,6 +85,29 @@ def _check_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
+def _check_head_shard(value, n_kv_heads: int) -> "Optional[Tuple[int, int]]":
+    """``None`` or ``(rank, world)`` with ``world >= 1``, ``0 <= rank < world`` and ``world``
+    dividing ``n_kv_heads`` or a multiple of it (replicated heads)."""
+    if value is None:
+        return None
+    try:
+        rank, world = value
+    except (TypeError, ValueError):
+        raise ValueError(f"head_shard must be None or (rank, world), got {value!r}") from None
+    for x in (rank, world):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise ValueError(f"head_shard must be a pair of integers (rank, world), got {value!r}")
+    rank, world = int(rank), int(world)
+    if world < 1:
+        raise ValueError(f"head_shard world must be >= 1, got {value!r}")
+    if not 0 <= rank < world:
+        raise ValueError(f"head_shard rank must be in [0, world={world}), got {value!r}")
+    if n_kv_heads % world and world % n_kv_heads:
+        raise ValueError(f"head_shard world must divide n_kv_heads={n_kv_heads} or be a multiple "
+                         f"of it, got {value!r}")
+    return (rank, world)
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -93,9 +116,10 @@ def round_up(value: int, multiple: int) -> int:
 class CacheConfig:
     """Shapes, dtypes and limits of a cache.
 
-    K storage is ``[n_layers, n_cells, n_kv_heads, head_dim]``; V storage is
-    ``[n_layers, n_cells, n_kv_heads, v_head_dim]`` or, with ``permuted_v``,
-    ``[n_layers, n_kv_heads, v_head_dim, n_cells]``. ``capacity`` is the number of tokens each
+    K storage is ``[n_layers, n_cells, local_kv_heads, head_dim]``; V storage is
+    ``[n_layers, n_cells, local_kv_heads, v_head_dim]`` or, with ``permuted_v``,
+    ``[n_layers, local_kv_heads, v_head_dim, n_cells]`` (``local_kv_heads == n_kv_heads`` unless
+    ``head_shard`` is set). ``capacity`` is the number of tokens each
     sequence may keep; ``max_seqs`` how many sequences share the cache; ``max_batch`` the most
     tokens one forward pass may add. ``cache_padding`` rounds the cell count and every ``get()``
     range; ``mask_batch_padding`` rounds the mask's rows.
@@ -121,6 +145,17 @@ class CacheConfig:
     v_dtype: Optional[str] = None
     k_scale: "float | Sequence[float]" = 1.0
     v_scale: "float | Sequence[float]" = 1.0
+    #: llama.cpp's layer filter / reuse: ``None`` (every layer owns its K/V) or ``n_layers``
+    #: ints: ``layer_reuse[i] == i`` layer ``i`` owns K/V; ``j`` (another layer, which must own
+    #: its K/V) layer ``i`` reads layer ``j``'s K/V and stores none (KV-sharing layers such as
+    #: Gemma 3n's last ones); ``-1`` no K/V in this cache (a recurrent or linear-attention
+    #: layer, or one another cache holds). Storage is allocated for owning layers only.
+    layer_reuse: Optional[Sequence[int]] = None
+    #: ``(rank, world)``: this cache is one shard of a tensor-parallel group and keeps only the KV
+    #: heads :attr:`head_range` of every layer (``None``: all ``n_kv_heads``). ``n_kv_heads``
+    #: stays the model's total; storage, ``put``, ``get``, page tables, ``layer_pool`` and
+    #: ``attend`` use :attr:`local_kv_heads`.
+    head_shard: Optional[Tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -147,6 +182,31 @@ class CacheConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._check_kv_types(set_)
+        set_("layer_reuse", _check_layer_reuse(self.layer_reuse, self.n_layers))
+        set_("head_shard", _check_head_shard(self.head_shard, self.n_kv_heads))
+
+    @property
+    def head_range(self) -> Tuple[int, int]:
+        """``(first, stop)``: the KV heads this cache keeps, ``(0, n_kv_heads)`` unless
+        ``head_shard`` is set. With ``head_shard=(rank, world)`` and ``H = n_kv_heads``: heads
+        ``[rank*H/world, (rank+1)*H/world)`` when ``world <= H``; when ``world > H`` each rank keeps
+        the single head ``rank * H // world`` (replicated ``world / H`` times, as vLLM does)."""
+        if self.head_shard is None:
+            return (0, self.n_kv_heads)
+        rank, world = self.head_shard
+        H = self.n_kv_heads
+        if world <= H:
+            per = H // world
+            return (rank * per, (rank + 1) * per)
+        head = rank * H // world
+        return (head, head + 1)
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads held per layer: ``stop - first`` of :attr:`head_range` (``n_kv_heads``
+        unless head-sharded). Every storage shape uses it."""
+        first, stop = self.head_range
+        return stop - first
 
     def _check_kv_types(self, set_) -> None:
         """``k_dtype``/``v_dtype``: ``dtype`` (the default) or a quantized type; ggml blocks need
@@ -234,11 +294,59 @@ class CacheConfig:
         return round_up(cells, self.cache_padding)
 
     def nbytes(self, n_cells: Optional[int] = None, *, swa_memory: Optional[int] = None) -> int:
-        """Bytes of K and V storage for ``n_cells`` cells (default: what the cache allocates)."""
+        """Bytes of K and V storage for ``n_cells`` cells (default: what the cache allocates):
+        owning layers only (``layer_reuse``)."""
         if n_cells is None:
             n_cells = self.n_cells(swa_memory)
-        per_cell = self.n_layers * self.n_kv_heads * (self.k_row_bytes + self.v_row_bytes)
+        per_cell = self.n_stored_layers * self.local_kv_heads * (self.k_row_bytes +
+                                                                 self.v_row_bytes)
         return int(n_cells) * per_cell
+
+    # -- layer filter / reuse (llama.cpp's ``filter`` and ``reuse``)
+    @property
+    def owner_layers(self) -> Tuple[int, ...]:
+        """The model layers that store K/V, ascending (every layer without ``layer_reuse``)."""
+        if self.layer_reuse is None:
+            return tuple(range(self.n_layers))
+        return tuple(i for i, r in enumerate(self.layer_reuse) if r == i)
+
+    @property
+    def n_stored_layers(self) -> int:
+        """Layers of K/V the storage holds: the owning layers."""
+        return len(self.owner_layers)
+
+    def owner_layer(self, layer: int) -> int:
+        """The model layer whose K/V ``layer`` reads (itself when it owns K/V), -1 when the
+        layer has none in this cache. The hook sequence snapshots and state files use to find
+        a layer's rows: see :meth:`storage_layer`."""
+        if self.layer_reuse is None:
+            return layer
+        return self.layer_reuse[layer]
+
+    def storage_layer(self, layer: int) -> int:
+        """Index along the storage's layer axis of the K/V ``layer`` reads (-1: none)."""
+        return self.storage_layers[layer]
+
+    @property
+    def storage_layers(self) -> Tuple[int, ...]:
+        """For every model layer, the storage layer its K/V lives in (-1: none)."""
+        if self.layer_reuse is None:
+            return tuple(range(self.n_layers))
+        slot = {layer: i for i, layer in enumerate(self.owner_layers)}
+        return tuple(slot.get(r, -1) for r in self.layer_reuse)
+
+    def storage_config(self) -> "CacheConfig":
+        """The config a ``KVStorage`` is allocated with: the owning layers only (their float8
+        scales with them), no ``layer_reuse``. Itself when every layer owns K/V."""
+        if self.layer_reuse is None:
+            return self
+        owners = list(self.owner_layers)
+        scales = {}
+        for side in ("k_scale", "v_scale"):
+            value = getattr(self, side)
+            scales[side] = tuple(value[i] for i in owners) if isinstance(value, tuple) \
+                else value
+        return self.replace(n_layers=len(owners), layer_reuse=None, **scales)
 
     def replace(self, **changes: Any) -> "CacheConfig":
         """A new, validated config with ``changes`` (field name -> value) applied."""
@@ -252,6 +360,34 @@ class CacheConfig:
     def to_dict(self) -> dict:
         """Every field by name (plain values: what ``CacheConfig(**d)`` takes back)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_layer_reuse(value, n_layers: int) -> Optional[Tuple[int, ...]]:
+    """``layer_reuse`` as a tuple of ``n_layers`` ints (None stays None), each -1, the layer
+    itself, or another layer that owns its K/V; at least one layer must own K/V."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
+        raise ValueError(f"layer_reuse must be None or a sequence of n_layers={n_layers} ints, "
+                         f"got {type(value).__name__}")
+    items = list(value)
+    if len(items) != n_layers:
+        raise ValueError(f"layer_reuse must have n_layers={n_layers} entries, got {len(items)}")
+    out = []
+    for i, r in enumerate(items):
+        if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) \
+                or not -1 <= int(r) < n_layers:
+            raise ValueError(f"layer_reuse[{i}] must be -1 or a layer in [0, {n_layers}), got "
+                             f"{r!r}")
+        out.append(int(r))
+    for i, r in enumerate(out):
+        if r >= 0 and r != i and out[r] != r:
+            raise ValueError(f"layer_reuse[{i}] = {r}: layer {r} must own its K/V "
+                             f"(layer_reuse[{r}] == {r}), got layer_reuse[{r}] = {out[r]}")
+    if not any(r == i for i, r in enumerate(out)):
+        raise ValueError("layer_reuse must leave at least one layer owning its K/V "
+                         "(layer_reuse[i] == i)")
+    return tuple(out)
 
 
 def _freq_factors(value) -> tuple:

@@ -334,7 +334,7 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
     config = _text_config(model_or_config)
     model = model_or_config if _is_module(model_or_config) else None
     known = {f.name for f in fields(CacheConfig)}
-    reserved = {"n_layers", "n_kv_heads", "head_dim", "v_head_dim"}
+    reserved = {"n_layers", "n_kv_heads", "head_dim", "v_head_dim", "layer_reuse"}
     unknown = sorted(set(kw) - known)
     if unknown or reserved & set(kw):
         bad = unknown or sorted(reserved & set(kw))
@@ -355,12 +355,20 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
     groups: Dict[Tuple[str, Optional[int], Optional[int]], List[int]] = {}
     for i, la in enumerate(layers):
         groups.setdefault((la.layer_type, la.swa_window, la.chunk_size), []).append(i)
+    reuse = kv_reuse_for(config)
     caches, group_of = [], [0] * len(layers)
     for g, ((layer_type, window, chunk), members) in enumerate(groups.items()):
+        local = {layer: k for k, layer in enumerate(members)}
+        group_reuse = None
+        if reuse is not None and any(reuse[i] != i for i in members):
+            if any(reuse[i] not in local for i in members):
+                raise NotSupportedError(f"layers {members} ({layer_type}) reuse K/V of a layer "
+                                        "of another kind, which numbakv keeps in another cache")
+            group_reuse = [local[reuse[i]] for i in members]
         cfg = CacheConfig(n_layers=len(members), n_kv_heads=shapes.n_kv_heads,
                           head_dim=shapes.head_dim, v_head_dim=shapes.v_head_dim, dtype=dtype,
                           capacity=capacity, max_seqs=max_seqs, max_batch=max_batch,
-                          device=device, **kw)
+                          device=device, layer_reuse=group_reuse, **kw)
         caches.append(CausalCache(cfg, shift=_group_shift(shift, config, layer_type),
                                   swa_window=window,
                                   swa_memory=swa_memory if window is not None else None,
@@ -370,6 +378,32 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
     if len(caches) == 1:
         return caches[0]
     return WrapperCache(caches, layer_groups=group_of)
+
+
+def kv_reuse_for(model_or_config: Any) -> Optional[List[int]]:
+    """llama.cpp's layer ``reuse`` for a model whose last layers share K/V (transformers'
+    Gemma 3n ``num_kv_shared_layers``: each of the last ``n`` layers reads the K/V of the last
+    earlier layer of its own type, as ``Gemma3nTextConfig.kv_sharing_modes`` does): for every
+    model layer, the layer whose K/V it reads (itself when it owns them); None when no layer
+    shares."""
+    config = _text_config(model_or_config)
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    if shared <= 0:
+        return None
+    n = int(config.num_hidden_layers)
+    first = n - shared
+    if first <= 0:
+        raise NotSupportedError(f"num_kv_shared_layers={shared} leaves no layer of the "
+                                f"{n} to produce K/V")
+    types = [la.layer_type for la in layer_attention(config)]
+    reuse = list(range(n))
+    for i in range(first, n):
+        producers = [j for j in range(first) if types[j] == types[i]]
+        if not producers:
+            raise NotSupportedError(f"layer {i} ({types[i]}) shares K/V but no earlier layer "
+                                    "of its type produces them")
+        reuse[i] = producers[-1]
+    return reuse
 
 
 def _group_shift(shift, config, layer_type: str):
@@ -472,7 +506,10 @@ class _Binding:
         if v.dtype != want:
             v = v.to(want)
         self.cache.set_layer(layer)
-        self.cache.put(k, v)
+        if self.layer_caches[layer]._put_layer >= 0:
+            self.cache.put(k, v)
+        # else a KV-sharing layer (layer_reuse): the model hands it the K/V its source layer
+        # stored earlier in this pass; attend() reads them from that layer
         self.layer_generation[layer] = self.generation
         q = query[0].transpose(0, 1)                # [q, H, D]
         if q.dtype != want:                         # attention in the cache's dtype (a float16

@@ -88,6 +88,7 @@ class PromptStats:
     shifts: int = 0
     discarded: int = 0
     reprocessed: int = 0
+    store_reused: int = 0
 
 
 def _check_inputs(name: str, inputs, allow_empty: bool) -> List[Hashable]:
@@ -117,6 +118,11 @@ def _check_inputs(name: str, inputs, allow_empty: bool) -> List[Hashable]:
     return out
 
 
+def _all_token_ids(inputs: Sequence[Hashable]) -> bool:
+    """Whether every input is a non-negative integer token id (what a prefix store keys)."""
+    return all(type(t) is int and t >= 0 for t in inputs)
+
+
 def _geometry(cache) -> Tuple[int, int]:
     """``(max_seqs, num_ctx)`` of ``cache``: its config's, or for a cache of caches
     (``WrapperCache``) the shared ``max_seqs`` and the smallest ``capacity``."""
@@ -142,12 +148,15 @@ class PromptCache:
             prefix into the least recently used slot) instead of the longest free prefix.
         clock: returns the current time as a number; ``release`` and ``load`` record it, and
             the least recently used slot is the one with the smallest time.
+        store: a ``numbakv.PrefixStore`` of ``cache``: ``load`` takes the store's prefix when it
+            is longer than the best slot's common prefix, ``release`` saves the slot's prefix
+            into it. The store's ``retain_seqs`` are never slots.
     """
 
     _REQUIRED = ("remove", "copy_prefix", "can_resume", "seq_pos_max")
 
     def __init__(self, cache, *, multi_user: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, store=None) -> None:
         missing = [name for name in self._REQUIRED if not callable(getattr(cache, name, None))]
         if missing:
             raise ValueError(f"cache must offer {', '.join(self._REQUIRED)}; "
@@ -156,8 +165,21 @@ class PromptCache:
             raise ValueError(f"multi_user must be a bool, got {multi_user!r}")
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning the time, got {clock!r}")
+        if store is not None:
+            # duck-typed: prefix/ is an outer layer of prompt.py (DESIGN's table)
+            if not all(callable(getattr(store, n, None)) for n in ("match", "load", "save")) \
+                    or not hasattr(store, "retain_seqs"):
+                raise ValueError(f"store must be a numbakv.PrefixStore or None, got "
+                                 f"{type(store).__name__}")
+            if store.cache is not cache:
+                raise ValueError("store must be a PrefixStore of this cache (PrefixStore(cache, "
+                                 "...)); it was made for another cache")
         self.num_slots, self.num_ctx = _geometry(cache)
         self.cache = cache
+        #: the prefix store slots load from and release into (None: slots only)
+        self.store = store
+        #: sequences the store keeps prefixes in: never a slot
+        self._reserved = frozenset(store.retain_seqs) if store is not None else frozenset()
         self.multi_user = bool(multi_user)
         self.clock = clock
         self.slots: List[SlotState] = [SlotState(i) for i in range(self.num_slots)]
@@ -171,7 +193,7 @@ class PromptCache:
         nothing."""
         best, best_len = -1, -1
         for s in self.slots:
-            if s.in_use:
+            if s.in_use or s.slot in self._reserved:
                 continue
             n = common_prefix_length(s.inputs, prompt)
             if n > best_len:
@@ -189,6 +211,8 @@ class PromptCache:
         longest, longest_len = -1, -1
         oldest = -1
         for s in self.slots:
+            if s.slot in self._reserved:
+                continue
             n = common_prefix_length(s.inputs, prompt)
             if n > longest_len:
                 longest, longest_len = s.slot, n
@@ -219,6 +243,15 @@ class PromptCache:
             (slot, num_past), fork = self.find_longest_slot(prompt), None
         state = self.slots[slot]
         held = len(state.inputs)
+        if self.store is not None and cache_prompt and len(prompt) > 1 \
+                and _all_token_ids(prompt):
+            # the store's prefix (keeping one input to evaluate) beats the slots' best? (a
+            # slot prefix a sliding window no longer covers counts as none)
+            usable = min(num_past, len(prompt) - 1)
+            if usable > 0 and not self.cache.can_resume(slot, usable):
+                usable = 0
+            if self.store.match(prompt[:-1]) > usable:
+                return self._load_from_store(state, prompt, held)
         if fork is not None:
             # Share the source's first num_past cells; the slot now holds that prefix.
             try:
@@ -260,6 +293,27 @@ class PromptCache:
                                   max(0, held - num_past) if fork is None else held)
         return slot, remaining
 
+    def _load_from_store(self, state: SlotState, prompt: list, held: int) -> Tuple[int, list]:
+        """``load`` through the prefix store: empty the slot, load the store's longest prefix
+        of ``prompt[:-1]`` into it (one input is left to evaluate)."""
+        self.cache.remove(state.slot, 0, None)
+        state.inputs = []
+        state.in_use = True
+        state.last_used = self.clock()
+        try:
+            n = self.store.load(state.slot, prompt[:-1])
+        except BaseException:
+            state.in_use = False
+            raise
+        state.inputs = prompt[:n]
+        remaining = prompt[n:]
+        self.stats.loads += 1
+        self.stats.reused += n
+        self.stats.store_reused += n
+        self.stats.evaluated += len(remaining)
+        self.last_load = LoadInfo(state.slot, n, None, held, held)
+        return state.slot, remaining
+
     # ------------------------------------------------------------------ per slot
     def extend(self, slot: int, inputs: Sequence[Hashable]) -> None:
         """Record that ``inputs`` were (or are being) evaluated into ``slot``'s sequence, at
@@ -284,6 +338,12 @@ class PromptCache:
         state = self._slot(slot, in_use=True)
         state.in_use = False
         state.last_used = self.clock()
+        if self.store is not None and state.inputs:
+            # what the slot's sequence holds (a caller may have recorded inputs it has not
+            # evaluated yet: only the evaluated ones are saved)
+            n = min(len(state.inputs), self.cache.seq_pos_max(state.slot) + 1)
+            if n > 0 and _all_token_ids(state.inputs[:n]):
+                self.store.save(state.slot, state.inputs[:n])
 
     # ------------------------------------------------------------------ context shift
     def shift_discard(self, n_inputs: int, num_keep: int) -> int:
@@ -302,8 +362,11 @@ class PromptCache:
         re-rotated) and drop those inputs. Returns ``discard`` (0: nothing to do).
 
         If the cache refuses (``NotSupportedError``: no shift function, or cells shared with
-        another sequence would move), the slot is emptied and ``ReprocessError`` is raised with
-        ``inputs`` = the kept inputs, to evaluate again from position 0."""
+        another sequence would move; ``KVCacheFullError``: with ``shared_shift="copy"``, no room
+        for the forked slot's own copies of the shared cells), the slot is emptied and
+        ``ReprocessError`` is raised with ``inputs`` = the kept inputs, to evaluate again from
+        position 0. A cache built with ``shared_shift="copy"`` shifts forked slots whose shared
+        prefix reaches past ``num_keep``."""
         state = self._slot(slot)
         num_keep = self._check_keep(num_keep)
         discard = self.shift_discard(len(state.inputs), num_keep)

@@ -180,50 +180,72 @@ class _SingleStreamCache:
     def _meta(self) -> Dict[str, Any]:
         return {"kind": self.kind, "step": self._step, "dtype": self._dtype}
 
-    def state(self) -> Dict[str, Any]:
-        """``{"keys", "values", "offset", "meta"}``: views of the stored tokens (``None`` when
-        empty) as :meth:`update` would export them, the offset, and the plain ints/strings
-        :meth:`from_state` needs to rebuild this cache exactly. The views are live storage:
-        save or copy them before the cache changes again."""
+    def state(self) -> Tuple[Any, Any]:
+        """``(keys, values)``: views of the stored tokens, ``[batch, n_kv_heads, n, head_dim]`` /
+        ``[..., v_head_dim]``, as :meth:`update` would export them, or ``(None, None)`` when
+        empty -- the seed's ``State()`` (Ollama's MLX runner) and mlx-lm's ``state``, so code
+        ported from either (``keys, values = c.state()``) works. The views are live storage:
+        save or copy them before the cache changes again. :meth:`meta_state` gives the rest."""
         if self._k is None or self._n == 0:
-            keys = values = None
-        else:
-            keys, values = self._views(self._n)
-        return {"keys": keys, "values": values, "offset": self._offset, "meta": self._meta()}
+            return None, None
+        return self._views(self._n)
+
+    def meta_state(self) -> Dict[str, Any]:
+        """The plain ints and strings :meth:`from_state` needs besides :meth:`state`'s arrays to
+        rebuild this cache exactly: ``kind``, ``step``, ``dtype`` (None until fixed),
+        ``offset``, and for a :class:`RotatingCache` ``max_size`` and the ring index ``idx``."""
+        meta = self._meta()
+        meta["offset"] = self._offset
+        return meta
 
     @staticmethod
-    def _parse_state(state: Any, kind: str):
-        if not isinstance(state, dict):
-            raise ValueError(f"state must be a dict from {kind}.state(), got "
-                             f"{type(state).__name__}")
-        missing = [key for key in ("keys", "values", "offset", "meta") if key not in state]
-        if missing:
-            raise ValueError(f"state is missing {missing}")
-        meta = state["meta"]
+    def _parse_state(state: Any, meta_state: Any, kind: str):
+        """``(keys, values, meta, offset)`` from ``from_state``'s arguments: ``(keys, values)``
+        with :meth:`meta_state`'s dict, or (numbakv before round 3) one dict ``{"keys",
+        "values", "offset", "meta"}``."""
+        if meta_state is None and isinstance(state, dict):     # the round-2 form
+            missing = [key for key in ("keys", "values", "offset", "meta") if key not in state]
+            if missing:
+                raise ValueError(f"state is missing {missing}")
+            meta = state["meta"]
+            if isinstance(meta, dict):
+                meta = {**meta, "offset": state["offset"]}
+            keys, values = state["keys"], state["values"]
+        else:
+            if not isinstance(state, (tuple, list)) or len(state) != 2:
+                raise ValueError(f"state must be the (keys, values) pair {kind}.state() returns "
+                                 f"(given with meta_state), got {type(state).__name__}")
+            if meta_state is None:
+                raise ValueError(f"meta_state must be the dict {kind}.meta_state() returns, "
+                                 "got None")
+            keys, values = state
+            meta = meta_state
         if not isinstance(meta, dict) or meta.get("kind") != kind:
             got = meta.get("kind") if isinstance(meta, dict) else meta
-            raise ValueError(f"state['meta']['kind'] must be {kind!r}, got {got!r}")
-        offset = _check_int("state['offset']", state["offset"], 0)
-        return meta, offset
+            raise ValueError(f"meta_state['kind'] must be {kind!r}, got {got!r}")
+        if "offset" not in meta:
+            raise ValueError("meta_state is missing 'offset'")
+        offset = _check_int("meta_state['offset']", meta["offset"], 0)
+        return keys, values, meta, offset
 
-    def _load_arrays(self, state, offset: int) -> int:
+    def _load_arrays(self, keys: Any, values: Any, offset: int) -> int:
         """Copies the saved tokens into fresh storage; returns how many there are."""
-        if (state["keys"] is None) != (state["values"] is None):
-            raise ValueError("state['keys'] and state['values'] must both be arrays or both None")
-        if state["keys"] is None:
+        if (keys is None) != (values is None):
+            raise ValueError("state's keys and values must both be arrays or both None")
+        if keys is None:
             return 0
         if self._dtype is None:
-            raise ValueError("state['meta']['dtype'] must be set when the state holds tokens")
-        k = _state_array(state["keys"], self._device, self._dtype, "state['keys']")
-        v = _state_array(state["values"], self._device, self._dtype, "state['values']")
+            raise ValueError("meta_state['dtype'] must be set when the state holds tokens")
+        k = _state_array(keys, self._device, self._dtype, "state's keys")
+        v = _state_array(values, self._device, self._dtype, "state's values")
         if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or k.shape[2] < 1 \
                 or min(k.shape[:2] + k.shape[3:] + v.shape[3:]) < 1:
-            raise ValueError(f"state['keys'] / state['values'] must be non-empty [batch, "
-                             f"n_kv_heads, n, head_dim] arrays agreeing on the first three dims, "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(f"state's keys / values must be non-empty [batch, n_kv_heads, n, "
+                             f"head_dim] arrays agreeing on the first three dims, got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
         n = int(k.shape[2])
         if n > offset:
-            raise ValueError(f"state holds {n} tokens but state['offset'] is only {offset}")
+            raise ValueError(f"state holds {n} tokens but meta_state['offset'] is only {offset}")
         geom = (int(k.shape[0]), int(k.shape[1]), int(k.shape[3]), int(v.shape[3]))
         self._geom = geom
         self._k, self._v = self._alloc(geom, round_up(n, self._step), self._dtype)
@@ -333,14 +355,17 @@ class StepCache(_SingleStreamCache):
         return other
 
     @classmethod
-    def from_state(cls, state: Dict[str, Any], *, device: str = "auto") -> "StepCache":
-        """A new cache holding a copy of what :meth:`state` described (on ``device``, which may
-        differ from the one the state came from)."""
-        meta, offset = cls._parse_state(state, cls.kind)
+    def from_state(cls, state: Any, meta_state: Optional[Dict[str, Any]] = None, *,
+                   device: str = "auto") -> "StepCache":
+        """A new cache holding a copy of ``state`` (``(keys, values)`` from :meth:`state`) as
+        ``meta_state`` (from :meth:`meta_state`) describes it, on ``device`` (which may differ
+        from the one the state came from). The round-2 form, one dict ``{"keys", "values",
+        "offset", "meta"}`` and no ``meta_state``, is still read."""
+        keys, values, meta, offset = cls._parse_state(state, meta_state, cls.kind)
         cache = cls(meta.get("step", 256), device=device, dtype=meta.get("dtype"))
-        n = cache._load_arrays(state, offset)
+        n = cache._load_arrays(keys, values, offset)
         if n != offset:
-            raise ValueError(f"state['offset'] is {offset} but the state holds {n} tokens")
+            raise ValueError(f"meta_state['offset'] is {offset} but the state holds {n} tokens")
         cache._offset = offset
         return cache
 
@@ -514,22 +539,24 @@ class RotatingCache(_SingleStreamCache):
         return meta
 
     @classmethod
-    def from_state(cls, state: Dict[str, Any], *, device: str = "auto") -> "RotatingCache":
-        """A new cache holding a copy of what :meth:`state` described (ring order and index
-        included), on ``device``."""
-        meta, offset = cls._parse_state(state, cls.kind)
+    def from_state(cls, state: Any, meta_state: Optional[Dict[str, Any]] = None, *,
+                   device: str = "auto") -> "RotatingCache":
+        """A new cache holding a copy of ``state`` (``(keys, values)`` from :meth:`state`, in
+        ring order) as ``meta_state`` describes it (ring index included), on ``device``. The
+        round-2 form, one dict and no ``meta_state``, is still read."""
+        keys, values, meta, offset = cls._parse_state(state, meta_state, cls.kind)
         if "max_size" not in meta:
-            raise ValueError("state['meta'] must give max_size")
+            raise ValueError("meta_state must give max_size")
         cache = cls(meta["max_size"], meta.get("step", 256), device=device,
                     dtype=meta.get("dtype"))
         M = cache._max
-        n = cache._load_arrays(state, offset)
-        idx = _check_int("state['meta']['idx']", meta.get("idx", n), 0)
+        n = cache._load_arrays(keys, values, offset)
+        idx = _check_int("meta_state['idx']", meta.get("idx", n), 0)
         if idx > n:
-            raise ValueError(f"state['meta']['idx'] must be <= the {n} stored tokens, got {idx}")
+            raise ValueError(f"meta_state['idx'] must be <= the {n} stored tokens, got {idx}")
         start = idx if 0 < idx < n else 0
         if start and n != M:
-            raise ValueError(f"state['meta']['idx']={idx} rotates a ring of {n} tokens, but a "
+            raise ValueError(f"meta_state['idx']={idx} rotates a ring of {n} tokens, but a "
                              f"ring rotates only when it holds max_size={M}")
         if n < offset and n < M - 1:
             raise ValueError(f"state holds {n} of {offset} tokens: fewer than the max_size - 1 = "

@@ -164,7 +164,7 @@ class KVStorage:
         else:
             self.xp = np
             self._device_id = None
-        L, N, H = config.n_layers, self.n_cells, config.n_kv_heads
+        L, N, H = config.n_layers, self.n_cells, config.local_kv_heads
         D, Dv = config.head_dim, config.v_head_dim
         sdt = config.storage_dtype
         vshape = (L, H, Dv, N) if self.permuted else (L, N, H, Dv)
@@ -308,8 +308,8 @@ class KVStorage:
         sdt = self._sdt
         with self._on_device():
             # put: one token with slot -1 writes nothing but runs the kernel of contiguous inputs
-            key = xp.zeros((1, cfg.n_kv_heads, cfg.head_dim), dtype=sdt)
-            value = xp.zeros((1, cfg.n_kv_heads, cfg.v_head_dim), dtype=sdt)
+            key = xp.zeros((1, cfg.local_kv_heads, cfg.head_dim), dtype=sdt)
+            value = xp.zeros((1, cfg.local_kv_heads, cfg.v_head_dim), dtype=sdt)
             self.put(0, np.array([-1], np.int32), key, value)
             # mask: one padding row over one cell
             for mdt in (MASK_DTYPES[self.config.mask_dtype],):
@@ -678,7 +678,7 @@ class KVStorage:
                 scratch = getattr(self, name)
                 if scratch is None:
                     zeros = self.xp.zeros if self.device == "cuda" else _host_zeros
-                    scratch = zeros((self.n_cells, cfg.n_kv_heads, dim), dtype=self._sdt)
+                    scratch = zeros((self.n_cells, cfg.local_kv_heads, dim), dtype=self._sdt)
                     setattr(self, name, scratch)
                 view = scratch[:hi - lo]
                 _quant.get_launch(self.device, self.keys if which == "k" else self.values,
@@ -747,7 +747,7 @@ class KVStorage:
                                ("v", v, v_row, self.values.dtype)):
             if not isinstance(x, np.ndarray):
                 raise ValueError(f"{name} must be a host numpy array, got {type(x).__name__}")
-            want = (cfg.n_layers, n, cfg.n_kv_heads, d)
+            want = (cfg.n_layers, n, cfg.local_kv_heads, d)
             if x.shape != want:
                 raise ValueError(f"{name} must have shape {want}, got {x.shape}")
             if x.dtype != dt:

@@ -42,7 +42,7 @@ from numpy.typing import ArrayLike
 from ._guard import one_thread_at_a_time
 from ._inputs import UNLIMITED, host_int_array
 from ._inputs import check_index as _check_index
-from .causal import CausalCache, PathLike, _check_memory
+from .causal import CausalCache, PathLike, _check_memory, no_put_error, second_put_error
 from .config import CacheConfig, round_up
 from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -110,7 +110,8 @@ class StreamCache(CausalCache):
     """
 
     def __init__(self, config: CacheConfig, *, shift=None, swa_window: Optional[int] = None,
-                 swa_memory: Optional[int] = None, chunk_size: Optional[int] = None) -> None:
+                 swa_memory: Optional[int] = None, chunk_size: Optional[int] = None,
+                 shared_shift: str = "error") -> None:
         if not isinstance(config, CacheConfig) or config.unified:
             raise ValueError("StreamCache needs a numbakv.CacheConfig with unified=False")
         if config.k_quantized or config.v_quantized:
@@ -129,7 +130,8 @@ class StreamCache(CausalCache):
             # the first stream sizes the pool for all of them, checked before allocating
             if self._pool is None:
                 _check_memory(stream_config, n_cells * self.n_streams, device)
-                self._pool = KVStorage(stream_config, n_cells * self.n_streams, device)
+                self._pool = KVStorage(stream_config.storage_config(), n_cells * self.n_streams,
+                                       device)
             s = len(self.streams)
             return self._pool.cell_slice(s * n_cells, (s + 1) * n_cells)
 
@@ -141,8 +143,12 @@ class StreamCache(CausalCache):
         for _ in range(self.n_streams):
             self.streams.append(CausalCache(stream_config, shift=shift, swa_window=swa_window,
                                             swa_memory=swa_memory, chunk_size=chunk_size,
+                                            shared_shift=shared_shift,
                                             _storage_factory=slice_of_pool))
         first = self.streams[0]
+        # a stream holds one sequence, so no cell is ever shared there: "copy" never copies,
+        # and is accepted so that one setting fits every kind of cache
+        self.shared_shift = first.shared_shift
         self.shift = first.shift
         self.swa_window, self.swa_memory, self.chunk_size = \
             first.swa_window, first.swa_memory, first.chunk_size
@@ -150,13 +156,16 @@ class StreamCache(CausalCache):
         self.cells_per_stream = first.n_cells
         self.n_cells = self.cells_per_stream * self.n_streams
         self.storage = self._pool
-        L, S, C = config.n_layers, self.n_streams, self.cells_per_stream
-        H, D, Dv = config.n_kv_heads, config.head_dim, config.v_head_dim
+        L, S, C = config.n_stored_layers, self.n_streams, self.cells_per_stream
+        H, D, Dv = config.local_kv_heads, config.head_dim, config.v_head_dim
         # [layer, stream, cell, head, dim] views of the pool (reshapes, no copies)
         self._k5 = self._pool.keys.reshape(L, S, C, H, D)
         self._v5 = (self._pool.values.reshape(L, H, Dv, S, C) if config.permuted_v
                     else self._pool.values.reshape(L, S, C, H, Dv))
         self._layer = 0
+        self._storage_layers = config.storage_layers     # layer_pool's map (layer_reuse)
+        self._put_layer = 0 if config.owner_layer(0) == 0 else -1
+        self._put_in = None      # the forward pass whose put() the current layer already had
         self._forward: Optional[_StreamForward] = None
         self._closed = False
 
@@ -212,6 +221,16 @@ class StreamCache(CausalCache):
         groups = [token_order[qo_indptr[b]:qo_indptr[b + 1]] for b in range(len(seq_ids))]
         undo = _StreamUndo(self._forward, [])
         zeros = np.zeros(len(pos), np.int32)
+        if not reserve:
+            # the whole batch first (llama.cpp's batch validation, as the unified cache does):
+            # a re-put position is a ValueError even when an earlier stream has no room
+            for b, s in enumerate(seq_ids.tolist()):
+                idx = groups[b]
+                bad = self.streams[s].cells.batch_conflict(pos[idx], zeros[:len(idx)])
+                if bad >= 0:
+                    i = int(idx[bad])
+                    raise ValueError(f"positions/seqs: token {i} (sequence {s}, position "
+                                     f"{int(pos[i])}) is already stored or repeated in the batch")
         s = -1
         try:
             for b, s in enumerate(seq_ids.tolist()):
@@ -284,7 +303,11 @@ class StreamCache(CausalCache):
     def set_layer(self, layer: int) -> None:
         """Choose the layer that ``put`` and ``get`` work on."""
         self._check_open()
-        self._layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._layer = layer = _check_index("layer", layer, 0, self.config.n_layers)
+        self._put_in = None
+        # whether this layer stores K/V here (layer_reuse), as CausalCache keeps it
+        self._put_layer = self._storage_layers[layer] \
+            if self.config.owner_layer(layer) == layer else -1
 
     def set_causal(self, except_: Optional[Sequence[int]] = None) -> None:
         """Drop the future-position test for these batch indices until the next
@@ -310,7 +333,12 @@ class StreamCache(CausalCache):
         n_kv_heads, v_head_dim]`` (batch order) for the current layer, each token into its
         sequence's stream."""
         fwd = self._require_forward("put")
+        if self._put_in is fwd:
+            raise second_put_error(self._layer)
+        if self._put_layer < 0:
+            raise no_put_error(self.config, self._layer)
         k, v = self._batch_kv(key, value, len(fwd.token_order))
+        self._put_in = fwd
         if fwd.reserve:
             return
         for b, s in enumerate(fwd.seq_ids.tolist()):
@@ -328,7 +356,11 @@ class StreamCache(CausalCache):
         n_kv]``), mask ``[n_b, rows, n_kv]`` (0 visible, -inf masked). Zero-copy views when the
         batch's sequence ids are consecutive and ascending, else gathered copies."""
         fwd = self._require_forward("get")
-        n_kv, layer, ids = fwd.n_kv, self._layer, fwd.seq_ids
+        n_kv, ids = fwd.n_kv, fwd.seq_ids
+        layer = self.config.storage_layer(self._layer)
+        if layer < 0:
+            raise ValueError(f"get(): layer {self._layer} has no K/V in this cache "
+                             f"(layer_reuse[{self._layer}] = -1)")
         k5, v5 = self._k5[layer], self._v5[layer]
         if fwd.consecutive:
             s0, s1 = int(ids[0]), int(ids[0]) + len(ids)
@@ -457,9 +489,13 @@ class StreamCache(CausalCache):
         n = len(cells)
         if not replace and n:
             have, _ = self._cells_in(dst, int(positions.min()), int(positions.max()) + 1)
-            if len(have) and np.isin(target.cells._pos[have], positions).any():
-                raise ValueError(f"seq_cp: sequence {dst} already holds some of positions "
-                                 f"[{p0}, {p1}) of sequence {src}; seq_rm them first")
+            twice = np.intersect1d(target.cells._pos[have], positions) if len(have) else have
+            if len(twice):
+                shown = twice[:16].tolist()
+                more = f" and {len(twice) - 16} more" if len(twice) > 16 else ""
+                raise ValueError(f"seq_cp: sequence {dst} already holds positions {shown}{more} "
+                                 f"that sequence {src} would copy into it; seq_rm them from "
+                                 f"{dst} first")
         free_after = self.cells_per_stream - (0 if replace else target.n_used)
         if n > free_after:
             raise KVCacheFullError(f"stream {dst}: copying {n} cells of sequence {src} needs "
@@ -563,7 +599,7 @@ class StreamCache(CausalCache):
         c = self.config
         state = "closed" if self._closed else f"{self.n_used}/{self.n_cells} cells used"
         return (f"StreamCache({c.n_layers} layers x {self.n_streams} streams x "
-                f"{self.cells_per_stream} cells, {c.n_kv_heads}x{c.head_dim} {c.dtype}, "
+                f"{self.cells_per_stream} cells, {c.local_kv_heads}x{c.head_dim} {c.dtype}, "
                 f"device={self.device}, {state})")
 
 

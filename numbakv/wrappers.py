@@ -14,7 +14,7 @@ from ._guard import one_thread_at_a_time
 from ._memory import check_memory
 from ._inputs import UNLIMITED, check_batch, host_int_array
 from ._inputs import check_index as _check_index
-from .causal import CausalCache, PathLike
+from .causal import CausalCache, PathLike, _NeedRoom, check_shared_shift
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
@@ -37,10 +37,14 @@ class WrapperCache(StateMethods):
         layer_groups: for each model layer, the index of its cache in ``caches``. Cache ``g``
             must have as many layers as ``layer_groups`` names ``g``. Default: every cache sees
             every layer (``n_layers`` equal across caches, ``set_layer_type`` picks the cache).
+        shared_shift: ``None`` keeps each cache's own setting; ``"error"`` or ``"copy"`` sets
+            it on every cache (see ``CausalCache``: moving cells other sequences share is
+            refused, or first gives the moving sequence its own copies, in every group).
     """
 
     def __init__(self, caches: Sequence[CausalCache],
-                 layer_groups: Optional[Sequence[int]] = None) -> None:
+                 layer_groups: Optional[Sequence[int]] = None, *,
+                 shared_shift: Optional[str] = None) -> None:
         if isinstance(caches, (CausalCache, str, bytes)) or not hasattr(caches, "__iter__"):
             raise ValueError(f"caches must be a non-empty sequence of CausalCache, got "
                              f"{type(caches).__name__}")
@@ -48,6 +52,11 @@ class WrapperCache(StateMethods):
         if not caches or not all(isinstance(c, CausalCache) for c in caches):
             raise ValueError("caches must be a non-empty sequence of CausalCache")
         _check_groupable(caches, layer_groups is None)
+        if shared_shift is not None:
+            shared_shift = check_shared_shift(shared_shift)
+            for cache in caches:
+                for leaf in [cache] + list(getattr(cache, "streams", [])):
+                    leaf.shared_shift = shared_shift
         self.caches = caches
         if layer_groups is None:
             self.layer_groups = None
@@ -81,10 +90,24 @@ class WrapperCache(StateMethods):
         if any of them fails (e.g. ``KVCacheFullError``), each one's undo log takes back what it
         did (evictions, defrags and key rotations included), so every (sequence, position) keeps
         its own K/V."""
+        provider = self._room_provider
+        try:
+            self._start_forward(positions, seqs, reserve, provider is not None)
+        except _NeedRoom as need:
+            # a prefix store holds cells: it evicts first (see CausalCache._room_provider)
+            provider(need.cells)
+            self._start_forward(positions, seqs, reserve, False)
+
+    #: as ``CausalCache._room_provider``, for the wrapper as a whole (its caches' stay None)
+    _room_provider = None
+
+    def _start_forward(self, positions, seqs, reserve: bool, ask_room: bool) -> None:
         undos: List[Tuple[CausalCache, object]] = []
+        extra = {"ask_room": True} if ask_room else {}   # stream caches take no ask_room
         try:
             for cache in self.caches:
-                undos.append((cache, cache._place(positions, seqs, reserve, undoable=True)))
+                undos.append((cache, cache._place(positions, seqs, reserve, undoable=True,
+                                                  **extra)))
             for cache, undo in undos:
                 cache._finish_forward(undo)
         except BaseException:
@@ -252,6 +275,12 @@ class WrapperCache(StateMethods):
     # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
     _STATE_IO = "wrapper"
 
+    def _after_state_load(self) -> None:
+        """A state load ends every group's forward pass (a stream cache keeps its own beside its
+        streams')."""
+        for cache in self.caches:
+            cache._forward = None
+
 
 def _check_groupable(caches: List[CausalCache], same_layers: bool) -> None:
     """Caches a WrapperCache can fan out over: distinct, open, sharing max_seqs and device, and
@@ -300,9 +329,9 @@ class EncoderCache:
                       "mask at max_batch": mask_rows * config.capacity
                       * MASK_DTYPES[config.mask_dtype].itemsize},
                      hint="lower capacity (encoder tokens) or n_layers")
-        self.keys = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+        self.keys = self._xp.zeros((config.n_layers, config.capacity, config.local_kv_heads,
                                     config.head_dim), dtype=sd)
-        self.values = self._xp.zeros((config.n_layers, config.capacity, config.n_kv_heads,
+        self.values = self._xp.zeros((config.n_layers, config.capacity, config.local_kv_heads,
                                       config.v_head_dim), dtype=sd)
         self.encoder_len = 0            # encoder tokens stored (0: nothing cached)
         self.encoder_pos: Optional[int] = None   # position of the input the encoder output is for
@@ -355,12 +384,12 @@ class EncoderCache:
         k = as_array(key, self.device, cfg.dtype, name="key")
         v = as_array(value, self.device, cfg.dtype, name="value")
         n = k.shape[0] if k.ndim == 3 else -1
-        if k.ndim != 3 or tuple(k.shape[1:]) != (cfg.n_kv_heads, cfg.head_dim) \
+        if k.ndim != 3 or tuple(k.shape[1:]) != (cfg.local_kv_heads, cfg.head_dim) \
                 or not 1 <= n <= cfg.capacity:
-            raise ValueError(f"key must have shape [n_enc <= {cfg.capacity}, {cfg.n_kv_heads}, "
+            raise ValueError(f"key must have shape [n_enc <= {cfg.capacity}, {cfg.local_kv_heads}, "
                              f"{cfg.head_dim}], got {list(k.shape)}")
-        if tuple(v.shape) != (n, cfg.n_kv_heads, cfg.v_head_dim):
-            raise ValueError(f"value must have shape [{n}, {cfg.n_kv_heads}, {cfg.v_head_dim}],"
+        if tuple(v.shape) != (n, cfg.local_kv_heads, cfg.v_head_dim):
+            raise ValueError(f"value must have shape [{n}, {cfg.local_kv_heads}, {cfg.v_head_dim}],"
                              f" got {list(v.shape)}")
         if not self._storing:
             if self._reserve:

@@ -48,3 +48,14 @@ def test_serve_batch_example(capsys):
     outputs = example.main()
     assert len(outputs) == 4 and all(len(toks) == 8 for toks in outputs.values())
     assert capsys.readouterr().out.count("request ") == 4
+
+
+@pytest.mark.slow
+def test_disaggregated_example(capsys):
+    """Two spawned processes (gloo): ~40 s of imports, hence slow; tests/test_dist.py covers the
+    same transfer in its module-wide group."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    example = load("disaggregated")
+    assert example.main(["--tokens", "4", "--prompt", "12"]) == 0
+    assert capsys.readouterr().out.strip().endswith("OK")

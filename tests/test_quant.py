@@ -366,6 +366,7 @@ def test_defrag_remove_copy_prefix_on_quantized_caches(device, kinds):
     t.forward([5, 2], [2, 0])
     t.both("copy_prefix", 2, 1, 3)
     t.forward([3], [1])
+    t.both("seq_rm", 1, 0, 1)         # seq 1 holds position 0: seq_cp into it is refused
     t.both("seq_cp", 0, 1, 0, 1)      # llama.cpp's sequence copy (metadata)
     t.forward([6], [2])
 

@@ -21,8 +21,17 @@ def raw(view):
     return view
 
 
+def legacy(cache):
+    """The round-2 state dict (``{"keys", "values", "offset", "meta"}``), which ``from_state``
+    still reads, built from the seed's protocol: ``state()`` and ``meta_state()``."""
+    keys, values = cache.state()
+    meta = cache.meta_state()
+    offset = meta.pop("offset")
+    return {"keys": keys, "values": values, "offset": offset, "meta": meta}
+
+
 def snapshot(cache):
-    st = cache.state()
+    st = legacy(cache)
     keys = None if st["keys"] is None else raw(st["keys"]).copy()
     values = None if st["values"] is None else raw(st["values"]).copy()
     return keys, values, st["offset"], dict(st["meta"]), len(cache)
@@ -147,7 +156,7 @@ def test_step_cache_random_updates_and_trims(device, dtype):
                 np.testing.assert_array_equal(raw(vo), s.v)
             assert c.offset == len(c) == s.total == c.trimmable
             assert c.capacity % step == 0 and c.capacity >= c.offset
-            st = c.state()
+            st = legacy(c)
             if s.total:
                 np.testing.assert_array_equal(raw(st["keys"]), s.k)
                 np.testing.assert_array_equal(raw(st["values"]), s.v)
@@ -179,7 +188,7 @@ def test_step_cache_clone_state_round_trip(device, dtype):
     c.trim(2)
     before = snapshot(c)
     twin = c.clone()
-    restored = StepCache.from_state(c.state(), device=device)
+    restored = StepCache.from_state(legacy(c), device=device)
     assert same_snapshot(snapshot(twin), before) and same_snapshot(snapshot(restored), before)
     assert restored.step == 3 and restored.dtype == dtype
     # all three go on independently and identically
@@ -189,12 +198,12 @@ def test_step_cache_clone_state_round_trip(device, dtype):
     k2, v2 = s.chunk(1)
     c.update(k2, v2)
     assert twin.offset == restored.offset == c.offset - 1
-    np.testing.assert_array_equal(raw(twin.state()["keys"]), outs[0])
+    np.testing.assert_array_equal(raw(legacy(twin)["keys"]), outs[0])
 
 
 def test_step_cache_free_and_empty_state(device):
     c = StepCache(device=device)
-    st = c.state()
+    st = legacy(c)
     assert st["keys"] is None and st["offset"] == 0 and st["meta"]["dtype"] is None
     assert StepCache.from_state(st, device=device).offset == 0
     c.update(np.ones((1, 2, 3, 4), np.float16), np.ones((1, 2, 3, 4), np.float16))
@@ -314,7 +323,7 @@ def test_rotating_trim_before_wrap(device):
     ko, _ = c.update(k, v)
     np.testing.assert_array_equal(ko, s.k)
     assert c.trim(3) == 3  # back to zero tokens is fine before any eviction
-    assert c.offset == 0 and len(c) == 0 and c.state()["keys"] is None
+    assert c.offset == 0 and len(c) == 0 and legacy(c)["keys"] is None
 
 
 def test_rotating_trim_after_wrap(device):
@@ -367,9 +376,9 @@ def test_rotating_max_size_one(device):
         np.testing.assert_array_equal(ko, s.k[:, :, -L:])
     # a window of one needs no history: the newest token can go, and the next one stands alone
     assert len(c) == 1 and c.trimmable == 1
-    assert c.trim(2) == 1 and c.state()["keys"] is None and c.offset == 8
+    assert c.trim(2) == 1 and legacy(c)["keys"] is None and c.offset == 8
     assert c.trim(5) == 0 and c.offset == 8  # nothing left that may go
-    assert RotatingCache.from_state(c.state(), device=device).offset == 8
+    assert RotatingCache.from_state(legacy(c), device=device).offset == 8
     k, v = s.chunk(1)
     ko, _ = c.update(k, v)
     np.testing.assert_array_equal(ko, k)
@@ -392,7 +401,7 @@ def test_rotating_clone_and_state_round_trip(device, dtype):
                 c.update(*s.chunk(op))
         before = snapshot(c)
         twin = c.clone()
-        restored = RotatingCache.from_state(c.state(), device=device)
+        restored = RotatingCache.from_state(legacy(c), device=device)
         assert same_snapshot(snapshot(twin), before), script
         assert same_snapshot(snapshot(restored), before), script
         assert restored.trimmable == twin.trimmable == c.trimmable
@@ -485,10 +494,10 @@ def test_from_state_rejects_inconsistent_states(device):
     c = RotatingCache(4, 2, device=device)
     for _ in range(6):
         c.update(np.ones((1, 1, 1, 2), np.float32), np.ones((1, 1, 1, 2), np.float32))
-    st = c.state()
+    st = legacy(c)
     with pytest.raises(ValueError, match="kind"):
         StepCache.from_state(st, device=device)
-    with pytest.raises(ValueError, match="state must be a dict"):
+    with pytest.raises(ValueError, match="state must be the"):
         RotatingCache.from_state([1], device=device)
     with pytest.raises(ValueError, match="idx"):
         RotatingCache.from_state({**st, "meta": {**st["meta"], "idx": 9}}, device=device)
@@ -501,16 +510,16 @@ def test_from_state_rejects_inconsistent_states(device):
     s = StepCache(device=device)
     s.update(np.ones((1, 1, 3, 2), np.float16), np.ones((1, 1, 3, 2), np.float16))
     with pytest.raises(ValueError, match="offset"):
-        StepCache.from_state({**s.state(), "offset": 5}, device=device)
+        StepCache.from_state({**legacy(s), "offset": 5}, device=device)
     with pytest.raises(ValueError, match="offset"):
-        StepCache.from_state({**s.state(), "keys": None, "values": None}, device=device)
+        StepCache.from_state({**legacy(s), "keys": None, "values": None}, device=device)
     with pytest.raises(ValueError, match="both"):
-        StepCache.from_state({**s.state(), "keys": None}, device=device)
+        StepCache.from_state({**legacy(s), "keys": None}, device=device)
     with pytest.raises(ValueError, match="max_size - 1"):
         RotatingCache.from_state({**st, "keys": None, "values": None,
                                   "meta": {**st["meta"], "idx": 0}}, device=device)
     with pytest.raises(ValueError, match="float16"):
-        StepCache.from_state({**s.state(), "keys": np.ones((1, 1, 3, 2), np.float32)},
+        StepCache.from_state({**legacy(s), "keys": np.ones((1, 1, 3, 2), np.float32)},
                              device=device)
 
 
@@ -534,7 +543,7 @@ def test_trim_clamps_like_the_seed(device):
     assert step.trim(1) == 0
     ring = RotatingCache(8, 4, device=device)
     ring.update(*s.chunk(5))
-    assert ring.trim(7) == 5 and ring.offset == 0 and ring.state()["keys"] is None
+    assert ring.trim(7) == 5 and ring.offset == 0 and legacy(ring)["keys"] is None
     k, v = s.chunk(2)
     ko, _ = ring.update(k, v)  # usable again after a clamped trim
     np.testing.assert_array_equal(ko, k)

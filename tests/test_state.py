@@ -799,13 +799,13 @@ def _stream(rng, n, dtype, dk=D, dv=DV):
 def _same_simple(a, b):
     sa, sb = a.state(), b.state()
     assert type(a) is type(b)
-    assert sa["offset"] == sb["offset"] and sa["meta"] == sb["meta"]
+    assert a.meta_state() == b.meta_state()
     assert len(a) == len(b)
-    for name in ("keys", "values"):
-        if sa[name] is None:
-            assert sb[name] is None
+    for x, y in zip(sa, sb):
+        if x is None:
+            assert y is None
         else:
-            assert np.array_equal(host(sa[name]), host(sb[name]))
+            assert np.array_equal(host(x), host(y))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

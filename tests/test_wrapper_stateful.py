@@ -40,10 +40,11 @@ class AddShift:
         return key + np.asarray(deltas, np.float32)[:, None, None]
 
 
-def _build(swa_first: bool):
-    """(wrapper, the two group caches in wrapper order, the full group's shift)."""
+def _build(swa_first: bool, streams: bool = False):
+    """(wrapper, the two group caches in wrapper order, the full group's shift); ``streams``:
+    the groups are per-sequence stream caches (``unified=False``)."""
     cfg = dict(n_kv_heads=H, head_dim=D, dtype="float32", capacity=CAPACITY, max_seqs=MAX_SEQS,
-               max_batch=MAX_BATCH, device="cpu")
+               max_batch=MAX_BATCH, device="cpu", unified=not streams)
     shift = AddShift()
     swa = nkv.CausalCache(nkv.CacheConfig(n_layers=2, **cfg), swa_window=WINDOW,
                           shift=nkv.RopeShift(base=100.0))
@@ -88,18 +89,37 @@ def test_failed_start_forward_keeps_every_groups_kv():
 
 
 def _group_state(cache):
+    if hasattr(cache, "streams"):
+        return tuple(_group_state(stream) for stream in cache.streams)
     cells = cache.cells.cells
     used = np.flatnonzero(cells["pos"] >= 0).astype(np.int32)
     k, v = cache.storage.read_cells(used)
     return cells.tobytes(), k.tobytes(), v.tobytes()
 
 
+def _internals(cache):
+    """Every array of every cell table of a group (indexes, trees, the scatter head and counters
+    included) and its whole K/V storage, as bytes, plus the defrag count: what a refused call
+    must leave exactly as it was (issue 29, item 7)."""
+    out = []
+    leaves = cache.streams if hasattr(cache, "streams") else [cache]
+    for leaf in leaves:
+        table = leaf.cells
+        out += [(name, value.tobytes()) for name, value in sorted(vars(table).items())
+                if isinstance(value, np.ndarray)]
+        out.append(("defrag_count", leaf.defrag_count))
+    out.append(("keys", np.asarray(cache.storage.keys).tobytes()))
+    out.append(("values", np.asarray(cache.storage.values).tobytes()))
+    return out
+
+
 class Run:
-    def __init__(self, seed: int, swa_first: bool, tmp_path):
+    def __init__(self, seed: int, swa_first: bool, tmp_path, streams: bool = False):
         self.rng = np.random.default_rng(seed)
         self.swa_first = swa_first
-        self.w, self.groups, self.shift = _build(swa_first)
-        _, self.mirrors, _ = _build(swa_first)
+        self.streams = streams
+        self.w, self.groups, self.shift = _build(swa_first, streams)
+        _, self.mirrors, _ = _build(swa_first, streams)
         self.tmp_path = tmp_path
         self.ops = 0
         self.failures = {"full": 0, "injected": 0, "unsupported": 0, "loaded": 0,
@@ -111,12 +131,13 @@ class Run:
             assert _group_state(g) == _group_state(m)
 
     def unchanged(self, before):
-        assert [_group_state(g) for g in self.groups] == before
+        assert [_internals(g) for g in self.groups] == before
 
     def wrapper_call(self, name, *args, mirror_args=None, expect=()):
         """Call the wrapper; on success make the same call on each mirror, on failure check that
-        nothing changed (cell tables and K/V). Returns (ok, result)."""
-        before = [_group_state(g) for g in self.groups]
+        nothing changed (every array of every group's cell tables, and the K/V). Returns (ok,
+        result)."""
+        before = [_internals(g) for g in self.groups]
         self.ops += 1
         try:
             result = getattr(self.w, name)(*args)
@@ -167,7 +188,7 @@ class Run:
             assert np.array_equal(m1, m2)
             # rows no token may see are free cells, whose leftover data the cache does not
             # define (a rolled-back defrag may have written there): compare the visible ones
-            seen = (m1 == 0).any(axis=0)
+            seen = (m1 == 0).any(axis=-2)    # [n] rows (streams: [n_b, n_kv])
             assert np.array_equal(k1[seen], k2[seen]) and np.array_equal(v1[seen], v2[seen])
 
     def make_room(self):
@@ -200,9 +221,12 @@ class Run:
             p0 = int(self.rng.integers(0, 6))
             self.wrapper_call("seq_rm", a, p0, None if self.rng.random() < 0.5 else p0 + 2)
         elif r < 0.5:
-            self.wrapper_call("seq_cp", a, b, 0, int(self.rng.integers(1, 8)))
+            # refused when b already holds some of the positions (or its stream has no room)
+            self.wrapper_call("seq_cp", a, b, 0, int(self.rng.integers(1, 8)),
+                              expect=(ValueError, KVCacheFullError))
         elif r < 0.65:
-            self.wrapper_call("copy_prefix", a, b, int(self.rng.integers(0, 8)))
+            self.wrapper_call("copy_prefix", a, b, int(self.rng.integers(0, 8)),
+                              expect=(KVCacheFullError,))
         elif r < 0.7:
             self.wrapper_call("seq_keep", a)
         elif r < 0.85:
@@ -222,7 +246,7 @@ class Run:
             data = self.w.state_bytes(tokens=[1, 2, 3])
             for m in self.mirrors:   # a save applies pending rotations first, in every group
                 m.apply_pending_shifts()
-            fresh, groups, shift = _build(self.swa_first)
+            fresh, groups, shift = _build(self.swa_first, self.streams)
             if self.rng.random() < 0.2:
                 path = self.tmp_path / "whole.st"
                 self.w.save_state(path)
@@ -236,7 +260,7 @@ class Run:
             self.w, self.groups, self.shift = fresh, groups, shift
             # the mirrors go through their own whole-state round trip, so what a state does not
             # record (the scatter head a full cache places from) is reset alike on both sides
-            _, mirrors, _ = _build(self.swa_first)
+            _, mirrors, _ = _build(self.swa_first, self.streams)
             for old, new in zip(self.mirrors, mirrors):
                 new.load_state_bytes(old.state_bytes())
             self.mirrors = mirrors
@@ -245,7 +269,7 @@ class Run:
             dst = int(self.rng.integers(0, MAX_SEQS))
             data = self.w.state_bytes(seq)
             mirror_data = [m.state_bytes(seq) for m in self.mirrors]
-            before = [_group_state(g) for g in self.groups]
+            before = [_internals(g) for g in self.groups]
             self.ops += 2
             try:
                 self.w.load_state_bytes(data, dst)
@@ -271,11 +295,12 @@ class Run:
         self.same()
         if self.rng.random() < 0.05:
             for g in self.groups:
-                g.cells.check_consistency()
+                for leaf in getattr(g, "streams", None) or [g]:
+                    leaf.cells.check_consistency()
 
 
-def _run(seed: int, swa_first: bool, tmp_path, operations: int) -> Run:
-    run = Run(seed, swa_first, tmp_path)
+def _run(seed: int, swa_first: bool, tmp_path, operations: int, streams: bool = False) -> Run:
+    run = Run(seed, swa_first, tmp_path, streams)
     while run.ops < operations:
         run.step()
     return run
@@ -298,3 +323,20 @@ def test_wrapper_stateful_long(swa_first, tmp_path):
     assert run.ops >= 100_000
     assert all(run.failures[k] for k in ("full", "injected", "unsupported", "loaded")), \
         run.failures
+
+
+@pytest.mark.parametrize("swa_first", [True, False], ids=["swa-group-first", "swa-group-last"])
+def test_wrapper_over_streams_stateful_short(swa_first, tmp_path):
+    """The same run over a WrapperCache of per-sequence stream caches (issue 29, items 5 and 7):
+    state round trips work, and every refused call leaves every array of every group as it was."""
+    run = _run(77 + swa_first, swa_first, tmp_path, operations=2500, streams=True)
+    assert run.failures["full"] and run.failures["injected"] and run.failures["loaded"], \
+        run.failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("swa_first", [True, False], ids=["swa-group-first", "swa-group-last"])
+def test_wrapper_over_streams_stateful_long(swa_first, tmp_path):
+    """At least 30,000 operations over stream caches in each group order (pytest -m slow)."""
+    run = _run(2000 + swa_first, swa_first, tmp_path, operations=30_000, streams=True)
+    assert run.ops >= 30_000

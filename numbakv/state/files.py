@@ -88,6 +88,10 @@ _SHAPE_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "v_head_dim")
 def _check_causal(cache) -> None:
     if getattr(cache, "closed", False):
         raise KVCacheError("the cache is closed")
+    if isinstance(getattr(cache, "streams", None), list):
+        raise ValueError(f"cache is a per-sequence stream cache ({type(cache).__name__}): save "
+                         "and load it with its own save_state/state_bytes methods (it keeps one "
+                         "cell table per stream)")
     for attr in ("config", "cells", "storage", "n_cells"):
         if not hasattr(cache, attr):
             raise ValueError(f"cache must be a numbakv.CausalCache, got {type(cache).__name__}")
@@ -179,7 +183,7 @@ def _layer_specs(cache, prefix: str, rows: int, idx=None) -> List[_Spec]:
     (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
     k_le, v_le = _ST_DTYPES[k_st], _ST_DTYPES[v_st]
     specs = []
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_stored_layers):     # owning layers only (layer_reuse)
         def k_rows(layer=layer):
             if rows == 0:  # an empty sequence: nothing to gather
                 return np.zeros(0, k_le)
@@ -193,8 +197,8 @@ def _layer_specs(cache, prefix: str, rows: int, idx=None) -> List[_Spec]:
             with _on_device(cache):
                 return _host_le(_v_rows(cache, layer, idx), v_le)
 
-        specs.append(_Spec(f"{prefix}k.{layer}", k_st, (rows, cfg.n_kv_heads, k_row), k_rows))
-        specs.append(_Spec(f"{prefix}v.{layer}", v_st, (rows, cfg.n_kv_heads, v_row), v_rows))
+        specs.append(_Spec(f"{prefix}k.{layer}", k_st, (rows, cfg.local_kv_heads, k_row), k_rows))
+        specs.append(_Spec(f"{prefix}v.{layer}", v_st, (rows, cfg.local_kv_heads, v_row), v_rows))
     return specs
 
 
@@ -288,9 +292,9 @@ def _layer_expect(cache, prefix: str, rows: int) -> Dict[str, Tuple[str, Tuple[i
     cfg = cache.config
     (k_st, k_row), (v_st, v_row) = _side_format(cfg, "k"), _side_format(cfg, "v")
     out = {}
-    for layer in range(cfg.n_layers):
-        out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.n_kv_heads, k_row))
-        out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.n_kv_heads, v_row))
+    for layer in range(cfg.n_stored_layers):     # owning layers only (layer_reuse)
+        out[f"{prefix}k.{layer}"] = (k_st, (rows, cfg.local_kv_heads, k_row))
+        out[f"{prefix}v.{layer}"] = (v_st, (rows, cfg.local_kv_heads, v_row))
     return out
 
 
@@ -363,7 +367,7 @@ class _WholePlan(_Plan):
         cache, p = self.cache, self.prefix
         try:
             with _on_device(cache):
-                for layer in range(cache.config.n_layers):
+                for layer in range(cache.config.n_stored_layers):
                     k = state.tensor(f"{p}k.{layer}")
                     v = state.tensor(f"{p}v.{layer}")
                     _write_rows(cache, layer, None, _to_device(cache, k), _to_device(cache, v))
@@ -431,9 +435,9 @@ class _SeqPlan(_Plan):
             part = snapshot.SnapshotPart(
                 positions=state.tensor(p + "positions"),
                 keys=[snapshot._native(state.tensor(f"{p}k.{l}"), cfg.k_dtype)
-                      for l in range(cfg.n_layers)],
+                      for l in range(cfg.n_stored_layers)],
                 values=[snapshot._native(state.tensor(f"{p}v.{l}"), cfg.v_dtype)
-                        for l in range(cfg.n_layers)],
+                        for l in range(cfg.n_stored_layers)],
                 k_format=cfg.k_dtype, v_format=cfg.v_dtype)
             self.placement = snapshot._placement(self.cache, self.seq, part, replace=True)
         except (ValueError, KVCacheFullError) as exc:
@@ -465,13 +469,14 @@ def _plan_causal(cache, state: _State, config: dict, seq: Optional[int], prefix:
 
 def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kind: str,
                whole_kind: str, configs: Sequence[dict], progress: Optional[bool],
-               strict: bool = True) -> dict:
-    """Validate ``state`` against every cache, verify the checksum, then commit all of them."""
+               strict: bool = True, seqs: Optional[list] = None) -> dict:
+    """Validate ``state`` against every cache, verify the checksum, then commit all of them
+    (``seqs[i]``, when given: the sequence cache ``i`` loads instead of ``seq``)."""
     bar = None
     try:
         with _untrusted(state.what):
             plans, tokens, bar = _validate_into(caches, state, seq, seq_kind, whole_kind,
-                                                configs, progress, strict)
+                                                configs, progress, strict, seqs)
         done: List[_Plan] = []
         try:
             for plan in plans:
@@ -488,7 +493,7 @@ def _load_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kin
 
 def _validate_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq_kind: str,
                    whole_kind: str, configs: Sequence[dict], progress: Optional[bool],
-                   strict: bool):
+                   strict: bool, seqs: Optional[list] = None):
     """Everything ``_load_into`` checks before the first cache changes; returns the plans, the
     saved tokens and the progress bar (already advanced past the checksum pass)."""
     want = whole_kind if seq is None else seq_kind
@@ -506,7 +511,8 @@ def _validate_into(caches: Sequence[Any], state: _State, seq: Optional[int], seq
         where = f" (group {i})" if multi else ""
         if not isinstance(config, dict):
             raise state.fail(f"config{where} must be an object")
-        plan = _plan_causal(cache, state, config, seq, prefix, where, strict)
+        plan = _plan_causal(cache, state, config, seq if seqs is None else seqs[i], prefix,
+                            where, strict)
         plans.append(plan)
         expected.update(plan.expected)
     state.expect(expected, optional=("tokens",))
@@ -566,8 +572,35 @@ def _check_wrapper(cache) -> list:
     if not isinstance(caches, list) or not caches:
         raise ValueError(f"cache must be a numbakv.WrapperCache, got {type(cache).__name__}")
     for c in caches:
-        _check_causal(c)
+        if isinstance(getattr(c, "streams", None), list):
+            _check_streams(c)
+        else:
+            _check_causal(c)
     return caches
+
+
+def _wrapper_leaves(caches: list, seq: Optional[int]) -> Tuple[list, list, list]:
+    """``(leaves, seqs, layout)``: the cell tables a WrapperCache's state is made of. A unified
+    group is one leaf (sequence ``seq``); a stream cache group is one leaf per stream for a
+    whole state (``layout[g]`` = its stream count), or for one sequence the stream holding it
+    (sequence 0 there, as its own per-sequence files are)."""
+    leaves, seqs, layout = [], [], []
+    for c in caches:
+        streams = getattr(c, "streams", None)
+        if isinstance(streams, list):
+            if seq is None:
+                leaves += streams
+                seqs += [None] * len(streams)
+                layout.append(len(streams))
+            else:
+                leaves.append(streams[seq])
+                seqs.append(0)
+                layout.append(1)
+        else:
+            leaves.append(c)
+            seqs.append(seq)
+            layout.append(1)
+    return leaves, seqs, layout
 
 
 def _build_wrapper(cache, seq, tokens, metadata):
@@ -576,19 +609,25 @@ def _build_wrapper(cache, seq, tokens, metadata):
         s = None if seq is None else _check_seq(caches[0], seq)
         toks = _check_tokens(tokens)
         user = _check_metadata(metadata)
-        groups, specs = _group_specs(caches, s)
-        meta = _base_metadata("wrapper" if s is None else "wrapper-seq", {"groups": groups},
-                              user)
+        leaves, seqs, layout = _wrapper_leaves(caches, s)
+        groups, specs = _group_specs(leaves, s, seqs)
+        config: Dict[str, Any] = {"groups": groups}
+        if any(n != 1 for n in layout):
+            config["layout"] = layout      # stream groups: their cell tables, in order
+        meta = _base_metadata("wrapper" if s is None else "wrapper-seq", config, user)
         return meta, specs + _tokens_spec(toks)
     return build
 
 
-def _group_specs(caches: list, seq: Optional[int]) -> Tuple[list, List[_Spec]]:
+def _group_specs(caches: list, seq: Optional[int],
+                 seqs: Optional[list] = None) -> Tuple[list, List[_Spec]]:
     """``(configs, specs)`` of several group caches (a WrapperCache's groups, a stream cache's
-    streams), group ``i``'s tensors prefixed ``g{i}.``."""
+    streams), group ``i``'s tensors prefixed ``g{i}.``; ``seqs[i]``, when given, is the sequence
+    group ``i`` saves instead of ``seq``."""
     groups, specs = [], []
     for i, c in enumerate(caches):
-        config, group_specs = _causal_specs(c, seq, prefix=f"g{i}.")
+        config, group_specs = _causal_specs(c, seq if seqs is None else seqs[i],
+                                            prefix=f"g{i}.")
         groups.append(config)
         specs += group_specs
     return groups, specs
@@ -598,13 +637,17 @@ def _load_wrapper(cache, source: Source, seq, progress: Optional[bool],
                   strict: bool = True) -> dict:
     caches = _check_wrapper(cache)
     s = None if seq is None else _check_seq(caches[0], seq)
-    return _load_groups(caches, source, "wrapper", "wrapper-seq", progress, strict, s)
+    leaves, seqs, layout = _wrapper_leaves(caches, s)
+    return _load_groups(leaves, source, "wrapper", "wrapper-seq", progress, strict, s,
+                        seqs=seqs, layout=layout)
 
 
 def _load_groups(caches: list, source: Source, whole_kind: str, seq_kind: str,
-                 progress: Optional[bool], strict: bool, seq: Optional[int] = None) -> dict:
+                 progress: Optional[bool], strict: bool, seq: Optional[int] = None, *,
+                 seqs: Optional[list] = None, layout: Optional[list] = None) -> dict:
     """Load a state of several group caches (a WrapperCache's groups, a stream cache's streams)
-    whose config lists one object per group under ``groups``."""
+    whose config lists one object per group under ``groups``. ``layout`` (a WrapperCache's
+    whole state): cell tables per group, which the saved ``layout`` must equal."""
     strict = _check_strict(strict)
     _check_progress(progress)
     what = {"wrapper": "cache groups, the WrapperCache", "streams": "streams, the cache"}[whole_kind]
@@ -613,11 +656,20 @@ def _load_groups(caches: list, source: Source, whole_kind: str, seq_kind: str,
             groups = state.config.get("groups")
             if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
                 raise state.fail("config field 'groups' must be a list of objects")
+            if layout is not None and state.kind == whole_kind:
+                saved = state.config.get("layout", [1] * len(groups))
+                if not isinstance(saved, list) or not all(_is_int(n) and n >= 1 for n in saved):
+                    raise state.fail("config field 'layout' must be a list of integers >= 1")
+                if saved != layout:
+                    raise state.fail(
+                        f"the state's groups hold {_clip(str(saved))} cell tables each (a stream "
+                        f"cache group holds one per sequence), the WrapperCache's {layout}")
             if len(groups) != len(caches):
                 raise state.fail(f"the state has {len(groups)} {what} {len(caches)}")
         else:
             groups = [state.config] * len(caches)  # _load_into reports the kind mismatch
-        return _load_into(caches, state, seq, seq_kind, whole_kind, groups, progress, strict)
+        return _load_into(caches, state, seq, seq_kind, whole_kind, groups, progress, strict,
+                          seqs=seqs)
 
 
 # ====================================================================================== streams
@@ -693,7 +745,7 @@ _SIMPLE_CLASSES = {"StepCache": "step", "RotatingCache": "rotating"}
 
 
 def _is_simple(cache) -> bool:
-    return hasattr(cache, "state") and hasattr(type(cache), "from_state") and \
+    return hasattr(cache, "meta_state") and hasattr(type(cache), "from_state") and \
         hasattr(cache, "update")
 
 
@@ -717,19 +769,19 @@ def _json_scalar(x):
 def _simple_entry(cache, prefix: str) -> Tuple[dict, List[_Spec]]:
     """The config record and tensors (``keys``, ``values``: ``[batch, n_kv_heads, n, dim]``) of
     one single-stream cache, from its ``state()``."""
-    st = cache.state()
-    meta = st["meta"]
-    entry = {"class": type(cache).__name__, "offset": int(st["offset"]),
+    keys, values = cache.state()
+    meta = dict(cache.meta_state())
+    offset = meta.pop("offset")     # the file keeps the offset beside the meta record
+    entry = {"class": type(cache).__name__, "offset": int(offset),
              "meta": json.loads(json.dumps(meta, default=_json_scalar))}
     if entry["class"] not in _SIMPLE_CLASSES:
         raise ValueError(f"cannot save a {entry['class']}: not a StepCache or RotatingCache")
-    if st["keys"] is None:
+    if keys is None:
         return entry, []
     sd = _STORAGE_ST[meta["dtype"]]
     le = _ST_DTYPES[sd]
     specs = []
-    for name in ("keys", "values"):
-        arr = st[name]
+    for name, arr in (("keys", keys), ("values", values)):
         raw = arr.bits if type(arr).__name__ == "BFloat16View" else arr  # bfloat16 bits
         specs.append(_Spec(prefix + name, sd, tuple(int(d) for d in raw.shape),
                            lambda raw=raw: _host_le(raw, le)))
@@ -855,11 +907,11 @@ def _load_simple_checked(state: _State, device: str, progress: Optional[bool]):
         caches = []
         for cls, entry, prefix, where in zip(plans, entries, prefixes, wheres):
             has = prefix + "keys" in state.tensors
-            values = {"keys": state.tensor(prefix + "keys") if has else None,
-                      "values": state.tensor(prefix + "values") if has else None,
-                      "offset": entry["offset"], "meta": dict(entry["meta"])}
+            values = (state.tensor(prefix + "keys") if has else None,
+                      state.tensor(prefix + "values") if has else None)
+            meta = {**entry["meta"], "offset": entry["offset"]}
             try:  # from_state copies the arrays into fresh storage on `device`
-                caches.append(classes[cls].from_state(values, device=device))
+                caches.append(classes[cls].from_state(values, meta, device=device))
             except ValueError as exc:  # the device was resolved before: this is the state's
                 raise state.fail(f"the saved {cls} state is inconsistent{where}: "
                                  f"{_clip(str(exc))}") from None

@@ -473,6 +473,12 @@ def fingerprint(cache) -> Dict[str, Any]:
     for name in _FINGERPRINT_CONFIG_FIELDS:
         if hasattr(cfg, name):
             fields[name] = _json_value(getattr(cfg, name))
+    # a head-sharded cache holds only some KV heads: its rows load only into the same head range
+    # (recorded only when sharded, so states of unsharded caches keep their fingerprint)
+    if getattr(cfg, "head_shard", None) is not None:
+        fields["head_range"] = [int(h) for h in cfg.head_range]
+    if getattr(cfg, "layer_reuse", None) is not None:   # absent otherwise: older states match
+        fields["layer_reuse"] = list(cfg.layer_reuse)
     return fields
 
 
@@ -621,7 +627,7 @@ def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
         idx = None
         if start < 0 and n:
             idx = cells if not on_gpu else storage.xp.asarray(cells)
-        for layer in range(cfg.n_layers):
+        for layer in range(cfg.n_stored_layers):    # owning layers only (layer_reuse)
             k_all, v_all = keys_all[layer], values_all[layer]
             if n == 0:
                 k = k_all[:0]
@@ -847,7 +853,7 @@ def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads:
     storage = unit.storage
     k = len(slots)
     start = _run_start(slots)
-    L = unit.config.n_layers
+    L = unit.config.n_stored_layers     # owning layers only (layer_reuse)
     keys = [part.keys[layer][rows, heads] for layer in range(L)]
     values = [part.values[layer][rows, heads] for layer in range(L)]
     with storage._on_device():
@@ -905,8 +911,9 @@ def _rotate(unit, slots: np.ndarray, delta: int) -> None:
 
 def _check_part_shapes(unit, part: SnapshotPart, heads_held: int, where: str) -> None:
     cfg = unit.config
-    if part.n_layers != cfg.n_layers:
-        raise ValueError(f"snap has {part.n_layers} layers{where}, the cache {cfg.n_layers}")
+    if part.n_layers != cfg.n_stored_layers:
+        raise ValueError(f"snap has {part.n_layers} layers of K/V{where}, the cache "
+                         f"{cfg.n_stored_layers}")
     if (part.k_format, part.v_format) != (cfg.k_dtype, cfg.v_dtype):
         raise ValueError(f"snap stores K/V as {part.k_format}/{part.v_format}{where}, the cache "
                          f"as {cfg.k_dtype}/{cfg.v_dtype}")

@@ -21,6 +21,8 @@ Three sections, all measured in one run on one device with one dtype and one set
   from 4k to 128k cells: it should stay flat.
 * **Sequence operations** (``--sections seqops``, not in the default run): see
   ``numbakv/tools/bench_seqops.py``.
+* **shared_shift="copy"** (``--sections fidelity``, not in the default run): see
+  ``numbakv/tools/bench_fidelity.py``.
 
 Baselines that are not installed (torch, transformers, matplotlib for the plot) are skipped with
 a note, never replaced by something else.
@@ -45,7 +47,7 @@ _MARGIN = 16
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
 SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
-            "attend", "snapshot")
+            "attend", "snapshot", "prefix", "fidelity")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1287,6 +1289,12 @@ def format_report(results: dict) -> str:
     if results.get("snapshot"):
         from . import bench_snapshot
         lines += bench_snapshot.format_lines(results["snapshot"])
+    if results.get("prefix"):
+        from .bench_prefix import format_prefix
+        lines += ["", format_prefix(results["prefix"])]
+    if results.get("fidelity"):
+        from .bench_fidelity import format_section as format_fidelity
+        lines += ["", format_fidelity(results["fidelity"])]
     targets = results.get("targets", [])
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
@@ -1483,6 +1491,13 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
             s.device, s.dtype, layers=s.layers, heads=s.kv_heads, dim=s.head_dim,
             tokens=64 if s.quick else bench_snapshot.TOKENS, budget=max(s.budget * 4, 0.05),
             min_reps=3, log=log)
+    if "prefix" in s.sections:      # numbakv/tools/bench_prefix.py (CPU figures)
+        from .bench_prefix import run_prefix
+        results["prefix"] = run_prefix(s.quick, log)
+    if "fidelity" in s.sections:           # numbakv/tools/bench_fidelity.py
+        log("shared_shift='copy' ...")
+        from .bench_fidelity import run as run_fidelity
+        results["fidelity"] = run_fidelity(device=dev.name)
 
 
 def _run_seqops(s: BenchSettings, dev: _Device, notes: List[str], results: dict,

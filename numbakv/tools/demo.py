@@ -1248,6 +1248,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", default="numbakv_demo.png", metavar="PATH",
                    help="where to save the occupancy picture (default numbakv_demo.png)")
     p.add_argument("--no-plot", action="store_true", help="do not save the picture")
+    p.add_argument("--prefix-store", action="store_true",
+                   help="also run the prefix-store segment: users' multi-turn chats through "
+                        "PromptCache(store=PrefixStore), tokens reused per tier vs computed")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no terminal picture; only the table")
     p.set_defaults(func=main)
@@ -1269,6 +1272,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"numbakv demo: {exc}", file=sys.stderr)
         return 2
     print(report.table())
+    if getattr(args, "prefix_store", False):
+        from .demo_prefix import format_prefix_demo, run_prefix_demo
+        try:
+            segment = run_prefix_demo(seed=args.seed)
+        except AssertionError as exc:
+            print(f"numbakv demo: VERIFICATION FAILED (prefix store): {exc}", file=sys.stderr)
+            return 1
+        print()
+        print(format_prefix_demo(segment))
     if not report.plot_path and not args.quiet:
         print()
         print(report.terminal_picture())

@@ -1,0 +1,118 @@
+"""KV events of the prefix store, shaped like vLLM's (``vllm/distributed/kv_events.py``) so a
+router that follows vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` stream can
+follow a numbakv store, plus an optional ZeroMQ publisher (``pip install pyzmq``; imported only
+when a publisher is made).
+
+Each event is a plain dict:
+
+* ``{"type": "BlockStored", "block_hashes": [hex, ...], "parent_block_hash": hex | None,
+  "token_ids": [int, ...], "block_size": int, "lora_id": None, "medium": tier}`` - blocks that
+  became held in ``medium`` (consecutive blocks of one prompt; the last one may be a partial
+  block, then ``token_ids`` is shorter than ``len(block_hashes) * block_size``);
+* ``{"type": "BlockRemoved", "block_hashes": [hex, ...], "medium": tier}``;
+* ``{"type": "AllBlocksCleared"}``.
+
+``medium`` is the store's tier name: ``"cells"`` (the cache's own cells, on the cache's
+device), ``"host"`` (host RAM), and the lower tiers' names (``"disk"``, ``"redis"``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+
+def block_stored(nodes: Sequence[Any], block_size: int, medium: str) -> Dict[str, Any]:
+    """A ``BlockStored`` event for consecutive index nodes of one prompt."""
+    parent = nodes[0].parent
+    toks = np.frombuffer(b"".join(n.tok for n in nodes), dtype="<i8")
+    return {"type": "BlockStored", "block_hashes": [n.key for n in nodes],
+            "parent_block_hash": None if parent is None or parent.parent is None else parent.key,
+            "token_ids": toks.tolist(), "block_size": block_size, "lora_id": None,
+            "medium": medium}
+
+
+def block_removed(nodes: Sequence[Any], medium: str) -> Dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [n.key for n in nodes], "medium": medium}
+
+
+def all_cleared() -> Dict[str, Any]:
+    return {"type": "AllBlocksCleared"}
+
+
+class EventLog:
+    """Events waiting for ``take`` (bounded: past ``limit`` the oldest are dropped and counted in
+    ``dropped``, so a store nobody reads never grows without bound), fanned out to an optional
+    publisher as they happen."""
+
+    def __init__(self, limit: int = 100_000, publisher: Optional["ZmqPublisher"] = None):
+        self.limit = limit
+        self.events: List[Dict[str, Any]] = []
+        self.dropped = 0
+        self.publisher = publisher
+
+    def emit(self, event: Dict[str, Any]) -> None:
+        self.events.append(event)
+        if len(self.events) > self.limit:
+            cut = len(self.events) - self.limit
+            del self.events[:cut]
+            self.dropped += cut
+        if self.publisher is not None:
+            self.publisher.publish([event])
+
+    def take(self) -> List[Dict[str, Any]]:
+        out, self.events = self.events, []
+        return out
+
+
+class ZmqPublisher:
+    """Publishes event batches on a ZeroMQ PUB socket, as vLLM's ``ZmqEventPublisher`` does:
+    each message is ``[topic, sequence number (8 bytes big-endian), JSON payload]`` where the
+    payload is ``{"ts": float, "events": [...]}``. Subscribers connect a SUB socket to
+    ``endpoint`` (e.g. ``"tcp://127.0.0.1:5557"``). Publishing never blocks the store: messages a
+    slow subscriber cannot take are dropped by ZeroMQ (high-water mark).
+
+    Args:
+        endpoint: where to bind, e.g. ``"tcp://127.0.0.1:5557"`` or ``"tcp://127.0.0.1:*"``
+            (``self.endpoint`` then holds the port picked).
+        topic: the message topic (bytes or str).
+    """
+
+    def __init__(self, endpoint: str, topic: str = "kv-events") -> None:
+        try:
+            import zmq
+        except ImportError as exc:  # pragma: no cover - pyzmq is in the test extra
+            raise ImportError("the KV events publisher needs pyzmq: pip install pyzmq") from exc
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise ValueError(f"endpoint must be a ZeroMQ endpoint such as "
+                             f"'tcp://127.0.0.1:5557', got {endpoint!r}")
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.topic = topic.encode() if isinstance(topic, str) else bytes(topic)
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def publish(self, events: List[Dict[str, Any]]) -> None:
+        import time
+        payload = json.dumps({"ts": time.time(), "events": events}).encode()
+        with self._lock:
+            self._seq += 1
+            try:
+                self._sock.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload],
+                                          flags=self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                pass   # no room at the high-water mark: dropped, never blocking the engine
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+__all__ = ["block_stored", "block_removed", "all_cleared", "EventLog", "ZmqPublisher"]

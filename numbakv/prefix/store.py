@@ -1,0 +1,838 @@
+"""``PrefixStore``: reuse any earlier request's prefix, token by token, from a bounded, tiered
+store - tier 0 the cache's own cells, tier 1 host RAM, then (when configured) a disk directory
+and a Redis/Valkey server (``tiers/disk.py``, ``tiers/redis.py``, imported only when used).
+
+How it works (``docs/prefix.md`` has the user's view):
+
+* **Keys.** Prompts are cut into blocks of ``block_tokens``; each block's key is a chained
+  blake2b over its token ids, its parent's key, the salt, the model fingerprint and the storage
+  layout (``keys.py``). The in-memory index (``index.py``) walks blocks by their token bytes and
+  matches a partial last block token by token.
+* **Tier 0.** ``save(seq, tokens)`` makes one of the store's ``retain_seqs`` share ``seq``'s cells
+  (``copy_prefix``: metadata only); a later ``load`` does the same the other way. The K/V of a
+  prefix is never copied while it is in cells, however many sequences share it.
+* **Room.** The store registers itself as the cache's room provider: when ``start_forward`` finds
+  no contiguous run of free cells, the store evicts its least recently (or frequently) used,
+  unpinned tier-0 entries first - demoting them to host RAM when ``host_bytes`` allows - then the
+  cache goes on as Ollama does (defrag, else ``KVCacheFullError``). If that pass still fails, the
+  evicted entries stay evicted (demoted where they fit): they were the store's cached prefixes,
+  never a request's tokens; every request sequence is exactly as before.
+* **Tier 1.** Demoted entries are ``SeqSnapshot`` objects (``cache.export_seq``) under the
+  ``host_bytes`` hard budget, least recently used first out (to disk/Redis when configured). A
+  hit imports them (``cache.import_seq``) and promotes the prefix back to cells.
+* **Sliding windows.** On caches with a window memory (``CausalCache(swa_window=...)`` or a
+  ``WrapperCache`` with such a group) a sequence only keeps the last ``swa_memory`` positions of
+  its sliding layers, so an entry can resume only where its window is still whole: ``match``
+  answers the deepest *checkpoint* at or below the token match - an entry's end, a checkpoint
+  ``checkpoint_tail`` tokens before each saved prompt's end (kept when the window memory still
+  covers it: ``swa_memory >= swa_window + checkpoint_tail``), or a position the caller marked with
+  ``checkpoint(seq)`` (e.g. mid-prefill, before the last tokens of a prompt).
+
+Tier 0's budget, as ``stats()`` reports it: the bytes of the cells the retained sequences hold
+(so ``bytes_free`` is 0 there; cells are shared with requests and the cache's free cells are not
+the store's). ``bytes_used = bytes_evictable + bytes_pinned`` and ``bytes_used + bytes_free =
+budget`` for every tier.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..errors import KVCacheError, KVCacheFullError, StateError
+from . import events as ev
+from .index import BlockIndex, Entry, Match
+from .keys import block_keys, namespace, root_digest
+from .policy import make_policy
+from .tiers.host import HostTier
+
+CELLS, HOST = "cells", "host"
+#: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
+TokenIds = Union[Sequence[int], np.ndarray]
+_MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
+
+
+def _int_arg(name: str, value, low: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if int(value) < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+    return int(value)
+
+
+def token_buffer(tokens, name: str = "tokens") -> bytes:
+    """``tokens`` (a 1-D sequence of non-negative integer token ids: list, tuple, numpy array)
+    as int64 little-endian bytes. Anything else (floats, bools, strings, nested lists, negative
+    ids) is a ``ValueError`` naming ``name``."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, (list, tuple, range)):
+        if tokens and isinstance(tokens[0], (bool, np.bool_)):
+            raise ValueError(f"{name} must hold integer token ids, got a bool")
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{name} must be a 1-D sequence of integer token ids: {exc}") \
+                from None
+        if len(tokens) == 0:
+            arr = np.zeros(0, np.int64)
+    else:
+        raise ValueError(f"{name} must be a list, tuple or 1-D numpy array of integer token ids, "
+                         f"got {type(tokens).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError(f"{name} must hold non-negative token ids, got {int(arr.min())}")
+    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize == 8 \
+            and int(arr.max()) >= 2**63:
+        raise ValueError(f"{name} holds a token id >= 2**63")
+    if arr.dtype != np.dtype("<i8"):
+        arr = arr.astype("<i8")
+    return arr.tobytes()
+
+
+def _groups(cache) -> List[Any]:
+    """The ``CausalCache`` objects under ``cache`` (itself, or a WrapperCache's caches)."""
+    inner = getattr(cache, "caches", None)
+    return list(inner) if inner else [cache]
+
+
+def _slice_snapshot(snap, n: int):
+    """The rows of ``snap`` at positions ``< n`` (every part), as a new snapshot of views."""
+    if all(len(p.positions) == 0 or int(p.positions[-1]) < n for p in snap.parts):
+        return snap
+    parts = []
+    for p in snap.parts:
+        k = int(np.searchsorted(p.positions, n))
+        parts.append(type(p)(positions=p.positions[:k], keys=tuple(a[:k] for a in p.keys),
+                             values=tuple(a[:k] for a in p.values), k_format=p.k_format,
+                             v_format=p.v_format))
+    return type(snap)(parts=tuple(parts), fingerprint=snap.fingerprint,
+                      head_range=snap.head_range)
+
+
+def _owned(snap):
+    """``snap`` with rows of its own: an export may hand out views of the cache's storage
+    (contiguous runs), which later writes to those cells would change. Rows that own their data
+    (gathered) are kept as they are."""
+    def own(a):
+        if isinstance(a, np.ndarray) and a.flags.owndata:
+            return a
+        return a.copy()
+    if all(isinstance(a, np.ndarray) and a.flags.owndata
+           for p in snap.parts for a in (*p.keys, *p.values)):
+        return snap
+    parts = tuple(type(p)(positions=np.array(p.positions, copy=True),
+                          keys=tuple(own(a) for a in p.keys),
+                          values=tuple(own(a) for a in p.values), k_format=p.k_format,
+                          v_format=p.v_format) for p in snap.parts)
+    return type(snap)(parts=parts, fingerprint=snap.fingerprint, head_range=snap.head_range)
+
+
+class PrefixStore:
+    """A content-addressed prefix store over ``cache`` (see the module docstring).
+
+    Args:
+        cache: a ``CausalCache`` or ``WrapperCache`` (e.g. ``hf.cache_for``'s).
+        retain_seqs: sequence ids of ``cache`` the store may use to keep prefixes in cells
+            (tier 0). They must be empty, and are never to be handed to requests
+            (``PromptCache(store=...)`` skips them). Empty: no tier 0 (``save`` then copies
+            the prefix straight to host RAM or the lower tiers).
+        block_tokens: tokens per block (key granularity; matching is token granular anyway).
+        host_bytes: hard budget of the host-RAM tier (0: no host tier).
+        disk_dir, disk_bytes: a directory tier and its budget (``tiers/disk.py``).
+        remote: ``"redis://host:port/db?socket_timeout=0.5"`` (Redis or Valkey).
+        salt: default salt (bytes): prompts under different salts never share an entry.
+        policy: ``"lru"`` or ``"lfu"``: eviction order in every tier the store runs.
+        checkpoint_tail: on sliding-window caches, keep a checkpoint this many tokens before
+            the end of each saved prompt (0: none).
+    """
+
+    def __init__(self, cache, *, retain_seqs: Sequence[int] = (), block_tokens: int = 16,
+                 host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
+                 remote: Optional[str] = None, salt: bytes = b"", policy: str = "lru",
+                 checkpoint_tail: int = 16) -> None:
+        for name in ("copy_prefix", "seq_rm", "seq_pos_max", "seq_pos_min", "can_resume",
+                     "start_forward"):
+            if not callable(getattr(cache, name, None)):
+                raise ValueError(f"cache must be a numbakv CausalCache or WrapperCache, got "
+                                 f"{type(cache).__name__} (no {name})")
+        groups = _groups(cache)
+        if not all(hasattr(g, "cells") and hasattr(g, "config") for g in groups):
+            raise ValueError(f"cache must be a numbakv CausalCache or WrapperCache, got "
+                             f"{type(cache).__name__}")
+        if any(not g.config.unified for g in groups):
+            raise ValueError("cache must keep one cell pool (CacheConfig(unified=True)): with "
+                             "per-sequence streams a retained sequence cannot share cells")
+        if getattr(cache, "closed", False):
+            raise KVCacheError("cache is closed")
+        max_seqs = groups[0].config.max_seqs
+        if isinstance(retain_seqs, (str, bytes)) or not hasattr(retain_seqs, "__iter__"):
+            raise ValueError(f"retain_seqs must be a sequence of sequence ids, got "
+                             f"{type(retain_seqs).__name__}")
+        retain = [_int_arg(f"retain_seqs[{i}]", s, 0) for i, s in enumerate(retain_seqs)]
+        if any(s >= max_seqs for s in retain):
+            raise ValueError(f"retain_seqs must be sequence ids in [0, max_seqs={max_seqs}), got "
+                             f"{retain}")
+        if len(set(retain)) != len(retain):
+            raise ValueError(f"retain_seqs must not repeat an id, got {retain}")
+        if len(retain) >= max_seqs:
+            raise ValueError(f"retain_seqs must leave at least one sequence for requests "
+                             f"(max_seqs={max_seqs}), got {len(retain)} ids")
+        busy = [s for s in retain if cache.seq_pos_max(s) >= 0]
+        if busy:
+            raise ValueError(f"retain_seqs must be empty sequences the store can own; "
+                             f"{busy} hold tokens")
+        block_tokens = _int_arg("block_tokens", block_tokens, 1)
+        host_bytes = _int_arg("host_bytes", host_bytes, 0)
+        disk_bytes = _int_arg("disk_bytes", disk_bytes, 0)
+        checkpoint_tail = _int_arg("checkpoint_tail", checkpoint_tail, 0)
+        if not isinstance(salt, (bytes, bytearray)):
+            raise ValueError(f"salt must be bytes, got {type(salt).__name__}")
+        self._policy_name = make_policy(policy).name   # validates
+        if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
+            raise ValueError(f"disk_dir must be a directory path or None, got {disk_dir!r}")
+        if disk_dir is not None and disk_bytes <= 0:
+            raise ValueError("disk_bytes must be > 0 when disk_dir is given")
+        if remote is not None and (not isinstance(remote, str) or not remote.startswith(
+                ("redis://", "rediss://", "valkey://", "valkeys://", "unix://"))):
+            raise ValueError(f"remote must be a URL such as 'redis://127.0.0.1:6379/0', got "
+                             f"{remote!r}")
+        if getattr(cache, "_room_provider", None) is not None:
+            raise ValueError("cache already has a prefix store (one store per cache)")
+
+        self.cache = cache
+        self.retain_seqs = tuple(retain)
+        self.block_tokens = block_tokens
+        self.host_bytes = host_bytes
+        self.checkpoint_tail = checkpoint_tail
+        self.salt = bytes(salt)
+        self._groups = groups
+        from .. import state as _state
+        self.fingerprint = {"groups": [_state.fingerprint(g) for g in groups]}
+        first = groups[0].config
+        heads = getattr(first, "head_range", None) or (0, first.n_kv_heads)
+        self.layout = {"kind": type(cache).__name__, "block_tokens": block_tokens,
+                       "layer_groups": getattr(cache, "layer_groups", None),
+                       "head_range": list(heads)}
+        self.namespace = namespace(self.fingerprint, self.layout)
+        self._roots: Dict[bytes, bytes] = {}
+        #: sliding groups: (cache, window, memory) of those that drop old positions
+        self._sliding = [(g, g.swa_window, g.swa_memory) for g in groups
+                         if g.swa_memory is not None]
+        self.index = BlockIndex(block_tokens, {CELLS: 0, HOST: 1})
+        self._policy = {CELLS: make_policy(policy), HOST: make_policy(policy)}
+        self._free: List[int] = list(retain)
+        self._pending: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
+        self._pins: Dict[Tuple[bytes, bytes], List[Entry]] = defaultdict(list)
+        self.host = HostTier(host_bytes)
+        self._counts = {t: {"hits": 0, "misses": 0} for t in (CELLS, HOST)}
+        self.tokens_reused = 0
+        self.tokens_matched = 0
+        self.bytes_moved = 0
+        self.events = ev.EventLog()
+        self._lower: List[Any] = []
+        self._lower_specs = [(kind, spec, budget) for kind, spec, budget in
+                             (("disk", disk_dir, disk_bytes), ("redis", remote, 0))
+                             if spec is not None]
+        if self._lower_specs:
+            self._open_lower()
+        self._closed = False
+        cache._room_provider = self._make_room
+
+    # ------------------------------------------------------------------ lower tiers
+    def _open_lower(self) -> None:
+        """Open the disk / Redis tiers (``numbakv.prefix.tiers.open_tier``, imported only
+        here: the redis client only when ``remote`` is given)."""
+        from .tiers import open_tier   # the tiers package (disk.py / redis.py)
+        for kind, spec, budget in self._lower_specs:
+            timeout = None
+            self._lower.append(open_tier(os.fspath(spec) if kind == "disk" else spec,
+                                         self.namespace, budget, timeout))
+        for tier in self._lower:
+            self._counts.setdefault(tier.name, {"hits": 0, "misses": 0})
+
+    # ------------------------------------------------------------------ checks
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVCacheError("the prefix store is closed")
+
+    def _check_seq(self, seq, name: str = "seq") -> int:
+        max_seqs = self._groups[0].config.max_seqs
+        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) \
+                or not 0 <= int(seq) < max_seqs:
+            raise ValueError(f"{name} must be a sequence id in [0, {max_seqs}), got {seq!r}")
+        seq = int(seq)
+        if seq in self.retain_seqs:
+            raise ValueError(f"{name} {seq} is reserved by the prefix store (retain_seqs="
+                             f"{list(self.retain_seqs)}); use another sequence")
+        return seq
+
+    def _root(self, salt) -> bytes:
+        salt = self.salt if salt is None else salt
+        if not isinstance(salt, (bytes, bytearray)):
+            raise ValueError(f"salt must be bytes or None, got {type(salt).__name__}")
+        salt = bytes(salt)
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = root_digest(salt, self.fingerprint, self.layout)
+        return root
+
+    # ------------------------------------------------------------------ windows
+    def _floor_of_seq(self, seq: int, length: int) -> int:
+        """The smallest length an entry of ``length`` tokens held by ``seq`` can serve: 0
+        without sliding groups; else where every sliding group still holds the window (after
+        the pruning its idle sequence will get: positions below ``length - memory`` go)."""
+        floor = 0
+        for g, window, memory in self._sliding:
+            first = g.seq_pos_min(seq)
+            held = max(first, length - memory)
+            if held > 0:
+                floor = max(floor, held + window)
+        return floor
+
+    def _floor_of_snapshot(self, snap) -> int:
+        floor = 0
+        for (g, window, memory), part in zip(self._groups_windows(), snap.parts):
+            if window is None or memory is None or not len(part.positions):
+                continue
+            first = int(part.positions[0])
+            if first > 0:
+                floor = max(floor, first + window)
+        return floor
+
+    def _groups_windows(self):
+        return [(g, g.swa_window, g.swa_memory) for g in self._groups]
+
+    # ------------------------------------------------------------------ public API
+    def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+        """The longest prefix of ``tokens`` the store can load now (token granular; on
+        sliding-window caches the deepest checkpoint at or below the token match), over every
+        tier. No side effects (the lower tiers may count a miss)."""
+        self._check_open()
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        n = self.index.match(root, buf).n
+        if self._lower:
+            n = max(n, self._lower_probe(root, buf, n)[0])
+        return n
+
+    def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+        """Make the empty sequence ``seq`` hold ``tokens[:n]`` at positions ``0..n-1`` from the
+        store, ``n`` the longest prefix it can serve (``match``); returns ``n`` (0: a miss,
+        nothing changed). Tier 0 hits share cells (no K/V copy); other tiers import the rows
+        (one batched copy per layer) and promote the prefix to cells. Raises ``ValueError``
+        (bad tokens, a reserved or non-empty ``seq``) or ``KVCacheFullError`` (no room for a
+        promotion even after evicting cells: the entry stays where it was, ``seq`` empty)."""
+        self._check_open()
+        seq = self._check_seq(seq)
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        if self.cache.seq_pos_max(seq) >= 0:
+            raise ValueError(f"seq {seq} must be empty to load a prefix into it (it holds "
+                             f"positions up to {self.cache.seq_pos_max(seq)}); seq_rm it first")
+        self._drop_pending(seq)
+        m = self.index.match(root, buf)
+        self.tokens_matched += m.tokens_matched
+        lower = (0, None)
+        if self._lower:
+            lower = self._lower_probe(root, buf, m.n)
+        if lower[0] > m.n:
+            return self._load_lower(seq, root, buf, lower)
+        if m.n == 0:
+            for t in self._counts.values():
+                t["misses"] += 1
+            return 0
+        e = m.entry
+        n = m.n
+        if e.tier == CELLS:
+            self.cache.copy_prefix(e.seq, seq, n)
+        else:
+            snap = _slice_snapshot(e.payload, n)
+            self._import(seq, snap)
+            self.bytes_moved += snap.nbytes
+            self._promote(seq, root, buf[:8 * n], source=e)
+        e.hits += 1
+        self._policy[e.tier].touch(e.id)   # no-op when a promotion moved it up
+        self._counts[e.tier]["hits"] += 1
+        self.tokens_reused += n
+        return n
+
+    def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
+             cache: bool = True) -> int:
+        """Record that ``seq`` holds ``tokens`` (``tokens[i]`` at position ``i``) so later
+        prompts sharing a prefix with it can ``load`` it. ``cache=False``: skip this one (the
+        engine's admission control); checkpoints ``checkpoint(seq)`` marked are dropped too.
+        Returns how many tokens the store now keeps for it (0: nothing kept - no retained
+        sequence free of pins, or ``cache=False``). Metadata only in tier 0."""
+        self._check_open()
+        seq = self._check_seq(seq)
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        if not isinstance(cache, (bool, np.bool_)):
+            raise ValueError(f"cache must be a bool, got {cache!r}")
+        length = len(buf) // 8
+        held = self.cache.seq_pos_max(seq) + 1
+        if length > held:
+            raise ValueError(f"tokens has {length} ids but seq {seq} holds positions up to "
+                             f"{held - 1}: tokens[i] must be what seq holds at position i")
+        if not self._sliding and length and self.cache.seq_pos_min(seq) != 0:
+            raise ValueError(f"seq {seq} does not hold position 0: it holds no prefix to save")
+        pending = self._pending.pop(seq, [])
+        if not cache or length == 0 or not self.retain_seqs:
+            for r, _ in pending:
+                self._release_seq(r)
+            if cache and length and not self.retain_seqs and (self.host_bytes or self._lower) \
+                    and self._serves(root, buf) < length:
+                # no tier 0: straight to host RAM (or the next tier down)
+                snap = _owned(self.cache.export_seq(seq, 0, length))
+                self.bytes_moved += snap.nbytes
+                return length if self._admit_host(root, buf, snap) else 0
+            return 0
+        self._pending[seq] = pending   # main may take one of them when nothing else is free
+        main = self._keep(seq, root, buf)
+        pending = self._pending.pop(seq, [])
+        protect = {main.id} if main is not None else set()
+        for r, n in pending:   # marked checkpoints: their tokens are known now (no new cells)
+            if n <= length and self._serves(root, buf[:8 * n]) < n:
+                protect.add(self._add_cells_entry(root, buf[:8 * n], r).id)
+            else:
+                self._release_seq(r)
+        tail = self.checkpoint_tail
+        if main is not None and self._sliding and tail and length - tail > 0:
+            c = length - tail
+            if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
+                self._keep(seq, root, buf[:8 * c], protect=protect)
+        return 0 if main is None else length
+
+    def checkpoint(self, seq: int) -> int:
+        """Keep a sliding-window checkpoint at ``seq``'s current end (call it where a later
+        prompt may diverge, e.g. before a turn's last tokens or at a turn boundary); the
+        tokens are attached at the next ``save(seq, ...)`` (``load`` of ``seq`` drops it).
+        Returns the checkpoint's length (0: no retained sequence free). On caches without a
+        sliding window every prefix of a saved prompt already serves: nothing to keep, returns
+        ``seq``'s length."""
+        self._check_open()
+        seq = self._check_seq(seq)
+        n = self.cache.seq_pos_max(seq) + 1
+        if n <= 0:
+            raise ValueError(f"seq {seq} holds nothing to checkpoint")
+        if not self._sliding:
+            return n
+        r = self._take_seq(protect=())
+        if r is None:
+            return 0
+        self.cache.copy_prefix(seq, r, n)
+        lst = self._pending[seq]
+        lst.append((r, n))
+        if len(lst) > _MAX_PENDING:
+            self._release_seq(lst.pop(0)[0])
+        return n
+
+    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+        """Keep the prefix of ``tokens`` the store serves now from eviction until ``unpin``
+        (the entry serving it stays in its tier). Returns the pinned length (0: not stored)."""
+        self._check_open()
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        m = self.index.match(root, buf)
+        if m.n == 0:
+            return 0
+        m.entry.pins += 1
+        if m.entry.tier == HOST:
+            self.host.pinned += m.entry.nbytes if m.entry.pins == 1 else 0
+        self._pins[(root, buf)].append(m.entry)
+        return m.n
+
+    def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> bool:
+        """Undo one ``pin(tokens)`` (same tokens and salt). Returns False when none was held."""
+        self._check_open()
+        buf = token_buffer(tokens)
+        key = (self._root(salt), buf)
+        held = self._pins.get(key)
+        if not held:
+            return False
+        e = held.pop()
+        if not held:
+            del self._pins[key]
+        e.pins -= 1
+        if e.tier == HOST and e.pins == 0 and e.id in self.index.entries:
+            self.host.pinned -= e.nbytes
+        return True
+
+    def stats(self) -> Dict[str, Any]:
+        """``{"tiers": {name: {"bytes_used", "bytes_evictable", "bytes_pinned", "bytes_free",
+        "entries", "hits", "misses"}}, "tokens_reused", "tokens_matched", "bytes_moved"}``.
+        ``bytes_used = bytes_evictable + bytes_pinned``; ``bytes_used + bytes_free`` is the
+        tier's budget (tier 0: the bytes of the cells retained sequences hold, see the module
+        docstring)."""
+        tiers: Dict[str, Dict[str, Any]] = {}
+        used, pinned = self._cells_bytes()
+        cells = self.index.in_tier(CELLS)
+        tiers[CELLS] = {"bytes_used": used, "bytes_evictable": used - pinned,
+                        "bytes_pinned": pinned, "bytes_free": 0, "entries": len(cells),
+                        **self._counts[CELLS], "budget": used}
+        if self.host_bytes:
+            tiers[HOST] = {**self.host.stats(), **self._counts[HOST], "budget": self.host_bytes}
+        for tier in self._lower:
+            s = dict(tier.stats())
+            tiers[tier.name] = s
+        return {"tiers": tiers, "tokens_reused": self.tokens_reused,
+                "tokens_matched": self.tokens_matched, "bytes_moved": self.bytes_moved,
+                "events_dropped": self.events.dropped}
+
+    def take_events(self) -> List[Dict[str, Any]]:
+        """The events since the last call (see ``events.py``: vLLM's KV event fields)."""
+        return self.events.take()
+
+    def publish_events(self, endpoint: str, topic: str = "kv-events") -> str:
+        """Also publish every event on a ZeroMQ PUB socket bound to ``endpoint`` (needs
+        ``pyzmq``); returns the bound endpoint (``tcp://127.0.0.1:*`` picks a port)."""
+        if self.events.publisher is not None:
+            self.events.publisher.close()
+        self.events.publisher = ev.ZmqPublisher(endpoint, topic)
+        return self.events.publisher.endpoint
+
+    def clear(self) -> None:
+        """Drop every entry of every tier (the retained sequences' cells are freed; the lower
+        tiers clear this model's namespace) and every pin."""
+        self._check_open()
+        for e in self.index.clear():
+            if e.tier == CELLS:
+                self._release_seq(e.seq)
+        for seq in list(self._pending):
+            self._drop_pending(seq)
+        for p in self._policy.values():
+            for k in list(p.victims()):
+                p.remove(k)
+        self._pins.clear()
+        self.host = HostTier(self.host_bytes)
+        for tier in self._lower:
+            tier.clear()
+        self.events.emit(ev.all_cleared())
+
+    def close(self) -> None:
+        """Write the local entries down to the lower tiers (when configured), clear the store's
+        cells and host entries, stop acting as the cache's room provider and close the lower
+        tiers (their stored runs stay for other processes)."""
+        if self._closed:
+            return
+        if self._lower and not getattr(self.cache, "closed", False):
+            self._flush_down()
+        lower, self._lower = self._lower, []
+        try:
+            if not getattr(self.cache, "closed", False):
+                self.clear()
+        finally:
+            if getattr(self.cache, "_room_provider", None) == self._make_room:
+                self.cache._room_provider = None
+            for tier in lower:
+                tier.close()
+            if self.events.publisher is not None:
+                self.events.publisher.close()
+            self._closed = True
+
+    # ------------------------------------------------------------------ tier 0
+    def _resumable(self, seq: int, n: int) -> bool:
+        return all(g.can_resume(seq, n) for g, _, _ in self._sliding) if n > 0 else True
+
+    def _serves(self, root: bytes, buf: bytes) -> int:
+        """How many tokens of ``buf`` the local tiers serve now (exactly, windows included)."""
+        return self.index.match(root, buf).n
+
+    def _keep(self, seq: int, root: bytes, buf: bytes, protect=()) -> Optional[Entry]:
+        """Keep ``seq``'s first ``len(buf)/8`` tokens in a retained sequence (tier 0); returns
+        the cells entry (None: every retained sequence is pinned or protected)."""
+        n = len(buf) // 8
+        m = self.index.match(root, buf)
+        if m.n == n and m.entry is not None and m.entry.length == n:
+            self._policy[m.entry.tier].touch(m.entry.id)   # already kept exactly
+            if m.entry.tier == CELLS:
+                return m.entry
+        # an unpinned cells entry this prompt extends: its sequence takes the longer prefix
+        # (one entry per conversation, not one per turn)
+        reuse = None
+        if not self._sliding:
+            for node in reversed(m.path):
+                for e in node.entries.values():
+                    if e.tier == CELLS and e.pins == 0 and e.length <= n \
+                            and e.path[-1] is node and node.end <= m.tokens_matched:
+                        reuse = e
+                        break
+                if reuse is not None:
+                    break
+        if reuse is not None:
+            # the longer prefix first, then the shorter entry goes: its blocks stay covered
+            # (no removed/stored event pair for them)
+            self.cache.copy_prefix(seq, reuse.seq, n)
+            entry = self._add_cells_entry(root, buf, reuse.seq)
+            self._drop_entry(reuse)
+            return entry
+        r = self._take_seq(protect=protect)
+        if r is None:
+            return None
+        try:
+            self.cache.copy_prefix(seq, r, n)
+        except BaseException:
+            self._release_seq(r)
+            raise
+        return self._add_cells_entry(root, buf, r)
+
+    def _add_cells_entry(self, root: bytes, buf: bytes, r: int) -> Entry:
+        n = len(buf) // 8
+        path = self.index.insert_path(root, buf)
+        e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r)
+        self._register(e)
+        return e
+
+    def _register(self, e: Entry) -> None:
+        fresh = self.index.add(e)
+        self._policy[e.tier].add(e.id)
+        if fresh:
+            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier))
+
+    def _drop_entry(self, e: Entry) -> None:
+        """Take ``e`` out of the index (its sequence / bytes are the caller's to free)."""
+        gone = self.index.remove(e)
+        self._policy[e.tier].remove(e.id)
+        if gone:
+            self.events.emit(ev.block_removed(gone, e.tier))
+
+    def _release_seq(self, r: int) -> None:
+        self.cache.seq_rm(r)
+        if r not in self._free:
+            self._free.append(r)
+
+    def _drop_pending(self, seq: int) -> None:
+        for r, _ in self._pending.pop(seq, []):
+            self._release_seq(r)
+
+    def _take_seq(self, protect=()) -> Optional[int]:
+        """A free retained sequence: a free one, else the one of the least recently (or
+        frequently) used unpinned cells entry, evicted (demoted), else a pending checkpoint's.
+        None when every one is pinned."""
+        if self._free:
+            return self._free.pop()
+        for eid in self._policy[CELLS].victims():
+            e = self.index.entries.get(eid)
+            if e is None or e.pins or eid in protect:
+                continue
+            self._evict_cells(e)
+            return self._free.pop()
+        for seq, lst in self._pending.items():
+            if lst:
+                r, _ = lst.pop(0)
+                self.cache.seq_rm(r)
+                return r
+        return None
+
+    def _evict_cells(self, e: Entry) -> None:
+        """Evict a tier-0 entry: demote it to host RAM (or the next tier down) unless another
+        entry already serves its whole prefix, then free its retained sequence."""
+        others = [o for o in e.path[-1].entries.values()
+                  if o is not e and o.floor <= e.length]
+        snap = None
+        if not others and (self.host_bytes or self._lower) \
+                and callable(getattr(self.cache, "export_seq", None)):
+            try:
+                snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
+            except (KVCacheError, ValueError):
+                snap = None   # cannot export (e.g. an unsupported cache): dropped instead
+        self._drop_entry(e)
+        self._release_seq(e.seq)
+        if snap is not None:
+            self.bytes_moved += snap.nbytes
+            self._admit_host(e.root, e.tokens_bytes(), snap)
+
+    def _cells_bytes(self) -> Tuple[int, int]:
+        """(bytes of the cells retained sequences hold, of those pinned entries hold)."""
+        used = pinned = 0
+        pinned_seqs = [e.seq for e in self.index.in_tier(CELLS) if e.pins]
+        for g in self._groups:
+            per_cell = g.config.nbytes(1)
+            held = [g.cells.seq_cells(r) for r in self.retain_seqs]
+            used += per_cell * len(np.unique(np.concatenate(held))) if held else 0
+            if pinned_seqs:
+                pin = np.unique(np.concatenate([g.cells.seq_cells(r) for r in pinned_seqs]))
+                pinned += per_cell * len(pin)
+        return used, pinned
+
+    def _make_room(self, n_cells: int) -> bool:
+        """The cache's room provider: evict unpinned cells entries, least recently (or
+        frequently) used first, until every cell group has ``n_cells`` free cells (or nothing is
+        left to evict). The cache then places the batch, defragmenting if the free cells are
+        not contiguous: moving cached K/V is cheaper than computing it again. Returns whether
+        anything was evicted."""
+        def roomy() -> bool:
+            return all(g.cells.n_free >= n_cells for g in self._groups)
+        evicted = False
+        if roomy():
+            return False
+        for eid in self._policy[CELLS].victims():
+            e = self.index.entries.get(eid)
+            if e is None or e.pins:
+                continue
+            self._evict_cells(e)
+            evicted = True
+            if roomy():
+                break
+        if not roomy():
+            for seq in list(self._pending):
+                self._drop_pending(seq)
+                evicted = True
+        return evicted
+
+    # ------------------------------------------------------------------ tier 1
+    def _admit_host(self, root: bytes, buf: bytes, snap) -> bool:
+        """Keep ``snap`` (the K/V of prompt ``buf``'s first tokens) in host RAM, evicting least
+        recently used unpinned host entries (to the lower tiers) to fit; too large or no room:
+        straight to the lower tiers."""
+        nbytes = int(snap.nbytes)
+        if self.host_bytes and nbytes <= self.host_bytes:
+            if not self.host.fits(nbytes):
+                for eid in self._policy[HOST].victims():
+                    e = self.index.entries.get(eid)
+                    if e is None or e.pins:
+                        continue
+                    self._evict_host(e)
+                    if self.host.fits(nbytes):
+                        break
+            if self.host.fits(nbytes):
+                path = self.index.insert_path(root, buf)
+                e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
+                          nbytes=nbytes)
+                self.host.add(nbytes)
+                self._register(e)
+                return True
+        path = self.index.insert_path(root, buf)     # the block keys (no entry covers them)
+        try:
+            self._write_lower(path, snap)
+        finally:
+            self.index.prune(path)                   # nodes no entry covers leave the index
+        return False
+
+    def _evict_host(self, e: Entry) -> None:
+        self._drop_entry(e)
+        self.host.remove(e.nbytes)
+        self._write_lower(e.path, e.payload)
+
+    def _import(self, seq: int, snap) -> int:
+        """``cache.import_seq`` with one retry after the store made room; raises
+        ``KVCacheFullError`` (nothing changed) when there is none."""
+        try:
+            return self.cache.import_seq(seq, snap)
+        except KVCacheFullError:
+            self._make_room(max(len(p.positions) for p in snap.parts))
+            return self.cache.import_seq(seq, snap)
+
+    def _promote(self, seq: int, root: bytes, buf: bytes, source: Optional[Entry]) -> None:
+        """``seq`` now holds a prefix it imported: keep it in cells too (a free or evictable
+        retained sequence; never displacing a pinned entry). A host entry moved whole is
+        dropped from host RAM (its bytes freed) unless pinned."""
+        if not self.retain_seqs:
+            return
+        n = len(buf) // 8
+        if self._keep(seq, root, buf) is not None and source is not None \
+                and source.tier == HOST \
+                and source.length == n and not source.pins \
+                and source.id in self.index.entries:
+            self._drop_entry(source)
+            self.host.remove(source.nbytes)
+
+    # ------------------------------------------------------------------ disk / redis
+    def _flush_down(self) -> None:
+        """Write every local entry the lower tiers may not hold yet (cells, then host) down to
+        them, so a later process finds what this one kept (``close``). Best effort: a tier
+        that refuses (full, down) is skipped, as at any demotion."""
+        for e in sorted(self.index.entries.values(), key=lambda e: -e.length):
+            if e.tier == CELLS:
+                try:
+                    snap = self.cache.export_seq(e.seq, 0, e.length)
+                except (KVCacheError, ValueError):
+                    continue
+            else:
+                snap = e.payload
+            self._write_lower(e.path, snap)
+
+    def _write_lower(self, path, snap) -> None:
+        if not self._lower or not path:
+            return
+        try:
+            data = snap.to_bytes()
+        except (StateError, ValueError):
+            return
+        keys = [node.key for node in path]
+        for tier in self._lower:
+            if tier.write_run(keys[-1], keys, data):
+                self.events.emit(ev.block_stored(path, self.block_tokens, tier.name))
+                return
+
+    def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
+        """``(n, (tier, run key, block index))``: the deepest block of ``buf`` a lower tier holds
+        beyond ``local`` tokens, one ``find_blocks`` round trip per tier."""
+        keys = block_keys(np.frombuffer(buf, "<i8"), self.block_tokens, root)
+        first = local // self.block_tokens
+        if first >= len(keys):
+            return 0, None
+        want = keys[first:]
+        for tier in self._lower:
+            found = tier.find_blocks(want)
+            for i in range(len(found) - 1, -1, -1):
+                if found[i] is not None:
+                    b = first + i
+                    n = min(len(buf) // 8, (b + 1) * self.block_tokens)
+                    if n > local:
+                        return n, (tier, found[i][0], b)
+                    break
+        return 0, None
+
+    def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
+        from ..state.snapshot import SeqSnapshot   # the snapshot codec
+        n, (tier, run_key, _) = hit
+        data = tier.read_runs([run_key])[0]
+        if data is None:
+            self._counts[tier.name]["misses"] += 1
+            return 0
+        try:
+            snap = _slice_snapshot(SeqSnapshot.from_bytes(data), n)
+            if self._sliding and self._floor_of_snapshot(snap) > n:
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            self._import(seq, snap)    # checks the fingerprint, shapes and formats first
+        except (StateError, ValueError) as exc:
+            if isinstance(exc, KVCacheFullError):
+                raise
+            tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
+            self._counts[tier.name]["misses"] += 1
+            return 0
+        self.bytes_moved += snap.nbytes
+        self._counts[tier.name]["hits"] += 1
+        self.tokens_reused += n
+        self._promote(seq, root, buf[:8 * n], source=None)
+        return n
+
+    # ------------------------------------------------------------------ misc
+    def entries(self) -> List[Dict[str, Any]]:
+        """The local entries, for inspection and tests: ``{"tier", "length", "floor", "seq",
+        "pins", "hits", "nbytes", "tokens"}`` each."""
+        out = []
+        for e in self.index.entries.values():
+            out.append({"tier": e.tier, "length": e.length, "floor": e.floor, "seq": e.seq,
+                        "pins": e.pins, "hits": e.hits, "nbytes": e.nbytes,
+                        "salt_root": e.root,
+                        "tokens": np.frombuffer(e.tokens_bytes(), "<i8").tolist()})
+        return out
+
+    def __repr__(self) -> str:
+        return (f"PrefixStore(entries={len(self.index.entries)}, retain_seqs="
+                f"{list(self.retain_seqs)}, host_bytes={self.host_bytes}, "
+                f"policy={self._policy_name!r})")
+
+
+__all__ = ["PrefixStore", "token_buffer"]
