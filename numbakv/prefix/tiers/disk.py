@@ -61,6 +61,7 @@ import time
 import zlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+from ...state.codec import fsync_dir
 from .base import (FORMAT_VERSION, ByteTier, check_budget, check_data, check_key, check_keys,
                    check_namespace)
 
@@ -688,16 +689,7 @@ class DiskTier(ByteTier):
             os.close(fd)
 
     def _fsync_dir(self) -> None:
-        try:
-            dfd = os.open(self._runs_dir, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            os.fsync(dfd)
-        except OSError:
-            pass
-        finally:
-            os.close(dfd)
+        fsync_dir(self._runs_dir)
 
     def _touch(self, run: str) -> bool:
         try:
