@@ -141,9 +141,10 @@ def _fingerprints(buf: bytes, block_tokens: int) -> np.ndarray:
                                                          dtype=np.uint64) | np.uint64(1))
     toks = np.frombuffer(buf, dtype=np.uint64, count=nb * block_tokens).reshape(nb,
                                                                                   block_tokens)
-    with np.errstate(over="ignore"):
-        fp = (toks * mult).sum(axis=1, dtype=np.uint64)
-        fp ^= fp >> np.uint64(29)
+    # uint64 array arithmetic wraps mod 2**64 without a warning (no errstate needed: it costs
+    # more than the product here); matmul is sum(toks * mult) per row, 2-3x faster
+    fp = toks @ mult
+    fp ^= fp >> np.uint64(29)
     return fp
 
 
@@ -168,10 +169,12 @@ def _powers(n: int) -> np.ndarray:
 def prefix_hashes(fps: np.ndarray) -> List[int]:
     """The rolling hash of every full-block prefix: ``H_i = sum_{j <= i} fp_j * P**j`` mod
     2**64 (vectorised; collisions only cost the exact walk)."""
-    if not len(fps):
-        return []
-    with np.errstate(over="ignore"):
-        return np.cumsum(fps * _powers(len(fps)), dtype=np.uint64).tolist()
+    return _prefix_hashes(fps).tolist()
+
+
+def _prefix_hashes(fps: np.ndarray) -> np.ndarray:
+    """:func:`prefix_hashes` as a uint64 array ``[blocks]`` (array arithmetic wraps silently)."""
+    return np.cumsum(fps * _powers(len(fps)), dtype=np.uint64)
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:
@@ -240,18 +243,20 @@ class BlockIndex:
         prefix hashes of its blocks (O(log blocks) dict look-ups after one vectorised pass),
         checked with one compare against the tokens of an entry covering it. None: no block
         matches; False: the check failed (a collision), use the exact walk."""
-        hashes = prefix_hashes(_fingerprints(buf, self.block_tokens))
+        # the array, not a list: the search reads O(log blocks) of them (int(): exact keys)
+        hashes = _prefix_hashes(_fingerprints(buf, self.block_tokens))
         deep = self.deep
         lo, hi = 0, len(hashes)        # depths 1..lo exist; find the largest
+        node = None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if (root, mid, hashes[mid - 1]) in deep:
-                lo = mid
+            found = deep.get((root, mid, int(hashes[mid - 1])))
+            if found is not None:
+                lo, node = mid, found
             else:
                 hi = mid - 1
-        if lo == 0:
+        if node is None:
             return None
-        node = deep[(root, lo, hashes[lo - 1])]
         n = _TOKEN * node.end
         for e in node.entries.values():
             return node if e.buf[:n] == buf[:n] else False
