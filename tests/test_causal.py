@@ -567,6 +567,46 @@ def test_copy_prefix(device, permuted_v):
     assert_mask(b.mask, "0xxx0")
 
 
+def test_copy_prefix_undo_record():
+    """copy_prefix's undo log, built with slice copies when its blocks are one run, is the one
+    the cell table records itself (same blocks, rows, index rows), and a failed edit puts the
+    table back exactly."""
+    from numbakv.cells import _INF
+    c = make("cpu", max_seqs=3, capacity=200, max_batch=256)
+    forward(c, list(range(150)), [0] * 150)                  # blocks 0..2 (64-cell leaves)
+    forward(c, list(range(200)), [2] * 200)                  # cells 150..349
+    forward(c, list(range(150, 170)), [0] * 20)              # block 5: seq 0 spans two runs
+    for src, dst, n in ((0, 1, 150), (0, 1, 100), (2, 1, 40), (0, 2, 150)):
+        fast = c._copy_prefix_record(src, dst, n)
+        want: list = []
+        c.cells._record(want, dst, 0, _INF, src, 0, n)
+        assert fast is not None and len(fast) == 1
+        for f in want[0]._fields:
+            a, b = getattr(fast[0], f), getattr(want[0], f)
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f
+    assert c._copy_prefix_record(0, 1, 170) is None          # two runs: the table records it
+    assert c._copy_prefix_record(0, 0, 10) is None
+
+    before = (c.cells.cells, c.cells._sidx.copy(), c.cells._stree.copy())
+    real = c.cells.copy_prefix
+
+    def failing(*args, **kw):
+        real(*args, **kw)
+        raise RuntimeError("injected")
+
+    c.cells.copy_prefix = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            c.copy_prefix(0, 2, 150)
+    finally:
+        del c.cells.copy_prefix
+    after = (c.cells.cells, c.cells._sidx, c.cells._stree)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert (c.seq_pos_min(2), c.seq_pos_max(2)) == (0, 199)
+    c.copy_prefix(0, 2, 150)
+    assert (c.seq_pos_min(2), c.seq_pos_max(2)) == (0, 149)
+
+
 def test_can_resume_unlimited(device):
     c = make(device, max_seqs=2, capacity=8)
     assert c.can_resume(0, 0) and c.can_resume(1, 100)
