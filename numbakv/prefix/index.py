@@ -123,6 +123,7 @@ def _path_to(node: Optional["Node"]) -> List["Node"]:
 
 
 _MULT_CACHE: Dict[int, np.ndarray] = {}
+_SHIFT = np.uint64(29)
 
 
 def block_fingerprints(buf: bytes, block_tokens: int) -> List[int]:
@@ -144,7 +145,7 @@ def _fingerprints(buf: bytes, block_tokens: int) -> np.ndarray:
     # uint64 array arithmetic wraps mod 2**64 without a warning (no errstate needed: it costs
     # more than the product here); matmul is sum(toks * mult) per row, 2-3x faster
     fp = toks @ mult
-    fp ^= fp >> np.uint64(29)
+    fp ^= fp >> _SHIFT
     return fp
 
 
@@ -258,8 +259,8 @@ class BlockIndex:
         if node is None:
             return None
         n = _TOKEN * node.end
-        for e in node.entries.values():
-            return node if e.buf[:n] == buf[:n] else False
+        for e in node.entries.values():   # a view: no copy of either prompt's bytes
+            return node if buf.startswith(memoryview(e.buf)[:n]) else False
         return False
 
     def match(self, root: bytes, buf: bytes) -> Match:
