@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
-from .cells import _INF as _CELLS_INF, _M_BSHIFT, _Journal, _op_blocks
+from .cells import _INF as _CELLS_INF, _M_BSHIFT, _Journal, _op_blocks, _st_blocks
 from .cells import _check_batch as _batch_ids_ok
 from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
@@ -631,7 +631,10 @@ class CausalCache(StateMethods):
         if src == dst:
             return None
         cells = self.cells
-        blocks = _op_blocks(cells._stree, dst, 0, _CELLS_INF, src, 0, length)
+        if cells._sidx[3, dst] < 0:   # dst empty (a prefix store's load): src's blocks alone
+            blocks = _st_blocks(cells._stree, src, 0, length)
+        else:
+            blocks = _op_blocks(cells._stree, dst, 0, _CELLS_INF, src, 0, length)
         nb = len(blocks)
         if nb == 0 or int(blocks[-1]) - int(blocks[0]) + 1 != nb:
             return None

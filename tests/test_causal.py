@@ -576,7 +576,7 @@ def test_copy_prefix_undo_record():
     forward(c, list(range(150)), [0] * 150)                  # blocks 0..2 (64-cell leaves)
     forward(c, list(range(200)), [2] * 200)                  # cells 150..349
     forward(c, list(range(150, 170)), [0] * 20)              # block 5: seq 0 spans two runs
-    for src, dst, n in ((0, 1, 150), (0, 1, 100), (2, 1, 40), (0, 2, 150)):
+    for src, dst, n in ((0, 1, 150), (0, 1, 100), (2, 1, 40), (0, 2, 150), (2, 1, 200)):
         fast = c._copy_prefix_record(src, dst, n)
         want: list = []
         c.cells._record(want, dst, 0, _INF, src, 0, n)
