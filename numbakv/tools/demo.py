@@ -1303,7 +1303,8 @@ def _draw_prefix_panel(fig, prefix: Dict[str, Any], width: int, height: int, plo
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlim(0, longest)
     ax.set_yticks(range(n))
-    ax.set_yticklabels([f"turn {r['turn']} user {r['user']}" for r in rows], fontsize=6.5)
+    ax.set_yticklabels([f"t{r['turn']} u{r['user']}" for r in rows], fontsize=6.5)
+    ax.set_ylabel("request (turn, user)")
     ax.set_xlabel("prompt tokens", labelpad=2)
     t = prefix["totals"]
     total = sum(t.values())
@@ -1319,7 +1320,7 @@ def _draw_prefix_panel(fig, prefix: Dict[str, Any], width: int, height: int, plo
     fig.legend(handles=handles, loc="upper left", fontsize=8, frameon=False,
                bbox_to_anchor=((plot_px + 300) / width, (105 + axes_px) / height))
     fig.text(90 / width, 8 / height,
-             "Lower panel: each bar is one request of the prefix-store segment (turn, user), "
+             "Lower panel: each bar is one request of the prefix-store segment (t turn, u user), "
              "its prompt split by where the tokens came from; right of a bar, the tier moves "
              "during that request\n(\u25b2 its conversation promoted from host RAM to the "
              "cells; \u25bc another user's conversation demoted from the cells to host RAM to "
