@@ -2,6 +2,7 @@
 occupancy picture and the ``numbakv demo`` command line."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -368,3 +369,59 @@ def test_shift_mark_covers_only_the_shifted_requests_cells_and_labels_do_not_ove
     rows = label_rows([3.0, 3.5, 4.0, 40.0, 99.0, 99.0], gap=2.0, top=0.0, bottom=100.0)
     assert all(b - a >= 2.0 - 1e-9 for a, b in zip(rows, rows[1:]))
     assert rows[0] >= 3.0 - 1e-9 and rows[-1] <= 100.0 and rows[3] == 40.0
+
+
+def test_cli_demo_runs_the_prefix_store_segment_by_default_and_draws_it(tmp_path):
+    """``numbakv demo`` (no flag) reports the prefix-store segment's tokens per tier and the
+    picture has its panel; ``--no-prefix-store`` skips it."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "demo.png"
+    proc = subprocess.run([sys.executable, "-m", "numbakv", "demo", "--seqs", "2", "--steps",
+                           "10", "--layers", "1", "--quiet", "--png", str(png)],
+                          capture_output=True, text=True, env=_cli_env(), cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "Prefix store:" in out and "from the store's cells (tier 0" in out
+    assert "from host RAM (tier 1" in out and "cells -> host" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("tokens: "))
+    m = re.match(r"tokens: (\d+) from live slots, (\d+) from the store's cells \(tier 0, no "
+                 r"copy\), (\d+) from host RAM \(tier 1, promoted back\), (\d+) computed", line)
+    assert m and all(int(c) > 0 for c in m.groups()), line   # slot, tier 0, tier 1, computed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+    assert imread(str(png)).shape[0] > 700          # the occupancy band plus the store panel
+    skip = subprocess.run([sys.executable, "-m", "numbakv", "demo", "--seqs", "2", "--steps",
+                           "10", "--layers", "1", "--quiet", "--no-plot", "--no-prefix-store"],
+                          capture_output=True, text=True, env=_cli_env(), cwd=tmp_path,
+                          timeout=300)
+    assert skip.returncode == 0, skip.stderr
+    assert "Prefix store:" not in skip.stdout
+
+
+def test_prefix_panel_marks_tier_moves_and_no_labels_overlap():
+    pytest.importorskip("matplotlib")
+    from numbakv.tools.demo import picture_figure
+    from numbakv.tools.demo_prefix import run_prefix_demo
+    report = _synthetic_report(64)
+    report.prefix = run_prefix_demo()
+    rows = report.prefix["rows"]
+    # the segment moves conversations both ways: promotions (tier 1 hits) and demotions
+    assert any(r["source"] == "host" for r in rows) and any(r["source"] == "cells" for r in rows)
+    assert sum(len(r["demoted"]) for r in rows) >= 1
+    assert all(0 <= u < 6 and k > 0 for r in rows for u, k in r["demoted"])
+    fig = picture_figure(report)
+    renderer = fig.canvas.get_renderer()
+    moves = [t for ax in fig.axes for t in ax.texts if t.get_gid() == "prefix-move"]
+    assert len(moves) == sum(1 for r in rows if r["demoted"] or r["source"] == "host")
+    assert any("\u25b2" in t.get_text() for t in moves) and any("\u25bc" in t.get_text()
+                                                                 for t in moves)
+    boxes = [t.get_window_extent(renderer) for t in moves]
+    boxes += [lg.get_window_extent(renderer) for lg in fig.legends]
+    boxes += [t.get_window_extent(renderer) for t in fig.texts]          # the captions
+    boxes += [ax.get_window_extent(renderer) for ax in fig.axes]
+    w, h = fig.canvas.get_width_height()
+    for i, a in enumerate(boxes):
+        assert a.x0 >= 0 and a.y0 >= 0 and a.x1 <= w and a.y1 <= h, a   # nothing cut off
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)

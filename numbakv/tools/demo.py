@@ -21,6 +21,9 @@ CPU; no framework needed):
   ``DemoVerificationError``.
 * A progress bar, a final table and a picture of which request owns which cell over time (PNG
   with matplotlib, a terminal rendering without it).
+* The prefix-store segment (``demo_prefix``; ``prefix_store=True``, on by default on the command
+  line): users' multi-turn chats through ``PromptCache(store=PrefixStore(...))``, tokens reused
+  per tier vs computed, drawn as the picture's lower panel.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -459,6 +462,8 @@ class DemoReport:
     max_shifted_key_err: float = 0.0
     verification: str = "not run"
     plot_path: Optional[str] = None
+    #: the prefix-store segment's result (``demo_prefix.run_prefix_demo``), when it ran
+    prefix: Optional[Dict[str, Any]] = None
     owners: Optional[np.ndarray] = None
     events: List[Tuple[int, str, str]] = field(default_factory=list)
 
@@ -650,8 +655,8 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
              plot_path: Optional[str] = "numbakv_demo.png", *, dtype: str = "float32",
              model: Optional[ModelConfig] = None, slots: Optional[int] = None,
              verify: bool = True, multi_user: bool = True, follow_ups: float = 0.25,
-             after_step: Optional[Callable[[CausalCache, int, Dict[int, int]], None]] = None
-             ) -> DemoReport:
+             after_step: Optional[Callable[[CausalCache, int, Dict[int, int]], None]] = None,
+             prefix_store: bool = False) -> DemoReport:
     """Serve ``n_seqs`` requests of a seeded ``Workload`` with a ``TinyLlama`` of ``n_layers``
     through one ``CausalCache`` for at most ``steps`` forward passes (fewer when every request is
     done), verifying every step (see the module docstring).
@@ -677,6 +682,9 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
         after_step: called as ``after_step(cache, step, running)`` after each step's
             verification, with ``running`` mapping each busy sequence id to the tokens its
             request still has to generate (tests use it to corrupt the cache).
+        prefix_store: also run the prefix-store segment (``demo_prefix.run_prefix_demo``, on
+            the CPU, seeded with ``seed``) into ``report.prefix``; the picture then gets its
+            panel.
 
     Returns the ``DemoReport``; raises ``DemoVerificationError`` at the first mismatch.
     """
@@ -920,6 +928,9 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
     report.owners = np.array(owners_rows, dtype=np.int32).reshape(-1, report.n_cells)
     report.verification = ("passed: every step equals the recomputation without the cache"
                            if verify else "off")
+    if prefix_store:
+        from .demo_prefix import run_prefix_demo
+        report.prefix = run_prefix_demo(seed=seed)
     if plot_path:
         report.plot_path = save_picture(report, plot_path)
     report.wall_time = time.perf_counter() - t_start
@@ -1144,6 +1155,15 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
     with every defrag, context shift and prefix reuse marked and labelled where it happened, and
     a legend. Returns the path, or ``None`` when matplotlib is not installed. Uses no pyplot
     state (safe in notebooks)."""
+    fig = picture_figure(report)
+    if fig is None:
+        return None
+    fig.savefig(path)
+    return str(path)
+
+
+def picture_figure(report: DemoReport):
+    """The matplotlib ``Figure`` that ``save_picture`` saves (``None`` without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.colors import ListedColormap
@@ -1162,9 +1182,17 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
     colors = [SHARED_COLOR, FREE_COLOR] + [request_color(r) for r in range(n_req)]
     plot_px = min(_PLOT_WIDTH_PX, n_cols * max(MIN_COLUMN_PX, _PLOT_WIDTH_PX // n_cols))
     width = plot_px + 600          # y labels, the cells, the event labels' column, the legend
-    fig = Figure(figsize=(width / _DPI, 7.0), dpi=_DPI)
+    # the occupancy picture keeps its 700 px; the prefix-store panel (when the segment ran)
+    # adds its own band below it, so nothing above moves or overlaps
+    panel_px = _prefix_panel_px(report.prefix) if report.prefix else 0
+    height = 700 + panel_px
+
+    def fy(px: float) -> float:   # a height in pixels above the occupancy band's bottom
+        return (panel_px + px) / height
+
+    fig = Figure(figsize=(width / _DPI, height / _DPI), dpi=_DPI)
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((90 / width, 0.14, plot_px / width, 0.78))
+    ax = fig.add_axes((90 / width, fy(98), plot_px / width, 546 / height))
     ax.imshow(columns + 2, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors),
               vmin=-0.5, vmax=len(colors) - 0.5, origin="upper",
               extent=(-0.5, n_cols - 0.5, n_steps - 0.5, -0.5))
@@ -1186,7 +1214,7 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
     marks = sorted(picture_marks(report, group), key=lambda m: (m.step, m.kind))
     # labels sit in a column right of the cells, one per mark, never overlapping (rows at least
     # one label height apart), each joined to its line by a thin leader
-    axes_px = 0.78 * 7.0 * _DPI
+    axes_px = 546.0
     gap = n_steps * 13.0 / axes_px
     rows = label_rows([m.step - 0.5 for m in marks], gap, -0.5 + gap / 2, n_steps - 0.5 - gap / 2)
     for mark, row in zip(marks, rows):
@@ -1209,8 +1237,8 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
     handles += [Line2D([], [], color=EVENT_COLOR, label=EVENT_LABELS[k], **st)
                 for k, st in styles.items()]
     fig.legend(handles=handles, loc="upper left", fontsize=8, frameon=False,
-               bbox_to_anchor=((plot_px + 300) / width, 0.92))
-    fig.text(90 / width, 0.015,
+               bbox_to_anchor=((plot_px + 300) / width, fy(644)))
+    fig.text(90 / width, fy(10.5),
              "Each row is one step: one forward pass of the model over a packed batch (new "
              "requests' prompt chunks and one decode token of every running request).\n"
              "Light grey is free cells: a light-grey band opening across a request's cells "
@@ -1218,8 +1246,87 @@ def save_picture(report: DemoReport, path: str) -> Optional[str]:
              "its oldest tokens.\nEvent lines run over the cells the event touched: a context "
              "shift over the shifted request's own cells, a prefix reuse over the shared "
              "prompt, a defrag over the whole cache.", fontsize=8, va="bottom", ha="left")
-    fig.savefig(path)
-    return str(path)
+    if report.prefix:
+        _draw_prefix_panel(fig, report.prefix, width, height, plot_px, panel_px)
+    return fig
+
+
+#: Colours of the prefix-store panel: where a prompt's tokens came from.
+PREFIX_SOURCES = (("slot", "#9ecae1", "live slot (still held)"),
+                  ("cells", "#2ca02c", "tier 0 hit: cells, no copy"),
+                  ("host", "#ff7f0e", "tier 1 hit: host RAM, copied"),
+                  ("computed", "#bdbdbd", "computed (prefill)"))
+_PANEL_ROW_PX = 15     # one request's bar: room for a 7-pt label per row, so none overlap
+
+
+def _prefix_panel_px(prefix: Dict[str, Any]) -> int:
+    """Height of the prefix-store panel: a row per request, its title, axis and caption."""
+    return 60 + _PANEL_ROW_PX * len(prefix["rows"]) + 105
+
+
+def _draw_prefix_panel(fig, prefix: Dict[str, Any], width: int, height: int, plot_px: int,
+                       panel_px: int) -> None:
+    """The prefix-store segment under the occupancy picture: one horizontal bar per (turn,
+    user) request, its prompt tokens split by where they came from (live slot, tier 0 hit,
+    tier 1 promotion, computed), and a label right of the bar for each tier move of that
+    request (a promotion host -> cells, a demotion cells -> host)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    rows = prefix["rows"]
+    n = len(rows)
+    axes_px = _PANEL_ROW_PX * n
+    ax = fig.add_axes((90 / width, 105 / height, plot_px / width, axes_px / height))
+    colors = {k: c for k, c, _ in PREFIX_SOURCES}
+    longest = max(r["prompt"] for r in rows)
+    # one barh call per source (not per request): drawing the panel stays a small part of
+    # the demo's time
+    reused = np.array([r["reused"] for r in rows])
+    sources = np.array([r["source"] if r["source"] in colors else "slot" for r in rows])
+    for src in ("slot", "cells", "host"):
+        on = np.nonzero((sources == src) & (reused > 0))[0]
+        if len(on):
+            ax.barh(on, reused[on], left=0, height=0.8, color=colors[src], linewidth=0)
+    ax.barh(np.arange(n), [r["computed"] for r in rows], left=reused, height=0.8,
+            color=colors["computed"], linewidth=0)
+    for i, r in enumerate(rows):
+        moves = []
+        if r["source"] == "host":
+            moves.append("\u25b2 promoted")
+        moves += [f"\u25bc u{u} demoted ({k})" for u, k in r.get("demoted", ())]
+        if r.get("dropped"):
+            moves.append(f"{r['dropped']} dropped")
+        if moves:
+            # one line per row (the row is one label high), in the label column right of the
+            # bars, short enough to end before the legend
+            ax.text(longest * 1.01, i, "  ".join(moves), va="center", ha="left", fontsize=7,
+                    clip_on=False, gid="prefix-move")
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_xlim(0, longest)
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"t{r['turn']} u{r['user']}" for r in rows], fontsize=6.5)
+    ax.set_ylabel("request (turn, user)")
+    ax.set_xlabel("prompt tokens", labelpad=2)
+    t = prefix["totals"]
+    total = sum(t.values())
+    ax.set_title(f"prefix store segment (a second, smaller cache): {len(rows)} requests of "
+                 f"multi-turn chats; {t['cells']} tokens from tier 0, {t['host']} from tier 1, "
+                 f"{t['slot']} from live slots, {t['computed']} computed "
+                 f"({(total - t['computed']) / max(total, 1):.0%} reused)", fontsize=10)
+    handles = [Patch(facecolor=c, label=label) for _, c, label in PREFIX_SOURCES]
+    handles += [Line2D([], [], linestyle="", marker="^", color=EVENT_COLOR,
+                       label="promoted: host \u2192 cells"),
+                Line2D([], [], linestyle="", marker="v", color=EVENT_COLOR,
+                       label="uN demoted (tokens): cells \u2192 host")]
+    fig.legend(handles=handles, loc="upper left", fontsize=8, frameon=False,
+               bbox_to_anchor=((plot_px + 300) / width, (105 + axes_px) / height))
+    fig.text(90 / width, 8 / height,
+             "Lower panel: each bar is one request of the prefix-store segment (t turn, u user), "
+             "its prompt split by where the tokens came from; right of a bar, the tier moves "
+             "during that request\n(\u25b2 its conversation promoted from host RAM to the "
+             "cells; \u25bc another user's conversation demoted from the cells to host RAM to "
+             "make room).\nThe store keeps 4 finished conversations in the cache's cells (tier "
+             "0: a hit shares the cells, no copy) and demotes the least recently used to host "
+             "RAM (tier 1: a hit copies the rows back).", fontsize=8, va="bottom", ha="left")
 
 
 # ---------------------------------------------------------------------------- command line
@@ -1248,9 +1355,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", default="numbakv_demo.png", metavar="PATH",
                    help="where to save the occupancy picture (default numbakv_demo.png)")
     p.add_argument("--no-plot", action="store_true", help="do not save the picture")
-    p.add_argument("--prefix-store", action="store_true",
-                   help="also run the prefix-store segment: users' multi-turn chats through "
-                        "PromptCache(store=PrefixStore), tokens reused per tier vs computed")
+    p.add_argument("--prefix-store", dest="prefix_store", action="store_true", default=True,
+                   help="run the prefix-store segment after the demo (the default): users' "
+                        "multi-turn chats through PromptCache(store=PrefixStore), tokens reused "
+                        "per tier vs computed, drawn in the picture's lower panel")
+    p.add_argument("--no-prefix-store", dest="prefix_store", action="store_false",
+                   help="skip the prefix-store segment")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no terminal picture; only the table")
     p.set_defaults(func=main)
@@ -1264,7 +1374,8 @@ def main(args: argparse.Namespace) -> int:
                           device=args.device, seed=args.seed, capacity=args.capacity,
                           dtype=args.dtype, progress=not args.quiet,
                           multi_user=not args.single_user,
-                          plot_path=None if args.no_plot else args.png)
+                          plot_path=None if args.no_plot else args.png,
+                          prefix_store=getattr(args, "prefix_store", True))
     except DemoVerificationError as exc:
         print(f"numbakv demo: VERIFICATION FAILED: {exc}", file=sys.stderr)
         return 1
@@ -1272,15 +1383,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"numbakv demo: {exc}", file=sys.stderr)
         return 2
     print(report.table())
-    if getattr(args, "prefix_store", False):
-        from .demo_prefix import format_prefix_demo, run_prefix_demo
-        try:
-            segment = run_prefix_demo(seed=args.seed)
-        except AssertionError as exc:
-            print(f"numbakv demo: VERIFICATION FAILED (prefix store): {exc}", file=sys.stderr)
-            return 1
+    if report.prefix is not None:
+        from .demo_prefix import format_prefix_demo
         print()
-        print(format_prefix_demo(segment))
+        print(format_prefix_demo(report.prefix))
     if not report.plot_path and not args.quiet:
         print()
         print(report.terminal_picture())
@@ -1291,6 +1397,6 @@ def main(args: argparse.Namespace) -> int:
 
 __all__ = ["TinyLlama", "ModelConfig", "Workload", "Request", "DemoReport",
            "DemoVerificationError", "run_demo", "reference_forward", "cell_owners",
-           "save_picture", "picture_columns", "picture_marks", "PictureMark", "request_color",
+           "save_picture", "picture_figure", "picture_columns", "picture_marks", "PictureMark", "request_color",
            "add_parser", "main"]
 __all__ += ["verify_forward"]

@@ -4,16 +4,20 @@ every conversation in cells, so the store evicts finished ones to host RAM and p
 back when their user returns. Every turn reports where its prompt's tokens came from (a live
 slot, the store's cells, host RAM, or computed) and every row a turn reuses is checked against
 the K/V written for that token at that position (the K/V here encode (token, position, layer),
-so a wrong row cannot pass)."""
+so a wrong row cannot pass). ``numbakv demo`` runs it after the main demo (``--no-prefix-store``
+skips it) and draws it as the picture's lower panel."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 import numbakv as nkv
 from numbakv.prefix import PrefixStore
+from numbakv.prefix.store import HOST
+from numbakv.tools.demo import DemoVerificationError
 
 
 def _kv(tokens, positions, layer: int, heads: int, dim: int):
@@ -39,18 +43,31 @@ def _verify(cache, seq: int, tokens) -> None:
     pos, _ = cache.cells.mask_inputs(0, cache.n_cells)
     p = pos[cells]
     if sorted(p.tolist()) != list(range(len(tokens))):
-        raise AssertionError(f"seq {seq} holds positions {sorted(p.tolist())[:8]}..., expected "
+        raise DemoVerificationError(f"seq {seq} holds positions {sorted(p.tolist())[:8]}..., expected "
                              f"0..{len(tokens) - 1}")
     for layer in range(cache.config.n_layers):
         want, _ = _kv([tokens[i] for i in p], p, layer, cache.config.n_kv_heads,
                       cache.config.head_dim)
         if not np.array_equal(np.asarray(cache.storage.keys[layer, cells]), want):
-            raise AssertionError(f"seq {seq}: a reused K row is not its token's")
+            raise DemoVerificationError(f"seq {seq}: a reused K row is not its token's")
+
+
+def _host_entries(store: PrefixStore) -> Dict[int, Any]:
+    # the store's index is the only place that says which entry moved to host RAM in a turn
+    # (stats() counts hits, not demotions); entries are never re-tiered in place: a demotion
+    # adds a new host entry, a promotion a new cells entry
+    return {e.id: e for e in store.index.entries.values() if e.tier == HOST}
 
 
 def run_prefix_demo(users: int = 6, turns: int = 4, system: int = 96, message: int = 24,
                     reply: int = 16, seed: int = 0) -> Dict[str, Any]:
-    """Run the workload; returns per-turn rows and totals (see the module docstring)."""
+    """Run the workload; returns ``{"rows", "totals", "stats", "time"}``: one row per
+    (turn, user) request with its prompt length, the tokens reused and where from
+    (``"slot"``, ``"cells"`` = tier 0, ``"host"`` = tier 1, ``"-"``), the tokens computed, and
+    ``"demoted"``: ``[(user, tokens)]`` for each conversation the store moved from its cells to
+    host RAM during that request, ``"dropped"``: host entries evicted without a promotion.
+    Raises ``DemoVerificationError`` when a reused row is not its token's K/V."""
+    t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=8, dtype="float32",
                           capacity=system + turns * (message + reply) + 8, max_seqs=6,
@@ -67,6 +84,7 @@ def run_prefix_demo(users: int = 6, turns: int = 4, system: int = 96, message: i
     for turn in range(turns):
         for user in rng.permutation(users).tolist():
             prompt = history[user] + rng.integers(0, 30_000, message).tolist()
+            host_before = _host_entries(store)
             before = store.stats()
             hits0 = {t: before["tiers"].get(t, {}).get("hits", 0) for t in ("cells", "host")}
             store_before = pc.stats.store_reused
@@ -86,30 +104,44 @@ def run_prefix_demo(users: int = 6, turns: int = 4, system: int = 96, message: i
             pc.extend(slot, answer[:-1])
             pc.release(slot)
             history[user] = prompt + answer
+            host_after = _host_entries(store)
+            demoted = []
+            for eid in sorted(set(host_after) - set(host_before)):
+                toks = np.frombuffer(host_after[eid].tokens_bytes(), "<i8").tolist()
+                owner = next((u for u, h in history.items() if h[:len(toks)] == toks), -1)
+                demoted.append((owner, len(toks)))
+            gone = set(host_before) - set(host_after)
+            dropped = len(gone) - (1 if source == "host" and gone else 0)
             if source:
                 totals[source] += reused
             totals["computed"] += len(remaining)
             rows.append({"turn": turn + 1, "user": user, "prompt": len(prompt),
                          "reused": reused, "source": source or "-",
-                         "computed": len(remaining)})
+                         "computed": len(remaining), "demoted": demoted,
+                         "dropped": dropped})
     stats = store.stats()
     store.close()
-    return {"rows": rows, "totals": totals, "stats": stats}
+    return {"rows": rows, "totals": totals, "stats": stats, "time": time.perf_counter() - t0}
 
 
 def format_prefix_demo(res: Dict[str, Any]) -> str:
     lines = ["Prefix store: multi-user, multi-turn chat over a cache whose store keeps 4 conversations in cells "
              "(PromptCache(multi_user=True, store=PrefixStore(retain_seqs=[2, 3, 4, 5], host_bytes)))",
-             f"{'turn':>4} {'user':>4} {'prompt':>6} {'reused':>6} {'from':>6} {'computed':>8}"]
+             f"{'turn':>4} {'user':>4} {'prompt':>6} {'reused':>6} {'from':>6} {'computed':>8}"
+             "  tier moves"]
     for r in res["rows"]:
+        moves = ", ".join(f"user {u} ({n} tokens) cells -> host" for u, n in r.get("demoted", ()))
+        if r["source"] == "host":
+            moves = "host -> cells" + (f"; {moves}" if moves else "")
         lines.append(f"{r['turn']:>4} {r['user']:>4} {r['prompt']:>6} {r['reused']:>6} "
-                     f"{r['source']:>6} {r['computed']:>8}")
+                     f"{r['source']:>6} {r['computed']:>8}  {moves}".rstrip())
     t = res["totals"]
     total = sum(t.values())
     lines.append(f"tokens: {t['slot']} from live slots, {t['cells']} from the store's cells "
                  f"(tier 0, no copy), {t['host']} from host RAM (tier 1, promoted back), "
                  f"{t['computed']} computed ({(total - t['computed']) / max(total, 1):.0%} "
-                 f"reused); every reused row checked against its token's K/V")
+                 f"reused); every reused row checked against its token's K/V"
+                 + (f"; {res['time']:.2f} s" if "time" in res else ""))
     return "\n".join(lines)
 
 
