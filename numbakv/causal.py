@@ -20,7 +20,6 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
-from .cells import _INF as _CELLS_INF, _M_BSHIFT, _Journal, _op_blocks, _st_blocks
 from .cells import _check_batch as _batch_ids_ok
 from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
@@ -619,30 +618,7 @@ class CausalCache(StateMethods):
         src = self._check_seq(src_seq, "src_seq")
         dst = self._check_seq(dst_seq, "dst_seq")
         length = _check_index("length", length, 0, UNLIMITED + 1)
-        self._edit(self.cells.copy_prefix, (src, dst, length),
-                   recorded=self._copy_prefix_record(src, dst, length))
-
-    def _copy_prefix_record(self, src: int, dst: int, length: int) -> Optional[list]:
-        """The undo record ``CellTable.copy_prefix`` would make, built with three slice copies
-        when the blocks it covers are one run (the common case: a prefix placed in one go); None
-        otherwise (the table records it itself). Same blocks and rows as ``CellTable._record``:
-        the cell table's own loop costs ~4x more, and this record is most of a prefix store
-        hit's time after the edit itself (BENCHMARKS.md, prefix store)."""
-        if src == dst:
-            return None
-        cells = self.cells
-        if cells._sidx[3, dst] < 0:   # dst empty (a prefix store's load): src's blocks alone
-            blocks = _st_blocks(cells._stree, src, 0, length)
-        else:
-            blocks = _op_blocks(cells._stree, dst, 0, _CELLS_INF, src, 0, length)
-        nb = len(blocks)
-        if nb == 0 or int(blocks[-1]) - int(blocks[0]) + 1 != nb:
-            return None
-        bshift = int(cells._meta[_M_BSHIFT])
-        lo = int(blocks[0]) << bshift
-        hi = min((int(blocks[-1]) + 1) << bshift, cells.n_cells)
-        return [_Journal(blocks, cells._pos[lo:hi].copy(), cells._shift[lo:hi].copy(),
-                         cells._seqs[lo:hi].copy(), cells._sidx.copy(), cells._meta.copy())]
+        self._edit(self.cells.copy_prefix, (src, dst, length))
 
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether ``seq`` can continue at ``pos`` with what is stored: always without a window
@@ -782,16 +758,14 @@ class CausalCache(StateMethods):
             raise NotSupportedError(f"{what} moves positions of sequence {seq} and needs a shift "
                                     "function (CausalCache(shift=...))")
 
-    def _edit(self, op: Callable[..., Any], args: tuple, apply_shifts: bool = False,
-              recorded: Optional[list] = None) -> Any:
+    def _edit(self, op: Callable[..., Any], args: tuple, apply_shifts: bool = False) -> Any:
         """Run a cell-table edit (and, if asked, the key rotation it calls for) all or nothing,
-        by its undo log (O(cells touched), never a copy of the table). ``recorded``: the undo
-        log of ``op`` made beforehand (``op`` then records nothing). A sequence operation
+        by its undo log (O(cells touched), never a copy of the table). A sequence operation
         ends the forward pass in progress: its cells and mask may no longer hold."""
-        journal: list = [] if recorded is None else recorded
+        journal: list = []
         shifted = None
         try:
-            result = op(*args, journal=journal) if recorded is None else op(*args)
+            result = op(*args, journal=journal)
             if apply_shifts:
                 shifted = self._apply_pending_shifts()
         except BaseException:

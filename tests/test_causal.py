@@ -568,24 +568,26 @@ def test_copy_prefix(device, permuted_v):
 
 
 def test_copy_prefix_undo_record():
-    """copy_prefix's undo log, built with slice copies when its blocks are one run, is the one
-    the cell table records itself (same blocks, rows, index rows), and a failed edit puts the
-    table back exactly."""
-    from numbakv.cells import _INF
+    """An edit's undo record holds exactly the rows of the blocks it may touch, in block order
+    (whole-block slice copies in cells._save_blocks), for edits into an empty and a non-empty
+    destination, and a failed copy_prefix puts the table back exactly."""
+    from numbakv.cells import _INF, _M_BSHIFT, _block_cells
     c = make("cpu", max_seqs=3, capacity=200, max_batch=256)
     forward(c, list(range(150)), [0] * 150)                  # blocks 0..2 (64-cell leaves)
     forward(c, list(range(200)), [2] * 200)                  # cells 150..349
     forward(c, list(range(150, 170)), [0] * 20)              # block 5: seq 0 spans two runs
-    for src, dst, n in ((0, 1, 150), (0, 1, 100), (2, 1, 40), (0, 2, 150), (2, 1, 200)):
-        fast = c._copy_prefix_record(src, dst, n)
-        want: list = []
-        c.cells._record(want, dst, 0, _INF, src, 0, n)
-        assert fast is not None and len(fast) == 1
-        for f in want[0]._fields:
-            a, b = getattr(fast[0], f), getattr(want[0], f)
-            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f
-    assert c._copy_prefix_record(0, 1, 170) is None          # two runs: the table records it
-    assert c._copy_prefix_record(0, 0, 10) is None
+    t = c.cells
+    bshift = int(t._meta[_M_BSHIFT])
+    for src, dst, n in ((0, 1, 150), (0, 1, 100), (2, 1, 40), (0, 2, 150), (2, 1, 200),
+                        (0, 1, 170), (0, 2, 170)):
+        rec: list = []
+        t._record(rec, dst, 0, _INF, src, 0, n)
+        j = rec[0]
+        assert len(j.blocks) and (np.diff(j.blocks) > 0).all()
+        rows = np.concatenate([np.arange(*_block_cells(b, bshift, t.n_cells)) for b in j.blocks])
+        assert np.array_equal(j.pos, t._pos[rows]) and j.pos.dtype == t._pos.dtype
+        assert np.array_equal(j.shift, t._shift[rows]) and j.shift.dtype == t._shift.dtype
+        assert np.array_equal(j.seqs, t._seqs[rows]) and j.seqs.dtype == t._seqs.dtype
 
     before = (c.cells.cells, c.cells._sidx.copy(), c.cells._stree.copy())
     real = c.cells.copy_prefix
