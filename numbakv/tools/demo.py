@@ -43,14 +43,11 @@ from ..config import CacheConfig, RopeShift, normalize_dtype
 from ..device import array_module, resolve_device, synchronize
 from ..errors import NoSlotError, ReprocessError
 from ..prompt import PromptCache
+from ._demo_errors import DemoVerificationError  # re-exported (__all__)
 
 #: Owner codes in the occupancy picture besides request ids (>= 0).
 FREE = -1
 SHARED = -2   # a cell shared by more than one sequence (the system prompt, via copy_prefix)
-
-
-class DemoVerificationError(AssertionError):
-    """The cached forward disagreed with the recomputation without the cache."""
 
 
 # ---------------------------------------------------------------------------- dtype helpers

@@ -17,7 +17,7 @@ import numpy as np
 import numbakv as nkv
 from numbakv.prefix import PrefixStore
 from numbakv.prefix.store import HOST
-from numbakv.tools.demo import DemoVerificationError
+from ._demo_errors import DemoVerificationError
 
 
 def _kv(tokens, positions, layer: int, heads: int, dim: int):
