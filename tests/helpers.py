@@ -75,3 +75,26 @@ def emulate_cuda(monkeypatch, record):
         monkeypatch.setattr(mod, "_launch", fake_launch)
         monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
     return cp
+
+
+def host(x) -> np.ndarray:
+    """A host numpy copy/view of a cache array (numpy, CuPy, or a bfloat16 view's bits)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "bits"):
+        return host(x.bits)
+    return x.get()
+
+
+def dev(x: np.ndarray, device: str):
+    """``x`` on ``device`` (CuPy for ``cuda``, else as it is)."""
+    if device == "cuda":
+        import cupy
+        return cupy.asarray(x)
+    return x
+
+
+def same(a, b) -> bool:
+    """Bit-identical arrays (float compares would let -0.0 pass for 0.0 and fail on NaN)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -22,27 +22,12 @@ from numbakv.causal import CausalCache
 from numbakv.wrappers import WrapperCache
 
 from causal_reference import rope_ref
-from helpers import random_storage
+from helpers import dev, host, random_storage, same
 
 L, H, D, DV = 2, 2, 32, 32
 
 
 # ============================================================================ helpers
-def host(x) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "bits"):
-        return host(x.bits)
-    return x.get()
-
-
-def dev(x: np.ndarray, device: str):
-    if device == "cuda":
-        import cupy
-        return cupy.asarray(x)
-    return x
-
-
 def make(device="cpu", *, dtype="float16", capacity=16, max_seqs=3, shift=None,
          swa_window=None, n_layers=L, **kw) -> CausalCache:
     cfg = nkv.CacheConfig(n_layers=n_layers, n_kv_heads=H, head_dim=D, v_head_dim=DV,
@@ -90,12 +75,6 @@ def seq_rows(cache, seq):
 def part_rows(part: SnapshotPart):
     return (np.asarray(part.positions), np.stack([host(k) for k in part.keys]),
             np.stack([host(v) for v in part.values]))
-
-
-def same(a, b) -> bool:
-    """Bit-identical (a float compare would pass -0.0 for 0.0 and fail on NaN)."""
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def assert_rows(a, b) -> None:

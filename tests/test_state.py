@@ -26,28 +26,13 @@ from numbakv.causal import CausalCache
 from numbakv.simple import RotatingCache, StepCache
 from numbakv.wrappers import WrapperCache
 
-from helpers import random_storage
+from helpers import dev, host, random_storage, same
 
 L, H, D, DV = 2, 2, 8, 4
 DTYPES = ["float16", "float32", "bfloat16"]
 
 
 # ============================================================================ helpers
-def host(x) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "bits"):
-        return host(x.bits)
-    return x.get()
-
-
-def dev(x: np.ndarray, device: str):
-    if device == "cuda":
-        import cupy
-        return cupy.asarray(x)
-    return x
-
-
 def make(device, *, dtype="float16", permuted_v=False, capacity=8, max_seqs=3, shift=None,
          **kw) -> CausalCache:
     cfg = nkv.CacheConfig(n_layers=L, n_kv_heads=H, head_dim=D, v_head_dim=DV, dtype=dtype,
@@ -76,12 +61,6 @@ def kv(cache):
     if cache.config.permuted_v:
         v = v.transpose(0, 3, 1, 2)
     return k, v
-
-
-def same(a, b) -> bool:
-    """Bit-identical arrays (float compares would let -0.0 pass for 0.0 and fail on NaN)."""
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def seq_rows(cache, seq):
