@@ -7,10 +7,15 @@ that ``get()``'s mask defines (causal, sliding window, chunks, ``set_causal``).
 
 Backends:
 
-* ``"torch"``: per sequence, scaled-dot-product attention over its cells. When a sequence's
-  cells lie densely in one run of the cell pool (the usual case: contiguous placement), it reads
-  a zero-copy view of that run, masking the few cells of other sequences; otherwise it gathers
-  its cells. CPU and CUDA.
+* ``"torch"``: per sequence, scaled-dot-product attention over its cells. On the CPU, decodes,
+  short lists and (with 16-bit storage) chunks of up to 32 queries go through numbakv's own
+  numba kernel instead (:func:`_attend_pool`): it reads each listed cell's K/V row, every KV
+  head at once, straight from the pool, converts float16/bfloat16 per tile and accumulates in
+  float32 (online softmax), one work item per sequence or part of a long list (split-K) on
+  numba's threads. For the other sequences: when its cells lie densely in one run of the cell
+  pool (the usual case: contiguous placement), a zero-copy view of that run, masking the few
+  cells of other sequences; otherwise its cells gathered, or (CPU) pool runs and a gathered
+  rest merged by log-sum-exp. CPU and CUDA.
 * ``"flashinfer"``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (every sequence has one
   query) or ``BatchPrefillWithPagedKVCacheWrapper`` on the page table, with ``causal`` and
   ``window_left`` where they express the mask and a custom mask where they cannot (chunks,
@@ -49,13 +54,19 @@ _MIN_RUN = 256
 _MAX_GAP = 32
 #: parts of at most this many cells are computed with matmuls instead of the flash kernel
 _SMALL_PART = 256
-#: On the CPU, every sequence with at most this many queries in the pass (decode, short
-#: chunks) is computed by numbakv's own kernel (:func:`_attend_pool`), reading its cells straight
-#: from the pool and converting float16/bfloat16 per tile: PyTorch's CPU kernel reads the
-#: token-major float16 pool ~2x slower than the floor's head-major copy, and a torch call per
-#: short sequence costs more than its arithmetic. Longer prefills go to PyTorch's flash kernel
-#: (its matrix products win once a K/V row serves many queries). -1 turns the kernel off.
-_KERNEL_TOKENS = 16
+#: On the CPU, numbakv's own kernel (:func:`_attend_pool`) computes every sequence with at most
+#: this many queries in the pass (decode), reading its cells straight from the pool: PyTorch's
+#: CPU kernel reads the token-major float16 pool ~2x slower than the floor's head-major copy,
+#: and a torch call per short sequence costs more than its arithmetic. -1 turns the kernel off.
+_KERNEL_TOKENS = 4
+#: ... at most this many with float16/bfloat16 storage (converted per tile, read once), where
+#: PyTorch's kernel is slowest; longer float32 prefills go to PyTorch's flash kernel, whose
+#: matrix products win once a K/V row serves many queries (measured: 8 queries over 4k cells)
+_KERNEL_TOKENS_16BIT = 32
+#: ... and every sequence that sees at most _SHORT_CELLS cells with at most _SHORT_TOKENS
+#: queries (the demo's and hf.attach's many small parts)
+_SHORT_CELLS = 512
+_SHORT_TOKENS = 64
 #: the kernel runs on numba's threads (one (sequence, KV head) item each) from this much work,
 #: listed cells x queries x query heads; below it one thread (a parallel launch costs ~10 us)
 _PARALLEL_WORK = 1 << 17
@@ -585,18 +596,20 @@ def _attend_pool_parallel(items, merges, q, kpool, vpool, bf16, vperm, kv_indice
                           part_l)
 
 
-def _kernel_plan(host: HostPages, n_heads: int) -> dict:
+def _kernel_plan(host: HostPages, n_heads: int, half: bool) -> dict:
     """The CPU kernel's work for this pass (planned once per forward pass, kept in
-    ``host.plans``): the sequences with at most ``_KERNEL_TOKENS`` queries, as items (a whole
-    list, or - when there are fewer sequences than twice numba's threads and the work is
-    parallel - parts of at least ``_MIN_PART`` cells, merged afterwards)."""
-    key = ("kernel", _KERNEL_TOKENS, n_heads)
+    ``host.plans``): the sequences it computes (``_KERNEL_TOKENS`` and the limits after it;
+    ``half``: 16-bit storage), as items (a whole list, or - when there are fewer sequences than
+    twice numba's threads and the work is parallel - parts of at least ``_MIN_PART`` cells,
+    merged afterwards)."""
+    limit = _KERNEL_TOKENS_16BIT if half else _KERNEL_TOKENS
+    key = ("kernel", limit, _SHORT_CELLS, _SHORT_TOKENS, n_heads)
     plan = host.plans.get(key)
     if plan is not None:
         return plan
     counts = np.diff(host.qo_indptr).astype(np.int64)
     lens = np.diff(host.kv_indptr).astype(np.int64)
-    mine = counts <= _KERNEL_TOKENS
+    mine = (counts <= limit) | ((lens <= _SHORT_CELLS) & (counts <= _SHORT_TOKENS))
     seqs = np.flatnonzero(mine)
     rest = np.flatnonzero(~mine).tolist()
     rows = None
@@ -687,7 +700,7 @@ def _torch_paged(torch, q, host: HostPages, pools, scale, soft_cap, permuted, bf
     todo = range(n_b)
     out = None
     if dev.type == "cpu" and _KERNEL_TOKENS >= 1:
-        plan = _kernel_plan(host, q.shape[1])
+        plan = _kernel_plan(host, q.shape[1], not _host_pool(pools[0]).dtype == np.float32)
         if plan["any"]:
             res = torch.from_numpy(_cpu_kernel(q, host, plan, pools, scale, soft_cap, permuted,
                                                bf16))

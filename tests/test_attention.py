@@ -49,15 +49,20 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=["as-is", "per-seq", "split-flash", "split-matmul"])
+@pytest.fixture(params=["as-is", "mixed", "per-seq", "split-flash", "split-matmul"])
 def split_mode(request, monkeypatch):
-    """"as-is": these tiny sequences are packed into one numba call (on the CPU); "per-seq":
-    one attention call per sequence (a view of its run of the pool or a gather), the path
-    longer sequences take; "split-*": every sequence's page list is cut into pool views and a
-    gathered rest, merged by log-sum-exp (the path long, scattered sequences take), even at
-    these tiny sizes; each part through PyTorch's CPU flash kernel or, as small parts are,
-    through matmuls."""
-    if request.param != "as-is":
+    """"as-is": these tiny sequences go through numbakv's CPU kernel, read from the pool;
+    "mixed": only one-token sequences do, the others take the torch paths in the same call;
+    "per-seq": one attention call per sequence (a view of its run of the pool or a gather),
+    the path longer prefills take; "split-*": every sequence's page list is cut into pool
+    views and a gathered rest, merged by log-sum-exp (the path long, scattered prefills take),
+    even at these tiny sizes; each part through PyTorch's CPU flash kernel or, as small parts
+    are, through matmuls."""
+    if request.param == "mixed":
+        monkeypatch.setattr(attention, "_KERNEL_TOKENS", 1)
+        monkeypatch.setattr(attention, "_KERNEL_TOKENS_16BIT", 1)
+        monkeypatch.setattr(attention, "_SHORT_TOKENS", 1)
+    elif request.param != "as-is":
         monkeypatch.setattr(attention, "_KERNEL_TOKENS", -1)
     if request.param == "split-flash":
         monkeypatch.setattr(attention, "_SMALL_PART", 0)
@@ -266,7 +271,7 @@ def test_kernel_over_long_lists(name, parallel, monkeypatch):
         ref = _independent_reference(q.float(), cache, 1 / math.sqrt(8), soft_cap)
         out = attend(q, cache, backend="torch", soft_cap=soft_cap)
         np.testing.assert_allclose(out.float().numpy(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-        plan = cache._host_pages().plans[("kernel", attention._KERNEL_TOKENS, 8)]
+        plan = next(v for k, v in cache._host_pages().plans.items() if k[0] == "kernel")
         plan_merges = len(plan["merges"])
         assert plan["parallel"] == parallel and not plan["rest"]
     assert (plan_merges > 0) == parallel
