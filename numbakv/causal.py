@@ -271,7 +271,8 @@ class CausalCache(StateMethods):
 
         Evicts what fell out of every sequence's window memory, finds the first contiguous run
         of free cells (defragmenting once if only fragmentation is in the way), records the
-        tokens there, applies pending key rotations and builds the mask. ``reserve=True``
+        tokens there, applies pending key rotations and builds the mask (on the CPU: at the
+        pass's first ``get()``, which is the only reader). ``reserve=True``
         changes no metadata and sizes everything for the worst case. Raises
         ``KVCacheFullError`` when the batch cannot fit; then nothing has changed (pending key
         rotations stay pending, where llama.cpp has applied them by then; docs/fidelity.md).
