@@ -603,7 +603,7 @@ def _kernel_plan(host: HostPages, n_heads: int, half: bool) -> dict:
     twice numba's threads and the work is parallel - parts of at least ``_MIN_PART`` cells,
     merged afterwards)."""
     limit = _KERNEL_TOKENS_16BIT if half else _KERNEL_TOKENS
-    key = ("kernel", limit, _SHORT_CELLS, _SHORT_TOKENS, n_heads)
+    key = ("kernel", limit, _SHORT_CELLS, _SHORT_TOKENS, _PARALLEL_WORK, _MIN_PART, n_heads)
     plan = host.plans.get(key)
     if plan is not None:
         return plan
