@@ -233,6 +233,7 @@ LONG = {
     "f32-window": dict(dtype="float32", swa_window=70),
     "f16-permuted": dict(dtype="float16", permuted_v=True),
     "bf16-chunk": dict(dtype="bfloat16", chunk=128),
+    "f16-v-head-dim": dict(dtype="float16", v_head_dim=12),
 }
 
 
@@ -250,7 +251,9 @@ def test_kernel_over_long_lists(name, parallel, monkeypatch):
         monkeypatch.setattr(attention, "_MIN_PART", 40)
         monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
     cfg = nkv.CacheConfig(1, 2, 8, dtype=dtype, capacity=300, max_seqs=3, max_batch=64,
-                          device="cpu", permuted_v=kw.pop("permuted_v", False))
+                          device="cpu", permuted_v=kw.pop("permuted_v", False),
+                          v_head_dim=kw.pop("v_head_dim", None))
+    dv = cfg.v_head_dim
     cache = nkv.CausalCache(cfg, swa_window=kw.get("swa_window"), chunk_size=kw.get("chunk"))
     rng = np.random.default_rng(11)
     lens = [0, 0, 0]
@@ -258,13 +261,13 @@ def test_kernel_over_long_lists(name, parallel, monkeypatch):
         for s in range(3):
             n = 20 + 12 * s
             cache.start_forward(np.arange(lens[s], lens[s] + n), np.full(n, s))
-            kv = torch.randn(n, 2, 8).to(Q_DTYPE[dtype])
-            cache.put(kv, torch.randn(n, 2, 8).to(Q_DTYPE[dtype]))
+            cache.put(torch.randn(n, 2, 8).to(Q_DTYPE[dtype]),
+                      torch.randn(n, 2, dv).to(Q_DTYPE[dtype]))
             lens[s] += n
     pos = [lens[0]] + list(range(lens[1], lens[1] + 12)) + [lens[2]]
     sq = [0] + [1] * 12 + [2]
     cache.start_forward(pos, sq)
-    cache.put(torch.randn(14, 2, 8).to(Q_DTYPE[dtype]), torch.randn(14, 2, 8).to(Q_DTYPE[dtype]))
+    cache.put(torch.randn(14, 2, 8).to(Q_DTYPE[dtype]), torch.randn(14, 2, dv).to(Q_DTYPE[dtype]))
     plan_merges = None
     for soft_cap in (None, 3.0):
         q = (3 * torch.randn(14, 8, 8)).to(Q_DTYPE[dtype])
