@@ -235,6 +235,10 @@ def _as_array(x: Any, device: str, dtype: str, name: str):
     except BufferError as exc:  # a raw capsule already consumed
         raise ValueError(f"{name} could not be imported through DLPack: {exc}") from exc
     if where != storage_device:
+        if storage_device == "cuda" and not _array_like(x):
+            # a str or list is no array at all: say that, not "lives on cpu"
+            raise ValueError(f"{name} must be a GPU array (CuPy, or anything speaking DLPack or "
+                             f"the CUDA array interface), got {type(x).__name__}")
         if where == "cuda" and storage_device == "cpu":
             # the usual cause: device='auto' on a GPU machine without CuPy
             ok, why = cuda_status() if device == "cpu" else (False, "")
@@ -253,6 +257,13 @@ def _as_array(x: Any, device: str, dtype: str, name: str):
     if dtype == "bfloat16" and arr.dtype != STORAGE_DTYPES["bfloat16"]:
         arr = arr.view(STORAGE_DTYPES["bfloat16"])
     return arr
+
+
+def _array_like(x: Any) -> bool:
+    """Whether ``x`` speaks any array protocol (numpy, DLPack, the array interfaces)."""
+    return (isinstance(x, np.ndarray) or _dlpack.is_capsule(x)
+            or any(hasattr(x, a) for a in ("__dlpack__", "__array__", "__array_interface__",
+                                           "__cuda_array_interface__")))
 
 
 def _to_native(x: Any, storage_device: str, name: str):
