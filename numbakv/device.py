@@ -73,7 +73,39 @@ def _probe() -> Tuple[bool, str]:
             return False, "Numba's CUDA target reports no usable GPU"
     except Exception as exc:  # noqa: BLE001
         return False, f"Numba's CUDA target failed ({type(exc).__name__}: {exc})"
+    why = numba_cuda_numpy_problem()
+    if why:
+        return False, f"the CUDA driver sees {n} GPU(s) but {why}"
     return True, ""
+
+
+def numba_cuda_numpy_problem() -> str:
+    """Why numba-cuda cannot compile kernels with the installed numpy, or ``""``.
+
+    numba-cuda (0.30.4 and older) registers an overload of ``np.row_stack``, which numpy 2.5
+    removed: ``numba.cuda`` still imports, but the first kernel compile loads that module and
+    fails with ``AttributeError: module 'numpy' has no attribute 'row_stack'``, so every GPU
+    operation would fail. Checked only when numpy lacks ``row_stack`` (nothing to pay otherwise),
+    by importing the module the compiler loads; any other outcome lets the compiler speak."""
+    if hasattr(np, "row_stack"):
+        return ""
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401 - what the first kernel compile imports
+    except AttributeError as exc:
+        if "row_stack" not in str(exc):
+            return ""
+        try:
+            from importlib.metadata import version
+            ncu = f"numba-cuda {version('numba-cuda')}"
+        except Exception:  # noqa: BLE001 - metadata missing: the message still holds
+            ncu = "numba-cuda"
+        return (f"{ncu} cannot compile kernels with numpy {np.__version__} (numpy 2.5 removed "
+                f"np.row_stack, which this numba-cuda still registers: {exc}); install "
+                f"'numpy<2.5' (numbakv's cuda extras pin it) or a numba-cuda release that "
+                f"supports numpy 2.5")
+    except Exception:  # noqa: BLE001 - another layout or failure: not this known problem
+        return ""
+    return ""
 
 
 def cuda_status() -> Tuple[bool, str]:
