@@ -444,6 +444,8 @@ class KVStorage:
         with self._on_device():
             _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
                         value, self.permuted, start=start)
+            if self.device == "cuda":
+                self._keep_inputs(key, value)
 
     def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
                           window: int, chunk: int) -> None:
