@@ -463,6 +463,8 @@ class KVStorage:
         :meth:`key_view` / :meth:`value_view` (the caller made them)."""
         if self.permuted:
             return self.keys[layer, lo:hi], self.values[layer, :, :, lo:hi]
+        if self.device != "cpu":  # one 1-D slice of the bound layer view (CuPy indexing is slow)
+            return self._k_layers[layer][lo:hi], self._v_layers[layer][lo:hi]
         return self.keys[layer, lo:hi], self.values[layer, lo:hi]
 
     # ---------------------------------------------------------------- views
