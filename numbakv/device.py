@@ -195,6 +195,11 @@ def _is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+#: dtype object -> canonical name (``str()`` of a numpy dtype costs microseconds: every put on a
+#: GPU paid it several times per layer)
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(x: Any) -> str:
     """The canonical dtype name of an array-like (``bfloat16`` for framework bfloat16 tensors)."""
     if isinstance(x, _dlpack.BFloat16View):
@@ -202,8 +207,18 @@ def dtype_name(x: Any) -> str:
     dt = getattr(x, "dtype", None)
     if dt is None:
         return type(x).__name__
+    try:
+        return _DTYPE_NAMES[dt]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype object
+        pass
     text = str(dt).lower().replace("torch.", "")
-    return {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}.get(text, text)
+    text = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}.get(text, text)
+    try:
+        if len(_DTYPE_NAMES) < 256:
+            _DTYPE_NAMES[dt] = text
+    except TypeError:
+        pass
+    return text
 
 
 def input_device(x: Any) -> str:
@@ -243,8 +258,13 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
     another dtype or cannot be imported: the cache never converts dtypes or moves data between
     devices behind a caller's back.
     """
-    # Fast path, paid on every put: a host array already in the storage dtype.
-    if type(x) is np.ndarray and device != "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
+    # Fast paths, paid on every put: a host array (or, on cuda, a CuPy array) already in the
+    # storage dtype needs no import and no check beyond its type and dtype.
+    tx = type(x)
+    if tx is np.ndarray:
+        if device != "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
+            return x
+    elif tx is _CUPY_NDARRAY[0] and device == "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
         return x
     try:
         return _as_array(x, device, dtype, name)
@@ -257,6 +277,11 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
             OverflowError) as exc:
         raise ValueError(f"{name} could not be read as an array ({type(x).__name__}): "
                          f"{exc}") from exc
+
+
+#: ``cupy.ndarray`` once a GPU input has been imported (None before: as_array's fast path never
+#: imports CuPy itself)
+_CUPY_NDARRAY: list = [None]
 
 
 def _as_array(x: Any, device: str, dtype: str, name: str):
@@ -316,6 +341,7 @@ def _to_native(x: Any, storage_device: str, name: str):
         raise ValueError(f"{name} must be an array (numpy, or anything speaking DLPack or the "
                          f"array interface), got {type(x).__name__}")
     import cupy
+    _CUPY_NDARRAY[0] = cupy.ndarray  # as_array's fast path, from now on
     if _is_cupy(x):
         if str(x.dtype) == "bfloat16":  # a CuPy build with a bfloat16 dtype
             return x.view(cupy.uint16), True
