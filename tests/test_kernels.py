@@ -590,6 +590,30 @@ def test_emulated_cuda_put(emulated_cuda, dtype, permuted):
     assert emulated_cuda and set(emulated_cuda) == {put.put_kv_kernel}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+def test_emulated_cuda_put_into_a_cell_slice(emulated_cuda, dtype, permuted):
+    """A per-sequence stream's layer is a cell slice of the pool: a permuted V slice ``[h, dv,
+    cells]`` keeps the pool's head and dim strides. The first H100 run found the GPU launch
+    describing it with the slice's own cell count (values landed in the wrong rows), which the
+    simulator's numpy views never did. Cells outside the slice stay untouched."""
+    rng = np.random.default_rng(29)
+    n_pool, lo, hi, h, d, dv, b = 20, 6, 13, 2, 8, 4, 3
+    k_pool = random_storage(rng, (n_pool, h, d), dtype)
+    v_pool = random_storage(rng, (h, dv, n_pool) if permuted else (n_pool, h, dv), dtype)
+    for slots, start in ((np.array([1, -1, 5], np.int32), -1), (None, 2)):
+        key = _input(rng, "cpu", (b, h, d), dtype, "heads_major")
+        value = _input(rng, "cpu", (b, h, dv), dtype, "strided_dim")
+        ks, vs = k_pool.copy(), v_pool.copy()
+        v_slice = vs[:, :, lo:hi] if permuted else vs[lo:hi]
+        put.launch("cuda", _FakeDeviceArray(ks[lo:hi]), _FakeDeviceArray(v_slice), slots,
+                   _FakeDeviceArray(key), _FakeDeviceArray(value), permuted, start=start)
+        eff = slots if slots is not None else np.arange(start, start + b, dtype=np.int32)
+        rk, rv = _ref_put(k_pool, v_pool, np.where(eff >= 0, eff + lo, -1), key, value, permuted)
+        assert np.array_equal(bits(ks), bits(rk))
+        assert np.array_equal(bits(vs), bits(rv))
+
+
 def test_emulated_cuda_put_fast_path_parameters(emulated_cuda, monkeypatch):
     """The fast path patches pointers into a cached parameter list: it must equal, value for
     value, the list the general path builds for the same call."""
