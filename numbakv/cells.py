@@ -18,8 +18,9 @@ a call that fails leaves the table exactly as it was.
 Sequence operations cost O(log n + cells touched): they visit only the ``stree`` leaf blocks whose
 position range meets what they change (only ``seq_rm(-1)``, ``seq_keep``, defrag and whole-table
 loads scan). Each can record an undo log (``journal=``: the cells of those blocks as they were,
-plus the small per-sequence rows and scalars) that :meth:`CellTable.rollback` replays; callers
-never need a copy of the table to be all or nothing.
+plus the small per-sequence rows and scalars; for a join into a sequence that holds no cell,
+only that sequence's row) that :meth:`CellTable.rollback` replays; callers never need a copy of
+the table to be all or nothing.
 
 All work runs in module-level ``@njit`` functions over plain arrays; :class:`CellTable` is a thin
 Python class that owns the arrays, validates arguments and maps error codes to exceptions.
