@@ -444,6 +444,8 @@ class KVStorage:
         with self._on_device():
             _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], None, key,
                         value, self.permuted, start=start)
+            if self.device == "cuda":
+                self._keep_inputs(key, value)
 
     def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
                           window: int, chunk: int) -> None:
@@ -461,6 +463,8 @@ class KVStorage:
         :meth:`key_view` / :meth:`value_view` (the caller made them)."""
         if self.permuted:
             return self.keys[layer, lo:hi], self.values[layer, :, :, lo:hi]
+        if self.device != "cpu":  # one 1-D slice of the bound layer view (CuPy indexing is slow)
+            return self._k_layers[layer][lo:hi], self._v_layers[layer][lo:hi]
         return self.keys[layer, lo:hi], self.values[layer, lo:hi]
 
     # ---------------------------------------------------------------- views

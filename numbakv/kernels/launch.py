@@ -345,7 +345,7 @@ class HostStaging:
     MAX_BUFFERS = 8
 
     def __init__(self) -> None:
-        self._free: List[list] = []    # [nbytes, pinned memory, host view, event]
+        self._free: List[list] = []    # [nbytes, pinned memory, host view, event, host address]
         self._busy: List[list] = []
         self.captured: List[Any] = []  # buffers a captured graph reads: never reused
 
@@ -354,7 +354,8 @@ class HostStaging:
         import cupy
         cap = max(4096, 1 << (int(nbytes) - 1).bit_length())
         mem = cupy.cuda.alloc_pinned_memory(cap)
-        return [cap, mem, np.frombuffer(mem, np.uint8, cap), None]
+        host = np.frombuffer(mem, np.uint8, cap)
+        return [cap, mem, host, None, ctypes.c_void_p(host.ctypes.data)]
 
     def take(self, nbytes: int, stream) -> list:
         """A pinned buffer of at least ``nbytes`` whose previous copy has completed."""
@@ -421,9 +422,11 @@ def to_device(device: str, *arrays: np.ndarray):
     host = slot[2]
     for p, off in zip(parts, offsets):
         host[off:off + p.nbytes] = p.reshape(-1).view(np.uint8)
+    # a fresh device buffer per call (CuPy's pool: no cudaMalloc): callers may keep it past the
+    # next call (put's slot cache does)
     dev = cupy.empty(total, dtype=np.uint8)
     # a c_void_p: CuPy < 13.x reads ``mem.value``; newer versions take it too
-    dev.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), total, stream)
+    dev.data.copy_from_host_async(slot[4], total, stream)
     staging.give_back(slot, stream)
     base = int(dev.data.ptr)
     descs = []
