@@ -36,7 +36,7 @@ def main() -> int:
                           max_batch=CHUNK, device="cuda")
     cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(base=10000.0, neox=True))
     assert cache.n_cells == SEQS * CAP == 262_144, cache.n_cells
-    print(f"cache: {cache.n_cells} cells, {cache.storage.nbytes() / 2**30:.2f} GiB", flush=True)
+    print(f"cache: {cache.n_cells} cells, {cache.storage.nbytes / 2**30:.2f} GiB", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     # keep one layer-0 copy of sequence 0's keys as the reference
     ref_k = []
@@ -90,13 +90,17 @@ def main() -> int:
     timed("defrag", cache.defrag)
     data = timed("state_bytes(seq=2)", lambda: cache.state_bytes(seq=2))
     print(f"  {len(data) / 2**20:.1f} MiB", flush=True)
-    if hasattr(cache, "export_seq"):
-        snap = timed("export_seq(3)", lambda: cache.export_seq(3))
-        cache.seq_rm(3)
-        n = timed("import_seq(3)", lambda: cache.import_seq(3, snap))
-        print(f"  {n} tokens, {snap.nbytes / 2**20:.1f} MiB", flush=True)
+    seq2 = cache.export_seq(2).to_bytes()
+    snap = timed("export_seq(3)", lambda: cache.export_seq(3))
+    seq3 = snap.to_bytes()
+    cache.seq_rm(3)
+    n = timed("import_seq(3)", lambda: cache.import_seq(3, snap))
+    print(f"  {n} tokens, {snap.nbytes / 2**20:.1f} MiB", flush=True)
+    assert cache.export_seq(3).to_bytes() == seq3, "seq 3 differs after export/import"
     cache.seq_rm(2)
     timed("load_state_bytes(seq=2)", lambda: cache.load_state_bytes(data, seq=2))
+    assert cache.export_seq(2).to_bytes() == seq2, "seq 2 differs after save/load"
+    print("seq 3 after export/import and seq 2 after save/load: bit-identical", flush=True)
     print("262,144-cell bfloat16 cache end to end: ok")
     return 0
 

@@ -77,11 +77,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("the cache is on the GPU but JAX has no GPU backend: use --device cpu")
         return 1
     dev = jax.devices()[0] if on_gpu else jax.devices("cpu")[0]
+
+    def on_dev(x):
+        # committed to the cache's device: jit then computes there (an array made under
+        # jax.default_device alone is uncommitted, and jit may run on the GPU anyway)
+        return jax.device_put(x, dev)
+
     rng = np.random.default_rng(0)
-    with jax.default_device(dev):
-        embed = jnp.asarray(rng.standard_normal((VOCAB, D_MODEL), np.float32))
-        wq, wk, wv = (jnp.asarray(rng.standard_normal((D_MODEL, h * HEAD_DIM), np.float32)
-                                  / D_MODEL ** 0.5) for h in (N_HEADS, N_KV_HEADS, N_KV_HEADS))
+    embed = on_dev(rng.standard_normal((VOCAB, D_MODEL), np.float32))
+    wq, wk, wv = (on_dev(rng.standard_normal((D_MODEL, h * HEAD_DIM), np.float32)
+                         / D_MODEL ** 0.5) for h in (N_HEADS, N_KV_HEADS, N_KV_HEADS))
 
     prompts = {0: [5, 17, 42, 8, 99], 1: [3, 3, 71]}
     # cache-free keys and values per sequence (host copies, padded to the capacity so that XLA
@@ -97,9 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for s in seqs:
             positions.append(lengths[s])
             lengths[s] += 1
-        with jax.default_device(dev):
-            tokens = jnp.asarray([t for _, t in batch_tokens])
-            pos = jnp.asarray(positions)
+        tokens = on_dev(np.asarray([t for _, t in batch_tokens], np.int32))
+        pos = on_dev(np.asarray(positions, np.int32))
         q, k, v = project(embed, wq, wk, wv, tokens, pos)
 
         cache.start_forward(positions, seqs)
@@ -118,8 +122,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             history[s][1][positions[i]] = host_v[i]
         for i, s in enumerate(seqs):
             visible = np.where(np.arange(cfg.capacity) <= positions[i], 0.0, -np.inf)
-            expect = attend(q[i:i + 1], jnp.asarray(history[s][0]), jnp.asarray(history[s][1]),
-                            jnp.asarray(visible[None].astype(np.float32)))
+            expect = attend(q[i:i + 1], on_dev(history[s][0]), on_dev(history[s][1]),
+                            on_dev(visible[None].astype(np.float32)))
             max_err = max(max_err, float(jnp.abs(out[i:i + 1] - expect).max()))
 
         # greedy next token per sequence from a toy readout of its last row

@@ -260,6 +260,8 @@ class CausalCache(StateMethods):
         self._outer_journal: Optional[list] = None
         # the put/get fast path compares against these
         self._sdt = config.storage_dtype
+        #: the array type put's fast path takes as is: numpy on cpu/sim, CuPy on cuda
+        self._nd = self.storage.xp.ndarray if self.storage is not None else np.ndarray
         self._kv_tail = ((config.local_kv_heads, config.head_dim), (config.local_kv_heads,
                                                                 config.v_head_dim))
         #: how many defrags ran (on a full cache or by request): the demo and benches read it
@@ -507,12 +509,13 @@ class CausalCache(StateMethods):
         ``[batch, n_kv_heads, v_head_dim]`` for the current layer (nothing is written during a
         reserve pass; the inputs are still checked)."""
         fwd = self._forward
-        # trusted fast path: host arrays of the storage dtype and the batch's exact shape
-        if fwd is not None and type(key) is np.ndarray and type(value) is np.ndarray \
+        # trusted fast path: arrays of the storage (numpy, or CuPy on cuda) in the storage dtype
+        # and the batch's exact shape
+        if fwd is not None and type(key) is self._nd and type(value) is self._nd \
                 and key.dtype is self._sdt and value.dtype is self._sdt \
                 and key.shape[1:] == self._kv_tail[0] and value.shape[1:] == self._kv_tail[1] \
                 and key.shape[0] == value.shape[0] == len(fwd.positions) and key.ndim == 3 \
-                and value.ndim == 3 and self.storage is not None and self.device != "cuda":
+                and value.ndim == 3 and self.storage is not None:
             if self._put_in is fwd:
                 raise second_put_error(self._layer)
             if self._put_layer < 0:

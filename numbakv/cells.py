@@ -18,8 +18,9 @@ a call that fails leaves the table exactly as it was.
 Sequence operations cost O(log n + cells touched): they visit only the ``stree`` leaf blocks whose
 position range meets what they change (only ``seq_rm(-1)``, ``seq_keep``, defrag and whole-table
 loads scan). Each can record an undo log (``journal=``: the cells of those blocks as they were,
-plus the small per-sequence rows and scalars) that :meth:`CellTable.rollback` replays; callers
-never need a copy of the table to be all or nothing.
+plus the small per-sequence rows and scalars; for a join into a sequence that holds no cell,
+only that sequence's row) that :meth:`CellTable.rollback` replays; callers never need a copy of
+the table to be all or nothing.
 
 All work runs in module-level ``@njit`` functions over plain arrays; :class:`CellTable` is a thin
 Python class that owns the arrays, validates arguments and maps error codes to exceptions.
@@ -1206,20 +1207,51 @@ def _seq_rm(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1):
 
 @njit(cache=True)
 def _join_seq(cpos, cseqs, stree, sidx, meta, src, dst, p0, p1, blocks):
-    """dst joins src's cells with p0 <= pos < p1 in ``blocks`` (src's blocks for that range)."""
+    """dst joins src's cells with p0 <= pos < p1 in ``blocks`` (src's blocks for that range).
+
+    The indexes of dst are widened once per block, not once per cell: the cells of a block
+    that join are scanned for their (min, max) position and (first, last) cell, then the leaf
+    is merged with that and its path refreshed (stopping at the first unchanged ancestor).
+    Per cell, an ``_st_add`` walked the whole path whenever the position was a new maximum --
+    every cell of an ascending prefix, so a 4k-token copy_prefix cost O(4k log n)."""
     bshift = meta[_M_BSHIFT]
     n = cpos.shape[0]
+    nl = stree.shape[1] >> 1
     w = dst >> 6
     bit = _bit(dst)
+    sw = src >> 6
+    sbit = _bit(src)
     for i in range(blocks.shape[0]):
         lo, hi = _block_cells(blocks[i], bshift, n)
+        mn = _EMPTY_MIN
+        mx = -1
+        first = -1
+        last = -1
         for c in range(lo, hi):
-            if _has(cseqs, c, src) and (cseqs[c, w] & bit) == 0:
+            x = cseqs[c, w]
+            if (cseqs[c, sw] & sbit) != 0 and (x & bit) == 0:
                 p = cpos[c]
                 if p >= p0 and p < p1:
-                    cseqs[c, w] |= bit
-                    _st_add(stree, dst, c, p, bshift)
-                    _sidx_add(sidx, dst, c, p)
+                    cseqs[c, w] = x | bit
+                    if p < mn:
+                        mn = p
+                    if p > mx:
+                        mx = p
+                    if first < 0:
+                        first = c
+                    last = c
+        if first < 0:
+            continue
+        k = nl + blocks[i]
+        if stree[0, k, dst] < mn:
+            mn = stree[0, k, dst]
+        if stree[1, k, dst] > mx:
+            mx = stree[1, k, dst]
+        _st_set_leaf(stree, dst, blocks[i], mn, mx)
+        # sidx's four fields are independent min / max: widening by (first, mn) and then by
+        # (last, mx) gives the same row as one _sidx_add per joined cell
+        _sidx_add(sidx, dst, first, mn)
+        _sidx_add(sidx, dst, last, mx)
 
 
 @njit(cache=True)
@@ -1392,6 +1424,24 @@ def _restore_blocks(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, blocks, 
             _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift)
     sidx[...] = old_sidx
     meta[...] = old_meta
+
+
+@njit(cache=True)
+def _unjoin(cseqs, stree, meta, s):
+    """Undo of a join (``copy_prefix`` / ``seq_cp``) into a sequence that held no cell: s leaves
+    every cell it holds and its tree is emptied. No cell is freed (each joined cell is still
+    held by the source) and no position, shift, occupancy or scalar changed with the join, so
+    this and s's saved index row restore the table. O(log n) per block of s."""
+    bshift = meta[_M_BSHIFT]
+    n = cseqs.shape[0]
+    w = s >> 6
+    keep = ~_bit(s)
+    blocks = _st_blocks(stree, s, 0, _INF)
+    for i in range(blocks.shape[0]):
+        lo, hi = _block_cells(blocks[i], bshift, n)
+        for c in range(lo, hi):
+            cseqs[c, w] &= keep
+        _st_set_leaf(stree, s, blocks[i], _EMPTY_MIN, -1)
 
 
 @njit(cache=True)
@@ -1668,6 +1718,16 @@ class _Journal(NamedTuple):
     seqs: np.ndarray
     sidx: np.ndarray
     meta: np.ndarray
+
+
+class _JoinJournal(NamedTuple):
+    """The undo record of a join into an empty sequence (``copy_prefix`` / ``seq_cp`` into a
+    ``seq`` holding no cell): only sequence bits of ``seq`` were set, so taking it back needs
+    only ``seq`` and its index row (int64 ``[4]``) -- O(1) to record, where a ``_Journal``
+    would copy every cell of the blocks joined (most of a tier-0 prefix-store hit)."""
+
+    seq: int
+    sidx: np.ndarray
 
 
 def _next_pow2(x: int) -> int:
@@ -2105,7 +2165,7 @@ class CellTable:
         length = min(length, POS_MAX + 1)
         if src == dst:
             return
-        self._record(journal, dst, 0, _INF, src, 0, length)
+        self._record_join(journal, src, dst, 0, length, clear_dst=True)
         _copy_prefix(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                      self._sidx, self._meta, src, dst, length)
 
@@ -2129,7 +2189,7 @@ class CellTable:
         p0, p1 = self._range(p0, p1)
         if src == dst or p0 >= p1:
             return
-        self._record(journal, src, p0, p1)
+        self._record_join(journal, src, dst, p0, p1)
         _seq_cp(self._pos, self._seqs, self._stree, self._sidx, self._meta, src, dst, p0, p1)
 
     def seq_keep(self, seq: int, journal: Optional[list] = None) -> None:
@@ -2227,12 +2287,29 @@ class CellTable:
         pos, shift, seqs = _save_blocks(self._pos, self._shift, self._seqs, self._meta, blocks)
         journal.append(_Journal(blocks, pos, shift, seqs, self._sidx.copy(), self._meta.copy()))
 
+    def _record_join(self, journal: Optional[list], src: int, dst: int, p0: int, p1: int,
+                     clear_dst: bool = False) -> None:
+        """Record an edit that makes ``dst`` join ``src``'s cells with ``p0 <= pos < p1``
+        (``clear_dst``: after dropping every cell of dst, as copy_prefix does)."""
+        if journal is None:
+            return
+        if self._sidx[3, dst] < 0:
+            journal.append(_JoinJournal(dst, self._sidx[:, dst].copy()))
+        elif clear_dst:
+            self._record(journal, dst, 0, _INF, src, p0, p1)
+        else:
+            self._record(journal, src, p0, p1)
+
     def rollback(self, journal: list) -> None:
         """Undo, newest first, the edits recorded in ``journal`` (by the ``journal=`` argument
         of the sequence operations) and empty it. Nothing else may have changed the table
         since, except edits that were themselves undone."""
         while journal:
             j = journal.pop()
+            if isinstance(j, _JoinJournal):
+                _unjoin(self._seqs, self._stree, self._meta, j.seq)
+                self._sidx[:, j.seq] = j.sidx
+                continue
             _restore_blocks(self._pos, self._shift, self._seqs, self._occ, self._ftree,
                             self._stree, self._sidx, self._meta, j.blocks, j.pos, j.shift,
                             j.seqs, j.sidx, j.meta)

@@ -73,7 +73,39 @@ def _probe() -> Tuple[bool, str]:
             return False, "Numba's CUDA target reports no usable GPU"
     except Exception as exc:  # noqa: BLE001
         return False, f"Numba's CUDA target failed ({type(exc).__name__}: {exc})"
+    why = numba_cuda_numpy_problem()
+    if why:
+        return False, f"the CUDA driver sees {n} GPU(s) but {why}"
     return True, ""
+
+
+def numba_cuda_numpy_problem() -> str:
+    """Why numba-cuda cannot compile kernels with the installed numpy, or ``""``.
+
+    numba-cuda (0.30.4 and older) registers an overload of ``np.row_stack``, which numpy 2.5
+    removed: ``numba.cuda`` still imports, but the first kernel compile loads that module and
+    fails with ``AttributeError: module 'numpy' has no attribute 'row_stack'``, so every GPU
+    operation would fail. Checked only when numpy lacks ``row_stack`` (nothing to pay otherwise),
+    by importing the module the compiler loads; any other outcome lets the compiler speak."""
+    if hasattr(np, "row_stack"):
+        return ""
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401 - what the first kernel compile imports
+    except AttributeError as exc:
+        if "row_stack" not in str(exc):
+            return ""
+        try:
+            from importlib.metadata import version
+            ncu = f"numba-cuda {version('numba-cuda')}"
+        except Exception:  # noqa: BLE001 - metadata missing: the message still holds
+            ncu = "numba-cuda"
+        return (f"{ncu} cannot compile kernels with numpy {np.__version__} (numpy 2.5 removed "
+                f"np.row_stack, which this numba-cuda still registers: {exc}); install "
+                f"'numpy<2.5' (numbakv's cuda extras pin it) or a numba-cuda release that "
+                f"supports numpy 2.5")
+    except Exception:  # noqa: BLE001 - another layout or failure: not this known problem
+        return ""
+    return ""
 
 
 def cuda_status() -> Tuple[bool, str]:
@@ -163,6 +195,11 @@ def _is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+#: dtype object -> canonical name (``str()`` of a numpy dtype costs microseconds: every put on a
+#: GPU paid it several times per layer)
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(x: Any) -> str:
     """The canonical dtype name of an array-like (``bfloat16`` for framework bfloat16 tensors)."""
     if isinstance(x, _dlpack.BFloat16View):
@@ -170,8 +207,18 @@ def dtype_name(x: Any) -> str:
     dt = getattr(x, "dtype", None)
     if dt is None:
         return type(x).__name__
+    try:
+        return _DTYPE_NAMES[dt]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype object
+        pass
     text = str(dt).lower().replace("torch.", "")
-    return {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}.get(text, text)
+    text = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}.get(text, text)
+    try:
+        if len(_DTYPE_NAMES) < 256:
+            _DTYPE_NAMES[dt] = text
+    except TypeError:
+        pass
+    return text
 
 
 def input_device(x: Any) -> str:
@@ -211,8 +258,13 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
     another dtype or cannot be imported: the cache never converts dtypes or moves data between
     devices behind a caller's back.
     """
-    # Fast path, paid on every put: a host array already in the storage dtype.
-    if type(x) is np.ndarray and device != "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
+    # Fast paths, paid on every put: a host array (or, on cuda, a CuPy array) already in the
+    # storage dtype needs no import and no check beyond its type and dtype.
+    tx = type(x)
+    if tx is np.ndarray:
+        if device != "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
+            return x
+    elif tx is _CUPY_NDARRAY[0] and device == "cuda" and x.dtype == STORAGE_DTYPES.get(dtype):
         return x
     try:
         return _as_array(x, device, dtype, name)
@@ -227,6 +279,11 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
                          f"{exc}") from exc
 
 
+#: ``cupy.ndarray`` once a GPU input has been imported (None before: as_array's fast path never
+#: imports CuPy itself)
+_CUPY_NDARRAY: list = [None]
+
+
 def _as_array(x: Any, device: str, dtype: str, name: str):
     dtype = normalize_dtype(dtype, "dtype")
     storage_device = "cuda" if device == "cuda" else "cpu"
@@ -235,6 +292,10 @@ def _as_array(x: Any, device: str, dtype: str, name: str):
     except BufferError as exc:  # a raw capsule already consumed
         raise ValueError(f"{name} could not be imported through DLPack: {exc}") from exc
     if where != storage_device:
+        if storage_device == "cuda" and not _array_like(x):
+            # a str or list is no array at all: say that, not "lives on cpu"
+            raise ValueError(f"{name} must be a GPU array (CuPy, or anything speaking DLPack or "
+                             f"the CUDA array interface), got {type(x).__name__}")
         if where == "cuda" and storage_device == "cpu":
             # the usual cause: device='auto' on a GPU machine without CuPy
             ok, why = cuda_status() if device == "cpu" else (False, "")
@@ -255,6 +316,13 @@ def _as_array(x: Any, device: str, dtype: str, name: str):
     return arr
 
 
+def _array_like(x: Any) -> bool:
+    """Whether ``x`` speaks any array protocol (numpy, DLPack, the array interfaces)."""
+    return (isinstance(x, np.ndarray) or _dlpack.is_capsule(x)
+            or any(hasattr(x, a) for a in ("__dlpack__", "__array__", "__array_interface__",
+                                           "__cuda_array_interface__")))
+
+
 def _to_native(x: Any, storage_device: str, name: str):
     """``(array, was_bfloat16)``: a numpy (host) or CuPy (GPU) array over ``x``'s memory;
     framework bfloat16 tensors come back as uint16 arrays over the same bytes."""
@@ -273,6 +341,7 @@ def _to_native(x: Any, storage_device: str, name: str):
         raise ValueError(f"{name} must be an array (numpy, or anything speaking DLPack or the "
                          f"array interface), got {type(x).__name__}")
     import cupy
+    _CUPY_NDARRAY[0] = cupy.ndarray  # as_array's fast path, from now on
     if _is_cupy(x):
         if str(x.dtype) == "bfloat16":  # a CuPy build with a bfloat16 dtype
             return x.view(cupy.uint16), True

@@ -895,7 +895,8 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
                      capacity: Optional[int] = None, dtype: Any = None, device: str = "auto",
                      **kw) -> Any:
     """A transformers ``Cache`` for ``model.generate(..., past_key_values=cache)`` (or
-    ``cache=``) whose keys and values live in a numbakv cache.
+    ``cache=`` on transformers >= 5.24, which renamed the keyword) whose keys and values live in
+    a numbakv cache.
 
     Args:
         model: the transformers model (not attached with ``hf.attach``: generate runs the

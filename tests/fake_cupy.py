@@ -190,8 +190,16 @@ def fake_cupy(device_cc: str = "80"):
     m.ascontiguousarray = ascontiguousarray
     m.from_dlpack = from_dlpack
     m.asnumpy = asnumpy
+    def memcpy_async(dst, src, nbytes, kind, stream_ptr):
+        """cudaMemcpyAsync over host memory; logged as MemoryPointer's copies are."""
+        import ctypes
+        assert kind == 1, "only host-to-device copies are expected here"
+        ctypes.memmove(int(dst), int(src), int(nbytes))
+        m.log.append(("h2d", int(stream_ptr), int(nbytes), int(src)))
+
     m.cuda = _t.SimpleNamespace(
-        runtime=_t.SimpleNamespace(getDevice=lambda: 0,
+        runtime=_t.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
+                                   memcpyAsync=memcpy_async,
                                    deviceSynchronize=lambda: m.log.append(("device_sync", None))),
         get_current_stream=current,
         Stream=lambda non_blocking=False: FakeStream(m, 0x5000 + len(m.log)),

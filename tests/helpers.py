@@ -94,6 +94,27 @@ def dev(x: np.ndarray, device: str):
     return x
 
 
+def shares_memory(a, b) -> bool:
+    """Whether two arrays' byte ranges overlap: numpy arrays through numpy, device arrays
+    (CuPy, anything with the CUDA array interface) through their data pointers."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.shares_memory(a, b))
+
+    def span(x):
+        x = getattr(x, "bits", x)   # a bfloat16 view: its uint16 storage
+        iface = x.__cuda_array_interface__
+        ptr = iface["data"][0]
+        itemsize = np.dtype(iface["typestr"]).itemsize
+        strides = iface.get("strides") or [
+            itemsize * int(np.prod(iface["shape"][i + 1:])) for i in range(len(iface["shape"]))]
+        lo = ptr + sum((n - 1) * st for n, st in zip(iface["shape"], strides) if st < 0)
+        hi = ptr + itemsize + sum((n - 1) * st for n, st in zip(iface["shape"], strides) if st > 0)
+        return lo, hi
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
 def same(a, b) -> bool:
     """Bit-identical arrays (float compares would let -0.0 pass for 0.0 and fail on NaN)."""
     a, b = np.asarray(a), np.asarray(b)

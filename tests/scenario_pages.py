@@ -10,6 +10,8 @@ import numpy as np
 import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 
+from helpers import dev, host
+
 
 def make_cache(device: str, *, dtype="float32", permuted_v=False, swa_window=None, chunk=None,
                cache_padding=1, mask_batch_padding=1, capacity=40, max_seqs=4, n_layers=2,
@@ -29,8 +31,9 @@ def _next_pos(cache, s):
 def random_forwards(cache, rng, steps: int, *, torch=None):
     """Drive ``cache`` through ``steps`` forward passes with random sequence operations between
     them; after each pass's puts, yield ``(positions, seqs)``. K/V are random (``torch`` tensors
-    for bfloat16 storage)."""
+    for bfloat16 storage), made on the cache's device."""
     cfg = cache.config
+    where = "cuda" if cache.device == "cuda" else "cpu"
     n_seqs = cfg.max_seqs
     for _ in range(steps):
         op = rng.random()
@@ -78,11 +81,11 @@ def random_forwards(cache, rng, steps: int, *, torch=None):
             shape_k = (len(pos), cfg.n_kv_heads, cfg.head_dim)
             shape_v = (len(pos), cfg.n_kv_heads, cfg.v_head_dim)
             if cfg.dtype == "bfloat16":
-                k = torch.randn(shape_k).to(torch.bfloat16)
-                v = torch.randn(shape_v).to(torch.bfloat16)
+                k = torch.randn(shape_k).to(torch.bfloat16).to(where)
+                v = torch.randn(shape_v).to(torch.bfloat16).to(where)
             else:
-                k = rng.standard_normal(shape_k).astype(cfg.dtype)
-                v = rng.standard_normal(shape_v).astype(cfg.dtype)
+                k = dev(rng.standard_normal(shape_k).astype(cfg.dtype), where)
+                v = dev(rng.standard_normal(shape_v).astype(cfg.dtype), where)
             cache.put(k, v)
         if rng.random() < 0.3:
             cache.set_causal(rng.choice(len(pos), int(rng.integers(1, len(pos) + 1)),
@@ -93,5 +96,5 @@ def random_forwards(cache, rng, steps: int, *, torch=None):
 def mask_visibility(cache, batch: int):
     """From ``get()``'s mask: for each of the ``batch`` tokens, the set of cells it may see."""
     lo, _ = cache.cell_range()
-    mask = np.asarray(cache.get()[2])
+    mask = host(cache.get()[2])
     return [set((lo + np.flatnonzero(mask[i] == 0)).tolist()) for i in range(batch)]

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 import numbakv as nkv  # noqa: E402
 from numbakv import attention  # noqa: E402
 from numbakv.attention import attend  # noqa: E402
+from helpers import host  # noqa: E402
 from scenario_pages import make_cache, random_forwards  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -24,12 +25,12 @@ Q_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 def _independent_reference(q, cache, scale, soft_cap):
     """Attention from get()'s views and mask in float64 numpy (no numbakv.attention code)."""
     key, value, mask = cache.get()
-    k = torch.from_dlpack(key).double().numpy()
-    v = torch.from_dlpack(value).double().numpy()
+    k = torch.from_dlpack(key).double().cpu().numpy()
+    v = torch.from_dlpack(value).double().cpu().numpy()
     if getattr(cache._attention_cache.config, "permuted_v", False):
         v = np.moveaxis(v, -1, 0)                          # [n, Hkv, Dv]
-    m = np.asarray(mask)[:q.shape[0]]
-    qq = q.double().numpy()
+    m = host(mask)[:q.shape[0]]
+    qq = q.double().cpu().numpy()
     g = qq.shape[1] // k.shape[1]
     s = np.einsum("bhd,nhd->bhn", qq, np.repeat(k, g, axis=1)) * scale
     if soft_cap is not None:
@@ -86,7 +87,9 @@ def test_attend_equals_dense_attention(device, name, split_mode):
     for pos, sq in random_forwards(cache, rng, steps, torch=torch):
         layer = int(rng.integers(cache.config.n_layers))
         cache.set_layer(layer)
-        q = torch.randn(len(pos), 4, cache.config.head_dim).to(Q_DTYPE[dtype])
+        # q on the cache's device (attend takes q where the cache is)
+        q = torch.randn(len(pos), 4, cache.config.head_dim).to(Q_DTYPE[dtype]).to(
+            "cuda" if device == "cuda" else "cpu")
         soft_cap = 2.0 if rng.random() < 0.3 else None
         scale = 0.3 if rng.random() < 0.3 else None
         ref = _independent_reference(q.float(), cache, scale or 1 / math.sqrt(8), soft_cap)
@@ -95,9 +98,15 @@ def test_attend_equals_dense_attention(device, name, split_mode):
         auto = attend(q, cache, scale=scale, soft_cap=soft_cap)
         for out in (dense, paged, auto):
             assert out.shape == (len(pos), 4, 8) and out.dtype == q.dtype
-        np.testing.assert_allclose(dense.float().numpy(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-        np.testing.assert_allclose(paged.float().numpy(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-        assert torch.equal(auto, paged)        # no FlashInfer here: auto is the torch backend
+        np.testing.assert_allclose(dense.float().cpu().numpy(), ref, atol=TOL[dtype],
+                                   rtol=TOL[dtype])
+        np.testing.assert_allclose(paged.float().cpu().numpy(), ref, atol=TOL[dtype],
+                                   rtol=TOL[dtype])
+        if device == "cuda" and attention.flashinfer_available():
+            np.testing.assert_allclose(auto.float().cpu().numpy(), ref, atol=TOL[dtype],
+                                       rtol=TOL[dtype])
+        else:
+            assert torch.equal(auto, paged)    # no FlashInfer: auto is the torch backend
         checked += 1
     assert checked >= 3
 
@@ -113,9 +122,9 @@ def test_gather_path_for_a_spread_sequence():
             cache.set_layer(layer)
             cache.put(rng.standard_normal((16, 2, 8)).astype(np.float32),
                       rng.standard_normal((16, 2, 8)).astype(np.float32))
-    host = cache._host_pages()
-    span = host.cell_hi[0] - host.cell_lo[0]
-    assert span > 2 * (host.kv_indptr[1] - host.kv_indptr[0]) + 64   # the gather path
+    pages = cache._host_pages()
+    span = pages.cell_hi[0] - pages.cell_lo[0]
+    assert span > 2 * (pages.kv_indptr[1] - pages.kv_indptr[0]) + 64   # the gather path
     q = torch.randn(16, 4, 8)
     ref = _independent_reference(q, cache, 1 / math.sqrt(8), None)
     np.testing.assert_allclose(attend(q, cache, backend="torch").numpy(), ref, atol=2e-5)

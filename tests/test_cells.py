@@ -956,3 +956,49 @@ def test_journal_rollback_restores_everything(seed):
         assert journal == []
         assert_unchanged(t, snap)
         t.check_consistency()
+
+
+
+def test_join_into_an_empty_sequence():
+    """copy_prefix / seq_cp into a sequence holding no cell widen its indexes once per block
+    and journal only its index row: the joined table matches the model cell for cell, and a
+    rollback (mixed with block-copy records of other edits) puts back every array exactly."""
+    n, seqs = 900, 70                            # two bit words; 66 and 67 live in the second
+    t = CellTable(n, seqs, block_size=16)
+    m = ModelCells(n, seqs)
+    # sources spread over many blocks, interleaved with each other and with holes, positions
+    # out of cell order (seq 0's positions 200.. sit before its positions 0..199)
+    for s, start, p0, k in ((0, 300, 0, 200), (1, 40, 0, 150), (0, 20, 200, 19),
+                            (66, 600, 0, 90), (1, 520, 150, 60)):
+        args = (i32(range(start, start + k)), i32(range(p0, p0 + k)), i32([s] * k))
+        t.apply_batch(*args)
+        m.apply_batch(*args)
+    # (edits, O(1) join records, block-copy records) -- seq_cp(0, 0) records nothing
+    cases = [([("copy_prefix", 0, 2, 170)], 1, 0),
+             ([("seq_cp", 1, 67, 30, 190)], 1, 0),
+             ([("copy_prefix", 66, 3, 50), ("seq_cp", 0, 3, 100, 219), ("seq_cp", 1, 3, 60, 70),
+               ("seq_rm", 3, 40, 60)], 1, 3),
+             ([("seq_cp", 0, 0, 0, 5), ("copy_prefix", 1, 2, 0)], 1, 0)]
+    for ops, n_joins, n_blocks in cases:
+        snap = snapshot(t)
+        before = m.copy()
+        journal = []
+        for name, *args in ops:
+            getattr(t, name)(*args, journal=journal)
+            getattr(m, name)(*args)
+            t.check_consistency()
+            assert_same(t, m)
+        # a join into an empty dst is an O(1) record (dst's index row); every other edit
+        # (a join into a dst holding cells included) copies the cells of its blocks
+        joins = [j for j in journal if not hasattr(j, "pos")]
+        assert len(joins) == n_joins and all(j.sidx.shape == (4,) for j in joins)
+        assert len(journal) - n_joins == n_blocks
+        t.rollback(journal)
+        assert journal == []
+        assert_unchanged(t, snap)
+        t.check_consistency()
+        m = before
+        assert_same(t, m)
+    t.copy_prefix(0, 2, 170)            # 170 cells over blocks 18..29 of seq 0
+    assert (t.seq_pos_min(2), t.seq_pos_max(2)) == (0, 169)
+    assert (t.seq_cell_min(2), t.seq_cell_max(2)) == (300, 469)

@@ -425,3 +425,17 @@ def test_prefix_panel_marks_tier_moves_and_no_labels_overlap():
         assert a.x0 >= 0 and a.y0 >= 0 and a.x1 <= w and a.y1 <= h, a   # nothing cut off
         for b in boxes[i + 1:]:
             assert not a.overlaps(b), (a, b)
+
+
+def test_bench_demo_child_surfaces_the_childs_error(monkeypatch):
+    """``numbakv bench --sections attend`` runs the demo in child processes: when one fails,
+    the error names the child's own exception, not just its exit status."""
+    from numbakv.tools import bench_attend
+
+    def failed_child(args, **kw):
+        return subprocess.CompletedProcess(args, 1, "", "Traceback (most recent call last):\n"
+                                           "ValueError: q must be on the cache's device\n")
+
+    monkeypatch.setattr(bench_attend.subprocess, "run", failed_child)
+    with pytest.raises(RuntimeError, match="status 1:\nTraceback.*\nValueError: q must be on"):
+        bench_attend._demo_child(hide_torch=True)

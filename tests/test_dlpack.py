@@ -21,9 +21,12 @@ def torch():
 
 @pytest.fixture
 def jax():
+    """JAX with its arrays on the host: these tests feed a cpu cache, and on a GPU machine JAX
+    puts new arrays on the GPU by default."""
     jax = pytest.importorskip("jax")
     pytest.importorskip("jax.numpy")
-    return jax
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield jax
 
 
 def _bits(shape, seed=0):
@@ -300,6 +303,9 @@ def test_gpu_inputs_refused_on_a_cpu_cache():
 def test_non_arrays_refused():
     with pytest.raises(ValueError, match="key must be an array"):
         dev.as_array(object(), "cpu", "float16", name="key")
+    # for a GPU cache too: a str is not an array, whatever device it "lives" on
+    with pytest.raises(ValueError, match="key must be a GPU array .*got str"):
+        dev.as_array("keys", "cuda", "float16", name="key")
 
 
 # ---------------------------------------------------------------- JAX

@@ -9,6 +9,8 @@ import pytest
 import numbakv as nkv
 from numbakv import KVCacheFullError
 
+from helpers import dev, host
+
 H, D = 2, 4
 
 
@@ -279,7 +281,7 @@ def _rows(cache, seq):
     """``{position: (K bytes, V bytes) over every layer}`` of what ``seq`` holds."""
     cache.apply_pending_shifts()
     cells = cache.cells.seq_cells(seq)
-    k, v = (np.asarray(x) for x in cache.storage.read_cells(cells))
+    k, v = (host(x) for x in cache.storage.read_cells(cells))
     pos = cache.cells._pos[cells]
     return {int(p): (k[:, i].tobytes(), v[:, i].tobytes()) for i, p in enumerate(pos)}
 
@@ -289,7 +291,7 @@ def _random_fill(cache, seq, n, rng, start=0):
     for layer in range(cache.config.n_layers):
         cache.set_layer(layer)
         k = rng.standard_normal((n, H, D)).astype(np.float32)
-        cache.put(k, -k)
+        cache.put(dev(k, cache.device), dev(-k, cache.device))
 
 
 OPS = [("remove", lambda c, s: c.remove(s, 2, 4)),

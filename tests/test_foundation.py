@@ -125,6 +125,40 @@ def test_a_failed_gpu_probe_is_not_cached_forever(gpu_machine_without_cupy, monk
     assert dev.cuda_usable()
 
 
+def test_numpy_without_row_stack_is_refused_with_the_fix(gpu_machine_without_cupy, monkeypatch):
+    """numba-cuda 0.30.4 compiles no kernel under numpy 2.5 (np.row_stack removed): the probe
+    says so and names the fix; device='cuda' raises it, 'auto' falls back with a warning."""
+    import types
+    fake = types.ModuleType("cupy")
+    fake.float32 = np.float32
+    fake.zeros = lambda n, dtype: np.zeros(n, dtype)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from numba import cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dev, "numba_cuda_numpy_problem", lambda: "numba-cuda X cannot compile "
+                        "kernels with numpy 2.5.2 (...); install 'numpy<2.5'")
+    with pytest.raises(ValueError, match=r"sees 2 GPU\(s\) but numba-cuda X .*'numpy<2\.5'"):
+        dev.resolve_device("cuda")
+    dev._reset_probe()
+    with pytest.warns(RuntimeWarning, match="numpy<2.5"):
+        assert dev.resolve_device("auto") == "cpu"
+
+
+def test_numba_cuda_numpy_check_finds_the_missing_row_stack():
+    """The check itself, in a process with the real CUDA target (not the simulator): silent with
+    this numpy; with np.row_stack gone (as in numpy 2.5) it names numba-cuda, numpy and the fix."""
+    code = ("import numpy as np\n"
+            "from numbakv import device\n"
+            "assert device.numba_cuda_numpy_problem() == ''\n"
+            "del np.row_stack\n"
+            "print(device.numba_cuda_numpy_problem())\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_ptx_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.strip()
+    assert out.startswith("numba-cuda ") and "row_stack" in out and "'numpy<2.5'" in out, out
+
+
 class _CudaTensor:
     """Any DLPack producer whose memory is on a CUDA device (a torch CUDA tensor, say)."""
     shape = (1, 2, 4)

@@ -6,6 +6,7 @@ generate()."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import numpy as np
@@ -21,6 +22,12 @@ from test_hf import tiny_model  # noqa: E402
 pytestmark = pytest.mark.torch
 
 NEW = 10
+
+#: the keyword generate() takes a cache under: transformers 5.24 renamed ``past_key_values`` to
+#: ``cache`` (the old name deprecated); 5.23 and older know only ``past_key_values`` and reject
+#: ``cache`` as an unused model kwarg
+CACHE_KWARG = "cache" if "cache" in inspect.signature(
+    transformers.GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
 
 
 def _batch(padded: bool):
@@ -52,7 +59,8 @@ def test_generate_equals_dynamic_cache(name, padded, sample):
     ids, mask = _batch(padded)
     ref = _generate(model, ids, mask, transformers.DynamicCache(config=model.config), sample)
     cache = hf.generation_cache(model, max_new_tokens=NEW)
-    out = _generate(model, ids, mask, cache, sample, kwarg="cache" if padded else
+    # both keywords where transformers has both: the new one for the padded batch
+    out = _generate(model, ids, mask, cache, sample, kwarg=CACHE_KWARG if padded else
                     "past_key_values")
     assert out.shape[1] > ids.shape[1]
     assert torch.equal(out, ref)

@@ -590,6 +590,30 @@ def test_emulated_cuda_put(emulated_cuda, dtype, permuted):
     assert emulated_cuda and set(emulated_cuda) == {put.put_kv_kernel}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("permuted", [False, True])
+def test_emulated_cuda_put_into_a_cell_slice(emulated_cuda, dtype, permuted):
+    """A per-sequence stream's layer is a cell slice of the pool: a permuted V slice ``[h, dv,
+    cells]`` keeps the pool's head and dim strides. The first H100 run found the GPU launch
+    describing it with the slice's own cell count (values landed in the wrong rows), which the
+    simulator's numpy views never did. Cells outside the slice stay untouched."""
+    rng = np.random.default_rng(29)
+    n_pool, lo, hi, h, d, dv, b = 20, 6, 13, 2, 8, 4, 3
+    k_pool = random_storage(rng, (n_pool, h, d), dtype)
+    v_pool = random_storage(rng, (h, dv, n_pool) if permuted else (n_pool, h, dv), dtype)
+    for slots, start in ((np.array([1, -1, 5], np.int32), -1), (None, 2)):
+        key = _input(rng, "cpu", (b, h, d), dtype, "heads_major")
+        value = _input(rng, "cpu", (b, h, dv), dtype, "strided_dim")
+        ks, vs = k_pool.copy(), v_pool.copy()
+        v_slice = vs[:, :, lo:hi] if permuted else vs[lo:hi]
+        put.launch("cuda", _FakeDeviceArray(ks[lo:hi]), _FakeDeviceArray(v_slice), slots,
+                   _FakeDeviceArray(key), _FakeDeviceArray(value), permuted, start=start)
+        eff = slots if slots is not None else np.arange(start, start + b, dtype=np.int32)
+        rk, rv = _ref_put(k_pool, v_pool, np.where(eff >= 0, eff + lo, -1), key, value, permuted)
+        assert np.array_equal(bits(ks), bits(rk))
+        assert np.array_equal(bits(vs), bits(rv))
+
+
 def test_emulated_cuda_put_fast_path_parameters(emulated_cuda, monkeypatch):
     """The fast path patches pointers into a cached parameter list: it must equal, value for
     value, the list the general path builds for the same call."""
@@ -666,9 +690,9 @@ def test_emulated_cuda_rotate(emulated_cuda, dtype):
 def test_cuda_fast_launch_matches_dispatcher():
     """On a GPU: the CuPy-driver fast path and Numba's dispatcher give identical results."""
     import cupy
-    rng = np.random.default_rng(30)
     results = {}
     for fast in (True, False):
+        rng = np.random.default_rng(30)   # both passes draw the same data
         launch.set_fast_launch(fast)
         put._CUDA_PLANS.clear()
         try:
@@ -775,8 +799,8 @@ def test_rope_geometry_blocks_match_useful_work(cells, layers, heads, half):
 def test_the_prepared_launches_use_those_geometries(kernel_device):
     """The move and rope launchers hand the kernels the grids the geometry functions give."""
     rng = np.random.default_rng(9)
-    keys = random_storage(rng, (3, 40, 2, 8), "float16")
-    values = random_storage(rng, (3, 2, 4, 40), "float16")
+    keys = to_dev(kernel_device, random_storage(rng, (3, 40, 2, 8), "float16"))
+    values = to_dev(kernel_device, random_storage(rng, (3, 2, 4, 40), "float16"))
     cap = _common.max_blocks(kernel_device)
     nb = _common.block_size(kernel_device)
     p = move.prepare(kernel_device, keys, values, np.array([[30, 0, 5]]), True)
@@ -966,13 +990,32 @@ def test_fast_kernel_loads_a_cubin_for_the_device_and_caches_it(tmp_path):
 # row length, the strides and every base address allow it; the launcher decides once per launch
 # and otherwise falls back to 8-, 4- or 2-byte words, or elements.
 
-def _aligned(shape, dtype, offset=0):
-    """A zeroed numpy array whose data starts ``offset`` bytes past a 64-byte boundary."""
+def _aligned(shape, dtype, offset=0, device="cpu"):
+    """A zeroed array (numpy; CuPy on ``cuda``) whose data starts ``offset`` bytes past a 64-byte
+    boundary."""
     dt = np.dtype(STORAGE.get(dtype, dtype))
     nbytes = int(np.prod(shape)) * dt.itemsize
-    raw = np.zeros(nbytes + 128, np.uint8)
-    start = -raw.ctypes.data % 64 + offset
+    raw = xp_for(device).zeros(nbytes + 128, np.uint8)
+    ptr = int(raw.data.ptr) if device == "cuda" else raw.ctypes.data
+    start = -ptr % 64 + offset
     return raw[start:start + nbytes].view(dt).reshape(shape)
+
+
+def _placed(device, host, offset=0):
+    """``host``'s bits in a new array on ``device`` starting ``offset`` bytes past a 64-byte
+    boundary. The alignment is what the word-size choice reads, so it is set on the array the
+    kernel gets: a plain copy to the GPU (``cupy.asarray``) would drop a host offset, since CuPy
+    allocations start 256-byte aligned."""
+    out = _aligned(host.shape, host.dtype, offset, device)
+    out[...] = to_dev(device, host)
+    return out
+
+
+def _no_fast_put(monkeypatch):
+    """On a GPU, put launches through Numba's dispatcher (``_launch``, which the tests record)
+    instead of the fast path, with a plan cache of its own for this test."""
+    monkeypatch.setattr(launch, "_FAST_ENABLED", False)
+    monkeypatch.setattr(put, "_CUDA_PLANS", {})
 
 
 def _random_bits(rng, shape, dtype, offset=0):
@@ -1000,17 +1043,16 @@ def _recording(monkeypatch, module):
 @pytest.mark.parametrize("permuted", [False, True])
 def test_put_takes_16_byte_words_when_aligned(kernel_device, dtype, permuted, monkeypatch):
     seen = _recording(monkeypatch, put)
+    _no_fast_put(monkeypatch)
     rng = np.random.default_rng(hash((dtype, permuted)) % 2**32)
     n, h, d, dv, b = 13, 2, 8, 8, 5      # rows of 32 (2-byte) or 64 bytes: whole 16-byte words
     k_store, v_store = _random_bits(rng, (n, h, d), dtype), _random_bits(
         rng, (h, dv, n) if permuted else (n, h, dv), dtype)
     key, value = _random_bits(rng, (b, h, d), dtype), _random_bits(rng, (b, h, dv), dtype)
     for slots, start in ((np.array([7, -1, 0, 12, 3], np.int32), -1), (None, 6)):
-        ks, vs = _aligned(k_store.shape, dtype), _aligned(v_store.shape, dtype)
-        ks[...], vs[...] = k_store, v_store
-        put.launch(kernel_device, to_dev(kernel_device, ks), to_dev(kernel_device, vs), slots,
-                   to_dev(kernel_device, key), to_dev(kernel_device, value), permuted,
-                   start=start)
+        ks, vs = _placed(kernel_device, k_store), _placed(kernel_device, v_store)
+        put.launch(kernel_device, ks, vs, slots, _placed(kernel_device, key),
+                   _placed(kernel_device, value), permuted, start=start)
         eff = slots if slots is not None else np.arange(start, start + b, dtype=np.int32)
         rk, rv = _ref_put(k_store, v_store, eff, key, value, permuted)
         assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
@@ -1044,19 +1086,19 @@ def test_put_falls_back_below_16_byte_words(kernel_device, case, monkeypatch):
     or storage only 8-byte aligned: narrower words, the same bits."""
     (b, h, d), dtype, in_off, st_off, want = _FALLBACKS[case]
     seen = _recording(monkeypatch, put)
+    _no_fast_put(monkeypatch)
     rng = np.random.default_rng(len(case))
     n = 9
     k_store = _random_bits(rng, (n, h, d), dtype, st_off)
     v_store = _random_bits(rng, (n, h, d), dtype, st_off)
     flat = _random_bits(rng, (2, b * h * d + 1), dtype)
     key, value = (f[in_off:in_off + b * h * d].reshape(b, h, d) for f in flat)
+    # the same slices of the same layout on the kernel's device (offsets kept)
+    dkey, dvalue = (f[in_off:in_off + b * h * d].reshape(b, h, d)
+                    for f in _placed(kernel_device, flat))
     slots = np.array([4, -1, 8], np.int32)
-    ks, vs = k_store.copy(), v_store.copy()
-    if st_off:  # keep the storage's offset
-        ks, vs = _aligned(k_store.shape, dtype, st_off), _aligned(v_store.shape, dtype, st_off)
-        ks[...], vs[...] = k_store, v_store
-    put.launch(kernel_device, to_dev(kernel_device, ks), to_dev(kernel_device, vs), slots,
-               to_dev(kernel_device, key), to_dev(kernel_device, value), False)
+    ks, vs = _placed(kernel_device, k_store, st_off), _placed(kernel_device, v_store, st_off)
+    put.launch(kernel_device, ks, vs, slots, dkey, dvalue, False)
     rk, rv = _ref_put(k_store, v_store, slots, key, value, False)
     assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
     k_src = seen[-1][3][3]
@@ -1075,10 +1117,9 @@ def test_move_takes_16_byte_words_when_aligned(kernel_device, dtype, plan, offse
     rng = np.random.default_rng(31)
     keys = _random_bits(rng, (2, 22, 2, 8), dtype, offset)
     values = _random_bits(rng, (2, 22, 2, 8), dtype, offset)
-    kd = _aligned(keys.shape, dtype, offset)
-    vd = _aligned(values.shape, dtype, offset)
-    kd[...], vd[...] = keys, values
-    move.launch(kernel_device, to_dev(kernel_device, kd), to_dev(kernel_device, vd), moves, False)
+    kd = _placed(kernel_device, keys, offset)
+    vd = _placed(kernel_device, values, offset)
+    move.launch(kernel_device, kd, vd, moves, False)
     rk, rv = _ref_moves(keys, values, moves, False)
     assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
     k, v = seen[-1][3][:2]
@@ -1090,8 +1131,8 @@ def test_move_geometry_counts_16_byte_words(kernel_device):
     """The prepared block move over 16-byte words: blocks against layers x pairs x 16-byte
     words of each row (half the 8-byte count), K and V each their own space."""
     rng = np.random.default_rng(5)
-    keys = _random_bits(rng, (3, 40, 2, 8), "float32")     # 64-byte rows: 4 words of 16 bytes
-    values = _random_bits(rng, (3, 40, 2, 4), "float32")   # 32-byte rows: 2 words
+    keys = _placed(kernel_device, _random_bits(rng, (3, 40, 2, 8), "float32"))  # 64-byte rows:
+    values = _placed(kernel_device, _random_bits(rng, (3, 40, 2, 4), "float32"))  # 4, 2 words
     p = move.prepare(kernel_device, keys, values, np.array([[30, 0, 5]]), False)
     k, v = p.args[:2]
     assert k.shape[3] == 4 and v.shape[3] == 2 and k.dtype == v.dtype == _common.WORD16

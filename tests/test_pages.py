@@ -10,6 +10,7 @@ import pytest
 import numbakv as nkv
 from numbakv.attention import _flashinfer_mode
 from numbakv.pages import FIELDS, PageTable, build_pages, check_pages, token_mask
+from helpers import dev, host as to_host, shares_memory
 from scenario_pages import make_cache, mask_visibility, random_forwards
 
 SCENARIOS = {
@@ -21,7 +22,7 @@ SCENARIOS = {
 
 
 def _host(table):
-    return PageTable(*[np.asarray(getattr(table, f)) for f in FIELDS])
+    return PageTable(*[to_host(getattr(table, f)) for f in FIELDS])
 
 
 def _check_against_mask(cache, pos, sq):
@@ -182,14 +183,14 @@ def test_layer_pool_is_zero_copy(device):
     cache.start_forward([0, 1], [0, 0])
     cache.set_layer(1)
     k = np.arange(2 * 2 * 8, dtype=np.float32).reshape(2, 2, 8)
-    cache.put(k, k + 100)
+    cache.put(dev(k, device), dev(k + 100, device))
     key, value = cache.layer_pool()
     assert key.shape == (cache.n_cells, 2, 8) and value.shape == (2, 8, cache.n_cells)
-    np.testing.assert_array_equal(np.asarray(key)[:2], k)
-    np.testing.assert_array_equal(np.asarray(value)[:, :, :2], np.moveaxis(k + 100, 0, -1))
-    assert np.shares_memory(np.asarray(key), np.asarray(cache.storage.keys))
+    np.testing.assert_array_equal(to_host(key)[:2], k)
+    np.testing.assert_array_equal(to_host(value)[:, :, :2], np.moveaxis(k + 100, 0, -1))
+    assert shares_memory(key, cache.storage.keys)
     key0, _ = cache.layer_pool(0)
-    assert not np.asarray(key0)[:2].any()
+    assert not to_host(key0)[:2].any()
 
 
 def test_wrapper_and_encoder_caches():

@@ -12,6 +12,8 @@ import pytest
 import numbakv as nkv
 from numbakv.prompt import PromptCache, common_prefix_length
 
+from helpers import dev
+
 NOW = 1000.0
 
 
@@ -52,7 +54,8 @@ def evaluate(cache, slot, start, tokens):
         return
     positions = np.arange(start, start + len(tokens))
     cache.start_forward(positions, [slot] * len(tokens))
-    key, value = token_kv(tokens, positions)
+    where = cache.caches[0].device if isinstance(cache, nkv.WrapperCache) else cache.device
+    key, value = (dev(x, where) for x in token_kv(tokens, positions))
     for layer in range(2):
         cache.set_layer(layer)
         cache.put(key, value)

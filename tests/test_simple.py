@@ -8,17 +8,15 @@ import pytest
 from numbakv._dlpack import BFloat16View
 from numbakv.simple import RotatingCache, StepCache
 
-from helpers import as_f32, random_storage
+from helpers import as_f32, dev, host, random_storage
 
 DTYPES = ["float16", "float32", "bfloat16"]
 
 
 def raw(view):
-    """The storage array behind a returned view (uint16 bits for bfloat16)."""
-    if isinstance(view, BFloat16View):
-        return view.bits
-    assert isinstance(view, np.ndarray)
-    return view
+    """A host copy of the storage array behind a returned view (uint16 bits for bfloat16); on
+    ``cuda`` the views are CuPy arrays."""
+    return host(view)
 
 
 def legacy(cache):
@@ -45,21 +43,22 @@ def same_snapshot(a, b):
 
 
 class Stream:
-    """Random K/V chunks with fixed batch / heads / head dims, and the full history."""
+    """Random K/V chunks with fixed batch / heads / head dims, and the full history (on the
+    host). Chunks come on ``device`` (the cache takes inputs only on its own device)."""
 
-    def __init__(self, rng, dtype, b=1, h=2, dk=4, dv=3):
-        self.rng, self.dtype, self.shape = rng, dtype, (b, h, dk, dv)
+    def __init__(self, rng, dtype, b=1, h=2, dk=4, dv=3, device="cpu"):
+        self.rng, self.dtype, self.shape, self.device = rng, dtype, (b, h, dk, dv), device
         self.k = random_storage(rng, (b, h, 0, dk), dtype)
         self.v = random_storage(rng, (b, h, 0, dv), dtype)
 
     def chunk(self, n):
         b, h, dk, dv = self.shape
-        return (random_storage(self.rng, (b, h, n, dk), self.dtype),
-                random_storage(self.rng, (b, h, n, dv), self.dtype))
+        return (dev(random_storage(self.rng, (b, h, n, dk), self.dtype), self.device),
+                dev(random_storage(self.rng, (b, h, n, dv), self.dtype), self.device))
 
     def append(self, k, v):
-        self.k = np.concatenate([self.k, k], axis=2)
-        self.v = np.concatenate([self.v, v], axis=2)
+        self.k = np.concatenate([self.k, host(k)], axis=2)
+        self.v = np.concatenate([self.v, host(v)], axis=2)
 
     def trim(self, n):
         t = self.k.shape[2] - n
@@ -140,7 +139,8 @@ def test_step_cache_random_updates_and_trims(device, dtype):
     rng = np.random.default_rng(hash(dtype) % 1000)
     for trial in range(6):
         step = int(rng.integers(1, 6))
-        s = Stream(rng, dtype, b=int(rng.integers(1, 3)), dk=int(rng.integers(2, 5)))
+        s = Stream(rng, dtype, b=int(rng.integers(1, 3)), dk=int(rng.integers(2, 5)),
+                   device=device)
         c = StepCache(step, device=device)
         for _ in range(25):
             if s.total and rng.random() < 0.2:
@@ -165,23 +165,25 @@ def test_step_cache_random_updates_and_trims(device, dtype):
 
 def test_step_cache_grows_in_steps_like_the_seed(device):
     c = StepCache(4, device=device)
-    k = np.zeros((1, 1, 1, 2), np.float32)
+    k = dev(np.zeros((1, 1, 1, 2), np.float32), device)
     capacities = []
     for _ in range(9):
         c.update(k, k)
         capacities.append(c.capacity)
     assert capacities == [4, 4, 4, 4, 8, 8, 8, 8, 12]
-    c.update(np.zeros((1, 1, 6, 2), np.float32), np.zeros((1, 1, 6, 2), np.float32))
+    z = dev(np.zeros((1, 1, 6, 2), np.float32), device)
+    c.update(z, z)
     assert c.offset == 15 and c.capacity == 16
     c.trim(14)
-    c.update(np.ones((1, 1, 3, 2), np.float32), np.ones((1, 1, 3, 2), np.float32))
+    o = dev(np.ones((1, 1, 3, 2), np.float32), device)
+    c.update(o, o)
     assert c.capacity == 16  # trimmed space is reused
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_step_cache_clone_state_round_trip(device, dtype):
     rng = np.random.default_rng(3)
-    s = Stream(rng, dtype)
+    s = Stream(rng, dtype, device=device)
     c = StepCache(3, device=device)
     for n in (5, 1, 2):
         c.update(*s.chunk(n))
@@ -206,10 +208,12 @@ def test_step_cache_free_and_empty_state(device):
     st = legacy(c)
     assert st["keys"] is None and st["offset"] == 0 and st["meta"]["dtype"] is None
     assert StepCache.from_state(st, device=device).offset == 0
-    c.update(np.ones((1, 2, 3, 4), np.float16), np.ones((1, 2, 3, 4), np.float16))
+    o = dev(np.ones((1, 2, 3, 4), np.float16), device)
+    c.update(o, o)
     c.free()
     assert c.offset == 0 and len(c) == 0 and c.capacity == 0 and c.dtype is None
-    ko, _ = c.update(np.ones((2, 1, 1, 8), np.float32), np.ones((2, 1, 1, 2), np.float32))
+    ko, _ = c.update(dev(np.ones((2, 1, 1, 8), np.float32), device),
+                     dev(np.ones((2, 1, 1, 2), np.float32), device))
     assert ko.shape == (2, 1, 1, 8) and ko.dtype == np.float32
 
 
@@ -217,7 +221,7 @@ def test_step_cache_free_and_empty_state(device):
 
 def run_rotating(device, dtype, rng, M, step, n_ops, trim_prob, mlx=True):
     s = Stream(rng, dtype, b=int(rng.integers(1, 3)), dk=int(rng.integers(2, 4)),
-               dv=int(rng.integers(1, 4)))
+               dv=int(rng.integers(1, 4)), device=device)
     c = RotatingCache(M, step, device=device)
     ref = MlxRotatingRef(M, step) if mlx else None
     for _ in range(n_ops):
@@ -273,20 +277,20 @@ def test_rotating_random_with_trims(device, dtype):
 
 def test_rotating_prefill_longer_than_window_then_decode(device):
     rng = np.random.default_rng(0)
-    s = Stream(rng, "float32")
+    s = Stream(rng, "float32", device=device)
     c = RotatingCache(4, 2, device=device)
     k, v = s.chunk(10)
     s.append(k, v)
     ko, _ = c.update(k, v)
-    np.testing.assert_array_equal(ko, s.k)  # the whole prompt: each token's window is inside
+    np.testing.assert_array_equal(raw(ko), s.k)  # the whole prompt: each token's window is inside
     assert len(c) == 4 and c.offset == 10
     for _ in range(6):  # decode across several wraps
         k, v = s.chunk(1)
         s.append(k, v)
         ko, vo = c.update(k, v)
         assert ko.shape[2] == 4
-        check_rotation(ko, s.k[:, :, -4:])
-        check_rotation(vo, s.v[:, :, -4:])
+        check_rotation(raw(ko), s.k[:, :, -4:])
+        check_rotation(raw(vo), s.v[:, :, -4:])
     assert c.capacity == 10  # the prompt's storage is reused, no reallocation per token
 
 
@@ -294,7 +298,7 @@ def test_rotating_multi_token_after_wrap_keeps_whole_window(device):
     """The seed's concat sliced the ring as if it were in temporal order; after a wrap that
     dropped tokens still inside the window (NOTES.md)."""
     rng = np.random.default_rng(1)
-    s = Stream(rng, "float16")
+    s = Stream(rng, "float16", device=device)
     c = RotatingCache(5, 8, device=device)
     for _ in range(7):  # wrapped: ring order differs from temporal order
         k, v = s.chunk(1)
@@ -303,13 +307,13 @@ def test_rotating_multi_token_after_wrap_keeps_whole_window(device):
     k, v = s.chunk(3)
     s.append(k, v)
     ko, vo = c.update(k, v)
-    np.testing.assert_array_equal(ko, s.k[:, :, 7 - 4:])
-    np.testing.assert_array_equal(vo, s.v[:, :, 7 - 4:])
+    np.testing.assert_array_equal(raw(ko), s.k[:, :, 7 - 4:])
+    np.testing.assert_array_equal(raw(vo), s.v[:, :, 7 - 4:])
 
 
 def test_rotating_trim_before_wrap(device):
     rng = np.random.default_rng(2)
-    s = Stream(rng, "float32")
+    s = Stream(rng, "float32", device=device)
     c = RotatingCache(8, 4, device=device)
     for n in (3, 1, 1):
         k, v = s.chunk(n)
@@ -321,14 +325,14 @@ def test_rotating_trim_before_wrap(device):
     k, v = s.chunk(1)
     s.append(k, v)
     ko, _ = c.update(k, v)
-    np.testing.assert_array_equal(ko, s.k)
+    np.testing.assert_array_equal(raw(ko), s.k)
     assert c.trim(3) == 3  # back to zero tokens is fine before any eviction
     assert c.offset == 0 and len(c) == 0 and legacy(c)["keys"] is None
 
 
 def test_rotating_trim_after_wrap(device):
     rng = np.random.default_rng(4)
-    s = Stream(rng, "bfloat16")
+    s = Stream(rng, "bfloat16", device=device)
     M = 4
     c = RotatingCache(M, 2, device=device)
     for _ in range(6):
@@ -367,13 +371,13 @@ def test_rotating_trim_after_wrap(device):
 
 def test_rotating_max_size_one(device):
     rng = np.random.default_rng(5)
-    s = Stream(rng, "float32")
+    s = Stream(rng, "float32", device=device)
     c = RotatingCache(1, 1, device=device)
     for L in (1, 1, 3, 1, 2, 1):
         k, v = s.chunk(L)
         s.append(k, v)
         ko, _ = c.update(k, v)
-        np.testing.assert_array_equal(ko, s.k[:, :, -L:])
+        np.testing.assert_array_equal(raw(ko), s.k[:, :, -L:])
     # a window of one needs no history: the newest token can go, and the next one stands alone
     assert len(c) == 1 and c.trimmable == 1
     assert c.trim(2) == 1 and legacy(c)["keys"] is None and c.offset == 8
@@ -381,7 +385,7 @@ def test_rotating_max_size_one(device):
     assert RotatingCache.from_state(legacy(c), device=device).offset == 8
     k, v = s.chunk(1)
     ko, _ = c.update(k, v)
-    np.testing.assert_array_equal(ko, k)
+    np.testing.assert_array_equal(raw(ko), host(k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -392,7 +396,7 @@ def test_rotating_clone_and_state_round_trip(device, dtype):
     # longer than max_size after a multi-token update, trimmed after a wrap
     scripts = [[2, 1], [5], [1] * 7, [1] * 6 + [3], [1] * 8 + ["t1"], [9], []]
     for script in scripts:
-        s = Stream(rng, dtype)
+        s = Stream(rng, dtype, device=device)
         c = RotatingCache(M, 2, device=device)
         for op in script:
             if op == "t1":
@@ -416,10 +420,11 @@ def test_rotating_clone_and_state_round_trip(device, dtype):
 @pytest.mark.torch
 def test_torch_bfloat16_in_and_out(device):
     torch = pytest.importorskip("torch")
+    where = "cuda" if device == "cuda" else "cpu"  # the cache takes tensors on its own device
     c = RotatingCache(3, device=device)
     ref = []
     for i in range(5):
-        k = torch.randn(1, 2, 1, 4).to(torch.bfloat16)
+        k = torch.randn(1, 2, 1, 4).to(torch.bfloat16).to(where)
         v = k.permute(0, 1, 2, 3).clone()[..., :2]  # strided values with another head_dim
         ko, vo = c.update(k, v)
         ref.append(k)
@@ -429,7 +434,7 @@ def test_torch_bfloat16_in_and_out(device):
     window = torch.cat(ref[-3:], dim=2)
     assert sorted(tk.float().flatten().tolist()) == sorted(window.float().flatten().tolist())
     s = StepCache(device=device)
-    k = torch.randn(2, 4, 8, 3).to(torch.float16).transpose(1, 2)  # [2, 8, 4, 3] non-contiguous
+    k = torch.randn(2, 4, 8, 3).to(torch.float16).to(where).transpose(1, 2)  # [2, 8, 4, 3] strided
     ko, _ = s.update(k, k)
     assert torch.equal(torch.from_dlpack(ko), k)
 
@@ -439,7 +444,7 @@ def test_torch_bfloat16_in_and_out(device):
 @pytest.mark.parametrize("cls", ["step", "rotating"])
 def test_bad_input_leaves_cache_unchanged(device, cls):
     c = StepCache(2, device=device) if cls == "step" else RotatingCache(3, 2, device=device)
-    good = np.ones((1, 2, 2, 4), np.float16)
+    good = dev(np.ones((1, 2, 2, 4), np.float16), device)
     c.update(good, good[..., :3])
     c.update(good[:, :, :1], good[:, :, :1, :3])
     before = snapshot(c)
@@ -460,6 +465,8 @@ def test_bad_input_leaves_cache_unchanged(device, cls):
         (("keys", "values"), "keys must"),
     ]
     for (k, v), needle in bad:
+        if isinstance(k, np.ndarray):
+            k, v = dev(k, device), dev(v, device)
         with pytest.raises(ValueError, match=needle):
             c.update(k, v)
         assert same_snapshot(snapshot(c), before), needle
@@ -479,21 +486,30 @@ def test_constructor_and_dtype_checks(device):
         StepCache(dtype="int8", device=device)
     with pytest.raises(ValueError, match="device"):
         StepCache(device="tpu")
+    def ones(dtype=np.float64):
+        return dev(np.ones((1, 1, 1, 2), dtype), device)
+
     c = StepCache(dtype="bfloat16", device=device)
     with pytest.raises(ValueError, match="keys must have dtype bfloat16, got float16"):
-        c.update(np.ones((1, 1, 1, 2), np.float16), np.ones((1, 1, 1, 2), np.float16))
+        c.update(ones(np.float16), ones(np.float16))
     with pytest.raises(ValueError, match="keys must have dtype float16, float32 or bfloat16"):
-        StepCache(device=device).update(np.ones((1, 1, 1, 2)), np.ones((1, 1, 1, 2)))
-    ko, _ = c.update(np.ones((1, 1, 1, 2), np.uint16), np.ones((1, 1, 1, 2), np.uint16))
+        StepCache(device=device).update(ones(), ones())
+    if device == "cuda":  # host arrays are refused, naming both devices
+        with pytest.raises(ValueError, match="keys lives on cpu but the cache stores on cuda"):
+            c.update(np.ones((1, 1, 1, 2), np.uint16), np.ones((1, 1, 1, 2), np.uint16))
+    ko, _ = c.update(ones(np.uint16), ones(np.uint16))
     assert isinstance(ko, BFloat16View)
     c.free()
     assert c.dtype == "bfloat16"  # a constructor dtype survives free()
 
 
 def test_from_state_rejects_inconsistent_states(device):
+    def ones(shape, dtype):
+        return dev(np.ones(shape, dtype), device)
+
     c = RotatingCache(4, 2, device=device)
     for _ in range(6):
-        c.update(np.ones((1, 1, 1, 2), np.float32), np.ones((1, 1, 1, 2), np.float32))
+        c.update(ones((1, 1, 1, 2), np.float32), ones((1, 1, 1, 2), np.float32))
     st = legacy(c)
     with pytest.raises(ValueError, match="kind"):
         StepCache.from_state(st, device=device)
@@ -508,7 +524,7 @@ def test_from_state_rejects_inconsistent_states(device):
     with pytest.raises(ValueError, match="max_size - 1"):
         RotatingCache.from_state(short, device=device)
     s = StepCache(device=device)
-    s.update(np.ones((1, 1, 3, 2), np.float16), np.ones((1, 1, 3, 2), np.float16))
+    s.update(ones((1, 1, 3, 2), np.float16), ones((1, 1, 3, 2), np.float16))
     with pytest.raises(ValueError, match="offset"):
         StepCache.from_state({**legacy(s), "offset": 5}, device=device)
     with pytest.raises(ValueError, match="offset"):
@@ -519,7 +535,7 @@ def test_from_state_rejects_inconsistent_states(device):
         RotatingCache.from_state({**st, "keys": None, "values": None,
                                   "meta": {**st["meta"], "idx": 0}}, device=device)
     with pytest.raises(ValueError, match="float16"):
-        StepCache.from_state({**legacy(s), "keys": np.ones((1, 1, 3, 2), np.float32)},
+        StepCache.from_state({**legacy(s), "keys": ones((1, 1, 3, 2), np.float32)},
                              device=device)
 
 
@@ -528,15 +544,15 @@ def test_values_are_kept_exactly(device):
     rng = np.random.default_rng(9)
     for dtype in DTYPES:
         k = random_storage(rng, (1, 1, 3, 4), dtype)
-        ko, _ = StepCache(device=device).update(k, k)
-        out = ko.to_float32() if isinstance(ko, BFloat16View) else as_f32(ko, dtype)
+        ko, _ = StepCache(device=device).update(dev(k, device), dev(k, device))
+        out = host(ko.to_float32()) if isinstance(ko, BFloat16View) else as_f32(raw(ko), dtype)
         np.testing.assert_array_equal(out, as_f32(k, dtype))
 
 
 def test_trim_clamps_like_the_seed(device):
     """The seed's ``Trim``: ``n = min(offset, n)``; returns how many went (mlx-lm does the same)."""
     rng = np.random.default_rng(12)
-    s = Stream(rng, "float32")
+    s = Stream(rng, "float32", device=device)
     step = StepCache(4, device=device)
     step.update(*s.chunk(3))
     assert step.trim(10) == 3 and step.offset == 0 and len(step) == 0
@@ -546,4 +562,4 @@ def test_trim_clamps_like_the_seed(device):
     assert ring.trim(7) == 5 and ring.offset == 0 and legacy(ring)["keys"] is None
     k, v = s.chunk(2)
     ko, _ = ring.update(k, v)  # usable again after a clamped trim
-    np.testing.assert_array_equal(ko, k)
+    np.testing.assert_array_equal(raw(ko), host(k))

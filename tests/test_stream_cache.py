@@ -9,6 +9,8 @@ import numbakv as nkv
 from numbakv import KVCacheFullError, NotSupportedError
 from numbakv.streams import StreamCache, group_batch
 
+from helpers import dev, host, shares_memory
+
 try:
     import torch
     from numbakv.attention import attend
@@ -68,18 +70,18 @@ def test_get_layout_views_and_gathers(device, permuted):
     c.start_forward(pos, seqs)
     k, v = kv(rng, 6), kv(rng, 6)
     c.set_layer(1)
-    c.put(k, v)
+    c.put(dev(k, device), dev(v, device))
     key, value, mask = c.get()
     assert key.shape == (3, 3, H, D)
     assert value.shape == ((3, H, D, 3) if permuted else (3, 3, H, D))
     assert mask.shape == (3, 3, 3)
     # consecutive ascending sequences: zero-copy views of the pool
-    assert np.shares_memory(np.asarray(key), c.storage.keys)
-    vals = np.asarray(value).transpose(0, 3, 1, 2) if permuted else np.asarray(value)
+    assert shares_memory(key, c.storage.keys)
+    vals = host(value).transpose(0, 3, 1, 2) if permuted else host(value)
     for b, (lo, n) in enumerate([(0, 3), (3, 2), (5, 1)]):
-        np.testing.assert_array_equal(np.asarray(key)[b, :n], k[lo:lo + n])
+        np.testing.assert_array_equal(host(key)[b, :n], k[lo:lo + n])
         np.testing.assert_array_equal(vals[b, :n], v[lo:lo + n])
-    m = np.asarray(mask)
+    m = host(mask)
     assert np.array_equal(m[0] == 0, np.tril(np.ones((3, 3), bool)))
     assert np.isneginf(m[1, 2]).all() and np.isneginf(m[2, 1:]).all()
     assert m[2, 0, 0] == 0 and np.isneginf(m[2, 0, 1:]).all()
@@ -87,12 +89,12 @@ def test_get_layout_views_and_gathers(device, permuted):
     c.start_forward([3, 2], [1, 3])
     c.set_layer(1)
     k2 = kv(rng, 2)
-    c.put(k2, k2)
+    c.put(dev(k2, device), dev(k2, device))
     key, value, mask = c.get()
-    assert not np.shares_memory(np.asarray(key), c.storage.keys)
-    np.testing.assert_array_equal(np.asarray(key)[0, 3], k2[0])
-    np.testing.assert_array_equal(np.asarray(key)[1, :1], k[5:6])
-    np.testing.assert_array_equal(np.asarray(key)[1, 1], k2[1])
+    assert not shares_memory(key, c.storage.keys)
+    np.testing.assert_array_equal(host(key)[0, 3], k2[0])
+    np.testing.assert_array_equal(host(key)[1, :1], k[5:6])
+    np.testing.assert_array_equal(host(key)[1, 1], k2[1])
     assert mask.shape == (2, 1, 4)
 
 
@@ -157,23 +159,23 @@ def test_copy_prefix_copies_only_the_prefix_and_forks_are_independent(device):
         c.set_layer(layer)
         k = kv(rng, 5)
         ks.append(k)
-        c.put(k, k)
+        c.put(dev(k, device), dev(k, device))
     c.copy_prefix(0, 2, 3)
     assert (c.seq_pos_min(2), c.seq_pos_max(2)) == (0, 2)
     assert c.streams[2].n_used == 3                      # only what was copied
     c.start_forward([3], [2])
     for layer in range(2):
         c.set_layer(layer)
-        c.put(kv(rng, 1), kv(rng, 1))
+        c.put(dev(kv(rng, 1), device), dev(kv(rng, 1), device))
         key, value, mask = c.get()
-        np.testing.assert_array_equal(np.asarray(key)[0, :3], ks[layer][:3])
+        np.testing.assert_array_equal(host(key)[0, :3], ks[layer][:3])
     # a fork owns its cells: shifting the source does not touch it (unlike shared cells)
     c.remove(0, 0, 1)
     assert c.seq_pos_max(0) == 3 and c.seq_pos_max(2) == 3
     c.start_forward([4], [2])
     c.set_layer(0)
-    c.put(kv(rng, 1), kv(rng, 1))
-    np.testing.assert_array_equal(np.asarray(c.get()[0])[0, :3], ks[0][:3])
+    c.put(dev(kv(rng, 1), device), dev(kv(rng, 1), device))
+    np.testing.assert_array_equal(host(c.get()[0])[0, :3], ks[0][:3])
 
 
 def test_seq_cp_adds_ranges_and_refuses_overlaps():
@@ -270,23 +272,21 @@ def attention(key, value, mask_rows, q):
 
 
 def unified_outputs(cache, q, batch):
-    key, value, mask = cache.get()
+    key, value, mask = (host(x).astype(np.float64) for x in cache.get())
     if cache.config.permuted_v:                      # [H, Dv, n] -> [n, H, Dv]
-        value = np.asarray(value).transpose(2, 0, 1)
-    return attention(np.asarray(key, np.float64), np.asarray(value, np.float64),
-                     np.asarray(mask, np.float64)[:batch], q)
+        value = value.transpose(2, 0, 1)
+    return attention(key, value, mask[:batch], q)
 
 
 def stream_outputs(cache, q, batch):
-    key, value, mask = cache.get()
+    key, value, mask = (host(x).astype(np.float64) for x in cache.get())
     if cache.config.permuted_v:                      # [n_b, H, Dv, n_kv] -> [n_b, n_kv, H, Dv]
-        value = np.asarray(value).transpose(0, 3, 1, 2)
+        value = value.transpose(0, 3, 1, 2)
     fwd = cache._forward
     out = np.empty((batch, H, D))
     for b in range(len(fwd.seq_ids)):
         rows = fwd.token_order[fwd.qo_indptr[b]:fwd.qo_indptr[b + 1]]
-        out[rows] = attention(np.asarray(key, np.float64)[b], np.asarray(value, np.float64)[b],
-                              np.asarray(mask, np.float64)[b, :len(rows)], q[rows])
+        out[rows] = attention(key[b], value[b], mask[b, :len(rows)], q[rows])
     return out
 
 
@@ -326,14 +326,16 @@ def test_random_workload_matches_unified_cache(device, variant):
                 k, v, q = kv(rng, len(pos)), kv(rng, len(pos)), kv(rng, len(pos))
                 for c in (uni, st):
                     c.set_layer(layer)
-                    c.put(k, v)
+                    c.put(dev(k, device), dev(v, device))
                 want = unified_outputs(uni, q, len(pos))
                 np.testing.assert_allclose(stream_outputs(st, q, len(pos)), want,
                                            rtol=1e-5, atol=1e-5)
                 if torch is not None:   # attend() over the stream page table, both backends
                     for backend in ("torch", "dense"):
-                        got = attend(torch.from_numpy(q), st, scale=1.0, backend=backend)
-                        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+                        tq = torch.from_numpy(q).to("cuda" if device == "cuda" else "cpu")
+                        got = attend(tq, st, scale=1.0, backend=backend)
+                        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4,
+                                                   atol=1e-5)
                 checked += 1
         elif op == "remove":
             s = int(rng.integers(S))

@@ -6,6 +6,8 @@ import pytest
 
 import numbakv as nkv
 
+from helpers import dev, host
+
 H, D = 2, 8
 
 
@@ -16,8 +18,9 @@ def _cfg(device, **kw):
     return nkv.CacheConfig(**base)
 
 
-def _rows(value, batch):
-    return np.full((batch, H, D), value, np.float32)
+def _rows(value, batch, device="cpu"):
+    """``batch`` rows of K or V filled with ``value``, on ``device`` (the cache's)."""
+    return dev(np.full((batch, H, D), value, np.float32), device)
 
 
 def _table(cache):
@@ -45,12 +48,13 @@ def test_wrapper_routes_layers_and_fans_out(device):
         wrapper.start_forward([step], [0])
         for layer in range(3):
             wrapper.set_layer(layer)
-            wrapper.put(_rows(100 * layer + step, 1), _rows(-(100 * layer + step), 1))
+            wrapper.put(_rows(100 * layer + step, 1, device),
+                        _rows(-(100 * layer + step), 1, device))
     assert swa.seq_pos_max(0) == full.seq_pos_max(0) == wrapper.seq_pos_max(0) == 3
     for layer in range(3):
         wrapper.set_layer(layer)
         key, value, mask = wrapper.get()
-        visible = np.asarray(key)[np.asarray(mask)[0] == 0][:, 0, 0]
+        visible = host(key)[host(mask)[0] == 0][:, 0, 0]
         if layer == 1:  # full attention: every step of its own layer
             assert sorted(visible.tolist()) == [100, 101, 102, 103]
         else:           # window 2 sees positions 1..3, stored in the SWA cache's own layer
@@ -126,17 +130,17 @@ def test_encoder_cache_stores_once_and_reuses(device):
     enc.start_forward([0, 1, 2], [0, 0, 0], encoder_pos=0)
     for layer in range(2):
         enc.set_layer(layer)
-        enc.put(_rows(layer + 1, 5), _rows(-(layer + 1), 5))
+        enc.put(_rows(layer + 1, 5, device), _rows(-(layer + 1), 5, device))
     assert enc.encoder_cached and enc.encoder_len == 5
     enc.start_forward([3], [0])  # a decode step reuses the stored output
     for layer in range(2):
         enc.set_layer(layer)
         key, value, mask = enc.get()
-        assert np.all(np.asarray(key) == layer + 1) and np.all(np.asarray(value) == -(layer + 1))
-        mask = np.asarray(mask)
+        assert np.all(host(key) == layer + 1) and np.all(host(value) == -(layer + 1))
+        mask = host(mask)
         assert mask.shape == (4, 5) and np.all(mask[0] == 0) and np.all(np.isneginf(mask[1:]))
     with pytest.raises(ValueError, match="encoder_pos"):
-        enc.put(_rows(0, 5), _rows(0, 5))
+        enc.put(_rows(0, 5, device), _rows(0, 5, device))
     enc.remove(0, 1)            # positions >= 1: the encoder input at 0 stays
     assert enc.encoder_cached
     enc.remove(0, 0, 1)         # its own position goes: the output is dropped

@@ -345,7 +345,7 @@ class HostStaging:
     MAX_BUFFERS = 8
 
     def __init__(self) -> None:
-        self._free: List[list] = []    # [nbytes, pinned memory, host view, event]
+        self._free: List[list] = []    # [nbytes, pinned memory, host view, event, host address]
         self._busy: List[list] = []
         self.captured: List[Any] = []  # buffers a captured graph reads: never reused
 
@@ -354,7 +354,8 @@ class HostStaging:
         import cupy
         cap = max(4096, 1 << (int(nbytes) - 1).bit_length())
         mem = cupy.cuda.alloc_pinned_memory(cap)
-        return [cap, mem, np.frombuffer(mem, np.uint8, cap), None]
+        host = np.frombuffer(mem, np.uint8, cap)
+        return [cap, mem, host, None, int(host.ctypes.data)]
 
     def take(self, nbytes: int, stream) -> list:
         """A pinned buffer of at least ``nbytes`` whose previous copy has completed."""
@@ -400,6 +401,10 @@ def staging_for(stream, device_id: int) -> HostStaging:
     return st
 
 
+#: cudaMemcpyHostToDevice
+_H2D = 1
+
+
 def to_device(device: str, *arrays: np.ndarray):
     """Host arrays for a kernel: as they are on ``cpu``/``sim``; on ``cuda`` packed into one
     pinned, reused host buffer (:class:`HostStaging`) and copied asynchronously, with a single
@@ -421,9 +426,14 @@ def to_device(device: str, *arrays: np.ndarray):
     host = slot[2]
     for p, off in zip(parts, offsets):
         host[off:off + p.nbytes] = p.reshape(-1).view(np.uint8)
+    # a fresh device buffer per call (CuPy's pool: no cudaMalloc): callers may keep it past the
+    # next call (put's slot cache does)
     dev = cupy.empty(total, dtype=np.uint8)
-    # a c_void_p: CuPy < 13.x reads ``mem.value``; newer versions take it too
-    dev.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), total, stream)
+    # cudaMemcpyAsync itself, not MemoryPointer.copy_from_host_async: CuPy refuses host-to-device
+    # transfers on a capturing stream (seen on an H100: "the current stream is capturing, so H2D
+    # transfers are disallowed"), while a copy from pinned memory is a legal graph node; the
+    # staging keeps captured buffers for the graph's lifetime
+    cupy.cuda.runtime.memcpyAsync(int(dev.data.ptr), slot[4], total, _H2D, stream.ptr)
     staging.give_back(slot, stream)
     base = int(dev.data.ptr)
     descs = []

@@ -348,8 +348,12 @@ class _CudaPut:
         kflat, kw = _plan(key.shape, key.strides, isz, int(key.data.ptr), int(k_dst.data.ptr))
         kd, ks = _desc_pair(k_dst, key, kflat, kw)
         if permuted:
+            # [cell, head, dim] over V's own strides: a per-sequence stream's cell slice of the
+            # pool keeps the pool's head and dim strides (its own cell count would be wrong)
             hh, dv, n = v_dst.shape
-            vd = Desc(int(v_dst.data.ptr), (n, hh, dv), (isz, dv * n * isz, n * isz), UINT[isz])
+            vs_ = v_dst.strides
+            vd = Desc(int(v_dst.data.ptr), (n, hh, dv), (int(vs_[2]), int(vs_[0]), int(vs_[1])),
+                      UINT[isz])
             vs = Desc(int(value.data.ptr), tuple(value.shape), tuple(value.strides), UINT[isz])
         else:
             vflat, vw = _plan(value.shape, value.strides, isz, int(value.data.ptr),
@@ -392,7 +396,8 @@ def _launch_cuda(k_dst, v_dst, slots, key, value, permuted: bool, start: int) ->
     vdp = v_dst.data.ptr
     sl = _dummy_slots_dev(device_id) if start >= 0 else _slots_to_device(slots, device_id)
     # the low address bits decide the word size (16-byte words need 16-byte alignment)
-    pkey = (device_id, k_dst.shape, v_dst.shape, k_dst.dtype, key.shape, key.strides,
+    pkey = (device_id, k_dst.shape, v_dst.shape, v_dst.strides, k_dst.dtype, key.shape,
+            key.strides,
             value.shape, value.strides, (kp | kdp) & 15, (vp | vdp) & 15, permuted, start >= 0)
     plan = _CUDA_PLANS.get(pkey)
     if plan is None:

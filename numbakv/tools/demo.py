@@ -637,7 +637,9 @@ def _warm_up(cfg: CacheConfig, shift: RopeShift, swa_window: Optional[int]) -> f
         torch = _attend_torch()     # imported here (~1.5 s), not inside the first timed step
         if torch is not None:
             from ..attention import attend
-            attend(torch.zeros((3, small.n_kv_heads, small.head_dim)), cache)
+            # q where the cache is: attend() takes no host q for a GPU cache
+            attend(torch.zeros((3, small.n_kv_heads, small.head_dim),
+                               device="cuda" if cache.device == "cuda" else "cpu"), cache)
     cache.copy_prefix(0, 1, 2)
     cache.remove(0, 1, 2)
     cache.remove(1, 0)
