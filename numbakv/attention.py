@@ -29,6 +29,7 @@ Backends:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -73,6 +74,10 @@ _PARALLEL_WORK = 1 << 17
 #: with fewer sequences than twice numba's threads, long lists are cut into parts of at least
 #: this many cells (split-K, merged by their log-sum-exp), so one long decode uses every thread
 _MIN_PART = 512
+#: the process that imported this module: a child forked from it runs the kernel on one thread,
+#: because numba's threading layer here (GNU OpenMP) aborts a forked child that starts a
+#: parallel region after its parent ran one
+_PID = os.getpid()
 #: exp(x) for x below this is a float32 denormal (or 0): such weights are flushed to exactly 0,
 #: because arithmetic on denormals runs ~100x slower on x86 and changes nothing visible
 _EXP_FLUSH = -87.0
@@ -671,7 +676,7 @@ def _cpu_kernel(q, host: HostPages, plan: dict, pools, scale: float, soft_cap, p
     part_acc = np.empty((n_part, dv), np.float32)
     part_ml = np.empty((2, n_part), np.float32)
     rule = host.rule
-    fn = _attend_pool_parallel if plan["parallel"] else _attend_pool
+    fn = _attend_pool_parallel if plan["parallel"] and os.getpid() == _PID else _attend_pool
     fn(plan["items"], plan["merges"], qn, kp, vp, bf16, permuted, host.kv_indices,
        host.kv_positions, host.qo_indptr, host.token_order, host.q_positions, rule.causal,
        int(rule.window), int(rule.chunk), np.float32(scale),

@@ -287,3 +287,42 @@ def test_kernel_over_long_lists(name, parallel, monkeypatch):
         plan_merges = len(plan["merges"])
         assert plan["parallel"] == parallel and not plan["rest"]
     assert (plan_merges > 0) == parallel
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_kernel_in_a_forked_child_of_a_process_that_ran_it_threaded(monkeypatch):
+    # numba's GNU OpenMP threading layer aborts a forked child that starts a parallel region
+    # after its parent ran one: the child must fall back to the one-thread kernel
+    import os
+
+    monkeypatch.setattr(attention, "_PARALLEL_WORK", 0)
+    cache = make_cache("cpu", capacity=64, max_seqs=2)
+    rng = np.random.default_rng(2)
+    for p0 in (0, 8):
+        cache.start_forward(list(range(p0, p0 + 8)) * 2, [0] * 8 + [1] * 8)
+        for layer in range(2):
+            cache.set_layer(layer)
+            cache.put(rng.standard_normal((16, 2, 8)).astype(np.float32),
+                      rng.standard_normal((16, 2, 8)).astype(np.float32))
+    cache.start_forward([16, 16], [0, 1])
+    cache.put(rng.standard_normal((2, 2, 8)).astype(np.float32),
+              rng.standard_normal((2, 2, 8)).astype(np.float32))
+    q = torch.randn(2, 4, 8)
+    want = attend(q, cache, backend="torch")
+    assert next(v for k, v in cache._host_pages().plans.items() if k[0] == "kernel")["parallel"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                     # the child: never returns into pytest
+        code = 1
+        try:
+            cache._pages_cache = None                # plan again, run again
+            got = attend(q, cache, backend="torch")
+            code = 0 if torch.equal(got, want) else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(code)
+    os.close(write)
+    status = os.read(read, 1)
+    os.close(read)
+    _, exit_status = os.waitpid(pid, 0)
+    assert status == b"\x00" and os.waitstatus_to_exitcode(exit_status) == 0
