@@ -68,8 +68,9 @@ _KERNEL_TOKENS_16BIT = 32
 #: queries (the demo's and hf.attach's many small parts)
 _SHORT_CELLS = 512
 _SHORT_TOKENS = 64
-#: the kernel runs on numba's threads (one (sequence, KV head) item each) from this much work,
-#: listed cells x queries x query heads; below it one thread (a parallel launch costs ~10 us)
+#: the kernel runs on numba's threads (one item per sequence or part of a long list) from this
+#: much work, listed cells x queries x query heads; below it on one thread (waking the threads
+#: costs more than a small batch's arithmetic, and on a loaded machine they wait to be scheduled)
 _PARALLEL_WORK = 1 << 17
 #: with fewer sequences than twice numba's threads, long lists are cut into parts of at least
 #: this many cells (split-K, merged by their log-sum-exp), so one long decode uses every thread
