@@ -212,6 +212,71 @@ def _take_leaf(cpos, cseqs, w, bit, c0, c1, lo, hi, intervals, search, cells, po
     return nnz
 
 
+@njit(cache=True, inline="always")
+def _merge_runs(cells, poss, a, m, e, tc, tp):
+    """Stable merge, by position, of the ascending runs ``[a, m)`` and ``[m, e)`` of
+    ``cells``/``poss`` into ``[a, e)``; ``tc``/``tp`` hold at least ``m - a`` entries."""
+    # the left run's head that already precedes the right run stays where it is
+    while a < m and poss[a] <= poss[m]:
+        a += 1
+    nl = m - a
+    tc[:nl] = cells[a:m]
+    tp[:nl] = poss[a:m]
+    i = 0
+    j = m
+    o = a
+    while i < nl and j < e:     # o < j throughout: the writes never overtake the right run
+        if poss[j] < tp[i]:     # strict: on a tie the left run goes first (stable)
+            cells[o] = cells[j]
+            poss[o] = poss[j]
+            j += 1
+        else:
+            cells[o] = tc[i]
+            poss[o] = tp[i]
+            i += 1
+        o += 1
+    cells[o:o + nl - i] = tc[i:nl]      # what the right run leaves behind is already in place
+    poss[o:o + nl - i] = tp[i:nl]
+
+
+@njit(cache=True)
+def _sort_runs(cells, poss, start, stop):
+    """Sort ``cells``/``poss[start:stop]`` by position, stably (the order ``argsort(kind=
+    "mergesort")`` gives), merging the ascending runs they come in pairwise: O(n log runs).
+
+    The cells come in cell order and their positions usually ascend with them (contiguous
+    placement): one run, one pass to see it. A batch placed into a hole in front of the
+    sequence's older cells (a decode after ``seq_rm`` freed cells lower in the pool) makes a
+    second run; a full sort of such a 32k-cell list cost 1.1 ms against 0.03 ms to merge it."""
+    nr = 1
+    for j in range(start + 1, stop):
+        if poss[j] < poss[j - 1]:
+            nr += 1
+    if nr == 1:
+        return
+    bounds = np.empty(nr + 1, np.int64)
+    bounds[0] = start
+    k = 1
+    for j in range(start + 1, stop):
+        if poss[j] < poss[j - 1]:
+            bounds[k] = j
+            k += 1
+    bounds[nr] = stop
+    tc = np.empty(stop - start, cells.dtype)
+    tp = np.empty(stop - start, poss.dtype)
+    while nr > 1:               # one pass merges runs (0, 1), (2, 3), ...; an odd last one waits
+        k = 0
+        for r in range(0, nr - 1, 2):
+            _merge_runs(cells, poss, bounds[r], bounds[r + 1], bounds[r + 2], tc, tp)
+            bounds[k] = bounds[r]
+            k += 1
+        if nr % 2 == 1:
+            bounds[k] = bounds[nr - 1]
+            k += 1
+        bounds[k] = stop
+        nr = k
+
+
 @njit(cache=True)
 def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
     """Page table of a batch over the cell table (see the module docstring for the cost).
@@ -279,26 +344,11 @@ def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
                 nnz = _take_leaf(cpos, cseqs, w, bit, c0, c1, lo_all, hi_all, iv, True, cells,
                                  poss, nnz)
         kv_indptr[b + 1] = nnz
-        # cells come in cell order; positions usually ascend with them (contiguous placement)
-        ordered = True
-        for j in range(start + 1, nnz):
-            if poss[j] < poss[j - 1]:
-                ordered = False
-                break
-        if not ordered:
-            perm = np.argsort(poss[start:nnz], kind="mergesort")
-            sc = cells[start:nnz][perm]
-            sp = poss[start:nnz][perm]
-            cells[start:nnz] = sc
-            poss[start:nnz] = sp
         if nnz > start:
-            lo_c = cells[start]
-            hi_c = cells[start]
-            for j in range(start, nnz):
-                lo_c = min(lo_c, cells[j])
-                hi_c = max(hi_c, cells[j])
-            cell_lo[b] = lo_c
-            cell_hi[b] = hi_c + 1
+            # the leaves come left to right and each is scanned upward: cells ascend here
+            cell_lo[b] = cells[start]
+            cell_hi[b] = cells[nnz - 1] + 1
+        _sort_runs(cells, poss, start, nnz)
         # FlashInfer's causal convention: query i of b sees kv j <= kv_len - qo_len + i. It holds
         # when b's tokens are causal, in ascending position, and are its last qo_len pages
         # (then every earlier page has a lower position, so "kv j <= own index" is "q <= p").
