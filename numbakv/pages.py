@@ -197,15 +197,43 @@ def _grow(buf, need):
     return out
 
 
+# A leaf's scan comes in three kinds, chosen per leaf by the caller: ``mode`` 0: every cell of
+# the sequence in the leaf is visible (the tree says its positions lie inside the one interval);
+# 1: test each position against [lo, hi]; 2: also search the intervals. The mode is a compile-time
+# literal at each call site, so each kind is its own loop.
+_ALL_IN, _RANGE, _SEARCH = 0, 1, 2
+
+
 @njit(cache=True, inline="always")
-def _take_leaf(cpos, cseqs, w, bit, c0, c1, lo, hi, intervals, search, cells, poss, nnz):
-    """Append the cells ``c0 .. c1 - 1`` that hold the sequence (word ``w``, ``bit``) at a
-    position in ``[lo, hi]`` (and, when ``search``, inside one of ``intervals``) to
-    ``cells``/``poss`` from ``nnz`` (they have room); returns the new ``nnz``."""
-    for c in range(c0, c1):
-        if (cseqs[c, w] & bit) != 0:
+def _count_leaf(cpos, cseqs, w, sh, c0, c1, lo, hi, intervals, mode):
+    """How many of the cells ``c0 .. c1 - 1`` :func:`_take_leaf` lists (same arguments)."""
+    n = np.uint64(0)
+    if mode == _ALL_IN:     # the sequence's bits only: 8x faster than with the positions
+        for c in range(c0, c1):
+            n += (cseqs[c, w] >> sh) & _ONE
+    elif mode == _RANGE:    # branch-free: cells of several sequences interleave in a leaf
+        for c in range(c0, c1):
             q = cpos[c]
-            if q >= lo and q <= hi and (not search or _inside(intervals, q)):
+            n += ((cseqs[c, w] >> sh) & _ONE) & np.uint64((q >= lo) & (q <= hi))
+    else:
+        for c in range(c0, c1):
+            if ((cseqs[c, w] >> sh) & _ONE) != 0:
+                q = cpos[c]
+                if q >= lo and q <= hi and _inside(intervals, q):
+                    n += _ONE
+    return np.int64(n)
+
+
+@njit(cache=True, inline="always")
+def _take_leaf(cpos, cseqs, w, sh, c0, c1, lo, hi, intervals, mode, cells, poss, nnz):
+    """Write the cells ``c0 .. c1 - 1`` that hold the sequence (word ``w``, bit ``sh``) at a
+    visible position (``mode``: see above) to ``cells``/``poss`` from ``nnz`` (they have room);
+    returns the new ``nnz``."""
+    for c in range(c0, c1):
+        if ((cseqs[c, w] >> sh) & _ONE) != 0:
+            q = cpos[c]
+            if mode == _ALL_IN or (q >= lo and q <= hi and (mode == _RANGE
+                                                          or _inside(intervals, q))):
                 cells[nnz] = c
                 poss[nnz] = q
                 nnz += 1
@@ -213,30 +241,75 @@ def _take_leaf(cpos, cseqs, w, bit, c0, c1, lo, hi, intervals, search, cells, po
 
 
 @njit(cache=True, inline="always")
+def _leaf_mode(stree, k, s, lo, hi, n_iv):
+    """The scan a leaf ``k`` of sequence ``s`` needs (see :func:`_count_leaf`)."""
+    if n_iv > 1:
+        return _SEARCH
+    if stree[0, k, s] >= lo and stree[1, k, s] <= hi:
+        return _ALL_IN
+    return _RANGE
+
+
+@njit(cache=True, inline="always")
+def _skip(arr, a, e, x, ties):
+    """Index of the first entry of ascending ``arr[a:e]`` not below ``x`` (``ties``: not at or
+    below it), or ``e``: an exponential search from ``a``, O(log of the distance)."""
+    lo = a
+    step = 1
+    while True:
+        hi = lo + step - 1
+        if hi >= e:
+            hi = e
+            break
+        v = arr[hi]
+        if not (v < x or (ties and v == x)):
+            break
+        lo = hi + 1
+        step *= 2
+    while lo < hi:      # arr[lo - 1] is below x (or lo == a); arr[hi] is not (or hi == e)
+        m = (lo + hi) >> 1
+        v = arr[m]
+        if v < x or (ties and v == x):
+            lo = m + 1
+        else:
+            hi = m
+    return lo
+
+
+@njit(cache=True)
 def _merge_runs(cells, poss, a, m, e, tc, tp):
     """Stable merge, by position, of the ascending runs ``[a, m)`` and ``[m, e)`` of
-    ``cells``/``poss`` into ``[a, e)``; ``tc``/``tp`` hold at least ``m - a`` entries."""
-    # the left run's head that already precedes the right run stays where it is
-    while a < m and poss[a] <= poss[m]:
-        a += 1
+    ``cells``/``poss`` into ``[a, e)``; ``tc``/``tp`` hold at least ``m - a`` entries. Whole
+    stretches move at a time (a decode cell merged in front of 32k older ones is one block)."""
+    a = _skip(poss, a, m, poss[m], True)    # the left run's head stays where it is
     nl = m - a
     tc[:nl] = cells[a:m]
     tp[:nl] = poss[a:m]
     i = 0
     j = m
     o = a
-    while i < nl and j < e:     # o < j throughout: the writes never overtake the right run
-        if poss[j] < tp[i]:     # strict: on a tie the left run goes first (stable)
-            cells[o] = cells[j]
-            poss[o] = poss[j]
-            j += 1
-        else:
-            cells[o] = tc[i]
-            poss[o] = tp[i]
-            i += 1
+    while i < nl:
+        # the right run's entries below the left run's next one, down as a block; o < j
+        # throughout, so the forward copy never overwrites what it has still to read
+        j1 = _skip(poss, j, e, tp[i], False)
+        for t in range(j, j1):
+            cells[o] = cells[t]
+            poss[o] = poss[t]
+            o += 1
+        j = j1
+        if j == e:
+            break
+        # then the left run's entries up to the right run's next one (on a tie, left first)
+        i1 = _skip(tp, i, nl, poss[j], True)
+        for t in range(i, i1):
+            cells[o] = tc[t]
+            poss[o] = tp[t]
+            o += 1
+        i = i1
+    for t in range(i, nl):          # what the right run leaves behind is already in place
+        cells[o] = tc[t]
+        poss[o] = tp[t]
         o += 1
-    cells[o:o + nl - i] = tc[i:nl]      # what the right run leaves behind is already in place
-    poss[o:o + nl - i] = tp[i:nl]
 
 
 @njit(cache=True)
@@ -247,7 +320,7 @@ def _sort_runs(cells, poss, start, stop):
     The cells come in cell order and their positions usually ascend with them (contiguous
     placement): one run, one pass to see it. A batch placed into a hole in front of the
     sequence's older cells (a decode after ``seq_rm`` freed cells lower in the pool) makes a
-    second run; a full sort of such a 32k-cell list cost 1.1 ms against 0.03 ms to merge it."""
+    second run; a full sort of such a 32k-cell list cost 1.1 ms."""
     nr = 1
     for j in range(start + 1, stop):
         if poss[j] < poss[j - 1]:
@@ -278,48 +351,83 @@ def _sort_runs(cells, poss, start, stop):
 
 
 @njit(cache=True)
-def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
-    """Page table of a batch over the cell table (see the module docstring for the cost).
+def _order_leaves(stree, s, leaves, a, e):
+    """Put the leaves ``a .. e - 1`` of sequence ``s`` in position order when the trees' position
+    ranges of them are disjoint: their cells then come out in position order and none has to
+    move. A decode placed into a hole in front of the sequence's older cells is the usual case;
+    sorting its 32k cells instead cost 1.1 ms, merging them 0.1 ms. Leaves whose ranges overlap
+    stay in cell order (the cells are sorted afterwards)."""
+    ordered = True
+    for t in range(a + 1, e):
+        if stree[1, leaves[t - 1], s] >= stree[0, leaves[t], s]:
+            ordered = False
+            break
+    if ordered:
+        return
+    mins = np.empty(e - a, np.int64)
+    for t in range(a, e):
+        mins[t - a] = stree[0, leaves[t], s]
+    order = np.argsort(mins, kind="mergesort")
+    for t in range(1, e - a):
+        if stree[1, leaves[a + order[t - 1]], s] >= mins[order[t]]:
+            return
+    moved = leaves[a:e][order]
+    leaves[a:e] = moved
 
-    Returns (seq_ids, qo_indptr, token_order, kv_indptr, kv_indices, kv_positions, cell_lo,
-    cell_hi, trailing)."""
+
+@njit(cache=True)
+def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
+    """Page table of a batch over the cell table (see the module docstring for the cost), with
+    ``kv_last_page_len``, ``q_positions`` and each list's cell range in one int32 buffer (one
+    array to box instead of nine: the page table is built every forward pass, and at the demo's
+    sizes boxing nine arrays took about a third of the call, 7.0 vs 5.1 us). Returns ``(buf,
+    n_b, nnz, trailing)``; :func:`_unpack` cuts it.
+
+    Two passes over the sequences: the first finds each one's visible position intervals, the
+    leaves of its tree that may hold them and how many cells it lists; the second writes the
+    lists straight into the buffer. Counting first costs a fraction of what growing the lists
+    and copying them out cost (fresh memory: page faults, at 262k listed cells most of the
+    call)."""
     n_cells = cpos.shape[0]
     max_seqs = stree.shape[2]
     nl = stree.shape[1] >> 1
+    batch = bpos.shape[0]
     seq_ids, qo_indptr, token_order = _group_tokens(bseqs, max_seqs)
     nb = seq_ids.shape[0]
-    kv_indptr = np.zeros(nb + 1, np.int32)
-    cells = np.empty(max(16, 2 * bpos.shape[0]), np.int32)
-    poss = np.empty(cells.shape[0], np.int32)
-    cell_lo = np.full(nb, -1, np.int64)
-    cell_hi = np.full(nb, -1, np.int64)
+    # pass 1: intervals (ivs[ivptr[b]:ivptr[b+1]]), leaves (leaves[lfptr[b]:lfptr[b+1]]), counts
+    ivs = np.empty((batch, 2), np.int64)
+    ivptr = np.zeros(nb + 1, np.int64)
+    leaves = np.empty(64, np.int64)
+    lfptr = np.zeros(nb + 1, np.int64)
+    counts = np.zeros(nb + 1, np.int64)
     stack = np.empty(128, np.int64)
-    one_iv = np.zeros((1, 2), np.int64)     # typed stand-in (a decode's interval is not searched)
-    trailing = True
-    nnz = 0
+    n_iv = 0
+    n_lf = 0
     for b in range(nb):
         s = seq_ids[b]
         w = s >> 6
-        bit = _ONE << np.uint64(s & 63)
-        tokens = token_order[qo_indptr[b]:qo_indptr[b + 1]]
-        if tokens.shape[0] == 1:        # a decode: its one interval, no sort, no allocation
-            p = np.int64(bpos[tokens[0]])
-            lo_all = np.int64(0)
+        sh = np.uint64(s & 63)
+        q0 = qo_indptr[b]
+        if qo_indptr[b + 1] - q0 == 1:      # a decode: its one interval, no sort, no allocation
+            i = token_order[q0]
+            p = np.int64(bpos[i])
+            lo = np.int64(0)
             if window >= 0:
-                lo_all = max(lo_all, p - window)
+                lo = max(lo, p - window)
             if chunk > 0:
-                lo_all = max(lo_all, p - p % chunk)
-            hi_all = p if causal[tokens[0]] != 0 else np.int64(_NO_LIMIT)
-            iv = one_iv
-            single = True
+                lo = max(lo, p - p % chunk)
+            ivs[n_iv, 0] = lo
+            ivs[n_iv, 1] = p if causal[i] != 0 else np.int64(_NO_LIMIT)
+            n_iv += 1
         else:
-            iv = _token_intervals(bpos, causal, window, chunk, tokens)
-            lo_all = iv[0, 0]
-            hi_all = iv[iv.shape[0] - 1, 1]
-            single = iv.shape[0] == 1       # the usual case: one interval, no search per cell
-        start = nnz
+            iv = _token_intervals(bpos, causal, window, chunk, token_order[q0:qo_indptr[b + 1]])
+            ivs[n_iv:n_iv + iv.shape[0]] = iv
+            n_iv += iv.shape[0]
+        ivptr[b + 1] = n_iv
+        iv = ivs[ivptr[b]:n_iv]
+        lo_all = iv[0, 0]
+        hi_all = iv[iv.shape[0] - 1, 1]
         # depth-first over s's tree, left to right, pruning blocks outside [lo_all, hi_all]
-        top = 0
         stack[0] = 1
         top = 1
         while top > 0:
@@ -332,63 +440,114 @@ def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
                 stack[top + 1] = 2 * k
                 top += 2
                 continue
+            leaves = _grow(leaves, n_lf + 1)
+            leaves[n_lf] = k
+            n_lf += 1
+        lfptr[b + 1] = n_lf
+        _order_leaves(stree, s, leaves, lfptr[b], n_lf)
+        n = np.int64(0)
+        for t in range(lfptr[b], n_lf):
+            k = leaves[t]
             c0 = (k - nl) << bshift
             c1 = min(c0 + (1 << bshift), n_cells)
-            if nnz + (c1 - c0) > cells.shape[0]:   # room for the whole leaf, once per leaf
-                cells = _grow(cells, nnz + (c1 - c0))
-                poss = _grow(poss, nnz + (c1 - c0))
-            if single:   # the same inlined scan twice, the interval search folded out of one
-                nnz = _take_leaf(cpos, cseqs, w, bit, c0, c1, lo_all, hi_all, iv, False, cells,
-                                 poss, nnz)
+            mode = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
+            if mode == _ALL_IN:     # one inlined loop per kind (see _count_leaf)
+                n += _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN)
+            elif mode == _RANGE:
+                n += _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE)
             else:
-                nnz = _take_leaf(cpos, cseqs, w, bit, c0, c1, lo_all, hi_all, iv, True, cells,
-                                 poss, nnz)
-        kv_indptr[b + 1] = nnz
-        if nnz > start:
-            # the leaves come left to right and each is scanned upward: cells ascend here
-            cell_lo[b] = cells[start]
-            cell_hi[b] = cells[nnz - 1] + 1
-        _sort_runs(cells, poss, start, nnz)
-        # FlashInfer's causal convention: query i of b sees kv j <= kv_len - qo_len + i. It holds
-        # when b's tokens are causal, in ascending position, and are its last qo_len pages
-        # (then every earlier page has a lower position, so "kv j <= own index" is "q <= p").
-        nq = tokens.shape[0]
-        kv_len = nnz - start
-        if nq > kv_len:
-            trailing = False
-        else:
-            for t in range(nq):
-                i = tokens[t]
-                if causal[i] == 0 or poss[start + kv_len - nq + t] != bpos[i]:
-                    trailing = False
-                    break
-    return (seq_ids, qo_indptr, token_order, kv_indptr, cells[:nnz].copy(), poss[:nnz].copy(),
-            cell_lo, cell_hi, trailing)
-
-
-@njit(cache=True)
-def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
-    """:func:`_build` with its results, ``kv_last_page_len`` and ``q_positions`` in one int32
-    buffer (one array to box instead of nine: the page table is built every forward pass, and
-    at the demo's sizes boxing nine arrays took about a third of the call, 7.0 vs 5.1 us). Returns
-    ``(buf, n_b, nnz, trailing)``; :func:`_unpack` cuts it."""
-    seq_ids, qo_indptr, token_order, kv_indptr, cells, poss, lo, hi, trailing = _build(
-        cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk)
-    nb = seq_ids.shape[0]
-    batch = bpos.shape[0]
-    nnz = cells.shape[0]
-    buf = np.empty(6 * nb + 2 + 3 * batch + 2 * nnz, np.int32)
+                n += _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH)
+        counts[b + 1] = counts[b] + n
+    nnz = counts[nb]
+    buf = np.empty(6 * nb + 2 + 2 * batch + 2 * nnz, np.int32)
     o = 0
-    for part in (seq_ids, qo_indptr, token_order, kv_indptr, cells, poss):
+    for part in (seq_ids, qo_indptr, token_order):
         buf[o:o + part.shape[0]] = part
         o += part.shape[0]
+    buf[o:o + nb + 1] = counts                        # kv_indptr
+    o += nb + 1
+    cells = buf[o:o + nnz]
+    poss = buf[o + nnz:o + 2 * nnz]
+    o += 2 * nnz
     buf[o:o + nb] = 1                                 # kv_last_page_len
     o += nb
     buf[o:o + batch] = bpos                           # q_positions
     o += batch
-    buf[o:o + nb] = lo
-    buf[o + nb:o + 2 * nb] = hi
+    cell_lo = buf[o:o + nb]
+    cell_hi = buf[o + nb:o + 2 * nb]
+    # pass 2: the lists, in place
+    trailing = True
+    for b in range(nb):
+        s = seq_ids[b]
+        w = s >> 6
+        sh = np.uint64(s & 63)
+        iv = ivs[ivptr[b]:ivptr[b + 1]]
+        lo_all = iv[0, 0]
+        hi_all = iv[iv.shape[0] - 1, 1]
+        start = counts[b]
+        stop = counts[b + 1]
+        o = start
+        lo_c = n_cells
+        hi_c = -1
+        for t in range(lfptr[b], lfptr[b + 1]):
+            k = leaves[t]
+            c0 = (k - nl) << bshift
+            c1 = min(c0 + (1 << bshift), n_cells)
+            mode = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
+            if mode == _ALL_IN:
+                o1 = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN, cells,
+                                poss, o)
+            elif mode == _RANGE:
+                o1 = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE, cells,
+                                poss, o)
+            else:
+                o1 = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH, cells,
+                                poss, o)
+            if o1 > o:      # each leaf's cells ascend; the leaves may not (_order_leaves)
+                lo_c = min(lo_c, cells[o])
+                hi_c = max(hi_c, cells[o1 - 1])
+            o = o1
+        cell_lo[b] = lo_c if stop > start else -1
+        cell_hi[b] = hi_c + 1 if stop > start else -1
+        _sort_runs(cells, poss, start, stop)
+        # FlashInfer's causal convention: query i of b sees kv j <= kv_len - qo_len + i. It holds
+        # when b's tokens are causal, in ascending position, and are its last qo_len pages
+        # (then every earlier page has a lower position, so "kv j <= own index" is "q <= p").
+        nq = qo_indptr[b + 1] - qo_indptr[b]
+        kv_len = stop - start
+        if nq > kv_len:
+            trailing = False
+        else:
+            for t in range(nq):
+                i = token_order[qo_indptr[b] + t]
+                if causal[i] == 0 or poss[start + kv_len - nq + t] != bpos[i]:
+                    trailing = False
+                    break
     return buf, nb, nnz, trailing
+
+
+@njit(cache=True)
+def _build(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk):
+    """:func:`_build_packed`'s results as separate arrays: (seq_ids, qo_indptr, token_order,
+    kv_indptr, kv_indices, kv_positions, cell_lo, cell_hi (int64 ``[n_b]``), trailing)."""
+    buf, nb, nnz, trailing = _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal,
+                                           window, chunk)
+    batch = bpos.shape[0]
+    seq_ids = buf[:nb].copy()
+    o = nb
+    qo_indptr = buf[o:o + nb + 1].copy()
+    o += nb + 1
+    token_order = buf[o:o + batch].copy()
+    o += batch
+    kv_indptr = buf[o:o + nb + 1].copy()
+    o += nb + 1
+    cells = buf[o:o + nnz].copy()
+    poss = buf[o + nnz:o + 2 * nnz].copy()
+    o += 2 * nnz + nb + batch                         # past kv_last_page_len, q_positions
+    cell_lo = buf[o:o + nb].astype(np.int64)
+    cell_hi = buf[o + nb:o + 2 * nb].astype(np.int64)
+    return (seq_ids, qo_indptr, token_order, kv_indptr, cells, poss, cell_lo, cell_hi,
+            trailing)
 
 
 def _unpack(buf: np.ndarray, nb: int, batch: int, nnz: int, rule: "MaskRule",

@@ -186,6 +186,82 @@ def test_sort_runs_is_a_stable_sort(seed):
         assert cells.tolist() == want_c.tolist() and poss.tolist() == want_p.tolist()
 
 
+def _reference_pages(pos, seqs, bpos, bseq, causal, window, chunk):
+    """The page table by definition: per batch sequence (first appearance order), the cells of
+    the sequence any of its tokens sees, in cell order, stably sorted by position."""
+    out = []
+    for s in dict.fromkeys(bseq.tolist()):
+        toks = np.flatnonzero(bseq == s)
+        mine = np.flatnonzero((seqs[:, s >> 6] >> np.uint64(s & 63)) & np.uint64(1))
+        seen = np.zeros(len(mine), bool)
+        for i in toks:
+            p = int(bpos[i])
+            lo = max(0, p - window if window >= 0 else 0, p - p % chunk if chunk > 0 else 0)
+            hi = p if causal[i] else 2**31
+            seen |= (pos[mine] >= lo) & (pos[mine] <= hi)
+        cells = mine[seen]
+        cells = cells[np.argsort(pos[cells], kind="stable")]
+        out.append((s, toks, cells))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_builder_matches_the_definition_on_scattered_tables(seed):
+    # tables no cache would make quickly: each sequence's cells in runs whose positions come in
+    # shuffled order (leaves to put in position order), shared cells, now and then a position a
+    # sequence holds twice, small leaves; batches with windows, chunks and set_causal
+    from numbakv.cells import CellTable, cell_dtype
+    rng = np.random.default_rng(seed)
+    for trial in range(40):
+        n_cells, n_seqs = int(rng.integers(20, 300)), int(rng.integers(1, 6))
+        table = CellTable(n_cells, n_seqs, block_size=int(rng.choice([1, 4, 8, 64])))
+        rec = np.zeros(n_cells, cell_dtype(table.words))
+        rec["pos"] = -1
+        free = rng.permutation(n_cells)
+        for s in range(n_seqs):
+            mine = np.sort(free[:int(rng.integers(0, n_cells // n_seqs + 1))])
+            free = free[len(mine):]
+            runs = np.array_split(mine, int(rng.integers(1, 6)))
+            start = 0
+            for r in rng.permutation(len(runs)):
+                rec["pos"][runs[r]] = start + np.arange(len(runs[r]))
+                start += len(runs[r]) + int(rng.integers(0, 3))
+            if len(mine) > 2 and rng.random() < 0.2:
+                rec["pos"][mine[0]] = rec["pos"][mine[-1]]          # a position held twice
+            rec["seqs"][mine, 0] |= np.uint64(1) << np.uint64(s)
+            if s and len(mine) and rng.random() < 0.3:              # shared with sequence 0
+                rec["seqs"][mine[:len(mine) // 2], 0] |= np.uint64(1)
+        table.load_cells(rec)
+        batch = int(rng.integers(1, 6))
+        bseq = rng.integers(0, n_seqs, batch).astype(np.int32)
+        bpos = rng.integers(0, n_cells // max(1, n_seqs) + 5, batch).astype(np.int32)
+        causal = (rng.random(batch) < 0.8).astype(np.uint8)
+        window = int(rng.choice([-1, -1, 0, 3, 20]))
+        chunk = int(rng.choice([0, 0, 4, 16]))
+        host = build_pages(table._pos, table._seqs, table._stree, table.block_size.bit_length() - 1,
+                           bpos, bseq, causal, window=window, chunk=chunk)
+        held = [rec["pos"][(rec["seqs"][:, 0] >> np.uint64(s)) & np.uint64(1) == 1]
+                for s in range(n_seqs)]
+        if all(len(np.unique(h)) == len(h) for h in held):
+            check_pages(host, n_cells)
+        ref = _reference_pages(table._pos, table._seqs, bpos, bseq, causal, window, chunk)
+        assert host.seq_ids.tolist() == [s for s, _, _ in ref]
+        trailing = True
+        for b, (s, toks, cells) in enumerate(ref):
+            assert host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]].tolist() == \
+                toks.tolist()
+            got = host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
+            assert got.tolist() == cells.tolist(), (trial, b)
+            assert (host.kv_positions[host.kv_indptr[b]:host.kv_indptr[b + 1]]
+                    == table._pos[cells]).all()
+            lo, hi = (cells.min(), cells.max() + 1) if len(cells) else (-1, -1)
+            assert (host.cell_lo[b], host.cell_hi[b]) == (lo, hi)
+            tail = table._pos[cells[len(cells) - len(toks):]] if len(toks) <= len(cells) else None
+            trailing &= tail is not None and bool(causal[toks].all()) and \
+                tail.tolist() == bpos[toks].tolist()
+        assert host.trailing == trailing
+
+
 def test_builder_reads_only_the_blocks_of_the_batch_sequences():
     # a table whose sequence trees say "no cell here" must not be read there: poison the cells
     # outside seq 0's blocks with seq 0's bit, and the builder must not list them
