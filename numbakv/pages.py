@@ -225,10 +225,12 @@ def _count_leaf(cpos, cseqs, w, sh, c0, c1, lo, hi, intervals, mode):
 
 
 @njit(cache=True, inline="always")
-def _take_leaf(cpos, cseqs, w, sh, c0, c1, lo, hi, intervals, mode, cells, poss, nnz):
+def _take_leaf(cpos, cseqs, w, sh, c0, c1, lo, hi, intervals, mode, cells, poss, nnz, prev):
     """Write the cells ``c0 .. c1 - 1`` that hold the sequence (word ``w``, bit ``sh``) at a
-    visible position (``mode``: see above) to ``cells``/``poss`` from ``nnz`` (they have room);
-    returns the new ``nnz``."""
+    visible position (``mode``: see above) to ``cells``/``poss`` from ``nnz`` (they have room).
+    Returns the new ``nnz``, the last position written (``prev`` if none) and how many times a
+    position fell below the one before (``prev`` before the first)."""
+    desc = 0
     for c in range(c0, c1):
         if ((cseqs[c, w] >> sh) & _ONE) != 0:
             q = cpos[c]
@@ -237,7 +239,9 @@ def _take_leaf(cpos, cseqs, w, sh, c0, c1, lo, hi, intervals, mode, cells, poss,
                 cells[nnz] = c
                 poss[nnz] = q
                 nnz += 1
-    return nnz
+                desc += q < prev
+                prev = q
+    return nnz, prev, desc
 
 
 @njit(cache=True, inline="always")
@@ -398,6 +402,7 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
     ivs = np.empty((batch, 2), np.int64)
     ivptr = np.zeros(nb + 1, np.int64)
     leaves = np.empty(64, np.int64)
+    lcnt = np.empty(64, np.int64)           # how many cells each leaf lists
     lfptr = np.zeros(nb + 1, np.int64)
     counts = np.zeros(nb + 1, np.int64)
     stack = np.empty(128, np.int64)
@@ -440,11 +445,14 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
                 stack[top + 1] = 2 * k
                 top += 2
                 continue
-            leaves = _grow(leaves, n_lf + 1)
+            if n_lf == leaves.shape[0]:
+                leaves = _grow(leaves, n_lf + 1)
             leaves[n_lf] = k
             n_lf += 1
         lfptr[b + 1] = n_lf
         _order_leaves(stree, s, leaves, lfptr[b], n_lf)
+        if lcnt.shape[0] < n_lf:
+            lcnt = _grow(lcnt, n_lf)
         n = np.int64(0)
         for t in range(lfptr[b], n_lf):
             k = leaves[t]
@@ -452,11 +460,13 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
             c1 = min(c0 + (1 << bshift), n_cells)
             mode = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
             if mode == _ALL_IN:     # one inlined loop per kind (see _count_leaf)
-                n += _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN)
+                m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN)
             elif mode == _RANGE:
-                n += _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE)
+                m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE)
             else:
-                n += _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH)
+                m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH)
+            lcnt[t] = m
+            n += m
         counts[b + 1] = counts[b] + n
     nnz = counts[nb]
     buf = np.empty(6 * nb + 2 + 2 * batch + 2 * nnz, np.int32)
@@ -489,27 +499,42 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
         o = start
         lo_c = n_cells
         hi_c = -1
+        prev = np.int32(-1)     # below every position: the first one starts a run
+        desc = 0                # positions that fell below the one before (0: sorted)
         for t in range(lfptr[b], lfptr[b + 1]):
+            m = lcnt[t]
+            if m == 0:
+                continue
             k = leaves[t]
             c0 = (k - nl) << bshift
             c1 = min(c0 + (1 << bshift), n_cells)
-            mode = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
-            if mode == _ALL_IN:
-                o1 = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN, cells,
-                                poss, o)
-            elif mode == _RANGE:
-                o1 = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE, cells,
-                                poss, o)
+            if m == c1 - c0:        # every cell listed (a prefill's blocks): a plain copy
+                for c in range(c0, c1):
+                    q = cpos[c]
+                    cells[o + c - c0] = c
+                    poss[o + c - c0] = q
+                    desc += q < prev
+                    prev = q
             else:
-                o1 = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH, cells,
-                                poss, o)
-            if o1 > o:      # each leaf's cells ascend; the leaves may not (_order_leaves)
-                lo_c = min(lo_c, cells[o])
-                hi_c = max(hi_c, cells[o1 - 1])
-            o = o1
+                mode = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
+                if mode == _ALL_IN:
+                    _, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv,
+                                            _ALL_IN, cells, poss, o, prev)
+                elif mode == _RANGE:
+                    _, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv,
+                                            _RANGE, cells, poss, o, prev)
+                else:
+                    _, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv,
+                                            _SEARCH, cells, poss, o, prev)
+                desc += d
+            # the leaf's cells ascend; the leaves may not (_order_leaves)
+            lo_c = min(lo_c, cells[o])
+            hi_c = max(hi_c, cells[o + m - 1])
+            o += m
         cell_lo[b] = lo_c if stop > start else -1
         cell_hi[b] = hi_c + 1 if stop > start else -1
-        _sort_runs(cells, poss, start, stop)
+        if desc != 0:
+            _sort_runs(cells, poss, start, stop)
         # FlashInfer's causal convention: query i of b sees kv j <= kv_len - qo_len + i. It holds
         # when b's tokens are causal, in ascending position, and are its last qo_len pages
         # (then every earlier page has a lower position, so "kv j <= own index" is "q <= p").
