@@ -318,16 +318,18 @@ def _ft_first_fit(ftree, occ, n):
 # --------------------------------------------------------------------------------------------
 
 @njit(cache=True)
-def _st_add(stree, s, c, p, bshift):
-    """Cell c (pos p) now holds s: widen the leaf and its ancestors."""
-    k = (stree.shape[1] >> 1) + (c >> bshift)
+def _st_widen(stree, s, blk, mn, mx):
+    """Cells of s in block blk now hold positions mn .. mx: widen the leaf and its ancestors,
+    stopping at the first that already covers them (the same tree as one widening per cell,
+    with one walk up instead of one per cell)."""
+    k = (stree.shape[1] >> 1) + blk
     while k >= 1:
         changed = False
-        if p < stree[0, k, s]:
-            stree[0, k, s] = p
+        if mn < stree[0, k, s]:
+            stree[0, k, s] = mn
             changed = True
-        if p > stree[1, k, s]:
-            stree[1, k, s] = p
+        if mx > stree[1, k, s]:
+            stree[1, k, s] = mx
             changed = True
         if not changed:
             return
@@ -661,6 +663,12 @@ def _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, posi
     if b == 0:
         return 0
     bshift = meta[_M_BSHIFT]
+    # the position tree is widened once per run of cells of one sequence in one leaf block: a
+    # 4096-token prefill walks up the tree 64 times instead of 4096 (4 us instead of 58)
+    run_s = np.int64(-1)
+    run_blk = np.int64(-1)
+    mn = np.int64(0)
+    mx = np.int64(0)
     for i in range(b):
         c = np.int64(slots[i])
         p = np.int64(positions[i])
@@ -670,8 +678,19 @@ def _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, posi
             cseqs[c, w] = 0
         cseqs[c, s >> 6] = _bit(s)
         _occ_set(occ, c)
-        _st_add(stree, s, c, p, bshift)
         _sidx_add(sidx, s, c, p)
+        blk = c >> bshift
+        if s == run_s and blk == run_blk:
+            mn = min(mn, p)
+            mx = max(mx, p)
+        else:
+            if run_s >= 0:
+                _st_widen(stree, run_s, run_blk, mn, mx)
+            run_s = s
+            run_blk = blk
+            mn = p
+            mx = p
+    _st_widen(stree, run_s, run_blk, mn, mx)
     meta[_M_USED] += b
     first = np.int64(slots[0])
     last = np.int64(slots[b - 1])
@@ -849,6 +868,10 @@ def _undo_prune(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, undo):
         if _has(cseqs, c, s):
             return _E_SLOT_USED
     bshift = meta[_M_BSHIFT]
+    run_s = np.int64(-1)        # one tree walk per run of one sequence in one block (see
+    run_blk = np.int64(-1)      # _apply_batch)
+    mn = np.int64(0)
+    mx = np.int64(0)
     for r in range(undo.shape[0] - 1, -1, -1):
         c = undo[r, 0]
         s = undo[r, 1]
@@ -860,8 +883,21 @@ def _undo_prune(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, undo):
             meta[_M_USED] += 1
             _ft_point(ftree, occ, c >> 6)
         cseqs[c, s >> 6] |= _bit(s)
-        _st_add(stree, s, c, cpos[c], bshift)
         _sidx_add(sidx, s, c, cpos[c])
+        q = np.int64(cpos[c])
+        blk = c >> bshift
+        if s == run_s and blk == run_blk:
+            mn = min(mn, q)
+            mx = max(mx, q)
+        else:
+            if run_s >= 0:
+                _st_widen(stree, run_s, run_blk, mn, mx)
+            run_s = s
+            run_blk = blk
+            mn = q
+            mx = q
+    if run_s >= 0:
+        _st_widen(stree, run_s, run_blk, mn, mx)
     return 0
 
 
@@ -1212,7 +1248,7 @@ def _join_seq(cpos, cseqs, stree, sidx, meta, src, dst, p0, p1, blocks):
     The indexes of dst are widened once per block, not once per cell: the cells of a block
     that join are scanned for their (min, max) position and (first, last) cell, then the leaf
     is merged with that and its path refreshed (stopping at the first unchanged ancestor).
-    Per cell, an ``_st_add`` walked the whole path whenever the position was a new maximum --
+    Per cell, a tree update walked the whole path whenever the position was a new maximum --
     every cell of an ascending prefix, so a 4k-token copy_prefix cost O(4k log n)."""
     bshift = meta[_M_BSHIFT]
     n = cpos.shape[0]
