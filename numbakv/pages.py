@@ -403,6 +403,7 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
     ivptr = np.zeros(nb + 1, np.int64)
     leaves = np.empty(64, np.int64)
     lcnt = np.empty(64, np.int64)           # how many cells each leaf lists
+    lmode = np.empty(64, np.int64)          # and its scan (kept: the tree is cold by pass 2)
     lfptr = np.zeros(nb + 1, np.int64)
     counts = np.zeros(nb + 1, np.int64)
     stack = np.empty(128, np.int64)
@@ -453,6 +454,7 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
         _order_leaves(stree, s, leaves, lfptr[b], n_lf)
         if lcnt.shape[0] < n_lf:
             lcnt = _grow(lcnt, n_lf)
+            lmode = _grow(lmode, n_lf)
         n = np.int64(0)
         for t in range(lfptr[b], n_lf):
             k = leaves[t]
@@ -466,6 +468,7 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
             else:
                 m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH)
             lcnt[t] = m
+            lmode[t] = mode
             n += m
         counts[b + 1] = counts[b] + n
     nnz = counts[nb]
@@ -516,7 +519,7 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
                     desc += q < prev
                     prev = q
             else:
-                mode = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
+                mode = lmode[t]
                 if mode == _ALL_IN:
                     _, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv,
                                             _ALL_IN, cells, poss, o, prev)
