@@ -355,10 +355,10 @@ def _sort_runs(cells, poss, start, stop):
 
 
 @njit(cache=True)
-def _order_leaves(stree, s, leaves, a, e):
-    """Put the leaves ``a .. e - 1`` of sequence ``s`` in position order when the trees' position
-    ranges of them are disjoint: their cells then come out in position order and none has to
-    move. A decode placed into a hole in front of the sequence's older cells is the usual case;
+def _order_leaves(stree, s, leaves, modes, a, e):
+    """Put the leaves ``a .. e - 1`` of sequence ``s`` (and their ``modes``) in position order
+    when the trees' position ranges of them are disjoint: their cells then come out in position
+    order and none has to move. A decode placed into a hole in front of the sequence's older cells is the usual case;
     sorting its 32k cells instead cost 1.1 ms, merging them 0.1 ms. Leaves whose ranges overlap
     stay in cell order (the cells are sorted afterwards)."""
     ordered = True
@@ -377,6 +377,54 @@ def _order_leaves(stree, s, leaves, a, e):
             return
     moved = leaves[a:e][order]
     leaves[a:e] = moved
+    moved = modes[a:e][order]
+    modes[a:e] = moved
+
+
+@njit(cache=True)
+def _fill_seq(cpos, cseqs, w, sh, leaves, lcnt, lmode, a, e, nl, bshift, lo_all, hi_all, iv,
+              counted, cells, poss, o):
+    """Write the listed cells of one sequence's leaves ``a .. e - 1`` (in that order) to
+    ``cells``/``poss`` from ``o``. ``counted``: ``lcnt`` holds each leaf's count (empty leaves
+    are skipped and full ones copied plainly). Returns (end, how many times a position fell
+    below the one before (0: sorted), lowest cell, highest cell)."""
+    n_cells = cpos.shape[0]
+    lo_c = n_cells
+    hi_c = -1
+    prev = np.int32(-1)     # below every position: the first one starts a run
+    desc = 0
+    for t in range(a, e):
+        k = leaves[t]
+        c0 = (k - nl) << bshift
+        c1 = min(c0 + (1 << bshift), n_cells)
+        o0 = o
+        m = lcnt[t] if counted else -1
+        if m == 0:
+            continue
+        if m == c1 - c0:            # every cell listed (a prefill's blocks): a plain copy
+            for c in range(c0, c1):
+                q = cpos[c]
+                cells[o + c - c0] = c
+                poss[o + c - c0] = q
+                desc += q < prev
+                prev = q
+            o += m
+        else:
+            mode = lmode[t]
+            if mode == _ALL_IN:
+                o, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN,
+                                        cells, poss, o, prev)
+            elif mode == _RANGE:
+                o, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE,
+                                        cells, poss, o, prev)
+            else:
+                o, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH,
+                                        cells, poss, o, prev)
+            desc += d
+        if o > o0:          # the leaf's cells ascend; the leaves may not (_order_leaves)
+            lo_c = min(lo_c, cells[o0])
+            hi_c = max(hi_c, cells[o - 1])
+    return o, desc, lo_c, hi_c
 
 
 @njit(cache=True)
@@ -387,32 +435,36 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
     sizes boxing nine arrays took about a third of the call, 7.0 vs 5.1 us). Returns ``(buf,
     n_b, nnz, trailing)``; :func:`_unpack` cuts it.
 
-    Two passes over the sequences: the first finds each one's visible position intervals, the
-    leaves of its tree that may hold them and how many cells it lists; the second writes the
-    lists straight into the buffer. Counting first costs a fraction of what growing the lists
-    and copying them out cost (fresh memory: page faults, at 262k listed cells most of the
-    call)."""
+    First, per sequence: its visible position intervals, the leaves of its tree that may hold
+    them, put in position order where they can be (:func:`_order_leaves`). Then the lists, one
+    of two ways:
+
+    * the leaves hold few cells of other sequences (the blocks the sequences read add up to at
+      most twice the table): count each sequence's cells, then write the lists straight into
+      the buffer. Counting (the sequence bits only) costs a fraction of growing the lists and
+      copying them out (fresh memory: page faults, most of the call at 262k listed cells).
+    * the sequences interleave in the pool (decode in lock step: each block holds a few cells
+      of each): write each list once into a scratch buffer, then copy; the lists are short
+      against the blocks read, and counting first would read every block twice (14 vs 10 ms
+      for 64 sequences in lock step over 131k cells)."""
     n_cells = cpos.shape[0]
     max_seqs = stree.shape[2]
     nl = stree.shape[1] >> 1
     batch = bpos.shape[0]
     seq_ids, qo_indptr, token_order = _group_tokens(bseqs, max_seqs)
     nb = seq_ids.shape[0]
-    # pass 1: intervals (ivs[ivptr[b]:ivptr[b+1]]), leaves (leaves[lfptr[b]:lfptr[b+1]]), counts
+    # intervals (ivs[ivptr[b]:ivptr[b+1]]), leaves (leaves[lfptr[b]:lfptr[b+1]]) and their scans
     ivs = np.empty((batch, 2), np.int64)
     ivptr = np.zeros(nb + 1, np.int64)
     leaves = np.empty(64, np.int64)
-    lcnt = np.empty(64, np.int64)           # how many cells each leaf lists
-    lmode = np.empty(64, np.int64)          # and its scan (kept: the tree is cold by pass 2)
+    lmode = np.empty(64, np.int64)          # each leaf's scan (kept: the tree is cold later)
     lfptr = np.zeros(nb + 1, np.int64)
-    counts = np.zeros(nb + 1, np.int64)
+    bound = np.zeros(nb, np.int64)          # cells in each sequence's leaves
     stack = np.empty(128, np.int64)
     n_iv = 0
     n_lf = 0
     for b in range(nb):
         s = seq_ids[b]
-        w = s >> 6
-        sh = np.uint64(s & 63)
         q0 = qo_indptr[b]
         if qo_indptr[b + 1] - q0 == 1:      # a decode: its one interval, no sort, no allocation
             i = token_order[q0]
@@ -448,30 +500,61 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
                 continue
             if n_lf == leaves.shape[0]:
                 leaves = _grow(leaves, n_lf + 1)
+                lmode = _grow(lmode, n_lf + 1)
             leaves[n_lf] = k
+            lmode[n_lf] = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
+            bound[b] += min((k - nl + 1) << bshift, n_cells) - ((k - nl) << bshift)
             n_lf += 1
         lfptr[b + 1] = n_lf
-        _order_leaves(stree, s, leaves, lfptr[b], n_lf)
-        if lcnt.shape[0] < n_lf:
-            lcnt = _grow(lcnt, n_lf)
-            lmode = _grow(lmode, n_lf)
-        n = np.int64(0)
-        for t in range(lfptr[b], n_lf):
-            k = leaves[t]
-            c0 = (k - nl) << bshift
-            c1 = min(c0 + (1 << bshift), n_cells)
-            mode = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
-            if mode == _ALL_IN:     # one inlined loop per kind (see _count_leaf)
-                m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN)
-            elif mode == _RANGE:
-                m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE)
-            else:
-                m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH)
-            lcnt[t] = m
-            lmode[t] = mode
-            n += m
-        counts[b + 1] = counts[b] + n
-    nnz = counts[nb]
+        _order_leaves(stree, s, leaves, lmode, lfptr[b], n_lf)
+    counts = np.zeros(nb + 1, np.int64)     # kv_indptr
+    desc = np.zeros(nb, np.int64)
+    cell_lo = np.full(nb, -1, np.int64)
+    cell_hi = np.full(nb, -1, np.int64)
+    counted = bound.sum() <= 2 * n_cells
+    if counted:
+        lcnt = np.empty(n_lf, np.int64)     # how many cells each leaf lists
+        for b in range(nb):
+            s = seq_ids[b]
+            w = s >> 6
+            sh = np.uint64(s & 63)
+            iv = ivs[ivptr[b]:ivptr[b + 1]]
+            lo_all = iv[0, 0]
+            hi_all = iv[iv.shape[0] - 1, 1]
+            n = np.int64(0)
+            for t in range(lfptr[b], lfptr[b + 1]):
+                c0 = (leaves[t] - nl) << bshift
+                c1 = min(c0 + (1 << bshift), n_cells)
+                mode = lmode[t]
+                if mode == _ALL_IN:     # one inlined loop per kind (see _count_leaf)
+                    m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _ALL_IN)
+                elif mode == _RANGE:
+                    m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _RANGE)
+                else:
+                    m = _count_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv, _SEARCH)
+                lcnt[t] = m
+                n += m
+            counts[b + 1] = counts[b] + n
+        nnz = counts[nb]
+        sc_cells = np.empty(0, np.int32)
+        sc_poss = np.empty(0, np.int32)
+    else:
+        lcnt = np.empty(0, np.int64)
+        sc_cells = np.empty(max(16, 2 * batch), np.int32)
+        sc_poss = np.empty(sc_cells.shape[0], np.int32)
+        for b in range(nb):
+            s = seq_ids[b]
+            iv = ivs[ivptr[b]:ivptr[b + 1]]
+            o = counts[b]
+            if o + bound[b] > sc_cells.shape[0]:
+                sc_cells = _grow(sc_cells, o + bound[b])
+                sc_poss = _grow(sc_poss, o + bound[b])
+            end, desc[b], cell_lo[b], cell_hi[b] = _fill_seq(
+                cpos, cseqs, s >> 6, np.uint64(s & 63), leaves, lcnt, lmode, lfptr[b],
+                lfptr[b + 1], nl, bshift, iv[0, 0], iv[iv.shape[0] - 1, 1], iv, False,
+                sc_cells, sc_poss, o)
+            counts[b + 1] = end
+        nnz = counts[nb]
     buf = np.empty(6 * nb + 2 + 2 * batch + 2 * nnz, np.int32)
     o = 0
     for part in (seq_ids, qo_indptr, token_order):
@@ -486,57 +569,28 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
     o += nb
     buf[o:o + batch] = bpos                           # q_positions
     o += batch
-    cell_lo = buf[o:o + nb]
-    cell_hi = buf[o + nb:o + 2 * nb]
-    # pass 2: the lists, in place
+    if counted:     # the lists, straight into the buffer
+        for b in range(nb):
+            s = seq_ids[b]
+            iv = ivs[ivptr[b]:ivptr[b + 1]]
+            _, desc[b], cell_lo[b], cell_hi[b] = _fill_seq(
+                cpos, cseqs, s >> 6, np.uint64(s & 63), leaves, lcnt, lmode, lfptr[b],
+                lfptr[b + 1], nl, bshift, iv[0, 0], iv[iv.shape[0] - 1, 1], iv, True, cells,
+                poss, counts[b])
+    else:
+        cells[:] = sc_cells[:nnz]
+        poss[:] = sc_poss[:nnz]
     trailing = True
     for b in range(nb):
-        s = seq_ids[b]
-        w = s >> 6
-        sh = np.uint64(s & 63)
-        iv = ivs[ivptr[b]:ivptr[b + 1]]
-        lo_all = iv[0, 0]
-        hi_all = iv[iv.shape[0] - 1, 1]
         start = counts[b]
         stop = counts[b + 1]
-        o = start
-        lo_c = n_cells
-        hi_c = -1
-        prev = np.int32(-1)     # below every position: the first one starts a run
-        desc = 0                # positions that fell below the one before (0: sorted)
-        for t in range(lfptr[b], lfptr[b + 1]):
-            m = lcnt[t]
-            if m == 0:
-                continue
-            k = leaves[t]
-            c0 = (k - nl) << bshift
-            c1 = min(c0 + (1 << bshift), n_cells)
-            if m == c1 - c0:        # every cell listed (a prefill's blocks): a plain copy
-                for c in range(c0, c1):
-                    q = cpos[c]
-                    cells[o + c - c0] = c
-                    poss[o + c - c0] = q
-                    desc += q < prev
-                    prev = q
-            else:
-                mode = lmode[t]
-                if mode == _ALL_IN:
-                    _, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv,
-                                            _ALL_IN, cells, poss, o, prev)
-                elif mode == _RANGE:
-                    _, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv,
-                                            _RANGE, cells, poss, o, prev)
-                else:
-                    _, prev, d = _take_leaf(cpos, cseqs, w, sh, c0, c1, lo_all, hi_all, iv,
-                                            _SEARCH, cells, poss, o, prev)
-                desc += d
-            # the leaf's cells ascend; the leaves may not (_order_leaves)
-            lo_c = min(lo_c, cells[o])
-            hi_c = max(hi_c, cells[o + m - 1])
-            o += m
-        cell_lo[b] = lo_c if stop > start else -1
-        cell_hi[b] = hi_c + 1 if stop > start else -1
-        if desc != 0:
+        if stop > start:
+            buf[o + b] = cell_lo[b]
+            buf[o + nb + b] = cell_hi[b] + 1
+        else:
+            buf[o + b] = -1
+            buf[o + nb + b] = -1
+        if desc[b] != 0:
             _sort_runs(cells, poss, start, stop)
         # FlashInfer's causal convention: query i of b sees kv j <= kv_len - qo_len + i. It holds
         # when b's tokens are causal, in ascending position, and are its last qo_len pages
