@@ -549,10 +549,33 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
             if o + bound[b] > sc_cells.shape[0]:
                 sc_cells = _grow(sc_cells, o + bound[b])
                 sc_poss = _grow(sc_poss, o + bound[b])
-            end, desc[b], cell_lo[b], cell_hi[b] = _fill_seq(
-                cpos, cseqs, s >> 6, np.uint64(s & 63), leaves, lcnt, lmode, lfptr[b],
-                lfptr[b + 1], nl, bshift, iv[0, 0], iv[iv.shape[0] - 1, 1], iv, False,
-                sc_cells, sc_poss, o)
+            a, e = lfptr[b], lfptr[b + 1]
+            if e == a:
+                counts[b + 1] = o
+                continue
+            k0 = leaves[a:e].min() - nl
+            k1 = leaves[a:e].max() - nl + 1
+            c0 = k0 << bshift
+            c1 = min(k1 << bshift, n_cells)
+            if 2 * bound[b] >= c1 - c0:
+                # the leaves cover most of the cells between the first and the last: one scan of
+                # them all, in cell order, lists the same cells without the per-leaf work (64
+                # sequences in lock step over 262k cells: 5.5 ms instead of 26)
+                if iv.shape[0] == 1:
+                    end, _, desc[b] = _take_leaf(cpos, cseqs, s >> 6, np.uint64(s & 63), c0, c1,
+                                                 iv[0, 0], iv[0, 1], iv, _RANGE, sc_cells,
+                                                 sc_poss, o, np.int32(-1))
+                else:
+                    end, _, desc[b] = _take_leaf(cpos, cseqs, s >> 6, np.uint64(s & 63), c0, c1,
+                                                 iv[0, 0], iv[iv.shape[0] - 1, 1], iv, _SEARCH,
+                                                 sc_cells, sc_poss, o, np.int32(-1))
+                if end > o:
+                    cell_lo[b] = sc_cells[o]
+                    cell_hi[b] = sc_cells[end - 1]
+            else:
+                end, desc[b], cell_lo[b], cell_hi[b] = _fill_seq(
+                    cpos, cseqs, s >> 6, np.uint64(s & 63), leaves, lcnt, lmode, a, e, nl,
+                    bshift, iv[0, 0], iv[iv.shape[0] - 1, 1], iv, False, sc_cells, sc_poss, o)
             counts[b + 1] = end
         nnz = counts[nb]
     buf = np.empty(6 * nb + 2 + 2 * batch + 2 * nnz, np.int32)
