@@ -493,18 +493,35 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
             k = stack[top]
             if stree[1, k, s] < lo_all or stree[0, k, s] > hi_all or stree[1, k, s] < 0:
                 continue
-            if k < nl:
+            if k < nl and (iv.shape[0] > 1 or stree[0, k, s] < lo_all
+                           or stree[1, k, s] > hi_all):
                 stack[top] = 2 * k + 1
                 stack[top + 1] = 2 * k
                 top += 2
                 continue
-            if n_lf == leaves.shape[0]:
-                leaves = _grow(leaves, n_lf + 1)
-                lmode = _grow(lmode, n_lf + 1)
-            leaves[n_lf] = k
-            lmode[n_lf] = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
-            bound[b] += min((k - nl + 1) << bshift, n_cells) - ((k - nl) << bshift)
-            n_lf += 1
+            # a leaf, or a subtree wholly inside the one interval: its leaves need no more of
+            # the tree than "empty or not" (the tree walk's cache misses are most of the cost
+            # when the sequences interleave: each node of a sequence is its own cache line)
+            l0 = k
+            l1 = k + 1
+            while l0 < nl:
+                l0 <<= 1
+                l1 <<= 1
+            if n_lf + (l1 - l0) > leaves.shape[0]:
+                leaves = _grow(leaves, n_lf + (l1 - l0))
+                lmode = _grow(lmode, n_lf + (l1 - l0))
+            if l1 - l0 == 1:
+                leaves[n_lf] = k
+                lmode[n_lf] = _leaf_mode(stree, k, s, lo_all, hi_all, iv.shape[0])
+                bound[b] += min((k - nl + 1) << bshift, n_cells) - ((k - nl) << bshift)
+                n_lf += 1
+                continue
+            for leaf in range(l0, l1):
+                if stree[1, leaf, s] >= 0:
+                    leaves[n_lf] = leaf
+                    lmode[n_lf] = _ALL_IN
+                    bound[b] += min((leaf - nl + 1) << bshift, n_cells) - ((leaf - nl) << bshift)
+                    n_lf += 1
         lfptr[b + 1] = n_lf
         _order_leaves(stree, s, leaves, lmode, lfptr[b], n_lf)
     counts = np.zeros(nb + 1, np.int64)     # kv_indptr
