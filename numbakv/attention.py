@@ -7,10 +7,15 @@ that ``get()``'s mask defines (causal, sliding window, chunks, ``set_causal``).
 
 Backends:
 
-* ``"torch"``: per sequence, scaled-dot-product attention over its cells. When a sequence's
-  cells lie densely in one run of the cell pool (the usual case: contiguous placement), it reads
-  a zero-copy view of that run, masking the few cells of other sequences; otherwise it gathers
-  its cells. CPU and CUDA.
+* ``"torch"``: per sequence, scaled-dot-product attention over its cells. On the CPU, decodes,
+  short lists and (with 16-bit storage) chunks of up to 32 queries go through numbakv's own
+  numba kernel instead (:func:`_attend_pool`): it reads each listed cell's K/V row, every KV
+  head at once, straight from the pool, converts float16/bfloat16 per tile and accumulates in
+  float32 (online softmax), one work item per sequence or part of a long list (split-K) on
+  numba's threads. For the other sequences: when its cells lie densely in one run of the cell
+  pool (the usual case: contiguous placement), a zero-copy view of that run, masking the few
+  cells of other sequences; otherwise its cells gathered, or (CPU) pool runs and a gathered
+  rest merged by log-sum-exp. CPU and CUDA.
 * ``"flashinfer"``: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (every sequence has one
   query) or ``BatchPrefillWithPagedKVCacheWrapper`` on the page table, with ``causal`` and
   ``window_left`` where they express the mask and a custom mask where they cannot (chunks,
@@ -24,9 +29,16 @@ Backends:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import numpy as np
+from llvmlite import ir
+import numba
+from numba import prange, types
+from numba.extending import intrinsic, overload
+
+from ._dlpack import BFloat16View
 from ._jit import njit
 
 from .pages import HostPages, columns_mask, plan_parts, token_mask
@@ -43,12 +55,30 @@ _MIN_RUN = 256
 _MAX_GAP = 32
 #: parts of at most this many cells are computed with matmuls instead of the flash kernel
 _SMALL_PART = 256
-#: On the CPU, every sequence that sees at most this many cells and has at most _PACK_TOKENS
-#: queries is computed in one single-threaded numba call for the whole batch (gathered once):
-#: a torch call per such sequence costs more than its arithmetic, and on a loaded CPU each
-#: parallel torch op also waits for its worker threads to be scheduled.
-_PACK_CELLS = 512
-_PACK_TOKENS = 64
+#: On the CPU, numbakv's own kernel (:func:`_attend_pool`) computes every sequence with at most
+#: this many queries in the pass (decode), reading its cells straight from the pool: PyTorch's
+#: CPU kernel reads the token-major float16 pool ~2x slower than the floor's head-major copy,
+#: and a torch call per short sequence costs more than its arithmetic. -1 turns the kernel off.
+_KERNEL_TOKENS = 4
+#: ... at most this many with float16/bfloat16 storage (converted per tile, read once), where
+#: PyTorch's kernel is slowest; longer float32 prefills go to PyTorch's flash kernel, whose
+#: matrix products win once a K/V row serves many queries (measured: 8 queries over 4k cells)
+_KERNEL_TOKENS_16BIT = 32
+#: ... and every sequence that sees at most _SHORT_CELLS cells with at most _SHORT_TOKENS
+#: queries (the demo's and hf.attach's many small parts)
+_SHORT_CELLS = 512
+_SHORT_TOKENS = 64
+#: the kernel runs on numba's threads (one item per sequence or part of a long list) from this
+#: much work, listed cells x queries x query heads; below it on one thread (waking the threads
+#: costs more than a small batch's arithmetic, and on a loaded machine they wait to be scheduled)
+_PARALLEL_WORK = 1 << 17
+#: with fewer sequences than twice numba's threads, long lists are cut into parts of at least
+#: this many cells (split-K, merged by their log-sum-exp), so one long decode uses every thread
+_MIN_PART = 512
+#: the process that imported this module: a child forked from it runs the kernel on one thread,
+#: because numba's threading layer here (GNU OpenMP) aborts a forked child that starts a
+#: parallel region after its parent ran one
+_PID = os.getpid()
 #: exp(x) for x below this is a float32 denormal (or 0): such weights are flushed to exactly 0,
 #: because arithmetic on denormals runs ~100x slower on x86 and changes nothing visible
 _EXP_FLUSH = -87.0
@@ -139,15 +169,17 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
                          "backend='dense' or 'auto'")
     if backend == "dense":
         return _dense(torch, q, cache, scale, soft_cap, permuted)
-    key_pool, value_pool = (torch.from_dlpack(x) for x in cache.layer_pool())
+    pools = cache.layer_pool()
     if backend == "flashinfer":
         if not on_cuda or not flashinfer_available():
             raise ValueError("backend='flashinfer' needs flashinfer installed and a cache on CUDA")
         if permuted:
             raise ValueError("backend='flashinfer' needs V in [n_cells, heads, dim] layout "
                              "(the cache has permuted_v=True): use backend='torch'")
+        key_pool, value_pool = (torch.from_dlpack(x) for x in pools)
         return _flashinfer(torch, q, host, key_pool, value_pool, scale, soft_cap)
-    return _torch_paged(torch, q, host, key_pool, value_pool, scale, soft_cap, permuted)
+    return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
+                        cfg.dtype == "bfloat16")
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,133 +307,383 @@ def _add_small_part(qf, k, v, mask, scale, out, lse):
             lse[h, r] = new
 
 
-@njit(cache=True)
-def _pack_index(kv_indptr, seqs):
-    """List indices (into ``kv_indices``) of the cells of batch sequences ``seqs``, concatenated,
-    and ``ptr int64 [len(seqs) + 1]``: sequence ``seqs[i]``'s cells are rows ``ptr[i]:ptr[i+1]``."""
-    ptr = np.zeros(seqs.shape[0] + 1, np.int64)
-    for i in range(seqs.shape[0]):
-        b = seqs[i]
-        ptr[i + 1] = ptr[i] + kv_indptr[b + 1] - kv_indptr[b]
-    idx = np.empty(ptr[-1], np.int64)
-    for i in range(seqs.shape[0]):
-        b = seqs[i]
-        for j in range(kv_indptr[b + 1] - kv_indptr[b]):
-            idx[ptr[i] + j] = kv_indptr[b] + j
-    return idx, ptr
+# --------------------------------------------------------------------------------------------
+# the CPU kernel: few queries per sequence, read straight from the cell pool
+# --------------------------------------------------------------------------------------------
+
+def _native_half(context) -> bool:
+    """Whether the code being compiled may convert float16 with the CPU's own instruction: x86
+    with F16C (every x86-64-v3 CPU, the level the shipped code targets) or AArch64. Read from
+    the target machine numba compiles for, so a cached entry (keyed by CPU features) always
+    matches; elsewhere LLVM would call a runtime helper numba does not link."""
+    if _PORTABLE_HALF:
+        return False
+    try:
+        import llvmlite.binding as llvm
+        triple = llvm.get_process_triple()
+        if triple.startswith(("aarch64", "arm64")):
+            return True
+        feats = str(getattr(context.codegen(), "_tm_features", ""))
+        return triple.startswith("x86_64") and "+f16c" in feats.split(",")
+    except Exception:  # noqa: BLE001 - unknown target: the portable conversion
+        return False
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})   # no nnan/ninf: -inf marks masked cells
-def _attend_packed(q, k, v, seqs, ptr, qo_indptr, token_order, kv_pos, q_pos, causal, window,
-                   chunk, scale, soft_cap, out):
-    """Attention of several short sequences at once (single-threaded, exact softmax with max
-    subtraction; weights below exp(_EXP_FLUSH) are flushed to 0 so no denormal arises).
+#: tests set this to compile the portable float16 conversion on a CPU that has F16C
+_PORTABLE_HALF = False
 
-    q float32 ``[T, H, D]`` (batch rows), k float32 ``[m, Hkv, D]`` and v float32 ``[m, Hkv,
-    Dv]`` the gathered cells (sequence ``seqs[i]``'s are rows ``ptr[i]:ptr[i+1]``, positions
-    ``kv_pos``), out float32 ``[T, H, Dv]``: the rows of these sequences' tokens are written
-    (a token that sees no cell gets zeros). soft_cap <= 0: none."""
-    H = q.shape[1]
-    dim = q.shape[2]
-    hkv = k.shape[1]
+
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """float32 value of float16 bit pattern ``bits`` (uint16): ``vcvtph2ps`` where the CPU has
+    it (LLVM vectorises the loops around it), else exact integer arithmetic: sign, exponent and
+    mantissa moved into float32's fields, scaled by 2**112 (which also renormalises float16
+    subnormals), exponent 31 mapped to infinity / NaN."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        if _native_half(context):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), f32)
+        i32 = ir.IntType(32)
+        w = builder.zext(args[0], i32)
+        sign = builder.shl(builder.and_(w, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))
+        mag = builder.shl(builder.and_(w, ir.Constant(i32, 0x7FFF)), ir.Constant(i32, 13))
+        special = builder.icmp_unsigned("==", builder.and_(w, ir.Constant(i32, 0x7C00)),
+                                        ir.Constant(i32, 0x7C00))
+        top = builder.select(special, ir.Constant(i32, 0x7F800000), ir.Constant(i32, 0))
+        f = builder.bitcast(builder.or_(builder.or_(sign, mag), top), f32)
+        return builder.fmul(f, ir.Constant(f32, 2.0 ** 112))
+    return sig, codegen
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    """float32 value of bfloat16 bit pattern ``bits`` (uint16): its upper 16 bits."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        w = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.bitcast(w, ir.FloatType())
+    return sig, codegen
+
+
+def _to_f32(x, bf16):
+    """float32 of one stored element: float32 / float16 as is, uint16 as bfloat16 bits when
+    ``bf16``, else as float16 bits (numba overload below)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+@overload(_to_f32)
+def _to_f32_impl(x, bf16):
+    if isinstance(x, types.Float):
+        def from_float(x, bf16):
+            return np.float32(x)
+        return from_float
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        def from_bits(x, bf16):
+            if bf16:
+                return _bf16_bits_to_f32(x)
+            return _half_bits_to_f32(x)
+        return from_bits
+    return None
+
+
+#: cells per tile of the kernel: the tile's K and V rows of every KV head (8 x 128 float32 each
+#: at 16 cells: 64 KiB apiece) stay in L2 while every query row uses them
+_TILE = 16
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})   # no nnan/ninf: -inf marks masked scores
+def _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
+                 token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
+                 part_m, part_l):
+    """Work item ``it`` of :func:`_attend_pool`: ``items[it] = (b, j0, j1, row0)``, batch sequence
+    ``b``'s list entries ``j0:j1`` (all of its list, or one part of it), every query and every
+    head at once, so each cell's K/V row (all KV heads: one contiguous read) is read and
+    converted to float32 once. ``row0 < 0``: the whole list, normalised rows written to
+    ``out``; else the unnormalised accumulators, maxima and sums go to ``part_*`` rows
+    ``row0 ..`` (merged by :func:`_merge_item_parts`)."""
+    T, H, dim = q.shape
+    hkv = kpool.shape[1]
+    dv = out.shape[2]
     g = H // hkv
-    dv = v.shape[2]
-    s = np.empty(k.shape[0], np.float32)
-    acc = np.empty(dv, np.float32)
-    for i in range(seqs.shape[0]):
-        b = seqs[i]
-        c0, c1 = ptr[i], ptr[i + 1]
-        for qi in range(qo_indptr[b], qo_indptr[b + 1]):
-            t = token_order[qi]
-            p = np.int64(q_pos[t])
-            lo = np.int64(0)
-            if window >= 0:
-                lo = max(lo, p - window)
-            if chunk > 0:
-                lo = max(lo, p - p % chunk)
-            hi = p if causal[t] != 0 else np.int64(2 ** 62)
+    b = items[it, 0]
+    c0 = items[it, 1]
+    c1 = items[it, 2]
+    row0 = items[it, 3]
+    q0 = qo_indptr[b]
+    L = qo_indptr[b + 1] - q0
+    R = L * H
+    # per token, the visible run [jlo, jhi) of the list: positions ascend along it, and a token
+    # sees exactly the positions in [lo, hi] (window / chunk below, causal above)
+    jlo = np.empty(L, np.int64)
+    jhi = np.empty(L, np.int64)
+    u0 = c1
+    u1 = c0
+    for tl in range(L):
+        t = token_order[q0 + tl]
+        p = np.int64(q_pos[t])
+        lo = np.int64(0)
+        if window >= 0:
+            lo = max(lo, p - window)
+        if chunk > 0:
+            lo = max(lo, p - p % chunk)
+        a = c0
+        e = c1
+        while a < e:                          # first j with kv_pos[j] >= lo
+            m = (a + e) >> 1
+            if kv_pos[m] < lo:
+                a = m + 1
+            else:
+                e = m
+        jlo[tl] = a
+        e = c1
+        if causal[t] != 0:
+            a2 = a
+            while a2 < e:                     # first j with kv_pos[j] > p
+                m = (a2 + e) >> 1
+                if kv_pos[m] <= p:
+                    a2 = m + 1
+                else:
+                    e = m
+        jhi[tl] = e
+        if jlo[tl] < jhi[tl]:
+            u0 = min(u0, jlo[tl])
+            u1 = max(u1, jhi[tl])
+    qs = np.empty((R, dim), np.float32)        # row tl * H + h: token tl, head h; scale folded
+    for tl in range(L):
+        t = token_order[q0 + tl]
+        for h in range(H):
+            for d in range(dim):
+                qs[tl * H + h, d] = q[t, h, d] * scale
+    kt = np.empty((hkv, _TILE, dim), np.float32)
+    vt = np.empty((hkv, _TILE, dv), np.float32)
+    s = np.empty(_TILE, np.float32)
+    acc = np.zeros((R, dv), np.float32)
+    mx = np.full(R, -np.inf, np.float32)
+    tot = np.zeros(R, np.float32)
+    for j0 in range(u0, u1, _TILE):
+        j1 = min(u1, j0 + _TILE)
+        for j in range(j0, j1):
+            c = kv_indices[j]
+            for kh in range(hkv):
+                for d in range(dim):
+                    kt[kh, j - j0, d] = _to_f32(kpool[c, kh, d], bf16)
+            for kh in range(hkv):
+                if vperm:
+                    for d in range(dv):
+                        vt[kh, j - j0, d] = _to_f32(vpool[kh, d, c], bf16)
+                else:
+                    for d in range(dv):
+                        vt[kh, j - j0, d] = _to_f32(vpool[c, kh, d], bf16)
+        for tl in range(L):
+            a = max(j0, jlo[tl]) - j0
+            e = min(j1, jhi[tl]) - j0
+            if a >= e:
+                continue
             for h in range(H):
                 kh = h // g
-                mx = -np.inf
-                for j in range(c0, c1):
-                    kp = kv_pos[j]
-                    if kp < lo or kp > hi:
-                        s[j] = -np.inf
-                        continue
-                    a = np.float32(0.0)
+                r = tl * H + h
+                m = mx[r]
+                for jj in range(a, e):
+                    x = np.float32(0.0)
                     for d in range(dim):
-                        a += q[t, h, d] * k[j, kh, d]
-                    a *= scale
+                        x += qs[r, d] * kt[kh, jj, d]
                     if soft_cap > 0:
-                        a = soft_cap * math.tanh(a / soft_cap)
-                    s[j] = a
-                    mx = max(mx, a)
-                for d in range(dv):
-                    acc[d] = 0.0
-                if mx == -np.inf:
+                        x = soft_cap * math.tanh(x / soft_cap)
+                    s[jj] = x
+                    m = max(m, x)
+                # online softmax: rescale what was summed so far to the new maximum; weights
+                # below exp(_EXP_FLUSH) are flushed to 0 (no denormal arithmetic)
+                y = mx[r] - m
+                corr = np.float32(math.exp(y)) if y > _EXP_FLUSH else np.float32(0.0)
+                if corr != 1.0:
                     for d in range(dv):
-                        out[t, h, d] = 0.0
-                    continue
-                tot = np.float32(0.0)
-                for j in range(c0, c1):
-                    x = s[j] - mx
-                    if x > _EXP_FLUSH:
-                        w = np.float32(math.exp(x))
-                        tot += w
+                        acc[r, d] *= corr
+                sm = tot[r] * corr
+                for jj in range(a, e):
+                    y = s[jj] - m
+                    if y > _EXP_FLUSH:
+                        w = np.float32(math.exp(y))
+                        sm += w
                         for d in range(dv):
-                            acc[d] += w * v[j, kh, d]
-                for d in range(dv):
-                    out[t, h, d] = acc[d] / tot
+                            acc[r, d] += w * vt[kh, jj, d]
+                mx[r] = m
+                tot[r] = sm
+    if row0 >= 0:
+        for r in range(R):
+            part_m[row0 + r] = mx[r]
+            part_l[row0 + r] = tot[r]
+            for d in range(dv):
+                part_acc[row0 + r, d] = acc[r, d]
+        return
+    for tl in range(L):
+        t = token_order[q0 + tl]
+        for h in range(H):
+            r = tl * H + h
+            inv = np.float32(1.0) / tot[r] if tot[r] > 0 else np.float32(0.0)
+            for d in range(dv):
+                out[t, h, d] = acc[r, d] * inv
 
 
-def _pack_plan(torch, host: HostPages):
-    """Which sequences of this pass are computed packed, and everything about them that does
-    not change between layers (planned once per forward pass, kept in ``host.plans``)."""
-    key = ("packed", _PACK_CELLS, _PACK_TOKENS)
+@njit(cache=True)
+def _merge_item_parts(i, merges, items, qo_indptr, token_order, out, part_acc, part_m, part_l):
+    """Sequence ``merges[i] = (i0, i1)``: its items ``i0:i1`` each hold the softmax of one part of
+    its list; combine them (split-K) into its normalised rows of ``out``."""
+    i0 = merges[i, 0]
+    i1 = merges[i, 1]
+    b = items[i0, 0]
+    q0 = qo_indptr[b]
+    L = qo_indptr[b + 1] - q0
+    H = out.shape[1]
+    dv = out.shape[2]
+    for tl in range(L):
+        t = token_order[q0 + tl]
+        for h in range(H):
+            r = tl * H + h
+            m = -np.inf
+            for k in range(i0, i1):
+                m = max(m, part_m[items[k, 3] + r])
+            tot = np.float32(0.0)
+            for d in range(dv):
+                out[t, h, d] = 0.0
+            if m == -np.inf:
+                continue
+            for k in range(i0, i1):
+                y = part_m[items[k, 3] + r] - m
+                if y > _EXP_FLUSH:
+                    w = np.float32(math.exp(y))
+                    tot += w * part_l[items[k, 3] + r]
+                    for d in range(dv):
+                        out[t, h, d] += w * part_acc[items[k, 3] + r, d]
+            inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+            for d in range(dv):
+                out[t, h, d] *= inv
+
+
+@njit(cache=True)
+def _attend_pool(items, merges, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
+                 token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
+                 part_m, part_l):
+    """Attention of the batch sequences named by ``items`` (:func:`_attend_item`), read straight
+    from the cell pool, one thread.
+
+    q float32 ``[T, H, D]`` (batch rows); kpool ``[n_cells, Hkv, D]`` and vpool ``[n_cells, Hkv,
+    Dv]`` (``[Hkv, Dv, n_cells]`` when ``vperm``) float32, or uint16 bit patterns of float16
+    (bfloat16 when ``bf16``); the page table's arrays (int32) and mask rule; out float32 ``[T,
+    H, Dv]``: the rows of these sequences' tokens are written (zeros for a token that sees no
+    cell). soft_cap <= 0: none. ``merges``: the sequences split into several items."""
+    for it in range(items.shape[0]):
+        _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
+                     token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
+                     part_m, part_l)
+    for i in range(merges.shape[0]):
+        _merge_item_parts(i, merges, items, qo_indptr, token_order, out, part_acc, part_m,
+                          part_l)
+
+
+@njit(cache=True, parallel=True)
+def _attend_pool_parallel(items, merges, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos,
+                          qo_indptr, token_order, q_pos, causal, window, chunk, scale, soft_cap,
+                          out, part_acc, part_m, part_l):
+    """:func:`_attend_pool` with the items, then the merges, spread over numba's threads."""
+    for it in prange(items.shape[0]):
+        _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
+                     token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
+                     part_m, part_l)
+    for i in prange(merges.shape[0]):
+        _merge_item_parts(i, merges, items, qo_indptr, token_order, out, part_acc, part_m,
+                          part_l)
+
+
+def _kernel_plan(host: HostPages, n_heads: int, half: bool) -> dict:
+    """The CPU kernel's work for this pass (planned once per forward pass, kept in
+    ``host.plans``): the sequences it computes (``_KERNEL_TOKENS`` and the limits after it;
+    ``half``: 16-bit storage), as items (a whole list, or - when there are fewer sequences than
+    twice numba's threads and the work is parallel - parts of at least ``_MIN_PART`` cells,
+    merged afterwards)."""
+    limit = _KERNEL_TOKENS_16BIT if half else _KERNEL_TOKENS
+    key = ("kernel", limit, _SHORT_CELLS, _SHORT_TOKENS, _PARALLEL_WORK, _MIN_PART, n_heads)
     plan = host.plans.get(key)
-    if plan is None:
-        short = (np.diff(host.kv_indptr) <= _PACK_CELLS) & \
-            (np.diff(host.qo_indptr) <= _PACK_TOKENS)
-        seqs = np.flatnonzero(short).astype(np.int64)
-        idx, ptr = _pack_index(host.kv_indptr.astype(np.int64), seqs)
+    if plan is not None:
+        return plan
+    counts = np.diff(host.qo_indptr).astype(np.int64)
+    lens = np.diff(host.kv_indptr).astype(np.int64)
+    mine = (counts <= limit) | ((lens <= _SHORT_CELLS) & (counts <= _SHORT_TOKENS))
+    seqs = np.flatnonzero(mine)
+    rest = np.flatnonzero(~mine).tolist()
+    rows = None
+    if rest and len(seqs):
         rows = np.concatenate([host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
-                               for b in seqs]).astype(np.int64) if len(seqs) else None
-        plan = {"short": short, "seqs": seqs, "ptr": ptr,
-                "cells": torch.from_numpy(host.kv_indices[idx].astype(np.int64)),
-                "kv_pos": host.kv_positions[idx].astype(np.int64),
-                "qo_indptr": host.qo_indptr.astype(np.int64),
-                "token_order": host.token_order.astype(np.int64),
-                "q_pos": host.q_positions.astype(np.int64),
-                "rows": None if rows is None else torch.from_numpy(rows),
-                "rest": np.flatnonzero(~short).tolist()}
-        host.plans[key] = plan
+                               for b in seqs.tolist()]).astype(np.int64)
+    # arithmetic: listed cells x queries x query heads
+    work = int((lens[mine] * counts[mine]).sum()) * n_heads
+    parallel = work >= _PARALLEL_WORK
+    parts = np.ones(len(seqs), np.int64)
+    if parallel:
+        threads = numba.get_num_threads()
+        if 1 < threads and len(seqs) < 2 * threads:
+            share = lens[seqs] * (2 * threads) / max(1, int(lens[seqs].sum()))
+            parts = np.clip(np.minimum(np.ceil(share), lens[seqs] // _MIN_PART), 1,
+                            None).astype(np.int64)
+    n_items = int(parts.sum())
+    items = np.empty((n_items, 4), np.int64)
+    merges = []
+    k = 0
+    row = 0
+    for b, n_p in zip(seqs.tolist(), parts.tolist()):
+        c0, c1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
+        if n_p == 1:
+            items[k] = (b, c0, c1, -1)
+            k += 1
+            continue
+        merges.append((k, k + n_p))
+        edges = np.linspace(c0, c1, n_p + 1).astype(np.int64)
+        for p in range(n_p):
+            items[k] = (b, edges[p], edges[p + 1], row)
+            row += int(counts[b]) * n_heads
+            k += 1
+    plan = {"items": items, "merges": np.array(merges, np.int64).reshape(-1, 2),
+            "part_rows": row, "rest": rest, "rows": rows, "parallel": parallel,
+            "any": n_items > 0}
+    host.plans[key] = plan
     return plan
 
 
-def _packed(torch, q, host: HostPages, plan: dict, key_pool, value_pool, scale, soft_cap,
-            permuted, out):
-    """The plan's sequences through :func:`_attend_packed`: their cells gathered with one
-    ``index_select`` per pool, results scattered into ``out`` (or returned, rows in batch
-    order, when ``out`` is None)."""
-    cells = plan["cells"]
-    k = key_pool.index_select(0, cells).float().numpy()
-    if permuted:
-        v = value_pool.index_select(2, cells).permute(2, 0, 1).float().contiguous().numpy()
-    else:
-        v = value_pool.index_select(0, cells).float().numpy()
+def _host_pool(x):
+    """A layer_pool() view as the numpy array the kernel reads: float32 as is, float16 and
+    bfloat16 as their uint16 bit patterns."""
+    if isinstance(x, BFloat16View):
+        return x.bits
+    return x.view(np.uint16) if x.dtype == np.float16 else x
+
+
+def _cpu_kernel(q, host: HostPages, plan: dict, pools, scale: float, soft_cap, permuted: bool,
+                bf16: bool) -> np.ndarray:
+    """float32 ``[batch, H, Dv]``: the rows of the plan's sequences' tokens from
+    :func:`_attend_pool` (other rows undefined)."""
+    kp, vp = (_host_pool(x) for x in pools)
     qn = q.detach().float().contiguous().numpy()
-    res = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    H = qn.shape[1]
+    dv = vp.shape[1] if permuted else vp.shape[2]
+    res = np.empty((qn.shape[0], H, dv), np.float32)
+    n_part = plan["part_rows"]
+    part_acc = np.empty((n_part, dv), np.float32)
+    part_ml = np.empty((2, n_part), np.float32)
     rule = host.rule
-    _attend_packed(qn, k, v, plan["seqs"], plan["ptr"], plan["qo_indptr"], plan["token_order"],
-                   plan["kv_pos"], plan["q_pos"], rule.causal, int(rule.window),
-                   int(rule.chunk), np.float32(scale),
-                   np.float32(soft_cap if soft_cap is not None else 0.0), res)
-    res_t = torch.from_numpy(res)
-    if out is None:
-        return res_t.to(q.dtype)
-    rows = plan["rows"]
-    out[rows] = res_t[rows].to(out.dtype)
-    return out
+    fn = _attend_pool_parallel if plan["parallel"] and os.getpid() == _PID else _attend_pool
+    fn(plan["items"], plan["merges"], qn, kp, vp, bf16, permuted, host.kv_indices,
+       host.kv_positions, host.qo_indptr, host.token_order, host.q_positions, rule.causal,
+       int(rule.window), int(rule.chunk), np.float32(scale),
+       np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc, part_ml[0],
+       part_ml[1])
+    return res
 
 
 def _merge_parts(torch, outs, lses):
@@ -418,27 +700,31 @@ def _merge_parts(torch, outs, lses):
     return total, lse
 
 
-def _torch_paged(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap, permuted):
+def _torch_paged(torch, q, host: HostPages, pools, scale, soft_cap, permuted, bf16: bool):
     dev = q.device
     n_b = host.seq_ids.shape[0]
+    todo = range(n_b)
+    out = None
+    if dev.type == "cpu" and _KERNEL_TOKENS >= 1:
+        plan = _kernel_plan(host, q.shape[1], not _host_pool(pools[0]).dtype == np.float32)
+        if plan["any"]:
+            res = torch.from_numpy(_cpu_kernel(q, host, plan, pools, scale, soft_cap, permuted,
+                                               bf16))
+            if not plan["rest"]:
+                return res.to(q.dtype)
+            out = torch.empty(res.shape, dtype=q.dtype, device=dev)
+            rows = torch.from_numpy(plan["rows"])
+            out[rows] = res[rows].to(q.dtype)
+            todo = plan["rest"]
+    key_pool, value_pool = (torch.from_dlpack(x) for x in pools)
     H = q.shape[1]
     hkv = key_pool.shape[1]
     g = H // hkv
     dv = value_pool.shape[1] if permuted else value_pool.shape[2]
     split = dev.type == "cpu" and soft_cap is None
-    if n_b == 1 and host.qo_indptr[1] == q.shape[0]:
-        out = None      # one sequence holds the whole batch: results are already in batch order
-    else:
+    if out is None and not (n_b == 1 and host.qo_indptr[1] == q.shape[0]):
         out = torch.empty((q.shape[0], H, dv), dtype=q.dtype, device=dev)
-    todo = range(n_b)
-    if dev.type == "cpu":
-        plan = _pack_plan(torch, host)
-        if len(plan["seqs"]):
-            packed = _packed(torch, q, host, plan, key_pool, value_pool, scale, soft_cap,
-                             permuted, out)
-            if out is None:
-                return packed
-            todo = plan["rest"]
+    # else out stays None: one sequence holds the whole batch, results are in batch order
 
     def run_view(lo, hi):
         return key_pool[lo:hi], value_pool[:, :, lo:hi] if permuted else value_pool[lo:hi]

@@ -21,6 +21,7 @@ from numpy.typing import ArrayLike
 
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .cells import _check_batch as _batch_ids_ok
+from . import pages as _pages
 from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import one_thread_at_a_time
@@ -249,6 +250,10 @@ class CausalCache(StateMethods):
         self._mask_buf = None
         self._ones = np.ones(0, np.uint8)
         self._packed_pos = self.device == "cpu" and sys.byteorder == "little"
+        #: the CPU builds a pass's dense mask at its first get(), not in start_forward (callers
+        #: that attend over page_table() never pay for it); on a GPU it is queued in
+        #: start_forward as before, on the stream the caller chose then
+        self._lazy_mask = self.device == "cpu"
         self._bf16_mask = config.mask_dtype == "bfloat16"
         self._bf16 = config.dtype == "bfloat16"
         #: when a list: every sequence operation appends its undo log here (WrapperCache fan-out)
@@ -268,7 +273,8 @@ class CausalCache(StateMethods):
 
         Evicts what fell out of every sequence's window memory, finds the first contiguous run
         of free cells (defragmenting once if only fragmentation is in the way), records the
-        tokens there, applies pending key rotations and builds the mask. ``reserve=True``
+        tokens there, applies pending key rotations and builds the mask (on the CPU: at the
+        pass's first ``get()``, which is the only reader). ``reserve=True``
         changes no metadata and sizes everything for the worst case. Raises
         ``KVCacheFullError`` when the batch cannot fit; then nothing has changed (pending key
         rotations stay pending, where llama.cpp has applied them by then; docs/fidelity.md).
@@ -376,7 +382,11 @@ class CausalCache(StateMethods):
         shifted = self._apply_pending_shifts()
         if undo is not None:
             undo.shifts = shifted
-        self._build_mask()
+        if not self._lazy_mask:
+            self._build_mask()
+        # else get() builds it on first use: attention over page_table() never reads it, and
+        # the metadata it is built from cannot change before then (every sequence operation
+        # ends the forward pass)
 
     def _undo(self, undo: "_Undo") -> None:
         """Take back a ``start_forward`` (``_place`` and, if it ran, ``_finish_forward``): its own
@@ -431,6 +441,14 @@ class CausalCache(StateMethods):
             self._mask_buf = buf
         return buf[:need].reshape(rows, n)
 
+    def _forward_mask(self):
+        """The forward pass's mask ``[batch_padded, hi - lo]`` (built now if it was left for
+        ``get()``)."""
+        fwd = self._forward
+        if fwd.mask is None:
+            self._build_mask()
+        return fwd.mask
+
     def _build_mask(self) -> None:
         fwd = self._forward
         rows = round_up(len(fwd.positions), self.config.mask_batch_padding)
@@ -481,7 +499,10 @@ class CausalCache(StateMethods):
             return
         fwd.causal = causal
         if not fwd.reserve:
-            self._build_mask()
+            if self._lazy_mask:
+                fwd.mask = fwd.exported = None     # rebuilt by the next get()
+            else:
+                self._build_mask()
 
     def put(self, key: Any, value: Any) -> None:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values
@@ -542,6 +563,8 @@ class CausalCache(StateMethods):
             key, value = self.storage.dequantized_views(layer, fwd.lo, fwd.hi)
         else:
             key, value = self.storage.views_trusted(layer, fwd.lo, fwd.hi)
+        if fwd.exported is None:
+            self._build_mask()      # first get() of this pass (the CPU builds it lazily)
         if self._bf16:
             return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
         return key, value, fwd.exported
@@ -1063,7 +1086,7 @@ class CausalCache(StateMethods):
     def _host_pages(self):
         """The page table with its host copies and mask rule (built once per forward pass and
         ``set_causal``; ``attend`` reads it every layer)."""
-        from . import pages
+        pages = _pages      # a module global: an import statement here costs ~0.7 us a pass
         fwd = self._require_forward("page_table")
         cached = getattr(self, "_pages_cache", None)
         if cached is not None and cached[0] is fwd and cached[1] is fwd.causal \

@@ -90,6 +90,10 @@ def _host_zeros(shape, dtype, align: int = HOST_ALIGN) -> np.ndarray:
     return buf[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
+#: the scope of a storage that needs none (reentrant and reusable)
+_NO_SCOPE = contextlib.nullcontext()
+
+
 class _CudaScope:
     """Enter the storage's device (when another is current) and its stream (when one is set)."""
 
@@ -161,6 +165,9 @@ class KVStorage:
             import cupy
             self.xp = cupy
             self._device_id = cupy.cuda.runtime.getDevice()
+            # one GPU and no stream of its own: nothing to enter around a launch (every put
+            # paid for a scope object and a device query)
+            self._single_gpu = cupy.cuda.runtime.getDeviceCount() == 1
         else:
             self.xp = np
             self._device_id = None
@@ -236,8 +243,8 @@ class KVStorage:
     def _on_device(self):
         """Make the storage's GPU and stream current for launches and copies (a no-op on
         cpu/sim)."""
-        if self._device_id is None:
-            return contextlib.nullcontext()
+        if self._device_id is None or (self._stream is None and self._single_gpu):
+            return _NO_SCOPE
         return _CudaScope(self._device_id, self._stream)
 
     # ---------------------------------------------------------------- streams (cuda)

@@ -283,7 +283,7 @@ class StreamCache(CausalCache):
         for s in fwd.seq_ids.tolist():
             stream = self.streams[s]
             ranges.append(stream.cell_range())
-            masks.append(stream._forward.mask)   # the stream's own [rows_padded, hi - lo] mask
+            masks.append(stream._forward_mask())   # its own [rows_padded, hi - lo] mask
         n_kv = min(round_up(max(hi for _, hi in ranges), cfg.cache_padding),
                    self.cells_per_stream)
         counts = np.diff(fwd.qo_indptr)

@@ -198,7 +198,8 @@ def fake_cupy(device_cc: str = "80"):
         m.log.append(("h2d", int(stream_ptr), int(nbytes), int(src)))
 
     m.cuda = _t.SimpleNamespace(
-        runtime=_t.SimpleNamespace(getDevice=lambda: 0, memcpyAsync=memcpy_async,
+        runtime=_t.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
+                                   memcpyAsync=memcpy_async,
                                    deviceSynchronize=lambda: m.log.append(("device_sync", None))),
         get_current_stream=current,
         Stream=lambda non_blocking=False: FakeStream(m, 0x5000 + len(m.log)),

@@ -50,16 +50,21 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=["as-is", "per-seq", "split-flash", "split-matmul"])
+@pytest.fixture(params=["as-is", "mixed", "per-seq", "split-flash", "split-matmul"])
 def split_mode(request, monkeypatch):
-    """"as-is": these tiny sequences are packed into one numba call (on the CPU); "per-seq":
-    one attention call per sequence (a view of its run of the pool or a gather), the path
-    longer sequences take; "split-*": every sequence's page list is cut into pool views and a
-    gathered rest, merged by log-sum-exp (the path long, scattered sequences take), even at
-    these tiny sizes; each part through PyTorch's CPU flash kernel or, as small parts are,
-    through matmuls."""
-    if request.param != "as-is":
-        monkeypatch.setattr(attention, "_PACK_CELLS", -1)
+    """"as-is": these tiny sequences go through numbakv's CPU kernel, read from the pool;
+    "mixed": only one-token sequences do, the others take the torch paths in the same call;
+    "per-seq": one attention call per sequence (a view of its run of the pool or a gather),
+    the path longer prefills take; "split-*": every sequence's page list is cut into pool
+    views and a gathered rest, merged by log-sum-exp (the path long, scattered prefills take),
+    even at these tiny sizes; each part through PyTorch's CPU flash kernel or, as small parts
+    are, through matmuls."""
+    if request.param == "mixed":
+        monkeypatch.setattr(attention, "_KERNEL_TOKENS", 1)
+        monkeypatch.setattr(attention, "_KERNEL_TOKENS_16BIT", 1)
+        monkeypatch.setattr(attention, "_SHORT_TOKENS", 1)
+    elif request.param != "as-is":
+        monkeypatch.setattr(attention, "_KERNEL_TOKENS", -1)
     if request.param == "split-flash":
         monkeypatch.setattr(attention, "_SMALL_PART", 0)
     if request.param.startswith("split"):
@@ -177,7 +182,7 @@ def test_attend_with_underflowing_weights_and_grad_inputs(pack, monkeypatch):
     # large scores: most softmax weights underflow below float32's normal range (the weights
     # that used to come out as denormals); q requires grad and is used without torch.no_grad()
     if not pack:
-        monkeypatch.setattr(attention, "_PACK_CELLS", -1)
+        monkeypatch.setattr(attention, "_KERNEL_TOKENS", -1)
         monkeypatch.setattr(attention, "_SPAN_SLACK", -1.0)
         monkeypatch.setattr(attention, "_SPAN_MIN_SLACK", -1)
     cache = make_cache("cpu", capacity=64, max_seqs=3)
@@ -195,3 +200,129 @@ def test_attend_with_underflowing_weights_and_grad_inputs(pack, monkeypatch):
     out = attend(q, cache, backend="torch")
     assert torch.isfinite(out).all()
     np.testing.assert_allclose(out.detach().numpy(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_half_and_bfloat16_conversions_are_exact():
+    # every float16 bit pattern through the kernel's conversion: the CPU's own instruction
+    # where numba compiles for one that has it, and the portable integer form (forced here, on a
+    # fresh non-cached function); bfloat16 patterns likewise
+    import numba
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want16 = bits.view(np.float16).astype(np.float32)
+    want_bf = (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def check(fn, want):
+        got = np.empty(bits.shape, np.float32)
+        fn(bits, got)
+        nan = np.isnan(want)
+        assert (np.isnan(got) == nan).all()
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+    def half_fn():
+        @numba.njit
+        def conv(a, out):
+            for i in range(a.shape[0]):
+                out[i] = attention._half_bits_to_f32(a[i])
+        return conv
+
+    check(half_fn(), want16)
+    import unittest.mock
+    with unittest.mock.patch.object(attention, "_PORTABLE_HALF", True):
+        check(half_fn(), want16)
+
+    @numba.njit
+    def conv_bf(a, out):
+        for i in range(a.shape[0]):
+            out[i] = attention._bf16_bits_to_f32(a[i])
+    check(conv_bf, want_bf)
+
+
+LONG = {
+    "f32-window": dict(dtype="float32", swa_window=70),
+    "f16-permuted": dict(dtype="float16", permuted_v=True),
+    "bf16-chunk": dict(dtype="bfloat16", chunk=128),
+    "f16-v-head-dim": dict(dtype="float16", v_head_dim=12),
+}
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("name", list(LONG))
+def test_kernel_over_long_lists(name, parallel, monkeypatch):
+    # lists of 100-260 cells (many tiles), three sequences whose chunks interleave in the pool,
+    # decodes mixed with a 12-token chunk; parallel: numba's threads, each long list cut into
+    # parts merged by log-sum-exp (split-K), as one long decode on a multi-core CPU runs
+    kw = dict(LONG[name])
+    dtype = kw.pop("dtype")
+    if parallel:
+        import numba
+        monkeypatch.setattr(attention, "_PARALLEL_WORK", 0)
+        monkeypatch.setattr(attention, "_MIN_PART", 40)
+        monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
+    cfg = nkv.CacheConfig(1, 2, 8, dtype=dtype, capacity=300, max_seqs=3, max_batch=64,
+                          device="cpu", permuted_v=kw.pop("permuted_v", False),
+                          v_head_dim=kw.pop("v_head_dim", None))
+    dv = cfg.v_head_dim
+    cache = nkv.CausalCache(cfg, swa_window=kw.get("swa_window"), chunk_size=kw.get("chunk"))
+    rng = np.random.default_rng(11)
+    lens = [0, 0, 0]
+    for rnd in range(5):
+        for s in range(3):
+            n = 20 + 12 * s
+            cache.start_forward(np.arange(lens[s], lens[s] + n), np.full(n, s))
+            cache.put(torch.randn(n, 2, 8).to(Q_DTYPE[dtype]),
+                      torch.randn(n, 2, dv).to(Q_DTYPE[dtype]))
+            lens[s] += n
+    pos = [lens[0]] + list(range(lens[1], lens[1] + 12)) + [lens[2]]
+    sq = [0] + [1] * 12 + [2]
+    cache.start_forward(pos, sq)
+    cache.put(torch.randn(14, 2, 8).to(Q_DTYPE[dtype]), torch.randn(14, 2, dv).to(Q_DTYPE[dtype]))
+    plan_merges = None
+    for soft_cap in (None, 3.0):
+        q = (3 * torch.randn(14, 8, 8)).to(Q_DTYPE[dtype])
+        ref = _independent_reference(q.float(), cache, 1 / math.sqrt(8), soft_cap)
+        out = attend(q, cache, backend="torch", soft_cap=soft_cap)
+        np.testing.assert_allclose(out.float().numpy(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+        plan = next(v for k, v in cache._host_pages().plans.items() if k[0] == "kernel")
+        plan_merges = len(plan["merges"])
+        assert plan["parallel"] == parallel and not plan["rest"]
+    assert (plan_merges > 0) == parallel
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_kernel_in_a_forked_child_of_a_process_that_ran_it_threaded(monkeypatch):
+    # numba's GNU OpenMP threading layer aborts a forked child that starts a parallel region
+    # after its parent ran one: the child must fall back to the one-thread kernel
+    import os
+
+    monkeypatch.setattr(attention, "_PARALLEL_WORK", 0)
+    cache = make_cache("cpu", capacity=64, max_seqs=2)
+    rng = np.random.default_rng(2)
+    for p0 in (0, 8):
+        cache.start_forward(list(range(p0, p0 + 8)) * 2, [0] * 8 + [1] * 8)
+        for layer in range(2):
+            cache.set_layer(layer)
+            cache.put(rng.standard_normal((16, 2, 8)).astype(np.float32),
+                      rng.standard_normal((16, 2, 8)).astype(np.float32))
+    cache.start_forward([16, 16], [0, 1])
+    cache.put(rng.standard_normal((2, 2, 8)).astype(np.float32),
+              rng.standard_normal((2, 2, 8)).astype(np.float32))
+    q = torch.randn(2, 4, 8)
+    want = attend(q, cache, backend="torch")
+    assert next(v for k, v in cache._host_pages().plans.items() if k[0] == "kernel")["parallel"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                     # the child: never returns into pytest
+        code = 1
+        try:
+            cache._pages_cache = None                # plan again, run again
+            got = attend(q, cache, backend="torch")
+            code = 0 if torch.equal(got, want) else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(code)
+    os.close(write)
+    status = os.read(read, 1)
+    os.close(read)
+    _, exit_status = os.waitpid(pid, 0)
+    assert status == b"\x00" and os.waitstatus_to_exitcode(exit_status) == 0

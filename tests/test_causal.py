@@ -971,3 +971,31 @@ def test_attention(device, kind):
             want = attention_ref(q[i:i + 1], ks, vs, np.zeros((1, len(seen))))
             np.testing.assert_allclose(got[i], want[0], rtol=1e-6, atol=1e-7)
     c.close()
+
+
+def test_cpu_mask_is_built_at_first_get_and_equals_the_eager_one():
+    # the CPU leaves a pass's dense mask for its first get() (attention over page_table() never
+    # reads it); the mask is the one start_forward would have built, set_causal rebuilds it, and
+    # a start_forward that fails leaves the previous pass's mask readable and unchanged
+    cfg = nkv.CacheConfig(1, 2, 4, dtype="float32", capacity=12, max_seqs=2, max_batch=8,
+                          device="cpu")
+    lazy = nkv.CausalCache(cfg, swa_window=3)
+    eager = nkv.CausalCache(cfg, swa_window=3)
+    eager._lazy_mask = False
+    kv = np.ones((5, 2, 4), np.float32)
+    for pos, seqs in (([0, 1, 2, 0, 1], [0, 0, 0, 1, 1]), ([3, 2, 4], [0, 1, 0]),
+                      ([5, 3], [0, 1])):
+        for cache in (lazy, eager):
+            cache.start_forward(pos, seqs)
+            cache.put(kv[:len(pos)], kv[:len(pos)])
+        assert lazy._forward.mask is None and eager._forward.mask is not None
+        lazy.page_table()
+        assert lazy._forward.mask is None
+        assert np.array_equal(lazy.get()[2], eager.get()[2])
+        for cache in (lazy, eager):
+            cache.set_causal([0])
+        assert np.array_equal(lazy.get()[2], eager.get()[2])
+    held = lazy.get()[2].copy()
+    with pytest.raises(ValueError, match="already stored"):
+        lazy.start_forward([6, 5], [0, 0])
+    assert np.array_equal(lazy.get()[2], held)

@@ -208,7 +208,7 @@ def test_whole_cache_round_trip(device, dtype, src_perm, dst_perm):
         cache.start_forward([7], [0])
     assert (src._forward.lo, src._forward.hi, src._forward.start) == \
         (dst._forward.lo, dst._forward.hi, dst._forward.start)
-    assert np.array_equal(host(src._forward.mask), host(dst._forward.mask))
+    assert np.array_equal(host(src._forward_mask()), host(dst._forward_mask()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

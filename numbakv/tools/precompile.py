@@ -88,9 +88,18 @@ def _attend(attend, cache, batch: int, rng: np.random.Generator) -> None:
         import torch
     except ImportError:
         return
+    from .. import attention
+
     q = torch.from_numpy(rng.standard_normal((batch, 4, 16)).astype(np.float32))
     for backend in ("dense", "auto"):
         attend(q, cache, backend=backend)
+    # the CPU kernel's threaded form too (long decodes take it; these tiny lists do not)
+    saved = attention._PARALLEL_WORK
+    attention._PARALLEL_WORK = 0
+    try:
+        attend(q, cache, backend="torch")
+    finally:
+        attention._PARALLEL_WORK = saved
 
 
 def _windows_and_chunks(dtype: str) -> None:
