@@ -84,5 +84,60 @@ def main():
             lambda: (cache.start_forward(pos, seq), cache.seq_rm(-1, 4096)), n=200)
 
 
+def attend_at_262k():
+    """A decode step with ``attend`` over 8 sequences x 32,768 cells, bfloat16, 2 layers (the
+    end-to-end run took 232 ms a step here on an H100: where does it go?)."""
+    import torch
+
+    from numbakv.attention import attend
+    seqs, cap, chunk = 8, 32768, 4096
+    cfg = CacheConfig(2, 8, 128, dtype="bfloat16", capacity=cap, max_seqs=seqs,
+                      max_batch=chunk, device="cuda")
+    cache = nkv.CausalCache(cfg)
+    k = torch.randn(chunk, 8, 128, device="cuda", dtype=torch.bfloat16)
+    for s in range(seqs):
+        for p0 in range(0, cap, chunk):
+            cache.start_forward(np.arange(p0, p0 + chunk, dtype=np.int32),
+                                np.full(chunk, s, dtype=np.int32))
+            for layer in range(2):
+                cache.set_layer(layer)
+                cache.put(k, k)
+    for s in range(seqs):
+        cache.seq_rm(s, cap - 64, None)
+    q = torch.randn(seqs, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kd = torch.randn(seqs, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pos = np.full(seqs, cap - 64, dtype=np.int32)
+    ids = np.arange(seqs, dtype=np.int32)
+
+    def step():
+        cache.start_forward(pos, ids)
+        for layer in range(2):
+            cache.set_layer(layer)
+            cache.put(kd, kd)
+            attend(q, cache)
+        torch.cuda.synchronize()
+        cache.seq_rm(-1, cap - 64, cap - 63)
+
+    def parts():
+        t0 = time.perf_counter()
+        cache.start_forward(pos, ids)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        cache.page_table()
+        t2 = time.perf_counter()
+        cache.set_layer(0)
+        cache.put(kd, kd)
+        attend(q, cache)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        cache.seq_rm(-1, cap - 64, cap - 63)
+        print(f"  start_forward {1e3 * (t1 - t0):.2f} ms, page_table {1e3 * (t2 - t1):.2f} ms, "
+              f"put + attend {1e3 * (t3 - t2):.2f} ms", flush=True)
+    for _ in range(3):
+        parts()
+    profile("decode step + attend, 8 x 32k cells, bf16, 2 layers", step, n=5)
+
+
 if __name__ == "__main__":
     main()
+    attend_at_262k()

@@ -141,3 +141,24 @@ def test_cover_plan_and_header_parsing():
             _wire.decode_header(data)
     code, reason = _wire.decode_verdict(_wire.encode_verdict(_wire.REFUSED, "é" * 2000))
     assert code == _wire.REFUSED and reason.startswith("éé")
+
+
+def test_header_of_a_position_held_twice_is_accepted():
+    """A sequence may hold one position in several cells (seq_add / seq_div merge positions);
+    its header passes the receiver's check, a descending one is refused (no processes)."""
+    import numpy as np
+    from numbakv.dist import _wire
+    cfg = nkv.CacheConfig(1, 2, 4, dtype="float32", capacity=8, max_batch=4, device="cpu")
+    c = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+    c.start_forward([0, 1, 2, 3], [0] * 4)
+    c.set_layer(0)
+    c.put(np.ones((4, 2, 4), np.float32), np.ones((4, 2, 4), np.float32))
+    c.seq_div(0, 0, None, 2)                                   # 0 0 1 1
+    snap = c.export_seq(0)
+    header = _wire.decode_header(_wire.encode_header(_wire.make_header(snap, 2)))
+    assert header["parts"][0]["positions"].tolist() == [0, 0, 1, 1]
+    probe = _wire.Probe(c, nkv.state.snapshot.cache_fingerprint(c))
+    assert _wire.check_header(header, probe, (0, 2), 2) == (0, 2)
+    header["parts"][0]["positions"] = np.array([1, 1, 0, 0], np.int32)
+    with pytest.raises(_wire.Refusal, match="ascending"):
+        _wire.check_header(header, probe, (0, 2), 2)

@@ -331,3 +331,23 @@ def test_jax_bfloat16_both_ways(jax):
     j = jax.dlpack.from_dlpack(BFloat16View(bits))
     assert j.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(j.astype(jnp.float32)), bf16_bits_to_f32(bits))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+def test_host_torch_tensor_is_taken_as_a_view(torch, dtype):
+    """``as_array``'s host torch fast path (what hf.attach puts every layer): the same memory,
+    strided views included, bfloat16 as its bit patterns; tensors that require grad, other
+    dtypes and a GPU cache still go through the checked path and its errors."""
+    tdt = getattr(torch, dtype)
+    t = torch.randn(4, 6, 8).to(tdt)[:, ::2]
+    a = dev.as_array(t, "cpu", dtype)
+    want = t.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else t.numpy()
+    assert a.shape == (4, 3, 8) and np.shares_memory(a, want)
+    assert np.array_equal(a, want)
+    t[0, 0, 0] = 7.0                    # a view, not a copy
+    assert np.array_equal(a, want)
+    other = "float32" if dtype != "float32" else "float16"
+    with pytest.raises(ValueError, match=f"must have dtype {other}"):
+        dev.as_array(t, "cpu", other)
+    with pytest.raises(ValueError, match="require"):
+        dev.as_array(torch.zeros(2, 3, dtype=tdt, requires_grad=True), "cpu", dtype)

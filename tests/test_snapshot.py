@@ -195,6 +195,56 @@ def test_views_copies_ranges_and_placement():
     assert dst2.cells.cells["pos"][np.asarray(dst2.cells.seq_cells(0))].size == 11
 
 
+def test_a_position_held_twice_round_trips():
+    """seq_add / seq_div may merge positions (llama.cpp's do: its cells keep a count per
+    position), so a sequence can hold one position in several cells. export_seq, the bytes and
+    state_bytes(seq) must carry every one of those rows, each with its own K/V, and load them
+    back as they were (found by the long WrapperCache stateful run: ``seq_add(s, 2, None, -2)``
+    over positions 0..9 left 0 and 1 twice and ``state_bytes(s)`` refused the sequence)."""
+    rng = np.random.default_rng(21)
+    src = make(dtype="float32", shift=nkv.RopeShift())
+    fill(src, 0, range(6), rng)
+    fill(src, 1, range(4), rng)
+    src.seq_add(0, 2, None, -2)                        # 0 1 2 3 4 5 -> 0 1 0 1 2 3
+    src.seq_div(1, 0, None, 2)                         # 0 1 2 3 -> 0 0 1 1
+    src.apply_pending_shifts()                         # what an export does first
+    held = {0: [0, 0, 1, 1, 2, 3], 1: [0, 0, 1, 1]}
+    for seq, positions in held.items():
+        want = seq_rows(src, seq)                      # position order, cells in table order
+        assert want[0].tolist() == positions
+        snap = src.export_seq(seq)
+        assert snap.positions.tolist() == positions
+        assert_rows(part_rows(snap.parts[0]), want)
+        assert_rows(part_rows(SeqSnapshot.from_bytes(snap.to_bytes()).parts[0]), want)
+        # into another cache, as saved and moved by `at` (every key re-rotated alike)
+        dst = make(dtype="float32", shift=nkv.RopeShift())
+        assert dst.import_seq(2, snap) == len(positions)
+        assert_rows(seq_rows(dst, 2), want)
+        dst.import_seq(0, snap, at=10)
+        assert seq_rows(dst, 0)[0].tolist() == [p + 10 for p in positions]
+        dst.cells.check_consistency()
+        # a state of the sequence: into a fresh cache, and back over itself
+        data = src.state_bytes(seq)
+        fresh = make(dtype="float32", shift=nkv.RopeShift())
+        fresh.load_state_bytes(data, 2)
+        assert_rows(seq_rows(fresh, 2), want)
+        src.load_state_bytes(data, seq)
+        assert_rows(seq_rows(src, seq), want)
+        src.cells.check_consistency()
+    # a WrapperCache's sequence state holds every group's repeated rows
+    w = wrapper()
+    wfill(w, 0, range(4), rng)
+    w.seq_div(0, 0, None, 2)
+    for g in w.caches:
+        g.apply_pending_shifts()
+    want = [seq_rows(g, 0) for g in w.caches]
+    w2 = wrapper()
+    w2.load_state_bytes(w.state_bytes(0), 1)
+    for g, rows in zip(w2.caches, want):
+        assert seq_rows(g, 1)[0].tolist() == [0, 0, 1, 1]
+        assert_rows(seq_rows(g, 1), rows)
+
+
 def _run(cells) -> bool:
     return bool(len(cells) and cells[-1] - cells[0] == len(cells) - 1)
 
@@ -501,8 +551,9 @@ def test_constructor_checks():
                 values=[np.zeros((3, H, DV), np.float16)], k_format="float16",
                 v_format="float16")
     SnapshotPart(**part)
+    SnapshotPart(**dict(part, positions=np.array([0, 1, 1])))   # a position held twice
     for change, match in [(dict(positions=np.array([0, 2, 1])), "ascending"),
-                          (dict(positions=np.array([0, 1, 1])), "ascending"),
+                          (dict(positions=np.array([1, 1, 0])), "ascending"),
                           (dict(positions=np.array([-1, 0, 1])), "outside"),
                           (dict(positions=np.zeros((3, 1), int)), "1-D"),
                           (dict(k_format="float64"), "k_format"),

@@ -201,7 +201,7 @@ def check_header(header: Dict[str, Any], probe: Probe, need: Tuple[int, int],
                     raise Refusal(f"group {g} layer {layer}: {side.upper()} dtype "
                                   f"{p[f'{side}_dtype'][layer]} differs from {want_dt}")
         pos = p["positions"]
-        if pos.size and (pos.min() < 0 or np.any(np.diff(pos) <= 0)):
+        if pos.size and (pos.min() < 0 or np.any(np.diff(pos.astype(np.int64)) < 0)):
             raise Refusal(f"group {g}: positions must be >= 0 and ascending")
     lo, hi = max(first, need[0]), min(stop, need[1])
     return (lo, hi) if lo < hi else None

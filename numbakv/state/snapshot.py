@@ -102,7 +102,9 @@ class SnapshotPart:
     of a WrapperCache).
 
     Attributes:
-        positions: int32 ``[n]``, strictly ascending, each in ``[0, 2**31 - 1)``.
+        positions: int32 ``[n]``, ascending, each in ``[0, 2**31 - 1)``. A position repeats
+            when the sequence holds it in more than one cell (``seq_add`` / ``seq_div`` can
+            merge positions, as llama.cpp's do); those rows keep their cell order.
         keys: one array per layer of the group, ``[n, n_heads_held, k_row]`` in the stored
             format (``k_row``: ``head_dim`` for float formats, the block bytes of a quantized
             row otherwise).
@@ -136,8 +138,10 @@ class SnapshotPart:
             if int(pos.min()) < 0 or int(pos.max()) >= _POS_LIMIT:
                 raise ValueError(f"positions hold {int(pos.min())}..{int(pos.max())}, outside "
                                  f"[0, {_POS_LIMIT})")
-            if pos.size > 1 and not (np.diff(pos.astype(np.int64)) > 0).all():
-                raise ValueError("positions must be strictly ascending")
+            # a position may repeat: a sequence can hold one position in several cells (seq_add /
+            # seq_div merge positions, as llama.cpp's do), and each cell's rows must be kept
+            if pos.size > 1 and (np.diff(pos.astype(np.int64)) < 0).any():
+                raise ValueError("positions must be ascending (non-decreasing)")
         pos = np.ascontiguousarray(pos, dtype=np.int32)
         keys = _check_rows(self.keys, "keys", self.k_format)
         values = _check_rows(self.values, "values", self.v_format)
