@@ -41,7 +41,7 @@ from numba.extending import intrinsic, overload
 from ._dlpack import BFloat16View
 from ._jit import njit
 
-from .pages import HostPages, columns_mask, plan_parts, token_mask
+from .pages import HostPages, columns_mask, plan_parts, token_mask, visible_lo
 
 BACKENDS = ("auto", "torch", "flashinfer", "dense")
 
@@ -429,11 +429,7 @@ def _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo
     for tl in range(L):
         t = token_order[q0 + tl]
         p = np.int64(q_pos[t])
-        lo = np.int64(0)
-        if window >= 0:
-            lo = max(lo, p - window)
-        if chunk > 0:
-            lo = max(lo, p - p % chunk)
+        lo = visible_lo(p, window, chunk)
         a = c0
         e = c1
         while a < e:                          # first j with kv_pos[j] >= lo

@@ -336,6 +336,19 @@ def _st_widen(stree, s, blk, mn, mx):
         k >>= 1
 
 
+@njit(cache=True, inline="always")
+def _st_run(stree, run_s, run_blk, mn, mx, s, blk, p):
+    """One cell of sequence ``s`` at position ``p`` in leaf block ``blk``, in a loop that widens
+    the position tree once per run of one sequence in one block: extends the open run
+    ``(run_s, run_blk, mn, mx)`` or closes it into the tree (:func:`_st_widen`) and opens the
+    next; returns the open run. The loop closes the last run itself (``run_s >= 0``)."""
+    if s == run_s and blk == run_blk:
+        return run_s, run_blk, min(mn, p), max(mx, p)
+    if run_s >= 0:
+        _st_widen(stree, run_s, run_blk, mn, mx)
+    return s, blk, p, p
+
+
 @njit(cache=True)
 def _st_set_leaf(stree, s, blk, mn, mx):
     """Set the leaf of block blk and refresh its ancestors (stops once one is unchanged)."""
@@ -679,18 +692,9 @@ def _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, posi
         cseqs[c, s >> 6] = _bit(s)
         _occ_set(occ, c)
         _sidx_add(sidx, s, c, p)
-        blk = c >> bshift
-        if s == run_s and blk == run_blk:
-            mn = min(mn, p)
-            mx = max(mx, p)
-        else:
-            if run_s >= 0:
-                _st_widen(stree, run_s, run_blk, mn, mx)
-            run_s = s
-            run_blk = blk
-            mn = p
-            mx = p
-    _st_widen(stree, run_s, run_blk, mn, mx)
+        run_s, run_blk, mn, mx = _st_run(stree, run_s, run_blk, mn, mx, s, c >> bshift, p)
+    if run_s >= 0:
+        _st_widen(stree, run_s, run_blk, mn, mx)
     meta[_M_USED] += b
     first = np.int64(slots[0])
     last = np.int64(slots[b - 1])
@@ -884,18 +888,8 @@ def _undo_prune(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, undo):
             _ft_point(ftree, occ, c >> 6)
         cseqs[c, s >> 6] |= _bit(s)
         _sidx_add(sidx, s, c, cpos[c])
-        q = np.int64(cpos[c])
-        blk = c >> bshift
-        if s == run_s and blk == run_blk:
-            mn = min(mn, q)
-            mx = max(mx, q)
-        else:
-            if run_s >= 0:
-                _st_widen(stree, run_s, run_blk, mn, mx)
-            run_s = s
-            run_blk = blk
-            mn = q
-            mx = q
+        run_s, run_blk, mn, mx = _st_run(stree, run_s, run_blk, mn, mx, np.int64(s),
+                                         np.int64(c) >> bshift, np.int64(cpos[c]))
     if run_s >= 0:
         _st_widen(stree, run_s, run_blk, mn, mx)
     return 0

@@ -140,6 +140,19 @@ def _group_tokens(bseqs, max_seqs):
     return seq_ids[:nb].copy(), qo_indptr, token_order
 
 
+@njit(cache=True, inline="always")
+def visible_lo(p, window, chunk):
+    """The lowest position a token at position ``p`` may see (int64): 0, raised by a sliding
+    ``window`` (>= 0: ``p - window``) and by attention chunks (``chunk > 0``: the chunk's
+    start). The upper end is ``p`` for a causal token."""
+    lo = np.int64(0)
+    if window >= 0:
+        lo = max(lo, p - window)
+    if chunk > 0:
+        lo = max(lo, p - p % chunk)
+    return lo
+
+
 @njit(cache=True)
 def _token_intervals(bpos, causal, window, chunk, tokens):
     """The merged, disjoint position intervals ``[lo, hi]`` (int64 ``[k, 2]``, ascending) that
@@ -150,12 +163,7 @@ def _token_intervals(bpos, causal, window, chunk, tokens):
     for t in range(n):
         i = tokens[t]
         p = np.int64(bpos[i])
-        lo = np.int64(0)
-        if window >= 0:
-            lo = max(lo, p - window)
-        if chunk > 0:
-            lo = max(lo, p - p % chunk)
-        los[t] = lo
+        los[t] = visible_lo(p, window, chunk)
         his[t] = p if causal[i] != 0 else _NO_LIMIT
     order = np.argsort(los, kind="mergesort")
     out = np.empty((n, 2), np.int64)
@@ -469,12 +477,7 @@ def _build_packed(cpos, cseqs, stree, bshift, bpos, bseqs, causal, window, chunk
         if qo_indptr[b + 1] - q0 == 1:      # a decode: its one interval, no sort, no allocation
             i = token_order[q0]
             p = np.int64(bpos[i])
-            lo = np.int64(0)
-            if window >= 0:
-                lo = max(lo, p - window)
-            if chunk > 0:
-                lo = max(lo, p - p % chunk)
-            ivs[n_iv, 0] = lo
+            ivs[n_iv, 0] = visible_lo(p, window, chunk)
             ivs[n_iv, 1] = p if causal[i] != 0 else np.int64(_NO_LIMIT)
             n_iv += 1
         else:
@@ -826,11 +829,7 @@ def _fill_visible(out, cols, kv_pos, tok_pos, tok_causal, window, chunk):
     kv_pos[j]); out starts all False. O(L * nnz)."""
     for i in range(tok_pos.shape[0]):
         p = np.int64(tok_pos[i])
-        lo = np.int64(0)
-        if window >= 0:
-            lo = max(lo, p - window)
-        if chunk > 0:
-            lo = max(lo, p - p % chunk)
+        lo = visible_lo(p, window, chunk)
         hi = p if tok_causal[i] != 0 else np.int64(_NO_LIMIT)
         for j in range(cols.shape[0]):
             q = kv_pos[j]
@@ -951,5 +950,6 @@ def reserve_pages_of_table(table, positions: np.ndarray, seqs: np.ndarray) -> Ho
 
 
 __all__ = ["PageTable", "MaskRule", "HostPages", "build_pages", "build_all_visible", "to_device",
+           "visible_lo",
            "check_pages", "token_mask", "plan_parts", "columns_mask", "pages_of_table",
            "reserve_pages_of_table", "FIELDS"]
