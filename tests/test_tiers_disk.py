@@ -39,6 +39,28 @@ def worker(*args, timeout=120, **kw):
                           env=ENV, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def hammer(target, budget: int) -> list:
+    """Two ``tier_worker.py hammer`` processes (writers 1 and 2: different bytes for the same
+    keys) on the tier at ``target`` (a directory or a Redis URL) under ``budget``, run to the end
+    (killed on a failure); their last JSON lines."""
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tier_worker.py"), "hammer",
+                              str(target), str(budget), "65000", "10", "8", str(w)],
+                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for w in (1, 2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    return outs
+
+
 def last_json(proc):
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -215,21 +237,7 @@ def test_two_processes_write_the_same_keys(tmp_path):
     """Two writers (different bytes for the same keys) and their reads interleave under a budget
     that forces evictions: no torn or mixed entry is ever read, the budget holds."""
     budget = 6 * 70_000
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tier_worker.py"), "hammer",
-                              str(tmp_path), str(budget), "65000", "10", "8", str(w)],
-                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for w in (1, 2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+    outs = hammer(tmp_path, budget)
     assert all(o["torn"] == 0 for o in outs) and sum(o["reads"] for o in outs) > 0
     assert sum(run_files(tmp_path).values()) <= budget
     with DiskTier(NS, budget, tmp_path) as tier:

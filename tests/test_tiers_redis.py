@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -21,7 +20,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import tier_worker as tw  # noqa: E402
 from redis_server import own_redis_server, redis_server, redis_url  # noqa: E402,F401
-from test_tiers_disk import (ENV, assert_same_rows, cli_main, last_json, put,  # noqa: E402
+from test_tiers_disk import (assert_same_rows, cli_main, hammer, last_json, put,  # noqa: E402
                              worker)
 
 NS = tw.NAMESPACE
@@ -118,21 +117,7 @@ def test_two_processes_share_runs_bit_exact(redis_url):
 
 def test_two_processes_write_the_same_keys(redis_url):
     budget = 6 * 70_000
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tier_worker.py"), "hammer",
-                              redis_url, str(budget), "65000", "10", "8", str(w)],
-                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for w in (1, 2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+    outs = hammer(redis_url, budget)
     assert all(o["torn"] == 0 for o in outs) and sum(o["reads"] for o in outs) > 0
     assert all(o["used"] <= budget for o in outs)
 
