@@ -119,3 +119,23 @@ def same(a, b) -> bool:
     """Bit-identical arrays (float compares would let -0.0 pass for 0.0 and fail on NaN)."""
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def host_kv(cache):
+    """Host copies of a cache's whole K ``[L, N, H, D]`` and V ``[L, N, H, Dv]`` storage,
+    whatever the V layout (a permuted V is transposed back)."""
+    k = np.array(host(cache.storage.keys))
+    v = np.array(host(cache.storage.values))
+    if cache.config.permuted_v:
+        v = v.transpose(0, 3, 1, 2)
+    return k, v
+
+
+def seq_rows(cache, seq):
+    """``(positions, K [L, k, H, D], V [L, k, H, Dv])`` of ``seq`` in position order, read from
+    the cell table and the storage arrays (rows of one position in cell order)."""
+    cells = np.asarray(cache.cells.seq_cells(seq))
+    pos = cache.cells.cells["pos"][cells]
+    order = np.argsort(pos, kind="stable")
+    k, v = host_kv(cache)
+    return pos[order], k[:, cells[order]], v[:, cells[order]]

@@ -22,7 +22,7 @@ from numbakv.causal import CausalCache
 from numbakv.wrappers import WrapperCache
 
 from causal_reference import rope_ref
-from helpers import dev, host, random_storage, same
+from helpers import dev, host, host_kv, random_storage, same, seq_rows
 
 L, H, D, DV = 2, 2, 32, 32
 
@@ -53,25 +53,6 @@ def fill(cache, seq, positions, rng, keys=None) -> None:
     put_all(cache, len(positions), rng, keys)
 
 
-def raw_kv(cache):
-    """Host K ``[L, N, H, k_row]`` and V ``[L, N, H, v_row]`` whatever the V layout."""
-    k = np.array(host(cache.storage.keys))
-    v = np.array(host(cache.storage.values))
-    if cache.config.permuted_v:
-        v = v.transpose(0, 3, 1, 2)
-    return k, v
-
-
-def seq_rows(cache, seq):
-    """``(positions, K [L, k, H, row], V [L, k, H, row])`` of ``seq`` in position order, read
-    from the cell table and the storage arrays."""
-    cells = np.asarray(cache.cells.seq_cells(seq))
-    pos = cache.cells.cells["pos"][cells]
-    order = np.argsort(pos, kind="stable")
-    k, v = raw_kv(cache)
-    return pos[order], k[:, cells[order]], v[:, cells[order]]
-
-
 def part_rows(part: SnapshotPart):
     return (np.asarray(part.positions), np.stack([host(k) for k in part.keys]),
             np.stack([host(v) for v in part.values]))
@@ -95,7 +76,7 @@ def assert_unchanged(cache, before, *, data_of_free_cells=True) -> None:
         assert same(host(cache.storage.keys), k), "K changed"
         assert same(host(cache.storage.values), v), "V changed"
     else:    # the rows of every cell in use
-        now_k, now_v = raw_kv(cache)
+        now_k, now_v = host_kv(cache)
         was_v = v.transpose(0, 3, 1, 2) if cache.config.permuted_v else v
         busy = np.flatnonzero(cells["pos"] >= 0)
         assert same(now_k[:, busy], k[:, busy]) and same(now_v[:, busy], was_v[:, busy])

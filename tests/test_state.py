@@ -26,7 +26,7 @@ from numbakv.causal import CausalCache
 from numbakv.simple import RotatingCache, StepCache
 from numbakv.wrappers import WrapperCache
 
-from helpers import dev, host, random_storage, same
+from helpers import dev, host, host_kv, random_storage, same, seq_rows
 
 L, H, D, DV = 2, 2, 8, 4
 DTYPES = ["float16", "float32", "bfloat16"]
@@ -52,24 +52,6 @@ def fill(cache, seq, positions, rng) -> None:
                       cache.device),
                   dev(random_storage(rng, (n, cfg.n_kv_heads, cfg.v_head_dim), cfg.dtype),
                       cache.device))
-
-
-def kv(cache):
-    """Host K ``[L, N, H, D]`` and V ``[L, N, H, Dv]`` whatever the V layout."""
-    k = np.array(host(cache.storage.keys))
-    v = np.array(host(cache.storage.values))
-    if cache.config.permuted_v:
-        v = v.transpose(0, 3, 1, 2)
-    return k, v
-
-
-def seq_rows(cache, seq):
-    """``(positions, K [L, k, H, D], V [L, k, H, Dv])`` of ``seq`` in position order."""
-    cells = np.asarray(cache.cells.seq_cells(seq))
-    pos = cache.cells.cells["pos"][cells]
-    order = np.argsort(pos, kind="stable")
-    k, v = kv(cache)
-    return pos[order], k[:, cells[order]], v[:, cells[order]]
 
 
 def snapshot(cache):
@@ -197,7 +179,7 @@ def test_whole_cache_round_trip(device, dtype, src_perm, dst_perm):
     assert info == {"tokens": None, "metadata": {}}
     assert dst.cells.cells.tobytes() == src.cells.cells.tobytes()
     dst.cells.check_consistency()
-    for a, b in zip(kv(src), kv(dst)):
+    for a, b in zip(host_kv(src), host_kv(dst)):
         assert same(a, b)
     assert dst._forward is None
     for s in range(3):
@@ -303,7 +285,7 @@ def test_whole_file_round_trip_and_overwrite(tmp_path, device):
     dst = make(device)
     dst.load_state(path)
     assert dst.cells.cells.tobytes() == c.cells.cells.tobytes()
-    for a, b in zip(kv(c), kv(dst)):
+    for a, b in zip(host_kv(c), host_kv(dst)):
         assert np.array_equal(a, b)
 
 
@@ -744,7 +726,7 @@ def test_wrapper_cache_round_trip_and_mismatch():
     assert info["tokens"] == [1]
     for a, b in zip(w.caches, w2.caches):
         assert a.cells.cells.tobytes() == b.cells.cells.tobytes()
-        for x, y in zip(kv(a), kv(b)):
+        for x, y in zip(host_kv(a), host_kv(b)):
             assert np.array_equal(x, y)
     w3 = wrapper()
     state.load(one, w3, 0)
