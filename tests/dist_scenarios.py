@@ -242,17 +242,12 @@ VOCAB = 64
 
 def tiny_llama(n_layers: int = 2):
     import transformers
+
+    from helpers import random_weight_model
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       num_hidden_layers=n_layers, max_position_embeddings=128)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
-    return model.eval()
+    return random_weight_model(config)
 
 
 def forward(model, cache, tokens, first: int, seq: int):

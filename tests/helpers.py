@@ -139,3 +139,22 @@ def seq_rows(cache, seq):
     order = np.argsort(pos, kind="stable")
     k, v = host_kv(cache)
     return pos[order], k[:, cells[order]], v[:, cells[order]]
+
+
+def random_weight_model(config, std: float = 0.25, model_class=None):
+    """A random-weight model of ``config`` in eval mode with eager attention (the reference
+    path): seeded (``torch.manual_seed(0)``), every matrix drawn from N(0, ``std``) so attention
+    is far from uniform and a wrong mask, window or RoPE changes the logits well beyond the
+    tests' tolerances. ``model_class``: built as ``model_class(config)`` instead of
+    ``AutoModelForCausalLM.from_config``."""
+    import torch
+    import transformers
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = (transformers.AutoModelForCausalLM.from_config(config) if model_class is None
+             else model_class(config))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    return model.eval()

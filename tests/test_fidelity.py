@@ -9,7 +9,7 @@ import pytest
 import numbakv as nkv
 from numbakv import KVCacheFullError
 
-from helpers import dev, host
+from helpers import dev, host, random_weight_model
 
 H, D = 2, 4
 
@@ -560,14 +560,7 @@ def _tiny_gemma3n():
         hidden_size_per_layer_input=8, sliding_window=4, num_kv_shared_layers=2,
         layer_types=["sliding_attention", "full_attention"] * 3, laurel_rank=4,
         altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 6, max_position_embeddings=128)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
-    return model.eval()
+    return random_weight_model(cfg)
 
 
 def test_gemma3n_kv_sharing_logits_equal_its_own_forward():

@@ -15,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 import numbakv as nkv  # noqa: E402
 from numbakv import hf  # noqa: E402
 
+from helpers import random_weight_model  # noqa: E402
+
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4,
              max_position_embeddings=128)
@@ -80,16 +82,8 @@ def tiny_model(name: str, n_layers: int = 2):
     """A random-weight float32 model of family ``name`` in eval mode, eager attention (the
     reference). Matrices get std 0.25 so attention is far from uniform and a wrong mask, window,
     RoPE or soft-cap changes the logits well beyond the tolerance."""
-    config = _family_config(name, n_layers)
-    config._attn_implementation = "eager"
-    cls = transformers.GPTJForCausalLM if name == "gptj" else transformers.AutoModelForCausalLM
-    torch.manual_seed(0)
-    model = cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
-    return model.eval()
+    return random_weight_model(_family_config(name, n_layers),
+                               model_class=transformers.GPTJForCausalLM if name == "gptj" else None)
 
 
 def full_logits(model, tokens, start: int = 0) -> torch.Tensor:

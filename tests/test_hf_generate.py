@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from numbakv import hf  # noqa: E402
 from numbakv.errors import KVCacheError  # noqa: E402
+from helpers import random_weight_model  # noqa: E402
 from test_hf import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -104,13 +105,7 @@ def test_quantized_generate_equals_numbakv_packed_path():
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
                                       num_attention_heads=2, num_key_value_heads=1,
                                       num_hidden_layers=2, max_position_embeddings=128)
-    config._attn_implementation = "eager"          # head_dim 32: one q8_0 block per row
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
+    model = random_weight_model(config)              # head_dim 32: one q8_0 block per row
     ids, mask = _batch(False)
     cache = hf.generation_cache(model, max_new_tokens=NEW, k_dtype="q8_0", v_dtype="q8_0")
     out = _generate(model, ids, mask, cache, False)
