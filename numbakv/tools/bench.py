@@ -41,6 +41,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+# interleaved timing, one copy for every section (the asv benchmarks import it from here)
+from ._timing import time_alternating as _time_alternating
+
 #: tokens of spare room per sequence beyond the context (the timed step adds one, then rolls back)
 _MARGIN = 16
 #: a decode config is skipped when its largest contender needs more than this share of free memory
@@ -1608,26 +1611,6 @@ def _attention_cases(s: BenchSettings) -> List[Tuple[str, int, int, int]]:
                 ("decode 8 x 32", 8, 32, 1)]
     return [("decode 8 x 4k", 8, 4096, 1), ("prefill 512 into 4k", 1, 3584, 512),
             ("decode 64 x 2k", 64, 2048, 1)]
-
-
-def _time_alternating(fns: Dict[str, Callable[[], Any]], budget: float,
-                      min_reps: int) -> Dict[str, float]:
-    """Median seconds per call of each function, calls interleaved so that a busy machine's load
-    moves them together (their ratios are what the section reports)."""
-    for fn in fns.values():
-        fn()
-    times: Dict[str, List[float]] = {k: [] for k in fns}
-    spent = 0.0
-    while True:
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            times[name].append(dt)
-            spent += dt
-        if len(times[name]) >= min_reps and spent >= budget:
-            break
-    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def attention_case(dev: _Device, dtype: str, n_seq: int, context: int, n_q: int, *,

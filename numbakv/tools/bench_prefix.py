@@ -24,6 +24,8 @@ import numpy as np
 import numbakv as nkv
 from numbakv.prefix import PrefixStore
 
+from ._timing import time_alternating
+
 
 def _median(fn: Callable[[], Any], reps: int, setup: Optional[Callable[[], Any]] = None,
             budget: float = 2.0) -> float:
@@ -219,16 +221,9 @@ def bench_ttft(prompt: int = 2048, cached: int = 1900, reps: int = 5) -> Dict[st
             out["warm"] = _forward(model, cache, 0, tokens[n:], n)
             out["n"] = n
 
-        t_cold, t_warm = [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            cold()
-            t_cold.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            warm()
-            t_warm.append(time.perf_counter() - t0)
+        t = time_alternating({"cold": cold, "warm": warm}, 0.0, reps)
         diff = float((out["cold"] - out["warm"]).abs().max())
-        tc, tw = float(np.median(t_cold)), float(np.median(t_warm))
+        tc, tw = t["cold"], t["warm"]
         return {"prompt": prompt, "cached": out["n"], "cold_ms": tc * 1e3, "warm_ms": tw * 1e3,
                 "speedup": tc / tw, "max_logit_diff": diff, "target": 5.0}
     finally:

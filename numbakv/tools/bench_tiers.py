@@ -30,6 +30,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from ._timing import time_alternating
+
 NAMESPACE = "nkv1-00000000bench000"
 TARGETS = {"disk": 0.5, "redis": 0.5, "ttft": 4.0}
 
@@ -158,21 +160,12 @@ def bench_redis(data: bytes, tokens: int, url: Optional[str] = None, block_token
             def plain_get():
                 assert len(raw.get(value_key)) == len(data)
 
-            tier_hit()
-            plain_get()
-            hits, base = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                tier_hit()
-                hits.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                plain_get()
-                base.append(time.perf_counter() - t0)
+            t = time_alternating({"hit": tier_hit, "get": plain_get}, 0.0, repeats)
             raw.close()
             tier.clear()
         finally:
             tier.close()
-        t_hit, t_get = statistics.median(hits), statistics.median(base)
+        t_hit, t_get = t["hit"], t["get"]
         return {"bytes": len(data), "tier_s": t_hit, "get_s": t_get, "ratio": t_get / t_hit}
     finally:
         if server is not None:
