@@ -189,17 +189,18 @@ class TinyLlama:
         """Roped queries ``[t, n_heads, hd]``, roped keys and values ``[t, n_kv_heads, hd]``."""
         c, p = self.config, self.layers[layer]
         h = self.rmsnorm(x, p["attn_norm"])
-        t = x.shape[0]
-        q = (h @ p["wq"]).reshape(t, c.n_heads, c.head_dim)
-        k = (h @ p["wk"]).reshape(t, c.n_kv_heads, c.head_dim)
-        v = (h @ p["wv"]).reshape(t, c.n_kv_heads, c.head_dim)
-        return self.rope(q, positions), self.rope(k, positions), v
+        q = (h @ p["wq"]).reshape(x.shape[0], c.n_heads, c.head_dim)
+        return (self.rope(q, positions),) + self._roped_kv(p, h, positions)
 
     def key_value(self, layer: int, x, positions):
         """Roped keys and values ``[t, n_kv_heads, hd]`` of layer inputs ``x`` ``[t, d]``."""
-        c, p = self.config, self.layers[layer]
-        h = self.rmsnorm(x, p["attn_norm"])
-        t = x.shape[0]
+        p = self.layers[layer]
+        return self._roped_kv(p, self.rmsnorm(x, p["attn_norm"]), positions)
+
+    def _roped_kv(self, p, h, positions):
+        """Roped keys and values ``[t, n_kv_heads, hd]`` of the normed inputs ``h`` ``[t, d]``
+        of the layer whose weights are ``p``."""
+        c, t = self.config, h.shape[0]
         k = (h @ p["wk"]).reshape(t, c.n_kv_heads, c.head_dim)
         v = (h @ p["wv"]).reshape(t, c.n_kv_heads, c.head_dim)
         return self.rope(k, positions), v
