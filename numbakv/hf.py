@@ -846,6 +846,11 @@ def _layer_class():
             idx_t = torch.from_numpy(idx.reshape(-1)).to(kp.device)
             ks = kp.index_select(0, idx_t).reshape(batch, -1, heads, dim).transpose(1, 2)
             vs = vp.index_select(0, idx_t).reshape(batch, -1, heads, vp.shape[-1]).transpose(1, 2)
+            cfg = src.config
+            if cfg.k_rotation or cfg.v_rotation:   # rotated quantized K/V: the model's own
+                from .rotation import hadamard_blocks   # attention reads the unrotated basis
+                ks = hadamard_blocks(ks, cfg.k_rotation) if cfg.k_rotation else ks
+                vs = hadamard_blocks(vs, cfg.v_rotation) if cfg.v_rotation else vs
             self.keys = ks.to(key_states.dtype)
             self.values = vs.to(value_states.dtype)
             self.is_initialized = True

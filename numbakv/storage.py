@@ -629,7 +629,8 @@ class KVStorage:
                                  f"{_quant.MAX_ROTATE_DIM}, got {self.config.head_dim}")
             with self._on_device():
                 _quant.rope_launch(self.device, self.keys, self.config.head_dim, cells, deltas,
-                                   inv_freq, rope.neox, self._k_fmt, self._k_scales, layers)
+                                   inv_freq, rope.neox, self._k_fmt, self._k_scales, layers,
+                                   self.config.k_rotation)
             return
         with self._on_device():
             _rope.launch(self.device, self.keys, self.dtype, cells, deltas, inv_freq, rope.neox,
@@ -652,12 +653,14 @@ class KVStorage:
         """put/put_range for a cache with a quantized side (inputs checked): the quantized
         side through the quantize kernel, a float side by a plain array copy."""
         with self._on_device():
-            for quantized, fmt, scales, store, x in (
-                    (self.k_quantized, self._k_fmt, self._k_scales, self.keys, key),
-                    (self.v_quantized, self._v_fmt, self._v_scales, self.values, value)):
+            for quantized, fmt, scales, store, x, rot in (
+                    (self.k_quantized, self._k_fmt, self._k_scales, self.keys, key,
+                     self.config.k_rotation),
+                    (self.v_quantized, self._v_fmt, self._v_scales, self.values, value,
+                     self.config.v_rotation)):
                 if quantized:
                     _quant.put_launch(self.device, store, layer, x, slots, start, fmt, scales,
-                                      self.dtype)
+                                      self.dtype, rot)
                     continue
                 if slots is None:
                     idx, rows = slice(start, start + x.shape[0]), x
