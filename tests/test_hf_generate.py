@@ -304,15 +304,13 @@ def test_server_refuses_a_store_of_another_cache_or_model():
     with pytest.raises(ValueError, match="PrefixStore"):
         hf.Server(model, cache, store=object())
 
-    class Labelled:                            # a store recording another model's identity
-        def __init__(self, store):
-            self._s = store
-            self.model_id = "someone/else@main#00"
-
-        def __getattr__(self, name):
-            return getattr(self._s, name)
+    wrong = PrefixStore(cache, retain_seqs=[1], model_id="someone/else@main#00")
     with pytest.raises(ValueError, match="model_id"):
-        hf.Server(model, cache, store=Labelled(PrefixStore(cache, retain_seqs=[1])))
+        hf.Server(model, cache, store=wrong)
+    wrong.close()
+    srv = hf.Server(model, cache, store=PrefixStore(cache, retain_seqs=[1],
+                                                    model_id=hf.model_id(model)))
+    assert srv.store.model_id == hf.model_id(model)
     assert hf.attached_cache(model) is None or hf.detach(model) is None
 
 
