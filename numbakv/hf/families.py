@@ -383,3 +383,123 @@ def _group_shift(shift, config, layer_type: str):
         return rope_shift_for(config, layer_type)
     except NotSupportedError:
         return None  # the cache then refuses context shift with NotSupportedError
+
+
+# ---------------------------------------------------------------------------- hybrid families
+# transformers' hybrid models keep, for every recurrent layer, a conv state (the last inputs of
+# the layer's causal convolution) and most also a recurrent state (Mamba's SSM state, the gated
+# delta net's delta state). Their layer types: "linear_attention" (gated delta net, Mamba),
+# "conv" (LFM2's short convolution), "hybrid" (Falcon-H1: a Mamba mixer beside the attention of
+# the same layer), the attention types as above.
+_RECURRENT_TYPES = frozenset({"linear_attention", "conv", "mamba"})
+_BOTH_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """One state tensor of a recurrent layer, per sequence: ``shape`` as transformers keeps it
+    (the conv state ``[conv_dim, kernel]``, channels first), ``dtype`` ``None`` for the model's
+    dtype."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: Optional[str]
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """How a hybrid model (recurrent layers beside attention layers) keeps its sequence.
+
+    ``layer_kinds[i]`` is ``"attention"``, ``"recurrent"`` or ``"both"`` (Falcon-H1: a Mamba
+    mixer and an attention beside each other in every layer); ``mixer`` is the attribute of a
+    decoder layer holding its recurrent mixer (whose ``forward(hidden_states, cache,
+    attention_mask)`` asks the cache for ``get_conv_state``/``update_recurrent_state``...);
+    ``states`` the state tensors every recurrent layer keeps per sequence; ``rope``: whether the
+    attention layers rotate their keys (Jamba's and NoPE Granite's do not)."""
+
+    family: str
+    layer_kinds: Tuple[str, ...]
+    mixer: str
+    states: Tuple[RecurrentState, ...]
+    rope: bool
+
+    @property
+    def recurrent_layers(self) -> List[int]:
+        """Model layers with a recurrent mixer, in order (recurrent layer ``j`` of the cache is
+        model layer ``recurrent_layers[j]``)."""
+        return [i for i, k in enumerate(self.layer_kinds) if k != "attention"]
+
+    @property
+    def attention_layers(self) -> List[int]:
+        """Model layers with attention, in order (attention layer ``j`` of the cache is model
+        layer ``attention_layers[j]``)."""
+        return [i for i, k in enumerate(self.layer_kinds) if k != "recurrent"]
+
+
+def _gated_delta_net_states(c) -> Tuple[RecurrentState, ...]:
+    # Qwen3-Next / Qwen3.5: conv over [q | k | v] channels; delta state [v_heads, d_k, d_v]
+    key_dim = int(c.linear_num_key_heads) * int(c.linear_key_head_dim)
+    value_dim = int(c.linear_num_value_heads) * int(c.linear_value_head_dim)
+    return (RecurrentState("conv", (2 * key_dim + value_dim, int(c.linear_conv_kernel_dim)), None),
+            RecurrentState("ssm", (int(c.linear_num_value_heads), int(c.linear_key_head_dim),
+                                   int(c.linear_value_head_dim)), "float32"))
+
+
+def _mamba2_states(c) -> Tuple[RecurrentState, ...]:
+    # Granite-4 / Bamba / Falcon-H1: conv over [x | B | C]; SSM state [heads, d_head, d_state]
+    inner = getattr(c, "mamba_d_ssm", None) or int(c.mamba_expand) * int(c.hidden_size)
+    conv_dim = int(inner) + 2 * int(c.mamba_n_groups) * int(c.mamba_d_state)
+    return (RecurrentState("conv", (conv_dim, int(c.mamba_d_conv)), None),
+            RecurrentState("ssm", (int(c.mamba_n_heads), int(c.mamba_d_head),
+                                   int(c.mamba_d_state)), "float32"))
+
+
+def _mamba1_states(c) -> Tuple[RecurrentState, ...]:
+    # Jamba: conv over the inner channels; SSM state [d_inner, d_state]
+    inner = int(c.mamba_expand) * int(c.hidden_size)
+    return (RecurrentState("conv", (inner, int(c.mamba_d_conv)), None),
+            RecurrentState("ssm", (inner, int(c.mamba_d_state)), "float32"))
+
+
+def _short_conv_states(c) -> Tuple[RecurrentState, ...]:
+    # LFM2: a gated short convolution, no recurrent state
+    return (RecurrentState("conv", (int(c.hidden_size), int(c.conv_L_cache)), None),)
+
+
+def _rope_unless(attr: str, want: str):
+    return lambda c: getattr(c, attr, want) == want
+
+
+#: model_type -> (mixer attribute, state tensors, whether attention rotates keys). The recurrent
+#: state is float32 (what transformers' scans return: the torch fallbacks, the mamba_ssm and
+#: flash-linear-attention kernels); the conv state is in the model's dtype.
+HYBRID_FAMILIES: Dict[str, Tuple[str, Any, Any]] = {
+    "qwen3_next": ("linear_attn", _gated_delta_net_states, lambda c: True),
+    "qwen3_5_text": ("linear_attn", _gated_delta_net_states, lambda c: True),
+    "qwen3_5_moe_text": ("linear_attn", _gated_delta_net_states, lambda c: True),
+    "granitemoehybrid": ("mamba", _mamba2_states, _rope_unless("position_embedding_type",
+                                                               "rope")),
+    "bamba": ("mamba", _mamba2_states, lambda c: True),
+    "falcon_h1": ("mamba", _mamba2_states, lambda c: True),
+    "lfm2": ("conv", _short_conv_states, lambda c: True),
+    "jamba": ("mamba", _mamba1_states, lambda c: False),
+}
+
+
+def hybrid_layout(model_or_config: Any) -> Optional[HybridLayout]:
+    """The :class:`HybridLayout` of a hybrid model (``None`` for a model whose layers all
+    attend). Raises ``NotSupportedError`` for a model with recurrent layers whose family is not
+    in :data:`HYBRID_FAMILIES`."""
+    config = _text_config(model_or_config)
+    types = list(getattr(config, "layer_types", None) or [])
+    if not any(t in _RECURRENT_TYPES or t in _BOTH_TYPES for t in types):
+        return None
+    family = HYBRID_FAMILIES.get(config.model_type)
+    if family is None:
+        raise NotSupportedError(f"{config.model_type}: recurrent layers of this family are not "
+                                f"in numbakv's table (hybrid families: "
+                                f"{sorted(HYBRID_FAMILIES)})")
+    mixer, states, rope = family
+    kinds = tuple("recurrent" if t in _RECURRENT_TYPES else "both" if t in _BOTH_TYPES
+                  else "attention" for t in types)
+    return HybridLayout(config.model_type, kinds, mixer, states(config), bool(rope(config)))
