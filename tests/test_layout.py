@@ -29,7 +29,7 @@ LAYERS: List[List[str]] = [
     ["storage", "pages"],
     ["state."],
     ["causal", "streams", "wrappers", "simple", "recurrent", "hybrid"],
-    ["attention", "prompt", "hf"],
+    ["attention", "prompt", "hf."],
     ["prefix."],
     ["dist."],
     # the package facade: imports the public classes, never the tools nor dist/
