@@ -108,11 +108,14 @@ def store_cache(capacity: int = 64):
     return nkv.CausalCache(cfg)
 
 
-def open_store(cache, spec: str, salt: bytes = b""):
+MODEL_ID = "tests/tiny@r1"
+
+
+def open_store(cache, spec: str, salt: bytes = b"", model_id: str = MODEL_ID, **kw):
     import numbakv as nkv
     from numbakv.prefix.tiers import is_url
     lower = {"remote": spec} if is_url(spec) else {"disk_dir": spec, "disk_bytes": 1 << 24}
-    return nkv.PrefixStore(cache, retain_seqs=(1,), salt=salt, **lower)
+    return nkv.PrefixStore(cache, retain_seqs=(1,), salt=salt, model_id=model_id, **lower, **kw)
 
 
 def prompt(n: int = 40):

@@ -152,12 +152,19 @@ class PrefixStore:
         policy: ``"lru"`` or ``"lfu"``: eviction order in every tier the store runs.
         checkpoint_tail: on sliding-window caches, keep a checkpoint this many tokens before
             the end of each saved prompt (0: none).
+        model_id: the identity of the model whose K/V the cache holds (e.g.
+            ``"org/model@revision:sha256-of-weights"``; ``hf`` builds one from the model's name,
+            revision and a digest of its weights). Part of every block key and of the lower
+            tiers' namespace: two models of the same shapes (base and instruct, a fine-tune, a
+            new revision) never see each other's entries. Required with ``disk_dir`` or
+            ``remote`` (shared beyond this process, where shapes alone cannot tell models
+            apart); optional otherwise (the cache then serves one model anyway).
     """
 
     def __init__(self, cache, *, retain_seqs: Sequence[int] = (), block_tokens: int = 16,
                  host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
                  remote: Optional[str] = None, salt: bytes = b"", policy: str = "lru",
-                 checkpoint_tail: int = 16) -> None:
+                 checkpoint_tail: int = 16, model_id: Optional[str] = None) -> None:
         for name in ("copy_prefix", "seq_rm", "seq_pos_max", "seq_pos_min", "can_resume",
                      "start_forward"):
             if not callable(getattr(cache, name, None)):
@@ -204,6 +211,14 @@ class PrefixStore:
                 ("redis://", "rediss://", "valkey://", "valkeys://", "unix://"))):
             raise ValueError(f"remote must be a URL such as 'redis://127.0.0.1:6379/0', got "
                              f"{remote!r}")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+            raise ValueError(f"model_id must be a non-empty string naming the model (e.g. "
+                             f"'org/model@revision'), got {model_id!r}")
+        if model_id is None and (disk_dir is not None or remote is not None):
+            raise ValueError("model_id is required with disk_dir or remote: the disk and Redis "
+                             "tiers are shared beyond this process, and two models of the same "
+                             "shapes would read each other's K/V; pass model_id='org/model@"
+                             "revision' (hf.Server / hf.generation_cache fill it from the model)")
         if getattr(cache, "_room_provider", None) is not None:
             raise ValueError("cache already has a prefix store (one store per cache)")
 
@@ -215,7 +230,10 @@ class PrefixStore:
         self.salt = bytes(salt)
         self._groups = groups
         from .. import state as _state
-        self.fingerprint = {"groups": [_state.fingerprint(g) for g in groups]}
+        #: the model identity (None: tiers 0 and 1 only), in every key and the namespace
+        self.model_id = model_id
+        self.fingerprint = {"groups": [_state.fingerprint(g) for g in groups],
+                            "model_id": model_id}
         first = groups[0].config
         heads = getattr(first, "head_range", None) or (0, first.n_kv_heads)
         self.layout = {"kind": type(cache).__name__, "block_tokens": block_tokens,
@@ -768,10 +786,9 @@ class PrefixStore:
         except (StateError, ValueError):
             return
         keys = [node.key for node in path]
-        for tier in self._lower:
+        for tier in self._lower:   # every lower tier: the disk for this host, Redis for all
             if tier.write_run(keys[-1], keys, data):
                 self.events.emit(ev.block_stored(path, self.block_tokens, tier.name))
-                return
 
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
         """``(n, (tier, run key, block index))``: the deepest block of ``buf`` a lower tier holds
