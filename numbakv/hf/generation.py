@@ -78,7 +78,9 @@ def _layer_class():
 
         def update(self, key_states, value_states, *args, **kwargs):
             """Store ``[batch, kv_heads, new, head_dim]`` keys/values; return this layer's
-            visible K/V ``[batch, kv_heads, kv_len, head_dim]`` in the model's dtype."""
+            visible K/V ``[batch, kv_heads, kv_len, head_dim]`` in the model's dtype. MLA
+            models hand ``(kv_nope [batch, 1, new, kv_lora_rank], k_rot [batch, 1, new,
+            rope])`` and get the visible latents back in the same form."""
             state = self.state
             batch, heads, new, dim = key_states.shape
             if self.cumulative_length == state.columns:     # the first layer of a new pass
@@ -88,12 +90,23 @@ def _layer_class():
                                    f"with {state.columns - self.cumulative_length}")
             cache = state.cache
             cache.set_layer(self.layer)
-            # rows then columns: the order begin() gave start_forward
-            k = key_states.detach().transpose(1, 2).reshape(batch * new, heads, dim)
-            v = value_states.detach().transpose(1, 2).reshape(batch * new, heads, -1)
-            want = getattr(torch, cache._attention_cache.config.dtype)
-            cache.put(k.to(want).contiguous(), v.to(want).contiguous())
             src = cache._attention_cache
+            want = getattr(torch, src.config.dtype)
+            latent = src.config.v_less
+            # rows then columns: the order begin() gave start_forward
+            if latent:
+                # MLA (transformers >= 5.24 caches the latent): key_states is kv_nope
+                # [batch, 1, new, kv_lora_rank], value_states k_rot [batch, 1, new, rope]; numbakv
+                # keeps them as one V-less row [kv_nope | k_rot] (llama.cpp's MLA cache)
+                k = torch.cat([key_states.detach(), value_states.detach().to(key_states.dtype)],
+                              dim=-1)
+                dim = k.shape[-1]
+                k = k.transpose(1, 2).reshape(batch * new, heads, dim)
+                cache.put(k.to(want).contiguous(), None)
+            else:
+                k = key_states.detach().transpose(1, 2).reshape(batch * new, heads, dim)
+                v = value_states.detach().transpose(1, 2).reshape(batch * new, heads, -1)
+                cache.put(k.to(want).contiguous(), v.to(want).contiguous())
             host = src._host_pages()
             key, value, _ = src.get()
             lo, _ = src.cell_range()
@@ -107,9 +120,15 @@ def _layer_class():
                             for b in order]).astype(np.int64) - lo
             idx_t = torch.from_numpy(idx.reshape(-1)).to(kp.device)
             ks = kp.index_select(0, idx_t).reshape(batch, -1, heads, dim).transpose(1, 2)
-            vs = vp.index_select(0, idx_t).reshape(batch, -1, heads, vp.shape[-1]).transpose(1, 2)
-            self.keys = ks.to(key_states.dtype)
-            self.values = vs.to(value_states.dtype)
+            if latent:     # hand back (kv_nope, k_rot) as the model gave them
+                rank = key_states.shape[-1]
+                self.keys = ks[..., :rank].to(key_states.dtype)
+                self.values = ks[..., rank:].to(value_states.dtype)
+            else:
+                vs = vp.index_select(0, idx_t).reshape(batch, -1, heads,
+                                                       vp.shape[-1]).transpose(1, 2)
+                self.keys = ks.to(key_states.dtype)
+                self.values = vs.to(value_states.dtype)
             self.is_initialized = True
             self.cumulative_length += new        # counted once stored and read back
             return self.keys, self.values
