@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -199,11 +199,14 @@ class SeqSnapshot:
             (:func:`numbakv.state.fingerprint`); a WrapperCache's is ``{"groups": [one per
             group]}``.
         head_range: ``(first, stop)``: the KV heads the rows hold.
+        metadata: str -> str pairs saved with the bytes (covered by their checksum), e.g. what
+            the prefix tiers bind a run to (its run and block keys); empty by default.
     """
 
     parts: Tuple[SnapshotPart, ...]
     fingerprint: Dict[str, Any]
     head_range: Tuple[int, int]
+    metadata: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parts = self.parts
@@ -226,6 +229,7 @@ class SeqSnapshot:
                                  f"{hr[1] - hr[0]}")
         object.__setattr__(self, "parts", tuple(parts))
         object.__setattr__(self, "head_range", hr)
+        object.__setattr__(self, "metadata", _st._check_metadata(self.metadata))
 
     @property
     def positions(self) -> np.ndarray:
@@ -301,9 +305,12 @@ class SeqSnapshot:
                            head_range=(first.head_range[0], snaps[-1].head_range[1]))
 
     # ---------------------------------------------------------------- bytes
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, metadata: Optional[Dict[str, str]] = None) -> bytes:
         """The snapshot in the state codec (safetensors with a checksum; kind
-        ``seq-snapshot``)."""
+        ``seq-snapshot``), with ``self.metadata`` updated by ``metadata`` (str -> str; read back
+        as ``from_bytes(...).metadata``)."""
+        meta = dict(self.metadata)
+        meta.update(_st._check_metadata(metadata))
         config = {"head_range": list(self.head_range), "fingerprint": self.fingerprint,
                   "parts": [{"k_format": p.k_format, "v_format": p.v_format,
                              "n_layers": p.n_layers} for p in self.parts]}
@@ -316,7 +323,7 @@ class SeqSnapshot:
             specs: List[_st._Spec] = []
             for g, p in enumerate(self.parts):
                 specs += _part_specs(p, f"g{g}.")
-            return _st._base_metadata(KIND, config, None), specs
+            return _st._base_metadata(KIND, config, meta), specs
         return _st._to_bytes(build, False)
 
     @staticmethod
@@ -441,7 +448,8 @@ def _snapshot_of_state(state) -> SeqSnapshot:
         except ValueError as exc:
             raise state.fail(f"part {g}: {exc}") from None
     try:
-        return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range)
+        return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range,
+                           metadata=state.user_metadata())
     except ValueError as exc:
         raise state.fail(str(exc)) from None
 
