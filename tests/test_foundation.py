@@ -319,7 +319,8 @@ def _public_callables():
     package_dir = pathlib.Path(nkv.__file__).parent
     for module_name in PUBLIC_MODULES:
         sub = module_name.partition(".")[2]
-        if sub and not (package_dir / f"{sub}.py").is_file():
+        if sub and not ((package_dir / f"{sub}.py").is_file()
+                        or (package_dir / sub / "__init__.py").is_file()):
             continue  # not in this checkout (an editable install elsewhere may still answer)
         module = importlib.import_module(module_name)
         for name in module.__all__:

@@ -28,9 +28,9 @@ def tier(request, tmp_path):
     if request.param == "host":
         return dict(host_bytes=1 << 20)
     if request.param == "disk":
-        return dict(disk_dir=str(tmp_path / "store"), disk_bytes=1 << 22)
+        return dict(disk_dir=str(tmp_path / "store"), disk_bytes=1 << 22, model_id="test/faults")
     pytest.importorskip("redis")
-    return dict(remote=request.getfixturevalue("redis_url"))
+    return dict(remote=request.getfixturevalue("redis_url"), model_id="test/faults")
 
 
 def sliding_cache(**kw):
@@ -48,11 +48,13 @@ def test_pruned_sliding_prefix_is_not_saved_or_served(tier):
         prefill(cache, 0, tokens, chunk=4)          # the window keeps positions 20..29 only
         assert cache.seq_pos_min(0) > 6
         assert store.save(0, tokens[:6]) == 0       # no cell holds positions 0..5
+        store.flush()
         assert store.match(tokens[:6]) == 0
         assert store.load(1, tokens[:6]) == 0
         assert cache.seq_pos_max(1) == -1
         # what the window still holds is kept and served whole
         n = store.save(0, tokens)
+        store.flush()
         if n:
             got = store.load(1, tokens)
             assert got == n and cache.can_resume(1, n)
@@ -66,7 +68,7 @@ def lower_store(spec, cache=None, **kw):
     """A store whose saves go straight to one lower tier (no cells, no host RAM)."""
     cache = cache or small_cache()
     where = dict(remote=spec) if "://" in spec else dict(disk_dir=spec, disk_bytes=1 << 22)
-    return cache, nkv.PrefixStore(cache, block_tokens=16, **where, **kw)
+    return cache, nkv.PrefixStore(cache, block_tokens=16, model_id="test/faults", **where, **kw)
 
 
 def prompt(seed: int, n: int = 64):
@@ -80,6 +82,7 @@ def saved(spec, *prompts):
         for i, p in enumerate(prompts):
             prefill(cache, 0, p)
             store.save(0, p)
+            store.flush()
             cache.seq_rm(0)
     finally:
         store.close()
@@ -128,6 +131,7 @@ def assert_miss_then_heals(spec, p, expected_tier):
             cache.seq_rm(1)
         prefill(cache, 0, p)
         assert store.save(0, p) == len(p)           # 3: a fresh save replaces the bad entry
+        store.flush()
         cache.seq_rm(0)
         assert store.match(p) == len(p)
         assert store.load(1, p) == len(p)
@@ -211,7 +215,9 @@ def test_save_returns_what_a_lower_tier_stored(spec):
         p = prompt(7)
         prefill(cache, 0, p)
         assert store.save(0, p) == len(p)
+        store.flush()
         assert store.save(0, p) == len(p)           # already there: still kept
+        store.flush()
         cache.seq_rm(0)
         assert store.match(p) == len(p)
     finally:
@@ -220,7 +226,9 @@ def test_save_returns_what_a_lower_tier_stored(spec):
     try:
         prefill(cache, 0, p)
         assert store.save(0, p) == len(p)           # host RAM
+        store.flush()
         assert store.save(0, p) == len(p)           # host RAM already keeps it
+        store.flush()
     finally:
         store.close()
 

@@ -172,8 +172,11 @@ def split_url(url: str) -> Tuple[str, Optional[int]]:
                     from None
         else:
             kept.append((name, value))
-    url = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path,
-                                   urllib.parse.urlencode(kept), parts.fragment))
+    # spelled out rather than urlunsplit: that drops the "//" of an empty netloc, and the
+    # client refuses "unix:/path" (it needs "unix:///path")
+    query_text = urllib.parse.urlencode(kept)
+    url = (f"{scheme}://{parts.netloc}{parts.path}" + (f"?{query_text}" if query_text else "")
+           + (f"#{parts.fragment}" if parts.fragment else ""))
     return url, budget
 
 
