@@ -1345,3 +1345,28 @@ def recurrent_part_of(state, prefix: str, specs) -> RecurrentPart:
     except ValueError as exc:
         raise state.fail(f"recurrent state{' ' + prefix.rstrip('.') if prefix else ''}: "
                          f"{exc}") from None
+
+
+def recurrent_blob(part: RecurrentPart, layer_kinds: Sequence[str]) -> bytes:
+    """``part`` (and the hybrid's ``layer_kinds``) as a ``recurrent-seq`` state: what
+    ``numbakv.dist`` sends after a hybrid snapshot's K/V rows (a ``RecurrentCache`` can load it
+    as one sequence)."""
+    config = {"layout": part.layout(), "seqs": [0], "layer_kinds": list(layer_kinds)}
+    return _st._to_bytes(lambda: (_st._base_metadata("recurrent-seq", config, None),
+                                  recurrent_specs(part, "s0.")), False)
+
+
+def recurrent_from_blob(data: bytes) -> Tuple[RecurrentPart, Tuple[str, ...]]:
+    """``(part, layer_kinds)`` from :func:`recurrent_blob` output; anything else raises
+    ``StateError``. The arrays are views of ``data``."""
+    with _st._Opened(data) as state, _st._untrusted(state.what):
+        if state.kind != "recurrent-seq":
+            raise state.fail(f"kind {state.kind!r} is not a sequence's recurrent state")
+        kinds = state.config.get("layer_kinds")
+        if not isinstance(kinds, list) or not kinds or \
+                not all(k in ("attention", "recurrent") for k in kinds):
+            raise state.fail("config field 'layer_kinds' must list 'attention' / 'recurrent'")
+        specs, _, expected = recurrent_expect(state, "s0.", state.config.get("layout"))
+        state.expect(expected)
+        state.verify_checksum()
+        return recurrent_part_of(state, "s0.", specs), tuple(kinds)
