@@ -274,3 +274,19 @@ def test_measure_interleaved_alternates_and_resets():
     assert steps[:6] == ["a", "b", "slow", "a", "b", "slow"]      # warm-up, then interleaved
     assert all(log[i + 1] == log[i] + ".reset" for i in range(0, len(log), 2))
     assert all(r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in res)
+
+
+@pytest.mark.torch
+def test_generate_section_quick(capsys):
+    pytest.importorskip("transformers")
+    from numbakv.tools import bench_generate
+    res = bench_generate.run_generate(quick=True)
+    assert [(r["dtype"], r["threads"]) for r in res["steps"]] == [
+        ("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+    for r in res["steps"]:
+        # numbakv's step attends over what it holds: the same output as SDPA over StaticCache
+        assert r["max_abs_diff_vs_static"] < (1e-4 if r["dtype"] == "float32" else 3e-2)
+        assert all(r[k]["median"] > 0 for k in bench_generate.CONTENDERS)
+    assert [r["threads"] for r in res["generate"]] == [1, 2]
+    text = "\n".join(bench_generate.format_generate(res))
+    assert "StaticCache" in text and "tok/s" in text
