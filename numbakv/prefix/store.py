@@ -20,6 +20,10 @@ How it works (``docs/prefix.md`` has the user's view):
 * **Tier 1.** Demoted entries are ``SeqSnapshot`` objects (``cache.export_seq``) under the
   ``host_bytes`` hard budget, least recently used first out (to disk/Redis when configured). A
   hit imports them (``cache.import_seq``) and promotes the prefix back to cells.
+* **Tiers 2 and 3** (disk, Redis/Valkey; ``tiers/``): every ``save`` is written through to them
+  by a bounded background writer (``writer.py``): the request copies the prompt's rows out of
+  the cells and goes on; ``flush()`` waits for the writer, ``close()`` (also at interpreter exit)
+  writes the rest. Entries that leave host RAM are written there too (if not already).
 * **Sliding windows.** On caches with a window memory (``CausalCache(swa_window=...)`` or a
   ``WrapperCache`` with such a group) a sequence only keeps the last ``swa_memory`` positions of
   its sliding layers, so an entry can resume only where its window is still whole: ``match``
@@ -36,9 +40,11 @@ budget`` for every tier.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
-from collections import defaultdict
+import weakref
+from collections import OrderedDict, defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -48,12 +54,33 @@ from . import events as ev
 from .index import BlockIndex, Entry, Match
 from .keys import block_keys, namespace, root_digest
 from .policy import make_policy
+from .tiers.base import BIND_RUN, is_bound
 from .tiers.host import HostTier
+from .writer import Job, TierWriter
 
 CELLS, HOST = "cells", "host"
 #: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
 TokenIds = Union[Sequence[int], np.ndarray]
 _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
+#: the floor of an entry that can serve no length at all (its window pruned the whole prefix)
+_NEVER = 1 << 62
+_MAX_DISTRUST = 4096
+
+#: stores still open, closed at interpreter exit (weak: the registry keeps none alive)
+_LIVE: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
+
+
+def _close_live_stores() -> None:
+    """At interpreter exit: close every open store, so what they hold and what their writers
+    have queued reaches the disk / Redis tiers (a process that forgot ``close()`` keeps it)."""
+    for store in list(_LIVE):
+        try:
+            store.close()
+        except Exception:   # noqa: BLE001 - exiting: one store's failure must not stop others
+            pass
+
+
+atexit.register(_close_live_stores)
 
 
 def _int_arg(name: str, value, low: int) -> int:
@@ -152,6 +179,9 @@ class PrefixStore:
         policy: ``"lru"`` or ``"lfu"``: eviction order in every tier the store runs.
         checkpoint_tail: on sliding-window caches, keep a checkpoint this many tokens before
             the end of each saved prompt (0: none).
+        event_bytes: bound (estimated bytes) of the KV events waiting for ``take_events``;
+            past it the oldest are dropped (``stats()["events_dropped"]``); 0 keeps none (a
+            publisher still gets every event).
         model_id: the identity of the model whose K/V the cache holds (e.g.
             ``"org/model@revision:sha256-of-weights"``; ``hf`` builds one from the model's name,
             revision and a digest of its weights). Part of every block key and of the lower
@@ -159,12 +189,24 @@ class PrefixStore:
             new revision) never see each other's entries. Required with ``disk_dir`` or
             ``remote`` (shared beyond this process, where shapes alone cannot tell models
             apart); optional otherwise (the cache then serves one model anyway).
+        write_through: with disk/Redis tiers, each ``save`` also reaches them as it happens:
+            the prompt's rows are copied out of the cells (the request waits for that copy
+            only) and a background writer encodes and writes them (``flush()`` waits for it).
+            False: the lower tiers get entries only when they leave host RAM, at ``flush`` and
+            at ``close``.
+        write_queue_bytes: bound of the writer's queue (K/V bytes waiting to be written; a
+            save that does not fit is written later, at eviction / ``flush`` / ``close``).
+
+    Use it as a context manager (``with PrefixStore(...) as store:``) or call ``close()``; an
+    open store is also closed at interpreter exit (its writes reach the lower tiers).
     """
 
     def __init__(self, cache, *, retain_seqs: Sequence[int] = (), block_tokens: int = 16,
                  host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
                  remote: Optional[str] = None, salt: bytes = b"", policy: str = "lru",
-                 checkpoint_tail: int = 16, model_id: Optional[str] = None) -> None:
+                 checkpoint_tail: int = 16, model_id: Optional[str] = None,
+                 write_through: bool = True, write_queue_bytes: int = 256 << 20,
+                 event_bytes: int = ev.DEFAULT_MAX_BYTES) -> None:
         for name in ("copy_prefix", "seq_rm", "seq_pos_max", "seq_pos_min", "can_resume",
                      "start_forward"):
             if not callable(getattr(cache, name, None)):
@@ -200,6 +242,7 @@ class PrefixStore:
         host_bytes = _int_arg("host_bytes", host_bytes, 0)
         disk_bytes = _int_arg("disk_bytes", disk_bytes, 0)
         checkpoint_tail = _int_arg("checkpoint_tail", checkpoint_tail, 0)
+        event_bytes = _int_arg("event_bytes", event_bytes, 0)
         if not isinstance(salt, (bytes, bytearray)):
             raise ValueError(f"salt must be bytes, got {type(salt).__name__}")
         self._policy_name = make_policy(policy).name   # validates
@@ -219,6 +262,9 @@ class PrefixStore:
                              "tiers are shared beyond this process, and two models of the same "
                              "shapes would read each other's K/V; pass model_id='org/model@"
                              "revision' (hf.Server / hf.generation_cache fill it from the model)")
+        if not isinstance(write_through, (bool, np.bool_)):
+            raise ValueError(f"write_through must be a bool, got {write_through!r}")
+        write_queue_bytes = _int_arg("write_queue_bytes", write_queue_bytes, 0)
         if getattr(cache, "_room_provider", None) is not None:
             raise ValueError("cache already has a prefix store (one store per cache)")
 
@@ -254,15 +300,25 @@ class PrefixStore:
         self.tokens_reused = 0
         self.tokens_matched = 0
         self.bytes_moved = 0
-        self.events = ev.EventLog()
+        self.events = ev.EventLog(max_bytes=event_bytes)
         self._lower: List[Any] = []
+        #: (tier name, block key) -> run key: lower-tier pointers found to name a run that does
+        #: not hold their block (skipped while they still name that run; bounded)
+        self._distrust: "OrderedDict[Tuple[str, str], str]" = OrderedDict()
         self._lower_specs = [(kind, spec, budget) for kind, spec, budget in
                              (("disk", disk_dir, disk_bytes), ("redis", remote, 0))
                              if spec is not None]
+        self.write_through = bool(write_through)
+        self._writer: Optional[TierWriter] = None
         if self._lower_specs:
             self._open_lower()
+            self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes)
+            # a store collected without close(): its writer still drains and stops (not at
+            # exit: _close_live_stores closes the store, writer included, then)
+            weakref.finalize(self, self._writer.close).atexit = False
         self._closed = False
         cache._room_provider = self._make_room
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ lower tiers
     def _open_lower(self) -> None:
@@ -310,16 +366,24 @@ class PrefixStore:
         floor = 0
         for g, window, memory in self._sliding:
             first = g.seq_pos_min(seq)
+            if not 0 <= first < length:
+                # the window already pruned every position of the prefix (an empty sequence's
+                # seq_pos_min is -1): it can serve nothing, not "everything from 0"
+                return _NEVER
             held = max(first, length - memory)
             if held > 0:
                 floor = max(floor, held + window)
         return floor
 
     def _floor_of_snapshot(self, snap) -> int:
+        """As :meth:`_floor_of_seq`, for an exported snapshot (a sliding group's part holding
+        no position: nothing servable)."""
         floor = 0
         for (g, window, memory), part in zip(self._groups_windows(), snap.parts):
-            if window is None or memory is None or not len(part.positions):
+            if window is None or memory is None:
                 continue
+            if not len(part.positions):
+                return _NEVER
             first = int(part.positions[0])
             if first > 0:
                 floor = max(floor, first + window)
@@ -403,18 +467,26 @@ class PrefixStore:
         if not self._sliding and length and self.cache.seq_pos_min(seq) != 0:
             raise ValueError(f"seq {seq} does not hold position 0: it holds no prefix to save")
         pending = self._pending.pop(seq, [])
+        # on sliding-window caches the window may have pruned the whole prefix already (a
+        # prompt saved after a long generation): nothing of it can be served, keep nothing
+        servable = not self._sliding or self._floor_of_seq(seq, length) <= length
         if not cache or length == 0 or not self.retain_seqs:
             for r, _ in pending:
                 self._release_seq(r)
-            if cache and length and not self.retain_seqs and (self.host_bytes or self._lower) \
-                    and self._serves(root, buf) < length:
+            if cache and length and servable and not self.retain_seqs \
+                    and (self.host_bytes or self._lower):
+                if self._serves(root, buf) >= length:
+                    return length       # host RAM keeps it already
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = _owned(self.cache.export_seq(seq, 0, length))
                 self.bytes_moved += snap.nbytes
-                return length if self._admit_host(root, buf, snap) else 0
+                if self._admit_host(root, buf, snap):
+                    self._write_through(root, buf, snap)
+                    return length
+                return 0
             return 0
         self._pending[seq] = pending   # main may take one of them when nothing else is free
-        main = self._keep(seq, root, buf)
+        main = self._keep(seq, root, buf) if servable else None
         pending = self._pending.pop(seq, [])
         protect = {main.id} if main is not None else set()
         for r, n in pending:   # marked checkpoints: their tokens are known now (no new cells)
@@ -427,7 +499,8 @@ class PrefixStore:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
                 self._keep(seq, root, buf[:8 * c], protect=protect)
-        return 0 if main is None else length
+        queued = self._write_through(root, buf, seq=seq)
+        return length if main is not None or (queued and servable) else 0
 
     def checkpoint(self, seq: int) -> int:
         """Keep a sliding-window checkpoint at ``seq``'s current end (call it where a later
@@ -501,13 +574,38 @@ class PrefixStore:
         for tier in self._lower:
             s = dict(tier.stats())
             tiers[tier.name] = s
-        return {"tiers": tiers, "tokens_reused": self.tokens_reused,
+        self._drain_writer()
+        return {"tiers": tiers, "writer": self._writer.stats() if self._writer else None, "tokens_reused": self.tokens_reused,
                 "tokens_matched": self.tokens_matched, "bytes_moved": self.bytes_moved,
                 "events_dropped": self.events.dropped}
 
     def take_events(self) -> List[Dict[str, Any]]:
         """The events since the last call (see ``events.py``: vLLM's KV event fields)."""
+        self._drain_writer()
         return self.events.take()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Make every entry this store holds reach the disk / Redis tiers: wait for the
+        background writer, then write (through it) the local entries no lower tier was given
+        yet (saves the writer's bounded queue refused). Returns False when ``timeout`` seconds
+        passed first (the rest is still written in the background). Without lower tiers:
+        nothing to do, True."""
+        self._check_open()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        if self._writer is None:
+            return True
+        self._flush_down(skip_known=True)
+        done = self._writer.flush(timeout)
+        self._drain_writer()
+        return done
+
+    def __enter__(self) -> "PrefixStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def publish_events(self, endpoint: str, topic: str = "kv-events") -> str:
         """Also publish every event on a ZeroMQ PUB socket bound to ``endpoint`` (needs
@@ -531,6 +629,10 @@ class PrefixStore:
                 p.remove(k)
         self._pins.clear()
         self.host = HostTier(self.host_bytes)
+        if self._writer is not None:
+            self._writer.flush()      # nothing queued before the clear lands after it
+            self._drain_writer()
+            self._writer.forget()
         for tier in self._lower:
             tier.clear()
         self.events.emit(ev.all_cleared())
@@ -541,8 +643,12 @@ class PrefixStore:
         tiers (their stored runs stay for other processes)."""
         if self._closed:
             return
+        _LIVE.discard(self)
         if self._lower and not getattr(self.cache, "closed", False):
-            self._flush_down()
+            self._flush_down(skip_known=True)
+        if self._writer is not None:
+            self._writer.close()
+            self._drain_writer()
         lower, self._lower = self._lower, []
         try:
             if not getattr(self.cache, "closed", False):
@@ -710,8 +816,10 @@ class PrefixStore:
     def _admit_host(self, root: bytes, buf: bytes, snap) -> bool:
         """Keep ``snap`` (the K/V of prompt ``buf``'s first tokens) in host RAM, evicting least
         recently used unpinned host entries (to the lower tiers) to fit; too large or no room:
-        straight to the lower tiers."""
+        straight to the lower tiers. Returns whether some tier now keeps it."""
         nbytes = int(snap.nbytes)
+        if self._sliding and self._floor_of_snapshot(snap) > len(buf) // 8:
+            return False    # its window holds none of the prefix: it could never be served
         if self.host_bytes and nbytes <= self.host_bytes:
             if not self.host.fits(nbytes):
                 for eid in self._policy[HOST].victims():
@@ -730,10 +838,9 @@ class PrefixStore:
                 return True
         path = self.index.insert_path(root, buf)     # the block keys (no entry covers them)
         try:
-            self._write_lower(path, snap)
+            return self._write_lower(path, snap)
         finally:
             self.index.prune(path)                   # nodes no entry covers leave the index
-        return False
 
     def _evict_host(self, e: Entry) -> None:
         self._drop_entry(e)
@@ -764,34 +871,97 @@ class PrefixStore:
             self.host.remove(source.nbytes)
 
     # ------------------------------------------------------------------ disk / redis
-    def _flush_down(self) -> None:
+    def _flush_down(self, skip_known: bool = False) -> None:
         """Write every local entry the lower tiers may not hold yet (cells, then host) down to
-        them, so a later process finds what this one kept (``close``). Best effort: a tier
-        that refuses (full, down) is skipped, as at any demotion."""
+        them, so a later process finds what this one kept (``close``, ``flush``). Best effort:
+        a tier that refuses (full, down) is skipped, as at any demotion. ``skip_known``: skip
+        runs this process already wrote or queued."""
         for e in sorted(self.index.entries.values(), key=lambda e: -e.length):
+            if not e.path or (skip_known and self._writer is not None
+                              and self._writer.known(e.path[-1].key)):
+                continue
             if e.tier == CELLS:
-                try:
-                    snap = self.cache.export_seq(e.seq, 0, e.length)
+                try:   # owned rows: the writer encodes them later
+                    snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
                 except (KVCacheError, ValueError):
                     continue
             else:
                 snap = e.payload
             self._write_lower(e.path, snap)
 
-    def _write_lower(self, path, snap) -> None:
-        if not self._lower or not path:
-            return
+    def _write_lower(self, path, snap) -> bool:
+        """Give the run ``snap`` (owned rows of the prompt whose nodes are ``path``) to every
+        lower tier (the disk for this host, Redis for all) through the background writer; when
+        its queue is full, write it here (the entry is leaving the local tiers: it must not be
+        lost). Returns whether it was written or queued (False: no lower tier, or nothing of
+        it can be served: see :meth:`_job`)."""
+        if self._writer is None or not path:
+            return False
+        if self._writer.known(path[-1].key):
+            return True   # written (or queued) already: by write-through at its save
+        job = self._job(path, snap)
+        if job is None:
+            return False
+        if not self._writer.submit(job):
+            self._writer.write_now(job)
+        return True
+
+    def _job(self, path, snap) -> Optional[Job]:
+        """The writer's job for the run ``snap`` of the prompt ``path`` spells. Its bytes will
+        carry their run key and block keys (``tiers.base.binding``, under the snapshot's
+        checksum) so a read can check that what it got is what its key names (:meth:`_bound`).
+        On sliding-window caches only the blocks the run can serve (ending at or past its
+        floor) get a pointer, so a lookup never promises a length the run's window cannot
+        resume at; None when it can serve none."""
+        first = 0
+        if self._sliding:
+            floor = self._floor_of_snapshot(snap)
+            if floor > path[-1].end:
+                return None
+            first = next(i for i, node in enumerate(path) if node.end >= floor)
+        return Job([node.key for node in path], snap, int(snap.nbytes), tag=path,
+                   first=first)
+
+    def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None
+                       ) -> bool:
+        """A save reaches the lower tiers as it happens: queue the prompt's rows (``snap``, or
+        a copy of ``seq``'s first ``len(buf)/8`` positions) for the background writer, unless
+        it already wrote or queued that run; returns whether it is written or queued. A full
+        queue drops the write (counted in ``stats()["writer"]["refused"]``): the entry stays
+        local and is written at its eviction, ``flush`` or ``close``."""
+        if self._writer is None or not self.write_through or not buf:
+            return False
+        path = self.index.insert_path(root, buf)
         try:
-            data = snap.to_bytes()
-        except (StateError, ValueError):
+            if self._writer.known(path[-1].key):
+                return True
+            if snap is None:
+                try:
+                    snap = _owned(self.cache.export_seq(seq, 0, len(buf) // 8))
+                except (KVCacheError, ValueError):
+                    return False   # a cache that cannot export: written only if demoted
+            job = self._job(path, snap)
+            return job is not None and self._writer.submit(job)
+        finally:
+            self.index.prune(path)   # nodes no entry covers leave the index
+
+    def _drain_writer(self) -> None:
+        """``BlockStored`` events (medium: the lower tier) for runs the writer finished."""
+        if self._writer is None:
             return
-        keys = [node.key for node in path]
-        for tier in self._lower:   # every lower tier: the disk for this host, Redis for all
-            if tier.write_run(keys[-1], keys, data):
-                self.events.emit(ev.block_stored(path, self.block_tokens, tier.name))
+        for path, tier_name in self._writer.results():
+            self.events.emit(ev.block_stored(path, self.block_tokens, tier_name))
+
+    @staticmethod
+    def _bound(snap, run_key: str, block: int, block_key: str) -> bool:
+        """Whether ``snap`` (read from a lower tier under ``run_key``, found by the pointer of
+        block ``block`` whose key is ``block_key``) is that run and holds that block: a file
+        copied or linked under another run's name, or a pointer rewritten to another run,
+        serves nothing."""
+        return is_bound(snap.metadata, run_key, block, block_key)
 
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
-        """``(n, (tier, run key, block index))``: the deepest block of ``buf`` a lower tier holds
+        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a lower tier holds
         beyond ``local`` tokens, one ``find_blocks`` round trip per tier."""
         keys = block_keys(np.frombuffer(buf, "<i8"), self.block_tokens, root)
         first = local // self.block_tokens
@@ -801,23 +971,37 @@ class PrefixStore:
         for tier in self._lower:
             found = tier.find_blocks(want)
             for i in range(len(found) - 1, -1, -1):
-                if found[i] is not None:
+                if found[i] is not None and (not self._distrust or self._distrust.get(
+                        (tier.name, want[i])) != found[i][0]):
                     b = first + i
                     n = min(len(buf) // 8, (b + 1) * self.block_tokens)
                     if n > local:
-                        return n, (tier, found[i][0], b)
+                        return n, (tier, found[i][0], b, want[i])
                     break
         return 0, None
 
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
-        n, (tier, run_key, _) = hit
+        n, (tier, run_key, block, block_key) = hit
         data = tier.read_runs([run_key])[0]
         if data is None:
             self._counts[tier.name]["misses"] += 1
             return 0
         try:
-            snap = _slice_snapshot(SeqSnapshot.from_bytes(data), n)
+            snap = SeqSnapshot.from_bytes(data)
+            if snap.metadata.get(BIND_RUN) != run_key:
+                raise StateError(f"the {tier.name} tier's run {run_key} holds another run's "
+                                 "bytes")
+            if not self._bound(snap, run_key, block, block_key):
+                # the run is whole but the pointer that led here names the wrong run: distrust
+                # the pointer (not the run) until it changes (a fresh save rewrites it)
+                self._distrust[(tier.name, block_key)] = run_key
+                while len(self._distrust) > _MAX_DISTRUST:
+                    self._distrust.popitem(last=False)
+                tier._count("invalid")
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            snap = _slice_snapshot(snap, n)
             if self._sliding and self._floor_of_snapshot(snap) > n:
                 self._counts[tier.name]["misses"] += 1
                 return 0
