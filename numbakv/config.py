@@ -19,7 +19,11 @@ MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
 #: block). q8_0 and q4_0 are ggml's block formats (an f16 scale then 32 int8s, or 16 bytes of
 #: nibbles); float8_e4m3 is one float8_e4m3fn byte per value (a "block" of one) with a per-layer
 #: scale, vLLM's fp8 KV cache.
-QUANT_TYPES = {"q8_0": (32, 34), "q4_0": (32, 18), "float8_e4m3": (1, 1)}
+QUANT_TYPES = {"q8_0": (32, 34), "q4_0": (32, 18), "float8_e4m3": (1, 1),
+               "fp8_ds_mla": (576, 656)}
+#: FlashMLA's fp8 MLA row (``k_dtype="fp8_ds_mla"``, see kernels/mla.py): one "block" per
+#: 576-value latent row (512 latent + 64 rope), 656 bytes; V-less caches only
+DS_MLA = "fp8_ds_mla"
 DEVICES = ("auto", "cpu", "cuda", "sim")
 #: The sequence bitset of a cell has this many bits (see cells.py).
 MAX_SEQS_LIMIT = 256
@@ -231,6 +235,14 @@ class CacheConfig:
                 raise ValueError(f"{dim_name} must be a multiple of {per_block} for {name}="
                                  f"{kind!r} (ggml blocks run along it), got {dim}")
             set_(name, kind)
+        if self.v_dtype == DS_MLA:
+            raise ValueError("v_dtype='fp8_ds_mla' is a key (latent row) format: MLA caches "
+                             "store no V (v_head_dim=0)")
+        if self.k_dtype == DS_MLA and (self.head_dim != 576 or self.v_head_dim != 0):
+            raise ValueError(f"k_dtype='fp8_ds_mla' is FlashMLA's 656-byte row of one MLA latent "
+                             f"(512 latent + 64 rope values): it needs head_dim=576 and "
+                             f"v_head_dim=0, got head_dim={self.head_dim}, "
+                             f"v_head_dim={self.v_head_dim}")
         if self.v_head_dim == 0 and (self.v_quantized or self.permuted_v):
             raise ValueError(f"v_head_dim=0 (a V-less latent layer: no V is stored) takes no "
                              f"v_dtype other than dtype and no permuted_v, got v_dtype="
@@ -510,12 +522,16 @@ def check_rope_layout(config: CacheConfig, rope: RopeShift) -> int:
     (``NotSupportedError``); on quantized keys with an offset the rope dims fill whole blocks
     (``ValueError``)."""
     dim = rope.rotary_dim(config.head_dim)
+    if config.k_dtype == DS_MLA and (rope.offset, dim) != (512, 64):
+        raise NotSupportedError(f"k_dtype='fp8_ds_mla' keeps the rope dims as the row's 64 "
+                                f"trailing bfloat16 values: the shift must be RopeShift(dim=64, "
+                                f"offset=512), got offset={rope.offset}, dim={dim}")
     if config.v_less and rope.offset + dim != config.head_dim:
         raise NotSupportedError(
             f"an MLA (v_head_dim=0) latent row keeps its rope dims last: the shift must rotate "
             f"dims [head_dim - n_rot, head_dim) = RopeShift(dim=n_rot, offset=head_dim - n_rot),"
             f" got offset={rope.offset}, dim={dim} on head_dim={config.head_dim}")
-    if config.k_dtype in QUANT_TYPES and rope.offset:
+    if config.k_dtype in QUANT_TYPES and config.k_dtype != DS_MLA and rope.offset:
         per_block = QUANT_TYPES[config.k_dtype][0]
         if rope.offset % per_block or dim % per_block:
             raise ValueError(f"a RopeShift with offset={rope.offset}, dim={dim} on "

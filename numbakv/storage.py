@@ -22,6 +22,7 @@ from ._jit import njit
 from .config import (CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, QUANT_TYPES, RopeShift,
                      check_rope_layout)
 from .kernels import mask as _mask
+from .kernels import mla as _mla
 from .kernels import move as _move
 from .kernels import put as _put
 from .kernels import quant as _quant
@@ -630,6 +631,11 @@ class KVStorage:
                 _rope.launch(self.device, self.keys, self.dtype, cells, deltas, inv_freq,
                              rope.neox, layers, col=rope.offset)
             return
+        if self._k_ds_mla:   # FlashMLA's row: the bfloat16 rope values turn in place
+            with self._on_device():
+                _rope.launch(self.device, self.keys.view(np.uint16), "bfloat16", cells, deltas,
+                             inv_freq, rope.neox, layers, col=_mla.ROPE_AT // 2)
+            return
         keys, dim = self.rope_keys(rope)
         if self.k_quantized:
             if dim > _quant.MAX_ROTATE_DIM:
@@ -663,6 +669,8 @@ class KVStorage:
         scratch of a cache with a quantized side."""
         cfg = self.config
         self._k_fmt = _quant.FORMATS.get(cfg.k_dtype, 0)
+        #: FlashMLA's fp8_ds_mla latent rows (kernels/mla.py) rather than a ggml/float8 format
+        self._k_ds_mla = cfg.k_dtype == "fp8_ds_mla"
         self._v_fmt = _quant.FORMATS.get(cfg.v_dtype, 0)
         self._k_scales = self.xp.asarray(cfg.layer_scales("k"))
         self._v_scales = self.xp.asarray(cfg.layer_scales("v"))
@@ -677,6 +685,9 @@ class KVStorage:
             for quantized, fmt, scales, store, x in (
                     (self.k_quantized, self._k_fmt, self._k_scales, self.keys, key),
                     (self.v_quantized, self._v_fmt, self._v_scales, self.values, value)):
+                if quantized and store is self.keys and self._k_ds_mla:
+                    _mla.put_launch(self.device, store, layer, x, slots, start, self.dtype)
+                    continue
                 if quantized:
                     _quant.put_launch(self.device, store, layer, x, slots, start, fmt, scales,
                                       self.dtype)
@@ -714,6 +725,10 @@ class KVStorage:
                     scratch = zeros((self.n_cells, cfg.local_kv_heads, dim), dtype=self._sdt)
                     setattr(self, name, scratch)
                 view = scratch[:hi - lo]
+                if which == "k" and self._k_ds_mla:
+                    _mla.get_launch(self.device, self.keys, layer, lo, view, self.dtype)
+                    out.append(view)
+                    continue
                 _quant.get_launch(self.device, self.keys if which == "k" else self.values,
                                   layer, lo, view, getattr(self, f"_{which}_fmt"),
                                   getattr(self, f"_{which}_scales"), self.dtype)

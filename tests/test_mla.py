@@ -237,3 +237,167 @@ def test_rope_shift_offset_fingerprinted():
     b = nkv.CausalCache(mla_config(v_head_dim=None), shift=nkv.RopeShift(dim=ROPE))
     assert a.export_seq(0).fingerprint["shift"]["offset"] == RANK
     assert "offset" not in b.export_seq(0).fingerprint["shift"]   # older states keep matching
+
+
+# ------------------------------------------------------------------ FlashMLA's fp8_ds_mla row
+def flashmla_quantize(x: np.ndarray) -> np.ndarray:
+    """FlashMLA's ``quantize_k_cache`` (V32_FP8Sparse), re-implemented with numpy + ml_dtypes:
+    ``x`` float32 ``[n, 576]`` (values of the cache's dtype) -> uint8 ``[n, 656]``."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    n = x.shape[0]
+    out = np.zeros((n, 656), np.uint8)
+    out[:, 528:] = x[:, 512:].astype(ml_dtypes.bfloat16).view(np.uint8)
+    for t in range(4):
+        tile = x[:, t * 128:(t + 1) * 128]
+        inv = np.abs(tile).max(axis=-1).astype(np.float32) / np.float32(448.0)
+        inv = np.power(np.float32(2), np.ceil(np.log2(np.maximum(inv, np.float32(1e-4)))))
+        inv = inv.astype(np.float32)
+        out[:, 512 + 4 * t:516 + 4 * t] = inv.view(np.uint8).reshape(n, 4)
+        q = (tile / inv[:, None]).astype(ml_dtypes.float8_e4m3fn)
+        out[:, t * 128:(t + 1) * 128] = q.view(np.uint8)
+    return out
+
+
+def flashmla_dequantize(q: np.ndarray) -> np.ndarray:
+    """FlashMLA's ``dequantize_k_cache`` (V32_FP8Sparse) -> float32 ``[n, 576]`` (bf16 values)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    n = q.shape[0]
+    out = np.zeros((n, 576), np.float32)
+    out[:, 512:] = q[:, 528:].copy().view(ml_dtypes.bfloat16).astype(np.float32)
+    scales = q[:, 512:528].copy().view(np.float32)
+    for t in range(4):
+        vals = q[:, t * 128:(t + 1) * 128].copy().view(ml_dtypes.float8_e4m3fn)
+        y = vals.astype(np.float32) * scales[:, t:t + 1]
+        out[:, t * 128:(t + 1) * 128] = y.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return out
+
+
+def ds_rows(rng, n: int) -> np.ndarray:
+    """bfloat16 latent rows (as float32 values) with tiles of very different magnitudes: a zero
+    tile, a tiny one, a large one, values that land exactly on powers of two."""
+    x = rng.standard_normal((n, 576)).astype(np.float32)
+    x[:, 128:256] *= 1e-6
+    x[0, :128] = 0.0
+    x[1 % n, 256:384] *= 3000.0
+    x[2 % n, 384:512] = 7 * 2.0 ** -3        # amax / 448 exactly a power of two
+    return bf16_round(x)
+
+
+def bf16_round(x):
+    from helpers import bf16_bits_to_f32, f32_to_bf16_bits
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))
+
+
+def ds_cache(device, dtype="bfloat16", **kw):
+    cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=576, v_head_dim=0, dtype=dtype,
+                          k_dtype="fp8_ds_mla", capacity=16, max_seqs=2, device=device, **kw)
+    return nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=64, offset=512))
+
+
+def put_rows(cache, rows_f32, dtype):
+    from helpers import f32_to_bf16_bits
+    n = rows_f32.shape[1]
+    cache.start_forward(np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    for layer in range(rows_f32.shape[0]):
+        cache.set_layer(layer)
+        x = rows_f32[layer][:, None]
+        x = f32_to_bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
+        cache.put(x, None)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_fp8_ds_mla_rows_are_flashmla_bytes(device, dtype):
+    rng = np.random.default_rng(7)
+    rows = np.stack([ds_rows(rng, 5), ds_rows(rng, 5)])
+    if dtype == "float16":
+        rows = rows.astype(np.float16).astype(np.float32)
+        rows[:, :, 128:256] = 0.0      # float16 flushes 1e-6 values: keep the tile plain
+    cache = ds_cache(device, dtype)
+    assert cache.config.k_row_bytes == 656 and cache.storage.values.nbytes == 0
+    put_rows(cache, rows, dtype)
+    raw = np.array(host(cache.storage.keys))[:, :5, 0]
+    for layer in range(2):
+        want = flashmla_quantize(rows[layer])
+        if dtype != "bfloat16":        # the rope values are rounded to bfloat16 either way
+            want[:, 528:] = flashmla_quantize(bf16_round(rows[layer]))[:, 528:]
+        assert same(raw[layer], want), f"layer {layer}: bytes differ from FlashMLA's"
+    # get() dequantizes as FlashMLA does
+    cache.start_forward(np.array([5], np.int32), np.array([0], np.int32))
+    cache.set_layer(1)
+    k, v, _ = cache.get()
+    assert k.shape[0] == 6
+    assert tuple(v.shape[1:]) == (1, 0)
+    got = as_f32(host(k)[:5, 0], dtype)
+    deq = flashmla_dequantize(raw[1])
+    if dtype == "bfloat16":
+        assert same(got, deq)
+    else:   # rounded to float16/float32 from the same float32 products
+        np.testing.assert_allclose(got, deq, rtol=1e-2, atol=1e-6)
+    kq, _ = cache.get_quantized()
+    assert same(np.array(host(kq))[:5, 0], raw[1])
+
+
+def test_fp8_ds_mla_shift_touches_only_the_rope_bytes(device):
+    rng = np.random.default_rng(8)
+    rows = np.stack([ds_rows(rng, 6), ds_rows(rng, 6)])
+    cache = ds_cache(device)
+    plain = nkv.CausalCache(nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=576, v_head_dim=0,
+                                            dtype="bfloat16", capacity=16, max_seqs=2,
+                                            device=device),
+                            shift=nkv.RopeShift(dim=64, offset=512))
+    put_rows(cache, rows, "bfloat16")
+    put_rows(plain, rows, "bfloat16")
+    before = np.array(host(cache.storage.keys))
+    for c in (cache, plain):
+        c.seq_add(0, 2, 6, 9)
+        apply_pending_shifts(c)
+    after = np.array(host(cache.storage.keys))
+    assert same(after[..., :528], before[..., :528])          # fp8 values and scales untouched
+    assert not same(after[:, 2:6, :, 528:], before[:, 2:6, :, 528:])
+    # the rope bytes hold exactly what a bfloat16 latent cache's rope dims hold after the shift
+    rope_bits = after[:, :6, 0, 528:].copy().view(np.uint16)
+    assert same(rope_bits, np.array(host(plain.storage.keys))[:, :6, 0, 512:])
+
+
+def test_fp8_ds_mla_cpu_twin_equals_kernel():
+    from conftest import KERNEL_DEVICE
+    rng = np.random.default_rng(9)
+    rows = np.stack([ds_rows(rng, 4), ds_rows(rng, 4)])
+    out = []
+    for device in ("cpu", KERNEL_DEVICE):
+        cache = ds_cache(device, "float32")
+        put_rows(cache, rows, "float32")
+        cache.start_forward(np.array([4], np.int32), np.array([0], np.int32))
+        cache.set_layer(0)
+        k, _, _ = cache.get()
+        out.append((np.array(host(cache.storage.keys)), np.array(host(k))))
+    assert same(out[0][0], out[1][0]) and same(out[0][1], out[1][1])
+
+
+def test_fp8_ds_mla_refusals():
+    with pytest.raises(ValueError, match="head_dim=576"):
+        nkv.CacheConfig(1, 1, 2 * 576, v_head_dim=0, k_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="v_head_dim=0"):
+        nkv.CacheConfig(1, 1, 576, k_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="key"):
+        nkv.CacheConfig(1, 1, 576, v_head_dim=0, v_dtype="fp8_ds_mla")
+    cfg = nkv.CacheConfig(1, 1, 576, v_head_dim=0, k_dtype="fp8_ds_mla", capacity=4,
+                          device="cpu")
+    with pytest.raises(NotSupportedError, match="fp8_ds_mla"):
+        nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=32, offset=544))
+    rng = np.random.default_rng(10)
+    a = ds_cache("cpu")
+    put_rows(a, np.stack([ds_rows(rng, 3), ds_rows(rng, 3)]), "bfloat16")
+    b = nkv.CausalCache(nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=576, v_head_dim=0,
+                                        dtype="bfloat16", capacity=16, max_seqs=2, device="cpu"),
+                        shift=nkv.RopeShift(dim=64, offset=512))
+    before = b.state_bytes()
+    with pytest.raises(StateError, match="k_dtype"):
+        b.load_state_bytes(a.state_bytes())
+    with pytest.raises(StateError):
+        b.import_seq(0, a.export_seq(0))
+    assert b.state_bytes() == before
+    # and the format survives snapshots bit-exactly
+    c = ds_cache("cpu")
+    c.import_seq(1, nkv.SeqSnapshot.from_bytes(a.export_seq(0).to_bytes()))
+    assert same(seq_rows(c, 1)[1], seq_rows(a, 0)[1])
