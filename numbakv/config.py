@@ -211,6 +211,17 @@ class CacheConfig:
         return (head, head + 1)
 
     @property
+    def head_replicas(self) -> int:
+        """How many ranks of a ``head_shard`` group hold each KV head this cache holds: 1 when
+        the heads are split (or unsharded), ``world / n_kv_heads`` when they are replicated. An
+        MLA latent (``v_head_dim=0``, one "head") cannot be split by heads: every rank keeps the
+        whole latent (``head_replicas == world``), as vLLM does under tensor parallelism."""
+        if self.head_shard is None:
+            return 1
+        world = self.head_shard[1]
+        return world // self.n_kv_heads if world > self.n_kv_heads else 1
+
+    @property
     def local_kv_heads(self) -> int:
         """KV heads held per layer: ``stop - first`` of :attr:`head_range` (``n_kv_heads``
         unless head-sharded). Every storage shape uses it."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 from ._jit import njit
@@ -646,7 +646,7 @@ class KVStorage:
                                    self._k_fmt, self._k_scales, layers)
             return
 
-    def rope_keys(self, rope: RopeShift):
+    def rope_keys(self, rope: RopeShift) -> Tuple[Any, int]:
         """``(keys, dim)``: the part of the key storage a shift by ``rope`` rewrites, as a strided
         view ``[n_layers, n_cells, n_kv_heads, row]`` of the storage (no copy), and the values
         per row in it. The whole row unless ``rope.offset`` is set; with an offset (an MLA

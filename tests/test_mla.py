@@ -401,3 +401,21 @@ def test_fp8_ds_mla_refusals():
     c = ds_cache("cpu")
     c.import_seq(1, nkv.SeqSnapshot.from_bytes(a.export_seq(0).to_bytes()))
     assert same(seq_rows(c, 1)[1], seq_rows(a, 0)[1])
+
+
+def test_head_shard_replicates_the_latent_and_says_so():
+    for rank in range(4):
+        cfg = mla_config(head_shard=(rank, 4))
+        assert cfg.head_range == (0, 1) and cfg.local_kv_heads == 1
+        assert cfg.head_replicas == 4            # every rank keeps the whole latent
+    assert mla_config().head_replicas == 1
+    assert nkv.CacheConfig(1, 8, 64, head_shard=(1, 4)).head_replicas == 1   # heads split
+    # a replica's snapshot carries the whole latent and loads into any other replica
+    rng = np.random.default_rng(11)
+    a = nkv.CausalCache(mla_config(head_shard=(0, 2)), shift=mla_shift())
+    b = nkv.CausalCache(mla_config(head_shard=(1, 2)), shift=mla_shift())
+    rows = fill(a, 0, 4, rng)
+    snap = a.export_seq(0)
+    assert snap.head_range == (0, 1)
+    assert b.import_seq(0, snap) == 4
+    assert same(seq_rows(b, 0)[1], rows)
