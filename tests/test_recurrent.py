@@ -423,3 +423,36 @@ def test_closed_cache_refuses():
     rc.close()
     with pytest.raises(nkv.KVCacheError):
         rc.start_forward([0], [0])
+
+
+def test_hostile_recurrent_states_raise_state_error():
+    """Crafted files whose tensors parse but whose values lie: each a StateError, nothing
+    changed."""
+    from numbakv.state import codec as st
+    rc = make(every=2, points=4)
+    feed(rc, 0, [1, 2, 3, 4, 5], 0)
+    good = rc.state_bytes(0)
+    target = make(every=2, points=4)
+    feed(target, 1, [9], 0)
+    before = everything(target)
+
+    def crafted(**override):
+        with st._Opened(good) as state:
+            config = dict(state.config)
+            tensors = {n: np.array(state.tensor(n)) for n in state.tensors}
+            dtypes = {n: t.dtype for n, t in state.tensors.items()}
+        tensors.update(override)
+        specs = [st._Spec(n, dtypes[n], tuple(a.shape), lambda a=a: a) for n, a in tensors.items()]
+        return st._to_bytes(lambda: (st._base_metadata("recurrent-seq", config, None), specs),
+                            False)
+    pos = np.array([2, 2, 5], np.int32)
+    for bad, match in [(dict(**{"s0.positions": pos}), "ascending"),
+                       (dict(**{"s0.flags": np.array([9, 1, 0], np.uint8)}), "flags"),
+                       (dict(**{"s0.first": np.array([7], np.int32)}), "ascending"),
+                       (dict(**{"s0.first": np.array([-1], np.int32)}), "first")]:
+        with pytest.raises(StateError, match=match):
+            target.load_state_bytes(crafted(**bad), 0)
+    with pytest.raises(StateError, match="shape"):
+        target.load_state_bytes(crafted(**{"s0.state.ssm": np.zeros((L, 2, 2, 3, 3),
+                                                                     np.float32)}), 0)
+    same(before, everything(target))
