@@ -319,8 +319,8 @@ class RecurrentCache:
         explicit nor the newest first, then the oldest explicit one (the newest point is the
         last to go)."""
         pts = self._points[seq]
-        while len(pts) >= self.config.max_restore_points:
-            others = [q for q in pts if q != adding]
+        while len(pts) - (adding in pts) >= self.config.max_restore_points:
+            others = [q for q in pts if q != adding]   # a point replaced in place takes no room
             newest = max(others)
             order = sorted(others, key=lambda q: (pts[q].explicit, q == newest, q))
             self._drop_point(seq, order[0])
@@ -1063,7 +1063,7 @@ def plan_recurrent(cache: RecurrentCache, state, seq: Optional[int], config: Any
             for plan in plans:
                 plan()
             for t, m in new_marks.items():
-                cache._marks[t] = {x for x in m if x > cache._hi[t] + 1}
+                cache._marks[t] = m   # as saved (those the last pass crossed go at the next)
             cache._forward = None
         return apply
     return expected, finish
