@@ -297,8 +297,14 @@ def test_seq_add_and_div_move_labels():
     feed(rc, 0, [9], 7)
     check_state(rc, 0, [1, 2, 3, 4, 9])
     before = everything(rc)
-    with pytest.raises(ValueError, match="first position"):
-        rc.seq_add(0, 7, None, -5)
+    for args, match in [((0, 7, None, -5), "last positions before"),
+                        ((0, 0, 6, 3), "first positions after"),
+                        ((0, 0, None, -6), "below 0"),
+                        ((0, 6, 7, 1), "inside its recurrent state")]:
+        with pytest.raises(ValueError, match=match):
+            rc.seq_add(*args)
+    with pytest.raises(ValueError, match="last positions before"):
+        rc.seq_div(0, 6, None, 2)
     same(before, everything(rc))
     rc.seq_add(0, 0, None, -100)
     assert rc.seq_pos_max(0) == -1
