@@ -429,6 +429,8 @@ class HybridCache:
             raise KVCacheError("the cache is closed")
 
     def use_stream(self, stream: Any) -> None:
+        """Queue both halves' GPU work on ``stream`` (see ``CausalCache.use_stream``)."""
+        self.rc.use_stream(stream)      # checks first: a cpu cache refuses a stream
         self.attn.use_stream(stream)
 
     def close(self) -> None:
