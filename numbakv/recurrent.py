@@ -112,8 +112,9 @@ class RecurrentConfig:
         restore_every: spacing of the restore points :meth:`RecurrentCache.restore_plan` asks
             for, in absolute positions (a point at every multiple); 0 for none but the explicit
             ones and the batch end.
-        max_restore_points: restore points kept per sequence (>= 1); the pool holds
-            ``max_seqs * (1 + max_restore_points)`` states per layer.
+        max_restore_points: restore points kept per sequence (>= 1); beyond it the oldest
+            point that is neither explicit nor the newest goes first, then the oldest explicit
+            one. The pool holds ``max_seqs * (1 + max_restore_points)`` states per layer.
         device: ``auto``, ``cpu``, ``sim`` or ``cuda``.
     """
 
@@ -436,7 +437,10 @@ class RecurrentCache:
         """Keep the state of ``seq`` after its tokens before ``pos`` as a restore point.
 
         ``states=None``: the live state is that state (``pos == seq_pos_max + 1``): kept
-        lazily, no copy until the live state would be overwritten. Otherwise ``states`` maps
+        lazily, no copy until the live state would be overwritten; then (the next forward pass
+        of ``seq``) it is copied when it lies on the ``restore_every`` grid or is explicit, and
+        dropped otherwise (a decode step's end is not worth a state copy per token: pass
+        ``explicit=True`` to keep one). Otherwise ``states`` maps
         every state tensor's name to its value: ``[n_layers, *shape]`` (``layer=None``) or
         ``[*shape]`` for one ``layer`` (a model that cuts its scan layer by layer hands each
         layer's state as it goes; the point counts once every layer is in). Arrays are numpy,

@@ -299,3 +299,19 @@ def test_wrapper_attention_half():
     expect_state(other, 0, list(range(1, 12)))
     other.load_state_bytes(hc.state_bytes())
     expect_state(other, 0, list(range(1, 12)))
+
+
+def test_attend_reads_the_attention_half():
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    hc = make()
+    run(hc, 0, [1, 2, 3], 0)
+    run(hc, 0, [4, 5], 3)
+    q = torch.randn(2, 4, D)
+    hc.set_layer(3)
+    got = attend(q, hc)
+    want = attend(q, hc.attn)          # the attention half, layer 1 (model layer 3) selected
+    assert torch.equal(got, want)
+    hc.set_layer(2)
+    with pytest.raises(ValueError, match="recurrent layer"):
+        attend(q, hc)

@@ -361,6 +361,14 @@ class SlidingStoreMachine(RuleBasedStateMachine):
     def load(self, tokens):
         OPS["count"] += 1
         n = self.store.match(tokens)
+        # completeness (#6): the longest length some live entry can serve - it shares c tokens
+        # with the prompt and resumes anywhere in [floor, c]
+        best = 0
+        for e in self.store.entries():
+            c = min(lcp(tokens, e["tokens"]), e["length"])
+            if e["floor"] <= c:
+                best = max(best, c)
+        assert n == best, (n, best)
         try:
             got = self.store.load(1, tokens)
         except KVCacheFullError:

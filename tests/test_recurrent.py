@@ -423,3 +423,67 @@ def test_closed_cache_refuses():
     rc.close()
     with pytest.raises(nkv.KVCacheError):
         rc.start_forward([0], [0])
+
+
+def test_hostile_recurrent_states_raise_state_error():
+    """Crafted files whose tensors parse but whose values lie: each a StateError, nothing
+    changed."""
+    from numbakv.state import codec as st
+    rc = make(every=2, points=4)
+    feed(rc, 0, [1, 2, 3, 4, 5], 0)
+    good = rc.state_bytes(0)
+    target = make(every=2, points=4)
+    feed(target, 1, [9], 0)
+    before = everything(target)
+
+    def crafted(**override):
+        with st._Opened(good) as state:
+            config = dict(state.config)
+            tensors = {n: np.array(state.tensor(n)) for n in state.tensors}
+            dtypes = {n: t.dtype for n, t in state.tensors.items()}
+        tensors.update(override)
+        specs = [st._Spec(n, dtypes[n], tuple(a.shape), lambda a=a: a) for n, a in tensors.items()]
+        return st._to_bytes(lambda: (st._base_metadata("recurrent-seq", config, None), specs),
+                            False)
+    pos = np.array([2, 2, 5], np.int32)
+    for bad, match in [(dict(**{"s0.positions": pos}), "ascending"),
+                       (dict(**{"s0.flags": np.array([9, 1, 0], np.uint8)}), "flags"),
+                       (dict(**{"s0.first": np.array([7], np.int32)}), "ascending"),
+                       (dict(**{"s0.first": np.array([-1], np.int32)}), "first")]:
+        with pytest.raises(StateError, match=match):
+            target.load_state_bytes(crafted(**bad), 0)
+    with pytest.raises(StateError, match="shape"):
+        target.load_state_bytes(crafted(**{"s0.state.ssm": np.zeros((L, 2, 2, 3, 3),
+                                                                     np.float32)}), 0)
+    same(before, everything(target))
+
+
+def test_emulated_cuda_row_kernel(kernel_device, monkeypatch):
+    """The ``cuda`` launch path (descriptors, packed row tables, 16-byte words where aligned) on
+    a stand-in CuPy, run by the simulator: a pool slice (one layer of several) included."""
+    if kernel_device != "sim":
+        pytest.skip("a real GPU runs the cuda path itself")
+    from fake_cupy import FakeDeviceArray
+    from helpers import clear_launch_caches, emulate_cuda
+    from numbakv.kernels import _common
+    launched = []
+
+    def record(kernel, args):
+        assert all(isinstance(a, (_common.Desc, int)) for a in args)
+        launched.append(kernel)
+    emulate_cuda(monkeypatch, record)
+    try:
+        rng = np.random.default_rng(3)
+        pool = rng.integers(0, 2**16, (3, 6, 2, 8)).astype(np.uint16)
+        ref = pool.copy()
+        src, dst = np.array([5, 0], np.int32), np.array([1, 3], np.int32)
+        krows.launch("cuda", FakeDeviceArray(pool), dst, FakeDeviceArray(pool), src, 32)
+        ref[:, dst] = ref[:, src]
+        np.testing.assert_array_equal(pool, ref)
+        out = np.zeros((1, 2, 2, 8), np.uint16)
+        krows.launch("cuda", FakeDeviceArray(out), np.arange(2, dtype=np.int32),
+                     FakeDeviceArray(pool[2:3]), src, 32)
+        np.testing.assert_array_equal(out[0], pool[2, src])
+        assert launched == [krows.state_rows_kernel] * 2
+    finally:
+        clear_launch_caches()

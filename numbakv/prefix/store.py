@@ -246,6 +246,9 @@ class PrefixStore:
         policy: ``"lru"`` or ``"lfu"``: eviction order in every tier the store runs.
         checkpoint_tail: on sliding-window caches, keep a checkpoint this many tokens before
             the end of each saved prompt (0: none).
+        event_bytes: bound (estimated bytes) of the KV events waiting for ``take_events``;
+            past it the oldest are dropped (``stats()["events_dropped"]``); 0 keeps none (a
+            publisher still gets every event).
         model_id: the identity of the model whose K/V the cache holds (e.g.
             ``"org/model@revision:sha256-of-weights"``; ``hf`` builds one from the model's name,
             revision and a digest of its weights). Part of every block key and of the lower
@@ -277,7 +280,7 @@ class PrefixStore:
                  remote: Optional[str] = None, salt: bytes = b"", policy: str = "lru",
                  checkpoint_tail: int = 16, model_id: Optional[str] = None,
                  write_through: bool = True, write_queue_bytes: int = 256 << 20,
-                 clock=time.monotonic) -> None:
+                 event_bytes: int = ev.DEFAULT_MAX_BYTES, clock=time.monotonic) -> None:
         for name in ("copy_prefix", "seq_rm", "seq_pos_max", "seq_pos_min", "can_resume",
                      "start_forward"):
             if not callable(getattr(cache, name, None)):
@@ -313,6 +316,7 @@ class PrefixStore:
         host_bytes = _int_arg("host_bytes", host_bytes, 0)
         disk_bytes = _int_arg("disk_bytes", disk_bytes, 0)
         checkpoint_tail = _int_arg("checkpoint_tail", checkpoint_tail, 0)
+        event_bytes = _int_arg("event_bytes", event_bytes, 0)
         if not isinstance(salt, (bytes, bytearray)):
             raise ValueError(f"salt must be bytes, got {type(salt).__name__}")
         self._policy_name = make_policy(policy).name   # validates
@@ -374,7 +378,7 @@ class PrefixStore:
         self.tokens_reused = 0
         self.tokens_matched = 0
         self.bytes_moved = 0
-        self.events = ev.EventLog()
+        self.events = ev.EventLog(max_bytes=event_bytes)
         self._lower: List[Any] = []
         #: (tier name, block key) -> run key: lower-tier pointers found to name a run that does
         #: not hold their block (skipped while they still name that run; bounded)
