@@ -319,8 +319,8 @@ class RecurrentCache:
         explicit nor the newest first, then the oldest explicit one (the newest point is the
         last to go)."""
         pts = self._points[seq]
-        while len(pts) >= self.config.max_restore_points:
-            others = [q for q in pts if q != adding]
+        while len(pts) - (adding in pts) >= self.config.max_restore_points:
+            others = [q for q in pts if q != adding]   # a point replaced in place takes no room
             newest = max(others)
             order = sorted(others, key=lambda q: (pts[q].explicit, q == newest, q))
             self._drop_point(seq, order[0])
@@ -795,13 +795,27 @@ class RecurrentCache:
 
         def at(p):           # a position's new label
             return move(p) if p0 <= p < p1 else p
+        in_lo, in_hi = p0 <= lo < p1, p0 <= hi < p1
+        what = f"moving positions [{p0}, {p1}) of sequence {seq}"
+        if not in_lo and not in_hi:
+            if lo < p0 < p1 <= hi and any(at(p) != p for p in (p0, p1 - 1)):
+                raise ValueError(f"{what} would move tokens inside its recurrent state past "
+                                 "their neighbours")
+            return lambda: None
         new_lo, new_hi = at(lo), at(hi)
-        if new_hi < 0 and p0 <= lo:
+        if new_hi < 0 and in_lo:
             return lambda: self._clear(seq)     # all of it below 0: dropped, as K/V would be
-        new_lo = max(new_lo, 0)
+        if new_lo < 0:
+            raise ValueError(f"{what} would put positions below 0, which the K/V caches drop: "
+                             "a recurrent state cannot forget the tokens it read")
+        # the sequence's positions run lo..hi without gaps: a moved end must not pass the rest
+        if in_lo and not in_hi and not at(p1 - 1) < p1:
+            raise ValueError(f"{what} would put its first positions after position {p1}")
+        if in_hi and not in_lo and not at(p0) > p0 - 1:
+            raise ValueError(f"{what} would put its last positions before position {p0 - 1}")
         if new_lo > new_hi:
-            raise ValueError(f"moving positions [{p0}, {p1}) of sequence {seq} would put its "
-                             f"first position {lo} after its last {hi} ({new_lo} > {new_hi})")
+            raise ValueError(f"{what} would put its first position {lo} after its last {hi} "
+                             f"({new_lo} > {new_hi})")
         # a point at q follows the token before it (q - 1)
         moved = {q: at(q - 1) + 1 for q in self._points[seq]}
         if len(set(moved.values())) != len(moved) or any(not new_lo < m <= new_hi + 1
@@ -1063,7 +1077,7 @@ def plan_recurrent(cache: RecurrentCache, state, seq: Optional[int], config: Any
             for plan in plans:
                 plan()
             for t, m in new_marks.items():
-                cache._marks[t] = {x for x in m if x > cache._hi[t] + 1}
+                cache._marks[t] = m   # as saved (those the last pass crossed go at the next)
             cache._forward = None
         return apply
     return expected, finish
