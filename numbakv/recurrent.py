@@ -1002,6 +1002,7 @@ class RecurrentCache:
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._closed
 
     def synchronize(self) -> None:
