@@ -255,9 +255,15 @@ class HybridCache:
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
         """llama.cpp's ``seq_cp`` on both halves (the recurrent half copies the state at the
-        range's end: ``ValueError`` when it keeps none there; nothing changed)."""
+        range's end: ``ValueError`` when it keeps none there; nothing changed). ``dst`` must be
+        empty: its recurrent state would be replaced while its K/V stayed beside the copied
+        ones (``seq_rm(dst)`` first; ``copy_prefix`` does both)."""
         self._check_open()
         apply = self.rc._plan_seq_cp(src, dst, p0, p1)
+        if src != dst and max(self.attn.seq_pos_max(dst), self.rc.seq_pos_max(dst)) >= 0:
+            raise ValueError(f"seq_cp: dst {dst} holds positions: a recurrent state cannot be "
+                             "merged with another; seq_rm(dst) first (or copy_prefix, which "
+                             "replaces it)")
         self._both(apply, lambda: self.attn.seq_cp(src, dst, p0, p1))
 
     def seq_keep(self, seq: int) -> None:
@@ -423,6 +429,8 @@ class HybridCache:
             raise KVCacheError("the cache is closed")
 
     def use_stream(self, stream: Any) -> None:
+        """Queue both halves' GPU work on ``stream`` (see ``CausalCache.use_stream``)."""
+        self.rc.use_stream(stream)      # checks first: a cpu cache refuses a stream
         self.attn.use_stream(stream)
 
     def close(self) -> None:
