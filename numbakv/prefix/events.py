@@ -8,7 +8,10 @@ Each event is a plain dict:
 * ``{"type": "BlockStored", "block_hashes": [hex, ...], "parent_block_hash": hex | None,
   "token_ids": [int, ...], "block_size": int, "lora_id": None, "medium": tier}`` - blocks that
   became held in ``medium`` (consecutive blocks of one prompt; the last one may be a partial
-  block, then ``token_ids`` is shorter than ``len(block_hashes) * block_size``);
+  block, then ``token_ids`` is shorter than ``len(block_hashes) * block_size``), plus two
+  extra fields: ``"priority"`` (0..100) and ``"ttl"`` (seconds left, or None) of the entry's
+  retention (None for the lower tiers). Token ids under ``extra_keys`` ranges appear as the
+  store's keyed ids (``2**62 +`` a hash of the key, the offset and the token);
 * ``{"type": "BlockRemoved", "block_hashes": [hex, ...], "medium": tier}``;
 * ``{"type": "AllBlocksCleared"}``.
 
@@ -26,14 +29,17 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 import numpy as np
 
 
-def block_stored(nodes: Sequence[Any], block_size: int, medium: str) -> Dict[str, Any]:
-    """A ``BlockStored`` event for consecutive index nodes of one prompt."""
+def block_stored(nodes: Sequence[Any], block_size: int, medium: str, *,
+                 priority: Optional[int] = None, ttl: Optional[float] = None) -> Dict[str, Any]:
+    """A ``BlockStored`` event for consecutive index nodes of one prompt; ``priority`` and
+    ``ttl`` (seconds left, None: no expiry) are the entry's retention (extra fields beside
+    vLLM's; None in the lower tiers, which keep no retention)."""
     parent = nodes[0].parent
     toks = np.frombuffer(b"".join(n.tok for n in nodes), dtype="<i8")
     return {"type": "BlockStored", "block_hashes": [n.key for n in nodes],
             "parent_block_hash": None if parent is None or parent.parent is None else parent.key,
             "token_ids": toks.tolist(), "block_size": block_size, "lora_id": None,
-            "medium": medium}
+            "medium": medium, "priority": priority, "ttl": ttl}
 
 
 def block_removed(nodes: Sequence[Any], medium: str) -> Dict[str, Any]:
