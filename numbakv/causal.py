@@ -122,6 +122,21 @@ class _Placed:
 
 
 @dataclass
+class _Defragged:
+    """A defrag inside an enclosing undo log (a WrapperCache's fan-out): its plan, the head
+    before it, the K/V rows its destinations held before (sources and destinations are
+    disjoint, so the sources still hold theirs), and the forward pass it ended."""
+
+    moves: np.ndarray          # int64 [m, 3]: src, dst, length
+    head: int
+    cells: np.ndarray          # int32 [n]: every destination cell
+    keys: Any                  # host K of ``cells`` before
+    values: Any                # host V of ``cells`` before
+    forward: Any
+    meta: np.ndarray           # the cell table's counters and index hints before
+
+
+@dataclass
 class _Counters:
     """The cell table's counters and index hints before an edit whose undo would rebuild them
     tighter: put back last, once everything else is undone."""
@@ -667,17 +682,32 @@ class CausalCache(StateMethods):
         holes from the end, reversing it (attention is the same, later cell indices differ),
         and its merged moves pair metadata with another cell's K/V, which numbakv never does."""
         self._check_open()
-        self._defrag_plan_and_move()
+        forward = self._forward
+        self._defrag_plan_and_move(forward)
         self._forward = None
 
-    def _defrag_plan_and_move(self) -> np.ndarray:
+    def _defrag_plan_and_move(self, forward: Any = None) -> np.ndarray:
+        """Plan and run a defrag, all or nothing; inside an enclosing undo log (a
+        WrapperCache's fan-out) it records what takes it back, so a later group's failure
+        restores this one bit-exact."""
         head = self.cells.head
+        meta = self.cells._meta.copy()     # counters and index hints an undo would leave
         moves = self.cells.plan_defrag()
+        undo = None
         try:
+            if self._outer_journal is not None:
+                dst = np.concatenate([np.arange(d, d + n, dtype=np.int32)
+                                      for _, d, n in np.asarray(moves).tolist()] +
+                                     [np.zeros(0, np.int32)])
+                kept = self.storage.read_cells(dst) if len(dst) else (None, None)
+                undo = _Defragged(moves, head, dst, *kept, forward, meta)
             self._move_defragged(moves)
         except BaseException:
             self.cells.undo_defrag(moves, head)   # the K/V never moved: neither do the cells
+            self.cells._meta[:] = meta
             raise
+        if undo is not None:
+            self._outer_journal.append(undo)
         return moves
 
     def _move_defragged(self, moves: np.ndarray) -> None:
@@ -901,6 +931,13 @@ class CausalCache(StateMethods):
         for entry in reversed(journal):
             if isinstance(entry, _Shifted):
                 self._unshift(entry)
+            elif isinstance(entry, _Defragged):
+                if len(entry.cells):
+                    self.storage.write_cells(entry.cells, entry.keys, entry.values)
+                self.cells.undo_defrag(entry.moves, entry.head)
+                self.cells._meta[:] = entry.meta
+                self.defrag_count -= 1
+                self._forward = entry.forward
             elif isinstance(entry, _Placed):
                 self.storage.write_cells(entry.slots, entry.keys, entry.values)
                 self.cells.unapply_batch(entry.slots, entry.head)

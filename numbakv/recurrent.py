@@ -45,6 +45,7 @@ of a suffix succeeds back to any kept restore point (llama.cpp only inside its e
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -216,6 +217,11 @@ class RecurrentCache:
         self._free = list(range(self.n_rows - 1, S - 1, -1))  # free restore rows (a stack)
         self._forward: Optional[Dict[int, Tuple[int, int]]] = None   # seq -> (start, count)
         self._closed = False
+        self._stream = None           # CuPy stream of every launch (None: CuPy's current one)
+        self._device_id = None
+        if self.device == "cuda":
+            import cupy
+            self._device_id = cupy.cuda.runtime.getDevice()
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -250,15 +256,36 @@ class RecurrentCache:
         return s
 
     # ------------------------------------------------------------------ row moves
+    def _on_device(self):
+        """The cache's GPU and stream around device work (nothing on cpu/sim)."""
+        if self.device != "cuda":
+            return contextlib.nullcontext()
+        from .storage import _CudaScope
+        return _CudaScope(self._device_id, self._stream)
+
+    def use_stream(self, stream: Any) -> None:
+        """Queue this cache's GPU work (state-row kernels, zeroing, copies) on ``stream``: a
+        CuPy stream, a torch stream or a raw ``cudaStream_t`` int; None: CuPy's current stream
+        at each call. Views handed out (:meth:`state_views`) are ready in that stream's order.
+        On cpu/sim only None is accepted."""
+        self._check_open()
+        if self.device != "cuda":
+            if stream is None:
+                return
+            raise ValueError(f"stream applies to a cuda cache; this one stores on {self.device}")
+        from .storage import _as_cupy_stream
+        self._stream = _as_cupy_stream(stream, self._device_id)
+
     def _copy(self, dst_rows: Sequence[int], src_rows: Sequence[int]) -> None:
         """Rows ``src_rows[i]`` -> ``dst_rows[i]`` of every state tensor, every layer."""
         if not len(dst_rows):
             return
         d = np.asarray(dst_rows, dtype=np.int32)
         s = np.asarray(src_rows, dtype=np.int32)
-        for spec in self.config.states:
-            arr = self.pool[spec.name]
-            _rows.launch(self.device, arr, d, arr, s, spec.row_bytes)
+        with self._on_device():
+            for spec in self.config.states:
+                arr = self.pool[spec.name]
+                _rows.launch(self.device, arr, d, arr, s, spec.row_bytes)
 
     def _alloc(self) -> int:
         row = self._free.pop()
@@ -294,9 +321,12 @@ class RecurrentCache:
         self._copy(dst, src)
 
     def _zero(self, seqs: Sequence[int]) -> None:
-        for arr in self.pool.values():
-            for s in seqs:
-                arr[:, int(s)] = 0
+        if not len(seqs):
+            return
+        with self._on_device():
+            for arr in self.pool.values():
+                for s in seqs:
+                    arr[:, int(s)] = 0
 
     def _clear(self, seq: int) -> None:
         """Forget sequence ``seq`` (its row keeps its bytes until next written: lazy points of
@@ -515,6 +545,11 @@ class RecurrentCache:
         return out
 
     def _scatter_point(self, row: int, layer: Optional[int], arrays: Dict[str, Any]) -> None:
+        with self._on_device():
+            self._scatter_point_here(row, layer, arrays)
+
+    def _scatter_point_here(self, row: int, layer: Optional[int],
+                            arrays: Dict[str, Any]) -> None:
         xp = array_module(self.device)
         for name, spec in self._specs.items():
             a = xp.ascontiguousarray(arrays[name])
@@ -625,9 +660,10 @@ class RecurrentCache:
         pool = self.pool[name]
         src = pool if layer is None else pool[layer:layer + 1]
         xp = array_module(self.device)
-        out = xp.empty((src.shape[0], len(rows)) + spec.shape, dtype=pool.dtype)
-        _rows.launch(self.device, out, np.arange(len(rows), dtype=np.int32), src,
-                     np.asarray(rows, dtype=np.int32), spec.row_bytes)
+        with self._on_device():
+            out = xp.empty((src.shape[0], len(rows)) + spec.shape, dtype=pool.dtype)
+            _rows.launch(self.device, out, np.arange(len(rows), dtype=np.int32), src,
+                         np.asarray(rows, dtype=np.int32), spec.row_bytes)
         return out
 
     def read_states(self, layer: int, seqs: Any) -> Dict[str, Any]:
@@ -658,10 +694,11 @@ class RecurrentCache:
             arrays[name] = arr
         self._detach(s.tolist())
         xp = array_module(self.device)
-        for name, spec in self._specs.items():
-            src = xp.ascontiguousarray(arrays[name]).reshape((1, len(s)) + spec.shape)
-            _rows.launch(self.device, self.pool[name][layer:layer + 1], s.astype(np.int32), src,
-                         np.arange(len(s), dtype=np.int32), spec.row_bytes)
+        with self._on_device():
+            for name, spec in self._specs.items():
+                src = xp.ascontiguousarray(arrays[name]).reshape((1, len(s)) + spec.shape)
+                _rows.launch(self.device, self.pool[name][layer:layer + 1], s.astype(np.int32),
+                             src, np.arange(len(s), dtype=np.int32), spec.row_bytes)
 
     # ------------------------------------------------------------------ sequences (llama.cpp)
     def seq_pos_min(self, seq: int) -> int:
@@ -850,7 +887,7 @@ class RecurrentCache:
         states = {}
         for name in self._specs:
             arr = self._gather(name, None, rows)
-            states[name] = arr if isinstance(arr, np.ndarray) else arr.get()
+            states[name] = arr if isinstance(arr, np.ndarray) else arr.get(stream=self._stream)
         return RecurrentPart(first=max(lo, 0), positions=np.array([e[0] for e in entries],
                                                                   dtype=np.int32),
                              flags=np.array([e[2] for e in entries], dtype=np.uint8),
@@ -904,12 +941,13 @@ class RecurrentCache:
                 src.append(i)
                 pts[q] = _Point(r, bool(part.flags[i] & EXPLICIT), frozenset())
             xp = array_module(self.device)
-            for name, spec in self._specs.items():
-                a = part.states[name]
-                a = xp.asarray(a) if self.device == "cuda" else np.asarray(a)
-                a = xp.ascontiguousarray(a)
-                _rows.launch(self.device, self.pool[name], np.asarray(rows, np.int32), a,
-                             np.asarray(src, np.int32), spec.row_bytes)
+            with self._on_device():
+                for name, spec in self._specs.items():
+                    a = part.states[name]
+                    a = xp.asarray(a) if self.device == "cuda" else np.asarray(a)
+                    a = xp.ascontiguousarray(a)
+                    _rows.launch(self.device, self.pool[name], np.asarray(rows, np.int32), a,
+                                 np.asarray(src, np.int32), spec.row_bytes)
             self._points[seq] = pts
             self._lo[seq] = part.first + delta
             self._hi[seq] = int(part.positions[-1]) + delta - 1
@@ -964,11 +1002,15 @@ class RecurrentCache:
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._closed
 
     def synchronize(self) -> None:
         """Wait for this cache's queued GPU work (no-op on cpu/sim)."""
-        synchronize(self.device)
+        if self._stream is not None:
+            self._stream.synchronize()
+        else:
+            synchronize(self.device)
 
     def __repr__(self) -> str:
         used = sum(1 for h in self._hi if h >= 0)

@@ -675,3 +675,11 @@ def test_random_operations_match_a_plain_model(seed):
         except AssertionError as exc:
             raise AssertionError(f"after {done[-4:]}: {exc}") from None
     assert len({d.split("(")[0] for d in done}) >= 9, sorted(set(done))     # the mix covered the operations
+
+
+def test_use_stream_is_for_cuda_caches():
+    rc = make()
+    rc.use_stream(None)
+    with pytest.raises(ValueError, match="cuda"):
+        rc.use_stream(7)
+    rc.synchronize()

@@ -1258,6 +1258,7 @@ class RecurrentPart:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of state held (every entry, layer and tensor)."""
         return sum(int(a.nbytes) for a in self.states.values())
 
     def layout(self) -> Dict[str, Any]:
@@ -1280,6 +1281,7 @@ class RecurrentPart:
                              flags=self.flags, states=self.states, specs=self.specs)
 
     def copy(self) -> "RecurrentPart":
+        """A part owning its arrays (one made from bytes views them)."""
         def own(a):
             return a.copy() if _is_device_array(a) else np.array(a, copy=True, order="C")
         return RecurrentPart(first=self.first, positions=self.positions.copy(),
