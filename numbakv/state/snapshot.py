@@ -589,9 +589,12 @@ def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
         return {"type": "none"}
     if hasattr(shift, "inv_freq") and hasattr(shift, "rotary_dim"):  # a RopeShift
         factors = shift.freq_factors
-        return {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
-                "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
-                "freq_factors": None if factors is None else [float(f) for f in factors]}
+        out = {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
+               "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
+               "freq_factors": None if factors is None else [float(f) for f in factors]}
+        if getattr(shift, "offset", 0):   # rope dims not at the row's start (MLA latent rows);
+            out["offset"] = int(shift.offset)   # absent at 0, so older states keep matching
+        return out
     name = getattr(shift, "__qualname__", None) or type(shift).__qualname__
     module = getattr(shift, "__module__", None) or type(shift).__module__
     return {"type": "callable", "name": f"{module}.{name}"}
