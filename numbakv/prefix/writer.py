@@ -57,11 +57,15 @@ class TierWriter:
             refuses, full or down, does not stop the others).
         max_jobs, max_bytes: the queue's bounds (a single job larger than ``max_bytes`` is taken
             only when the queue is empty, so no prefix is too large to be written).
+        metadata: str -> str pairs every run's bytes record (``PrefixStore`` passes its
+            ``model_id``: ``numbakv store stats`` shows which model a namespace serves).
     """
 
     def __init__(self, tiers: Sequence[Any], *, max_jobs: int = 64,
-                 max_bytes: int = 256 << 20) -> None:
+                 max_bytes: int = 256 << 20, metadata: Optional[Dict[str, str]] = None) -> None:
         self.tiers = list(tiers)
+        #: str -> str recorded in every run's snapshot metadata (the store's model id)
+        self.metadata = dict(metadata or {})
         self.max_jobs = int(max_jobs)
         self.max_bytes = int(max_bytes)
         self._cv = threading.Condition()
@@ -173,7 +177,7 @@ class TierWriter:
         try:
             # the bytes carry their run and block keys: every read checks them (base.is_bound)
             data = job.snap if isinstance(job.snap, (bytes, bytearray, memoryview)) \
-                else job.snap.to_bytes(binding(job.keys))
+                else job.snap.to_bytes({**self.metadata, **binding(job.keys)})
         except Exception:   # noqa: BLE001 - a bad snapshot must not kill the writer
             with self._cv:
                 self.counts["errors"] += 1
