@@ -25,7 +25,14 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-import torch
+try:
+    import torch
+except ImportError as exc:  # an optional dependency: say which one and how to get it
+    _NEED = (f"examples/hf_serve.py needs PyTorch and transformers, which did not import "
+             f"({exc}): pip install 'numbakv[hf]'")
+    if __name__ == "__main__":
+        sys.exit(_NEED)
+    raise ImportError(_NEED) from exc
 
 VOCAB = 96
 SYSTEM_PROMPT = [1, 17, 42, 8, 23, 5, 61, 30, 12, 77, 3, 50]      # shared by every request

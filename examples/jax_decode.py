@@ -8,6 +8,7 @@ script reports, per step, whether the keys and values JAX attended over were the
 Each step's output is checked against plain JAX attention over each sequence's own keys and
 values, kept without any cache.
 
+    pip install 'numbakv[jax]'      # needs JAX (the extra installs it)
     python examples/jax_decode.py [--device auto|cpu|cuda] [--steps N]
 """
 
@@ -17,8 +18,16 @@ import argparse
 import sys
 from typing import List, Optional
 
-import jax
-import jax.numpy as jnp
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as exc:  # an optional dependency: say which one and how to get it
+    _NEED = (f"examples/jax_decode.py needs JAX, which did not import "
+             f"({exc}): pip install 'numbakv[jax]'")
+    if __name__ == "__main__":
+        sys.exit(_NEED)
+    raise ImportError(_NEED) from exc
+
 import numpy as np
 
 import numbakv as nkv

@@ -7,8 +7,17 @@ A tiny random-weight Llama is built from a config (nothing downloaded); with a r
     python examples/serve_batch.py
 """
 
-import torch
-import transformers
+import sys
+
+try:
+    import torch
+    import transformers
+except ImportError as exc:  # an optional dependency: say which one and how to get it
+    _NEED = (f"examples/serve_batch.py needs PyTorch and transformers, which did not import "
+             f"({exc}): pip install 'numbakv[hf]'")
+    if __name__ == "__main__":
+        sys.exit(_NEED)
+    raise ImportError(_NEED) from exc
 
 from numbakv import hf
 

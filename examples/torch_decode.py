@@ -16,7 +16,14 @@ import argparse
 import sys
 from typing import List, Optional
 
-import torch
+try:
+    import torch
+except ImportError as exc:  # an optional dependency: say which one and how to get it
+    _NEED = (f"examples/torch_decode.py needs PyTorch, which did not import "
+             f"({exc}): pip install 'numbakv[torch]'")
+    if __name__ == "__main__":
+        sys.exit(_NEED)
+    raise ImportError(_NEED) from exc
 
 import numbakv as nkv
 from numbakv.attention import attend

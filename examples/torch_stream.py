@@ -27,7 +27,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
+try:
+    import torch
+except ImportError as exc:  # an optional dependency: say which one and how to get it
+    _NEED = (f"examples/torch_stream.py needs PyTorch, which did not import "
+             f"({exc}): pip install 'numbakv[torch]'")
+    if __name__ == "__main__":
+        sys.exit(_NEED)
+    raise ImportError(_NEED) from exc
 
 import numbakv as nkv
 

@@ -17,11 +17,15 @@ from .simple import RotatingCache, StepCache
 from .causal import CausalCache
 from .streams import StreamCache  # registers itself for CacheConfig(unified=False)
 from .wrappers import EncoderCache, WrapperCache
+from .paired import PairedCache
 from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
 from .state.snapshot import SeqSnapshot, SnapshotPart
 from .prefix import PrefixStore
 from .rotation import rotate_queries, unrotate_output
+from .recurrent import RecurrentCache, RecurrentConfig, StateSpec  # registers its state files
+from .hybrid import HybridCache  # registers its state files
+from .state.snapshot import RecurrentPart
 
 __version__ = "0.1.0"
 
@@ -29,7 +33,9 @@ __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotS
            "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "StreamCache", "WrapperCache",
            "EncoderCache", "__version__"]
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
+__all__ += ["PairedCache"]
 __all__ += ["ConcurrentUseError"]
 __all__ += ["SeqSnapshot", "SnapshotPart"]
 __all__ += ["PrefixStore"]
 __all__ += ["rotate_queries", "unrotate_output"]
+__all__ += ["StateSpec", "RecurrentConfig", "RecurrentCache", "RecurrentPart", "HybridCache"]

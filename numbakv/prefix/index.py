@@ -14,11 +14,14 @@ token against the children that start with the same token: a partial last block 
 by token.
 
 Entries on sliding-window caches can serve only lengths ``n`` with ``floor <= n <= length``
-(the window of ``n`` must still be held); ``floor`` is 0 elsewhere.
+(the window of ``n`` must still be held); ``floor`` is 0 elsewhere. Entries of hybrid caches
+(recurrent layers beside attention) serve only the lengths where they hold the recurrent state:
+their ``restore`` points (``Entry.servable``).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -59,14 +62,17 @@ class Entry:
     """One stored prefix: ``length`` tokens of a prompt, held in ``tier`` (``"cells"``:
     ``seq`` holds them; ``"host"``: ``payload`` is its snapshot). ``path`` is its nodes, root
     excluded; ``floor``: the smallest length it can serve (sliding windows), ``pins``: how many
-    ``pin`` calls hold it (never evicted while > 0)."""
+    ``pin`` calls hold it (never evicted while > 0). ``restore``: on hybrid caches, the
+    ascending lengths at which it holds the recurrent state (restore points; ``length`` among
+    them), the only lengths it can serve; ``None`` elsewhere (any length from ``floor``)."""
 
     _ids = itertools.count(1)
     __slots__ = ("id", "tier", "root", "path", "length", "floor", "seq", "payload", "nbytes",
-                 "pins", "hits", "buf")
+                 "pins", "hits", "buf", "restore")
 
     def __init__(self, tier: str, root: bytes, path: List[Node], *, floor: int = 0,
-                 seq: Optional[int] = None, payload: Any = None, nbytes: int = 0) -> None:
+                 seq: Optional[int] = None, payload: Any = None, nbytes: int = 0,
+                 restore: Optional[Tuple[int, ...]] = None) -> None:
         self.id = next(Entry._ids)
         self.tier = tier
         self.root = root
@@ -79,9 +85,21 @@ class Entry:
         self.pins = 0
         self.hits = 0
         self.buf = b"".join(n.tok for n in path)   # its tokens (int64 LE): one compare checks a walk
+        self.restore = None if restore is None else tuple(sorted(int(r) for r in restore))
 
     def tokens_bytes(self) -> bytes:
         return self.buf
+
+    def servable(self, n: int) -> int:
+        """The deepest length ``<= n`` this entry can serve (0: none): ``n`` itself from
+        ``floor`` up, or on hybrid caches the deepest restore point ``<= n``."""
+        if n < self.floor:
+            return 0
+        if self.restore is None:
+            return n
+        i = bisect.bisect_right(self.restore, n)
+        r = self.restore[i - 1] if i else 0
+        return r if r >= self.floor else 0
 
     def __repr__(self) -> str:
         return (f"Entry(id={self.id}, tier={self.tier}, length={self.length}, floor={self.floor},"
@@ -269,7 +287,8 @@ class BlockIndex:
         """The longest prefix of the prompt ``buf`` (int64-LE token bytes) some entry can serve,
         and the best entry to serve it (the lowest tier rank, then the shortest entry). O(prompt
         blocks) without sliding windows; with them, entries of the path are checked against
-        their ``floor`` too."""
+        their ``floor`` too (and on hybrid caches against their restore points: the answer is
+        the deepest restore point some entry holds at or below the token match)."""
         end, n_tok, partials = self.walk(root, buf)
         if n_tok == 0:
             return Match(0, None, None, None, 0)
@@ -278,8 +297,8 @@ class BlockIndex:
         best: Optional[Entry] = None
         for node in deepest:
             for e in node.entries.values():   # every one of them covers n_tok tokens
-                if e.floor <= n_tok and (best is None or (rank[e.tier], e.length) <
-                                         (rank[best.tier], best.length)):
+                if e.servable(n_tok) == n_tok and (best is None or (rank[e.tier], e.length) <
+                                                   (rank[best.tier], best.length)):
                     best = e
         if best is not None:
             return Match(n_tok, best, end, partials[0] if partials else None, n_tok)
@@ -304,10 +323,25 @@ class BlockIndex:
                     if i < len(path) and e.length > node_n:
                         nxt = e.path[i + 1]
                         c = node_n + _common_tokens(nxt.tok, buf[_TOKEN * node_n:])
-                    if e.floor > c:
+                    c = e.servable(c)      # windows / restore points: maybe shallower
+                    if c == 0:
                         continue
                     if c > best_n or (c == best_n and best is not None
                                       and rank[e.tier] < rank[best.tier]):
+                        best, best_n = e, c
+        if best_n < self.block_tokens:
+            # the root holds no entries: an entry whose first block is beside the query's
+            # (a shorter tail, or a block sharing fewer tokens than the partial match) is
+            # judged here, by what its first block shares with the query
+            rnode = self.roots.get(root)
+            for first in (rnode.by_first.get(buf[:_TOKEN], ()) if rnode is not None else ()):
+                k = _common_tokens(first.tok, buf)
+                for e in first.entries.values():
+                    if e.id in seen:
+                        continue
+                    c = min(e.length, k)
+                    if e.floor <= c and (c > best_n or (c == best_n and best is not None
+                                                         and rank[e.tier] < rank[best.tier])):
                         best, best_n = e, c
         return Match(best_n, best, end, partials[0] if partials else None, n_tok)
 

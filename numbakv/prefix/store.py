@@ -20,6 +20,10 @@ How it works (``docs/prefix.md`` has the user's view):
 * **Tier 1.** Demoted entries are ``SeqSnapshot`` objects (``cache.export_seq``) under the
   ``host_bytes`` hard budget, least recently used first out (to disk/Redis when configured). A
   hit imports them (``cache.import_seq``) and promotes the prefix back to cells.
+* **Tiers 2 and 3** (disk, Redis/Valkey; ``tiers/``): every ``save`` is written through to them
+  by a bounded background writer (``writer.py``): the request copies the prompt's rows out of
+  the cells and goes on; ``flush()`` waits for the writer, ``close()`` (also at interpreter exit)
+  writes the rest. Entries that leave host RAM are written there too (if not already).
 * **Sliding windows.** On caches with a window memory (``CausalCache(swa_window=...)`` or a
   ``WrapperCache`` with such a group) a sequence only keeps the last ``swa_memory`` positions of
   its sliding layers, so an entry can resume only where its window is still whole: ``match``
@@ -36,9 +40,12 @@ budget`` for every tier.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
-from collections import defaultdict
+import time
+import weakref
+from collections import OrderedDict, defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -46,14 +53,35 @@ import numpy as np
 from ..errors import KVCacheError, KVCacheFullError, StateError
 from . import events as ev
 from .index import BlockIndex, Entry, Match
-from .keys import block_keys, namespace, root_digest
-from .policy import make_policy
+from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
+from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
+from .tiers.base import BIND_RUN, is_bound
 from .tiers.host import HostTier
+from .writer import Job, TierWriter
 
 CELLS, HOST = "cells", "host"
 #: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
 TokenIds = Union[Sequence[int], np.ndarray]
 _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
+#: the floor of an entry that can serve no length at all (its window pruned the whole prefix)
+_NEVER = 1 << 62
+_MAX_DISTRUST = 4096
+
+#: stores still open, closed at interpreter exit (weak: the registry keeps none alive)
+_LIVE: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
+
+
+def _close_live_stores() -> None:
+    """At interpreter exit: close every open store, so what they hold and what their writers
+    have queued reaches the disk / Redis tiers (a process that forgot ``close()`` keeps it)."""
+    for store in list(_LIVE):
+        try:
+            store.close()
+        except Exception:   # noqa: BLE001 - exiting: one store's failure must not stop others
+            pass
+
+
+atexit.register(_close_live_stores)
 
 
 def _int_arg(name: str, value, low: int) -> int:
@@ -95,6 +123,72 @@ def token_buffer(tokens, name: str = "tokens") -> bytes:
     if arr.dtype != np.dtype("<i8"):
         arr = arr.astype("<i8")
     return arr.tobytes()
+
+
+def _priority_arg(priority, name: str = "priority") -> int:
+    """``priority`` as an int in 0..100 (TensorRT-LLM's retention range); else ValueError."""
+    low, high = PRIORITY_RANGE
+    if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, (int, np.integer)) \
+            or not low <= int(priority) <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {priority!r}")
+    return int(priority)
+
+
+def _ttl_arg(ttl) -> Optional[float]:
+    """``ttl`` (seconds) as a float >= 0, or None (no expiry); else ValueError."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, (bool, np.bool_)) or not isinstance(ttl, (int, float, np.integer,
+                                                               np.floating)):
+        raise ValueError(f"ttl must be a number of seconds >= 0 or None, got {ttl!r}")
+    if not math.isfinite(float(ttl)) or float(ttl) < 0:
+        raise ValueError(f"ttl must be a finite number of seconds >= 0 or None, got {ttl!r}")
+    return float(ttl)
+
+
+def _extra_keys_arg(extra_keys, buf: bytes) -> Optional[List[Tuple[int, int, bytes]]]:
+    """Check ``extra_keys`` against the prompt ``buf`` (int64-LE): a list of ``(start, end,
+    key_bytes)`` with ``0 <= start < end <= len(tokens)``, sorted by ``start`` and not
+    overlapping, ``key_bytes`` non-empty bytes; the tokens they cover must be < 2**62 (keyed
+    ids live above). None or empty: no extra keys."""
+    if extra_keys is None:
+        return None
+    if isinstance(extra_keys, (str, bytes, bytearray, dict)) or not hasattr(extra_keys,
+                                                                           "__iter__"):
+        raise ValueError(f"extra_keys must be a list of (start, end, key_bytes) ranges, got "
+                         f"{type(extra_keys).__name__}")
+    n = len(buf) // 8
+    out: List[Tuple[int, int, bytes]] = []
+    prev_end = 0
+    for i, item in enumerate(extra_keys):
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise ValueError(f"extra_keys[{i}] must be a (start, end, key_bytes) triple, got "
+                             f"{item!r:.80}")
+        start, end, key = item
+        for what, v in (("start", start), ("end", end)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"extra_keys[{i}] {what} must be an integer token index, got "
+                                 f"{v!r}")
+        start, end = int(start), int(end)
+        if not 0 <= start < end <= n:
+            raise ValueError(f"extra_keys[{i}] must cover a token range 0 <= start < end <= "
+                             f"len(tokens)={n}, got ({start}, {end})")
+        if start < prev_end:
+            raise ValueError(f"extra_keys must be sorted by start and not overlap: "
+                             f"extra_keys[{i}] starts at {start}, before the previous range's "
+                             f"end {prev_end}")
+        if not isinstance(key, (bytes, bytearray)) or not key:
+            raise ValueError(f"extra_keys[{i}] key must be non-empty bytes (e.g. an image's "
+                             f"content hash, a LoRA id), got {key!r:.80}")
+        out.append((start, end, bytes(key)))
+        prev_end = end
+    if out:
+        toks = np.frombuffer(buf, "<i8")
+        for i, (start, end, _) in enumerate(out):
+            if int(toks[start:end].max()) >= KEYED_BIT:
+                raise ValueError(f"tokens under extra_keys[{i}] must be < 2**62 (ids above are "
+                                 "the store's keyed ids)")
+    return out or None
 
 
 def _groups(cache) -> List[Any]:
@@ -152,12 +246,41 @@ class PrefixStore:
         policy: ``"lru"`` or ``"lfu"``: eviction order in every tier the store runs.
         checkpoint_tail: on sliding-window caches, keep a checkpoint this many tokens before
             the end of each saved prompt (0: none).
+        event_bytes: bound (estimated bytes) of the KV events waiting for ``take_events``;
+            past it the oldest are dropped (``stats()["events_dropped"]``); 0 keeps none (a
+            publisher still gets every event).
+        model_id: the identity of the model whose K/V the cache holds (e.g.
+            ``"org/model@revision:sha256-of-weights"``; ``hf`` builds one from the model's name,
+            revision and a digest of its weights). Part of every block key and of the lower
+            tiers' namespace: two models of the same shapes (base and instruct, a fine-tune, a
+            new revision) never see each other's entries. Required with ``disk_dir`` or
+            ``remote`` (shared beyond this process, where shapes alone cannot tell models
+            apart); optional otherwise (the cache then serves one model anyway).
+        write_through: with disk/Redis tiers, each ``save`` also reaches them as it happens:
+            the prompt's rows are copied out of the cells (the request waits for that copy
+            only) and a background writer encodes and writes them (``flush()`` waits for it).
+            False: the lower tiers get entries only when they leave host RAM, at ``flush`` and
+            at ``close``.
+        write_queue_bytes: bound of the writer's queue (K/V bytes waiting to be written; a
+            save that does not fit is written later, at eviction / ``flush`` / ``close``).
+        clock: seconds (monotonic) for retention TTLs (``retain``/``save(ttl=...)``);
+            injectable for tests.
+
+    Retention (agents): every local entry has a priority (0..100, default 35) and an optional
+    expiry; tiers 0 and 1 evict expired entries first, then the lowest priority, then the
+    policy's order (LRU/LFU), a chain's tail before its parent. ``retain`` sets them for a
+    token range; the lower tiers keep their own LRU.
+
+    Use it as a context manager (``with PrefixStore(...) as store:``) or call ``close()``; an
+    open store is also closed at interpreter exit (its writes reach the lower tiers).
     """
 
     def __init__(self, cache, *, retain_seqs: Sequence[int] = (), block_tokens: int = 16,
                  host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
                  remote: Optional[str] = None, salt: bytes = b"", policy: str = "lru",
-                 checkpoint_tail: int = 16) -> None:
+                 checkpoint_tail: int = 16, model_id: Optional[str] = None,
+                 write_through: bool = True, write_queue_bytes: int = 256 << 20,
+                 event_bytes: int = ev.DEFAULT_MAX_BYTES, clock=time.monotonic) -> None:
         for name in ("copy_prefix", "seq_rm", "seq_pos_max", "seq_pos_min", "can_resume",
                      "start_forward"):
             if not callable(getattr(cache, name, None)):
@@ -193,6 +316,7 @@ class PrefixStore:
         host_bytes = _int_arg("host_bytes", host_bytes, 0)
         disk_bytes = _int_arg("disk_bytes", disk_bytes, 0)
         checkpoint_tail = _int_arg("checkpoint_tail", checkpoint_tail, 0)
+        event_bytes = _int_arg("event_bytes", event_bytes, 0)
         if not isinstance(salt, (bytes, bytearray)):
             raise ValueError(f"salt must be bytes, got {type(salt).__name__}")
         self._policy_name = make_policy(policy).name   # validates
@@ -204,6 +328,19 @@ class PrefixStore:
                 ("redis://", "rediss://", "valkey://", "valkeys://", "unix://"))):
             raise ValueError(f"remote must be a URL such as 'redis://127.0.0.1:6379/0', got "
                              f"{remote!r}")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+            raise ValueError(f"model_id must be a non-empty string naming the model (e.g. "
+                             f"'org/model@revision'), got {model_id!r}")
+        if model_id is None and (disk_dir is not None or remote is not None):
+            raise ValueError("model_id is required with disk_dir or remote: the disk and Redis "
+                             "tiers are shared beyond this process, and two models of the same "
+                             "shapes would read each other's K/V; pass model_id='org/model@"
+                             "revision' (hf.Server / hf.generation_cache fill it from the model)")
+        if not isinstance(write_through, (bool, np.bool_)):
+            raise ValueError(f"write_through must be a bool, got {write_through!r}")
+        write_queue_bytes = _int_arg("write_queue_bytes", write_queue_bytes, 0)
+        if not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
         if getattr(cache, "_room_provider", None) is not None:
             raise ValueError("cache already has a prefix store (one store per cache)")
 
@@ -215,7 +352,10 @@ class PrefixStore:
         self.salt = bytes(salt)
         self._groups = groups
         from .. import state as _state
-        self.fingerprint = {"groups": [_state.fingerprint(g) for g in groups]}
+        #: the model identity (None: tiers 0 and 1 only), in every key and the namespace
+        self.model_id = model_id
+        self.fingerprint = {"groups": [_state.fingerprint(g) for g in groups],
+                            "model_id": model_id}
         first = groups[0].config
         heads = getattr(first, "head_range", None) or (0, first.n_kv_heads)
         self.layout = {"kind": type(cache).__name__, "block_tokens": block_tokens,
@@ -227,7 +367,9 @@ class PrefixStore:
         self._sliding = [(g, g.swa_window, g.swa_memory) for g in groups
                          if g.swa_memory is not None]
         self.index = BlockIndex(block_tokens, {CELLS: 0, HOST: 1})
-        self._policy = {CELLS: make_policy(policy), HOST: make_policy(policy)}
+        self._clock = clock
+        self._policy = {CELLS: Retention(make_policy(policy), clock),
+                        HOST: Retention(make_policy(policy), clock)}
         self._free: List[int] = list(retain)
         self._pending: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
         self._pins: Dict[Tuple[bytes, bytes], List[Entry]] = defaultdict(list)
@@ -236,15 +378,26 @@ class PrefixStore:
         self.tokens_reused = 0
         self.tokens_matched = 0
         self.bytes_moved = 0
-        self.events = ev.EventLog()
+        self.events = ev.EventLog(max_bytes=event_bytes)
         self._lower: List[Any] = []
+        #: (tier name, block key) -> run key: lower-tier pointers found to name a run that does
+        #: not hold their block (skipped while they still name that run; bounded)
+        self._distrust: "OrderedDict[Tuple[str, str], str]" = OrderedDict()
         self._lower_specs = [(kind, spec, budget) for kind, spec, budget in
                              (("disk", disk_dir, disk_bytes), ("redis", remote, 0))
                              if spec is not None]
+        self.write_through = bool(write_through)
+        self._writer: Optional[TierWriter] = None
         if self._lower_specs:
             self._open_lower()
+            self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes,
+                                      metadata={"model_id": model_id} if model_id else None)
+            # a store collected without close(): its writer still drains and stops (not at
+            # exit: _close_live_stores closes the store, writer included, then)
+            weakref.finalize(self, self._writer.close).atexit = False
         self._closed = False
         cache._room_provider = self._make_room
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ lower tiers
     def _open_lower(self) -> None:
@@ -274,6 +427,21 @@ class PrefixStore:
                              f"{list(self.retain_seqs)}); use another sequence")
         return seq
 
+    def _prompt(self, tokens, extra_keys) -> bytes:
+        """The prompt as the index keys it: ``tokens`` as int64-LE bytes, the ranges of
+        ``extra_keys`` folded in (``keys.fold_extra_keys``); both checked."""
+        buf = token_buffer(tokens)
+        return fold_extra_keys(buf, _extra_keys_arg(extra_keys, buf))
+
+    def _retention(self, priority, ttl, default: bool) -> Optional[Tuple[int, Optional[float]]]:
+        """``(priority, expiry time)`` from the arguments (checked); None when both are None
+        and ``default`` is False (keep what an entry has)."""
+        if priority is None and ttl is None and not default:
+            return None
+        priority = DEFAULT_PRIORITY if priority is None else _priority_arg(priority)
+        ttl = _ttl_arg(ttl)
+        return priority, (None if ttl is None else self._clock() + ttl)
+
     def _root(self, salt) -> bytes:
         salt = self.salt if salt is None else salt
         if not isinstance(salt, (bytes, bytearray)):
@@ -292,16 +460,24 @@ class PrefixStore:
         floor = 0
         for g, window, memory in self._sliding:
             first = g.seq_pos_min(seq)
+            if not 0 <= first < length:
+                # the window already pruned every position of the prefix (an empty sequence's
+                # seq_pos_min is -1): it can serve nothing, not "everything from 0"
+                return _NEVER
             held = max(first, length - memory)
             if held > 0:
                 floor = max(floor, held + window)
         return floor
 
     def _floor_of_snapshot(self, snap) -> int:
+        """As :meth:`_floor_of_seq`, for an exported snapshot (a sliding group's part holding
+        no position: nothing servable)."""
         floor = 0
         for (g, window, memory), part in zip(self._groups_windows(), snap.parts):
-            if window is None or memory is None or not len(part.positions):
+            if window is None or memory is None:
                 continue
+            if not len(part.positions):
+                return _NEVER
             first = int(part.positions[0])
             if first > 0:
                 floor = max(floor, first + window)
@@ -311,28 +487,33 @@ class PrefixStore:
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
     # ------------------------------------------------------------------ public API
-    def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+    def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
+              extra_keys=None) -> int:
         """The longest prefix of ``tokens`` the store can load now (token granular; on
         sliding-window caches the deepest checkpoint at or below the token match), over every
-        tier. No side effects (the lower tiers may count a miss)."""
+        tier. No side effects (the lower tiers may count a miss). ``extra_keys``: ``[(start,
+        end, key_bytes)]`` as given to ``save`` (a prompt matches a stored one only up to the
+        first token where the tokens or the extra keys over them differ)."""
         self._check_open()
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
         n = self.index.match(root, buf).n
         if self._lower:
             n = max(n, self._lower_probe(root, buf, n)[0])
         return n
 
-    def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+    def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
+             extra_keys=None) -> int:
         """Make the empty sequence ``seq`` hold ``tokens[:n]`` at positions ``0..n-1`` from the
         store, ``n`` the longest prefix it can serve (``match``); returns ``n`` (0: a miss,
         nothing changed). Tier 0 hits share cells (no K/V copy); other tiers import the rows
         (one batched copy per layer) and promote the prefix to cells. Raises ``ValueError``
         (bad tokens, a reserved or non-empty ``seq``) or ``KVCacheFullError`` (no room for a
-        promotion even after evicting cells: the entry stays where it was, ``seq`` empty)."""
+        promotion even after evicting cells: the entry stays where it was, ``seq`` empty).
+        ``extra_keys``: as for ``match``."""
         self._check_open()
         seq = self._check_seq(seq)
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
         if self.cache.seq_pos_max(seq) >= 0:
             raise ValueError(f"seq {seq} must be empty to load a prefix into it (it holds "
@@ -365,16 +546,26 @@ class PrefixStore:
         return n
 
     def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
-             cache: bool = True) -> int:
+             cache: bool = True, priority: Optional[int] = None, ttl: Optional[float] = None,
+             extra_keys=None) -> int:
         """Record that ``seq`` holds ``tokens`` (``tokens[i]`` at position ``i``) so later
         prompts sharing a prefix with it can ``load`` it. ``cache=False``: skip this one (the
         engine's admission control); checkpoints ``checkpoint(seq)`` marked are dropped too.
         Returns how many tokens the store now keeps for it (0: nothing kept - no retained
-        sequence free of pins, or ``cache=False``). Metadata only in tier 0."""
+        sequence free of pins, or ``cache=False``). Metadata only in tier 0.
+
+        ``priority`` (0..100) and ``ttl`` (seconds): the entry's retention (see ``retain``;
+        both None: a new entry gets priority 35 and no expiry, an existing one keeps its own).
+        ``extra_keys``: ``[(start, end, key_bytes)]`` sorted, non-overlapping token ranges whose
+        key (an image's content hash over its placeholder tokens, a LoRA id) is folded into
+        the keys from the block holding ``start`` on; a later prompt matches past ``start``
+        only with the same key over the same range. A cancelled request's prefilled part:
+        ``save(seq, tokens[:k])`` with ``k`` the tokens whose forward pass completed."""
         self._check_open()
         seq = self._check_seq(seq)
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
+        retention = self._retention(priority, ttl, default=False)
         if not isinstance(cache, (bool, np.bool_)):
             raise ValueError(f"cache must be a bool, got {cache!r}")
         length = len(buf) // 8
@@ -385,18 +576,29 @@ class PrefixStore:
         if not self._sliding and length and self.cache.seq_pos_min(seq) != 0:
             raise ValueError(f"seq {seq} does not hold position 0: it holds no prefix to save")
         pending = self._pending.pop(seq, [])
+        # on sliding-window caches the window may have pruned the whole prefix already (a
+        # prompt saved after a long generation): nothing of it can be served, keep nothing
+        servable = not self._sliding or self._floor_of_seq(seq, length) <= length
         if not cache or length == 0 or not self.retain_seqs:
             for r, _ in pending:
                 self._release_seq(r)
-            if cache and length and not self.retain_seqs and (self.host_bytes or self._lower) \
-                    and self._serves(root, buf) < length:
+            if cache and length and servable and not self.retain_seqs \
+                    and (self.host_bytes or self._lower):
+                m = self.index.match(root, buf)
+                if m.n >= length:       # host RAM keeps it already
+                    if retention is not None and m.entry.length == length:
+                        self._policy[m.entry.tier].set(m.entry.id, *retention)
+                    return length
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = _owned(self.cache.export_seq(seq, 0, length))
                 self.bytes_moved += snap.nbytes
-                return length if self._admit_host(root, buf, snap) else 0
+                if self._admit_host(root, buf, snap, retention):
+                    self._write_through(root, buf, snap)
+                    return length
+                return 0
             return 0
         self._pending[seq] = pending   # main may take one of them when nothing else is free
-        main = self._keep(seq, root, buf)
+        main = self._keep(seq, root, buf, retention=retention) if servable else None
         pending = self._pending.pop(seq, [])
         protect = {main.id} if main is not None else set()
         for r, n in pending:   # marked checkpoints: their tokens are known now (no new cells)
@@ -409,7 +611,67 @@ class PrefixStore:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
                 self._keep(seq, root, buf[:8 * c], protect=protect)
-        return 0 if main is None else length
+        if main is None and servable and self.host_bytes and self._serves(root, buf) < length \
+                and callable(getattr(self.cache, "export_seq", None)):
+            # every retained sequence holds a higher-priority (or pinned) entry: host RAM
+            snap = _owned(self.cache.export_seq(seq, 0, length))
+            self.bytes_moved += snap.nbytes
+            if self._admit_host(root, buf, snap, retention, write_lower=False):
+                main = self.index.match(root, buf).entry
+        queued = self._write_through(root, buf, seq=seq)
+        return length if main is not None or (queued and servable) else 0
+
+    def retain(self, tokens: TokenIds, *, priority: int = DEFAULT_PRIORITY,
+               ttl: Optional[float] = None, salt: Optional[bytes] = None,
+               extra_keys=None) -> int:
+        """Set the retention of the token range ``[0, n)`` of ``tokens`` the store serves now
+        (``n = match(tokens)``): ``priority`` 0..100 (35 by default, as TensorRT-LLM) and
+        ``ttl`` seconds (None: no expiry; afterwards the range is first out). Tiers 0 and 1
+        evict expired entries first, then the lowest priority, then by the policy (LRU/LFU);
+        a chain loses its tail before its parent. Every entry inside the range gets it; when
+        only a longer entry holds the range, the range becomes an entry of its own (cells:
+        metadata only, in a free or lower-ranked retained sequence; host RAM: a copy of its
+        rows within the budget) so the longer entry's tail can go first; when there is no room
+        for that, the longer entry takes the higher priority. Changeable later (a lower
+        priority too). Returns ``n`` (0: nothing stored, nothing changed). The lower tiers keep
+        their own LRU."""
+        self._check_open()
+        buf = self._prompt(tokens, extra_keys)
+        root = self._root(salt)
+        retention = self._retention(priority, ttl, default=True)
+        m = self.index.match(root, buf)
+        n = m.n
+        if n == 0:
+            return 0
+        head = buf[:8 * n]
+        inside = [e for e in self.index.entries.values()
+                  if e.root == root and e.length <= n and head.startswith(e.buf)]
+        for e in inside:
+            self._policy[e.tier].set(e.id, *retention)
+        if not any(e.length == n for e in inside):
+            self._split(root, head, m.entry, retention)
+        return n
+
+    def _split(self, root: bytes, head: bytes, longer: Entry, retention) -> None:
+        """An entry of its own for ``head`` (a prefix of ``longer``'s tokens) with
+        ``retention``; else ``longer`` takes the higher of the two priorities."""
+        n = len(head) // 8
+        rank = (1, retention[0])
+        made = None
+        if longer.tier == CELLS and not self._sliding and self.retain_seqs:
+            r = self._take_seq(protect={longer.id}, rank=rank)
+            if r is not None:
+                self.cache.copy_prefix(longer.seq, r, n)
+                made = self._add_cells_entry(root, head, r, retention)
+        elif longer.tier == HOST and not self._sliding:
+            snap = _owned(_slice_snapshot(longer.payload, n))
+            if self._admit_host(root, head, snap, retention, write_lower=False,
+                                protect={longer.id}):
+                made = True
+        if made is None:
+            old = self._policy[longer.tier].get(longer.id)
+            if retention[0] > old[0]:
+                self._policy[longer.tier].set(longer.id, *retention)
 
     def checkpoint(self, seq: int) -> int:
         """Keep a sliding-window checkpoint at ``seq``'s current end (call it where a later
@@ -435,11 +697,11 @@ class PrefixStore:
             self._release_seq(lst.pop(0)[0])
         return n
 
-    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None, extra_keys=None) -> int:
         """Keep the prefix of ``tokens`` the store serves now from eviction until ``unpin``
         (the entry serving it stays in its tier). Returns the pinned length (0: not stored)."""
         self._check_open()
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
         m = self.index.match(root, buf)
         if m.n == 0:
@@ -450,10 +712,12 @@ class PrefixStore:
         self._pins[(root, buf)].append(m.entry)
         return m.n
 
-    def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> bool:
-        """Undo one ``pin(tokens)`` (same tokens and salt). Returns False when none was held."""
+    def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
+              extra_keys=None) -> bool:
+        """Undo one ``pin(tokens)`` (same tokens, salt and extra keys). Returns False when none
+        was held."""
         self._check_open()
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         key = (self._root(salt), buf)
         held = self._pins.get(key)
         if not held:
@@ -468,7 +732,10 @@ class PrefixStore:
 
     def stats(self) -> Dict[str, Any]:
         """``{"tiers": {name: {"bytes_used", "bytes_evictable", "bytes_pinned", "bytes_free",
-        "entries", "hits", "misses"}}, "tokens_reused", "tokens_matched", "bytes_moved"}``.
+        "entries", "hits", "misses"}}, "tokens_reused", "tokens_matched", "bytes_moved",
+        "writer"}``; tiers 0 and 1 add their retention: ``"priorities"`` (priority -> entries),
+        ``"expiring"`` (entries with a TTL), ``"expired"``; ``"writer"``: the background
+        writer's counters (None without lower tiers).
         ``bytes_used = bytes_evictable + bytes_pinned``; ``bytes_used + bytes_free`` is the
         tier's budget (tier 0: the bytes of the cells retained sequences hold, see the module
         docstring)."""
@@ -477,19 +744,61 @@ class PrefixStore:
         cells = self.index.in_tier(CELLS)
         tiers[CELLS] = {"bytes_used": used, "bytes_evictable": used - pinned,
                         "bytes_pinned": pinned, "bytes_free": 0, "entries": len(cells),
-                        **self._counts[CELLS], "budget": used}
+                        **self._counts[CELLS], "budget": used, **self._retention_stats(CELLS)}
         if self.host_bytes:
-            tiers[HOST] = {**self.host.stats(), **self._counts[HOST], "budget": self.host_bytes}
+            tiers[HOST] = {**self.host.stats(), **self._counts[HOST], "budget": self.host_bytes,
+                           **self._retention_stats(HOST)}
         for tier in self._lower:
             s = dict(tier.stats())
             tiers[tier.name] = s
-        return {"tiers": tiers, "tokens_reused": self.tokens_reused,
+        self._drain_writer()
+        return {"tiers": tiers, "writer": self._writer.stats() if self._writer else None,
+                "tokens_reused": self.tokens_reused,
                 "tokens_matched": self.tokens_matched, "bytes_moved": self.bytes_moved,
                 "events_dropped": self.events.dropped}
 
+    def _retention_stats(self, tier: str) -> Dict[str, Any]:
+        """``{"priorities": {priority: entries}, "expiring": entries with a TTL, "expired":
+        entries past it}`` of a local tier."""
+        policy, now = self._policy[tier], self._clock()
+        by: Dict[int, int] = {}
+        expiring = expired = 0
+        for e in self.index.in_tier(tier):
+            priority, expires = policy.get(e.id)
+            by[priority] = by.get(priority, 0) + 1
+            if expires is not None:
+                expiring += 1
+                expired += now >= expires
+        return {"priorities": dict(sorted(by.items())), "expiring": expiring,
+                "expired": expired}
+
     def take_events(self) -> List[Dict[str, Any]]:
         """The events since the last call (see ``events.py``: vLLM's KV event fields)."""
+        self._drain_writer()
         return self.events.take()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Make every entry this store holds reach the disk / Redis tiers: wait for the
+        background writer, then write (through it) the local entries no lower tier was given
+        yet (saves the writer's bounded queue refused). Returns False when ``timeout`` seconds
+        passed first (the rest is still written in the background). Without lower tiers:
+        nothing to do, True."""
+        self._check_open()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        if self._writer is None:
+            return True
+        self._flush_down(skip_known=True)
+        done = self._writer.flush(timeout)
+        self._drain_writer()
+        return done
+
+    def __enter__(self) -> "PrefixStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def publish_events(self, endpoint: str, topic: str = "kv-events") -> str:
         """Also publish every event on a ZeroMQ PUB socket bound to ``endpoint`` (needs
@@ -513,6 +822,10 @@ class PrefixStore:
                 p.remove(k)
         self._pins.clear()
         self.host = HostTier(self.host_bytes)
+        if self._writer is not None:
+            self._writer.flush()      # nothing queued before the clear lands after it
+            self._drain_writer()
+            self._writer.forget()
         for tier in self._lower:
             tier.clear()
         self.events.emit(ev.all_cleared())
@@ -523,8 +836,12 @@ class PrefixStore:
         tiers (their stored runs stay for other processes)."""
         if self._closed:
             return
+        _LIVE.discard(self)
         if self._lower and not getattr(self.cache, "closed", False):
-            self._flush_down()
+            self._flush_down(skip_known=True)
+        if self._writer is not None:
+            self._writer.close()
+            self._drain_writer()
         lower, self._lower = self._lower, []
         try:
             if not getattr(self.cache, "closed", False):
@@ -546,23 +863,34 @@ class PrefixStore:
         """How many tokens of ``buf`` the local tiers serve now (exactly, windows included)."""
         return self.index.match(root, buf).n
 
-    def _keep(self, seq: int, root: bytes, buf: bytes, protect=()) -> Optional[Entry]:
+    def _keep(self, seq: int, root: bytes, buf: bytes, protect=(),
+              retention=None) -> Optional[Entry]:
         """Keep ``seq``'s first ``len(buf)/8`` tokens in a retained sequence (tier 0); returns
-        the cells entry (None: every retained sequence is pinned or protected)."""
+        the cells entry (None: every retained sequence is pinned, protected or holds an entry
+        ranked above ``retention``). ``retention``: ``(priority, expires)`` for the entry (None:
+        an existing entry keeps its own, a new one gets the default)."""
         n = len(buf) // 8
         m = self.index.match(root, buf)
         if m.n == n and m.entry is not None and m.entry.length == n:
             self._policy[m.entry.tier].touch(m.entry.id)   # already kept exactly
+            if retention is not None:
+                self._policy[m.entry.tier].set(m.entry.id, *retention)
             if m.entry.tier == CELLS:
                 return m.entry
+            if retention is None:   # promoted below: the host entry's retention goes along
+                retention = self._policy[HOST].get(m.entry.id)
+        want = retention or (DEFAULT_PRIORITY, None)
         # an unpinned cells entry this prompt extends: its sequence takes the longer prefix
         # (one entry per conversation, not one per turn)
         reuse = None
         if not self._sliding:
             for node in reversed(m.path):
                 for e in node.entries.values():
+                    # (a retained shorter entry stays: the longer prompt's tail must be able
+                    # to go before it)
                     if e.tier == CELLS and e.pins == 0 and e.length <= n \
-                            and e.path[-1] is node and node.end <= m.tokens_matched:
+                            and e.path[-1] is node and node.end <= m.tokens_matched \
+                            and self._policy[CELLS].get(e.id) == want:
                         reuse = e
                         break
                 if reuse is not None:
@@ -571,10 +899,10 @@ class PrefixStore:
             # the longer prefix first, then the shorter entry goes: its blocks stay covered
             # (no removed/stored event pair for them)
             self.cache.copy_prefix(seq, reuse.seq, n)
-            entry = self._add_cells_entry(root, buf, reuse.seq)
+            entry = self._add_cells_entry(root, buf, reuse.seq, want)
             self._drop_entry(reuse)
             return entry
-        r = self._take_seq(protect=protect)
+        r = self._take_seq(protect=protect, rank=(1, want[0]))
         if r is None:
             return None
         try:
@@ -582,20 +910,56 @@ class PrefixStore:
         except BaseException:
             self._release_seq(r)
             raise
-        return self._add_cells_entry(root, buf, r)
+        return self._add_cells_entry(root, buf, r, want)
 
-    def _add_cells_entry(self, root: bytes, buf: bytes, r: int) -> Entry:
+    def _add_cells_entry(self, root: bytes, buf: bytes, r: int, retention=None) -> Entry:
         n = len(buf) // 8
         path = self.index.insert_path(root, buf)
         e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r)
-        self._register(e)
+        self._register(e, retention)
         return e
 
-    def _register(self, e: Entry) -> None:
+    def _register(self, e: Entry, retention=None) -> None:
         fresh = self.index.add(e)
-        self._policy[e.tier].add(e.id)
+        priority, expires = retention or (DEFAULT_PRIORITY, None)
+        self._policy[e.tier].add(e.id, priority, expires)
         if fresh:
-            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier))
+            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier,
+                                             priority=priority, ttl=self._ttl_left(expires)))
+
+    def _ttl_left(self, expires: Optional[float]) -> Optional[float]:
+        return None if expires is None else max(0.0, expires - self._clock())
+
+    def _is_ancestor(self, eid: int) -> bool:
+        """Whether another live entry extends entry ``eid``'s tokens (its chain's tail): the
+        tail goes first, so this one waits behind entries of its rank that are not."""
+        e = self.index.entries.get(eid)
+        if e is None or not e.path:
+            return False
+        last = e.path[-1]
+        if len(last.tok) == self.index.width:
+            return any(o.length > e.length for o in last.entries.values())
+        # a partial last block: a longer prompt passes through a full sibling instead
+        pool = e.path[-2].entries.values() if len(e.path) > 1 else \
+            self.index.entries.values()
+        return any(o.length > e.length and o.root == e.root and o.buf.startswith(e.buf)
+                   for o in pool)
+
+    def _victims(self, tier: str, rank=None) -> List[Entry]:
+        """Unpinned entries of ``tier``, first to evict first: expired, then the lowest
+        priority, then the policy's order, a chain's tail before its parent. ``rank``
+        (``(0 expired / 1 not, priority)``): only those ranked at or below it."""
+        policy = self._policy[tier]
+        now = self._clock()
+        out = []
+        for eid in policy.victims(self._is_ancestor):
+            e = self.index.entries.get(eid)
+            if e is None or e.pins:
+                continue
+            if rank is not None and policy.rank(eid, now) > rank:
+                break   # ranked above: so is every later one
+            out.append(e)
+        return out
 
     def _drop_entry(self, e: Entry) -> None:
         """Take ``e`` out of the index (its sequence / bytes are the caller's to free)."""
@@ -613,15 +977,15 @@ class PrefixStore:
         for r, _ in self._pending.pop(seq, []):
             self._release_seq(r)
 
-    def _take_seq(self, protect=()) -> Optional[int]:
-        """A free retained sequence: a free one, else the one of the least recently (or
-        frequently) used unpinned cells entry, evicted (demoted), else a pending checkpoint's.
-        None when every one is pinned."""
+    def _take_seq(self, protect=(), rank=None) -> Optional[int]:
+        """A free retained sequence: a free one, else the one of the first unpinned cells
+        entry to evict (``_victims``; ranked at or below ``rank`` when given), evicted
+        (demoted), else a pending checkpoint's. None when every one is pinned or ranked
+        above."""
         if self._free:
             return self._free.pop()
-        for eid in self._policy[CELLS].victims():
-            e = self.index.entries.get(eid)
-            if e is None or e.pins or eid in protect:
+        for e in self._victims(CELLS, rank):
+            if e.id in protect:
                 continue
             self._evict_cells(e)
             return self._free.pop()
@@ -644,11 +1008,12 @@ class PrefixStore:
                 snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
             except (KVCacheError, ValueError):
                 snap = None   # cannot export (e.g. an unsupported cache): dropped instead
+        retention = self._policy[CELLS].get(e.id)
         self._drop_entry(e)
         self._release_seq(e.seq)
         if snap is not None:
             self.bytes_moved += snap.nbytes
-            self._admit_host(e.root, e.tokens_bytes(), snap)
+            self._admit_host(e.root, e.tokens_bytes(), snap, retention)
 
     def _cells_bytes(self) -> Tuple[int, int]:
         """(bytes of the cells retained sequences hold, of those pinned entries hold)."""
@@ -674,9 +1039,8 @@ class PrefixStore:
         evicted = False
         if roomy():
             return False
-        for eid in self._policy[CELLS].victims():
-            e = self.index.entries.get(eid)
-            if e is None or e.pins:
+        for e in self._victims(CELLS):
+            if e.id not in self.index.entries:
                 continue
             self._evict_cells(e)
             evicted = True
@@ -689,16 +1053,22 @@ class PrefixStore:
         return evicted
 
     # ------------------------------------------------------------------ tier 1
-    def _admit_host(self, root: bytes, buf: bytes, snap) -> bool:
-        """Keep ``snap`` (the K/V of prompt ``buf``'s first tokens) in host RAM, evicting least
-        recently used unpinned host entries (to the lower tiers) to fit; too large or no room:
-        straight to the lower tiers."""
+    def _admit_host(self, root: bytes, buf: bytes, snap, retention=None,
+                    write_lower: bool = True, protect=()) -> bool:
+        """Keep ``snap`` (the K/V of prompt ``buf``'s first tokens) in host RAM with
+        ``retention`` (default priority when None), evicting unpinned host entries ranked at or
+        below it (``_victims``: to the lower tiers) to fit; too large or no room: straight to
+        the lower tiers (unless ``write_lower`` is False). Returns whether some tier now keeps
+        it."""
         nbytes = int(snap.nbytes)
+        retention = retention or (DEFAULT_PRIORITY, None)
+        if self._sliding and self._floor_of_snapshot(snap) > len(buf) // 8:
+            return False    # its window holds none of the prefix: it could never be served
         if self.host_bytes and nbytes <= self.host_bytes:
             if not self.host.fits(nbytes):
-                for eid in self._policy[HOST].victims():
-                    e = self.index.entries.get(eid)
-                    if e is None or e.pins:
+                expired = retention[1] is not None and self._clock() >= retention[1]
+                for e in self._victims(HOST, rank=(0 if expired else 1, retention[0])):
+                    if e.id in protect or e.id not in self.index.entries:
                         continue
                     self._evict_host(e)
                     if self.host.fits(nbytes):
@@ -708,14 +1078,15 @@ class PrefixStore:
                 e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
                           nbytes=nbytes)
                 self.host.add(nbytes)
-                self._register(e)
+                self._register(e, retention)
                 return True
+        if not write_lower:
+            return False
         path = self.index.insert_path(root, buf)     # the block keys (no entry covers them)
         try:
-            self._write_lower(path, snap)
+            return self._write_lower(path, snap)
         finally:
             self.index.prune(path)                   # nodes no entry covers leave the index
-        return False
 
     def _evict_host(self, e: Entry) -> None:
         self._drop_entry(e)
@@ -738,7 +1109,9 @@ class PrefixStore:
         if not self.retain_seqs:
             return
         n = len(buf) // 8
-        if self._keep(seq, root, buf) is not None and source is not None \
+        retention = self._policy[source.tier].get(source.id) \
+            if source is not None and source.id in self.index.entries else None
+        if self._keep(seq, root, buf, retention=retention) is not None and source is not None \
                 and source.tier == HOST \
                 and source.length == n and not source.pins \
                 and source.id in self.index.entries:
@@ -746,35 +1119,97 @@ class PrefixStore:
             self.host.remove(source.nbytes)
 
     # ------------------------------------------------------------------ disk / redis
-    def _flush_down(self) -> None:
+    def _flush_down(self, skip_known: bool = False) -> None:
         """Write every local entry the lower tiers may not hold yet (cells, then host) down to
-        them, so a later process finds what this one kept (``close``). Best effort: a tier
-        that refuses (full, down) is skipped, as at any demotion."""
+        them, so a later process finds what this one kept (``close``, ``flush``). Best effort:
+        a tier that refuses (full, down) is skipped, as at any demotion. ``skip_known``: skip
+        runs this process already wrote or queued."""
         for e in sorted(self.index.entries.values(), key=lambda e: -e.length):
+            if not e.path or (skip_known and self._writer is not None
+                              and self._writer.known(e.path[-1].key)):
+                continue
             if e.tier == CELLS:
-                try:
-                    snap = self.cache.export_seq(e.seq, 0, e.length)
+                try:   # owned rows: the writer encodes them later
+                    snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
                 except (KVCacheError, ValueError):
                     continue
             else:
                 snap = e.payload
             self._write_lower(e.path, snap)
 
-    def _write_lower(self, path, snap) -> None:
-        if not self._lower or not path:
-            return
+    def _write_lower(self, path, snap) -> bool:
+        """Give the run ``snap`` (owned rows of the prompt whose nodes are ``path``) to every
+        lower tier (the disk for this host, Redis for all) through the background writer; when
+        its queue is full, write it here (the entry is leaving the local tiers: it must not be
+        lost). Returns whether it was written or queued (False: no lower tier, or nothing of
+        it can be served: see :meth:`_job`)."""
+        if self._writer is None or not path:
+            return False
+        if self._writer.known(path[-1].key):
+            return True   # written (or queued) already: by write-through at its save
+        job = self._job(path, snap)
+        if job is None:
+            return False
+        if not self._writer.submit(job):
+            self._writer.write_now(job)
+        return True
+
+    def _job(self, path, snap) -> Optional[Job]:
+        """The writer's job for the run ``snap`` of the prompt ``path`` spells. Its bytes will
+        carry their run key and block keys (``tiers.base.binding``, under the snapshot's
+        checksum) so a read can check that what it got is what its key names (:meth:`_bound`).
+        On sliding-window caches only the blocks the run can serve (ending at or past its
+        floor) get a pointer, so a lookup never promises a length the run's window cannot
+        resume at; None when it can serve none."""
+        first = 0
+        if self._sliding:
+            floor = self._floor_of_snapshot(snap)
+            if floor > path[-1].end:
+                return None
+            first = next(i for i, node in enumerate(path) if node.end >= floor)
+        return Job([node.key for node in path], snap, int(snap.nbytes), tag=path,
+                   first=first)
+
+    def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None
+                       ) -> bool:
+        """A save reaches the lower tiers as it happens: queue the prompt's rows (``snap``, or
+        a copy of ``seq``'s first ``len(buf)/8`` positions) for the background writer, unless
+        it already wrote or queued that run; returns whether it is written or queued. A full
+        queue drops the write (counted in ``stats()["writer"]["refused"]``): the entry stays
+        local and is written at its eviction, ``flush`` or ``close``."""
+        if self._writer is None or not self.write_through or not buf:
+            return False
+        path = self.index.insert_path(root, buf)
         try:
-            data = snap.to_bytes()
-        except (StateError, ValueError):
+            if self._writer.known(path[-1].key):
+                return True
+            if snap is None:
+                try:
+                    snap = _owned(self.cache.export_seq(seq, 0, len(buf) // 8))
+                except (KVCacheError, ValueError):
+                    return False   # a cache that cannot export: written only if demoted
+            job = self._job(path, snap)
+            return job is not None and self._writer.submit(job)
+        finally:
+            self.index.prune(path)   # nodes no entry covers leave the index
+
+    def _drain_writer(self) -> None:
+        """``BlockStored`` events (medium: the lower tier) for runs the writer finished."""
+        if self._writer is None:
             return
-        keys = [node.key for node in path]
-        for tier in self._lower:
-            if tier.write_run(keys[-1], keys, data):
-                self.events.emit(ev.block_stored(path, self.block_tokens, tier.name))
-                return
+        for path, tier_name in self._writer.results():
+            self.events.emit(ev.block_stored(path, self.block_tokens, tier_name))
+
+    @staticmethod
+    def _bound(snap, run_key: str, block: int, block_key: str) -> bool:
+        """Whether ``snap`` (read from a lower tier under ``run_key``, found by the pointer of
+        block ``block`` whose key is ``block_key``) is that run and holds that block: a file
+        copied or linked under another run's name, or a pointer rewritten to another run,
+        serves nothing."""
+        return is_bound(snap.metadata, run_key, block, block_key)
 
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
-        """``(n, (tier, run key, block index))``: the deepest block of ``buf`` a lower tier holds
+        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a lower tier holds
         beyond ``local`` tokens, one ``find_blocks`` round trip per tier."""
         keys = block_keys(np.frombuffer(buf, "<i8"), self.block_tokens, root)
         first = local // self.block_tokens
@@ -784,23 +1219,37 @@ class PrefixStore:
         for tier in self._lower:
             found = tier.find_blocks(want)
             for i in range(len(found) - 1, -1, -1):
-                if found[i] is not None:
+                if found[i] is not None and (not self._distrust or self._distrust.get(
+                        (tier.name, want[i])) != found[i][0]):
                     b = first + i
                     n = min(len(buf) // 8, (b + 1) * self.block_tokens)
                     if n > local:
-                        return n, (tier, found[i][0], b)
+                        return n, (tier, found[i][0], b, want[i])
                     break
         return 0, None
 
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
-        n, (tier, run_key, _) = hit
+        n, (tier, run_key, block, block_key) = hit
         data = tier.read_runs([run_key])[0]
         if data is None:
             self._counts[tier.name]["misses"] += 1
             return 0
         try:
-            snap = _slice_snapshot(SeqSnapshot.from_bytes(data), n)
+            snap = SeqSnapshot.from_bytes(data)
+            if snap.metadata.get(BIND_RUN) != run_key:
+                raise StateError(f"the {tier.name} tier's run {run_key} holds another run's "
+                                 "bytes")
+            if not self._bound(snap, run_key, block, block_key):
+                # the run is whole but the pointer that led here names the wrong run: distrust
+                # the pointer (not the run) until it changes (a fresh save rewrites it)
+                self._distrust[(tier.name, block_key)] = run_key
+                while len(self._distrust) > _MAX_DISTRUST:
+                    self._distrust.popitem(last=False)
+                tier._count("invalid")
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            snap = _slice_snapshot(snap, n)
             if self._sliding and self._floor_of_snapshot(snap) > n:
                 self._counts[tier.name]["misses"] += 1
                 return 0
@@ -820,11 +1269,17 @@ class PrefixStore:
     # ------------------------------------------------------------------ misc
     def entries(self) -> List[Dict[str, Any]]:
         """The local entries, for inspection and tests: ``{"tier", "length", "floor", "seq",
-        "pins", "hits", "nbytes", "tokens"}`` each."""
+        "pins", "hits", "nbytes", "priority", "ttl" (seconds left or None), "expired",
+        "tokens"}`` each (``tokens`` under ``extra_keys`` ranges are keyed ids)."""
         out = []
+        now = self._clock()
         for e in self.index.entries.values():
+            priority, expires = self._policy[e.tier].get(e.id)
             out.append({"tier": e.tier, "length": e.length, "floor": e.floor, "seq": e.seq,
                         "pins": e.pins, "hits": e.hits, "nbytes": e.nbytes,
+                        "priority": priority,
+                        "ttl": None if expires is None else max(0.0, expires - now),
+                        "expired": expires is not None and now >= expires,
                         "salt_root": e.root,
                         "tokens": np.frombuffer(e.tokens_bytes(), "<i8").tolist()})
         return out

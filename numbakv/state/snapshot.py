@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -199,11 +199,22 @@ class SeqSnapshot:
             (:func:`numbakv.state.fingerprint`); a WrapperCache's is ``{"groups": [one per
             group]}``.
         head_range: ``(first, stop)``: the KV heads the rows hold.
+        recurrent: a hybrid model's recurrent state (``numbakv.HybridCache``): a
+            :class:`RecurrentPart` holding the state at the restore points inside the
+            snapshot's range (and at its end when that is the sequence's end); None for an
+            attention-only cache. Only a ``HybridCache`` imports a snapshot that has one.
+        layer_kinds: with ``recurrent``, the hybrid's ``layer_kinds`` (``"attention"`` /
+            ``"recurrent"`` per model layer), which an importing cache must share.
+        metadata: str -> str pairs saved with the bytes (covered by their checksum), e.g. what
+            the prefix tiers bind a run to (its run and block keys); empty by default.
     """
 
     parts: Tuple[SnapshotPart, ...]
     fingerprint: Dict[str, Any]
     head_range: Tuple[int, int]
+    recurrent: Optional["RecurrentPart"] = None
+    layer_kinds: Optional[Tuple[str, ...]] = None
+    metadata: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parts = self.parts
@@ -226,6 +237,58 @@ class SeqSnapshot:
                                  f"{hr[1] - hr[0]}")
         object.__setattr__(self, "parts", tuple(parts))
         object.__setattr__(self, "head_range", hr)
+        object.__setattr__(self, "metadata", _st._check_metadata(self.metadata))
+        if self.recurrent is not None:
+            if not isinstance(self.recurrent, RecurrentPart):
+                raise ValueError(f"recurrent must be None or a RecurrentPart, got "
+                                 f"{type(self.recurrent).__name__}")
+            kinds = self.layer_kinds
+            if isinstance(kinds, (str, bytes)) or not hasattr(kinds, "__iter__") or not all(
+                    k in ("attention", "recurrent") for k in kinds) or not kinds:
+                raise ValueError(f"layer_kinds must list 'attention' / 'recurrent' per layer "
+                                 f"with a recurrent part, got {kinds!r}")
+            object.__setattr__(self, "layer_kinds", tuple(kinds))
+        elif self.layer_kinds is not None:
+            raise ValueError("layer_kinds goes with a recurrent part")
+
+    @property
+    def restore_points(self) -> List[int]:
+        """Positions of the restore points the snapshot carries (empty without a recurrent
+        part)."""
+        return [] if self.recurrent is None else self.recurrent.restore_points
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of recurrent state held (0 without a recurrent part)."""
+        return 0 if self.recurrent is None else self.recurrent.nbytes
+
+    def _with(self, **kw) -> "SeqSnapshot":
+        """This snapshot with some fields replaced (the recurrent part kept unless given)."""
+        args = dict(parts=self.parts, fingerprint=self.fingerprint, head_range=self.head_range,
+                    recurrent=self.recurrent, layer_kinds=self.layer_kinds)
+        args.update(kw)
+        return SeqSnapshot(**args)
+
+    def attention_only(self) -> "SeqSnapshot":
+        """The K/V half alone (no recurrent part)."""
+        return self._with(recurrent=None, layer_kinds=None)
+
+    def below(self, end: int) -> "SeqSnapshot":
+        """The rows at positions ``< end`` (every part; the recurrent part's entries ``<= end``)."""
+        parts = []
+        for p in self.parts:
+            keep = np.flatnonzero(p.positions < end)
+            if len(keep) == len(p.positions):
+                parts.append(p)
+                continue
+            n = len(keep)   # ascending positions: a prefix of the rows
+            parts.append(SnapshotPart(positions=p.positions[:n], keys=[k[:n] for k in p.keys],
+                                      values=[v[:n] for v in p.values], k_format=p.k_format,
+                                      v_format=p.v_format))
+        rec = self.recurrent
+        if rec is not None:
+            rec = rec.select(rec.positions <= end)
+        return self._with(parts=tuple(parts), recurrent=rec)
 
     @property
     def positions(self) -> np.ndarray:
@@ -243,14 +306,16 @@ class SeqSnapshot:
     def __repr__(self) -> str:
         pos = self.positions
         span = f"{int(pos[0])}..{int(pos[-1])}" if len(pos) else "empty"
+        rec = "" if self.recurrent is None else \
+            f", restore points {self.restore_points}, {self.state_nbytes} state bytes"
         return (f"SeqSnapshot({len(self.parts)} part(s), positions {span} ({len(pos)}), heads "
-                f"{self.head_range}, {self.nbytes} bytes)")
+                f"{self.head_range}, {self.nbytes} bytes{rec})")
 
     def copy(self) -> "SeqSnapshot":
         """A snapshot owning its rows (an exported snapshot may view the cache's storage)."""
-        return SeqSnapshot(parts=tuple(p._copy() for p in self.parts),
-                           fingerprint=json.loads(json.dumps(self.fingerprint)),
-                           head_range=self.head_range)
+        return self._with(parts=tuple(p._copy() for p in self.parts),
+                          fingerprint=json.loads(json.dumps(self.fingerprint)),
+                          recurrent=None if self.recurrent is None else self.recurrent.copy())
 
     def select_heads(self, first: int, stop: int) -> "SeqSnapshot":
         """Views of KV heads ``[first, stop)`` (absolute head indices inside ``head_range``)."""
@@ -259,8 +324,8 @@ class SeqSnapshot:
             raise ValueError(f"first, stop must be integers with {h0} <= first < stop <= {h1} "
                              f"(the snapshot's head_range), got {first!r}, {stop!r}")
         a, b = int(first) - h0, int(stop) - h0
-        return SeqSnapshot(parts=tuple(p._heads(a, b) for p in self.parts),
-                           fingerprint=self.fingerprint, head_range=(int(first), int(stop)))
+        return self._with(parts=tuple(p._heads(a, b) for p in self.parts),
+                          head_range=(int(first), int(stop)))
 
     @staticmethod
     def concat_heads(snaps: Sequence["SeqSnapshot"]) -> "SeqSnapshot":
@@ -297,16 +362,22 @@ class SeqSnapshot:
                       for l in range(p.n_layers)]
             parts.append(SnapshotPart(positions=p.positions, keys=keys, values=values,
                                       k_format=p.k_format, v_format=p.v_format))
-        return SeqSnapshot(parts=tuple(parts), fingerprint=first.fingerprint,
+        return first._with(parts=tuple(parts),
                            head_range=(first.head_range[0], snaps[-1].head_range[1]))
 
     # ---------------------------------------------------------------- bytes
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, metadata: Optional[Dict[str, str]] = None) -> bytes:
         """The snapshot in the state codec (safetensors with a checksum; kind
-        ``seq-snapshot``)."""
+        ``seq-snapshot``), with ``self.metadata`` updated by ``metadata`` (str -> str; read back
+        as ``from_bytes(...).metadata``)."""
+        meta = dict(self.metadata)
+        meta.update(_st._check_metadata(metadata))
         config = {"head_range": list(self.head_range), "fingerprint": self.fingerprint,
                   "parts": [{"k_format": p.k_format, "v_format": p.v_format,
                              "n_layers": p.n_layers} for p in self.parts]}
+        if self.recurrent is not None:
+            config["recurrent"] = {"layout": self.recurrent.layout(),
+                                   "layer_kinds": list(self.layer_kinds)}
         try:
             json.dumps(config)
         except (TypeError, ValueError) as exc:
@@ -316,7 +387,9 @@ class SeqSnapshot:
             specs: List[_st._Spec] = []
             for g, p in enumerate(self.parts):
                 specs += _part_specs(p, f"g{g}.")
-            return _st._base_metadata(KIND, config, None), specs
+            if self.recurrent is not None:
+                specs += recurrent_specs(self.recurrent, "r.")
+            return _st._base_metadata(KIND, config, meta), specs
         return _st._to_bytes(build, False)
 
     @staticmethod
@@ -382,6 +455,7 @@ def _snapshot_of_state(state) -> SeqSnapshot:
             formats.append((kf, vf, L))
         prefixes = [f"g{g}." for g in range(len(parts_cfg))]
         head_range = (hr[0], hr[1])
+        rec_cfg = config.get("recurrent")
     else:
         groups = config.get("groups") if state.kind == "wrapper-seq" else [config]
         if not isinstance(groups, list) or not groups or \
@@ -408,7 +482,19 @@ def _snapshot_of_state(state) -> SeqSnapshot:
             else [""]
         fp = {"groups": fps} if state.kind == "wrapper-seq" else fps[0]
         head_range = (0, heads)
+        rec_cfg = None
     expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    rec_specs = kinds = None
+    if rec_cfg is not None:
+        if not isinstance(rec_cfg, dict):
+            raise state.fail("config field 'recurrent' must be an object")
+        kinds = rec_cfg.get("layer_kinds")
+        if not isinstance(kinds, list) or not kinds or len(kinds) > 1 << 16 or \
+                not all(k in ("attention", "recurrent") for k in kinds):
+            raise state.fail("config field 'recurrent.layer_kinds' must list 'attention' / "
+                             "'recurrent' per layer")
+        rec_specs, _, rec_expected = recurrent_expect(state, "r.", rec_cfg.get("layout"))
+        expected.update(rec_expected)
     for prefix, (kf, vf, L) in zip(prefixes, formats):
         t = state.tensors.get(prefix + "positions")
         if t is None or t.dtype != "I32" or len(t.shape) != 1:
@@ -440,8 +526,11 @@ def _snapshot_of_state(state) -> SeqSnapshot:
                 k_format=kf, v_format=vf))
         except ValueError as exc:
             raise state.fail(f"part {g}: {exc}") from None
+    rec = None if rec_specs is None else recurrent_part_of(state, "r.", rec_specs)
     try:
-        return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range)
+        return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range,
+                           recurrent=rec, layer_kinds=None if rec is None else tuple(kinds),
+                           metadata=state.user_metadata())
     except ValueError as exc:
         raise state.fail(str(exc)) from None
 
@@ -505,9 +594,12 @@ def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
         return {"type": "none"}
     if hasattr(shift, "inv_freq") and hasattr(shift, "rotary_dim"):  # a RopeShift
         factors = shift.freq_factors
-        return {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
-                "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
-                "freq_factors": None if factors is None else [float(f) for f in factors]}
+        out = {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
+               "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
+               "freq_factors": None if factors is None else [float(f) for f in factors]}
+        if getattr(shift, "offset", 0):   # rope dims not at the row's start (MLA latent rows);
+            out["offset"] = int(shift.offset)   # absent at 0, so older states keep matching
+        return out
     name = getattr(shift, "__qualname__", None) or type(shift).__qualname__
     module = getattr(shift, "__module__", None) or type(shift).__module__
     return {"type": "callable", "name": f"{module}.{name}"}
@@ -958,6 +1050,10 @@ def _plan_import(cache, seq: int, snap: SeqSnapshot, at: Optional[int], replace:
     units = _units(cache, seq)
     if not isinstance(snap, SeqSnapshot):
         raise ValueError(f"snap must be a numbakv.SeqSnapshot, got {type(snap).__name__}")
+    if snap.recurrent is not None:
+        raise ValueError("snap holds a hybrid model's recurrent state beside its K/V: it "
+                         "imports into a numbakv.HybridCache, not an attention-only "
+                         f"{type(cache).__name__} (which would lose the state)")
     if len(snap.parts) != len(units):
         raise ValueError(f"snap has {len(snap.parts)} part(s), the cache {len(units)} "
                          "group(s)")
@@ -1054,4 +1150,233 @@ def replace_seq(cache, seq: int, snap: SeqSnapshot, *, strict: bool = True) -> i
     return n
 
 
-__all__ = ["SeqSnapshot", "SnapshotPart", "export_seq", "import_seq", "KIND"]
+__all__ = ["SeqSnapshot", "SnapshotPart", "RecurrentPart", "export_seq", "import_seq", "KIND"]
+
+
+# ====================================================================================== recurrent state
+#: flags of a :class:`RecurrentPart` entry
+KEPT = 1        # the entry is a restore point the sequence keeps (else only its live state)
+EXPLICIT = 2    # ... asked for explicitly (``mark_restore`` / ``explicit=True``)
+
+
+def _check_state_specs(specs) -> Tuple[Tuple[str, Tuple[int, ...], str], ...]:
+    """``specs`` as ``((name, shape, dtype), ...)``, checked (names unique identifiers, shapes
+    of positive integers, dtypes storage dtypes)."""
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise ValueError("specs must be a non-empty sequence of (name, shape, dtype)")
+    out, seen = [], set()
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, (list, tuple)) or len(spec) != 3:
+            raise ValueError(f"specs[{i}] must be (name, shape, dtype), got {spec!r}")
+        name, shape, dtype = spec
+        if not isinstance(name, str) or not name.isidentifier() or name in seen:
+            raise ValueError(f"specs[{i}]: name must be a unique identifier, got {name!r}")
+        if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and 0 < d < 2**31
+                                                           for d in shape):
+            raise ValueError(f"specs[{i}] ({name}): shape must hold positive integers, got "
+                             f"{shape!r}")
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"specs[{i}] ({name}): dtype must be one of "
+                             f"{sorted(STORAGE_DTYPES)}, got {dtype!r}")
+        seen.add(name)
+        out.append((name, tuple(int(d) for d in shape), dtype))
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class RecurrentPart:
+    """One sequence's recurrent state at some of its positions (``numbakv.RecurrentCache``):
+    what a hybrid :class:`SeqSnapshot` carries beside the K/V rows, and what recurrent state
+    files hold per sequence.
+
+    Attributes:
+        first: the first position the states summarise (the sequence's ``seq_pos_min``).
+        positions: int32 ``[m]``, strictly ascending, each ``> first``: entry ``i`` is the state
+            after the tokens at positions ``first .. positions[i] - 1`` (a restore point at
+            ``positions[i]``: where a model resumes to process position ``positions[i]``).
+        flags: uint8 ``[m]``: :data:`KEPT` when the entry is a restore point the sequence keeps
+            (an entry without it is only the sequence's live state at its end), :data:`EXPLICIT`
+            when it was asked for explicitly.
+        states: ``{name: array [n_layers, m, *shape]}`` in the storage dtype (bfloat16 as its
+            uint16 bit pattern), one per state tensor.
+        specs: ``((name, shape, dtype), ...)``: the layout of each state tensor.
+    """
+
+    first: int
+    positions: np.ndarray
+    flags: np.ndarray
+    states: Dict[str, Any]
+    specs: Tuple[Tuple[str, Tuple[int, ...], str], ...]
+
+    def __post_init__(self) -> None:
+        specs = _check_state_specs(self.specs)
+        if not _is_int(self.first) or not 0 <= int(self.first) < _POS_LIMIT:
+            raise ValueError(f"first must be a position in [0, {_POS_LIMIT}), got {self.first!r}")
+        first = int(self.first)
+        pos = np.asarray(self.positions.get() if _is_device_array(self.positions)
+                         else self.positions)
+        if pos.ndim != 1 or (pos.size and pos.dtype.kind not in "iu"):
+            raise ValueError(f"positions must be a 1-D integer array, got shape {pos.shape}")
+        if pos.size and (int(pos.min()) <= first or int(pos.max()) > _POS_LIMIT
+                         or (np.diff(pos.astype(np.int64)) <= 0).any()):
+            raise ValueError(f"positions must be strictly ascending in ({first}, {_POS_LIMIT}], "
+                             f"got {pos.tolist()[:8]}")
+        flags = np.asarray(self.flags)
+        if flags.shape != pos.shape or (flags.size and (flags.dtype.kind not in "iub"
+                                                        or int(flags.max()) > 3
+                                                        or int(flags.min()) < 0)):
+            raise ValueError(f"flags must be {len(pos)} values in 0..3, got {flags!r}")
+        if not isinstance(self.states, dict) or set(self.states) != {s[0] for s in specs}:
+            raise ValueError(f"states must map exactly the names {[s[0] for s in specs]} to "
+                             f"arrays, got {sorted(self.states) if isinstance(self.states, dict) else type(self.states).__name__}")
+        n_layers = None
+        for name, shape, dtype in specs:
+            a = self.states[name]
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                raise ValueError(f"states[{name!r}] must be a numpy or CuPy array")
+            if np.dtype(a.dtype) != STORAGE_DTYPES[dtype]:
+                raise ValueError(f"states[{name!r}] must have dtype {STORAGE_DTYPES[dtype]} "
+                                 f"({dtype}), got {a.dtype}")
+            if len(a.shape) != 2 + len(shape) or tuple(a.shape[2:]) != shape \
+                    or a.shape[1] != len(pos) or a.shape[0] < 1:
+                raise ValueError(f"states[{name!r}] must be [n_layers, {len(pos)}, "
+                                 f"{', '.join(map(str, shape))}], got {tuple(a.shape)}")
+            if n_layers is not None and a.shape[0] != n_layers:
+                raise ValueError("every state tensor must have the same layer count")
+            n_layers = int(a.shape[0])
+        object.__setattr__(self, "first", first)
+        object.__setattr__(self, "positions", np.ascontiguousarray(pos, dtype=np.int32))
+        object.__setattr__(self, "flags", np.ascontiguousarray(flags, dtype=np.uint8))
+        object.__setattr__(self, "specs", specs)
+
+    @property
+    def n_layers(self) -> int:
+        """Recurrent layers the states hold."""
+        return int(self.states[self.specs[0][0]].shape[0])
+
+    @property
+    def restore_points(self) -> List[int]:
+        """Positions of the entries that are kept restore points."""
+        return [int(p) for p, f in zip(self.positions, self.flags) if f & KEPT]
+
+    @property
+    def end(self) -> int:
+        """The position after the deepest entry's last token (``first`` when empty)."""
+        return int(self.positions[-1]) if len(self.positions) else self.first
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state held (every entry, layer and tensor)."""
+        return sum(int(a.nbytes) for a in self.states.values())
+
+    def layout(self) -> Dict[str, Any]:
+        """The JSON-able layout the fingerprint check compares: ``{"n_layers", "states":
+        [[name, shape, dtype], ...]}``."""
+        return {"n_layers": self.n_layers,
+                "states": [[n, list(s), d] for n, s, d in self.specs]}
+
+    def select(self, keep: np.ndarray) -> "RecurrentPart":
+        """The entries where the boolean ``keep [m]`` is set."""
+        idx = np.flatnonzero(np.asarray(keep, dtype=bool))
+        return RecurrentPart(first=self.first, positions=self.positions[idx],
+                             flags=self.flags[idx],
+                             states={n: a[:, idx] for n, a in self.states.items()},
+                             specs=self.specs)
+
+    def shifted(self, delta: int) -> "RecurrentPart":
+        """The same states at positions moved by ``delta`` (``first`` stays >= 0)."""
+        return RecurrentPart(first=self.first + delta, positions=self.positions + delta,
+                             flags=self.flags, states=self.states, specs=self.specs)
+
+    def copy(self) -> "RecurrentPart":
+        """A part owning its arrays (one made from bytes views them)."""
+        def own(a):
+            return a.copy() if _is_device_array(a) else np.array(a, copy=True, order="C")
+        return RecurrentPart(first=self.first, positions=self.positions.copy(),
+                             flags=self.flags.copy(),
+                             states={n: own(a) for n, a in self.states.items()},
+                             specs=self.specs)
+
+
+def recurrent_specs(part: RecurrentPart, prefix: str) -> List["_st._Spec"]:
+    """State codec tensors of a :class:`RecurrentPart`: ``first`` I32 [1], ``positions`` I32
+    [m], ``flags`` U8 [m] and ``state.<name>`` ``[n_layers, m, *shape]``."""
+    first = np.array([part.first], dtype="<i4")
+    specs = [_st._Spec(prefix + "first", "I32", (1,), lambda: first),
+             _st._Spec(prefix + "positions", "I32", (len(part.positions),),
+                       lambda: np.ascontiguousarray(part.positions, dtype="<i4")),
+             _st._Spec(prefix + "flags", "U8", (len(part.flags),), lambda: part.flags)]
+    for name, shape, dtype in part.specs:
+        sd = _st._STORAGE_ST[dtype]
+        arr = part.states[name]
+        specs.append(_st._Spec(f"{prefix}state.{name}", sd, tuple(int(d) for d in arr.shape),
+                               lambda arr=arr, sd=sd: _st._host_le(arr, _st._ST_DTYPES[sd])))
+    return specs
+
+
+def recurrent_expect(state, prefix: str, layout: Any, where: str = ""
+                     ) -> Tuple[Tuple[Tuple[str, Tuple[int, ...], str], ...], int,
+                                Dict[str, Tuple[str, Tuple[int, ...]]]]:
+    """Check a saved recurrent layout (``RecurrentPart.layout()``) and the tensor headers of the
+    part under ``prefix``; returns ``(specs, n_layers, expected tensors)``. Raises
+    ``StateError`` naming what does not fit."""
+    if not isinstance(layout, dict):
+        raise state.fail(f"recurrent layout{where} must be an object")
+    n_layers = layout.get("n_layers")
+    if not _st._is_int(n_layers) or not 1 <= n_layers <= 1 << 20:
+        raise state.fail(f"recurrent layout{where}: n_layers must be an integer >= 1, got "
+                         f"{n_layers!r}")
+    try:
+        specs = _check_state_specs([tuple(s) if isinstance(s, list) else s
+                                    for s in layout.get("states") or ()])
+    except ValueError as exc:
+        raise state.fail(f"recurrent layout{where}: {exc}") from None
+    t = state.tensors.get(prefix + "positions")
+    if t is None or t.dtype != "I32" or len(t.shape) != 1:
+        raise state.fail(f"tensor {prefix}positions must be there, I32 [m]")
+    m = t.shape[0]
+    expected = {prefix + "first": ("I32", (1,)), prefix + "positions": ("I32", (m,)),
+                prefix + "flags": ("U8", (m,))}
+    for name, shape, dtype in specs:
+        expected[f"{prefix}state.{name}"] = (_st._STORAGE_ST[dtype], (n_layers, m) + shape)
+    return specs, n_layers, expected
+
+
+def recurrent_part_of(state, prefix: str, specs) -> RecurrentPart:
+    """The :class:`RecurrentPart` under ``prefix`` of a checked state (views of its bytes);
+    bad values raise ``StateError``."""
+    try:
+        return RecurrentPart(
+            first=int(state.tensor(prefix + "first")[0]),
+            positions=state.tensor(prefix + "positions"),
+            flags=state.tensor(prefix + "flags"),
+            states={n: _native(state.tensor(f"{prefix}state.{n}"), d) for n, _, d in specs},
+            specs=specs)
+    except ValueError as exc:
+        raise state.fail(f"recurrent state{' ' + prefix.rstrip('.') if prefix else ''}: "
+                         f"{exc}") from None
+
+
+def recurrent_blob(part: RecurrentPart, layer_kinds: Sequence[str]) -> bytes:
+    """``part`` (and the hybrid's ``layer_kinds``) as a ``recurrent-seq`` state: what
+    ``numbakv.dist`` sends after a hybrid snapshot's K/V rows (a ``RecurrentCache`` can load it
+    as one sequence)."""
+    config = {"layout": part.layout(), "seqs": [0], "layer_kinds": list(layer_kinds)}
+    return _st._to_bytes(lambda: (_st._base_metadata("recurrent-seq", config, None),
+                                  recurrent_specs(part, "s0.")), False)
+
+
+def recurrent_from_blob(data: bytes) -> Tuple[RecurrentPart, Tuple[str, ...]]:
+    """``(part, layer_kinds)`` from :func:`recurrent_blob` output; anything else raises
+    ``StateError``. The arrays are views of ``data``."""
+    with _st._Opened(data) as state, _st._untrusted(state.what):
+        if state.kind != "recurrent-seq":
+            raise state.fail(f"kind {state.kind!r} is not a sequence's recurrent state")
+        kinds = state.config.get("layer_kinds")
+        if not isinstance(kinds, list) or not kinds or \
+                not all(k in ("attention", "recurrent") for k in kinds):
+            raise state.fail("config field 'layer_kinds' must list 'attention' / 'recurrent'")
+        specs, _, expected = recurrent_expect(state, "s0.", state.config.get("layout"))
+        state.expect(expected)
+        state.verify_checksum()
+        return recurrent_part_of(state, "s0.", specs), tuple(kinds)

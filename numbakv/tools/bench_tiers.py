@@ -220,7 +220,8 @@ prefill(1, tokens[:32], 0)
 warm = nkv.SeqSnapshot.from_bytes(cache.export_seq(1).to_bytes())
 cache.seq_rm(1); cache.import_seq(1, warm); cache.seq_rm(1)
 def open_store():
-    return nkv.PrefixStore(cache, retain_seqs=(1,), disk_dir=directory, disk_bytes=1 << 30)
+    return nkv.PrefixStore(cache, retain_seqs=(1,), disk_dir=directory, disk_bytes=1 << 30,
+                           model_id="bench/tiers")
 
 if mode == "save":
     # the serving process: prefill, save (kept in cells by retained seq 1), then a long batch

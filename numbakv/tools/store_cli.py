@@ -1,5 +1,5 @@
-"""``numbakv store stats DIR|URL`` and ``numbakv store clear DIR|URL [--fingerprint F]``: look
-into and empty the prefix store's disk directory or Redis/Valkey server (the tiers of
+"""``numbakv store stats DIR|URL`` and ``numbakv store clear DIR|URL [--fingerprint F] [--yes]``:
+look into and empty the prefix store's disk directory or Redis/Valkey server (the tiers of
 ``numbakv.prefix.tiers``), without a model or a cache."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from typing import Optional
 
 #: fingerprint fields shown in the table (the whole fingerprint is in --json)
-_SHOWN = ("n_layers", "n_kv_heads", "head_dim", "k_dtype", "v_dtype", "swa_window")
+_SHOWN = ("model_id", "n_layers", "n_kv_heads", "head_dim", "k_dtype", "v_dtype", "swa_window")
 
 
 def _human(n: int) -> str:
@@ -31,8 +31,18 @@ def _summary(fp: Optional[dict]) -> str:
     return " ".join(parts) or "?"
 
 
+def _check_target(target: str) -> None:
+    """A URL of a scheme no tier speaks (http://, s3://, a typo) is refused rather than taken
+    for a directory of that name."""
+    from numbakv.prefix.tiers import is_url
+    if "://" in target and not is_url(target):
+        raise ValueError(f"{target!r} is neither a directory nor a redis://, rediss://, "
+                         "unix://, valkey:// or valkeys:// URL")
+
+
 def _scan(target: str, timeout: float) -> dict:
     from numbakv.prefix.tiers import is_url
+    _check_target(target)
     if is_url(target):
         from numbakv.prefix.tiers.redis import scan_server
         return scan_server(target, timeout)
@@ -64,10 +74,36 @@ def stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _confirm(args: argparse.Namespace, info: dict) -> Optional[str]:
+    """None when the clear may go ahead (``--yes``, or the user typed y), else why not."""
+    matching = [row for ns, row in info["namespaces"].items()
+                if not args.fingerprint or args.fingerprint in ns]
+    what = (f"{sum(r['entries'] for r in matching)} entries "
+            f"({_human(sum(r['bytes'] for r in matching))}) in {len(matching)} namespace(s)"
+            + (f" matching {args.fingerprint!r}" if args.fingerprint else "")
+            + f" of {args.target}")
+    if args.yes:
+        return None
+    if not sys.stdin or not sys.stdin.isatty():
+        return (f"would remove {what}; stdin is not a terminal, so nothing was asked and "
+                "nothing removed: pass --yes to clear without asking")
+    try:
+        answer = input(f"Remove {what}? [y/N] ")
+    except EOFError:
+        answer = ""
+    return None if answer.strip().lower() in ("y", "yes") else "not confirmed: nothing removed"
+
+
 def clear(args: argparse.Namespace) -> int:
-    """Remove the runs of every namespace (or of those matching ``--fingerprint``)."""
+    """Remove the runs of every namespace (or of those matching ``--fingerprint``), after a
+    confirmation (``--yes`` skips it; without a terminal to ask on, nothing is removed)."""
     from numbakv.prefix.tiers import is_url
     try:
+        info = _scan(args.target, args.timeout)
+        refusal = _confirm(args, info)
+        if refusal is not None:
+            print(f"numbakv store clear: {refusal}", file=sys.stderr)
+            return 1
         if is_url(args.target):
             from numbakv.prefix.tiers.redis import clear_server
             removed = clear_server(args.target, args.fingerprint, args.timeout)
@@ -107,4 +143,7 @@ def add_parser(sub) -> None:
             q.add_argument("--fingerprint", metavar="F", default=None,
                            help="only namespaces containing F (the 16-hex fingerprint digest "
                                 "`stats` shows, or a part of it)")
+            q.add_argument("--yes", "-y", action="store_true",
+                           help="do not ask for confirmation (needed when stdin is not a "
+                                "terminal)")
         q.set_defaults(func=fn)
