@@ -1227,11 +1227,23 @@ class PrefixStore:
                     break
         return 0, None
 
+    def _forget_written(self, run_key: Optional[str]) -> None:
+        """The writer no longer takes ``run_key`` (None: any run) as written: a lower tier lost
+        or refused it, and a fresh save must store it again."""
+        if self._writer is not None:
+            self._writer.forget(run_key)
+
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, block, block_key) = hit
-        data = tier.read_runs([run_key])[0]
+        try:
+            data = tier.read_runs([run_key])[0]
+        except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss
+            data = None
         if data is None:
+            # gone (evicted elsewhere, or the tier dropped a damaged file): the next save of
+            # this prompt must write it again, not trust that it was written once
+            self._forget_written(run_key)
             self._counts[tier.name]["misses"] += 1
             return 0
         try:
@@ -1246,6 +1258,7 @@ class PrefixStore:
                 while len(self._distrust) > _MAX_DISTRUST:
                     self._distrust.popitem(last=False)
                 tier._count("invalid")
+                self._forget_written(None)   # a re-save of the prompt re-points its blocks
                 self._counts[tier.name]["misses"] += 1
                 return 0
             snap = _slice_snapshot(snap, n)
@@ -1257,6 +1270,7 @@ class PrefixStore:
             if isinstance(exc, KVCacheFullError):
                 raise
             tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
+            self._forget_written(run_key)
             self._counts[tier.name]["misses"] += 1
             return 0
         self.bytes_moved += snap.nbytes
