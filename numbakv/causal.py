@@ -22,7 +22,7 @@ from numpy.typing import ArrayLike
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .cells import _check_batch as _batch_ids_ok
 from . import pages as _pages
-from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
+from .config import MASK_DTYPES, CacheConfig, RopeShift, check_rope_layout, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -213,7 +213,7 @@ class CausalCache(StateMethods):
             raise ValueError("shift must be None, a numbakv.RopeShift or a callable "
                              f"(layer, key, deltas) -> key, got {shift!r}")
         if isinstance(shift, RopeShift):
-            shift.rotary_dim(config.head_dim)  # raises when it does not fit the keys
+            check_rope_layout(config, shift)  # raises when it does not fit the keys
         elif shift is not None and config.k_quantized:
             raise ValueError(f"shift must be None or a numbakv.RopeShift when keys are quantized "
                              f"(k_dtype={config.k_dtype!r}); a shift callable needs float keys")
@@ -522,7 +522,8 @@ class CausalCache(StateMethods):
     def put(self, key: Any, value: Any) -> None:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values
         ``[batch, n_kv_heads, v_head_dim]`` for the current layer (nothing is written during a
-        reserve pass; the inputs are still checked)."""
+        reserve pass; the inputs are still checked). A V-less cache (``v_head_dim=0``, MLA)
+        takes ``value=None`` or a zero-width ``[batch, n_kv_heads, 0]``."""
         fwd = self._forward
         # trusted fast path: arrays of the storage (numpy, or CuPy on cuda) in the storage dtype
         # and the batch's exact shape
@@ -554,6 +555,8 @@ class CausalCache(StateMethods):
         n_kv_heads, head_dim]`` / ``[batch, n_kv_heads, v_head_dim]`` (put's validating path)."""
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
+        if value is None and cfg.v_less:   # a V-less (MLA latent) layer: no value to give
+            value = self._xp.zeros((batch, cfg.local_kv_heads, 0), dtype=cfg.storage_dtype)
         v = as_array(value, self.device, cfg.dtype, name="value")
         if tuple(k.shape) != (batch, cfg.local_kv_heads, cfg.head_dim):
             raise ValueError(f"key must have shape [batch={batch}, local_kv_heads={cfg.local_kv_heads}, "

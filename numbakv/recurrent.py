@@ -301,13 +301,15 @@ class RecurrentCache:
 
     def _detach(self, seqs: Sequence[int]) -> None:
         """Before live rows ``seqs`` are written: every restore point still reading one of them
-        (a lazy point, maybe shared by ``seq_cp``) gets its own row, one copy per live row."""
-        want = set(int(s) for s in seqs)
+        (a lazy point) gets its own row, one copy per live row. A lazy point only ever reads
+        its own sequence's row (``seq_cp`` and imports give the copy its own), so only the
+        sequences' own points are looked at."""
         users: Dict[int, List[_Point]] = {}
-        for pts in self._points:
-            for p in pts.values():
-                if p.row in want:
-                    users.setdefault(p.row, []).append(p)
+        for s in seqs:
+            s = int(s)
+            for p in self._points[s].values():
+                if p.row == s:
+                    users.setdefault(s, []).append(p)
         if not users:
             return
         src, dst = [], []
@@ -382,38 +384,48 @@ class RecurrentCache:
         if sq.min() < 0 or sq.max() >= self.config.max_seqs:
             raise ValueError(f"seqs must be in [0, max_seqs={self.config.max_seqs}), got min "
                              f"{sq.min()} max {sq.max()}")
-        plan: Dict[int, Tuple[int, int]] = {}
+        # grouped by sequence, batch order kept inside each group (vectorised: a decode step of
+        # many sequences is one pass, not a Python loop per sequence)
         order = np.argsort(sq, kind="stable")
-        bounds = np.flatnonzero(np.diff(sq[order])) + 1
-        for group in np.split(order, bounds):
-            s = int(sq[group[0]])
-            p = pos[group]
-            start = int(p[0])
-            if self._hi[s] >= 0 and start != self._hi[s] + 1:
-                raise ValueError(f"sequence {s}: a recurrent state continues at position "
-                                 f"{self._hi[s] + 1} (seq_pos_max + 1), the batch starts it at "
-                                 f"{start}")
-            if len(p) > 1 and (np.diff(p) != 1).any():
-                raise ValueError(f"sequence {s}: its positions in the batch must be "
-                                 f"consecutive and in order ({start}, {start + 1}, ...), got "
-                                 f"{p.tolist()[:8]}")
-            plan[s] = (start, len(p))
-        return plan
+        ss, ps = sq[order], pos[order]
+        first = np.ones(len(ss), dtype=bool)
+        first[1:] = ss[1:] != ss[:-1]
+        heads = np.flatnonzero(first)
+        counts = np.diff(np.append(heads, len(ss)))
+        u, starts = ss[heads], ps[heads]
+        bad = np.flatnonzero(~first & (np.diff(ps, prepend=0) != 1))
+        if len(bad):
+            s = int(ss[bad[0]])
+            got = ps[ss == s]
+            raise ValueError(f"sequence {s}: its positions in the batch must be consecutive and "
+                             f"in order ({int(got[0])}, {int(got[0]) + 1}, ...), got "
+                             f"{got.tolist()[:8]}")
+        hi = np.asarray(self._hi, dtype=np.int64)[u]
+        wrong = np.flatnonzero((hi >= 0) & (starts != hi + 1))
+        if len(wrong):
+            i = wrong[0]
+            raise ValueError(f"sequence {int(u[i])}: a recurrent state continues at position "
+                             f"{int(hi[i]) + 1} (seq_pos_max + 1), the batch starts it at "
+                             f"{int(starts[i])}")
+        return {int(s): (int(a), int(n)) for s, a, n in zip(u.tolist(), starts.tolist(),
+                                                           counts.tolist())}
 
     def _apply_forward(self, plan: Dict[int, Tuple[int, int]]) -> None:
-        for s in plan:  # the batch end of the last pass: worth a copy only on the grid or asked for
-            for q, p in list(self._points[s].items()):
+        points, marks, lo, hi = self._points, self._marks, self._lo, self._hi
+        busy = [s for s in plan if points[s]]
+        for s in busy:  # the batch end of the last pass: worth a copy only on the grid or asked for
+            for q, p in list(points[s].items()):
                 if p.row == s and not p.explicit and not self._on_grid(q):
                     self._drop_point(s, q)
-        self._detach(list(plan))
-        fresh = [s for s in plan if self._hi[s] < 0]
-        self._zero(fresh)
+        self._detach(busy)
+        self._zero([s for s in plan if hi[s] < 0])
         for s, (start, n) in plan.items():
-            if self._hi[s] < 0:
-                self._lo[s] = start
-            self._hi[s] = start + n - 1
-            self._marks[s] = {m for m in self._marks[s] if m > start}
-        self._forward = dict(plan)
+            if hi[s] < 0:
+                lo[s] = start
+            hi[s] = start + n - 1
+            if marks[s]:
+                marks[s] = {m for m in marks[s] if m > start}
+        self._forward = plan
 
     def restore_plan(self, seq: int, n_new: int) -> List[int]:
         """Offsets ``k`` (``1 <= k <= n_new``, ascending) inside the next ``n_new`` tokens of
@@ -645,11 +657,14 @@ class RecurrentCache:
         is for writing): to only read, use :meth:`read_states`."""
         self._check_open()
         layer = self._check_layer(layer)
-        s = self._check_seqs(seqs)
+        s = host_int_array(seqs, "seqs")
         if len(s) > 1 and (np.diff(s) != 1).any():
             raise ValueError(f"state_views needs consecutive ascending sequence ids (row s is "
                              f"sequence s), got {s.tolist()[:8]}: use read_states/write_states "
                              f"for other sets")
+        if len(s) == 0 or s[0] < 0 or s[-1] >= self.config.max_seqs:
+            raise ValueError(f"seqs must be 1 to max_seqs ids in [0, max_seqs="
+                             f"{self.config.max_seqs}), got {s.tolist()[:8]}")
         self._detach(s.tolist())
         a, b = int(s[0]), int(s[-1]) + 1
         return {n: export_view(self.pool[n][layer, a:b], spec.dtype)
@@ -1002,6 +1017,7 @@ class RecurrentCache:
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._closed
 
     def synchronize(self) -> None:
