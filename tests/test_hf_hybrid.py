@@ -4,6 +4,7 @@ random-weight models of every hybrid family transformers 5.24 has (tests/hybrid_
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -48,3 +49,90 @@ def test_layout_of_attention_only_models_is_none_and_unknown_families_are_refuse
     odd.model_type = "not_a_family"
     with pytest.raises(NotSupportedError, match="not_a_family"):
         families.hybrid_layout(odd)
+
+
+# ---------------------------------------------------------------------- the mixer shim
+def _mixer_reference(model, mixer, hidden, splits):
+    """The mixer's outputs for ``hidden [1, L, H]`` run through a DynamicCache in the chunks
+    ``splits`` cuts it into, and the states it keeps."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    bounds = [0, *splits, hidden.shape[1]]
+    outs = [mixer(hidden[:, a:b], cache=cache, attention_mask=None)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    layer = cache.layers[mixer.layer_idx]
+    return torch.cat(outs, dim=1), layer.conv_states[0], layer.recurrent_states[0]
+
+
+@pytest.mark.parametrize("family", hm.FAMILIES)
+def test_packed_mixer_equals_transformers_per_sequence(family):
+    """Three sequences packed in one row (a prompt chunk each, one cut where a restore point is
+    asked for), then one decode token each batched together: every output row and the states
+    kept equal transformers' own cache run sequence by sequence."""
+    from numbakv.hf.recurrent import plan_groups, run_packed
+    model = hm.tiny_model(family)
+    layout = families.hybrid_layout(model)
+    layer = layout.recurrent_layers[0]
+    mixer = getattr(model.model.layers[layer], layout.mixer)
+    gen = torch.Generator().manual_seed(5)
+    lengths = {0: 9, 1: 4, 2: 13}
+    hidden = {s: torch.randn(1, n + 1, model.config.hidden_size, generator=gen)
+              for s, n in lengths.items()}
+    shapes = {spec.name: spec.shape for spec in layout.states}
+    states = {s: {name: torch.zeros(1, *shape) for name, shape in shapes.items()}
+              for s in lengths}
+    held = {s: 0 for s in lengths}
+    kept = {}
+
+    def rows(seqs):
+        conv = torch.cat([states[s]["conv"] for s in seqs])
+        ssm = torch.cat([states[s]["ssm"] for s in seqs]) if "ssm" in shapes else None
+
+        def done():
+            for i, s in enumerate(seqs):
+                states[s]["conv"].copy_(conv[i:i + 1])
+                if ssm is not None:
+                    states[s]["ssm"].copy_(ssm[i:i + 1])
+        return conv, ssm, done
+
+    def keep(seq, pos, conv, ssm):
+        kept[(seq, pos)] = (conv, ssm)
+
+    with torch.no_grad():
+        # pass 1: the prompts (interleaved in the row: 0, 2, 1, 0, 2, ...), sequence 2 cut at 6
+        order = [(s, p) for p in range(max(lengths.values())) for s in (0, 2, 1)
+                 if p < lengths[s]]
+        seqs = np.array([s for s, _ in order])
+        positions = np.array([p for _, p in order])
+        packed = torch.cat([hidden[s][:, p:p + 1] for s, p in order], dim=1)
+        decodes, chunks = plan_groups(positions, seqs, held.__getitem__)
+        assert decodes == [] and [c[0] for c in chunks] == [0, 1, 2]
+        cuts = {2: [6]}
+        out = run_packed(mixer.forward, packed,
+                         decodes, [(s, i, a, cuts.get(s, [])) for s, i, a in chunks], rows, keep)
+        for s, n in lengths.items():
+            held[s] = n
+        # pass 2: one decode token each, batched
+        seqs2 = np.array([1, 0, 2])
+        positions2 = np.array([lengths[s] for s in seqs2])
+        packed2 = torch.cat([hidden[s][:, lengths[s]:] for s in seqs2], dim=1)
+        decodes, chunks = plan_groups(positions2, seqs2, held.__getitem__)
+        assert chunks == [] and sorted(decodes) == [(0, 1), (1, 0), (2, 2)]
+        out2 = run_packed(mixer.forward, packed2, decodes, [], rows, keep)
+        for s, n in lengths.items():
+            ref, conv, ssm = _mixer_reference(model, mixer, hidden[s], [6, n] if s == 2 else [n])
+            rows_of = [i for i, (t, _) in enumerate(order) if t == s]
+            got = torch.cat([out[0, rows_of], out2[0, list(seqs2).index(s)][None]])
+            torch.testing.assert_close(got, ref[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(states[s]["conv"], conv, rtol=1e-5, atol=1e-5)
+            if ssm is not None:
+                torch.testing.assert_close(states[s]["ssm"], ssm, rtol=1e-5, atol=1e-5)
+        # the restore point at 6 of sequence 2 is the state after its first 6 tokens
+        _, conv6, ssm6 = _mixer_reference(model, mixer, hidden[2][:, :6], [])
+        torch.testing.assert_close(kept[(2, 6)][0], conv6[0], rtol=1e-5, atol=1e-5)
+        if ssm6 is not None:
+            torch.testing.assert_close(kept[(2, 6)][1], ssm6[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="consecutive positions"):
+        plan_groups(np.array([3, 5]), np.array([0, 0]), lambda s: 3)
+    with pytest.raises(ValueError, match="from 4"):
+        plan_groups(np.array([3]), np.array([0]), lambda s: 4)
