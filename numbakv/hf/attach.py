@@ -20,7 +20,8 @@ from ..causal import CausalCache
 from ..errors import KVCacheError, NotSupportedError
 from ..wrappers import WrapperCache
 from ._deps import _import_torch
-from .families import LayerAttention, ModelShapes, _text_config, layer_attention, model_shapes
+from .families import (LayerAttention, ModelShapes, _text_config, hybrid_attention,
+                       hybrid_layout, model_shapes)
 
 #: The name numbakv's attention function is registered under in transformers' AttentionInterface.
 ATTENTION_NAME = "numbakv"
@@ -29,8 +30,24 @@ _BINDING_ATTR = "_numbakv_binding"        # on an attached model, its attention 
 
 
 # ---------------------------------------------------------------------------- attach / detach
-def _layer_caches(cache) -> List[CausalCache]:
-    """For each model layer, the ``CausalCache`` that holds it."""
+def _attention_half(cache) -> Tuple[Any, Dict[int, int]]:
+    """``(the cache attention layers use, {model layer: its layer there})``: a HybridCache's
+    attention half and its attending layers, else ``cache`` itself, every layer its own."""
+    kinds = getattr(cache, "layer_kinds", None)
+    if getattr(cache, "recurrent", None) is None or kinds is None:
+        return cache, {}
+    attending = [i for i, kind in enumerate(kinds) if kind != "recurrent"]
+    return cache.attention, {layer: j for j, layer in enumerate(attending)}
+
+
+def _layer_caches(cache) -> List[Optional[CausalCache]]:
+    """For each model layer, the ``CausalCache`` that holds it (``None`` for the recurrent
+    layers of a hybrid model)."""
+    attention, index = _attention_half(cache)
+    if index:
+        per_layer = _layer_caches(attention)
+        return [per_layer[index[i]] if i in index else None
+                for i in range(len(cache.layer_kinds))]
     if isinstance(cache, CausalCache):
         return [cache] * cache.config.n_layers
     if isinstance(cache, WrapperCache):
@@ -86,6 +103,9 @@ class _Binding:
     generation: int = 0                             # start_forward calls since attach
     layer_generation: List[int] = field(default_factory=list)
     positions: Optional[np.ndarray] = None          # the last start_forward's positions
+    attention: Any = None                           # hybrid models: the attention half, its
+    attention_index: Dict[int, int] = field(default_factory=dict)   # layer of each model layer
+    recurrent: Any = None                           # hybrid: the recurrent mixers' binding
 
     def begin_layer(self, layer: int, n_tokens: int) -> None:
         if self.generation == 0:
@@ -116,16 +136,17 @@ class _Binding:
             k = k.to(want)
         if v.dtype != want:
             v = v.to(want)
-        self.cache.set_layer(layer)
+        attention = self.attention if self.attention is not None else self.cache
+        attention.set_layer(self.attention_index.get(layer, layer))
         if self.layer_caches[layer]._put_layer >= 0:
-            self.cache.put(k, v)
+            attention.put(k, v)
         # else a KV-sharing layer (layer_reuse): the model hands it the K/V its source layer
         # stored earlier in this pass; attend() reads them from that layer
         self.layer_generation[layer] = self.generation
         q = query[0].transpose(0, 1)                # [q, H, D]
         if q.dtype != want:                         # attention in the cache's dtype (a float16
             q = q.to(want)                          # cache under a float32 model, like llama.cpp)
-        out = attend(q, self.cache, scale=scaling, soft_cap=softcap)
+        out = attend(q, attention, scale=scaling, soft_cap=softcap)
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
@@ -187,7 +208,15 @@ def attach(model: Any, cache: Any) -> None:
         raise ValueError("cache is already attached to a model: call hf.detach(that model) first")
     config = _text_config(model)
     shapes = model_shapes(config)
-    layers = layer_attention(config)
+    layers = hybrid_attention(config)        # {model layer: its attention}: every layer but a
+    layout = hybrid_layout(config)           # hybrid's recurrent ones
+    if (layout is None) != (getattr(cache, "recurrent", None) is None):
+        raise ValueError(f"{config.model_type} {'has' if layout else 'has no'} recurrent layers "
+                         f"but the cache is a {type(cache).__name__}: build it with "
+                         "hf.cache_for(model)")
+    if layout is not None and list(cache.layer_kinds) != list(layout.layer_kinds):
+        raise ValueError(f"the cache's layer_kinds {list(cache.layer_kinds)} differ from the "
+                         f"model's {list(layout.layer_kinds)}: build it with hf.cache_for(model)")
     if getattr(config, "attn_temperature_tuning", False) and \
             not all(getattr(config, "no_rope_layers", None) or [1]):
         raise NotSupportedError(f"{config.model_type}: attention temperature tuning scales queries "
@@ -197,15 +226,28 @@ def attach(model: Any, cache: Any) -> None:
         raise ValueError(f"cache has {len(layer_caches)} layers but the model has "
                          f"{shapes.n_layers} (num_hidden_layers)")
     modules = _attention_modules(model)
-    if sorted(modules) != list(range(shapes.n_layers)):
+    if sorted(modules) != sorted(layers):
         raise NotSupportedError(f"found attention modules for layers {sorted(modules)}, expected "
-                                f"0..{shapes.n_layers - 1}")
+                                f"{sorted(layers)}")
     for layer, module in modules.items():
         _check_layer(layer, module, layer_caches[layer], shapes, layers[layer])
+    mixers = {}
+    if layout is not None:
+        from .recurrent import mixer_modules
+        mixers = mixer_modules(model, layout)
+        if sorted(mixers) != layout.recurrent_layers:
+            raise NotSupportedError(f"found recurrent mixers ({layout.mixer}) for layers "
+                                    f"{sorted(mixers)}, expected {layout.recurrent_layers}")
 
     binding = _Binding(model, cache, layer_caches,
-                       [getattr(torch, layer_cache.config.dtype) for layer_cache in layer_caches],
+                       [None if c is None else getattr(torch, c.config.dtype)
+                        for c in layer_caches],
                        modules, [], layer_generation=[-1] * shapes.n_layers)
+    binding.attention, binding.attention_index = _attention_half(cache)
+    if mixers:
+        from .recurrent import RecurrentBinding
+        binding.recurrent = RecurrentBinding(cache.recurrent, mixers)
+        binding.recurrent.install()
     AttentionInterface.register(ATTENTION_NAME, _attention_forward)
     seen = {}
     for cfg in [model.config] + [m.config for m in modules.values() if hasattr(m, "config")]:
@@ -233,6 +275,8 @@ def attach(model: Any, cache: Any) -> None:
         original_start(host, seqs, reserve)
         binding.positions = host_int_array(host, "positions")
         binding.generation += 1
+        if binding.recurrent is not None and not reserve:
+            binding.recurrent.begin(binding.positions, host_int_array(seqs, "seqs"))
 
     start_forward.__doc__ = original_start.__doc__
     cache.start_forward = start_forward
@@ -327,6 +371,8 @@ def detach(model: Any) -> None:
             delattr(module, _BINDING_ATTR)
         if "_attn" in vars(module):
             del module._attn
+    if binding.recurrent is not None:
+        binding.recurrent.uninstall()
     if binding.hook is not None:
         binding.hook.remove()
     if "start_forward" in vars(binding.cache):

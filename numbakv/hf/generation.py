@@ -18,10 +18,11 @@ from typing import Any, Optional
 import numpy as np
 
 from ..config import CacheConfig
-from ..errors import KVCacheError
+from ..errors import KVCacheError, NotSupportedError
 from ._deps import _transformers
 from .attach import attached_cache
-from .families import cache_for, layer_attention
+from .families import cache_for, hybrid_attention, hybrid_layout
+from .recurrent import begin_passes_in_a_hook, generation_layer_class
 
 
 class _GenState:
@@ -196,12 +197,24 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
         raise ValueError(f"generation_cache got unexpected option(s) {unknown}: extra options "
                          f"are hf.cache_for's (CacheConfig fields {sorted(known)}, shift, "
                          "swa_memory)")
-    layers = layer_attention(model)
-    if any(la.chunk_size is not None for la in layers):
+    layout = hybrid_layout(model)
+    attention = hybrid_attention(model)       # every layer, unless the model is a hybrid
+    if any(la.chunk_size is not None for la in attention.values()):
         raise NotImplementedError("chunked-attention models are not supported by "
                                   "generation_cache")
+    if layout is not None and "both" in layout.layer_kinds:
+        raise NotSupportedError(f"{layout.family}: layers holding attention and a recurrent "
+                                "mixer side by side are not supported by generation_cache yet "
+                                "(hf.attach / hf.Server serve them)")
     state = _GenState(model, max_new_tokens, capacity, dtype, device, kw)
     layer_cls = _layer_class()
+    layers = {i: layer_cls(state, i, la.swa_window) for i, la in attention.items()}
+    if layout is not None:
+        # recurrent layers: transformers' own layer over numbakv's state rows; every pass begins
+        # before the first layer (a recurrent one asks for its state first)
+        recurrent_cls = generation_layer_class()
+        layers.update({i: recurrent_cls(state, i, j)
+                       for j, i in enumerate(layout.recurrent_layers)})
 
     class NumbakvGenerationCache(cache_utils.Cache):
         """A transformers Cache backed by numbakv (see :func:`numbakv.hf.generation_cache`)."""
@@ -210,5 +223,7 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
         def numbakv_cache(self):
             return state.cache
 
-    return NumbakvGenerationCache(layers=[layer_cls(state, i, la.swa_window)
-                                          for i, la in enumerate(layers)])
+    cache = NumbakvGenerationCache(layers=[layers[i] for i in sorted(layers)])
+    if layout is not None:
+        begin_passes_in_a_hook(model, cache, state)
+    return cache

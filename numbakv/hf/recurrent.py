@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import KVCacheError
+
 
 class StateRows:
     """The recurrent-cache interface transformers' mixers call, for one call over ``n`` rows.
@@ -83,14 +85,17 @@ def _torch():
     return torch
 
 
-def plan_groups(positions: np.ndarray, seqs: np.ndarray, first_of: Callable[[int], int]
+def plan_groups(positions: np.ndarray, seqs: np.ndarray,
+                first_of: Optional[Callable[[int], Optional[int]]] = None
                 ) -> Tuple[List[Tuple[int, int]], List[Tuple[int, np.ndarray, int]]]:
     """Split a packed batch by sequence.
 
     Args:
         positions, seqs: ``[batch]`` as given to ``start_forward``.
         first_of: ``seq -> `` the first position its state has not seen (the state covers
-            positions before it; 0 for a sequence without state).
+            positions before it; 0 for a sequence without state); ``None`` (or a ``None``
+            answer): the sequence's first position in the batch (the recurrent cache's
+            ``start_forward`` checked it continues the state).
 
     Returns:
         ``(decodes, chunks)``: ``decodes`` = ``[(seq, batch index)]`` of sequences with exactly
@@ -109,7 +114,8 @@ def plan_groups(positions: np.ndarray, seqs: np.ndarray, first_of: Callable[[int
             continue
         seq = int(seqs[idx[0]])
         pos = positions[idx]
-        start = first_of(seq)
+        start = None if first_of is None else first_of(seq)
+        start = int(pos[0]) if start is None else start
         if int(pos[0]) != start or (len(pos) > 1 and not (np.diff(pos) == 1).all()):
             raise ValueError(f"sequence {seq}: a recurrent layer needs consecutive positions "
                              f"from {start} (where its state ends) in batch order, got "
@@ -169,4 +175,224 @@ def run_packed(forward: Callable, hidden, decodes: Sequence[Tuple[int, int]],
     return out
 
 
-__all__ = ["StateRows", "plan_groups", "run_packed"]
+
+
+
+# ---------------------------------------------------------------------------- hf.attach
+def _is_consecutive(seqs: Sequence[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(seqs[:-1], seqs[1:]))
+
+
+def mixer_modules(model: Any, layout) -> Dict[int, Any]:
+    """``{model layer: its recurrent mixer module}`` (the decoder layers' ``layout.mixer``
+    attribute, a module with ``layer_idx``)."""
+    found: Dict[int, Any] = {}
+    for _, module in model.named_modules():
+        mixer = getattr(module, layout.mixer, None)
+        idx = getattr(mixer, "layer_idx", None)
+        if mixer is None or isinstance(idx, bool) or not isinstance(idx, int) \
+                or not callable(getattr(mixer, "forward", None)):
+            continue
+        found[idx] = mixer
+    return found
+
+
+class RecurrentBinding:
+    """The recurrent half of ``hf.attach`` on a hybrid model: each recurrent mixer's
+    ``forward`` runs over the packed batch through :func:`run_packed`, reading and writing the
+    live states of a ``numbakv.RecurrentCache`` (zero-copy views for consecutive sequence ids,
+    a gather and a scatter otherwise), handing it the state wherever its ``restore_plan`` cuts
+    a prompt chunk (per layer, as the layers run) and keeping each sequence's batch end (the
+    live state, lazily) once the last recurrent layer ran."""
+
+    def __init__(self, recurrent: Any, mixers: Dict[int, Any]) -> None:
+        self.recurrent = recurrent
+        self.mixers = mixers
+        self.index = {layer: j for j, layer in enumerate(sorted(mixers))}
+        self.last = max(mixers)
+        self.names = [s.name for s in recurrent.config.states]
+        self.decodes: List[Tuple[int, int]] = []
+        self.chunks: List[Tuple[int, np.ndarray, int, List[int]]] = []
+        self.ends: List[Tuple[int, int]] = []
+        self.ready = False
+
+    def install(self) -> None:
+        for layer, mixer in self.mixers.items():
+            mixer.forward = self._forward_of(layer, mixer.forward)
+
+    def uninstall(self) -> None:
+        for mixer in self.mixers.values():
+            if "forward" in vars(mixer):
+                del mixer.forward
+
+    def begin(self, positions: np.ndarray, seqs: np.ndarray) -> None:
+        """A forward pass placed (after the cache's ``start_forward``): group the batch by
+        sequence and ask the recurrent cache where to cut each prompt chunk."""
+        rc = self.recurrent
+        decodes, chunks = plan_groups(positions, seqs, lambda s: None)
+        self.decodes = sorted(decodes)
+        self.chunks = []
+        self.ends = [(s, int(positions[b]) + 1) for s, b in decodes]
+        for seq, idx, start in chunks:
+            n = len(idx)
+            cuts = [k for k in rc.restore_plan(seq, n) if k < n]
+            self.chunks.append((seq, idx, start, cuts))
+            self.ends.append((seq, start + n))
+        self.ready = True
+
+    def _rows(self, layer: int):
+        torch = _torch()
+        rc = self.recurrent
+        names = self.names
+
+        def rows(seqs):
+            seqs = list(seqs)
+            if _is_consecutive(seqs):
+                views = rc.state_views(layer, seqs)
+                ts = {n: torch.from_dlpack(views[n]) for n in names}
+                done = _noop
+            else:
+                ts = {n: torch.from_dlpack(a) for n, a in rc.read_states(layer, seqs).items()}
+
+                def done():
+                    rc.write_states(layer, seqs, ts)
+            return ts["conv"], ts.get("ssm"), done
+        return rows
+
+    def _keep(self, layer: int):
+        rc = self.recurrent
+
+        def keep(seq, pos, conv, ssm):
+            states = {"conv": conv} if ssm is None else {"conv": conv, "ssm": ssm}
+            rc.keep_restore_point(seq, pos, states, layer=layer)
+        return keep
+
+    def _forward_of(self, layer: int, original: Callable):
+        j = self.index[layer]
+
+        def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+            if not self.ready:
+                raise ValueError("no forward pass: call cache.start_forward(positions, seqs) "
+                                 "before running the attached model")
+            if hidden_states.shape[0] != 1:
+                raise ValueError(f"numbakv runs one packed batch: input_ids must be [1, tokens], "
+                                 f"got a batch of {hidden_states.shape[0]} rows")
+            out = run_packed(original, hidden_states, self.decodes, self.chunks, self._rows(j),
+                             self._keep(j))
+            if layer == self.last:
+                for seq, end in self.ends:
+                    self.recurrent.keep_restore_point(seq, end)   # the live state, lazily
+                self.ready = False
+            return out
+        return forward
+
+
+def _noop() -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------- generation_cache
+def recurrent_half(cache: Any) -> Any:
+    """The ``RecurrentCache`` of a ``HybridCache``."""
+    rc = getattr(cache, "recurrent", None)
+    if rc is None:
+        raise ValueError(f"cache must be a numbakv HybridCache, got {type(cache).__name__}")
+    return rc
+
+
+def generation_layer_class():
+    """The transformers cache layer of a recurrent layer in :func:`numbakv.hf.generation_cache`:
+    transformers' own ``LinearAttentionLayer`` whose conv and recurrent states are zero-copy
+    views of the ``RecurrentCache`` rows of sequences ``0 .. batch-1`` (row ``b`` of the padded
+    batch is sequence ``b``), so the model's in-place updates (its one-step decode kernels
+    write the states they are handed) land in numbakv's storage."""
+    from ._deps import _transformers
+    torch, cache_utils = _transformers()
+
+    class NumbakvRecurrentLayer(cache_utils.LinearAttentionLayer):
+        """One recurrent layer of a numbakv generation cache."""
+
+        def __init__(self, state: Any, layer: int, recurrent_layer: int) -> None:
+            super().__init__(number_of_states=1)
+            self.state, self.layer, self.recurrent_layer = state, layer, recurrent_layer
+
+        def _views(self) -> Dict[str, Any]:
+            state = self.state
+            if state.cache is None:
+                raise ValueError(f"layer {self.layer}: no forward pass began (the generation "
+                                 "cache begins each pass in a forward pre-hook of its model)")
+            views = recurrent_half(state.cache).state_views(self.recurrent_layer,
+                                                            list(range(state.batch)))
+            return {n: torch.from_dlpack(a) for n, a in views.items()}
+
+        def lazy_initialization(self, conv_states=None, recurrent_states=None,
+                                state_idx: int = 0, conv_kernel_size: Optional[int] = None
+                                ) -> None:
+            views = self._views()
+            if conv_states is not None:
+                conv = views["conv"]
+                self.dtype, self.device = conv.dtype, conv.device
+                self.conv_kernel_size[state_idx] = conv.shape[-1]
+                self.conv_states[state_idx] = conv
+                self.is_conv_states_initialized[state_idx] = True
+            if recurrent_states is not None:
+                if "ssm" not in views:
+                    raise ValueError(f"layer {self.layer} hands a recurrent state but its "
+                                     "layout declares only a conv state")
+                self.recurrent_states[state_idx] = views["ssm"]
+                self.is_recurrent_states_initialized[state_idx] = True
+
+        def reset(self) -> None:
+            raise KVCacheError("a numbakv generation cache is not reset: make a new one per "
+                               "generate() call (hf.generation_cache)")
+
+        def reorder_cache(self, beam_idx) -> None:
+            raise KVCacheError("beam search is not supported by numbakv's generation cache "
+                               "(num_beams=1)")
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise KVCacheError("cropping (assisted decoding) is not supported by numbakv's "
+                               "generation cache")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if repeats != 1:
+                raise KVCacheError("num_return_sequences > 1 / num_beams > 1 are not supported "
+                                   "by numbakv's generation cache: repeat the rows of input_ids")
+
+        def batch_select_indices(self, indices) -> None:
+            raise KVCacheError("selecting batch rows is not supported by numbakv's generation "
+                               "cache")
+
+    return NumbakvRecurrentLayer
+
+
+def begin_passes_in_a_hook(model: Any, cache_obj: Any, state: Any) -> None:
+    """Begin every forward pass of ``model`` that runs with ``cache_obj`` before its first
+    layer (a recurrent layer, in most hybrids, asks for its state before any attention layer
+    could say how many tokens the pass has): a forward pre-hook reads the batch and token
+    count from ``input_ids`` / ``inputs_embeds`` and calls ``state.begin(batch, new)``. The hook
+    goes when ``cache_obj`` does."""
+    import weakref
+    ref = weakref.ref(cache_obj)
+
+    def hook(module, args, kwargs):
+        cache = ref()
+        if cache is None:
+            return None
+        given = kwargs.get("cache", kwargs.get("past_key_values"))
+        if given is not cache:
+            return None
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None and args:
+            ids = args[0]
+        state.begin(int(ids.shape[0]), int(ids.shape[1]))
+        return None
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    weakref.finalize(cache_obj, handle.remove)
+
+
+__all__ = ["StateRows", "plan_groups", "run_packed", "RecurrentBinding", "mixer_modules",
+           "generation_layer_class", "begin_passes_in_a_hook", "recurrent_half"]
