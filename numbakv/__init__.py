@@ -21,6 +21,7 @@ from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
 from .state.snapshot import SeqSnapshot, SnapshotPart
 from .prefix import PrefixStore
+from .recurrent import RecurrentCache, RecurrentConfig, StateSpec  # registers its state files
 
 __version__ = "0.1.0"
 
@@ -31,3 +32,4 @@ __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
 __all__ += ["ConcurrentUseError"]
 __all__ += ["SeqSnapshot", "SnapshotPart"]
 __all__ += ["PrefixStore"]
+__all__ += ["StateSpec", "RecurrentConfig", "RecurrentCache"]

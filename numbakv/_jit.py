@@ -93,7 +93,7 @@ def shipped_cache_usable() -> bool:
 #: function's file).
 COMPILED_SOURCES = ("attention.py", "cells.py", "pages.py", "storage.py", "kernels/_common.py",
                     "kernels/_registry.py", "kernels/mask.py", "kernels/move.py",
-                    "kernels/put.py", "kernels/quant.py", "kernels/rope.py")
+                    "kernels/put.py", "kernels/quant.py", "kernels/rope.py", "kernels/rows.py")
 
 _SOURCE_HASHES: Dict[str, str] = {}
 

@@ -222,3 +222,111 @@ def test_server_step_that_fails_changes_nothing():
     srv.run()                                   # and it goes on as if nothing happened
     assert len(srv.finished[rid]) == 3
     hf.detach(model)
+
+
+# ---------------------------------------------------------------- prefix reuse (issue 38 item 3)
+def _shared_prompts(n_prompts: int = 3, length: int = 90, shared: int = 89):
+    g = torch.Generator().manual_seed(8)
+    base = torch.randint(3, 64, (shared,), generator=g).tolist()
+    return [base + [3 + i] + torch.randint(3, 64, (length - shared - 1,), generator=g).tolist()
+            for i in range(n_prompts)]
+
+
+def test_server_with_a_store_reuses_shared_prefixes_and_saves_on_finish():
+    from numbakv import PrefixStore
+    model = tiny_model("llama")
+    prompts = _shared_prompts()                # 3 prompts sharing 89 of 90 tokens
+    # without a store: every prompt computes all 90 tokens, cells 3 x (90 + NEW - 1)
+    plain_cache = hf.cache_for(model, capacity=128, max_seqs=4)
+    plain = hf.Server(model, plain_cache)
+    first = plain.submit(prompts[0], max_new_tokens=NEW)
+    plain.run()
+    rids = [plain.submit(p, max_new_tokens=NEW) for p in prompts[1:]]
+    plain.step()                               # both prompts prefilled side by side
+    plain_cells = plain_cache.n_used
+    plain.run()
+    expected = [plain.finished[first]] + [plain.finished[r] for r in rids]
+    assert plain.stats == {"prefill_tokens": 270, "reused_tokens": 0}
+    hf.detach(model)
+
+    # with a store: the first prompt's prefix (saved when it finished) is loaded by the next two
+    cache = hf.cache_for(model, capacity=128, max_seqs=4)
+    store = PrefixStore(cache, retain_seqs=[3], block_tokens=16)
+    srv = hf.Server(model, cache, store=store)
+    first = srv.submit(prompts[0], max_new_tokens=NEW)
+    srv.run()
+    assert srv.stats == {"prefill_tokens": 90, "reused_tokens": 0}
+    rids = [srv.submit(p, max_new_tokens=NEW) for p in prompts[1:]]
+    srv.step()
+    shared_cells = cache.n_used
+    srv.run()
+    got = [srv.finished[first]] + [srv.finished[r] for r in rids]
+    assert got == expected                     # reuse changes no token
+    # the second and third prompts computed 1 token each: 178 prefill tokens saved
+    assert srv.stats == {"prefill_tokens": 92, "reused_tokens": 178}
+    # their 89 shared tokens sit once in cells, shared with the store's retained copy of the
+    # first request (90 + NEW - 1 cells); each adds only its own last prompt token
+    assert plain_cells == 2 * 90
+    assert shared_cells == (90 + NEW - 1) + 2
+    assert store.stats()["tokens_reused"] == 178
+    hf.detach(model)
+
+
+def test_server_cancel_saves_and_frees():
+    from numbakv import PrefixStore
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=128, max_seqs=3)
+    store = PrefixStore(cache, retain_seqs=[2])
+    srv = hf.Server(model, cache, store=store)
+    prompt = _shared_prompts(1)[0]
+    rid = srv.submit(prompt, max_new_tokens=NEW)
+    srv.step()
+    srv.step()
+    out = srv.cancel(rid)
+    assert len(out) == 2 and srv.pending == 0 and rid not in srv.finished
+    assert store.match(prompt + out) == len(prompt) + 1     # prompt + the computed new token
+    with pytest.raises(ValueError, match="rid"):
+        srv.cancel(rid)
+    again = srv.submit(prompt, max_new_tokens=2)
+    srv.run()
+    assert srv.stats["reused_tokens"] == len(prompt) - 1
+    assert srv.finished[again] == out[:2]
+    hf.detach(model)
+
+
+def test_server_refuses_a_store_of_another_cache_or_model():
+    from numbakv import PrefixStore
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=64, max_seqs=2)
+    other = PrefixStore(hf.cache_for(model, capacity=64, max_seqs=2), retain_seqs=[1])
+    with pytest.raises(ValueError, match="this cache"):
+        hf.Server(model, cache, store=other)
+    with pytest.raises(ValueError, match="PrefixStore"):
+        hf.Server(model, cache, store=object())
+
+    wrong = PrefixStore(cache, retain_seqs=[1], model_id="someone/else@main#00")
+    with pytest.raises(ValueError, match="model_id"):
+        hf.Server(model, cache, store=wrong)
+    wrong.close()
+    srv = hf.Server(model, cache, store=PrefixStore(cache, retain_seqs=[1],
+                                                    model_id=hf.model_id(model)))
+    assert srv.store.model_id == hf.model_id(model)
+    assert hf.attached_cache(model) is None or hf.detach(model) is None
+
+
+def test_model_id_names_revision_and_weights():
+    a = tiny_model("llama")
+    b = tiny_model("llama")
+    assert hf.model_id(a) == hf.model_id(b)            # same seed: same weights
+    with torch.no_grad():
+        c = tiny_model("llama")
+        next(c.parameters()).view(-1)[0] += 1e-3        # one weight differs
+    ident = hf.model_id(c)
+    assert ident != hf.model_id(a) and ident.startswith("LlamaForCausalLM@local#")
+    a.config._name_or_path, a.config._commit_hash = "org/tiny", "abc123"
+    assert hf.model_id(a) == hf.model_id(b)            # memoised per model object
+    d = tiny_model("llama")
+    d.config._name_or_path, d.config._commit_hash = "org/tiny", "abc123"
+    assert hf.model_id(d).startswith("org/tiny@abc123#")
+    with pytest.raises(ValueError, match="model"):
+        hf.model_id(object())

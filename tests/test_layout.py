@@ -28,7 +28,7 @@ LAYERS: List[List[str]] = [
     ["kernels."],
     ["storage", "pages"],
     ["state."],
-    ["causal", "streams", "wrappers", "simple"],
+    ["causal", "streams", "wrappers", "simple", "recurrent", "hybrid"],
     ["attention", "prompt", "hf."],
     ["prefix."],
     ["dist."],

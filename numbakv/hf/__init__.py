@@ -23,7 +23,8 @@ function of this package needs them.
 The package has one module per concern: :mod:`~numbakv.hf.families` (what a config says: shapes,
 windows, RoPE shift, ``cache_for``), :mod:`~numbakv.hf.attach` (``attach``/``detach``, the
 attention function), :mod:`~numbakv.hf.generation` (``generation_cache``) and
-:mod:`~numbakv.hf.server` (``Server``).
+:mod:`~numbakv.hf.server` (``Server``), :mod:`~numbakv.hf.identity` (``model_id``: the
+identity a prefix store of this model carries).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from .attach import ATTENTION_NAME, _cache_stream, attach, attached_cache, detac
 from .families import (INTERLEAVED_MODEL_TYPES, LayerAttention, ModelShapes, cache_for,
                        kv_reuse_for, layer_attention, model_shapes, rope_shift_for)
 from .generation import generation_cache
+from .identity import model_id, weights_digest
 from .server import Server
 
 __all__ = ["ATTENTION_NAME", "INTERLEAVED_MODEL_TYPES", "ModelShapes", "LayerAttention",
            "model_shapes", "layer_attention", "rope_shift_for", "cache_for", "attach", "detach",
-           "attached_cache", "generation_cache", "Server"]
+           "attached_cache", "generation_cache", "Server", "model_id", "weights_digest"]

@@ -1,7 +1,10 @@
 """``Server``: continuous batching of many prompts over one numbakv cache and an attached model.
 
 Each :meth:`Server.step` is one forward pass of the attached model over a packed batch mixing
-prompt chunks and decode tokens; finished requests free their sequence.
+prompt chunks and decode tokens; finished requests free their sequence. With a prefix store
+(``Server(model, cache, store=store)``) a request first loads the longest prefix of its prompt
+the store holds (its prefill starts after it) and a finished or cancelled request saves what its
+sequence holds, so later prompts sharing a prefix skip that part of their prefill.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..errors import KVCacheError
+from ..errors import KVCacheError, KVCacheFullError
 from ._deps import _transformers
 from .attach import attach, attached_cache
+from .identity import check_store_model
 
 
 class Server:
@@ -31,11 +35,27 @@ class Server:
         while srv.pending:
             srv.step()
         outputs = [srv.finished[r] for r in rids]
+
+    ``store``: a ``numbakv.PrefixStore`` of ``cache`` (its ``retain_seqs`` are never given to
+    requests; a store that records a ``model_id`` must record :func:`numbakv.hf.model_id` of
+    ``model``). A request's prompt then starts from the store's longest prefix (the first
+    time it is scheduled) and a finished or cancelled request saves its tokens. ``stats``
+    counts prompt tokens computed and reused.
     """
 
-    def __init__(self, model: Any, cache: Any, *, prefill_chunk: int = 256) -> None:
+    def __init__(self, model: Any, cache: Any, *, prefill_chunk: int = 256,
+                 store: Any = None) -> None:
         torch, _ = _transformers()
         self._torch = torch
+        if store is not None:
+            if not all(callable(getattr(store, n, None)) for n in ("match", "load", "save")) \
+                    or not hasattr(store, "retain_seqs"):
+                raise ValueError(f"store must be a numbakv.PrefixStore or None, got "
+                                 f"{type(store).__name__}")
+            if getattr(store, "cache", None) is not cache:
+                raise ValueError("store must be a PrefixStore of this cache "
+                                 "(PrefixStore(cache, ...))")
+            check_store_model(store, model, "hf.Server")
         if attached_cache(model) is None:
             attach(model, cache)
         elif attached_cache(model) is not cache:
@@ -46,7 +66,11 @@ class Server:
         self.model, self.cache, self.prefill_chunk = model, cache, prefill_chunk
         cfg = getattr(cache, "config", None) or cache.caches[0].config
         self._max_batch = cfg.max_batch
-        self._free = list(range(cfg.max_seqs))
+        self.store = store
+        reserved = set(store.retain_seqs) if store is not None else set()
+        self._free = [s for s in range(cfg.max_seqs) if s not in reserved]
+        #: prompt tokens computed by the model, and taken from the store instead
+        self.stats: Dict[str, int] = {"prefill_tokens": 0, "reused_tokens": 0}
         self._ids = itertools.count()
         self._device = next(model.parameters()).device
         self._waiting: List[int] = []
@@ -90,6 +114,8 @@ class Server:
         server's state changes only after the pass ran: a pass that raises (the cache full, the
         model failing) leaves the requests as they were and the cache without its tokens."""
         torch = self._torch
+        if self.store is not None:
+            self._load_prefixes()
         tokens: List[int] = []
         positions: List[int] = []
         seqs: List[int] = []
@@ -145,6 +171,7 @@ class Server:
             r = self._reqs[rid]
             r["seq"] = seq
             r["done"] += n
+            self.stats["prefill_tokens"] += n
             if r["done"] == len(r["prompt"]):
                 self._waiting.remove(rid)
         new: Dict[int, int] = {}
@@ -153,11 +180,55 @@ class Server:
             r["out"].append(tok)
             new[rid] = tok
             if len(r["out"]) >= r["max"] or (r["eos"] is not None and tok == r["eos"]):
-                self.cache.remove(r["seq"], 0)
-                self._free.append(r["seq"])
+                self._release(rid)
                 self.finished[rid] = r["out"]
-                del self._reqs[rid]
         return new
+
+    def _load_prefixes(self) -> None:
+        """Give each waiting request that has no sequence yet (while sequences are free) its
+        sequence, holding the store's longest prefix of its prompt (keeping one token to
+        compute: its logits pick the first new token)."""
+        for rid in self._waiting:
+            r = self._reqs[rid]
+            if r["seq"] is not None:
+                continue
+            if not self._free:
+                break
+            seq = self._free.pop(0)
+            try:
+                n = self.store.load(seq, r["prompt"][:-1])
+            except KVCacheFullError:
+                n = 0                              # no room to promote it: compute the prompt
+            r["seq"], r["done"] = seq, n
+            self.stats["reused_tokens"] += n
+
+    def _release(self, rid: int) -> None:
+        """Save what request ``rid``'s sequence holds to the store (if any), free it, forget
+        the request."""
+        r = self._reqs.pop(rid)
+        seq = r["seq"]
+        if seq is None:
+            return
+        if self.store is not None:
+            held = r["prompt"][:r["done"]]
+            if r["done"] == len(r["prompt"]) and r["out"]:
+                held = r["prompt"] + r["out"][:-1]     # the last token was never computed
+            if held:
+                self.store.save(seq, held)
+        self.cache.remove(seq, 0)
+        self._free.append(seq)
+
+    def cancel(self, rid: int) -> List[int]:
+        """Stop request ``rid`` (waiting or running): its sequence is saved to the store (when
+        the server has one) and freed. Returns the tokens it generated so far (they are not
+        added to ``finished``). Raises ``ValueError`` for an unknown or finished request."""
+        if isinstance(rid, bool) or not isinstance(rid, int) or rid not in self._reqs:
+            raise ValueError(f"rid must be the id of a pending request, got {rid!r}")
+        out = self._reqs[rid]["out"]
+        if rid in self._waiting:
+            self._waiting.remove(rid)
+        self._release(rid)
+        return out
 
     def _pick(self, logits, r: dict) -> int:
         torch = self._torch

@@ -58,7 +58,10 @@ _STREAM_KINDS = ("streams",)
 _SIMPLE_KINDS = ("step", "rotating", "simple-list")
 #: one sequence's rows of any cache (``numbakv.state.snapshot.SeqSnapshot.to_bytes``)
 _SNAPSHOT_KINDS = ("seq-snapshot",)
-KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _STREAM_KINDS + _SIMPLE_KINDS + _SNAPSHOT_KINDS
+#: recurrent state (``numbakv.RecurrentCache``) and attention + recurrent (``numbakv.HybridCache``)
+_RECURRENT_KINDS = ("recurrent", "recurrent-seq", "hybrid", "hybrid-seq")
+KINDS = _CAUSAL_KINDS + _WRAPPER_KINDS + _STREAM_KINDS + _SIMPLE_KINDS + _SNAPSHOT_KINDS + \
+    _RECURRENT_KINDS
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 # ====================================================================================== writing

@@ -939,9 +939,25 @@ def load_simple(source: Source, *, device: str = "auto", return_info: bool = Fal
 
 
 # ====================================================================================== generic
+#: cache families that bring their own state format (``numbakv.RecurrentCache``,
+#: ``numbakv.HybridCache``): name -> (class, builder(cache, seq, tokens, metadata) -> build(),
+#: loader(cache, source, seq, *, strict) -> {"tokens", "metadata"}); the classes register
+#: themselves (this module imports no cache)
+_FAMILIES: Dict[str, Tuple[type, Any, Any]] = {}
+
+
+def register_family(name: str, cls: type, builder, loader) -> None:
+    """Register a cache class whose state files its own module writes and reads, so
+    :func:`save` / :func:`to_bytes` / :func:`load` accept it like the built-in families."""
+    _FAMILIES[name] = (cls, builder, loader)
+
+
 def _cache_family(cache) -> str:
     if cache is None:
         return "none"
+    for name, (cls, _, _) in _FAMILIES.items():
+        if isinstance(cache, cls):
+            return name
     if hasattr(cache, "caches") and isinstance(getattr(cache, "caches"), list):
         return "wrapper"
     if hasattr(cache, "cells") and hasattr(cache, "storage"):
@@ -955,6 +971,8 @@ def _cache_family(cache) -> str:
 
 def _builder(cache, seq, tokens, metadata):
     family = _cache_family(cache)
+    if family in _FAMILIES:
+        return _FAMILIES[family][1](cache, seq, tokens, metadata)
     if family == "causal":
         return _build_causal(cache, seq, tokens, metadata)
     if family == "wrapper":
@@ -998,6 +1016,8 @@ def load(source: Source, cache=None, seq: Optional[int] = None, *, device: str =
     if family == "simple":
         raise ValueError("cache must be None to load a StepCache/RotatingCache state (a new "
                          "cache is built), or a CausalCache/WrapperCache to load into")
+    if family in _FAMILIES:
+        return cache, _FAMILIES[family][2](cache, source, seq, strict=strict)
     if family == "causal":
         return cache, _load_causal(cache, source, seq, progress, strict)
     if family == "wrapper":
@@ -1100,4 +1120,5 @@ class StateMethods:
 __all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache", "load_cache",
            "cache_to_bytes", "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes",
            "save_streams", "load_streams", "streams_to_bytes", "streams_from_bytes",
-           "load_wrapper", "wrapper_from_bytes", "register_simple_class", "StateMethods"]
+           "load_wrapper", "wrapper_from_bytes", "register_simple_class", "StateMethods",
+           "register_family"]

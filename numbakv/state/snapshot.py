@@ -1050,3 +1050,205 @@ def replace_seq(cache, seq: int, snap: SeqSnapshot, *, strict: bool = True) -> i
 
 
 __all__ = ["SeqSnapshot", "SnapshotPart", "export_seq", "import_seq", "KIND"]
+
+
+# ====================================================================================== recurrent state
+#: flags of a :class:`RecurrentPart` entry
+KEPT = 1        # the entry is a restore point the sequence keeps (else only its live state)
+EXPLICIT = 2    # ... asked for explicitly (``mark_restore`` / ``explicit=True``)
+
+
+def _check_state_specs(specs) -> Tuple[Tuple[str, Tuple[int, ...], str], ...]:
+    """``specs`` as ``((name, shape, dtype), ...)``, checked (names unique identifiers, shapes
+    of positive integers, dtypes storage dtypes)."""
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise ValueError("specs must be a non-empty sequence of (name, shape, dtype)")
+    out, seen = [], set()
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, (list, tuple)) or len(spec) != 3:
+            raise ValueError(f"specs[{i}] must be (name, shape, dtype), got {spec!r}")
+        name, shape, dtype = spec
+        if not isinstance(name, str) or not name.isidentifier() or name in seen:
+            raise ValueError(f"specs[{i}]: name must be a unique identifier, got {name!r}")
+        if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and 0 < d < 2**31
+                                                           for d in shape):
+            raise ValueError(f"specs[{i}] ({name}): shape must hold positive integers, got "
+                             f"{shape!r}")
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"specs[{i}] ({name}): dtype must be one of "
+                             f"{sorted(STORAGE_DTYPES)}, got {dtype!r}")
+        seen.add(name)
+        out.append((name, tuple(int(d) for d in shape), dtype))
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class RecurrentPart:
+    """One sequence's recurrent state at some of its positions (``numbakv.RecurrentCache``):
+    what a hybrid :class:`SeqSnapshot` carries beside the K/V rows, and what recurrent state
+    files hold per sequence.
+
+    Attributes:
+        first: the first position the states summarise (the sequence's ``seq_pos_min``).
+        positions: int32 ``[m]``, strictly ascending, each ``> first``: entry ``i`` is the state
+            after the tokens at positions ``first .. positions[i] - 1`` (a restore point at
+            ``positions[i]``: where a model resumes to process position ``positions[i]``).
+        flags: uint8 ``[m]``: :data:`KEPT` when the entry is a restore point the sequence keeps
+            (an entry without it is only the sequence's live state at its end), :data:`EXPLICIT`
+            when it was asked for explicitly.
+        states: ``{name: array [n_layers, m, *shape]}`` in the storage dtype (bfloat16 as its
+            uint16 bit pattern), one per state tensor.
+        specs: ``((name, shape, dtype), ...)``: the layout of each state tensor.
+    """
+
+    first: int
+    positions: np.ndarray
+    flags: np.ndarray
+    states: Dict[str, Any]
+    specs: Tuple[Tuple[str, Tuple[int, ...], str], ...]
+
+    def __post_init__(self) -> None:
+        specs = _check_state_specs(self.specs)
+        if not _is_int(self.first) or not 0 <= int(self.first) < _POS_LIMIT:
+            raise ValueError(f"first must be a position in [0, {_POS_LIMIT}), got {self.first!r}")
+        first = int(self.first)
+        pos = np.asarray(self.positions.get() if _is_device_array(self.positions)
+                         else self.positions)
+        if pos.ndim != 1 or (pos.size and pos.dtype.kind not in "iu"):
+            raise ValueError(f"positions must be a 1-D integer array, got shape {pos.shape}")
+        if pos.size and (int(pos.min()) <= first or int(pos.max()) > _POS_LIMIT
+                         or (np.diff(pos.astype(np.int64)) <= 0).any()):
+            raise ValueError(f"positions must be strictly ascending in ({first}, {_POS_LIMIT}], "
+                             f"got {pos.tolist()[:8]}")
+        flags = np.asarray(self.flags)
+        if flags.shape != pos.shape or (flags.size and (flags.dtype.kind not in "iub"
+                                                        or int(flags.max()) > 3
+                                                        or int(flags.min()) < 0)):
+            raise ValueError(f"flags must be {len(pos)} values in 0..3, got {flags!r}")
+        if not isinstance(self.states, dict) or set(self.states) != {s[0] for s in specs}:
+            raise ValueError(f"states must map exactly the names {[s[0] for s in specs]} to "
+                             f"arrays, got {sorted(self.states) if isinstance(self.states, dict) else type(self.states).__name__}")
+        n_layers = None
+        for name, shape, dtype in specs:
+            a = self.states[name]
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                raise ValueError(f"states[{name!r}] must be a numpy or CuPy array")
+            if np.dtype(a.dtype) != STORAGE_DTYPES[dtype]:
+                raise ValueError(f"states[{name!r}] must have dtype {STORAGE_DTYPES[dtype]} "
+                                 f"({dtype}), got {a.dtype}")
+            if len(a.shape) != 2 + len(shape) or tuple(a.shape[2:]) != shape \
+                    or a.shape[1] != len(pos) or a.shape[0] < 1:
+                raise ValueError(f"states[{name!r}] must be [n_layers, {len(pos)}, "
+                                 f"{', '.join(map(str, shape))}], got {tuple(a.shape)}")
+            if n_layers is not None and a.shape[0] != n_layers:
+                raise ValueError("every state tensor must have the same layer count")
+            n_layers = int(a.shape[0])
+        object.__setattr__(self, "first", first)
+        object.__setattr__(self, "positions", np.ascontiguousarray(pos, dtype=np.int32))
+        object.__setattr__(self, "flags", np.ascontiguousarray(flags, dtype=np.uint8))
+        object.__setattr__(self, "specs", specs)
+
+    @property
+    def n_layers(self) -> int:
+        """Recurrent layers the states hold."""
+        return int(self.states[self.specs[0][0]].shape[0])
+
+    @property
+    def restore_points(self) -> List[int]:
+        """Positions of the entries that are kept restore points."""
+        return [int(p) for p, f in zip(self.positions, self.flags) if f & KEPT]
+
+    @property
+    def end(self) -> int:
+        """The position after the deepest entry's last token (``first`` when empty)."""
+        return int(self.positions[-1]) if len(self.positions) else self.first
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.states.values())
+
+    def layout(self) -> Dict[str, Any]:
+        """The JSON-able layout the fingerprint check compares: ``{"n_layers", "states":
+        [[name, shape, dtype], ...]}``."""
+        return {"n_layers": self.n_layers,
+                "states": [[n, list(s), d] for n, s, d in self.specs]}
+
+    def select(self, keep: np.ndarray) -> "RecurrentPart":
+        """The entries where the boolean ``keep [m]`` is set."""
+        idx = np.flatnonzero(np.asarray(keep, dtype=bool))
+        return RecurrentPart(first=self.first, positions=self.positions[idx],
+                             flags=self.flags[idx],
+                             states={n: a[:, idx] for n, a in self.states.items()},
+                             specs=self.specs)
+
+    def shifted(self, delta: int) -> "RecurrentPart":
+        """The same states at positions moved by ``delta`` (``first`` stays >= 0)."""
+        return RecurrentPart(first=self.first + delta, positions=self.positions + delta,
+                             flags=self.flags, states=self.states, specs=self.specs)
+
+    def copy(self) -> "RecurrentPart":
+        def own(a):
+            return a.copy() if _is_device_array(a) else np.array(a, copy=True, order="C")
+        return RecurrentPart(first=self.first, positions=self.positions.copy(),
+                             flags=self.flags.copy(),
+                             states={n: own(a) for n, a in self.states.items()},
+                             specs=self.specs)
+
+
+def recurrent_specs(part: RecurrentPart, prefix: str) -> List["_st._Spec"]:
+    """State codec tensors of a :class:`RecurrentPart`: ``first`` I32 [1], ``positions`` I32
+    [m], ``flags`` U8 [m] and ``state.<name>`` ``[n_layers, m, *shape]``."""
+    first = np.array([part.first], dtype="<i4")
+    specs = [_st._Spec(prefix + "first", "I32", (1,), lambda: first),
+             _st._Spec(prefix + "positions", "I32", (len(part.positions),),
+                       lambda: np.ascontiguousarray(part.positions, dtype="<i4")),
+             _st._Spec(prefix + "flags", "U8", (len(part.flags),), lambda: part.flags)]
+    for name, shape, dtype in part.specs:
+        sd = _st._STORAGE_ST[dtype]
+        arr = part.states[name]
+        specs.append(_st._Spec(f"{prefix}state.{name}", sd, tuple(int(d) for d in arr.shape),
+                               lambda arr=arr, sd=sd: _st._host_le(arr, _st._ST_DTYPES[sd])))
+    return specs
+
+
+def recurrent_expect(state, prefix: str, layout: Any, where: str = ""
+                     ) -> Tuple[Tuple[Tuple[str, Tuple[int, ...], str], ...], int,
+                                Dict[str, Tuple[str, Tuple[int, ...]]]]:
+    """Check a saved recurrent layout (``RecurrentPart.layout()``) and the tensor headers of the
+    part under ``prefix``; returns ``(specs, n_layers, expected tensors)``. Raises
+    ``StateError`` naming what does not fit."""
+    if not isinstance(layout, dict):
+        raise state.fail(f"recurrent layout{where} must be an object")
+    n_layers = layout.get("n_layers")
+    if not _st._is_int(n_layers) or not 1 <= n_layers <= 1 << 20:
+        raise state.fail(f"recurrent layout{where}: n_layers must be an integer >= 1, got "
+                         f"{n_layers!r}")
+    try:
+        specs = _check_state_specs([tuple(s) if isinstance(s, list) else s
+                                    for s in layout.get("states") or ()])
+    except ValueError as exc:
+        raise state.fail(f"recurrent layout{where}: {exc}") from None
+    t = state.tensors.get(prefix + "positions")
+    if t is None or t.dtype != "I32" or len(t.shape) != 1:
+        raise state.fail(f"tensor {prefix}positions must be there, I32 [m]")
+    m = t.shape[0]
+    expected = {prefix + "first": ("I32", (1,)), prefix + "positions": ("I32", (m,)),
+                prefix + "flags": ("U8", (m,))}
+    for name, shape, dtype in specs:
+        expected[f"{prefix}state.{name}"] = (_st._STORAGE_ST[dtype], (n_layers, m) + shape)
+    return specs, n_layers, expected
+
+
+def recurrent_part_of(state, prefix: str, specs) -> RecurrentPart:
+    """The :class:`RecurrentPart` under ``prefix`` of a checked state (views of its bytes);
+    bad values raise ``StateError``."""
+    try:
+        return RecurrentPart(
+            first=int(state.tensor(prefix + "first")[0]),
+            positions=state.tensor(prefix + "positions"),
+            flags=state.tensor(prefix + "flags"),
+            states={n: _native(state.tensor(f"{prefix}state.{n}"), d) for n, _, d in specs},
+            specs=specs)
+    except ValueError as exc:
+        raise state.fail(f"recurrent state{' ' + prefix.rstrip('.') if prefix else ''}: "
+                         f"{exc}") from None
