@@ -136,3 +136,107 @@ def test_packed_mixer_equals_transformers_per_sequence(family):
         plan_groups(np.array([3, 5]), np.array([0, 0]), lambda s: 3)
     with pytest.raises(ValueError, match="from 4"):
         plan_groups(np.array([3]), np.array([0]), lambda s: 4)
+
+
+# ---------------------------------------------------------------------- generate()
+#: the families numbakv's HybridCache serves (Falcon-H1 keeps attention and a mixer in one layer)
+SERVED = [f for f in hm.FAMILIES if f != "falcon_h1"]
+
+
+def _numbakv_generate(model, ids, mask, *, do_sample=False, seed=0, new=6):
+    from numbakv import hf
+    past = hf.generation_cache(model, max_new_tokens=new)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **{hm.cache_kwarg(): past},
+                             max_new_tokens=new, do_sample=do_sample, pad_token_id=0)
+    return out, past
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_generate_equals_dynamic_cache(family):
+    """Greedy and sampled (one seed), batch 1 and a left-padded batch of 3: token-equal to
+    transformers' DynamicCache; the numbakv cache behind it is a HybridCache holding every
+    row's prompt and new tokens."""
+    from numbakv import HybridCache
+    model = hm.tiny_model(family)
+    for rows in ((8,), (11, 7, 9)):
+        ids, mask = hm.padded_batch(seed=len(rows), rows=rows)
+        for sample in (False, True):
+            ref = hm.dynamic_generate(model, ids, mask, max_new_tokens=6, do_sample=sample,
+                                      seed=3)
+            out, past = _numbakv_generate(model, ids, mask, do_sample=sample, seed=3)
+            assert torch.equal(out, ref), (family, rows, sample)
+            hc = past.numbakv_cache
+            assert isinstance(hc, HybridCache)
+            width = ids.shape[1] + 6 - 1          # the last token is never fed back
+            for b in range(len(rows)):
+                assert hc.rc.seq_pos_max(b) == width - 1 and hc.attn.seq_pos_max(b) == width - 1
+
+
+# ---------------------------------------------------------------------- attach / Server
+def _reference_logits(model, tokens):
+    """Logits of one sequence run alone through transformers' own cache, in one pass."""
+    from transformers import DynamicCache
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), **{hm.cache_kwarg(): DynamicCache(
+            config=model.config)}, use_cache=True).logits[0]
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_attached_packed_batches_equal_each_sequence_alone(family):
+    """Three sequences' prompts packed in one forward pass (one of them split where the cache
+    asks for restore points), then two decode passes of all three: every row's logits equal
+    the sequence run alone through DynamicCache; the restore points handed over are kept."""
+    from numbakv import hf
+    model, alone = hm.tiny_model(family), hm.tiny_model(family)   # same seeded weights
+    cache = hf.cache_for(model, capacity=64, max_seqs=3, restore_every=4)
+    hf.attach(model, cache)
+    gen = torch.Generator().manual_seed(7)
+    prompts = {0: 6, 1: 10, 2: 3}
+    toks = {s: torch.randint(3, hm.VOCAB, (n + 2,), generator=gen).tolist()
+            for s, n in prompts.items()}
+    try:
+        rows = [(s, p) for s in (1, 0, 2) for p in range(prompts[s])]
+        passes = [rows, [(s, prompts[s]) for s in (2, 0, 1)],
+                  [(s, prompts[s] + 1) for s in (0, 1, 2)]]
+        for batch in passes:
+            seqs = np.array([s for s, _ in batch])
+            positions = np.array([p for _, p in batch])
+            cache.start_forward(positions, seqs)
+            ids = torch.tensor([[toks[s][p] for s, p in batch]])
+            with torch.no_grad():
+                logits = model(input_ids=ids, position_ids=torch.tensor([positions])).logits[0]
+            for row, (s, p) in enumerate(batch):
+                ref = _reference_logits(alone, toks[s][:p + 1])[p]
+                # a scan cut at restore points rounds differently from one whole scan (chunked
+                # delta rule: ~1e-4); a lost or wrong state moves logits by whole units
+                torch.testing.assert_close(logits[row], ref, rtol=1e-3, atol=1e-3)
+        # sequence 1 (10 prompt tokens, spacing 4): points at 4 and 8 handed over mid-prompt
+        assert {4, 8} <= set(cache.restore_points(1))
+        assert cache.rc.seq_pos_max(1) == prompts[1] + 1
+    finally:
+        hf.detach(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "lfm2"])
+def test_server_serves_concurrent_requests_like_generate(family):
+    """Four requests (two sharing a prefix) served together by hf.Server over a HybridCache:
+    each one's greedy tokens equal generate() with DynamicCache on its prompt alone."""
+    from numbakv import hf
+    model = hm.tiny_model(family)
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, hm.VOCAB, (9,), generator=gen).tolist()
+    prompts = [shared + [5, 6], torch.randint(3, hm.VOCAB, (5,), generator=gen).tolist(),
+               shared + [7], torch.randint(3, hm.VOCAB, (13,), generator=gen).tolist()]
+    expected = [hm.dynamic_generate(model, torch.tensor([p]), max_new_tokens=5)[0, len(p):]
+                .tolist() for p in prompts]
+    cache = hf.cache_for(model, capacity=64, max_seqs=3, restore_every=4)
+    srv = hf.Server(model, cache, prefill_chunk=4)
+    try:
+        rids = [srv.submit(p, max_new_tokens=5) for p in prompts]
+        done = srv.run()
+        assert [done[r] for r in rids] == expected
+        assert all(cache.seq_pos_max(s) == -1 for s in range(3))
+    finally:
+        hf.detach(model)

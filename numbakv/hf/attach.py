@@ -30,24 +30,13 @@ _BINDING_ATTR = "_numbakv_binding"        # on an attached model, its attention 
 
 
 # ---------------------------------------------------------------------------- attach / detach
-def _attention_half(cache) -> Tuple[Any, Dict[int, int]]:
-    """``(the cache attention layers use, {model layer: its layer there})``: a HybridCache's
-    attention half and its attending layers, else ``cache`` itself, every layer its own."""
-    kinds = getattr(cache, "layer_kinds", None)
-    if getattr(cache, "recurrent", None) is None or kinds is None:
-        return cache, {}
-    attending = [i for i, kind in enumerate(kinds) if kind != "recurrent"]
-    return cache.attention, {layer: j for j, layer in enumerate(attending)}
-
-
 def _layer_caches(cache) -> List[Optional[CausalCache]]:
     """For each model layer, the ``CausalCache`` that holds it (``None`` for the recurrent
-    layers of a hybrid model)."""
-    attention, index = _attention_half(cache)
-    if index:
-        per_layer = _layer_caches(attention)
-        return [per_layer[index[i]] if i in index else None
-                for i in range(len(cache.layer_kinds))]
+    layers of a ``HybridCache``, whose ``set_layer`` takes model layer numbers)."""
+    if _is_hybrid(cache):
+        per_layer = _layer_caches(cache.attn)
+        return [per_layer[cache._attn_of[i]] if kind == "attention" else None
+                for i, kind in enumerate(cache.layer_kinds)]
     if isinstance(cache, CausalCache):
         return [cache] * cache.config.n_layers
     if isinstance(cache, WrapperCache):
@@ -57,6 +46,10 @@ def _layer_caches(cache) -> List[Optional[CausalCache]]:
         return [cache.caches[g] for g in cache.layer_groups]
     raise ValueError(f"cache must be a numbakv CausalCache or WrapperCache, got "
                      f"{type(cache).__name__}")
+
+
+def _is_hybrid(cache) -> bool:
+    return getattr(cache, "rc", None) is not None and hasattr(cache, "layer_kinds")
 
 
 def _attention_modules(model) -> Dict[int, Any]:
@@ -103,9 +96,7 @@ class _Binding:
     generation: int = 0                             # start_forward calls since attach
     layer_generation: List[int] = field(default_factory=list)
     positions: Optional[np.ndarray] = None          # the last start_forward's positions
-    attention: Any = None                           # hybrid models: the attention half, its
-    attention_index: Dict[int, int] = field(default_factory=dict)   # layer of each model layer
-    recurrent: Any = None                           # hybrid: the recurrent mixers' binding
+    recurrent: Any = None                           # hybrid models: the mixers' binding
 
     def begin_layer(self, layer: int, n_tokens: int) -> None:
         if self.generation == 0:
@@ -136,17 +127,16 @@ class _Binding:
             k = k.to(want)
         if v.dtype != want:
             v = v.to(want)
-        attention = self.attention if self.attention is not None else self.cache
-        attention.set_layer(self.attention_index.get(layer, layer))
+        self.cache.set_layer(layer)
         if self.layer_caches[layer]._put_layer >= 0:
-            attention.put(k, v)
+            self.cache.put(k, v)
         # else a KV-sharing layer (layer_reuse): the model hands it the K/V its source layer
         # stored earlier in this pass; attend() reads them from that layer
         self.layer_generation[layer] = self.generation
         q = query[0].transpose(0, 1)                # [q, H, D]
         if q.dtype != want:                         # attention in the cache's dtype (a float16
             q = q.to(want)                          # cache under a float32 model, like llama.cpp)
-        out = attend(q, attention, scale=scaling, soft_cap=softcap)
+        out = attend(q, self.cache, scale=scaling, soft_cap=softcap)
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
@@ -210,7 +200,7 @@ def attach(model: Any, cache: Any) -> None:
     shapes = model_shapes(config)
     layers = hybrid_attention(config)        # {model layer: its attention}: every layer but a
     layout = hybrid_layout(config)           # hybrid's recurrent ones
-    if (layout is None) != (getattr(cache, "recurrent", None) is None):
+    if (layout is None) == _is_hybrid(cache):
         raise ValueError(f"{config.model_type} {'has' if layout else 'has no'} recurrent layers "
                          f"but the cache is a {type(cache).__name__}: build it with "
                          "hf.cache_for(model)")
@@ -243,10 +233,9 @@ def attach(model: Any, cache: Any) -> None:
                        [None if c is None else getattr(torch, c.config.dtype)
                         for c in layer_caches],
                        modules, [], layer_generation=[-1] * shapes.n_layers)
-    binding.attention, binding.attention_index = _attention_half(cache)
     if mixers:
         from .recurrent import RecurrentBinding
-        binding.recurrent = RecurrentBinding(cache.recurrent, mixers)
+        binding.recurrent = RecurrentBinding(cache.rc, mixers, layout.resumes_chunks)
         binding.recurrent.install()
     AttentionInterface.register(ATTENTION_NAME, _attention_forward)
     seen = {}

@@ -372,6 +372,10 @@ def _hybrid_cache(layout: HybridLayout, attention, dtype: str, max_seqs: int, de
     it otherwise; SSM / delta state float32)."""
     from ..hybrid import HybridCache
     from ..recurrent import RecurrentCache, RecurrentConfig, StateSpec
+    if "both" in layout.layer_kinds:
+        raise NotSupportedError(f"{layout.family}: layers holding attention and a recurrent "
+                                "mixer side by side (Falcon-H1) are not supported by "
+                                "HybridCache yet")
     specs = [StateSpec(s.name, s.shape, s.dtype or dtype) for s in layout.states]
     groups = getattr(attention, "caches", (attention,))
     rc = RecurrentCache(RecurrentConfig(
@@ -446,13 +450,16 @@ class HybridLayout:
     decoder layer holding its recurrent mixer (whose ``forward(hidden_states, cache,
     attention_mask)`` asks the cache for ``get_conv_state``/``update_recurrent_state``...);
     ``states`` the state tensors every recurrent layer keeps per sequence; ``rope``: whether the
-    attention layers rotate their keys (Jamba's and NoPE Granite's do not)."""
+    attention layers rotate their keys (Jamba's and NoPE Granite's do not);
+    ``resumes_chunks``: whether the mixer's multi-token scan starts from the state it is handed
+    (transformers' Jamba starts it from zeros: numbakv then continues a state token by token)."""
 
     family: str
     layer_kinds: Tuple[str, ...]
     mixer: str
     states: Tuple[RecurrentState, ...]
     rope: bool
+    resumes_chunks: bool = True
 
     @property
     def recurrent_layers(self) -> List[int]:
@@ -517,6 +524,11 @@ HYBRID_FAMILIES: Dict[str, Tuple[str, Any, Any]] = {
 }
 
 
+#: families whose transformers mixer starts every multi-token scan from a zero SSM state
+#: (JambaMambaMixer passes no initial state to ``mamba_selective_scan``)
+_SCAN_FROM_ZERO = frozenset({"jamba"})
+
+
 def hybrid_layout(model_or_config: Any) -> Optional[HybridLayout]:
     """The :class:`HybridLayout` of a hybrid model (``None`` for a model whose layers all
     attend). Raises ``NotSupportedError`` for a model with recurrent layers whose family is not
@@ -533,7 +545,8 @@ def hybrid_layout(model_or_config: Any) -> Optional[HybridLayout]:
     mixer, states, rope = family
     kinds = tuple("recurrent" if t in _RECURRENT_TYPES else "both" if t in _BOTH_TYPES
                   else "attention" for t in types)
-    return HybridLayout(config.model_type, kinds, mixer, states(config), bool(rope(config)))
+    return HybridLayout(config.model_type, kinds, mixer, states(config), bool(rope(config)),
+                        config.model_type not in _SCAN_FROM_ZERO)
 
 
 def hybrid_attention(model_or_config: Any) -> Dict[int, LayerAttention]:

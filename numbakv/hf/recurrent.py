@@ -130,7 +130,8 @@ def plan_groups(positions: np.ndarray, seqs: np.ndarray,
 def run_packed(forward: Callable, hidden, decodes: Sequence[Tuple[int, int]],
                chunks: Sequence[Tuple[int, np.ndarray, int, Sequence[int]]],
                rows: Callable[[Sequence[int]], Tuple[Any, Any, Callable[[], None]]],
-               keep: Optional[Callable[[int, int, Any, Any], None]] = None):
+               keep: Optional[Callable[[int, int, Any, Any], None]] = None,
+               resumes_chunks: bool = True):
     """One recurrent mixer over a packed batch.
 
     Args:
@@ -140,6 +141,9 @@ def run_packed(forward: Callable, hidden, decodes: Sequence[Tuple[int, int]],
         chunks: ``[(seq, batch indices, first position, cuts)]``: each run on its own, split
             at ``cuts`` (offsets into the chunk, ascending, ``0 < cut < len``) so that
             ``keep(seq, position, conv, ssm)`` receives the state at each cut (copies).
+        resumes_chunks: False for mixers whose multi-token scan ignores the state it is
+            handed (transformers' Jamba starts every multi-token scan from zeros): a segment
+            that continues a state then runs token by token (the one-step path, exact).
         rows: ``seqs -> (conv [n, ...], ssm [n, ...] or None, done)``: the sequences' states as
             tensors the mixer may write in place; ``done()`` after the call writes them back
             (a no-op for views).
@@ -165,7 +169,11 @@ def run_packed(forward: Callable, hidden, decodes: Sequence[Tuple[int, int]],
         bounds = [0, *cuts, len(idx)]
         pieces = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            pieces.append(forward(part[:, a:b], cache=state, attention_mask=None))
+            if state.has_previous and not resumes_chunks:
+                pieces += [forward(part[:, t:t + 1], cache=state, attention_mask=None)
+                           for t in range(a, b)]
+            else:
+                pieces.append(forward(part[:, a:b], cache=state, attention_mask=None))
             if keep is not None and b < len(idx):
                 keep(seq, start + b, state.conv[0].clone(),
                      None if state.ssm is None else state.ssm[0].clone())
@@ -205,8 +213,10 @@ class RecurrentBinding:
     a prompt chunk (per layer, as the layers run) and keeping each sequence's batch end (the
     live state, lazily) once the last recurrent layer ran."""
 
-    def __init__(self, recurrent: Any, mixers: Dict[int, Any]) -> None:
+    def __init__(self, recurrent: Any, mixers: Dict[int, Any], resumes_chunks: bool = True
+                 ) -> None:
         self.recurrent = recurrent
+        self.resumes_chunks = resumes_chunks
         self.mixers = mixers
         self.index = {layer: j for j, layer in enumerate(sorted(mixers))}
         self.last = max(mixers)
@@ -278,7 +288,7 @@ class RecurrentBinding:
                 raise ValueError(f"numbakv runs one packed batch: input_ids must be [1, tokens], "
                                  f"got a batch of {hidden_states.shape[0]} rows")
             out = run_packed(original, hidden_states, self.decodes, self.chunks, self._rows(j),
-                             self._keep(j))
+                             self._keep(j), self.resumes_chunks)
             if layer == self.last:
                 for seq, end in self.ends:
                     self.recurrent.keep_restore_point(seq, end)   # the live state, lazily
@@ -294,7 +304,7 @@ def _noop() -> None:
 # ---------------------------------------------------------------------------- generation_cache
 def recurrent_half(cache: Any) -> Any:
     """The ``RecurrentCache`` of a ``HybridCache``."""
-    rc = getattr(cache, "recurrent", None)
+    rc = getattr(cache, "rc", None)
     if rc is None:
         raise ValueError(f"cache must be a numbakv HybridCache, got {type(cache).__name__}")
     return rc
