@@ -22,6 +22,8 @@ from .prompt import PromptCache
 from .state.snapshot import SeqSnapshot, SnapshotPart
 from .prefix import PrefixStore
 from .recurrent import RecurrentCache, RecurrentConfig, StateSpec  # registers its state files
+from .hybrid import HybridCache  # registers its state files
+from .state.snapshot import RecurrentPart
 
 __version__ = "0.1.0"
 
@@ -32,4 +34,4 @@ __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
 __all__ += ["ConcurrentUseError"]
 __all__ += ["SeqSnapshot", "SnapshotPart"]
 __all__ += ["PrefixStore"]
-__all__ += ["StateSpec", "RecurrentConfig", "RecurrentCache"]
+__all__ += ["StateSpec", "RecurrentConfig", "RecurrentCache", "RecurrentPart", "HybridCache"]

@@ -792,8 +792,8 @@ class RecurrentCache:
         def at(p):           # a position's new label
             return move(p) if p0 <= p < p1 else p
         new_lo, new_hi = at(lo), at(hi)
-        if new_hi < 0:
-            return lambda: self._clear(seq)
+        if new_hi < 0 and p0 <= lo:
+            return lambda: self._clear(seq)     # all of it below 0: dropped, as K/V would be
         new_lo = max(new_lo, 0)
         if new_lo > new_hi:
             raise ValueError(f"moving positions [{p0}, {p1}) of sequence {seq} would put its "

@@ -225,3 +225,19 @@ def test_quick_writes_nothing_unasked_and_leads_with_the_comparison(monkeypatch,
     assert "expect about" in err and "GiB of memory" in err      # the cost, said up front
     if HAVE_TORCH:
         assert out.index("Where numbakv stands") < out.index("Decode step")
+
+
+@pytest.mark.torch
+def test_generate_section_quick(capsys):
+    pytest.importorskip("transformers")
+    from numbakv.tools import bench_generate
+    res = bench_generate.run_generate(quick=True)
+    assert [(r["dtype"], r["threads"]) for r in res["steps"]] == [
+        ("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+    for r in res["steps"]:
+        # numbakv's step attends over what it holds: the same output as SDPA over StaticCache
+        assert r["max_abs_diff_vs_static"] < (1e-4 if r["dtype"] == "float32" else 3e-2)
+        assert all(r[k]["median"] > 0 for k in bench_generate.CONTENDERS)
+    assert [r["threads"] for r in res["generate"]] == [1, 2]
+    text = "\n".join(bench_generate.format_generate(res))
+    assert "StaticCache" in text and "tok/s" in text

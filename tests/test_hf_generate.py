@@ -330,3 +330,71 @@ def test_model_id_names_revision_and_weights():
     assert hf.model_id(d).startswith("org/tiny@abc123#")
     with pytest.raises(ValueError, match="model"):
         hf.model_id(object())
+
+
+# ---------------------------------------------------------------- generate() on the cache itself
+def test_generation_cache_is_sized_from_the_real_batch_and_stores_no_pads():
+    model = tiny_model("llama")
+    ids, mask = _batch(True)                   # 3 rows of 12 columns, 5 and 2 pads
+    cache = hf.generation_cache(model, max_new_tokens=NEW)
+    out = _generate(model, ids, mask, cache, False)
+    held = cache.numbakv_cache
+    assert held.config.max_seqs == 3 and held.config.capacity == 12 + NEW
+    real = int(mask.sum())
+    assert held.n_used == real + 3 * (NEW - 1)          # pad columns never stored
+    assert [held.seq_pos_min(s) for s in range(3)] == [0, 5, 2]
+    assert out.shape == (3, 12 + NEW)
+
+
+def test_generation_cache_full_says_which_size_to_raise():
+    model = tiny_model("llama")
+    ids, mask = _batch(False)
+    cache = hf.generation_cache(model, max_new_tokens=3)
+    with pytest.raises(KVCacheError, match="max_new_tokens"):
+        _generate(model, ids, mask, cache, False)       # generates NEW > 3 tokens
+
+
+def test_model_keeps_its_own_attention_for_other_caches():
+    model = tiny_model("qwen3")
+    ids, mask = _batch(True)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    ref = _generate(model, ids, mask, transformers.DynamicCache(config=model.config), False)
+    out = _generate(model, ids, mask, hf.generation_cache(model, max_new_tokens=NEW), False)
+    assert torch.equal(out, ref)
+    # after: the model (now routed through numbakv's dispatcher) runs its eager attention for
+    # any call that is not a generation cache's
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    again = _generate(model, ids, mask, transformers.DynamicCache(config=model.config), False)
+    assert torch.equal(again, ref)
+
+
+def test_generation_cache_with_a_store_reuses_shared_prefixes():
+    from numbakv import PrefixStore
+    model = tiny_model("llama")
+    prompts = [torch.tensor([p]) for p in _shared_prompts()]   # share 89 of 90 tokens
+    ones = torch.ones(1, 90, dtype=torch.long)
+    refs = [_generate(model, p, ones, transformers.DynamicCache(config=model.config), False)
+            for p in prompts]
+    cache = hf.cache_for(model, capacity=128, max_seqs=2)
+    store = PrefixStore(cache, retain_seqs=[1], model_id=hf.model_id(model))
+    reused, loaded_cells = [], []
+    for p, ref in zip(prompts, refs):
+        past = hf.generation_cache(model, store=store, input_ids=p, max_new_tokens=NEW)
+        loaded_cells.append(cache.n_used)
+        out = _generate(model, p, ones, past, False)
+        assert torch.equal(out, ref)                       # reuse changes no token
+        reused.append(past.reused_tokens)
+        # saved when generate() reached max_new_tokens: the store's retained sequence holds
+        # this conversation (90 + NEW - 1 tokens), sharing its cells with the row
+        assert cache.n_used == 90 + NEW - 1
+    assert reused == [0, 89, 89]                # the 2nd and 3rd compute 1 prompt token each
+    # a loaded prefix takes no new cells: the row shares the retained sequence's
+    assert loaded_cells == [0, 90 + NEW - 1, 90 + NEW - 1]
+    assert store.stats()["tokens_reused"] == 178
+    with pytest.raises(ValueError, match="store"):
+        hf.generation_cache(model, input_ids=prompts[0], max_new_tokens=NEW)
+    with pytest.raises(ValueError, match="cache_for"):
+        hf.generation_cache(model, store=store, max_new_tokens=NEW, capacity=64)

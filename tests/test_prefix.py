@@ -520,13 +520,17 @@ def test_lower_tier_wiring_write_on_eviction_read_on_miss_and_corrupt_bytes_miss
     one = cache.config.nbytes(20)
     store = PrefixStore(cache, retain_seqs=[3], block_tokens=4, host_bytes=one)
     tier = _MemoryTier(1 << 20)
+    from numbakv.prefix.writer import TierWriter
     store._lower = [tier]
+    store._writer = TierWriter([tier])
+    store.write_through = False       # this test follows eviction: write-through has its own
     store._counts["disk"] = {"hits": 0, "misses": 0}
     prompts = [list(range(i * 100, i * 100 + 20)) for i in range(3)]
     for toks in prompts:              # 1 in cells, 1 in host, the oldest written down
         prefill(cache, 0, toks)
         store.save(0, toks)
         cache.seq_rm(0)
+    assert store._writer.flush(10)   # the eviction's write (store.flush would write all)
     assert len(tier.runs) == 1 and store.index.match(store._root(None),
                                                      np.asarray(prompts[0], "<i8").tobytes()).n == 0
     assert store.match(prompts[0] + [5]) == 20
@@ -576,7 +580,10 @@ def test_close_writes_local_entries_down_to_the_lower_tiers():
     cache = small_cache()
     store = PrefixStore(cache, retain_seqs=[3], block_tokens=4, host_bytes=1 << 20)
     tier = _MemoryTier(1 << 20)
+    from numbakv.prefix.writer import TierWriter
     store._lower = [tier]
+    store._writer = TierWriter([tier])
+    store.write_through = False                # close() writes them down (write-through off)
     store._counts["disk"] = {"hits": 0, "misses": 0}
     for toks in (list(range(20)), list(range(50, 70))):
         prefill(cache, 0, toks)
@@ -585,3 +592,133 @@ def test_close_writes_local_entries_down_to_the_lower_tiers():
     assert len(tier.runs) == 0                 # one in cells, one in host RAM
     store.close()
     assert len(tier.runs) == 2 and cache.n_used == 0
+
+
+class _GatedTier(_MemoryTier):
+    """A memory tier whose writes wait for ``gate`` (a disk or server slower than the request),
+    or raise (``fail``): what the background writer must absorb."""
+
+    def __init__(self, budget: int, fail: bool = False) -> None:
+        import threading
+        super().__init__(budget)
+        self.gate, self.fail, self.started = threading.Event(), fail, threading.Event()
+
+    def write_run(self, run_key, block_keys, data):
+        self.started.set()
+        if self.fail:
+            raise OSError("tier exploded")
+        assert self.gate.wait(30)
+        return super().write_run(run_key, block_keys, data)
+
+    def close(self):
+        pass
+
+
+def _store_with_tier(tier, cache=None, queue=256 << 20, **kw):
+    from numbakv.prefix.writer import TierWriter
+    cache = cache or small_cache()
+    store = PrefixStore(cache, retain_seqs=[3], block_tokens=4, **kw)
+    store._lower = [tier]
+    store._writer = TierWriter([tier], max_bytes=queue)
+    store._counts["disk"] = {"hits": 0, "misses": 0}
+    return cache, store
+
+
+@needs_snapshot
+def test_write_through_is_asynchronous_and_flush_waits():
+    """A save reaches the lower tier without waiting for it: the tier's write is held on a gate
+    while save() returns and the next save proceeds; flush() then waits for both."""
+    tier = _GatedTier(1 << 20)
+    cache, store = _store_with_tier(tier)
+    a, b = list(range(20)), list(range(50, 70))
+    for toks in (a, b):
+        prefill(cache, 0, toks)
+        assert store.save(0, toks) == 20     # returns while the tier write is blocked
+        cache.seq_rm(0)
+    assert tier.started.wait(10) and len(tier.runs) == 0
+    assert store.stats()["writer"]["pending"] == 2
+    tier.gate.set()
+    assert store.flush(30) and len(tier.runs) == 2
+    st = store.stats()["writer"]
+    assert st["written"] == 2 and st["pending"] == 0 and st["pending_bytes"] == 0
+    stored = [e for e in store.take_events() if e["type"] == "BlockStored"
+              and e["medium"] == "disk"]
+    assert len(stored) == 2                  # events for the lower tier, on the store's thread
+    # the same prompt saved again: nothing written twice (no copy, no job)
+    prefill(cache, 0, a)
+    store.save(0, a)
+    cache.seq_rm(0)
+    assert store.stats()["writer"]["queued"] == 2
+    store.close()
+
+
+@needs_snapshot
+def test_write_through_queue_is_bounded_and_flush_writes_the_rest():
+    tier = _GatedTier(1 << 20)
+    one = small_cache().config.nbytes(20)
+    # room for one run's bytes; host RAM takes what leaves the cells (no demotion write)
+    cache, store = _store_with_tier(tier, queue=one, host_bytes=1 << 20)
+    prompts = [list(range(i * 100, i * 100 + 20)) for i in range(4)]
+    for toks in prompts[:3]:
+        prefill(cache, 0, toks)
+        store.save(0, toks)
+        cache.seq_rm(0)
+    st = store.stats()["writer"]
+    assert st["refused"] >= 1 and st["pending_bytes"] <= one   # bounded, never blocking
+    tier.gate.set()
+    assert store.flush(30)
+    # every entry the store kept reached the tier (the refused ones written by flush)
+    kept = {e["tokens"][0] for e in store.entries()}
+    assert len(tier.runs) >= len(kept) and store.stats()["writer"]["pending"] == 0
+    store.close()
+
+
+@needs_snapshot
+def test_write_through_errors_are_counted_not_raised():
+    tier = _GatedTier(1 << 20, fail=True)
+    cache, store = _store_with_tier(tier)
+    toks = list(range(20))
+    prefill(cache, 0, toks)
+    assert store.save(0, toks) == 20          # the tier raising never reaches the request
+    cache.seq_rm(0)
+    assert store.flush(30)
+    assert store.stats()["writer"]["errors"] >= 1
+    assert store.load(1, toks) == 20           # the local tiers still serve it
+    cache.seq_rm(1)
+    store.close()
+
+
+@needs_snapshot
+def test_context_manager_closes_and_store_is_not_kept_alive():
+    import gc
+    import weakref
+    from numbakv.prefix import store as store_mod
+    cache = small_cache()
+    with PrefixStore(cache, retain_seqs=[3], block_tokens=4) as store:
+        assert store in store_mod._LIVE
+    assert store._closed and store not in store_mod._LIVE
+    assert getattr(cache, "_room_provider", None) is None
+    tier = _MemoryTier(1 << 20)
+    cache2, other = _store_with_tier(tier)
+    toks = list(range(20))
+    prefill(cache2, 0, toks)
+    other.save(0, toks)
+    ref = weakref.ref(other)
+    writer = other._writer
+    cache2._room_provider = None               # the cache's hook is the only other reference
+    del other
+    gc.collect()
+    assert ref() is None                        # neither the exit registry nor the writer
+    assert writer.flush(10) and len(tier.runs) == 1
+
+
+def test_write_through_and_queue_arguments_are_checked():
+    cache = small_cache()
+    for kw in ({"write_through": 1}, {"write_queue_bytes": -1}, {"write_queue_bytes": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            PrefixStore(cache, retain_seqs=[3], **kw)
+    assert getattr(cache, "_room_provider", None) is None
+    with PrefixStore(cache, retain_seqs=[3]) as store:
+        with pytest.raises(ValueError, match="timeout"):
+            store.flush(-1)
+        assert store.flush() is True            # no lower tiers: nothing to wait for

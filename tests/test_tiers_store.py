@@ -183,3 +183,71 @@ def test_model_id_required_for_shared_tiers(tmp_path):
     store = nkv.PrefixStore(cache, retain_seqs=(1,), model_id="m")
     assert store.model_id == "m" and store.fingerprint["model_id"] == "m"
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["flush", "through"])
+def test_saves_reach_the_lower_tiers_live_and_survive_sigkill(spec, mode):
+    """Write-through: process A saves a prefix (kept in its cells, never evicted) and, after
+    ``flush()`` or just after its background writer finished (no flush, no close), a second
+    LIVE process sharing the directory / server hits it; then A is killed with SIGKILL (no
+    close, no atexit) and a fresh process still loads it bit-exact."""
+    import json
+    import signal
+    import subprocess
+    from test_tiers_disk import ENV
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "tier_worker.py"),
+                             "store_save_live", spec, mode], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:] if proc.poll() is not None else "no output"
+        assert json.loads(line)["saved"]["written"] == 1
+        live_cache = tw.store_cache()
+        live = tw.open_store(live_cache, spec)           # process B, while A still runs
+        assert live.match(tw.prompt()) == 40
+        live.close()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+    cache = tw.store_cache()
+    with tw.open_store(cache, spec) as store:             # a fresh process after the crash
+        assert store.load(0, tw.prompt()) == 40
+        assert_same_snapshot(cache.export_seq(0), reference_rows())
+        cache.seq_rm(0)
+
+
+def test_exit_without_close_still_writes(spec):
+    """A process that saves and simply exits (no flush, no close): the exit hook closes the
+    store, so the next process finds the prefix."""
+    assert worker("store_save_live", spec, "exit").returncode == 0
+    cache = tw.store_cache()
+    with tw.open_store(cache, spec) as store:
+        assert store.load(0, tw.prompt()) == 40
+        assert_same_snapshot(cache.export_seq(0), reference_rows())
+        cache.seq_rm(0)
+
+
+def test_write_through_keeps_the_disk_budget(tmp_path):
+    """Every save is written through, and the disk tier still never holds more than its
+    budget: older runs are evicted (least recently used) to make room."""
+    import numbakv as nkv
+    cache = tw.store_cache(capacity=256)
+    budget = 3 * cache.config.nbytes(40) + 4096       # about three 40-token runs
+    with nkv.PrefixStore(cache, retain_seqs=(1,), disk_dir=str(tmp_path), disk_bytes=budget,
+                         model_id=tw.MODEL_ID) as store:
+        for i in range(8):
+            toks = [5000 + 100 * i + j for j in range(40)]
+            tw.fill(cache, 0, 40, seed=i)
+            store.save(0, toks)
+            cache.seq_rm(0)
+            assert store.flush(30)
+            st = store.stats()["tiers"]["disk"]
+            assert st["bytes_used"] <= budget and st["bytes_used"] + st["bytes_free"] == budget
+        assert store.stats()["writer"]["written"] == 8 and 1 <= st["entries"] <= 3
+        assert st["evictions"] >= 5

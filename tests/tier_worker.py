@@ -135,9 +135,33 @@ def cmd_store_save(spec: str, salt: str = "") -> None:
     n = 100  # 128 cells, 40 held by the retained copy: placing 100 needs the store's room
     cache.start_forward(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int32))
     cache.seq_rm(0)
+    store._writer.flush(30)   # the background writer's queue (no store.flush(), no close())
     tiers = store.stats()["tiers"]
     lower = {k: v["entries"] for k, v in tiers.items() if k in ("disk", "redis")}
     print(json.dumps({"lower_entries": lower}), flush=True)
+
+
+def cmd_store_save_live(spec: str, mode: str) -> None:
+    """Process A of the write-through tests: prefill seq 0 with seeded K/V, ``save`` it (it
+    stays in cells: nothing is evicted), then either ``store.flush()`` (mode ``flush``) or just
+    wait until the background writer reports the run written (mode ``through``: no flush, no
+    close), print ``saved`` and sleep until killed (SIGKILL: no atexit, no close). Mode
+    ``exit``: return right after the save (the interpreter's exit hook closes the store)."""
+    import time
+    cache = store_cache()
+    store = open_store(cache, spec)
+    fill(cache, 0, 40, seed=11)
+    assert store.save(0, prompt()) == 40
+    if mode == "exit":
+        return           # a normal exit without flush() or close(): the exit hook writes
+    if mode == "flush":
+        assert store.flush(30)
+    else:
+        deadline = time.monotonic() + 30
+        while store.stats()["writer"]["written"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    print(json.dumps({"saved": store.stats()["writer"]}), flush=True)
+    time.sleep(300)
 
 
 def cmd_fsize(directory: str, limit: int, size: int) -> None:

@@ -1,59 +1,335 @@
 """``generation_cache``: a transformers ``Cache`` for ``model.generate()`` backed by numbakv.
 
-Its layers store every new key and value in a numbakv cache built by
-:func:`numbakv.hf.cache_for` (windows, RoPE shift, quantized K/V options) and hand the model
-back, per layer, the K/V its own attention and mask expect - the same tensors ``DynamicCache``
-would hand it (``[batch, kv_heads, kv_len, head_dim]``; a sliding layer's last ``window - 1``
-columns plus the new ones). Row ``b`` of the padded batch is numbakv sequence ``b``; a column is
-a position (left padding is stored like ``DynamicCache`` stores it and masked by the model's
-``attention_mask``). Inputs that require grad are detached here: no ``torch.no_grad()`` is
-needed.
+The attention of a decode step runs on what the cache holds. The cache's layers store each
+pass's new keys and values in a numbakv cache built by :func:`numbakv.hf.cache_for` (windows,
+RoPE shift, quantized K/V options) and hand the model's attention layer back only those new
+tensors; the model's attention implementation is numbakv's dispatcher (registered through
+transformers' ``AttentionInterface`` as ``"numbakv_generate"``), which sees that these tensors
+came from a generation cache and runs :func:`numbakv.attention.attend` over the cell pool
+through the pass's page table (built once per step, read by every layer): no per-layer gather,
+no copy of the visible K/V. A prompt's first pass (nothing cached yet) runs the model's own
+attention over the prompt's K/V - the same call ``DynamicCache`` makes. Calls that are not a
+generation cache's (the same model run with ``DynamicCache``, or no cache) go to the
+implementation the model had.
+
+Row ``b`` of the padded batch is numbakv sequence ``b`` (or the ``b``-th sequence a prefix store
+leaves to requests); a column is a position. Left padding is never stored: the prompt's pad
+columns (``attention_mask == 0``) are left out of the cache, so attention cannot see them.
+Inputs that require grad are detached here: no ``torch.no_grad()`` is needed.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import weakref
 from dataclasses import fields
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from ..config import CacheConfig
-from ..errors import KVCacheError, NotSupportedError
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError
 from ._deps import _transformers
-from .attach import attached_cache
-from .families import cache_for, hybrid_attention, hybrid_layout
-from .recurrent import begin_passes_in_a_hook, generation_layer_class
+from .attach import (_attention_modules, _layer_caches, _uses_attention_interface,
+                     attached_cache)
+from .families import _text_config, cache_for, hybrid_attention, hybrid_layout, model_shapes
+from .identity import check_store_model
+from .recurrent import RecurrentStateCalls, begin_passes_in_a_hook, generation_layer_class
+
+#: The attention implementation name generation caches switch a model to (a dispatcher: it runs
+#: numbakv attention for a generation cache's layers, the model's previous implementation else).
+GENERATE_ATTENTION_NAME = "numbakv_generate"
+
+#: per thread: the K tensor a generation cache's layer just returned and what it belongs to
+#: (the attention call of the same layer takes it), and the padding mask of the running pass
+_local = threading.local()
+#: id(config) -> (weak reference to the config, the attention implementation it had)
+_FALLBACK: Dict[int, tuple] = {}
+
+
+def _previous_implementation(config) -> str:
+    entry = _FALLBACK.get(id(config))
+    if entry is not None and entry[0]() is config:
+        return entry[1]
+    return "sdpa"
+
+
+def _dispatch(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention-function signature (query ``[b, H, q, D]``, key/value ``[b, KVH,
+    kv, D]``) -> ``(out [b, q, H, Dv], weights or None)``: numbakv attention over the cache
+    when ``key`` is what a generation cache's layer just returned, else the model's previous
+    implementation."""
+    handoff = getattr(_local, "handoff", None)
+    state = None
+    if handoff is not None and handoff[0] is key:
+        _local.handoff = None
+        state, layer = handoff[1], handoff[2]
+        if not state.fallback_pass:
+            out = state.attend(layer, query, kwargs.get("scaling"), kwargs.get("softcap"))
+            if layer == state.last_attention:
+                state.end_pass()
+            return out, None
+    elif handoff is not None and handoff[2] == getattr(module, "layer_idx", None):
+        _local.handoff = None
+        raise NotSupportedError(f"layer {handoff[2]}: the attention layer changed the keys a "
+                                "numbakv generation cache returned before attending; "
+                                "generation_cache cannot serve this model")
+    name = _previous_implementation(module.config)
+    if name == "eager":
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise NotSupportedError(f"{type(module).__name__}: no eager_attention_forward to "
+                                    "fall back to")
+    else:
+        from transformers import AttentionInterface
+        fn = AttentionInterface()[name]
+    result = fn(module, query, key, value, attention_mask, **kwargs)
+    if state is not None and layer == state.last_attention:
+        state.end_pass()
+    return result
+
+
+def _dispatch_mask(*args, **kwargs):
+    """The mask function registered beside :func:`_dispatch`: the previous implementation's own
+    mask (for the prompt pass and for other caches); the padding mask of the pass is kept for
+    the generation cache (its pad columns are never stored)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    config = kwargs.get("config")
+    _local.padding = kwargs.get("attention_mask")
+    name = _previous_implementation(config) if config is not None else "sdpa"
+    fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name, sdpa_mask)
+    return fn(*args, **kwargs)
+
+
+def _switch_model(model) -> None:
+    """Route ``model``'s attention through :func:`_dispatch` (once; calls that are not a
+    generation cache's keep the implementation the model had)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(GENERATE_ATTENTION_NAME, _dispatch)
+    AttentionMaskInterface.register(GENERATE_ATTENTION_NAME, _dispatch_mask)
+    configs = [model.config] + [m.config for m in _attention_modules(model).values()
+                                if hasattr(m, "config")]
+    text = _text_config(model)
+    configs.append(text)
+    for cfg in configs:
+        current = getattr(cfg, "_attn_implementation_internal", None)
+        if current == GENERATE_ATTENTION_NAME:
+            continue
+        if current not in (None, "eager", "sdpa"):
+            raise NotSupportedError(f"attn_implementation={current!r}: generation_cache serves "
+                                    "models loaded with attn_implementation 'sdpa' or 'eager'")
+        _FALLBACK[id(cfg)] = (weakref.ref(cfg), current or "sdpa")
+        cfg._attn_implementation_internal = GENERATE_ATTENTION_NAME
 
 
 class _GenState:
     """What the layers of one generation cache share: the numbakv cache (built at the first
-    forward pass, when the batch size and prompt length are known) and the columns it holds."""
+    forward pass, when the batch size and prompt length are known, unless a prefix store
+    brought its own), the rows' sequences, and the columns every row holds."""
 
     def __init__(self, model: Any, max_new_tokens: Optional[int], capacity: Optional[int],
-                 dtype: Any, device: str, kw: dict) -> None:
+                 dtype: Any, device: str, kw: dict, store: Any, n_layers: int) -> None:
         self.model, self.max_new_tokens, self.capacity = model, max_new_tokens, capacity
         self.dtype, self.device, self.kw = dtype, device, kw
-        self.cache: Any = None
+        self.store = store
+        self.cache: Any = None if store is None else store.cache
+        self.n_layers = n_layers
+        self.last_attention = n_layers - 1   # the layer whose attention ends a pass
+        self.pending = None         # (batch, new) of a pass the forward pre-hook saw begin
         self.batch = 0
         self.columns = 0            # columns (positions) of every row the numbakv cache holds
+        self.seqs: Optional[np.ndarray] = None    # numbakv sequence of each row
+        self.keep = None            # this pass: torch index of the stored (non-pad) tokens
+        self.fallback_pass = False  # this pass runs the model's own attention (nothing cached)
+        self.prompt: Optional[np.ndarray] = None  # [batch, n] token ids, when known (store)
+        self.fed: List[np.ndarray] = []           # token ids fed after the prompt (store)
+        self.loaded = 0             # prefix tokens the store gave every row
+        self.prompt_columns = 0     # columns after the prompt's pass
+        self.padded = None          # per row: whether the prompt had pad columns
+        self.storage_dtype = None
+        self.quantized = False
+        self.layer_caches: List[Any] = []
 
-    def begin(self, batch: int, new: int) -> None:
-        """A forward pass of ``new`` columns for each of ``batch`` rows."""
+    # ---------------------------------------------------------------- sequences and sizing
+    def _build(self, batch: int, new: int) -> None:
+        torch, _ = _transformers()
         if self.cache is None:
             capacity = self.capacity
-            if capacity is None:
-                capacity = batch * (new + self.max_new_tokens + 1)
+            if capacity is None:              # per sequence: the prompt and what generate adds
+                capacity = new + self.max_new_tokens
             self.cache = cache_for(self.model, capacity=int(capacity), max_seqs=batch,
                                    max_batch=max(512, batch * new), dtype=self.dtype,
                                    device=self.device, **self.kw)
-            self.batch = batch
+        self._bind_cache(batch)
+
+    def _bind_cache(self, batch: int) -> None:
+        torch, _ = _transformers()
+        self.layer_caches = _layer_caches(self.cache)   # None: a hybrid's recurrent layers
+        attending = [c for c in self.layer_caches if c is not None]
+        self.storage_dtype = getattr(torch, attending[0].config.dtype)
+        self.quantized = any(getattr(getattr(c, "storage", None), "quantized", False)
+                             for c in attending)
+        cfg = attending[0].config
+        reserved = set(self.store.retain_seqs) if self.store is not None else set()
+        free = [s for s in range(cfg.max_seqs) if s not in reserved]
+        if len(free) < batch:
+            raise ValueError(f"the batch has {batch} rows but the cache leaves {len(free)} "
+                             f"sequences to requests (max_seqs={cfg.max_seqs}, "
+                             f"{len(reserved)} retained by the store): build it with "
+                             f"max_seqs >= {batch + len(reserved)}")
+        self.seqs = np.asarray(free[:batch], np.int64)
+        for s in self.seqs.tolist():          # a previous generate's rows
+            if self.cache.seq_pos_max(s) >= 0:
+                self.cache.seq_rm(s)
+        self.batch = batch
+
+    def load_prefix(self, input_ids) -> int:
+        """Load the store's longest prefix shared by every row of ``input_ids`` (``[batch,
+        n]``, no padding) into the rows' sequences, keeping one token per row to compute."""
+        torch, _ = _transformers()
+        ids = np.asarray(input_ids.detach().cpu() if hasattr(input_ids, "detach")
+                         else input_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be token ids [batch, n], got {ids.dtype} "
+                             f"{list(ids.shape)}")
+        self.prompt = ids.astype(np.int64)
+        self._bind_cache(ids.shape[0])
+        rows = [r[:-1].tolist() for r in self.prompt]
+        n = min(self.store.match(r) for r in rows)
+        if n == 0:
+            return 0
+        got = []
+        for seq, r in zip(self.seqs.tolist(), rows):
+            try:
+                got.append(self.store.load(seq, r[:n]))
+            except KVCacheFullError:
+                got.append(0)
+        n = min(got)
+        for seq, g in zip(self.seqs.tolist(), got):
+            if g > n:
+                self.cache.seq_rm(seq, n)
+        self.columns = self.loaded = n
+        return n
+
+    def begin(self, batch: int, new: int) -> None:
+        """A forward pass of ``new`` columns for each of ``batch`` rows (the first layer's
+        update): place the non-pad tokens, decide who attends."""
+        torch, _ = _transformers()
+        self.pending = None
+        padding = getattr(_local, "padding", None)
+        _local.padding = None
+        if self.seqs is None or self.cache is None:
+            self._build(batch, new)
         elif batch != self.batch:
             raise ValueError(f"this generation cache serves a batch of {self.batch} rows, got "
                              f"{batch}: make one hf.generation_cache per generate() call")
-        positions = np.tile(np.arange(self.columns, self.columns + new), batch)
-        seqs = np.repeat(np.arange(batch), new)
-        self.cache.start_forward(positions, seqs)
+        keep = None
+        if self.padded is None:
+            self.padded = np.zeros(batch, bool)
+        if padding is not None and self.columns == 0:
+            pad = padding[:, -new:] if padding.shape[-1] >= new else None
+            if pad is not None and not bool(pad.all()):
+                flat = pad.reshape(-1)
+                # left padding: each row's pads come first (what generate() expects)
+                first = pad.int().argmax(dim=1)
+                ok = (pad.int().cumsum(dim=1) == (torch.arange(new)[None] - first[:, None] + 1)
+                      .clamp(min=0)).all()
+                if not bool(ok):
+                    raise ValueError("generation_cache needs left padding (tokenizer "
+                                     "padding_side='left'): attention_mask has a 0 after a 1")
+                keep = torch.nonzero(flat.to("cpu")).reshape(-1)
+                self.padded = (~pad.all(dim=1)).cpu().numpy()
+        col = np.arange(self.columns, self.columns + new)
+        positions = np.tile(col, batch)
+        seqs = np.repeat(self.seqs, new)
+        if keep is not None:
+            k = keep.numpy()
+            positions, seqs = positions[k], seqs[k]
+        try:
+            self.cache.start_forward(positions, seqs)
+        except KVCacheFullError as exc:
+            held = self.columns + new
+            raise KVCacheFullError(
+                f"{exc}: the generation cache holds {self.layer_caches[0].config.capacity} "
+                f"tokens per row and this pass needs {held}: pass hf.generation_cache("
+                f"max_new_tokens=) at least generate()'s max_new_tokens (or a larger "
+                f"capacity=)") from None
+        self.keep = keep
+        # the prompt's pass over an empty cache: the model's own attention over the prompt's
+        # K/V (what DynamicCache runs); quantized K/V are attended as stored, in every pass
+        self.fallback_pass = self.columns == 0 and not self.quantized
         self.columns += new
+
+    def ensure_begun(self) -> None:
+        """Begin the pass the forward pre-hook saw start, if no layer began it yet (a hybrid's
+        first layer is recurrent: it asks for its state before any attention layer stores)."""
+        if self.pending is not None:
+            self.begin(*self.pending)
+
+    # ---------------------------------------------------------------- per layer
+    def store_layer(self, layer: int, key_states, value_states) -> None:
+        """Put ``[batch, kv_heads, new, D]`` keys/values of ``layer`` (rows then columns, the
+        order ``begin`` placed them; pad columns left out)."""
+        batch, heads, new, dim = key_states.shape
+        cache = self.cache
+        cache.set_layer(layer)
+        if self.layer_caches[layer]._put_layer < 0:
+            return                            # a KV-sharing layer: its source layer stored them
+        k = key_states.detach().transpose(1, 2).reshape(batch * new, heads, dim)
+        v = value_states.detach().transpose(1, 2).reshape(batch * new, heads, -1)
+        if self.keep is not None:
+            k, v = k.index_select(0, self.keep), v.index_select(0, self.keep)
+        want = self.storage_dtype
+        cache.put(k.to(want).contiguous(), v.to(want).contiguous())
+
+    def attend(self, layer: int, query, scaling, softcap):
+        """query ``[batch, H, new, D]`` -> ``[batch, new, H, Dv]``: numbakv attention over the
+        cell pool (the pass's page table)."""
+        from ..attention import attend
+        batch, heads, new, dim = query.shape
+        q = query.detach().transpose(1, 2).reshape(batch * new, heads, dim)
+        if self.keep is not None:
+            raise KVCacheError("a padded pass after the prompt: generation_cache cannot place it")
+        want = self.storage_dtype
+        self.cache.set_layer(layer)
+        out = attend(q if q.dtype == want else q.to(want), self.cache, scale=scaling,
+                     soft_cap=softcap)
+        if out.dtype != query.dtype:
+            out = out.to(query.dtype)
+        return out.reshape(batch, new, heads, -1)
+
+    def end_pass(self) -> None:
+        """After the last layer attended: save the rows to the store after the prompt's pass
+        and after the pass that reaches ``max_new_tokens`` (the last one generate() runs)."""
+        if self.store is None:
+            return
+        if self.prompt_columns == 0:
+            self.prompt_columns = self.columns
+            self.save()
+        elif self.max_new_tokens is not None and \
+                self.columns >= self.prompt_columns + self.max_new_tokens - 1:
+            self.save()
+
+    def save(self) -> int:
+        """Save every unpadded row's tokens (the loaded prefix and every token fed since, as
+        the forward hook saw them) to the store; returns the tokens saved per row (0: none)."""
+        if self.store is None or self.seqs is None or not self.fed:
+            return 0
+        fed = np.concatenate(self.fed, axis=1)
+        lead = self.prompt[:, :self.loaded] if self.loaded else fed[:, :0]
+        tokens = np.concatenate([lead, fed], axis=1)[:, :self.columns]
+        if tokens.shape[1] != self.columns:
+            return 0                          # the hook missed a pass: tokens unknown
+        saved = 0
+        for row, seq in enumerate(self.seqs.tolist()):
+            if self.padded[row]:
+                continue                      # pads shift its positions: not a reusable prefix
+            saved = self.store.save(seq, tokens[row].tolist())
+        return saved
 
 
 def _layer_class():
@@ -72,48 +348,32 @@ def _layer_class():
             # transformers' sliding window W counts the query token: numbakv's swa_window + 1
             self.sliding_window = None if window is None else window + 1
             self.is_sliding = window is not None
-            self.cumulative_length = 0
+            self.cumulative_length = state.columns
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
-            """Store ``[batch, kv_heads, new, head_dim]`` keys/values; return this layer's
-            visible K/V ``[batch, kv_heads, kv_len, head_dim]`` in the model's dtype."""
+            """Store ``[batch, kv_heads, new, head_dim]`` keys/values; return them as they came:
+            the attention call of this layer (numbakv's dispatcher) recognises them and attends
+            over the cache."""
             state = self.state
+            pending = getattr(_local, "handoff", None)
+            if pending is not None and pending[1] is state:
+                raise NotSupportedError(
+                    f"layer {pending[2]}'s attention did not go through transformers' "
+                    "AttentionInterface: generation_cache cannot serve this model")
             batch, heads, new, dim = key_states.shape
             if self.cumulative_length == state.columns:     # the first layer of a new pass
                 state.begin(batch, new)
             elif self.cumulative_length + new != state.columns:
                 raise KVCacheError(f"layer {self.layer} got {new} new columns, the pass started "
                                    f"with {state.columns - self.cumulative_length}")
-            cache = state.cache
-            cache.set_layer(self.layer)
-            # rows then columns: the order begin() gave start_forward
-            k = key_states.detach().transpose(1, 2).reshape(batch * new, heads, dim)
-            v = value_states.detach().transpose(1, 2).reshape(batch * new, heads, -1)
-            want = getattr(torch, cache._attention_cache.config.dtype)
-            cache.put(k.to(want).contiguous(), v.to(want).contiguous())
-            src = cache._attention_cache
-            host = src._host_pages()
-            key, value, _ = src.get()
-            lo, _ = src.cell_range()
-            kp, vp = torch.from_dlpack(key), torch.from_dlpack(value)
-            counts = np.diff(host.kv_indptr)
-            if len(counts) != batch or (counts != counts[0]).any():
-                raise KVCacheError(f"layer {self.layer}: rows hold unequal column counts "
-                                   f"{counts.tolist()}")
-            order = np.argsort(host.seq_ids, kind="stable")       # row b = sequence b
-            idx = np.stack([host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
-                            for b in order]).astype(np.int64) - lo
-            idx_t = torch.from_numpy(idx.reshape(-1)).to(kp.device)
-            ks = kp.index_select(0, idx_t).reshape(batch, -1, heads, dim).transpose(1, 2)
-            vs = vp.index_select(0, idx_t).reshape(batch, -1, heads, vp.shape[-1]).transpose(1, 2)
-            self.keys = ks.to(key_states.dtype)
-            self.values = vs.to(value_states.dtype)
+            state.store_layer(self.layer, key_states, value_states)
             self.is_initialized = True
-            self.cumulative_length += new        # counted once stored and read back
-            return self.keys, self.values
+            self.cumulative_length += new        # counted once stored
+            _local.handoff = (key_states, state, self.layer)
+            return key_states, value_states
 
         def get_mask_sizes(self, query_length: int):
             if self.sliding_window is None:
@@ -154,28 +414,58 @@ def _layer_class():
     return NumbakvLayer
 
 
+def _record_inputs(cache_ref, state: _GenState):
+    """A forward pre-hook: the token ids each pass of ``cache_ref()``'s generate() feeds (what
+    the rows hold, for the store)."""
+
+    def hook(module, args, kwargs):
+        cache = cache_ref()
+        if cache is None:
+            return None
+        given = kwargs.get("past_key_values", kwargs.get("cache"))
+        if given is not cache:
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            state.fed.append(ids.detach().to("cpu").numpy().astype(np.int64).reshape(
+                ids.shape[0], -1))
+        return None
+    return hook
+
+
 def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
                      capacity: Optional[int] = None, dtype: Any = None, device: str = "auto",
-                     **kw) -> Any:
-    """A transformers ``Cache`` for ``model.generate(..., past_key_values=cache)`` (or
-    ``cache=`` on transformers >= 5.24, which renamed the keyword) whose keys and values live in
-    a numbakv cache.
+                     store: Any = None, input_ids: Any = None, **kw) -> Any:
+    """A transformers ``Cache`` for ``model.generate(..., cache=past)`` (``past_key_values=``
+    before transformers 5.24) whose keys and values live in a numbakv cache, and whose decode
+    attention runs on the cache itself (see the module docstring).
 
     Args:
-        model: the transformers model (not attached with ``hf.attach``: generate runs the
-            model's own attention over the K/V this cache returns).
-        max_new_tokens: tokens ``generate`` will add per row; sizes the cache as
-            ``batch * (prompt + max_new_tokens + 1)`` cells when ``capacity`` is None.
-        capacity: cells of the numbakv cache (default from ``max_new_tokens``).
+        model: the transformers model, loaded with ``attn_implementation`` ``"sdpa"`` (the
+            default) or ``"eager"``, not attached with ``hf.attach``. Its attention is routed
+            through numbakv's dispatcher from now on (calls that are not a generation cache's
+            keep the model's own implementation).
+        max_new_tokens: tokens ``generate`` will add per row: each row's sequence holds
+            ``prompt + max_new_tokens`` tokens, and the cache is sized for the real batch
+            (``batch`` sequences of that capacity). A ``generate()`` that goes further fails
+            with ``KVCacheFullError`` naming the size to raise.
+        capacity: tokens per row (per sequence) instead of ``prompt + max_new_tokens``.
         dtype, device, **kw: as :func:`numbakv.hf.cache_for` (e.g. ``k_dtype="q8_0",
-            v_dtype="q8_0"`` for quantized K/V: the model then attends over the dequantized
-            values).
+            v_dtype="q8_0"`` for quantized K/V).
+        store: a ``numbakv.PrefixStore`` whose cache (``hf.cache_for(model, ...)``, at least
+            ``batch + len(store.retain_seqs)`` sequences) holds the rows: the prompt's first
+            pass saves the prompt, the pass that reaches ``max_new_tokens`` saves everything
+            (``past.save()`` any time), and with ``input_ids`` the prompt starts from the
+            store's longest prefix shared by every row (generate() then computes the rest only).
+            A store that records a ``model_id`` must record :func:`numbakv.hf.model_id`.
+        input_ids: the prompt ``[batch, n]`` (no padding) generate() will get, with ``store``.
 
     Returns:
         a ``transformers.Cache`` (DynamicCache-compatible: ``update``, ``get_seq_length``,
         ``get_mask_sizes``). One per ``generate()`` call: the batch (one numbakv sequence per
         row of the padded batch) is fixed by its first forward pass. ``.numbakv_cache`` is the
-        numbakv cache once that pass ran. Beam search and assisted decoding are refused.
+        numbakv cache once that pass ran; ``.reused_tokens`` the prompt tokens per row the
+        store served. Beam search and assisted decoding are refused.
     """
     torch, cache_utils = _transformers()
     if capacity is None and max_new_tokens is None:
@@ -197,6 +487,18 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
         raise ValueError(f"generation_cache got unexpected option(s) {unknown}: extra options "
                          f"are hf.cache_for's (CacheConfig fields {sorted(known)}, shift, "
                          "swa_memory)")
+    if store is not None:
+        if not all(callable(getattr(store, n, None)) for n in ("match", "load", "save")) \
+                or not hasattr(store, "retain_seqs") or getattr(store, "cache", None) is None:
+            raise ValueError(f"store must be a numbakv.PrefixStore or None, got "
+                             f"{type(store).__name__}")
+        if kw or capacity is not None or dtype is not None:
+            raise ValueError("with store=, the store's cache holds the rows: size and type it "
+                             "with hf.cache_for(model, ...) (no capacity=, dtype= or cache "
+                             "options here)")
+        check_store_model(store, model, "hf.generation_cache")
+    elif input_ids is not None:
+        raise ValueError("input_ids is for loading a stored prefix: pass store= too")
     layout = hybrid_layout(model)
     attention = hybrid_attention(model)       # every layer, unless the model is a hybrid
     if any(la.chunk_size is not None for la in attention.values()):
@@ -204,26 +506,48 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
                                   "generation_cache")
     if layout is not None and "both" in layout.layer_kinds:
         raise NotSupportedError(f"{layout.family}: layers holding attention and a recurrent "
-                                "mixer side by side are not supported by generation_cache yet "
-                                "(hf.attach / hf.Server serve them)")
-    state = _GenState(model, max_new_tokens, capacity, dtype, device, kw)
+                                "mixer side by side are not supported by generation_cache yet")
+    modules = _attention_modules(model)
+    if not all(_uses_attention_interface(m) for m in modules.values()):
+        raise NotSupportedError(f"{type(model).__name__}: its attention does not go through "
+                                "transformers' AttentionInterface")
+    state = _GenState(model, max_new_tokens, capacity, dtype, device, kw, store,
+                      model_shapes(model).n_layers)
+    state.last_attention = max(attention)
+    reused = state.load_prefix(input_ids) if input_ids is not None else 0
+    _switch_model(model)
     layer_cls = _layer_class()
-    layers = {i: layer_cls(state, i, la.swa_window) for i, la in attention.items()}
-    if layout is not None:
-        # recurrent layers: transformers' own layer over numbakv's state rows; every pass begins
-        # before the first layer (a recurrent one asks for its state first)
-        recurrent_cls = generation_layer_class()
-        layers.update({i: recurrent_cls(state, i, j)
-                       for j, i in enumerate(layout.recurrent_layers)})
 
-    class NumbakvGenerationCache(cache_utils.Cache):
+    class NumbakvGenerationCache(RecurrentStateCalls, cache_utils.Cache):
         """A transformers Cache backed by numbakv (see :func:`numbakv.hf.generation_cache`)."""
+
+        _numbakv_state = state
 
         @property
         def numbakv_cache(self):
             return state.cache
 
-    cache = NumbakvGenerationCache(layers=[layers[i] for i in sorted(layers)])
+        @property
+        def reused_tokens(self) -> int:
+            """Prompt tokens per row the prefix store served (0 without a store)."""
+            return reused
+
+        def save(self) -> int:
+            """Save what every unpadded row holds to the store now (generate() stopped early,
+            e.g. at an end-of-sequence token); returns the tokens saved per row."""
+            return state.save()
+
+    layers = {i: layer_cls(state, i, la.swa_window) for i, la in attention.items()}
     if layout is not None:
-        begin_passes_in_a_hook(model, cache, state)
-    return cache
+        # recurrent layers: transformers' own layer over numbakv's state rows
+        recurrent_cls = generation_layer_class()
+        layers.update({i: recurrent_cls(state, i, j)
+                       for j, i in enumerate(layout.recurrent_layers)})
+    past = NumbakvGenerationCache(layers=[layers[i] for i in sorted(layers)])
+    if layout is not None:
+        begin_passes_in_a_hook(model, past, state)
+    if store is not None:
+        hook = model.register_forward_pre_hook(_record_inputs(weakref.ref(past), state),
+                                               with_kwargs=True)
+        weakref.finalize(past, hook.remove)
+    return past

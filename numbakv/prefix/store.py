@@ -20,6 +20,10 @@ How it works (``docs/prefix.md`` has the user's view):
 * **Tier 1.** Demoted entries are ``SeqSnapshot`` objects (``cache.export_seq``) under the
   ``host_bytes`` hard budget, least recently used first out (to disk/Redis when configured). A
   hit imports them (``cache.import_seq``) and promotes the prefix back to cells.
+* **Tiers 2 and 3** (disk, Redis/Valkey; ``tiers/``): every ``save`` is written through to them
+  by a bounded background writer (``writer.py``): the request copies the prompt's rows out of
+  the cells and goes on; ``flush()`` waits for the writer, ``close()`` (also at interpreter exit)
+  writes the rest. Entries that leave host RAM are written there too (if not already).
 * **Sliding windows.** On caches with a window memory (``CausalCache(swa_window=...)`` or a
   ``WrapperCache`` with such a group) a sequence only keeps the last ``swa_memory`` positions of
   its sliding layers, so an entry can resume only where its window is still whole: ``match``
@@ -36,8 +40,10 @@ budget`` for every tier.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -49,11 +55,28 @@ from .index import BlockIndex, Entry, Match
 from .keys import block_keys, namespace, root_digest
 from .policy import make_policy
 from .tiers.host import HostTier
+from .writer import Job, TierWriter
 
 CELLS, HOST = "cells", "host"
 #: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
 TokenIds = Union[Sequence[int], np.ndarray]
 _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
+
+#: stores still open, closed at interpreter exit (weak: the registry keeps none alive)
+_LIVE: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
+
+
+def _close_live_stores() -> None:
+    """At interpreter exit: close every open store, so what they hold and what their writers
+    have queued reaches the disk / Redis tiers (a process that forgot ``close()`` keeps it)."""
+    for store in list(_LIVE):
+        try:
+            store.close()
+        except Exception:   # noqa: BLE001 - exiting: one store's failure must not stop others
+            pass
+
+
+atexit.register(_close_live_stores)
 
 
 def _int_arg(name: str, value, low: int) -> int:
@@ -159,12 +182,23 @@ class PrefixStore:
             new revision) never see each other's entries. Required with ``disk_dir`` or
             ``remote`` (shared beyond this process, where shapes alone cannot tell models
             apart); optional otherwise (the cache then serves one model anyway).
+        write_through: with disk/Redis tiers, each ``save`` also reaches them as it happens:
+            the prompt's rows are copied out of the cells (the request waits for that copy
+            only) and a background writer encodes and writes them (``flush()`` waits for it).
+            False: the lower tiers get entries only when they leave host RAM, at ``flush`` and
+            at ``close``.
+        write_queue_bytes: bound of the writer's queue (K/V bytes waiting to be written; a
+            save that does not fit is written later, at eviction / ``flush`` / ``close``).
+
+    Use it as a context manager (``with PrefixStore(...) as store:``) or call ``close()``; an
+    open store is also closed at interpreter exit (its writes reach the lower tiers).
     """
 
     def __init__(self, cache, *, retain_seqs: Sequence[int] = (), block_tokens: int = 16,
                  host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
                  remote: Optional[str] = None, salt: bytes = b"", policy: str = "lru",
-                 checkpoint_tail: int = 16, model_id: Optional[str] = None) -> None:
+                 checkpoint_tail: int = 16, model_id: Optional[str] = None,
+                 write_through: bool = True, write_queue_bytes: int = 256 << 20) -> None:
         for name in ("copy_prefix", "seq_rm", "seq_pos_max", "seq_pos_min", "can_resume",
                      "start_forward"):
             if not callable(getattr(cache, name, None)):
@@ -219,6 +253,9 @@ class PrefixStore:
                              "tiers are shared beyond this process, and two models of the same "
                              "shapes would read each other's K/V; pass model_id='org/model@"
                              "revision' (hf.Server / hf.generation_cache fill it from the model)")
+        if not isinstance(write_through, (bool, np.bool_)):
+            raise ValueError(f"write_through must be a bool, got {write_through!r}")
+        write_queue_bytes = _int_arg("write_queue_bytes", write_queue_bytes, 0)
         if getattr(cache, "_room_provider", None) is not None:
             raise ValueError("cache already has a prefix store (one store per cache)")
 
@@ -259,10 +296,17 @@ class PrefixStore:
         self._lower_specs = [(kind, spec, budget) for kind, spec, budget in
                              (("disk", disk_dir, disk_bytes), ("redis", remote, 0))
                              if spec is not None]
+        self.write_through = bool(write_through)
+        self._writer: Optional[TierWriter] = None
         if self._lower_specs:
             self._open_lower()
+            self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes)
+            # a store collected without close(): its writer still drains and stops (not at
+            # exit: _close_live_stores closes the store, writer included, then)
+            weakref.finalize(self, self._writer.close).atexit = False
         self._closed = False
         cache._room_provider = self._make_room
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ lower tiers
     def _open_lower(self) -> None:
@@ -411,7 +455,10 @@ class PrefixStore:
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = _owned(self.cache.export_seq(seq, 0, length))
                 self.bytes_moved += snap.nbytes
-                return length if self._admit_host(root, buf, snap) else 0
+                if self._admit_host(root, buf, snap):
+                    self._write_through(root, buf, snap)
+                    return length
+                return 0
             return 0
         self._pending[seq] = pending   # main may take one of them when nothing else is free
         main = self._keep(seq, root, buf)
@@ -427,6 +474,7 @@ class PrefixStore:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
                 self._keep(seq, root, buf[:8 * c], protect=protect)
+        self._write_through(root, buf, seq=seq)
         return 0 if main is None else length
 
     def checkpoint(self, seq: int) -> int:
@@ -501,13 +549,38 @@ class PrefixStore:
         for tier in self._lower:
             s = dict(tier.stats())
             tiers[tier.name] = s
-        return {"tiers": tiers, "tokens_reused": self.tokens_reused,
+        self._drain_writer()
+        return {"tiers": tiers, "writer": self._writer.stats() if self._writer else None, "tokens_reused": self.tokens_reused,
                 "tokens_matched": self.tokens_matched, "bytes_moved": self.bytes_moved,
                 "events_dropped": self.events.dropped}
 
     def take_events(self) -> List[Dict[str, Any]]:
         """The events since the last call (see ``events.py``: vLLM's KV event fields)."""
+        self._drain_writer()
         return self.events.take()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Make every entry this store holds reach the disk / Redis tiers: wait for the
+        background writer, then write (through it) the local entries no lower tier was given
+        yet (saves the writer's bounded queue refused). Returns False when ``timeout`` seconds
+        passed first (the rest is still written in the background). Without lower tiers:
+        nothing to do, True."""
+        self._check_open()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        if self._writer is None:
+            return True
+        self._flush_down(skip_known=True)
+        done = self._writer.flush(timeout)
+        self._drain_writer()
+        return done
+
+    def __enter__(self) -> "PrefixStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def publish_events(self, endpoint: str, topic: str = "kv-events") -> str:
         """Also publish every event on a ZeroMQ PUB socket bound to ``endpoint`` (needs
@@ -531,6 +604,10 @@ class PrefixStore:
                 p.remove(k)
         self._pins.clear()
         self.host = HostTier(self.host_bytes)
+        if self._writer is not None:
+            self._writer.flush()      # nothing queued before the clear lands after it
+            self._drain_writer()
+            self._writer.forget()
         for tier in self._lower:
             tier.clear()
         self.events.emit(ev.all_cleared())
@@ -541,8 +618,12 @@ class PrefixStore:
         tiers (their stored runs stay for other processes)."""
         if self._closed:
             return
+        _LIVE.discard(self)
         if self._lower and not getattr(self.cache, "closed", False):
-            self._flush_down()
+            self._flush_down(skip_known=True)
+        if self._writer is not None:
+            self._writer.close()
+            self._drain_writer()
         lower, self._lower = self._lower, []
         try:
             if not getattr(self.cache, "closed", False):
@@ -764,14 +845,18 @@ class PrefixStore:
             self.host.remove(source.nbytes)
 
     # ------------------------------------------------------------------ disk / redis
-    def _flush_down(self) -> None:
+    def _flush_down(self, skip_known: bool = False) -> None:
         """Write every local entry the lower tiers may not hold yet (cells, then host) down to
-        them, so a later process finds what this one kept (``close``). Best effort: a tier
-        that refuses (full, down) is skipped, as at any demotion."""
+        them, so a later process finds what this one kept (``close``, ``flush``). Best effort:
+        a tier that refuses (full, down) is skipped, as at any demotion. ``skip_known``: skip
+        runs this process already wrote or queued."""
         for e in sorted(self.index.entries.values(), key=lambda e: -e.length):
+            if not e.path or (skip_known and self._writer is not None
+                              and self._writer.known(e.path[-1].key)):
+                continue
             if e.tier == CELLS:
-                try:
-                    snap = self.cache.export_seq(e.seq, 0, e.length)
+                try:   # owned rows: the writer encodes them later
+                    snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
                 except (KVCacheError, ValueError):
                     continue
             else:
@@ -779,16 +864,45 @@ class PrefixStore:
             self._write_lower(e.path, snap)
 
     def _write_lower(self, path, snap) -> None:
-        if not self._lower or not path:
+        """Give the run ``snap`` (owned rows of the prompt whose nodes are ``path``) to every
+        lower tier (the disk for this host, Redis for all) through the background writer; when
+        its queue is full, write it here (the entry is leaving the local tiers: it must not be
+        lost)."""
+        if self._writer is None or not path or self._writer.known(path[-1].key):
+            return   # none, or written (or queued) already: by write-through at its save
+        job = Job([node.key for node in path], snap, int(snap.nbytes), tag=path)
+        if not self._writer.submit(job):
+            self._writer.write_now(job)
+
+    def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None
+                       ) -> None:
+        """A save reaches the lower tiers as it happens: queue the prompt's rows (``snap``, or
+        a copy of ``seq``'s first ``len(buf)/8`` positions) for the background writer, unless
+        it already wrote or queued that run. A full queue drops the write (counted in
+        ``stats()["writer"]["refused"]``): the entry stays local and is written at its
+        eviction, ``flush`` or ``close``."""
+        if self._writer is None or not self.write_through or not buf:
             return
+        path = self.index.insert_path(root, buf)
         try:
-            data = snap.to_bytes()
-        except (StateError, ValueError):
+            if self._writer.known(path[-1].key):
+                return
+            if snap is None:
+                try:
+                    snap = _owned(self.cache.export_seq(seq, 0, len(buf) // 8))
+                except (KVCacheError, ValueError):
+                    return   # a cache that cannot export: written only if demoted
+            self._writer.submit(Job([node.key for node in path], snap, int(snap.nbytes),
+                                    tag=path))
+        finally:
+            self.index.prune(path)   # nodes no entry covers leave the index
+
+    def _drain_writer(self) -> None:
+        """``BlockStored`` events (medium: the lower tier) for runs the writer finished."""
+        if self._writer is None:
             return
-        keys = [node.key for node in path]
-        for tier in self._lower:   # every lower tier: the disk for this host, Redis for all
-            if tier.write_run(keys[-1], keys, data):
-                self.events.emit(ev.block_stored(path, self.block_tokens, tier.name))
+        for path, tier_name in self._writer.results():
+            self.events.emit(ev.block_stored(path, self.block_tokens, tier_name))
 
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
         """``(n, (tier, run key, block index))``: the deepest block of ``buf`` a lower tier holds

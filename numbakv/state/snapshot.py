@@ -199,11 +199,19 @@ class SeqSnapshot:
             (:func:`numbakv.state.fingerprint`); a WrapperCache's is ``{"groups": [one per
             group]}``.
         head_range: ``(first, stop)``: the KV heads the rows hold.
+        recurrent: a hybrid model's recurrent state (``numbakv.HybridCache``): a
+            :class:`RecurrentPart` holding the state at the restore points inside the
+            snapshot's range (and at its end when that is the sequence's end); None for an
+            attention-only cache. Only a ``HybridCache`` imports a snapshot that has one.
+        layer_kinds: with ``recurrent``, the hybrid's ``layer_kinds`` (``"attention"`` /
+            ``"recurrent"`` per model layer), which an importing cache must share.
     """
 
     parts: Tuple[SnapshotPart, ...]
     fingerprint: Dict[str, Any]
     head_range: Tuple[int, int]
+    recurrent: Optional["RecurrentPart"] = None
+    layer_kinds: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         parts = self.parts
@@ -226,6 +234,57 @@ class SeqSnapshot:
                                  f"{hr[1] - hr[0]}")
         object.__setattr__(self, "parts", tuple(parts))
         object.__setattr__(self, "head_range", hr)
+        if self.recurrent is not None:
+            if not isinstance(self.recurrent, RecurrentPart):
+                raise ValueError(f"recurrent must be None or a RecurrentPart, got "
+                                 f"{type(self.recurrent).__name__}")
+            kinds = self.layer_kinds
+            if isinstance(kinds, (str, bytes)) or not hasattr(kinds, "__iter__") or not all(
+                    k in ("attention", "recurrent") for k in kinds) or not kinds:
+                raise ValueError(f"layer_kinds must list 'attention' / 'recurrent' per layer "
+                                 f"with a recurrent part, got {kinds!r}")
+            object.__setattr__(self, "layer_kinds", tuple(kinds))
+        elif self.layer_kinds is not None:
+            raise ValueError("layer_kinds goes with a recurrent part")
+
+    @property
+    def restore_points(self) -> List[int]:
+        """Positions of the restore points the snapshot carries (empty without a recurrent
+        part)."""
+        return [] if self.recurrent is None else self.recurrent.restore_points
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of recurrent state held (0 without a recurrent part)."""
+        return 0 if self.recurrent is None else self.recurrent.nbytes
+
+    def _with(self, **kw) -> "SeqSnapshot":
+        """This snapshot with some fields replaced (the recurrent part kept unless given)."""
+        args = dict(parts=self.parts, fingerprint=self.fingerprint, head_range=self.head_range,
+                    recurrent=self.recurrent, layer_kinds=self.layer_kinds)
+        args.update(kw)
+        return SeqSnapshot(**args)
+
+    def attention_only(self) -> "SeqSnapshot":
+        """The K/V half alone (no recurrent part)."""
+        return self._with(recurrent=None, layer_kinds=None)
+
+    def below(self, end: int) -> "SeqSnapshot":
+        """The rows at positions ``< end`` (every part; the recurrent part's entries ``<= end``)."""
+        parts = []
+        for p in self.parts:
+            keep = np.flatnonzero(p.positions < end)
+            if len(keep) == len(p.positions):
+                parts.append(p)
+                continue
+            n = len(keep)   # ascending positions: a prefix of the rows
+            parts.append(SnapshotPart(positions=p.positions[:n], keys=[k[:n] for k in p.keys],
+                                      values=[v[:n] for v in p.values], k_format=p.k_format,
+                                      v_format=p.v_format))
+        rec = self.recurrent
+        if rec is not None:
+            rec = rec.select(rec.positions <= end)
+        return self._with(parts=tuple(parts), recurrent=rec)
 
     @property
     def positions(self) -> np.ndarray:
@@ -243,14 +302,16 @@ class SeqSnapshot:
     def __repr__(self) -> str:
         pos = self.positions
         span = f"{int(pos[0])}..{int(pos[-1])}" if len(pos) else "empty"
+        rec = "" if self.recurrent is None else \
+            f", restore points {self.restore_points}, {self.state_nbytes} state bytes"
         return (f"SeqSnapshot({len(self.parts)} part(s), positions {span} ({len(pos)}), heads "
-                f"{self.head_range}, {self.nbytes} bytes)")
+                f"{self.head_range}, {self.nbytes} bytes{rec})")
 
     def copy(self) -> "SeqSnapshot":
         """A snapshot owning its rows (an exported snapshot may view the cache's storage)."""
-        return SeqSnapshot(parts=tuple(p._copy() for p in self.parts),
-                           fingerprint=json.loads(json.dumps(self.fingerprint)),
-                           head_range=self.head_range)
+        return self._with(parts=tuple(p._copy() for p in self.parts),
+                          fingerprint=json.loads(json.dumps(self.fingerprint)),
+                          recurrent=None if self.recurrent is None else self.recurrent.copy())
 
     def select_heads(self, first: int, stop: int) -> "SeqSnapshot":
         """Views of KV heads ``[first, stop)`` (absolute head indices inside ``head_range``)."""
@@ -259,8 +320,8 @@ class SeqSnapshot:
             raise ValueError(f"first, stop must be integers with {h0} <= first < stop <= {h1} "
                              f"(the snapshot's head_range), got {first!r}, {stop!r}")
         a, b = int(first) - h0, int(stop) - h0
-        return SeqSnapshot(parts=tuple(p._heads(a, b) for p in self.parts),
-                           fingerprint=self.fingerprint, head_range=(int(first), int(stop)))
+        return self._with(parts=tuple(p._heads(a, b) for p in self.parts),
+                          head_range=(int(first), int(stop)))
 
     @staticmethod
     def concat_heads(snaps: Sequence["SeqSnapshot"]) -> "SeqSnapshot":
@@ -297,7 +358,7 @@ class SeqSnapshot:
                       for l in range(p.n_layers)]
             parts.append(SnapshotPart(positions=p.positions, keys=keys, values=values,
                                       k_format=p.k_format, v_format=p.v_format))
-        return SeqSnapshot(parts=tuple(parts), fingerprint=first.fingerprint,
+        return first._with(parts=tuple(parts),
                            head_range=(first.head_range[0], snaps[-1].head_range[1]))
 
     # ---------------------------------------------------------------- bytes
@@ -307,6 +368,9 @@ class SeqSnapshot:
         config = {"head_range": list(self.head_range), "fingerprint": self.fingerprint,
                   "parts": [{"k_format": p.k_format, "v_format": p.v_format,
                              "n_layers": p.n_layers} for p in self.parts]}
+        if self.recurrent is not None:
+            config["recurrent"] = {"layout": self.recurrent.layout(),
+                                   "layer_kinds": list(self.layer_kinds)}
         try:
             json.dumps(config)
         except (TypeError, ValueError) as exc:
@@ -316,6 +380,8 @@ class SeqSnapshot:
             specs: List[_st._Spec] = []
             for g, p in enumerate(self.parts):
                 specs += _part_specs(p, f"g{g}.")
+            if self.recurrent is not None:
+                specs += recurrent_specs(self.recurrent, "r.")
             return _st._base_metadata(KIND, config, None), specs
         return _st._to_bytes(build, False)
 
@@ -382,6 +448,7 @@ def _snapshot_of_state(state) -> SeqSnapshot:
             formats.append((kf, vf, L))
         prefixes = [f"g{g}." for g in range(len(parts_cfg))]
         head_range = (hr[0], hr[1])
+        rec_cfg = config.get("recurrent")
     else:
         groups = config.get("groups") if state.kind == "wrapper-seq" else [config]
         if not isinstance(groups, list) or not groups or \
@@ -408,7 +475,19 @@ def _snapshot_of_state(state) -> SeqSnapshot:
             else [""]
         fp = {"groups": fps} if state.kind == "wrapper-seq" else fps[0]
         head_range = (0, heads)
+        rec_cfg = None
     expected: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    rec_specs = kinds = None
+    if rec_cfg is not None:
+        if not isinstance(rec_cfg, dict):
+            raise state.fail("config field 'recurrent' must be an object")
+        kinds = rec_cfg.get("layer_kinds")
+        if not isinstance(kinds, list) or not kinds or len(kinds) > 1 << 16 or \
+                not all(k in ("attention", "recurrent") for k in kinds):
+            raise state.fail("config field 'recurrent.layer_kinds' must list 'attention' / "
+                             "'recurrent' per layer")
+        rec_specs, _, rec_expected = recurrent_expect(state, "r.", rec_cfg.get("layout"))
+        expected.update(rec_expected)
     for prefix, (kf, vf, L) in zip(prefixes, formats):
         t = state.tensors.get(prefix + "positions")
         if t is None or t.dtype != "I32" or len(t.shape) != 1:
@@ -440,8 +519,10 @@ def _snapshot_of_state(state) -> SeqSnapshot:
                 k_format=kf, v_format=vf))
         except ValueError as exc:
             raise state.fail(f"part {g}: {exc}") from None
+    rec = None if rec_specs is None else recurrent_part_of(state, "r.", rec_specs)
     try:
-        return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range)
+        return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range,
+                           recurrent=rec, layer_kinds=None if rec is None else tuple(kinds))
     except ValueError as exc:
         raise state.fail(str(exc)) from None
 
@@ -953,6 +1034,10 @@ def _plan_import(cache, seq: int, snap: SeqSnapshot, at: Optional[int], replace:
     units = _units(cache, seq)
     if not isinstance(snap, SeqSnapshot):
         raise ValueError(f"snap must be a numbakv.SeqSnapshot, got {type(snap).__name__}")
+    if snap.recurrent is not None:
+        raise ValueError("snap holds a hybrid model's recurrent state beside its K/V: it "
+                         "imports into a numbakv.HybridCache, not an attention-only "
+                         f"{type(cache).__name__} (which would lose the state)")
     if len(snap.parts) != len(units):
         raise ValueError(f"snap has {len(snap.parts)} part(s), the cache {len(units)} "
                          "group(s)")
@@ -1049,7 +1134,7 @@ def replace_seq(cache, seq: int, snap: SeqSnapshot, *, strict: bool = True) -> i
     return n
 
 
-__all__ = ["SeqSnapshot", "SnapshotPart", "export_seq", "import_seq", "KIND"]
+__all__ = ["SeqSnapshot", "SnapshotPart", "RecurrentPart", "export_seq", "import_seq", "KIND"]
 
 
 # ====================================================================================== recurrent state

@@ -23,6 +23,8 @@ Three sections, all measured in one run on one device with one dtype and one set
   ``numbakv/tools/bench_seqops.py``.
 * **shared_shift="copy"** (``--sections fidelity``, not in the default run): see
   ``numbakv/tools/bench_fidelity.py``.
+* **transformers generate()** (``--sections generate``, not in the default run): per-step cost
+  and tok/s against ``StaticCache`` / ``DynamicCache``, see ``numbakv/tools/bench_generate.py``.
 
 Baselines that are not installed (torch, transformers, matplotlib for the plot) are skipped with
 a note, never replaced by something else.
@@ -50,7 +52,7 @@ _MARGIN = 16
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
 SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
-            "attend", "snapshot", "prefix", "fidelity")
+            "attend", "snapshot", "prefix", "fidelity", "generate")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1375,6 +1377,9 @@ def format_report(results: dict) -> str:
     if results.get("snapshot"):
         from . import bench_snapshot
         lines += bench_snapshot.format_lines(results["snapshot"])
+    if results.get("generate"):
+        from .bench_generate import format_generate
+        lines += format_generate(results["generate"])
     if results.get("prefix"):
         from .bench_prefix import format_prefix
         lines += ["", format_prefix(results["prefix"])]
@@ -1580,6 +1585,15 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
     if "prefix" in s.sections:      # numbakv/tools/bench_prefix.py (CPU figures)
         from .bench_prefix import run_prefix
         results["prefix"] = run_prefix(s.quick, log)
+    if "generate" in s.sections:       # numbakv/tools/bench_generate.py (CPU, transformers)
+        missing = _missing(["torch", "transformers"])
+        if missing:
+            notes.append(f"generate: skipped, {' and '.join(missing)} not installed: "
+                         f"{install_hint(missing)}")
+        else:
+            log("generate() vs StaticCache / DynamicCache ...")
+            from .bench_generate import run_generate
+            results["generate"] = run_generate(s.quick, log)
     if "fidelity" in s.sections:           # numbakv/tools/bench_fidelity.py
         log("shared_shift='copy' ...")
         from .bench_fidelity import run as run_fidelity

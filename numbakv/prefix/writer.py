@@ -1,0 +1,199 @@
+"""The prefix store's background writer: saves reach the disk and Redis tiers as they happen
+(write-through) without a request waiting for the disk or the network.
+
+A request thread hands the writer a *job*: a snapshot whose rows it owns (``SeqSnapshot``, copied
+out of the cells at save time: later writes to those cells cannot change it) and the block keys of
+the prompt it holds. One daemon thread encodes it (``to_bytes``) and writes it to every lower tier
+(``ByteTier.write_run``: atomic, budgeted, never raising on I/O). The queue is bounded in jobs and
+in bytes: a job that does not fit is refused (``submit`` returns False; the caller keeps the entry
+locally and writes it later, at eviction, ``flush`` or ``close``), so a burst of saves never grows
+memory without bound and never blocks a request. Errors (an encoder or a tier raising) are counted,
+never raised into a request.
+
+The writer holds no reference to the store (only to the tiers), so a store nobody references can
+be collected; ``PrefixStore`` closes its writer when it is closed or collected, and at interpreter
+exit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+#: remembered run keys the lower tiers hold (this process wrote them): saves of a prompt already
+#: written skip the copy; bounded, oldest forgotten first (forgetting only costs a rewrite)
+_WRITTEN_LIMIT = 65536
+
+
+class Job:
+    """One run to write: ``keys`` (hex block keys of the prompt's blocks, the last one the run
+    key), ``snap`` (an owned ``SeqSnapshot`` or ready bytes), ``nbytes`` (its K/V bytes, for the
+    queue bound) and ``tag`` (anything the caller wants back with the result, e.g. index nodes
+    for events)."""
+
+    __slots__ = ("keys", "snap", "nbytes", "tag")
+
+    def __init__(self, keys: Sequence[str], snap: Any, nbytes: int, tag: Any = None) -> None:
+        self.keys = list(keys)
+        self.snap = snap
+        self.nbytes = int(nbytes)
+        self.tag = tag
+
+    @property
+    def run_key(self) -> str:
+        return self.keys[-1]
+
+
+class TierWriter:
+    """A bounded queue of :class:`Job` and one daemon thread writing them to ``tiers`` in order.
+
+    Args:
+        tiers: the lower tiers (``ByteTier``), written in this order, each one (a tier that
+            refuses, full or down, does not stop the others).
+        max_jobs, max_bytes: the queue's bounds (a single job larger than ``max_bytes`` is taken
+            only when the queue is empty, so no prefix is too large to be written).
+    """
+
+    def __init__(self, tiers: Sequence[Any], *, max_jobs: int = 64,
+                 max_bytes: int = 256 << 20) -> None:
+        self.tiers = list(tiers)
+        self.max_jobs = int(max_jobs)
+        self.max_bytes = int(max_bytes)
+        self._cv = threading.Condition()
+        self._queue: Deque[Job] = deque()
+        self._queued_bytes = 0
+        self._busy = 0                      # jobs taken by the thread, not finished
+        self._results: Deque[Tuple[Any, str]] = deque()   # (tag, tier name) written
+        self._written: "OrderedDict[str, None]" = OrderedDict()
+        self._queued_keys: Dict[str, int] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+        self.counts = {"queued": 0, "written": 0, "refused": 0, "failed": 0, "errors": 0}
+
+    # ------------------------------------------------------------------ request side
+    def known(self, run_key: str) -> bool:
+        """Whether ``run_key`` was written (by this process) or is queued."""
+        with self._cv:
+            return run_key in self._written or run_key in self._queued_keys
+
+    def forget(self, run_key: Optional[str] = None) -> None:
+        """Forget that ``run_key`` (None: every run) was written (the tiers were cleared)."""
+        with self._cv:
+            if run_key is None:
+                self._written.clear()
+            else:
+                self._written.pop(run_key, None)
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; False (nothing queued, counted in ``refused``) when the queue is full
+        or the writer is closed. Never blocks for the write."""
+        with self._cv:
+            if self._stopped or not self.tiers:
+                return False
+            full = len(self._queue) >= self.max_jobs or (
+                self._queue and self._queued_bytes + job.nbytes > self.max_bytes)
+            if full:
+                self.counts["refused"] += 1
+                return False
+            self._queue.append(job)
+            self._queued_bytes += job.nbytes
+            self._queued_keys[job.run_key] = self._queued_keys.get(job.run_key, 0) + 1
+            self.counts["queued"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="numbakv-tier-writer",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+            return True
+
+    def write_now(self, job: Job) -> None:
+        """Write ``job`` on the caller's thread (the queue was full and the entry is leaving
+        the local tiers: the caller waits for this one write, as before write-through)."""
+        self._write(job)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued job is written (or failed); False when ``timeout`` seconds
+        passed first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def results(self) -> List[Tuple[Any, str]]:
+        """``(tag, tier name)`` of each run written since the last call (the store turns them
+        into ``BlockStored`` events on its own thread)."""
+        out = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def stats(self) -> Dict[str, int]:
+        with self._cv:
+            return {**self.counts, "pending": len(self._queue) + self._busy,
+                    "pending_bytes": self._queued_bytes}
+
+    def close(self, timeout: Optional[float] = 30.0) -> bool:
+        """Write what is queued (up to ``timeout`` seconds), then stop the thread. Returns
+        whether the queue was drained."""
+        drained = self.flush(timeout)
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0 if drained else 0.1)
+        return drained
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._stopped)
+                if not self._queue:
+                    return           # stopped and drained
+                job = self._queue.popleft()
+                self._queued_bytes -= job.nbytes
+                self._busy += 1
+            try:
+                self._write(job)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    n = self._queued_keys.get(job.run_key, 0) - 1
+                    if n > 0:
+                        self._queued_keys[job.run_key] = n
+                    else:
+                        self._queued_keys.pop(job.run_key, None)
+                    self._cv.notify_all()
+
+    def _write(self, job: Job) -> None:
+        try:
+            data = job.snap if isinstance(job.snap, (bytes, bytearray, memoryview)) \
+                else job.snap.to_bytes()
+        except Exception:   # noqa: BLE001 - a bad snapshot must not kill the writer
+            with self._cv:
+                self.counts["errors"] += 1
+            return
+        ok_any = False
+        for tier in self.tiers:
+            try:
+                ok = tier.write_run(job.run_key, job.keys, data)
+            except Exception:   # noqa: BLE001 - tiers never raise on I/O; count anything else
+                with self._cv:
+                    self.counts["errors"] += 1
+                continue
+            if ok:
+                ok_any = True
+                self._results.append((job.tag, tier.name))
+            else:
+                with self._cv:
+                    self.counts["failed"] += 1
+        with self._cv:
+            if ok_any:
+                self.counts["written"] += 1
+                self._written[job.run_key] = None
+                self._written.move_to_end(job.run_key)
+                while len(self._written) > _WRITTEN_LIMIT:
+                    self._written.popitem(last=False)
+
+
+__all__ = ["TierWriter", "Job"]

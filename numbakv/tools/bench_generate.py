@@ -1,0 +1,263 @@
+"""``numbakv bench --sections generate``: transformers ``generate()`` through numbakv against
+transformers' own ``StaticCache`` and ``DynamicCache`` (CPU, torch threads set explicitly).
+
+Two measurements, each at 1 and 2 torch threads, contenders interleaved rep by rep (a busy
+machine slows them together), median and spread (min-max) reported:
+
+* **per-step cost** of the cache and the attention of one decode token (batch 1), every layer
+  of a ``layers x kv_heads x head_dim`` model at ``context`` tokens: StaticCache ``update`` +
+  SDPA over its fixed-size buffer with the step's mask, DynamicCache ``update`` + SDPA (then
+  ``crop`` back), and a numbakv generation cache's layers (``update`` = put, the attention
+  through the dispatcher ``generate()`` uses: ``attend`` over the cell pool), then rolled back;
+  no model weights (a meta-device model gives the shapes).
+* **generate() tok/s**: a small random-weight Llama, a ``context``-token prompt, greedy;
+  the decode rate is ``(new - 1) / (t(new tokens) - t(1 token))`` so the prompt's pass cancels.
+* **peak RSS** of one ``generate()`` per contender, each in its own child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+
+CONTENDERS = ("numbakv", "static", "dynamic")
+
+
+def _spread_timer(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, dict]:
+    """Each function ``reps`` times, interleaved after one warm-up call each: median, min, max
+    seconds."""
+    for fn in fns.values():
+        fn()
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: {"median": float(np.median(v)), "min": float(min(v)), "max": float(max(v))}
+            for k, v in times.items()}
+
+
+def _llama_config(layers: int, kv_heads: int, head_dim: int, hidden_heads: int, vocab: int,
+                  context: int):
+    import transformers
+    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden_heads * head_dim,
+                                    intermediate_size=2 * hidden_heads * head_dim,
+                                    num_hidden_layers=layers, num_attention_heads=hidden_heads,
+                                    num_key_value_heads=kv_heads, head_dim=head_dim,
+                                    max_position_embeddings=context + 256)
+
+
+# ------------------------------------------------------------------------- per-step cost
+def step_cases(layers: int, kv_heads: int, head_dim: int, context: int, dtype: str) -> dict:
+    """The three contenders' decode-step callables over caches prefilled to ``context``."""
+    import torch
+    import transformers
+    from numbakv import hf
+    from numbakv.hf.generation import _dispatch, _local
+    from numbakv.hf.attach import _attention_modules
+    tdt = getattr(torch, dtype)
+    n_heads = 4 * kv_heads
+    config = _llama_config(layers, kv_heads, head_dim, n_heads, 64, context)
+    config.dtype = dtype
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    modules = _attention_modules(model)
+    g = torch.Generator().manual_seed(0)
+    pk = torch.randn(1, kv_heads, context, head_dim, generator=g).to(tdt)
+    pv = torch.randn(1, kv_heads, context, head_dim, generator=g).to(tdt)
+    q = torch.randn(1, n_heads, 1, head_dim, generator=g).to(tdt)
+    k1 = torch.randn(1, kv_heads, 1, head_dim, generator=g).to(tdt)
+    v1 = torch.randn(1, kv_heads, 1, head_dim, generator=g).to(tdt)
+    scale = head_dim ** -0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    static = transformers.StaticCache(config=config, max_cache_len=context + 16)
+    for layer in range(layers):
+        static.update(pk, pv, layer, {"cache_position": torch.arange(context)})
+    pos = torch.tensor([context])
+
+    outs: Dict[str, Any] = {}
+
+    def static_step():
+        mask = (torch.arange(context + 16) <= context)[None, None, None, :]   # once per step
+        for layer in range(layers):
+            k, v = static.update(k1, v1, layer, {"cache_position": pos})
+            outs["static"] = sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    dynamic = transformers.DynamicCache(config=config)
+    for layer in range(layers):
+        dynamic.update(pk, pv, layer)
+
+    def dynamic_step():
+        for layer in range(layers):
+            k, v = dynamic.update(k1, v1, layer)
+            outs["dynamic"] = sdpa(q, k, v, scale=scale, enable_gqa=True)
+        dynamic.crop(-1)                       # back to `context` tokens
+
+    past = hf.generation_cache(model, max_new_tokens=16, dtype=dtype, device="cpu")
+    for layer in range(layers):
+        past.layers[layer].update(pk, pv)
+        _local.handoff = None                  # the prompt's attention is not timed
+    state = past.layers[0].state
+
+    def numbakv_step():
+        for layer in range(layers):
+            k, v = past.layers[layer].update(k1, v1)
+            outs["numbakv"] = _dispatch(modules[layer], q, k, v, None, scaling=scale)[0]
+        past.numbakv_cache.seq_rm(int(state.seqs[0]), context)   # back to `context` tokens
+        state.columns -= 1
+        for lay in past.layers:
+            lay.cumulative_length -= 1
+
+    def max_abs_diff() -> float:
+        """numbakv's last-layer output against StaticCache's SDPA (one step each)."""
+        numbakv_step()
+        static_step()
+        ref = outs["static"].transpose(1, 2).float()          # [1, 1, H, D]
+        return float((outs["numbakv"].float() - ref).abs().max())
+
+    return {"numbakv": numbakv_step, "static": static_step, "dynamic": dynamic_step,
+            "check": max_abs_diff}
+
+
+# ------------------------------------------------------------------------- generate()
+def _tiny_model(layers: int, context: int, seed: int = 0):
+    import torch
+    import transformers
+    config = _llama_config(layers, 2, 64, 4, 256, context)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    return model
+
+
+def generate_fns(model, context: int, new: int) -> Dict[str, Callable[[int], Any]]:
+    """``{contender: f(n_new)}`` running one greedy generate() of ``n_new`` tokens."""
+    import torch
+    import warnings
+    from numbakv import hf
+    ids = torch.randint(3, 256, (1, context), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+
+    def run(n, **kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0, **kw)
+
+    return {"numbakv": lambda n: run(n, past_key_values=hf.generation_cache(
+                model, max_new_tokens=n)),
+            "static": lambda n: run(n, cache_implementation="static"),
+            "dynamic": lambda n: run(n)}
+
+
+def _rss_child(contender: str, layers: int, context: int, new: int) -> float:
+    """Peak RSS (MiB) of a child process that runs one generate() through ``contender``."""
+    code = ("import json, resource, sys, torch\n"
+            "from numbakv.tools.bench_generate import _tiny_model, generate_fns\n"
+            f"torch.set_num_threads(1)\nm = _tiny_model({layers}, {context})\n"
+            f"generate_fns(m, {context}, {new})[{contender!r}]({new})\n"
+            "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=900, env=dict(os.environ))
+    if out.returncode != 0:
+        raise RuntimeError(f"peak-RSS child ({contender}) failed:\n{out.stderr[-2000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run_generate(quick: bool, log: Callable[[str], None] = lambda _: None) -> dict:
+    """Every figure of the section (see the module docstring)."""
+    import torch
+    if quick:
+        step_shape = dict(layers=4, kv_heads=2, head_dim=64, context=256)
+        gen = dict(layers=2, context=256, new=8)
+        reps, gen_reps = 5, 3
+    else:
+        step_shape = dict(layers=32, kv_heads=8, head_dim=128, context=2048)
+        gen = dict(layers=4, context=2048, new=32)
+        reps, gen_reps = 15, 5
+    threads_before = torch.get_num_threads()
+    res: dict = {"step_shape": step_shape, "generate_shape": gen, "steps": [], "generate": [],
+                 "rss_mib": {}}
+    try:
+        for dtype in (("float32", "bfloat16") if quick else ("float16", "bfloat16")):
+            fns = step_cases(dtype=dtype, **step_shape)
+            diff = fns.pop("check")()
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                log(f"generate: per-step cost, {dtype}, {threads} thread(s) ...")
+                t = _spread_timer(fns, reps)
+                res["steps"].append({"dtype": dtype, "threads": threads,
+                                     "max_abs_diff_vs_static": diff, **{
+                    k: {m: v * 1e3 for m, v in d.items()} for k, d in t.items()}})
+        model = _tiny_model(gen["layers"], gen["context"])
+        fns = generate_fns(model, gen["context"], gen["new"])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            log(f"generate: generate() tok/s, {threads} thread(s) ...")
+            with torch.no_grad():
+                pairs = {}
+                for name, fn in fns.items():
+                    pairs[f"{name}:n"] = (lambda f=fn: f(gen["new"]))
+                    pairs[f"{name}:1"] = (lambda f=fn: f(1))
+                t = _spread_timer(pairs, gen_reps)
+            row = {"threads": threads}
+            for name in fns:
+                dt = t[f"{name}:n"]["median"] - t[f"{name}:1"]["median"]
+                lo = t[f"{name}:n"]["min"] - t[f"{name}:1"]["max"]
+                hi = t[f"{name}:n"]["max"] - t[f"{name}:1"]["min"]
+                n = gen["new"] - 1
+                row[name] = {"tok_s": n / dt if dt > 0 else float("nan"),
+                             "tok_s_min": n / hi if hi > 0 else float("nan"),
+                             "tok_s_max": n / lo if lo > 0 else float("inf")}
+            res["generate"].append(row)
+        if not quick:
+            for name in CONTENDERS:
+                log(f"generate: peak RSS, {name} ...")
+                res["rss_mib"][name] = _rss_child(name, gen["layers"], gen["context"],
+                                                  gen["new"])
+    finally:
+        torch.set_num_threads(threads_before)
+    return res
+
+
+def format_generate(res: dict) -> List[str]:
+    """Report lines of the section."""
+    if not res:
+        return []
+    s = res["step_shape"]
+    lines = ["", f"generate(): per decode step, cache + attention of {s['layers']} layers x "
+             f"{s['kv_heads']} KV heads x {s['head_dim']} at {s['context']} tokens, batch 1 "
+             "(ms, median [min-max]; ratio = numbakv / StaticCache; |diff| = numbakv's output "
+             "vs StaticCache's)"]
+    lines.append(f"{'dtype':<9} {'thr':>3} {'numbakv':>22} {'StaticCache':>22} "
+                 f"{'DynamicCache':>22} {'vs static':>9} {'|diff|':>8}")
+    for r in res["steps"]:
+        cells = [f"{r[k]['median']:.2f} [{r[k]['min']:.2f}-{r[k]['max']:.2f}]"
+                 for k in CONTENDERS]
+        lines.append(f"{r['dtype']:<9} {r['threads']:>3} {cells[0]:>22} {cells[1]:>22} "
+                     f"{cells[2]:>22} {r['numbakv']['median'] / r['static']['median']:>9.2f} "
+                     f"{r['max_abs_diff_vs_static']:>8.1e}")
+    g = res["generate_shape"]
+    lines += ["", f"generate() decode tok/s: random-weight Llama, {g['layers']} layers, "
+              f"{g['context']}-token prompt, {g['new']} new tokens, greedy (median [range])"]
+    lines.append(f"{'thr':>3} {'numbakv':>22} {'StaticCache':>22} {'DynamicCache':>22}")
+    for r in res["generate"]:
+        cells = [f"{r[k]['tok_s']:.1f} [{r[k]['tok_s_min']:.1f}-{r[k]['tok_s_max']:.1f}]"
+                 for k in CONTENDERS]
+        lines.append(f"{r['threads']:>3} {cells[0]:>22} {cells[1]:>22} {cells[2]:>22}")
+    if res.get("rss_mib"):
+        lines.append("peak RSS of one generate() (own process, MiB): " + ", ".join(
+            f"{k} {v:.0f}" for k, v in res["rss_mib"].items()))
+    return lines
+
+
+if __name__ == "__main__":      # pragma: no cover - a quick look without the CLI
+    print("\n".join(format_generate(run_generate("--quick" in sys.argv, print))))
+    print(json.dumps({}))
