@@ -742,7 +742,8 @@ class CausalCache(StateMethods):
             return
         self._require_shift_for(seq, p0, p1, "seq_div")
         if self.shared_shift == "copy":
-            self._edit_unshared(self.cells.seq_div, (seq, p0, p1, d), seq, p0, p1)
+            # only cells whose position changes need copies: p // d == p for p == 0
+            self._edit_unshared(self.cells.seq_div, (seq, p0, p1, d), seq, max(p0, 1), p1)
             return
         self._edit(self.cells.seq_div, (seq, p0, p1, d))
 
@@ -855,11 +856,9 @@ class CausalCache(StateMethods):
         placed: Optional[_Placed] = None
         shifted = None
         try:
-            # seq leaves the shared cells: each run of consecutive positions at once (seq holds
-            # a position once, so the run's cells are exactly the shared ones)
-            breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-            for run in np.split(positions, breaks):
-                table.seq_rm(seq, int(run[0]), int(run[-1]) + 1, journal=unshare)
+            # seq leaves exactly the shared cells (not a position range: after its own
+            # seq_add/seq_div a sequence may hold one position twice, once in a private cell)
+            table.leave_cells(seq, src, journal=unshare)
             head = table.head
             start = table.find_contiguous(n)
             slots = (np.arange(start, start + n, dtype=np.int32) if start >= 0

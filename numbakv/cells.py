@@ -1124,9 +1124,9 @@ def _check_shift_range(cpos, cshift, cseqs, stree, meta, s, p0, p1, delta, d):
             p = cpos[c]
             if p < p0 or p >= p1:
                 continue
-            if _has_others(cseqs, c, s):
-                return _E_SHARED
             q = p // d + delta
+            if _has_others(cseqs, c, s) and q != p:
+                return _E_SHARED    # a shared cell whose position stays (seq_div of 0) may stay
             if q > POS_MAX:
                 return _E_OVERFLOW
             if q >= 0:
@@ -2210,6 +2210,23 @@ class CellTable:
             _seq_rm(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                     self._sidx, self._meta, seq, p0, p1)
         return True
+
+    def leave_cells(self, seq: int, cells: np.ndarray, journal: Optional[list] = None) -> None:
+        """``seq`` leaves exactly ``cells`` (int ``[k]``), each of which it holds and another
+        sequence holds too (so none is freed): unlike ``seq_rm`` over a position range, a
+        sequence holding one position twice (once here, once in a private cell) keeps the
+        other cell."""
+        seq = self._seq(seq)
+        cells = np.asarray(cells, np.int64)
+        if not len(cells):
+            return
+        pos = self._pos[cells]
+        self._record(journal, seq, int(pos.min()), int(pos.max()) + 1)
+        self._seqs[cells, seq >> 6] &= ~np.uint64(1 << (seq & 63))
+        bshift = int(self._meta[_M_BSHIFT])
+        blocks = np.unique(cells >> bshift).astype(np.int64)
+        _st_refresh_blocks(self._stree, self._pos, self._seqs, seq, blocks, bshift)
+        _sidx_refresh(self._sidx, self._stree, self._pos, self._seqs, seq, bshift)
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None,
                journal: Optional[list] = None) -> None:

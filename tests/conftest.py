@@ -63,3 +63,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_torch)
         if "gpu" in item.keywords and SIMULATOR:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session):
+    """Collect garbage now and freeze what survives.
+
+    An xdist worker gets 5 seconds between reporting "finished" and the end of its execution
+    before execnet sends it SIGINT (the KeyboardInterrupt traceback printed after a green
+    ``pytest -n 2`` run). What runs in that window is pytest's unconfigure, whose unraisable-
+    exception check does a full ``gc.collect()`` over every object the run loaded (torch,
+    transformers, hypothesis, numba: about half a million, 2 s per pass on a busy 2-core
+    machine, more after a whole run). This hook runs before the worker reports (inside xdist's
+    wrapper), so the collection and its finalizers happen while the worker still counts as
+    running; frozen objects are not traversed again, so the later pass takes milliseconds."""
+    import gc
+    gc.collect()
+    gc.freeze()

@@ -454,3 +454,90 @@ def layer_groups_and_streams(rank: int, world: int) -> list:
     _fill_wrapper(w, 0, 9, 600)
     dist.check_replicated(w)
     return done
+
+
+# ------------------------------------------------------------------------------ hybrid models
+HYBRID_KINDS = ["recurrent", "attention", "recurrent"]
+
+
+def make_hybrid(restore_every: int = 4):
+    cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=H, head_dim=D, capacity=64, max_seqs=3,
+                          device="cpu", dtype="float16")
+    rc = nkv.RecurrentCache(nkv.RecurrentConfig(
+        2, [nkv.StateSpec("conv", (3, 8), "bfloat16"), nkv.StateSpec("ssm", (2, 4, 4))],
+        max_seqs=3, restore_every=restore_every, max_restore_points=4, device="cpu"))
+    return nkv.HybridCache(nkv.CausalCache(cfg, shift=nkv.RopeShift()), rc, HYBRID_KINDS)
+
+
+def fill_hybrid(hc, seq: int, n: int, seed: int, first: int = 0) -> None:
+    """K/V of the attention layer and recurrent states of both recurrent layers (random for a
+    seed), with the restore points the cache asks for."""
+    g = np.random.default_rng(seed)
+    hc.start_forward(np.arange(first, first + n), [seq] * n)
+    plan = hc.restore_plan(seq, n)
+    for layer, kind in enumerate(HYBRID_KINDS):
+        hc.set_layer(layer)
+        if kind == "attention":
+            hc.put(g.standard_normal((n, H, D)).astype(np.float16),
+                   g.standard_normal((n, H, D)).astype(np.float16))
+            continue
+        for cut in plan:
+            st = {"conv": g.integers(0, 2**16, (3, 8)).astype(np.uint16),
+                  "ssm": g.standard_normal((2, 4, 4)).astype(np.float32)}
+            if cut < n:
+                hc.keep_restore_point(seq, first + cut, st, layer=layer)
+            else:
+                hc.write_states(layer, [seq], {k: v[None] for k, v in st.items()})
+    hc.keep_restore_point(seq, first + n)
+
+
+def hybrid_rows(hc, seq):
+    snap = hc.export_seq(seq)
+    return rows(snap) + [snap.recurrent.positions.tobytes(), snap.recurrent.flags.tobytes()] + \
+        [np.ascontiguousarray(a).tobytes() for a in snap.recurrent.states.values()]
+
+
+def hybrid_transfer(rank: int, world: int) -> list:
+    """Rank 0 sends a hybrid sequence (K/V + recurrent state and restore points) to rank 1's
+    HybridCache, bit-exact; a hybrid sequence into an attention-only cache and an attention-only
+    sequence into a HybridCache are refused on both sides, the receiver unchanged."""
+    if rank > 1:
+        return []
+    seen = []
+    if rank == 0:
+        hc = make_hybrid()
+        fill_hybrid(hc, 0, 10, 5)
+        assert dist.send_seq(hc, 0, 1, timeout=30) == 10
+        for case in ("into attention-only", "attention-only into hybrid"):
+            src = hc if case == "into attention-only" else make_cache()
+            if src is not hc:
+                fill(src, 0, 4, 6)
+            try:
+                dist.send_seq(src, 0, 1, timeout=30)
+            except dist.TransferRefused as exc:
+                seen.append((case, str(exc)))
+            else:
+                raise AssertionError(f"{case}: the sender did not raise")
+        return seen
+    hc = make_hybrid()
+    ref = make_hybrid()
+    fill_hybrid(ref, 0, 10, 5)
+    assert dist.recv_seq(hc, 2, 0, timeout=30) == 10
+    assert hybrid_rows(hc, 2) == hybrid_rows(ref, 0)
+    assert hc.restore_points(2) == ref.restore_points(0) == [4, 8, 10]
+    assert hc.rollback(2, 8) and hc.seq_pos_max(2) == 7
+    for case, target in (("into attention-only", make_cache()),
+                         ("attention-only into hybrid", make_hybrid())):
+        before = dist.table_digest(target)
+        state = {n: a.copy() for n, a in target.rc.pool.items()} if hasattr(target, "rc") \
+            else {}
+        try:
+            dist.recv_seq(target, 0, 0, timeout=30)
+        except dist.TransferRefused as exc:
+            seen.append((case, str(exc)))
+        else:
+            raise AssertionError(f"{case}: the receiver did not raise")
+        assert dist.table_digest(target) == before, case
+        for n, a in state.items():
+            assert np.array_equal(a, target.rc.pool[n]), case
+    return seen

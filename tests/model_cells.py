@@ -248,7 +248,8 @@ class ModelCells:
         if d == 1 or p0 >= p1:
             return
         cells = self._targets(seq, p0, p1)
-        if any(len(self.seqs[c]) > 1 for c in cells):
+        # a shared cell whose position does not change (0 // d) is no shift of the others'
+        if any(len(self.seqs[c]) > 1 and self.pos[c] // d != self.pos[c] for c in cells):
             raise NotSupportedError("shifting cells shared by multiple sequences not supported")
         for c in cells:
             new = self.pos[c] // d

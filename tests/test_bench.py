@@ -227,6 +227,55 @@ def test_quick_writes_nothing_unasked_and_leads_with_the_comparison(monkeypatch,
         assert out.index("Where numbakv stands") < out.index("Decode step")
 
 
+def test_rounds_spread_and_noise_are_reported(quick_run):
+    """Every decode row keeps its rounds' medians; the report gives each ratio's spread over the
+    rounds, and says so when the rounds disagree on which side is faster."""
+    from numbakv.tools.bench_summary import format_ratio, ratio_spread
+    res, text, _ = quick_run
+    assert res["settings"]["rounds"] == 5 and res["settings"]["threads"] >= 1
+    assert res["machine"]["numba_threads"] >= 1
+    for r in res["decode"]:
+        assert len(r["round_us"]) == 5 and r["interleaved"] is True
+        assert r["median_us"] == pytest.approx(float(np.median(r["round_us"])))
+    assert "lowest and highest of 5 rounds" in text
+    ours = {"median_us": 10.0, "round_us": [9.0, 10.0, 11.0]}
+    steady = {"median_us": 20.0, "round_us": [18.0, 20.0, 23.0]}
+    assert ratio_spread(ours, steady) == (2.0, 20 / 10, 23 / 11)
+    assert format_ratio(2.0, 1.9, 2.2, "X") == "2.00x vs X (1.90-2.20x)"
+    noisy = format_ratio(*ratio_spread(ours, {"median_us": 11.0, "round_us": [12, 11, 8]}), "X")
+    assert noisy.startswith("1.10x vs X (") and "inside the noise" in noisy
+    assert format_ratio(0.5, 0.4, 0.8, "X") == "2.00x SLOWER than X (1.25-2.50x)"
+    assert format_ratio(2.0, None, None, "X") == "2.00x vs X"
+
+
+def test_measure_interleaved_alternates_and_resets():
+    """Steps of the contenders alternate (one of each in turn), each followed by its reset, and
+    a slow one stops at its small quota while the fast ones fill their budget."""
+    log = []
+
+    class Fake(bench._Contender):
+        def __init__(self, name, seconds):
+            self.name, self.seconds = name, seconds
+
+        def step(self):
+            log.append(self.name)
+            if self.seconds:
+                import time
+                time.sleep(self.seconds)
+
+        def reset(self):
+            log.append(self.name + ".reset")
+
+    fast_a, fast_b, slow = Fake("a", 0), Fake("b", 0), Fake("slow", 0.03)
+    res = bench.measure_interleaved([fast_a, fast_b, slow], sync=lambda: None, budget=0.02,
+                                    min_reps=4)
+    assert [r["reps"] for r in res][2] == 2 and min(r["reps"] for r in res[:2]) >= 4
+    steps = [x for x in log if not x.endswith(".reset")]
+    assert steps[:6] == ["a", "b", "slow", "a", "b", "slow"]      # warm-up, then interleaved
+    assert all(log[i + 1] == log[i] + ".reset" for i in range(0, len(log), 2))
+    assert all(r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in res)
+
+
 @pytest.mark.torch
 def test_generate_section_quick(capsys):
     pytest.importorskip("transformers")

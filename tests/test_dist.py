@@ -162,3 +162,11 @@ def test_header_of_a_position_held_twice_is_accepted():
     header["parts"][0]["positions"] = np.array([1, 1, 0, 0], np.int32)
     with pytest.raises(_wire.Refusal, match="ascending"):
         _wire.check_header(header, probe, (0, 2), 2)
+
+
+def test_hybrid_sequences_carry_their_recurrent_state(group):
+    seen = group.run(S, "hybrid_transfer")
+    sender, receiver = seen[0], seen[1]
+    assert [c for c, _ in sender] == [c for c, _ in receiver] == [
+        "into attention-only", "attention-only into hybrid"]
+    assert "attention-only" in receiver[0][1] and "recurrent" in receiver[1][1]

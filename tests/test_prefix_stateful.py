@@ -198,3 +198,75 @@ def test_store_machine_100k_operations():
         suppress_health_check=list(HealthCheck)))
     print(f"\nprefix store model test: {OPS['count']} operations, 0 violations")
     assert OPS["count"] >= 100_000
+
+
+class SlidingStoreMachine(RuleBasedStateMachine):
+    """Sliding-window caches (issue 37 #1 and #6): prompts evaluated in small chunks (so the
+    window prunes as it goes) and saved whole or cut anywhere, also after the window pruned the
+    cut (a prompt saved after a long generation). Checked: ``load`` serves exactly what
+    ``match`` promised, every row bit-exact, resumable (``can_resume``) at the length served;
+    a pinned length stays reachable for every prompt extending it."""
+
+    def __init__(self):
+        super().__init__()
+        cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=4, dtype="float32",
+                              capacity=48, max_seqs=4, device="cpu")
+        self.cache = nkv.CausalCache(cfg, swa_window=4, swa_memory=8)
+        self.store = PrefixStore(self.cache, retain_seqs=[2, 3], block_tokens=4,
+                                 host_bytes=self.cache.config.nbytes(1) * 64,
+                                 checkpoint_tail=3)
+        self.pins = []
+
+    def teardown(self):
+        self.store.close()
+
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=30), cut=st.integers(0, 30),
+          chunk=st.sampled_from([1, 3, 4, 30]))
+    def save(self, tokens, cut, chunk):
+        OPS["count"] += 1
+        try:
+            prefill(self.cache, 0, tokens, chunk=chunk)
+        except KVCacheFullError:
+            self.cache.seq_rm(0)
+            return
+        k = min(cut, len(tokens)) or len(tokens)
+        kept = self.store.save(0, tokens[:k])
+        assert kept in (0, k)
+        if kept:
+            assert self.store.match(tokens[:k]) == k
+        self.cache.seq_rm(0)
+
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=34))
+    def load(self, tokens):
+        OPS["count"] += 1
+        n = self.store.match(tokens)
+        try:
+            got = self.store.load(1, tokens)
+        except KVCacheFullError:
+            assert self.cache.seq_pos_max(1) == -1
+            return
+        assert got == n
+        if n:
+            assert self.cache.can_resume(1, n)
+            check_holds(self.cache, 1, tokens, n)
+        else:
+            assert self.cache.seq_pos_max(1) == -1
+        self.cache.seq_rm(1)
+
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=30))
+    def pin(self, tokens):
+        n = self.store.pin(tokens)
+        if n:
+            self.pins.append((tokens[:n], n))
+
+    @invariant()
+    def pinned_prefixes_stay_reachable(self):
+        for prefix, n in self.pins:
+            for extra in ([], [0], [1, 2, 3, 0, 1]):
+                assert self.store.match(prefix + extra) >= n
+
+
+TestSlidingStoreMachine = SlidingStoreMachine.TestCase
+TestSlidingStoreMachine.settings = settings(max_examples=25, stateful_step_count=25,
+                                            deadline=None,
+                                            suppress_health_check=list(HealthCheck))

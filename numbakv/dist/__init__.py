@@ -206,7 +206,14 @@ def _check_rank(name: str, value, tdist, group) -> int:
     return int(value)
 
 
+def _kv_half(cache):
+    """The cache holding the K/V rows: a HybridCache's attention half, else the cache."""
+    return cache.attn if getattr(cache, "rc", None) is not None and hasattr(cache, "attn") \
+        else cache
+
+
 def _n_kv_heads(cache) -> int:
+    cache = _kv_half(cache)
     cfg = getattr(cache, "config", None) or cache.caches[0].config
     return int(cfg.n_kv_heads)
 
@@ -267,6 +274,11 @@ def _export(cache, seq, p0, p1):
 def _send_prepared(link: _Link, snap, dst: int, n_kv_heads: int) -> int:
     record = _wire.make_header(snap, n_kv_heads)
     record["transport"] = link.transport
+    blob = None
+    if getattr(snap, "recurrent", None) is not None:
+        # a hybrid's recurrent state (restore points + its live end) goes after the K/V rows
+        blob = _snapshot_api().recurrent_blob(snap.recurrent, snap.layer_kinds)
+        record["recurrent"] = len(blob)
     header = _wire.encode_header(record)
     link.send([(link.tensor(np.array([len(header)], np.int64)), dst, "the header length"),
                (link.tensor(np.frombuffer(header, np.uint8)), dst, "the header")])
@@ -301,6 +313,9 @@ def _send_prepared(link: _Link, snap, dst: int, n_kv_heads: int) -> int:
                     works.append(link.post_send(link.tensor(flat, readonly_ok=True), dst,
                                                 f"the {side} rows of group {g} layer {layer}"))
         link.wait(works)
+    if blob is not None:
+        link.send([(link.tensor(np.frombuffer(blob, np.uint8), readonly_ok=True), dst,
+                    "the recurrent state")])
     ack = link.empty(_wire.VERDICT_BYTES)
     link.recv([(ack, dst, "the receiver's acknowledgement")])
     code, reason = _wire.decode_verdict(_host(ack))
@@ -361,7 +376,9 @@ def _receive_rows(link: _Link, cache, seq, srcs: List[int], at):
     """The network half of a receive: headers, verdicts, rows. Returns what :func:`_import`
     needs; on a refusal every sender has been told and :class:`TransferRefused` is raised."""
     n_kv = _n_kv_heads(cache)
-    need = _wire.head_range_of(cache)
+    kv = _kv_half(cache)
+    rc = getattr(cache, "rc", None) if kv is not cache else None
+    need = _wire.head_range_of(kv)
     lengths = [link.empty(8) for _ in srcs]
     link.recv([(t, s, "the header length") for t, s in zip(lengths, srcs)])
     reason, probe, headers, takes = None, None, [], []
@@ -376,13 +393,14 @@ def _receive_rows(link: _Link, cache, seq, srcs: List[int], at):
     link.recv([(t, s, "the header") for t, s in zip(raw, srcs)])
     try:
         _check_seq(cache, seq)
-        probe = _wire.Probe(cache, _snapshot_api().cache_fingerprint(cache))
+        probe = _wire.Probe(kv, _snapshot_api().cache_fingerprint(kv))
         if at is not None and (isinstance(at, (bool, np.bool_))
                                or not isinstance(at, (int, np.integer)) or at < 0):
             raise ValueError(f"at must be None or an integer >= 0, got {at!r}")
         for s, t in zip(srcs, raw):
             try:
                 h = _wire.decode_header(_host(t).tobytes())
+                _check_recurrent_header(h, s, rc)   # first: the clearest reason
                 takes.append(_wire.check_header(h, probe, need, n_kv))
             except _wire.Refusal as exc:
                 raise _wire.Refusal(f"from rank {s}: {exc}") from None
@@ -438,7 +456,30 @@ def _receive_rows(link: _Link, cache, seq, srcs: List[int], at):
                 _nixl.receiver_done(ag, regs)
     else:
         link.recv(items)
-    return probe, need, bufs, [s for s, p in zip(srcs, plan) if p is not None]
+    blobs = []
+    if rc is not None:   # each sender of rows sends the (replicated) recurrent state after them
+        blobs = [link.empty(int(h["recurrent"])) for h, p in zip(headers, plan) if p is not None]
+        link.recv([(t, s, "the recurrent state") for t, s in
+                   zip(blobs, [s for s, p in zip(srcs, plan) if p is not None])])
+    return probe, need, bufs, [s for s, p in zip(srcs, plan) if p is not None], blobs
+
+
+def _check_recurrent_header(h: dict, src: int, rc) -> None:
+    """A hybrid sequence goes only into a HybridCache and a HybridCache takes only hybrid
+    sequences; the recurrent state's size is bounded by what the receiver could hold."""
+    size = h.get("recurrent")
+    if rc is None:
+        if size is not None:
+            raise _wire.Refusal(f"rank {src} sends a hybrid model's sequence (K/V and recurrent "
+                                "state): this cache is attention-only and would lose the state")
+        return
+    if size is None:
+        raise _wire.Refusal(f"rank {src} sends K/V without recurrent state: this HybridCache "
+                            "cannot serve the sequence without the state of its recurrent layers")
+    limit = (rc.config.max_restore_points + 2) * rc.config.state_bytes + (1 << 20)
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= limit:
+        raise _wire.Refusal(f"rank {src}: a recurrent state of {size!r} bytes (this cache holds "
+                            f"at most {limit})")
 
 
 def _snapshot_api():
@@ -448,6 +489,7 @@ def _snapshot_api():
 
 
 def _check_seq(cache, seq) -> int:
+    cache = _kv_half(cache)
     cfg = getattr(cache, "config", None) or cache.caches[0].config
     if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) \
             or not 0 <= int(seq) < cfg.max_seqs:
@@ -485,9 +527,12 @@ def _assemble(probe, need, bufs):
 
 
 def _import(link: _Link, cache, seq, at, received) -> int:
-    probe, need, bufs, senders = received
+    probe, need, bufs, senders, blobs = received
     try:
         snap = _assemble(probe, need, bufs)
+        if blobs:
+            part, kinds = _snapshot_api().recurrent_from_blob(_host(blobs[0]).tobytes())
+            snap = snap._with(recurrent=part, layer_kinds=kinds)
         n = cache.import_seq(seq, snap, at=at)
     except (ValueError, KVCacheError) as exc:
         _POOL.give([b[4] for b in bufs])
@@ -538,6 +583,7 @@ def irecv_seq(cache, seq: int, src: Union[int, Sequence[int]], *, at: Optional[i
 
 # -------------------------------------------------------------------------------- replication
 def _tables(cache) -> List[Any]:
+    cache = _kv_half(cache)
     caches = getattr(cache, "caches", None) or [cache]
     units = []
     for c in caches:   # a stream cache's cell tables are its streams'
@@ -562,6 +608,9 @@ def table_digest(cache) -> bytes:
     for table in _tables(cache):
         for arr in (table._ps, table._seqs, table._sidx, table._meta):
             h.update(np.ascontiguousarray(arr).tobytes())
+    if _kv_half(cache) is not cache:   # a HybridCache: its recurrent half's positions and points
+        rc = cache.rc
+        h.update(repr((rc._lo, rc._hi, [sorted(p) for p in rc._points])).encode())
     return h.digest()
 
 

@@ -44,7 +44,7 @@ import atexit
 import math
 import os
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -54,6 +54,7 @@ from . import events as ev
 from .index import BlockIndex, Entry, Match
 from .keys import block_keys, namespace, root_digest
 from .policy import make_policy
+from .tiers.base import BIND_RUN, is_bound
 from .tiers.host import HostTier
 from .writer import Job, TierWriter
 
@@ -61,6 +62,9 @@ CELLS, HOST = "cells", "host"
 #: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
 TokenIds = Union[Sequence[int], np.ndarray]
 _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
+#: the floor of an entry that can serve no length at all (its window pruned the whole prefix)
+_NEVER = 1 << 62
+_MAX_DISTRUST = 4096
 
 #: stores still open, closed at interpreter exit (weak: the registry keeps none alive)
 _LIVE: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
@@ -293,6 +297,9 @@ class PrefixStore:
         self.bytes_moved = 0
         self.events = ev.EventLog()
         self._lower: List[Any] = []
+        #: (tier name, block key) -> run key: lower-tier pointers found to name a run that does
+        #: not hold their block (skipped while they still name that run; bounded)
+        self._distrust: "OrderedDict[Tuple[str, str], str]" = OrderedDict()
         self._lower_specs = [(kind, spec, budget) for kind, spec, budget in
                              (("disk", disk_dir, disk_bytes), ("redis", remote, 0))
                              if spec is not None]
@@ -354,16 +361,24 @@ class PrefixStore:
         floor = 0
         for g, window, memory in self._sliding:
             first = g.seq_pos_min(seq)
+            if not 0 <= first < length:
+                # the window already pruned every position of the prefix (an empty sequence's
+                # seq_pos_min is -1): it can serve nothing, not "everything from 0"
+                return _NEVER
             held = max(first, length - memory)
             if held > 0:
                 floor = max(floor, held + window)
         return floor
 
     def _floor_of_snapshot(self, snap) -> int:
+        """As :meth:`_floor_of_seq`, for an exported snapshot (a sliding group's part holding
+        no position: nothing servable)."""
         floor = 0
         for (g, window, memory), part in zip(self._groups_windows(), snap.parts):
-            if window is None or memory is None or not len(part.positions):
+            if window is None or memory is None:
                 continue
+            if not len(part.positions):
+                return _NEVER
             first = int(part.positions[0])
             if first > 0:
                 floor = max(floor, first + window)
@@ -447,11 +462,16 @@ class PrefixStore:
         if not self._sliding and length and self.cache.seq_pos_min(seq) != 0:
             raise ValueError(f"seq {seq} does not hold position 0: it holds no prefix to save")
         pending = self._pending.pop(seq, [])
+        # on sliding-window caches the window may have pruned the whole prefix already (a
+        # prompt saved after a long generation): nothing of it can be served, keep nothing
+        servable = not self._sliding or self._floor_of_seq(seq, length) <= length
         if not cache or length == 0 or not self.retain_seqs:
             for r, _ in pending:
                 self._release_seq(r)
-            if cache and length and not self.retain_seqs and (self.host_bytes or self._lower) \
-                    and self._serves(root, buf) < length:
+            if cache and length and servable and not self.retain_seqs \
+                    and (self.host_bytes or self._lower):
+                if self._serves(root, buf) >= length:
+                    return length       # host RAM keeps it already
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = _owned(self.cache.export_seq(seq, 0, length))
                 self.bytes_moved += snap.nbytes
@@ -461,7 +481,7 @@ class PrefixStore:
                 return 0
             return 0
         self._pending[seq] = pending   # main may take one of them when nothing else is free
-        main = self._keep(seq, root, buf)
+        main = self._keep(seq, root, buf) if servable else None
         pending = self._pending.pop(seq, [])
         protect = {main.id} if main is not None else set()
         for r, n in pending:   # marked checkpoints: their tokens are known now (no new cells)
@@ -474,8 +494,8 @@ class PrefixStore:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
                 self._keep(seq, root, buf[:8 * c], protect=protect)
-        self._write_through(root, buf, seq=seq)
-        return 0 if main is None else length
+        queued = self._write_through(root, buf, seq=seq)
+        return length if main is not None or (queued and servable) else 0
 
     def checkpoint(self, seq: int) -> int:
         """Keep a sliding-window checkpoint at ``seq``'s current end (call it where a later
@@ -791,8 +811,10 @@ class PrefixStore:
     def _admit_host(self, root: bytes, buf: bytes, snap) -> bool:
         """Keep ``snap`` (the K/V of prompt ``buf``'s first tokens) in host RAM, evicting least
         recently used unpinned host entries (to the lower tiers) to fit; too large or no room:
-        straight to the lower tiers."""
+        straight to the lower tiers. Returns whether some tier now keeps it."""
         nbytes = int(snap.nbytes)
+        if self._sliding and self._floor_of_snapshot(snap) > len(buf) // 8:
+            return False    # its window holds none of the prefix: it could never be served
         if self.host_bytes and nbytes <= self.host_bytes:
             if not self.host.fits(nbytes):
                 for eid in self._policy[HOST].victims():
@@ -811,10 +833,9 @@ class PrefixStore:
                 return True
         path = self.index.insert_path(root, buf)     # the block keys (no entry covers them)
         try:
-            self._write_lower(path, snap)
+            return self._write_lower(path, snap)
         finally:
             self.index.prune(path)                   # nodes no entry covers leave the index
-        return False
 
     def _evict_host(self, e: Entry) -> None:
         self._drop_entry(e)
@@ -863,37 +884,59 @@ class PrefixStore:
                 snap = e.payload
             self._write_lower(e.path, snap)
 
-    def _write_lower(self, path, snap) -> None:
+    def _write_lower(self, path, snap) -> bool:
         """Give the run ``snap`` (owned rows of the prompt whose nodes are ``path``) to every
         lower tier (the disk for this host, Redis for all) through the background writer; when
         its queue is full, write it here (the entry is leaving the local tiers: it must not be
-        lost)."""
-        if self._writer is None or not path or self._writer.known(path[-1].key):
-            return   # none, or written (or queued) already: by write-through at its save
-        job = Job([node.key for node in path], snap, int(snap.nbytes), tag=path)
+        lost). Returns whether it was written or queued (False: no lower tier, or nothing of
+        it can be served: see :meth:`_job`)."""
+        if self._writer is None or not path:
+            return False
+        if self._writer.known(path[-1].key):
+            return True   # written (or queued) already: by write-through at its save
+        job = self._job(path, snap)
+        if job is None:
+            return False
         if not self._writer.submit(job):
             self._writer.write_now(job)
+        return True
+
+    def _job(self, path, snap) -> Optional[Job]:
+        """The writer's job for the run ``snap`` of the prompt ``path`` spells. Its bytes will
+        carry their run key and block keys (``tiers.base.binding``, under the snapshot's
+        checksum) so a read can check that what it got is what its key names (:meth:`_bound`).
+        On sliding-window caches only the blocks the run can serve (ending at or past its
+        floor) get a pointer, so a lookup never promises a length the run's window cannot
+        resume at; None when it can serve none."""
+        first = 0
+        if self._sliding:
+            floor = self._floor_of_snapshot(snap)
+            if floor > path[-1].end:
+                return None
+            first = next(i for i, node in enumerate(path) if node.end >= floor)
+        return Job([node.key for node in path], snap, int(snap.nbytes), tag=path,
+                   first=first)
 
     def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None
-                       ) -> None:
+                       ) -> bool:
         """A save reaches the lower tiers as it happens: queue the prompt's rows (``snap``, or
         a copy of ``seq``'s first ``len(buf)/8`` positions) for the background writer, unless
-        it already wrote or queued that run. A full queue drops the write (counted in
-        ``stats()["writer"]["refused"]``): the entry stays local and is written at its
-        eviction, ``flush`` or ``close``."""
+        it already wrote or queued that run; returns whether it is written or queued. A full
+        queue drops the write (counted in ``stats()["writer"]["refused"]``): the entry stays
+        local and is written at its eviction, ``flush`` or ``close``."""
         if self._writer is None or not self.write_through or not buf:
-            return
+            return False
         path = self.index.insert_path(root, buf)
         try:
             if self._writer.known(path[-1].key):
-                return
+                return True
             if snap is None:
                 try:
                     snap = _owned(self.cache.export_seq(seq, 0, len(buf) // 8))
                 except (KVCacheError, ValueError):
-                    return   # a cache that cannot export: written only if demoted
-            self._writer.submit(Job([node.key for node in path], snap, int(snap.nbytes),
-                                    tag=path))
+                    return False   # a cache that cannot export: written only if demoted
+            job = self._job(path, snap)
+            return job is not None and self._writer.submit(job)
         finally:
             self.index.prune(path)   # nodes no entry covers leave the index
 
@@ -904,8 +947,16 @@ class PrefixStore:
         for path, tier_name in self._writer.results():
             self.events.emit(ev.block_stored(path, self.block_tokens, tier_name))
 
+    @staticmethod
+    def _bound(snap, run_key: str, block: int, block_key: str) -> bool:
+        """Whether ``snap`` (read from a lower tier under ``run_key``, found by the pointer of
+        block ``block`` whose key is ``block_key``) is that run and holds that block: a file
+        copied or linked under another run's name, or a pointer rewritten to another run,
+        serves nothing."""
+        return is_bound(snap.metadata, run_key, block, block_key)
+
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
-        """``(n, (tier, run key, block index))``: the deepest block of ``buf`` a lower tier holds
+        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a lower tier holds
         beyond ``local`` tokens, one ``find_blocks`` round trip per tier."""
         keys = block_keys(np.frombuffer(buf, "<i8"), self.block_tokens, root)
         first = local // self.block_tokens
@@ -915,23 +966,37 @@ class PrefixStore:
         for tier in self._lower:
             found = tier.find_blocks(want)
             for i in range(len(found) - 1, -1, -1):
-                if found[i] is not None:
+                if found[i] is not None and (not self._distrust or self._distrust.get(
+                        (tier.name, want[i])) != found[i][0]):
                     b = first + i
                     n = min(len(buf) // 8, (b + 1) * self.block_tokens)
                     if n > local:
-                        return n, (tier, found[i][0], b)
+                        return n, (tier, found[i][0], b, want[i])
                     break
         return 0, None
 
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
-        n, (tier, run_key, _) = hit
+        n, (tier, run_key, block, block_key) = hit
         data = tier.read_runs([run_key])[0]
         if data is None:
             self._counts[tier.name]["misses"] += 1
             return 0
         try:
-            snap = _slice_snapshot(SeqSnapshot.from_bytes(data), n)
+            snap = SeqSnapshot.from_bytes(data)
+            if snap.metadata.get(BIND_RUN) != run_key:
+                raise StateError(f"the {tier.name} tier's run {run_key} holds another run's "
+                                 "bytes")
+            if not self._bound(snap, run_key, block, block_key):
+                # the run is whole but the pointer that led here names the wrong run: distrust
+                # the pointer (not the run) until it changes (a fresh save rewrites it)
+                self._distrust[(tier.name, block_key)] = run_key
+                while len(self._distrust) > _MAX_DISTRUST:
+                    self._distrust.popitem(last=False)
+                tier._count("invalid")
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            snap = _slice_snapshot(snap, n)
             if self._sliding and self._floor_of_snapshot(snap) > n:
                 self._counts[tier.name]["misses"] += 1
                 return 0

@@ -21,6 +21,8 @@ import threading
 from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
+from .tiers.base import binding
+
 #: remembered run keys the lower tiers hold (this process wrote them): saves of a prompt already
 #: written skip the copy; bounded, oldest forgotten first (forgetting only costs a rewrite)
 _WRITTEN_LIMIT = 65536
@@ -32,13 +34,15 @@ class Job:
     queue bound) and ``tag`` (anything the caller wants back with the result, e.g. index nodes
     for events)."""
 
-    __slots__ = ("keys", "snap", "nbytes", "tag")
+    __slots__ = ("keys", "snap", "nbytes", "tag", "first")
 
-    def __init__(self, keys: Sequence[str], snap: Any, nbytes: int, tag: Any = None) -> None:
+    def __init__(self, keys: Sequence[str], snap: Any, nbytes: int, tag: Any = None,
+                 first: int = 0) -> None:
         self.keys = list(keys)
         self.snap = snap
         self.nbytes = int(nbytes)
         self.tag = tag
+        self.first = int(first)   # blocks before it get no pointer (a window pruned them)
 
     @property
     def run_key(self) -> str:
@@ -167,8 +171,9 @@ class TierWriter:
 
     def _write(self, job: Job) -> None:
         try:
+            # the bytes carry their run and block keys: every read checks them (base.is_bound)
             data = job.snap if isinstance(job.snap, (bytes, bytearray, memoryview)) \
-                else job.snap.to_bytes()
+                else job.snap.to_bytes(binding(job.keys))
         except Exception:   # noqa: BLE001 - a bad snapshot must not kill the writer
             with self._cv:
                 self.counts["errors"] += 1
@@ -176,7 +181,7 @@ class TierWriter:
         ok_any = False
         for tier in self.tiers:
             try:
-                ok = tier.write_run(job.run_key, job.keys, data)
+                ok = tier.write_run(job.run_key, job.keys[job.first:], data)
             except Exception:   # noqa: BLE001 - tiers never raise on I/O; count anything else
                 with self._cv:
                     self.counts["errors"] += 1

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -205,6 +205,8 @@ class SeqSnapshot:
             attention-only cache. Only a ``HybridCache`` imports a snapshot that has one.
         layer_kinds: with ``recurrent``, the hybrid's ``layer_kinds`` (``"attention"`` /
             ``"recurrent"`` per model layer), which an importing cache must share.
+        metadata: str -> str pairs saved with the bytes (covered by their checksum), e.g. what
+            the prefix tiers bind a run to (its run and block keys); empty by default.
     """
 
     parts: Tuple[SnapshotPart, ...]
@@ -212,6 +214,7 @@ class SeqSnapshot:
     head_range: Tuple[int, int]
     recurrent: Optional["RecurrentPart"] = None
     layer_kinds: Optional[Tuple[str, ...]] = None
+    metadata: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parts = self.parts
@@ -234,6 +237,7 @@ class SeqSnapshot:
                                  f"{hr[1] - hr[0]}")
         object.__setattr__(self, "parts", tuple(parts))
         object.__setattr__(self, "head_range", hr)
+        object.__setattr__(self, "metadata", _st._check_metadata(self.metadata))
         if self.recurrent is not None:
             if not isinstance(self.recurrent, RecurrentPart):
                 raise ValueError(f"recurrent must be None or a RecurrentPart, got "
@@ -362,9 +366,12 @@ class SeqSnapshot:
                            head_range=(first.head_range[0], snaps[-1].head_range[1]))
 
     # ---------------------------------------------------------------- bytes
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, metadata: Optional[Dict[str, str]] = None) -> bytes:
         """The snapshot in the state codec (safetensors with a checksum; kind
-        ``seq-snapshot``)."""
+        ``seq-snapshot``), with ``self.metadata`` updated by ``metadata`` (str -> str; read back
+        as ``from_bytes(...).metadata``)."""
+        meta = dict(self.metadata)
+        meta.update(_st._check_metadata(metadata))
         config = {"head_range": list(self.head_range), "fingerprint": self.fingerprint,
                   "parts": [{"k_format": p.k_format, "v_format": p.v_format,
                              "n_layers": p.n_layers} for p in self.parts]}
@@ -382,7 +389,7 @@ class SeqSnapshot:
                 specs += _part_specs(p, f"g{g}.")
             if self.recurrent is not None:
                 specs += recurrent_specs(self.recurrent, "r.")
-            return _st._base_metadata(KIND, config, None), specs
+            return _st._base_metadata(KIND, config, meta), specs
         return _st._to_bytes(build, False)
 
     @staticmethod
@@ -522,7 +529,8 @@ def _snapshot_of_state(state) -> SeqSnapshot:
     rec = None if rec_specs is None else recurrent_part_of(state, "r.", rec_specs)
     try:
         return SeqSnapshot(parts=tuple(parts), fingerprint=fp, head_range=head_range,
-                           recurrent=rec, layer_kinds=None if rec is None else tuple(kinds))
+                           recurrent=rec, layer_kinds=None if rec is None else tuple(kinds),
+                           metadata=state.user_metadata())
     except ValueError as exc:
         raise state.fail(str(exc)) from None
 
@@ -1337,3 +1345,28 @@ def recurrent_part_of(state, prefix: str, specs) -> RecurrentPart:
     except ValueError as exc:
         raise state.fail(f"recurrent state{' ' + prefix.rstrip('.') if prefix else ''}: "
                          f"{exc}") from None
+
+
+def recurrent_blob(part: RecurrentPart, layer_kinds: Sequence[str]) -> bytes:
+    """``part`` (and the hybrid's ``layer_kinds``) as a ``recurrent-seq`` state: what
+    ``numbakv.dist`` sends after a hybrid snapshot's K/V rows (a ``RecurrentCache`` can load it
+    as one sequence)."""
+    config = {"layout": part.layout(), "seqs": [0], "layer_kinds": list(layer_kinds)}
+    return _st._to_bytes(lambda: (_st._base_metadata("recurrent-seq", config, None),
+                                  recurrent_specs(part, "s0.")), False)
+
+
+def recurrent_from_blob(data: bytes) -> Tuple[RecurrentPart, Tuple[str, ...]]:
+    """``(part, layer_kinds)`` from :func:`recurrent_blob` output; anything else raises
+    ``StateError``. The arrays are views of ``data``."""
+    with _st._Opened(data) as state, _st._untrusted(state.what):
+        if state.kind != "recurrent-seq":
+            raise state.fail(f"kind {state.kind!r} is not a sequence's recurrent state")
+        kinds = state.config.get("layer_kinds")
+        if not isinstance(kinds, list) or not kinds or \
+                not all(k in ("attention", "recurrent") for k in kinds):
+            raise state.fail("config field 'layer_kinds' must list 'attention' / 'recurrent'")
+        specs, _, expected = recurrent_expect(state, "s0.", state.config.get("layout"))
+        state.expect(expected)
+        state.verify_checksum()
+        return recurrent_part_of(state, "s0.", specs), tuple(kinds)

@@ -87,6 +87,12 @@ class BenchSettings:
     seqops_capacities: List[int] = field(default_factory=lambda: [4096, 32768, 262144])
     spec_contexts: List[int] = field(default_factory=lambda: [4096, 32768])
     spec_layers: int = 8
+    #: decode section: rounds per (batch, context); each round rebuilds every contender and
+    #: interleaves their steps, and the spread of the rounds' ratios is reported
+    rounds: int = 3
+    #: threads torch and numba's parallel kernels use (None: the CPUs this process may run on),
+    #: set explicitly so a run says what it ran with
+    threads: Optional[int] = None
     quick: bool = False
     sections: List[str] = field(default_factory=lambda: ["decode", "kernels", "capacity"])
 
@@ -107,7 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         # ratios hold between runs; the other sections only when asked (--sections)
         s.layers, s.kv_heads, s.head_dim = 8, 8, 128
         s.contexts, s.batches = [1024], [1, 8]
-        s.budget, s.min_reps = 0.05, 5
+        s.budget, s.min_reps, s.rounds = 0.25, 5, 5
         s.sections = ["decode"]
         s.capacities, s.capacity_context, s.capacity_layers = [64, 256, 1024], 16, 2
         s.put_tokens, s.mask_shapes = [1, 64, 512], [(2, 64), (16, 256)]
@@ -131,6 +137,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         if not args.budget > 0:
             raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
         s.budget = float(args.budget)
+    if args.rounds is not None:
+        s.rounds = _positive("--rounds", args.rounds)
+    if args.threads is not None:
+        s.threads = _positive("--threads", args.threads)
     if args.sections is not None:
         names = [x.strip() for x in args.sections.split(",") if x.strip()]
         bad = [x for x in names if x not in SECTIONS]
@@ -818,11 +828,122 @@ def _missing(modules: Sequence[str]) -> List[str]:
 
 
 # --------------------------------------------------------------------------------- sections
+def measure_interleaved(contenders: Sequence["_Contender"], *, sync: Callable[[], None],
+                        budget: float, min_reps: int = 5) -> List[Dict[str, Any]]:
+    """Per-step wall times of several contenders, their steps interleaved (one step of each in
+    turn, each followed by its untimed ``reset``), so that a load that comes and goes on a
+    shared machine moves every contender alike and their ratios stay meaningful.
+
+    Each contender is timed for ``budget`` seconds of its own steps and at least ``min_reps``
+    steps; one whose warm step takes more than the whole budget gets 2 samples, more than a
+    third of it 3 (the copying baselines stay affordable). ``begin``/``end`` run around each
+    step, untimed. The garbage collector is off while timing. Returns one ``{"median_us",
+    "p10_us", "p90_us", "reps", "times_us"}`` per contender, in order."""
+    n = len(contenders)
+    times: List[List[float]] = [[] for _ in range(n)]
+    spent = [0.0] * n
+    quota: List[Optional[int]] = [None] * n
+    for i, c in enumerate(contenders):          # warm-up, and how slow each one is
+        c.begin()
+        try:
+            t0 = time.perf_counter()
+            c.step()
+            sync()
+            first = time.perf_counter() - t0
+            c.reset()
+        finally:
+            c.end()
+        if first > budget:
+            quota[i] = min(min_reps, 2)
+        elif first > budget / 3:
+            quota[i] = min(min_reps, 3)
+
+    def done(i: int) -> bool:
+        if quota[i] is not None:
+            return len(times[i]) >= quota[i]
+        return len(times[i]) >= min_reps and spent[i] >= budget
+
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        while not all(done(i) for i in range(n)):
+            for i, c in enumerate(contenders):
+                if done(i) or len(times[i]) >= 100_000:
+                    continue
+                c.begin()
+                try:
+                    t0 = time.perf_counter()
+                    c.step()
+                    sync()
+                    dt = time.perf_counter() - t0
+                    c.reset()
+                finally:
+                    c.end()
+                times[i].append(dt)
+                spent[i] += dt
+    finally:
+        if gc_was_on:
+            gc.enable()
+    out = []
+    for t in times:
+        arr = np.asarray(t) * 1e6
+        out.append({"median_us": float(np.median(arr)), "p10_us": float(np.percentile(arr, 10)),
+                    "p90_us": float(np.percentile(arr, 90)), "reps": len(t),
+                    "times_us": arr.tolist()})
+    return out
+
+
+def _build_checked(name: str, cls, s: BenchSettings, batch: int, context: int,
+                   inputs: "_DecodeInputs", dev: _Device, notes: List[str], skipped: set):
+    """A contender built, its first step checked to return the token it stored (then rolled
+    back); None (with a note) when it cannot run or does not store."""
+    label = f"batch {batch} context {context} {name}"
+    try:
+        contender = cls(s, batch, context, inputs, dev)
+    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is noted
+        if name == "numbakv":
+            raise
+        if name not in skipped:
+            notes.append(f"{name}: skipped, {type(exc).__name__}: {exc}")
+            skipped.add(name)
+        return None
+    contender.begin()
+    try:
+        out = contender.step()
+        dev.sync()
+        ok = bool(contender.verify(out))
+        contender.reset()
+    finally:
+        contender.end()
+    if not ok:
+        if label not in skipped:
+            notes.append(f"{label}: its step did not return the stored token; not timed")
+            skipped.add(label)
+        contender.close()
+        return None
+    return contender
+
+
+def _close(contenders, dev: _Device) -> None:
+    for c in contenders:
+        c.close()
+    contenders.clear()
+    gc.collect()
+    dev.release()
+
+
 def run_decode(s: BenchSettings, dev: _Device, notes: List[str],
                log: Callable[[str], None]) -> List[dict]:
-    """The decode-step table: one row per (batch, context, contender)."""
+    """The decode-step table: one row per (batch, context, contender).
+
+    Each (batch, context) is measured in ``s.rounds`` rounds. In a round every contender is
+    built and checked; when they all fit in memory together their steps are interleaved
+    (:func:`measure_interleaved`), else each is timed alone in turn (the order rotates from
+    round to round). A row's ``median_us`` is the median of its rounds' medians and
+    ``round_us`` lists those, so a ratio's spread between rounds is known (the report prints
+    it and says when a difference is inside it)."""
     rows: List[dict] = []
-    skipped = set()
+    skipped: set = set()
     available = []
     for name, cls, needs in CONTENDERS:
         if cls is NumbakvOneThreadContender and not _numba_threads_matter(dev):
@@ -834,58 +955,93 @@ def run_decode(s: BenchSettings, dev: _Device, notes: List[str],
             continue
         available.append((name, cls))
     itemsize = np.dtype(s.dtype).itemsize
+    rounds = max(1, s.rounds)
+    budget = s.budget / rounds
     for batch in s.batches:
         inputs = _DecodeInputs(s, batch, dev)
         for context in s.contexts:
             need = 2 * batch * (context + _MARGIN) * s.layers * s.kv_heads * s.head_dim * itemsize
+            fitting = []
             for name, cls in available:
-                label = f"batch {batch} context {context} {name}"
                 free = dev.free_bytes()
                 if free is not None and cls.memory_factor * need > _MEMORY_SHARE * free:
-                    notes.append(f"{label}: skipped, needs {cls.memory_factor * need / 2**30:.1f}"
-                                 f" GiB and {free / 2**30:.1f} GiB is free")
+                    notes.append(f"batch {batch} context {context} {name}: skipped, needs "
+                                 f"{cls.memory_factor * need / 2**30:.1f} GiB and "
+                                 f"{free / 2**30:.1f} GiB is free")
                     continue
+                fitting.append((name, cls))
+            free = dev.free_bytes()
+            together = free is None or \
+                sum(cls.memory_factor for _, cls in fitting) * need <= _MEMORY_SHARE * free
+            per_round: Dict[str, List[dict]] = {}
+            breakdown: Dict[str, Tuple[float, float]] = {}
+            for r in range(rounds):
+                shift = r % max(1, len(fitting))
+                order = fitting[shift:] + fitting[:shift]
+                live: List[_Contender] = []
                 try:
-                    contender = cls(s, batch, context, inputs, dev)
-                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is noted
-                    if name == "numbakv":
-                        raise
-                    if name not in skipped:
-                        notes.append(f"{name}: skipped, {type(exc).__name__}: {exc}")
-                        skipped.add(name)
-                    continue
-                try:
-                    contender.begin()
-                    out = contender.step()
-                    dev.sync()
-                    ok = bool(contender.verify(out))
-                    contender.reset()
-                    if not ok:
-                        notes.append(f"{label}: its step did not return the stored token; "
-                                     "not timed")
-                        continue
-                    res = measure(contender.step, contender.reset, sync=dev.sync,
-                                  budget=s.budget, min_reps=s.min_reps)
-                    row = {"batch": batch, "context": context, "contender": contender.name,
-                           "verified": ok, **res}
-                    if isinstance(contender, NumbakvContender):
-                        row["start_forward_us"] = measure(
-                            contender.start_forward_only, contender.reset, sync=dev.sync,
-                            budget=s.budget / 2, min_reps=s.min_reps)["median_us"]
-                        contender.start_forward_only()
-                        row["layers_us"] = measure(contender.layers_only, sync=dev.sync,
-                                                   budget=s.budget / 2,
-                                                   min_reps=s.min_reps)["median_us"]
-                        contender.reset()
-                    rows.append(row)
-                    log(f"  {label}: {res['median_us']:.1f} us/step ({res['reps']} reps)")
+                    if together:
+                        for name, cls in order:
+                            c = _build_checked(name, cls, s, batch, context, inputs, dev, notes,
+                                               skipped)
+                            if c is not None:
+                                live.append(c)
+                        results = measure_interleaved(live, sync=dev.sync, budget=budget,
+                                                      min_reps=s.min_reps)
+                        for c, res in zip(live, results):
+                            per_round.setdefault(c.name, []).append(res)
+                    else:
+                        for name, cls in order:
+                            c = _build_checked(name, cls, s, batch, context, inputs, dev, notes,
+                                               skipped)
+                            if c is None:
+                                continue
+                            live.append(c)
+                            res = measure_interleaved([c], sync=dev.sync, budget=budget,
+                                                      min_reps=s.min_reps)[0]
+                            per_round.setdefault(c.name, []).append(res)
+                            if r == rounds - 1 and isinstance(c, NumbakvContender):
+                                breakdown[c.name] = _breakdown(c, s, dev)
+                            _close(live, dev)
+                    if r == rounds - 1:
+                        for c in live:
+                            if isinstance(c, NumbakvContender):
+                                breakdown[c.name] = _breakdown(c, s, dev)
                 finally:
-                    contender.end()
-                    contender.close()
-                    del contender
-                    gc.collect()
-                    dev.release()
+                    _close(live, dev)
+            for name, _ in fitting:
+                got = per_round.get(name)
+                if not got:
+                    continue
+                pooled = np.concatenate([g["times_us"] for g in got])
+                row = {"batch": batch, "context": context, "contender": name, "verified": True,
+                       "median_us": float(np.median([g["median_us"] for g in got])),
+                       "p10_us": float(np.percentile(pooled, 10)),
+                       "p90_us": float(np.percentile(pooled, 90)),
+                       "reps": int(sum(g["reps"] for g in got)),
+                       "round_us": [g["median_us"] for g in got],
+                       "interleaved": together}
+                if name in breakdown:
+                    row["start_forward_us"], row["layers_us"] = breakdown[name]
+                rows.append(row)
+                log(f"  batch {batch} context {context} {name}: {row['median_us']:.1f} us/step "
+                    f"({row['reps']} reps, {len(got)} rounds)")
     return rows
+
+
+def _breakdown(c: "NumbakvContender", s: BenchSettings, dev: _Device) -> Tuple[float, float]:
+    """numbakv's step split: ``start_forward`` alone, and the layers' put + get alone."""
+    c.begin()
+    try:
+        sf = measure(c.start_forward_only, c.reset, sync=dev.sync, budget=s.budget / 4,
+                     min_reps=s.min_reps)["median_us"]
+        c.start_forward_only()
+        layers = measure(c.layers_only, sync=dev.sync, budget=s.budget / 4,
+                         min_reps=s.min_reps)["median_us"]
+        c.reset()
+    finally:
+        c.end()
+    return sf, layers
 
 
 def _storage(s: BenchSettings, dev: _Device, n_cells: int, layers: int):
@@ -1235,6 +1391,26 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
 
 
 # --------------------------------------------------------------------------------- reporting
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _set_threads(s: BenchSettings) -> None:
+    """torch's intra-op threads and numba's parallel kernels get ``s.threads`` (default: the
+    CPUs this process may use), explicitly: torch's own default (physical cores, or what
+    OMP_NUM_THREADS says) differs between machines and made the baselines swing between runs."""
+    if s.threads is None:
+        s.threads = _usable_cpus()
+    torch = _optional_torch()
+    if torch is not None:
+        torch.set_num_threads(s.threads)
+    import numba
+    numba.set_num_threads(min(s.threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def machine_info(dev: _Device) -> dict:
     """What the figures were measured on."""
     info = {"platform": platform.platform(), "python": platform.python_version(),
@@ -1247,6 +1423,13 @@ def machine_info(dev: _Device) -> dict:
     torch = _optional_torch()
     if torch is not None:
         info["torch_threads"] = torch.get_num_threads()
+    import numba
+    info["numba_threads"] = numba.get_num_threads()
+    info["cpus"] = _usable_cpus()
+    try:
+        info["load_1min"] = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        info["load_1min"] = None
     if dev.name == "cuda":
         cupy = dev.xp
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
@@ -1282,7 +1465,10 @@ def format_report(results: dict) -> str:
              f"{', GPU ' + m['gpu'] if m.get('gpu') else ''}"
              f"; numpy {m['numpy']}, numba {m['numba']}, torch {m['torch'] or '-'}"
              f"{' (' + str(m.get('torch_threads')) + ' threads)' if m.get('torch') else ''}, "
-             f"transformers {m['transformers'] or '-'}"]
+             f"transformers {m['transformers'] or '-'}"
+             + (f"; numba threads {m['numba_threads']}" if m.get("numba_threads") else "")
+             + (f"; 1-minute load {m['load_1min']:.1f} on {m['cpus']} CPUs"
+                if m.get("load_1min") is not None else "")]
     from .bench_summary import headline
     lines += headline(results)
     decode = results.get("decode", [])
@@ -1302,17 +1488,24 @@ def format_report(results: dict) -> str:
             cells = [_fmt_us(by[(b, c, n)]["median_us"]) if (b, c, n) in by else "-"
                      for n in names]
             lines.append(f"{b:>5} {c:>7} " + " ".join(f"{x:>{w}}" for x in cells))
-        lines += ["", "numbakv speed-up (contender us / numbakv us; > 1: numbakv is faster)"]
+        from .bench_summary import ratio_spread
+        lines += ["", "numbakv speed-up (contender us / numbakv us; > 1: numbakv is faster; "
+                  "[lowest-highest round]; ~ marks a difference inside the noise)"]
         others = [n for n in names if not n.startswith("numbakv")]
-        lines.append(f"{'batch':>5} {'context':>7} " + " ".join(f"{n:>15}" for n in others))
+        w2 = 24
+        lines.append(f"{'batch':>5} {'context':>7} " + " ".join(f"{n:>{w2}}" for n in others))
         for b, c in keys:
             ours = by.get((b, c, "numbakv"))
             cells = []
             for n in others:
                 theirs = by.get((b, c, n))
-                cells.append(f"{theirs['median_us'] / ours['median_us']:.2f}x"
-                             if ours and theirs else "-")
-            lines.append(f"{b:>5} {c:>7} " + " ".join(f"{x:>15}" for x in cells))
+                if not (ours and theirs):
+                    cells.append("-")
+                    continue
+                ratio, lo, hi = ratio_spread(ours, theirs)
+                cells.append(f"{'~' if lo is not None and lo < 1 < hi else ''}{ratio:.2f}x"
+                             + (f" [{lo:.2f}-{hi:.2f}]" if lo is not None else ""))
+            lines.append(f"{b:>5} {c:>7} " + " ".join(f"{x:>{w2}}" for x in cells))
         lines += _storage_only_table(decode, by, keys, others)
         lines += _what_differs(s, decode)
         ours = [r for r in decode if r["contender"].startswith("numbakv")
@@ -1524,7 +1717,14 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = lambda _: None) -> 
     """Run the sections of ``s`` and return every figure as a JSON-ready dict."""
     dev = _Device(s.device)
     notes: List[str] = []
+    _set_threads(s)
     results: dict = {"settings": asdict(s), "machine": machine_info(dev), "notes": notes}
+    load = results["machine"].get("load_1min")
+    if load is not None and load > (results["machine"].get("cpus") or 1):
+        notes.append(f"the machine was busy when the run started (1-minute load {load:.1f} on "
+                     f"{results['machine'].get('cpus')} CPUs): absolute times are inflated; "
+                     "the ratios come from interleaved steps and their spread says how much "
+                     "to trust them")
     # machine_info imported torch and transformers: with their hundreds of thousands of objects
     # tracked, every gc.collect() between contenders would take half a second. Freezing moves
     # them out of the collector's sight for this run.
@@ -1890,6 +2090,13 @@ def add_parser(subparsers) -> None:
                    help="save the plot there (nothing is written unless asked)")
     p.add_argument("--no-plot", action="store_true",
                    help="no plot (the default; kept for old scripts)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="decode section: rounds per shape, each rebuilding and interleaving "
+                        "every contender; the report gives the spread between rounds "
+                        "(default 3, --quick 5)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for torch and numba's parallel kernels (default: the CPUs "
+                        "this process may use), set explicitly and reported")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--verbose", "-v", action="store_true", help="print progress")
     p.set_defaults(func=main)

@@ -36,7 +36,7 @@ import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["ByteTier", "FORMAT_VERSION", "check_key", "check_keys", "check_namespace",
-           "check_budget"]
+           "check_budget", "BIND_RUN", "BIND_BLOCKS", "binding", "is_bound"]
 
 #: Version of the tiers' on-disk / in-server layout; part of every path and key, so a future
 #: layout never reads this one's entries (it misses instead).
@@ -93,6 +93,28 @@ def check_budget(budget_bytes) -> int:
     if budget < 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget}")
     return budget
+
+
+#: snapshot metadata that binds a run's bytes to their key: the run key and the block keys
+#: (csv, first to last) of the prompt they hold. The store writes them into the snapshot
+#: (``SeqSnapshot.to_bytes(binding(keys))``, covered by its checksum) and checks them on every
+#: read (:func:`is_bound`), whichever tier the bytes came from.
+BIND_RUN, BIND_BLOCKS = "prefix.run", "prefix.blocks"
+
+
+def binding(block_keys: Sequence[str]) -> Dict[str, str]:
+    """The metadata binding a run's bytes to ``block_keys`` (its last key is the run key)."""
+    return {BIND_RUN: block_keys[-1], BIND_BLOCKS: ",".join(block_keys)}
+
+
+def is_bound(metadata: Dict[str, str], run_key: str, block: int, block_key: str) -> bool:
+    """Whether bytes whose snapshot metadata is ``metadata``, read under ``run_key`` through the
+    pointer of block number ``block`` (key ``block_key``), are that run and hold that block: a
+    file copied or linked under another run's name, a value of another run, or a pointer
+    rewritten to another run fail."""
+    blocks = metadata.get(BIND_BLOCKS, "").split(",")
+    return metadata.get(BIND_RUN) == run_key and blocks[-1] == run_key \
+        and 0 <= block < len(blocks) and blocks[block] == block_key
 
 
 def check_data(data) -> memoryview:

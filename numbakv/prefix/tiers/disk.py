@@ -56,6 +56,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import struct
 import time
 import zlib
@@ -180,9 +181,12 @@ def _pid_alive(pid: int) -> bool:
 def _read_header(path: str) -> Tuple[dict, int]:
     """The JSON header and the total size of the run file at ``path``; ``ValueError`` when it
     is not a whole run file of this format version, ``OSError`` when it cannot be read."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        size = st.st_size
         fixed = os.pread(fd, _FIXED.size, 0)
         if len(fixed) != _FIXED.size:
             raise ValueError("shorter than the fixed header")
@@ -197,6 +201,37 @@ def _read_header(path: str) -> Tuple[dict, int]:
     if not isinstance(header, dict) or not isinstance(header.get("blocks"), list):
         raise ValueError("malformed header")
     return header, size
+
+
+def _open_run(path: str, namespace: str, run: str) -> Tuple[int, int, int]:
+    """Open the run file at ``path`` for reading: ``(fd, payload length, payload offset)``.
+
+    Never follows a symbolic link (``O_NOFOLLOW``) nor blocks on a FIFO or device
+    (``O_NONBLOCK``; anything but a regular file is refused), and binds the bytes to their key:
+    the fixed header's sizes must add up to the file's size (a corrupted u64 length never
+    reaches the allocator), and the JSON header must name this namespace and ``run``. Raises
+    ``FileNotFoundError`` when absent, ``ValueError`` / ``OSError`` otherwise (the fd closed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        fixed = os.pread(fd, _FIXED.size, 0)
+        if len(fixed) != _FIXED.size:
+            raise ValueError("shorter than the fixed header")
+        magic, hlen, plen = _FIXED.unpack(fixed)
+        if magic != _MAGIC:
+            raise ValueError("not a numbakv run file of this format version")
+        if hlen > _MAX_HEADER or _FIXED.size + hlen + plen != st.st_size:
+            raise ValueError("sizes in the header do not match the file")
+        header = json.loads(os.pread(fd, hlen, _FIXED.size))
+        if not isinstance(header, dict) or header.get("namespace") != namespace \
+                or header.get("run") != run:
+            raise ValueError("the header names another namespace or run")
+        return fd, plen, _FIXED.size + hlen
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class _Index:
@@ -276,7 +311,11 @@ class _Index:
             return False
         if st.st_ino != self.ino or st.st_size < self.off:
             try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                             | os.O_NONBLOCK)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    return False
             except OSError:
                 return False
             if self.fd >= 0:
@@ -353,8 +392,11 @@ class DiskTier(ByteTier):
                 self._reconcile()
         except OSError as exc:
             self.close()
+            # name the file at fault (os.replace's target is filename2)
+            what = exc.filename2 or exc.filename
             raise ValueError(f"directory (disk_dir) {self.directory!r} cannot be used: "
-                             f"{exc.strerror or exc}") from exc
+                             + (f"{what}: " if what else "")
+                             + f"{exc.strerror or exc}") from exc
 
     # -- construction --------------------------------------------------------------------------
     def _open_checked(self) -> None:
@@ -367,6 +409,13 @@ class DiskTier(ByteTier):
             self._lock_fd = os.open(os.path.join(self._dir, "lock"),
                                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             os.listdir(self._runs_dir)
+            try:
+                mode = os.lstat(self._log_path).st_mode
+            except FileNotFoundError:
+                mode = stat.S_IFREG
+            if not stat.S_ISREG(mode):   # a directory, FIFO or link (never leave the folder)
+                raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+                              "the index log is not a regular file", self._log_path)
             # a real write probe: os.access says yes to root on a read-only mount
             probe = os.path.join(self._runs_dir, f"{_TMP_PREFIX}{_HOST}.{os.getpid()}.probe")
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -382,7 +431,8 @@ class DiskTier(ByteTier):
                     errno.ENOSPC: "is on a full file system",
                     errno.ENOTDIR: "has a path component that is not a directory"}.get(
                         exc.errno, f"cannot be used ({exc.strerror or exc})")
-            raise ValueError(f"{where} {kind}: {exc.filename or ''}".rstrip(": ")) from exc
+            raise ValueError(f"{where} {kind}: {exc.filename2 or exc.filename or ''}".rstrip(": ")) \
+                from exc
 
     # -- locking -------------------------------------------------------------------------------
     class _Held:
@@ -425,7 +475,8 @@ class DiskTier(ByteTier):
         """Append index lines (the caller holds the lock for stored/removed lines)."""
         if not lines:
             return
-        fd = os.open(self._log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(self._log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                     | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
         try:
             data = b"".join(lines)
             # a line torn by a crash has no newline: start ours on a line of its own
@@ -591,12 +642,16 @@ class DiskTier(ByteTier):
             # only runs the index lists: a file under a run's name that no writer of this
             # namespace logged (copied in, another model's) is never served
             known = [not closed and run in self._ix.runs for run in runs]
+        bad = []
         for run, listed in zip(runs, known):
             data = self._read_one(run) if listed else None
             if data is False:
                 errors += 1
+                bad.append(run)
                 data = None
             out.append(data)
+        for run in bad:   # not a whole run of ours: drop it, so neither a lookup nor a
+            self.report_invalid(run)   # rewrite of the same key trusts it again
         hits = sum(1 for x in out if x is not None)
         with self._lock:
             self._counts["hits"] += hits
@@ -610,21 +665,15 @@ class DiskTier(ByteTier):
 
     def _read_one(self, run: str):
         """The payload of ``run``'s file; ``None`` when absent, ``False`` on an I/O error or a
-        file that is not a whole run of ours."""
+        file that is not a whole run of ours (see :func:`_open_run`)."""
         try:
-            fd = os.open(self._path(run), os.O_RDONLY | os.O_CLOEXEC)
+            fd, plen, offset = _open_run(self._path(run), self.namespace, run)
         except FileNotFoundError:
             return None
-        except OSError:
+        except (OSError, ValueError):
             return False
         try:
-            fixed = os.pread(fd, _FIXED.size, 0)
-            if len(fixed) != _FIXED.size:
-                return False
-            magic, hlen, plen = _FIXED.unpack(fixed)
-            if magic != _MAGIC or hlen > _MAX_HEADER:
-                return False
-            data = _read_bytes(fd, plen, _FIXED.size + hlen)
+            data = _read_bytes(fd, plen, offset)
             if len(data) != plen:
                 return False
             try:
@@ -632,7 +681,7 @@ class DiskTier(ByteTier):
             except OSError:
                 pass
             return data
-        except OSError:
+        except (OSError, MemoryError, OverflowError):
             return False
         finally:
             os.close(fd)
@@ -648,8 +697,7 @@ class DiskTier(ByteTier):
             return False
         with self._lock:
             self._ix.refresh()
-            entry = self._ix.runs.get(run)
-            if entry is not None and entry[1] == tuple(keys) and self._touch(run):
+            if self._stored(run, keys):
                 return True
         tmp = os.path.join(self._runs_dir,
                            f"{_TMP_PREFIX}{_HOST}.{os.getpid()}.{os.urandom(6).hex()}")
@@ -657,8 +705,7 @@ class DiskTier(ByteTier):
             self._write_tmp(tmp, header, view)
             with self._locked():
                 self._ix.refresh()
-                entry = self._ix.runs.get(run)
-                if entry is not None and entry[1] == tuple(keys) and self._touch(run):
+                if self._stored(run, keys):
                     os.unlink(tmp)          # another writer stored it meanwhile
                     return True
                 if not self._make_room(size, keep=run):
@@ -691,11 +738,25 @@ class DiskTier(ByteTier):
     def _fsync_dir(self) -> None:
         fsync_dir(self._runs_dir)
 
+    def _stored(self, run: str, keys: Sequence[str]) -> bool:
+        """Whether ``run`` is stored with exactly ``keys``, every one of them pointing to it,
+        and its file still whole (then made young again): a rewrite can be skipped."""
+        entry = self._ix.runs.get(run)
+        blocks = self._ix.blocks
+        return entry is not None and entry[1] == tuple(keys) \
+            and all(blocks.get(k) == (run, i) for i, k in enumerate(keys)) and self._touch(run)
+
     def _touch(self, run: str) -> bool:
+        """Make ``run`` young again if its file is still a regular file of the size the index
+        records (a truncated or replaced one is written again instead)."""
+        entry = self._ix.runs.get(run)
         try:
-            os.utime(self._path(run))
+            st = os.stat(self._path(run), follow_symlinks=False)
+            if entry is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry[0]:
+                return False
+            os.utime(self._path(run), follow_symlinks=False)
             return True
-        except OSError:
+        except (OSError, NotImplementedError):
             return False
 
     def _make_room(self, size: int, keep: str) -> bool:

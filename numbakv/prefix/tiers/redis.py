@@ -85,6 +85,12 @@ local meta = redis.call('HGET', KEYS[1], run)
 if meta then
   if redis.call('EXISTS', prefix .. 'r:' .. run) == 1 and
      string.sub(meta, string.find(meta, '|', 1, true) + 1) == ARGV[7] then
+    -- already stored: point its blocks at it again (a pointer rewritten to another run heals)
+    local i = 0
+    for bk in string.gmatch(ARGV[7], '[^,]+') do
+      redis.call('SET', prefix .. 'b:' .. bk, run .. ':' .. i)
+      i = i + 1
+    end
     redis.call('ZADD', KEYS[2], ARGV[6], run)
     return 0
   end
