@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import KVCacheError
+from ..errors import KVCacheError, NotSupportedError
 
 
 class StateRows:
@@ -328,11 +328,17 @@ def generation_layer_class():
 
         def _views(self) -> Dict[str, Any]:
             state = self.state
-            if state.cache is None:
+            state.ensure_begun()
+            if state.cache is None or state.seqs is None:
                 raise ValueError(f"layer {self.layer}: no forward pass began (the generation "
                                  "cache begins each pass in a forward pre-hook of its model)")
-            views = recurrent_half(state.cache).state_views(self.recurrent_layer,
-                                                            list(range(state.batch)))
+            seqs = [int(s) for s in state.seqs]
+            if not _is_consecutive(seqs):
+                raise NotSupportedError(f"the rows' sequences {seqs} are not consecutive ids: a "
+                                        "hybrid model's generation cache hands the model views "
+                                        "of consecutive state rows (keep retain_seqs at the "
+                                        "ends of the id range)")
+            views = recurrent_half(state.cache).state_views(self.recurrent_layer, seqs)
             return {n: torch.from_dlpack(a) for n, a in views.items()}
 
         def lazy_initialization(self, conv_states=None, recurrent_states=None,
@@ -376,12 +382,47 @@ def generation_layer_class():
     return NumbakvRecurrentLayer
 
 
+class RecurrentStateCalls:
+    """The linear-attention calls of transformers' ``Cache`` (``get_conv_state``, ...) that
+    first begin the pass the forward pre-hook saw start (:func:`begin_passes_in_a_hook`): in
+    most hybrids a recurrent layer is the first to touch the cache, before any attention layer
+    could say how many tokens the pass has. Mixed into a generation cache's class; the class
+    sets ``_numbakv_state``."""
+
+    _numbakv_state: Any = None
+
+    def _begun(self) -> None:
+        if self._numbakv_state is not None:
+            self._numbakv_state.ensure_begun()
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        self._begun()
+        return super().get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        self._begun()
+        return super().get_recurrent_state(layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        self._begun()
+        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0,
+                               **kwargs):
+        self._begun()
+        return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx: Optional[int] = None,
+                           state_idx: Optional[int] = None) -> bool:
+        self._begun()
+        return super().has_previous_state(layer_idx, state_idx)
+
+
 def begin_passes_in_a_hook(model: Any, cache_obj: Any, state: Any) -> None:
-    """Begin every forward pass of ``model`` that runs with ``cache_obj`` before its first
-    layer (a recurrent layer, in most hybrids, asks for its state before any attention layer
-    could say how many tokens the pass has): a forward pre-hook reads the batch and token
-    count from ``input_ids`` / ``inputs_embeds`` and calls ``state.begin(batch, new)``. The hook
-    goes when ``cache_obj`` does."""
+    """Note every forward pass of ``model`` that runs with ``cache_obj`` (a forward pre-hook
+    reads the batch and token count from ``input_ids`` / ``inputs_embeds`` into
+    ``state.pending``); the pass begins at the first cache call of a layer (after the model
+    computed its masks, which the pass needs). The hook goes when ``cache_obj`` does."""
     import weakref
     ref = weakref.ref(cache_obj)
 
@@ -397,7 +438,7 @@ def begin_passes_in_a_hook(model: Any, cache_obj: Any, state: Any) -> None:
             ids = kwargs.get("inputs_embeds")
         if ids is None and args:
             ids = args[0]
-        state.begin(int(ids.shape[0]), int(ids.shape[1]))
+        state.pending = (int(ids.shape[0]), int(ids.shape[1]))
         return None
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -405,4 +446,5 @@ def begin_passes_in_a_hook(model: Any, cache_obj: Any, state: Any) -> None:
 
 
 __all__ = ["StateRows", "plan_groups", "run_packed", "RecurrentBinding", "mixer_modules",
-           "generation_layer_class", "begin_passes_in_a_hook", "recurrent_half"]
+           "generation_layer_class", "begin_passes_in_a_hook", "recurrent_half",
+           "RecurrentStateCalls"]
