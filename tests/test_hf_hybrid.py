@@ -206,7 +206,8 @@ def test_attached_packed_batches_equal_each_sequence_alone(family):
             cache.start_forward(positions, seqs)
             ids = torch.tensor([[toks[s][p] for s, p in batch]])
             with torch.no_grad():
-                logits = model(input_ids=ids, position_ids=torch.tensor([positions])).logits[0]
+                logits = model(input_ids=ids,
+                               position_ids=torch.as_tensor(positions)[None]).logits[0]
             for row, (s, p) in enumerate(batch):
                 ref = _reference_logits(alone, toks[s][:p + 1])[p]
                 # a scan cut at restore points rounds differently from one whole scan (chunked
@@ -240,3 +241,34 @@ def test_server_serves_concurrent_requests_like_generate(family):
         assert all(cache.seq_pos_max(s) == -1 for s in range(3))
     finally:
         hf.detach(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid", "lfm2"])
+def test_server_reuses_stored_prefixes_of_a_hybrid(family):
+    """hf.Server with a PrefixStore over a HybridCache: a second wave of requests sharing
+    prefixes with the first loads them (up to a restore point) and computes only the rest;
+    every request's greedy tokens still equal generate() with DynamicCache on its prompt."""
+    from numbakv import PrefixStore, hf
+    model = hm.tiny_model(family)
+    gen = torch.Generator().manual_seed(13)
+    shared = torch.randint(3, hm.VOCAB, (21,), generator=gen).tolist()
+    first = [shared + [5, 6], torch.randint(3, hm.VOCAB, (6,), generator=gen).tolist()]
+    second = [shared + [9], shared[:14] + [4, 4, 4]]
+    expected = {i: hm.dynamic_generate(model, torch.tensor([p]), max_new_tokens=4)[0, len(p):]
+                .tolist() for i, p in enumerate(first + second)}
+    cache = hf.cache_for(model, capacity=64, max_seqs=4, restore_every=4)
+    store = PrefixStore(cache, retain_seqs=[3], block_tokens=4)
+    srv = hf.Server(model, cache, prefill_chunk=8, store=store)
+    try:
+        rids = [srv.submit(p, max_new_tokens=4) for p in first]
+        srv.run()
+        computed = srv.stats["prefill_tokens"]
+        rids += [srv.submit(p, max_new_tokens=4) for p in second]
+        done = srv.run()
+        assert [done[r] for r in rids] == [expected[i] for i in range(4)]
+        # shared[:20] (restore point 20) and shared[:12] (point 12) came from the store
+        assert srv.stats["reused_tokens"] == 20 + 12
+        assert srv.stats["prefill_tokens"] - computed == (22 - 20) + (17 - 12)
+    finally:
+        hf.detach(model)
+        store.close()
