@@ -412,7 +412,8 @@ class PrefixStore:
         self._writer: Optional[TierWriter] = None
         if self._lower_specs:
             self._open_lower()
-            self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes)
+            self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes,
+                                      metadata={"model_id": model_id} if model_id else None)
             # a store collected without close(): its writer still drains and stops (not at
             # exit: _close_live_stores closes the store, writer included, then)
             weakref.finalize(self, self._writer.close).atexit = False
