@@ -196,3 +196,33 @@ def test_a_hybrid_store_refuses_attention_only_snapshots_and_other_layouts(tmp_p
                      model_id="toy") as hybrid:
         assert hybrid.match(toks) == 0 and hybrid.load(0, toks) == 0
         assert hc.seq_pos_max(0) == -1
+
+
+def test_redis_carries_hybrid_entries_with_their_state():
+    """The Redis/Valkey tier keeps a hybrid entry's K/V and restore points in one run: another
+    store (another process, in practice) of the same model loads it up to the deepest restore
+    point at or below the match, state included."""
+    pytest.importorskip("redis")
+    from redis_server import _running_server
+    gen = _running_server()
+    server = next(gen)
+    try:
+        toks = np.random.default_rng(3).integers(1, 50, 30).tolist()
+        hc = hybrid_cache()
+        with PrefixStore(hc, block_tokens=4, remote=server.url, model_id="toy") as first:
+            hybrid_prefill(hc, 0, toks[:21], chunk=11)
+            assert first.save(0, toks[:21]) == 21
+            first.flush()
+        hc.seq_rm(0)
+        hc2 = hybrid_cache()
+        with PrefixStore(hc2, block_tokens=4, remote=server.url, model_id="toy") as second:
+            assert second.match(toks[:19] + [1, 1]) == 16      # read from the run: point 16
+            assert second.load(1, toks[:19] + [1, 1]) == 16
+            check_hybrid_holds(hc2, 1, toks, 16)
+            # the lower tiers find runs by whole blocks: the prompt's end (21) serves a prompt
+            # holding exactly those tokens; a longer one resumes from a point inside its blocks
+            assert second.load(2, toks[:21]) == 21
+            check_hybrid_holds(hc2, 2, toks, 21)
+            assert second.load(3, toks[:21] + [2]) == 16
+    finally:
+        gen.close()

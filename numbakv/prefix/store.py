@@ -551,8 +551,26 @@ class PrefixStore:
         root = self._root(salt)
         n = self.index.match(root, buf).n
         if self._lower:
-            n = max(n, self._lower_probe(root, buf, n)[0])
+            lower, hit = self._lower_probe(root, buf, n)
+            if lower > n and self._rc is not None:
+                lower = self._lower_restore_point(hit, lower)
+            n = max(n, lower)
         return n
+
+    def _lower_restore_point(self, hit, n: int) -> int:
+        """Hybrid caches: the deepest restore point ``<= n`` the lower tier's run holds (its
+        bytes read and parsed: the run's recurrent part says where its state is); 0 when the
+        run cannot be read or holds none."""
+        from ..state.snapshot import SeqSnapshot   # the snapshot codec
+        tier, run_key = hit[0], hit[1]
+        try:
+            data = tier.read_runs([run_key])[0]
+            if data is None:
+                return 0
+            served = self._restore_of_snapshot(_slice_snapshot(SeqSnapshot.from_bytes(data), n))
+        except (StateError, ValueError):
+            return 0
+        return served[-1] if served else 0
 
     def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
              extra_keys=None) -> int:
