@@ -64,7 +64,8 @@ class Server:
                 or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.model, self.cache, self.prefill_chunk = model, cache, prefill_chunk
-        cfg = getattr(cache, "config", None) or cache.caches[0].config
+        attn = getattr(cache, "attn", cache)        # a HybridCache's attention half
+        cfg = getattr(attn, "config", None) or attn.caches[0].config
         self._max_batch = cfg.max_batch
         self.store = store
         reserved = set(store.retain_seqs) if store is not None else set()
