@@ -624,3 +624,40 @@ def timeout_then_again(rank: int, world: int) -> list:
     except Exception as exc:   # noqa: BLE001
         seen.append(("send", type(exc).__name__, str(exc)))
     return seen
+
+
+def _paired():
+    main = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=96, v_head_dim=0, capacity=16,
+                           max_seqs=2, device="cpu")
+    return nkv.PairedCache(main, main.replace(head_dim=32),
+                           shift=nkv.RopeShift(dim=32, offset=64),
+                           indexer_shift=nkv.RopeShift(dim=16, offset=16))
+
+
+def _fill_paired(p, seq, n, seed):
+    rng = np.random.default_rng(seed)
+    p.start_forward(np.arange(n, dtype=np.int32), np.full(n, seq, np.int32))
+    for layer in range(2):
+        p.set_layer(layer)
+        p.put(rng.standard_normal((n, 1, 96)).astype(np.float16), None)
+        p.put_indexer(rng.standard_normal((n, 1, 32)).astype(np.float16))
+
+
+def paired_transfer(rank: int, world: int) -> list:
+    """Rank 0 sends a PairedCache sequence (MLA latent rows + indexer keys) to rank 1's pair:
+    both halves arrive bit-exact and the pair stays paired."""
+    if rank > 1:
+        return []
+    if rank == 0:
+        p = _paired()
+        _fill_paired(p, 0, 9, 77)
+        assert dist.send_seq(p, 0, 1, timeout=60) == 9
+        return []
+    p, ref = _paired(), _paired()
+    _fill_paired(ref, 0, 9, 77)
+    assert dist.recv_seq(p, 1, 0, timeout=60) == 9
+    p.check_paired()
+    got, want = p.export_seq(1), ref.export_seq(0)
+    assert len(got.parts) == 2
+    assert rows(got) == rows(want)
+    return ["paired"]

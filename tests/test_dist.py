@@ -191,3 +191,8 @@ def test_after_a_timeout_every_call_says_to_recreate_the_group(group):
     for step, kind, msg in seen[1:]:
         assert kind in ("TransferTimeout", "TransferError"), (step, kind, msg)
         assert "re-create" in msg, msg
+
+
+def test_paired_cache_sequences_move_both_halves(group):
+    seen = group.run(S, "paired_transfer")
+    assert seen[1] == ["paired"]

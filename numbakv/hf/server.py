@@ -80,7 +80,8 @@ class Server:
             raise ValueError(f"recompute_after must be an integer >= 0, got {recompute_after!r}")
         self.edit_reuse, self.recompute_after = edit_reuse, recompute_after
         self.model, self.cache, self.prefill_chunk = model, cache, prefill_chunk
-        cfg = getattr(cache, "config", None) or cache.caches[0].config
+        attn = getattr(cache, "attn", cache)        # a HybridCache's attention half
+        cfg = getattr(attn, "config", None) or attn.caches[0].config
         self._max_batch = cfg.max_batch
         self.store = store
         reserved = set(store.retain_seqs) if store is not None else set()

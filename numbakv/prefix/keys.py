@@ -102,5 +102,6 @@ def fold_extra_keys(buf: bytes, extra_keys) -> bytes:
     return toks.astype("<i8").tobytes()
 
 
-__all__ = ["fold_extra_keys", "KEYED_BIT", "root_digest", "namespace", "block_digest", "token_bytes", "block_keys",
+__all__ = ["fold_extra_keys", "KEYED_BIT", "root_digest", "namespace", "block_digest",
+           "token_bytes", "block_keys",
            "DIGEST_BYTES", "KEY_VERSION"]

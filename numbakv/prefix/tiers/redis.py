@@ -472,8 +472,11 @@ def _fingerprint_of(value: Optional[bytes]) -> Optional[dict]:
     try:
         n = int.from_bytes(value[:8], "little")
         header = json.loads(value[8:8 + n])
-        config = json.loads(header["__metadata__"]["config"])
+        meta = header["__metadata__"]
+        config = json.loads(meta["config"])
         fp = config.get("fingerprint", config)
+        if isinstance(fp, dict) and "meta.model_id" in meta:
+            fp = {"model_id": meta["meta.model_id"], **fp}   # the store's model identity
         return fp if isinstance(fp, dict) else None
     except (TypeError, ValueError, KeyError, AttributeError):
         return None
