@@ -471,7 +471,7 @@ def test_attend_absorbed_mla_equals_a_reference(device, backend, dtype, k_dtype)
     np.testing.assert_allclose(narrow.float().numpy(), want[..., :16], rtol=tol, atol=tol)
 
 
-# ------------------------------------------------------------------ FlashMLA pages, FlashInfer views
+# ------------------------------------------------------------ FlashMLA pages, FlashInfer views
 def test_page_table_in_pages_of_64_and_split_views(device):
     pytest.importorskip("torch")
     from helpers import shares_memory
