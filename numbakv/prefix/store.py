@@ -1407,8 +1407,9 @@ class PrefixStore:
         return is_bound(snap.metadata, run_key, block, block_key)
 
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
-        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a lower tier holds
-        beyond ``local`` tokens, one ``find_blocks`` round trip per tier."""
+        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a
+        lower tier holds beyond ``local`` tokens, one ``find_blocks`` round trip per tier
+        (pointers this process found naming the wrong run are skipped)."""
         keys = block_keys(np.frombuffer(buf, "<i8"), self.block_tokens, root)
         first = local // self.block_tokens
         if first >= len(keys):
