@@ -17,6 +17,7 @@ exit.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
@@ -77,16 +78,35 @@ class TierWriter:
         self._queued_keys: Dict[str, int] = {}
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
+        self._pid = os.getpid()
         self.counts = {"queued": 0, "written": 0, "refused": 0, "failed": 0, "errors": 0}
+
+    def _check_fork(self) -> None:
+        """In a child forked from the process that made this writer (``multiprocessing``'s
+        fork start method): the thread did not come along and the lock may have been held at
+        the fork, so the child starts a writer of its own (the parent writes what it had
+        queued)."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._cv = threading.Condition()
+        self._queue = deque()
+        self._queued_bytes = 0
+        self._busy = 0
+        self._queued_keys = {}
+        self._results = deque()
+        self._thread = None
 
     # ------------------------------------------------------------------ request side
     def known(self, run_key: str) -> bool:
         """Whether ``run_key`` was written (by this process) or is queued."""
+        self._check_fork()
         with self._cv:
             return run_key in self._written or run_key in self._queued_keys
 
     def forget(self, run_key: Optional[str] = None) -> None:
         """Forget that ``run_key`` (None: every run) was written (the tiers were cleared)."""
+        self._check_fork()
         with self._cv:
             if run_key is None:
                 self._written.clear()
@@ -96,6 +116,7 @@ class TierWriter:
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False (nothing queued, counted in ``refused``) when the queue is full
         or the writer is closed. Never blocks for the write."""
+        self._check_fork()
         with self._cv:
             if self._stopped or not self.tiers:
                 return False
@@ -123,6 +144,7 @@ class TierWriter:
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued job is written (or failed); False when ``timeout`` seconds
         passed first."""
+        self._check_fork()
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
@@ -135,6 +157,7 @@ class TierWriter:
         return out
 
     def stats(self) -> Dict[str, int]:
+        self._check_fork()
         with self._cv:
             return {**self.counts, "pending": len(self._queue) + self._busy,
                     "pending_bytes": self._queued_bytes}
