@@ -380,3 +380,27 @@ def test_states_and_snapshots_record_the_rotation():
     other.seq_rm(0)
     assert other.import_seq(0, snap) == 4
     np.testing.assert_array_equal(other.export_seq(0).parts[0].keys[0], snap.parts[0].keys[0])
+
+
+def test_attend_over_a_rotated_mla_latent_unrotates_the_latent_values():
+    """A V-less (MLA) q8_0 latent of 128 + 64 rope dims is rotated in blocks of 64 (llama.cpp's
+    rule on head_dim 192); attend() rotates the absorbed queries and turns the latent values
+    (the first 128 dims, whole blocks) back: equal to a float32 latent cache within q8_0's
+    error."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    rng = np.random.default_rng(8)
+    rows = rng.standard_normal((6, 1, 192)).astype(np.float32)
+    q = torch.from_numpy(rng.standard_normal((6, 4, 192)).astype(np.float32))
+    outs = []
+    for k_dtype in ("float32", "q8_0"):
+        cfg = nkv.CacheConfig(1, 1, 192, v_head_dim=0, dtype="float32", capacity=8,
+                              device="cpu", k_dtype=k_dtype)
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=64, offset=128))
+        assert cfg.k_rotation == (64 if k_dtype == "q8_0" else 0)
+        cache.start_forward(np.arange(6), np.zeros(6, np.int32))
+        cache.set_layer(0)
+        cache.put(rows, None)
+        outs.append(attend(q, cache).numpy())
+    assert outs[1].shape == (6, 4, 128)
+    assert np.abs(outs[1] - outs[0]).max() < 0.02 * np.abs(outs[0]).max()
