@@ -146,12 +146,26 @@ class Retention:
                 ) -> Iterator[Hashable]:
         """Ids, first to evict first (a snapshot: the caller may remove while iterating)."""
         order = list(self.base.victims())
-        if not self._special and is_ancestor is None:
-            return iter(order)
+        if not self._special:
+            if is_ancestor is None:
+                return iter(order)
+            return self._tails_first(order, is_ancestor)
         now = self.clock()
         pos = {k: i for i, k in enumerate(order)}
         anc = is_ancestor or (lambda k: False)
         return iter(sorted(order, key=lambda k: (*self.rank(k, now), bool(anc(k)), pos[k])))
+
+    @staticmethod
+    def _tails_first(order, is_ancestor) -> Iterator[Hashable]:
+        """Every entry of one rank: the base order, ancestors deferred behind the rest. Lazy:
+        a caller that stops after k victims pays for about k ancestor checks, not n."""
+        deferred = []
+        for k in order:
+            if is_ancestor(k):
+                deferred.append(k)
+            else:
+                yield k
+        yield from deferred
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.base
