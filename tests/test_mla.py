@@ -524,3 +524,32 @@ def test_page_table_in_pages_of_64_and_split_views(device):
         cache.page_table(page_size=48)
     with pytest.raises(ValueError, match="MLA latent"):
         nkv.CausalCache(mla_config(v_head_dim=None)).mla_views()
+
+
+@pytest.mark.parametrize("k_dtype", [None, "fp8_ds_mla"])
+def test_disk_tier_keeps_latent_rows_bit_exact(tmp_path, k_dtype):
+    """A PrefixStore's disk tier: a later store of the same model loads the latent rows (float
+    or FlashMLA's fp8 row) bit-exactly, and a store of the other layout does not match them."""
+    rng = np.random.default_rng(14)
+    kw = dict(n_layers=2, n_kv_heads=1, head_dim=576, v_head_dim=0, dtype="bfloat16",
+              capacity=32, max_seqs=2, device="cpu")
+    shift = nkv.RopeShift(dim=64, offset=512)
+    rows = np.stack([ds_rows(rng, 8), ds_rows(rng, 8)])
+    toks = list(range(300, 308))
+    a = nkv.CausalCache(nkv.CacheConfig(**kw, k_dtype=k_dtype), shift=shift)
+    put_rows(a, rows, "bfloat16")
+    want = seq_rows(a, 0)[1]
+    with nkv.PrefixStore(a, block_tokens=4, disk_dir=str(tmp_path), disk_bytes=1 << 22,
+                         model_id="mla-toy") as first:
+        assert first.save(0, toks) == 8
+        first.flush()
+    b = nkv.CausalCache(nkv.CacheConfig(**kw, k_dtype=k_dtype), shift=shift)
+    with nkv.PrefixStore(b, block_tokens=4, disk_dir=str(tmp_path), disk_bytes=1 << 22,
+                         model_id="mla-toy") as second:
+        assert second.load(1, toks + [1]) == 8
+    assert same(seq_rows(b, 1)[1], want)
+    other = None if k_dtype else "fp8_ds_mla"
+    c = nkv.CausalCache(nkv.CacheConfig(**kw, k_dtype=other), shift=shift)
+    with nkv.PrefixStore(c, block_tokens=4, disk_dir=str(tmp_path), disk_bytes=1 << 22,
+                         model_id="mla-toy") as third:
+        assert third.match(toks + [1]) == 0

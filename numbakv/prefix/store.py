@@ -228,6 +228,13 @@ def _slice_snapshot(snap, n: int):
                       head_range=snap.head_range)
 
 
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """Tokens two int64-LE prompts share from the start."""
+    n = min(len(a), len(b)) // 8
+    x = np.frombuffer(a, "<i8", n) != np.frombuffer(b, "<i8", n)
+    return int(np.argmax(x)) if x.any() else n
+
+
 def _range_snapshot(snap, a: int, b: int):
     """The rows of ``snap`` at positions ``[a, b)`` (every part), as a new snapshot of views."""
     parts = []
@@ -661,13 +668,16 @@ class PrefixStore:
                                             for g in self._groups)
         if m.n == 0 or not movable:
             return plain, None
-        # candidates: the entries covering the deepest node of the match (they share the
-        # prefix); the longest re-usable suffix wins
+        # candidates: the entries through the deepest two nodes of the match (the longest
+        # prompt may leave the match a block early, where a shorter entry's tail matched a
+        # token or two more); each is searched after its own common prefix; the longest
+        # re-usable suffix wins
+        pool = {e.id: e for node in m.path[-2:] for e in node.entries.values()
+                if e.restore is None and not e.floor and e.length > m.n}
         best, best_e = plain, None
-        for e in sorted(m.path[-1].entries.values(), key=lambda e: -e.length)[:8]:
-            if e.restore is not None or e.floor or e.length <= m.n:
-                continue
-            found = _edit.find_suffix(e.buf, buf, m.n, self.block_tokens)
+        for e in sorted(pool.values(), key=lambda e: -e.length)[:8]:
+            common = _common_prefix(e.buf, buf)
+            found = _edit.find_suffix(e.buf, buf, common, self.block_tokens)
             got = _edit.plan(m.n, found, recompute_after)
             if got.approximated is not None and (
                     best.approximated is None
