@@ -1079,7 +1079,11 @@ class PrefixStore:
         an existing entry keeps its own, a new one gets the default)."""
         n = len(buf) // 8
         m = self.index.match(root, buf)
-        exact = self._exact(root, buf)
+        if retention is None and m.n == n and m.entry is not None and m.entry.length == n \
+                and m.entry.tier == CELLS:
+            exact = [m.entry]            # the common case, without walking the trie again
+        else:
+            exact = self._exact(root, buf)
         for e in exact:                                    # already kept exactly
             self._policy[e.tier].touch(e.id)
             if retention is not None:
@@ -1173,9 +1177,10 @@ class PrefixStore:
 
     def _victims(self, tier: str, rank=None) -> Iterator[Entry]:
         """Unpinned entries of ``tier``, first to evict first: expired, then the lowest
-        priority, then the policy's order, a chain's tail before its parent (lazily: the
-        caller may evict while iterating, and stop). ``rank``
-        (``(0 expired / 1 not, priority)``): only those ranked at or below it."""
+        priority, then the policy's order, a chain's tail before its parent. ``rank``
+        (``(0 expired / 1 not, priority)``): only those ranked at or below it. Lazy (the
+        caller may evict while iterating; an entry gone meanwhile is skipped): evicting one
+        entry costs the first few, not every entry."""
         policy = self._policy[tier]
         now = self._clock()
         for eid in policy.victims(self._is_ancestor):
@@ -1183,7 +1188,7 @@ class PrefixStore:
             if e is None or e.pins:
                 continue
             if rank is not None and policy.rank(eid, now) > rank:
-                break   # ranked above: so is every later one
+                return   # ranked above: so is every later one
             yield e
 
     def _drop_entry(self, e: Entry) -> None:
