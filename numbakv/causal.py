@@ -265,10 +265,11 @@ class CausalCache(StateMethods):
         self._mask_buf = None
         self._ones = np.ones(0, np.uint8)
         self._packed_pos = self.device == "cpu" and sys.byteorder == "little"
-        #: the CPU builds a pass's dense mask at its first get(), not in start_forward (callers
-        #: that attend over page_table() never pay for it); on a GPU it is queued in
-        #: start_forward as before, on the stream the caller chose then
-        self._lazy_mask = self.device == "cpu"
+        #: a pass's dense mask is built at its first get(), not in start_forward, on every
+        #: device: callers that attend over page_table() (attend, FlashInfer, the GPU paged
+        #: kernel) never pay for it (on a GPU: a [batch x n_cells] fill every step). On CUDA it
+        #: is then queued on the cache's stream at that get()
+        self._lazy_mask = True
         self._bf16_mask = config.mask_dtype == "bfloat16"
         self._bf16 = config.dtype == "bfloat16"
         #: when a list: every sequence operation appends its undo log here (WrapperCache fan-out)
