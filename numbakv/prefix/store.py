@@ -46,7 +46,7 @@ import os
 import time
 import weakref
 from collections import OrderedDict, defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -1152,21 +1152,21 @@ class PrefixStore:
         return any(o.length > e.length and o.root == e.root and o.buf.startswith(e.buf)
                    for o in pool)
 
-    def _victims(self, tier: str, rank=None) -> List[Entry]:
+    def _victims(self, tier: str, rank=None) -> Iterator[Entry]:
         """Unpinned entries of ``tier``, first to evict first: expired, then the lowest
         priority, then the policy's order, a chain's tail before its parent. ``rank``
-        (``(0 expired / 1 not, priority)``): only those ranked at or below it."""
+        (``(0 expired / 1 not, priority)``): only those ranked at or below it. Lazy (the
+        caller may evict while iterating; an entry gone meanwhile is skipped): evicting one
+        entry costs the first few, not every entry."""
         policy = self._policy[tier]
         now = self._clock()
-        out = []
         for eid in policy.victims(self._is_ancestor):
             e = self.index.entries.get(eid)
             if e is None or e.pins:
                 continue
             if rank is not None and policy.rank(eid, now) > rank:
-                break   # ranked above: so is every later one
-            out.append(e)
-        return out
+                return   # ranked above: so is every later one
+            yield e
 
     def _drop_entry(self, e: Entry) -> None:
         """Take ``e`` out of the index (its sequence / bytes are the caller's to free)."""
