@@ -9,6 +9,7 @@ cell's metadata with another cell's K/V (defrag included).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -546,7 +547,10 @@ class CausalCache(StateMethods):
             raise second_put_error(self._layer)
         if self._put_layer < 0:
             raise self._no_put()
-        k, v = self._batch_kv(key, value, len(fwd.positions))
+        # imported (and converted) on the cache's stream: CuPy hands a DLPack producer its
+        # current stream, so the producer (e.g. torch) orders this stream after its own work
+        with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
+            k, v = self._batch_kv(key, value, len(fwd.positions))
         if not fwd.reserve:
             self.storage.put_range(self._put_layer, fwd.start, k, v)
         self._put_in = fwd
@@ -1239,6 +1243,8 @@ def _refuse_held(cells: CellTable, src: int, dst: int, p0: int, p1: Optional[int
                          f"sequence {src} would copy into it; seq_rm them from {dst} first")
 
 
+#: put's import scope on a cache without storage (no stream to enter)
+_NO_STREAM_SCOPE = contextlib.nullcontext()
 _TABLE_SAMPLE_CELLS = 4096
 
 
