@@ -404,3 +404,34 @@ def test_attend_over_a_rotated_mla_latent_unrotates_the_latent_values():
         outs.append(attend(q, cache).numpy())
     assert outs[1].shape == (6, 4, 128)
     assert np.abs(outs[1] - outs[0]).max() < 0.02 * np.abs(outs[0]).max()
+
+
+def test_prefix_store_disk_tier_keeps_rotated_rows_and_never_serves_them_unrotated(tmp_path):
+    """A PrefixStore's disk tier: a later store of the same rotated model loads the rotated
+    blocks bit-exactly; a store whose cache is unrotated (same model_id, same tokens) does not
+    match them (the rotation is part of the fingerprint every key carries)."""
+    toks = list(range(500, 508))
+
+    def cache(rotation):
+        cfg = nkv.CacheConfig(1, 1, 64, capacity=16, max_seqs=2, device="cpu", k_dtype="q8_0",
+                              v_dtype="q4_0", kv_rotation=rotation)
+        return nkv.CausalCache(cfg, shift=nkv.RopeShift())
+
+    a = cache("auto")
+    x = np.random.default_rng(9).standard_normal((8, 1, 64)).astype(np.float16)
+    a.start_forward(np.arange(8), np.zeros(8, np.int32))
+    a.set_layer(0)
+    a.put(x, x)
+    want = a.export_seq(0)
+    kw = dict(block_tokens=4, disk_dir=str(tmp_path), disk_bytes=1 << 22, model_id="rot-toy")
+    with nkv.PrefixStore(a, **kw) as first:
+        assert first.save(0, toks) == 8
+        first.flush()
+    b = cache("auto")
+    with nkv.PrefixStore(b, **kw) as second:
+        assert second.load(1, toks + [1]) == 8
+    got = b.export_seq(1)
+    np.testing.assert_array_equal(got.parts[0].keys[0], want.parts[0].keys[0])
+    np.testing.assert_array_equal(got.parts[0].values[0], want.parts[0].values[0])
+    with nkv.PrefixStore(cache("off"), **kw) as third:
+        assert third.match(toks + [1]) == 0
