@@ -326,6 +326,34 @@ def _register_cuda_copy_raw() -> None:
         return impl
 
 
+def mul_rn(a, b):
+    """``a * b`` (float32) rounded on its own, never fused with a following add: NVVM contracts
+    ``a * b + c`` into one FMA by default (one rounding instead of two), which changes results
+    against ggml's CPU reference (q4_0's ``x * (1/d) + 8.5``). Plain Python here (the simulator
+    runs it); the CPU form is a multiply (LLVM does not contract without fast-math), the CUDA
+    form libdevice's ``__fmul_rn``, which is never merged into an FMA."""
+    return a * b
+
+
+@_overload(mul_rn, inline="always")
+def _mul_rn_cpu(a, b):
+    def impl(a, b):
+        return a * b
+    return impl
+
+
+def _register_cuda_mul_rn() -> None:
+    """The CUDA target's :func:`mul_rn` (not while the simulator is on)."""
+    from numba.cuda import libdevice
+    from numba.cuda.extending import overload as cuda_overload
+
+    @cuda_overload(mul_rn, target="cuda", inline="always")
+    def _mul_rn_cuda(a, b):
+        def impl(a, b):
+            return libdevice.fmul_rn(a, b)
+        return impl
+
+
 def _simulator_on() -> bool:
     from numba.core import config as nb_config
     return bool(nb_config.ENABLE_CUDASIM)
@@ -333,6 +361,7 @@ def _simulator_on() -> bool:
 
 if not _simulator_on():
     _register_cuda_copy_raw()
+    _register_cuda_mul_rn()
 
 
 class Desc(NamedTuple):
@@ -392,4 +421,4 @@ __all__ = ["cpu_has_f16c", "f16_bits_to_f32_hw", "f32_to_f16_bits_hw", "BLOCKS_P
            "BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "SIM_MAX_BLOCKS", "flat_blocks", "max_blocks", "sm_count",
            "UINT", "Desc", "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "f16_bits_to_f32",
            "f32_to_bf16_bits", "f32_to_f16_bits", "head_word", "word_size", "copy_raw",
-           "DEVICE_WORD", "WORD", "WORD16", "sig_array", "WORD_PAIRS"]
+           "DEVICE_WORD", "WORD", "WORD16", "sig_array", "WORD_PAIRS", "mul_rn"]

@@ -33,7 +33,7 @@ from numba import cuda, prange, types
 
 from .._jit import njit
 from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, f16_bits_to_f32, f16_bits_to_f32_hw,
-                      f32_to_bf16_bits, f32_to_f16_bits)
+                      f32_to_bf16_bits, f32_to_f16_bits, mul_rn)
 from .hadamard import rotation_scale, wht_pair_index, wht_row_cpu, wht_sum_diff
 from .launch import device_arg, launch as _launch, to_device
 from ._registry import cuda_device, cuda_kernel, element
@@ -173,8 +173,9 @@ def quantize_block(x, j0, n, kind, q, b0, fmt, scale):
             q[b0 + 2 + i] = np.uint8(r & 0xFF)
     else:
         for i in range(16):
-            lo = np.int32(_load(x[j0 + i], kind) * inv + np.float32(8.5))
-            hi = np.int32(_load(x[j0 + 16 + i], kind) * inv + np.float32(8.5))
+            # the product rounded before the add, as ggml's CPU reference (no GPU FMA)
+            lo = np.int32(mul_rn(_load(x[j0 + i], kind), inv) + np.float32(8.5))
+            hi = np.int32(mul_rn(_load(x[j0 + 16 + i], kind), inv) + np.float32(8.5))
             q[b0 + 2 + i] = np.uint8(min(15, lo) | (min(15, hi) << 4))
 
 
