@@ -17,6 +17,7 @@ from .simple import RotatingCache, StepCache
 from .causal import CausalCache
 from .streams import StreamCache  # registers itself for CacheConfig(unified=False)
 from .wrappers import EncoderCache, WrapperCache
+from .paired import PairedCache
 from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
 from .state.snapshot import SeqSnapshot, SnapshotPart
@@ -31,6 +32,7 @@ __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotS
            "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "StreamCache", "WrapperCache",
            "EncoderCache", "__version__"]
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
+__all__ += ["PairedCache"]
 __all__ += ["ConcurrentUseError"]
 __all__ += ["SeqSnapshot", "SnapshotPart"]
 __all__ += ["PrefixStore"]

@@ -22,7 +22,7 @@ from numpy.typing import ArrayLike
 from .cells import SHARED_SHIFT_MESSAGE, CellTable
 from .cells import _check_batch as _batch_ids_ok
 from . import pages as _pages
-from .config import MASK_DTYPES, CacheConfig, RopeShift, round_up
+from .config import MASK_DTYPES, CacheConfig, RopeShift, check_rope_layout, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -122,6 +122,21 @@ class _Placed:
 
 
 @dataclass
+class _Defragged:
+    """A defrag inside an enclosing undo log (a WrapperCache's fan-out): its plan, the head
+    before it, the K/V rows its destinations held before (sources and destinations are
+    disjoint, so the sources still hold theirs), and the forward pass it ended."""
+
+    moves: np.ndarray          # int64 [m, 3]: src, dst, length
+    head: int
+    cells: np.ndarray          # int32 [n]: every destination cell
+    keys: Any                  # host K of ``cells`` before
+    values: Any                # host V of ``cells`` before
+    forward: Any
+    meta: np.ndarray           # the cell table's counters and index hints before
+
+
+@dataclass
 class _Counters:
     """The cell table's counters and index hints before an edit whose undo would rebuild them
     tighter: put back last, once everything else is undone."""
@@ -198,7 +213,7 @@ class CausalCache(StateMethods):
             raise ValueError("shift must be None, a numbakv.RopeShift or a callable "
                              f"(layer, key, deltas) -> key, got {shift!r}")
         if isinstance(shift, RopeShift):
-            shift.rotary_dim(config.head_dim)  # raises when it does not fit the keys
+            check_rope_layout(config, shift)  # raises when it does not fit the keys
         elif shift is not None and config.k_quantized:
             raise ValueError(f"shift must be None or a numbakv.RopeShift when keys are quantized "
                              f"(k_dtype={config.k_dtype!r}); a shift callable needs float keys")
@@ -507,7 +522,8 @@ class CausalCache(StateMethods):
     def put(self, key: Any, value: Any) -> None:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values
         ``[batch, n_kv_heads, v_head_dim]`` for the current layer (nothing is written during a
-        reserve pass; the inputs are still checked)."""
+        reserve pass; the inputs are still checked). A V-less cache (``v_head_dim=0``, MLA)
+        takes ``value=None`` or a zero-width ``[batch, n_kv_heads, 0]``."""
         fwd = self._forward
         # trusted fast path: arrays of the storage (numpy, or CuPy on cuda) in the storage dtype
         # and the batch's exact shape
@@ -539,6 +555,8 @@ class CausalCache(StateMethods):
         n_kv_heads, head_dim]`` / ``[batch, n_kv_heads, v_head_dim]`` (put's validating path)."""
         cfg = self.config
         k = as_array(key, self.device, cfg.dtype, name="key")
+        if value is None and cfg.v_less:   # a V-less (MLA latent) layer: no value to give
+            value = self._xp.zeros((batch, cfg.local_kv_heads, 0), dtype=cfg.storage_dtype)
         v = as_array(value, self.device, cfg.dtype, name="value")
         if tuple(k.shape) != (batch, cfg.local_kv_heads, cfg.head_dim):
             raise ValueError(f"key must have shape [batch={batch}, local_kv_heads={cfg.local_kv_heads}, "
@@ -667,17 +685,32 @@ class CausalCache(StateMethods):
         holes from the end, reversing it (attention is the same, later cell indices differ),
         and its merged moves pair metadata with another cell's K/V, which numbakv never does."""
         self._check_open()
-        self._defrag_plan_and_move()
+        forward = self._forward
+        self._defrag_plan_and_move(forward)
         self._forward = None
 
-    def _defrag_plan_and_move(self) -> np.ndarray:
+    def _defrag_plan_and_move(self, forward: Any = None) -> np.ndarray:
+        """Plan and run a defrag, all or nothing; inside an enclosing undo log (a
+        WrapperCache's fan-out) it records what takes it back, so a later group's failure
+        restores this one bit-exact."""
         head = self.cells.head
+        meta = self.cells._meta.copy()     # counters and index hints an undo would leave
         moves = self.cells.plan_defrag()
+        undo = None
         try:
+            if self._outer_journal is not None:
+                dst = np.concatenate([np.arange(d, d + n, dtype=np.int32)
+                                      for _, d, n in np.asarray(moves).tolist()] +
+                                     [np.zeros(0, np.int32)])
+                kept = self.storage.read_cells(dst) if len(dst) else (None, None)
+                undo = _Defragged(moves, head, dst, *kept, forward, meta)
             self._move_defragged(moves)
         except BaseException:
             self.cells.undo_defrag(moves, head)   # the K/V never moved: neither do the cells
+            self.cells._meta[:] = meta
             raise
+        if undo is not None:
+            self._outer_journal.append(undo)
         return moves
 
     def _move_defragged(self, moves: np.ndarray) -> None:
@@ -901,6 +934,13 @@ class CausalCache(StateMethods):
         for entry in reversed(journal):
             if isinstance(entry, _Shifted):
                 self._unshift(entry)
+            elif isinstance(entry, _Defragged):
+                if len(entry.cells):
+                    self.storage.write_cells(entry.cells, entry.keys, entry.values)
+                self.cells.undo_defrag(entry.moves, entry.head)
+                self.cells._meta[:] = entry.meta
+                self.defrag_count -= 1
+                self._forward = entry.forward
             elif isinstance(entry, _Placed):
                 self.storage.write_cells(entry.slots, entry.keys, entry.values)
                 self.cells.unapply_batch(entry.slots, entry.head)

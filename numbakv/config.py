@@ -8,6 +8,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .errors import NotSupportedError
+
 #: Storage dtypes by name. bfloat16 is kept as its 16-bit pattern (numpy has no bfloat16).
 STORAGE_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
                   "bfloat16": np.dtype(np.uint16)}
@@ -17,7 +19,11 @@ MASK_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
 #: block). q8_0 and q4_0 are ggml's block formats (an f16 scale then 32 int8s, or 16 bytes of
 #: nibbles); float8_e4m3 is one float8_e4m3fn byte per value (a "block" of one) with a per-layer
 #: scale, vLLM's fp8 KV cache.
-QUANT_TYPES = {"q8_0": (32, 34), "q4_0": (32, 18), "float8_e4m3": (1, 1)}
+QUANT_TYPES = {"q8_0": (32, 34), "q4_0": (32, 18), "float8_e4m3": (1, 1),
+               "fp8_ds_mla": (576, 656)}
+#: FlashMLA's fp8 MLA row (``k_dtype="fp8_ds_mla"``, see kernels/mla.py): one "block" per
+#: 576-value latent row (512 latent + 64 rope), 656 bytes; V-less caches only
+DS_MLA = "fp8_ds_mla"
 DEVICES = ("auto", "cpu", "cuda", "sim")
 #: The sequence bitset of a cell has this many bits (see cells.py).
 MAX_SEQS_LIMIT = 256
@@ -116,6 +122,9 @@ def round_up(value: int, multiple: int) -> int:
 class CacheConfig:
     """Shapes, dtypes and limits of a cache.
 
+    ``v_head_dim=0`` makes a V-less latent layer (MLA: ``n_kv_heads=1``, ``head_dim =
+    kv_lora_rank + rope_dims``; see :attr:`v_less`).
+
     K storage is ``[n_layers, n_cells, local_kv_heads, head_dim]``; V storage is
     ``[n_layers, n_cells, local_kv_heads, v_head_dim]`` or, with ``permuted_v``,
     ``[n_layers, local_kv_heads, v_head_dim, n_cells]`` (``local_kv_heads == n_kv_heads`` unless
@@ -163,7 +172,7 @@ class CacheConfig:
         set_("n_kv_heads", _check_int("n_kv_heads", self.n_kv_heads, 1))
         set_("head_dim", _check_int("head_dim", self.head_dim, 1))
         v_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim
-        set_("v_head_dim", _check_int("v_head_dim", v_dim, 1))
+        set_("v_head_dim", _check_int("v_head_dim", v_dim, 0))   # 0: no V (MLA latent)
         set_("dtype", normalize_dtype(self.dtype, "dtype"))
         set_("capacity", _check_int("capacity", self.capacity, 1))
         set_("max_seqs", _check_int("max_seqs", self.max_seqs, 1))
@@ -202,6 +211,17 @@ class CacheConfig:
         return (head, head + 1)
 
     @property
+    def head_replicas(self) -> int:
+        """How many ranks of a ``head_shard`` group hold each KV head this cache holds: 1 when
+        the heads are split (or unsharded), ``world / n_kv_heads`` when they are replicated. An
+        MLA latent (``v_head_dim=0``, one "head") cannot be split by heads: every rank keeps the
+        whole latent (``head_replicas == world``), as vLLM does under tensor parallelism."""
+        if self.head_shard is None:
+            return 1
+        world = self.head_shard[1]
+        return world // self.n_kv_heads if world > self.n_kv_heads else 1
+
+    @property
     def local_kv_heads(self) -> int:
         """KV heads held per layer: ``stop - first`` of :attr:`head_range` (``n_kv_heads``
         unless head-sharded). Every storage shape uses it."""
@@ -226,11 +246,31 @@ class CacheConfig:
                 raise ValueError(f"{dim_name} must be a multiple of {per_block} for {name}="
                                  f"{kind!r} (ggml blocks run along it), got {dim}")
             set_(name, kind)
+        if self.v_dtype == DS_MLA:
+            raise ValueError("v_dtype='fp8_ds_mla' is a key (latent row) format: MLA caches "
+                             "store no V (v_head_dim=0)")
+        if self.k_dtype == DS_MLA and (self.head_dim != 576 or self.v_head_dim != 0):
+            raise ValueError(f"k_dtype='fp8_ds_mla' is FlashMLA's 656-byte row of one MLA latent "
+                             f"(512 latent + 64 rope values): it needs head_dim=576 and "
+                             f"v_head_dim=0, got head_dim={self.head_dim}, "
+                             f"v_head_dim={self.v_head_dim}")
+        if self.v_head_dim == 0 and (self.v_quantized or self.permuted_v):
+            raise ValueError(f"v_head_dim=0 (a V-less latent layer: no V is stored) takes no "
+                             f"v_dtype other than dtype and no permuted_v, got v_dtype="
+                             f"{self.v_dtype!r}, permuted_v={self.permuted_v}")
         if self.permuted_v and self.v_dtype in QUANT_TYPES:
             raise ValueError(f"permuted_v=True needs a float v_dtype, got v_dtype="
                              f"{self.v_dtype!r} (quantized blocks run along v_head_dim)")
         set_("k_scale", _check_scale("k_scale", self.k_scale, self.n_layers))
         set_("v_scale", _check_scale("v_scale", self.v_scale, self.n_layers))
+
+    @property
+    def v_less(self) -> bool:
+        """Whether the layers store no V (``v_head_dim == 0``): an MLA latent cache, whose one
+        "head" per token is ``kv_lora_rank + rope_dims`` values and whose V is read from the
+        latent itself (llama.cpp's V-less cache, #19067). ``get()`` and ``layer_pool()`` then hand
+        out a zero-width value ``[n, n_kv_heads, 0]`` and nothing is allocated for it."""
+        return self.v_head_dim == 0
 
     @property
     def k_quantized(self) -> bool:
@@ -420,8 +460,13 @@ class RopeShift:
     ``p + delta``: pair ``i`` of the ``dim`` rotary dims turns by
     ``delta * freq_scale * base**(-2i/dim) / freq_factors[i]``. ``neox=True`` pairs
     ``(x[i], x[i + dim/2])`` (rotate-half, HF Llama); ``neox=False`` pairs ``(x[2i], x[2i+1])``
-    (GGUF llama). ``dim=None`` means the whole ``head_dim``. Always computed in float32; a pure
-    rotation (no YaRN magnitude scaling).
+    (GGUF llama). ``dim=None`` means the whole ``head_dim`` (past ``offset``). Always computed
+    in float32; a pure rotation (no YaRN magnitude scaling).
+
+    ``offset``: the rotary dims are ``offset .. offset + dim - 1`` of each key row (0: the leading
+    dims, as every per-head key). An MLA latent row ``[kv_lora_rank + rope_dims]`` keeps its rope
+    dims last: ``RopeShift(dim=64, offset=512)`` turns only those, and the shift touches only
+    their bytes (llama.cpp's K-shift on a DeepSeek cache: offset ``n_embd_head_k - n_rot``).
     """
 
     base: float = 10000.0
@@ -429,6 +474,7 @@ class RopeShift:
     neox: bool = True
     freq_scale: float = 1.0
     freq_factors: Optional[Sequence[float]] = field(default=None)
+    offset: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.base, (int, float, np.integer, np.floating))
@@ -456,12 +502,15 @@ class RopeShift:
                 raise ValueError(f"freq_factors must have dim/2 = {self.dim // 2} entries, "
                                  f"got {len(factors)}")
             object.__setattr__(self, "freq_factors", factors)
+        object.__setattr__(self, "offset", _check_int("offset", self.offset, 0))
 
     def rotary_dim(self, head_dim: int) -> int:
-        """The number of rotated dims for keys of ``head_dim``; checks that it fits."""
-        dim = head_dim if self.dim is None else self.dim
-        if dim > head_dim or dim % 2:
-            raise ValueError(f"RopeShift dim must be even and <= head_dim={head_dim}, got {dim}")
+        """The number of rotated dims for keys of ``head_dim``; checks that they fit
+        (``offset + dim <= head_dim``)."""
+        dim = head_dim - self.offset if self.dim is None else self.dim
+        if dim < 2 or dim % 2 or self.offset + dim > head_dim:
+            raise ValueError(f"RopeShift offset + dim must fit head_dim={head_dim} with dim even "
+                             f">= 2, got offset={self.offset}, dim={dim}")
         if self.freq_factors is not None and len(self.freq_factors) != dim // 2:
             raise ValueError(f"freq_factors must have {dim // 2} entries for rotary dim {dim}, "
                              f"got {len(self.freq_factors)}")
@@ -477,5 +526,30 @@ class RopeShift:
         return freq.astype(np.float32)
 
 
-__all__ = ["CacheConfig", "KV_TYPES", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
+def check_rope_layout(config: CacheConfig, rope: RopeShift) -> int:
+    """The rotary dim of ``rope`` on ``config``'s keys, after checking the pair can shift: the dims
+    fit the row (``ValueError``); on a V-less latent row (MLA) the rope dims are the trailing
+    ones (``offset + dim == head_dim``), anything else rotates latent dims that never saw RoPE
+    (``NotSupportedError``); on quantized keys with an offset the rope dims fill whole blocks
+    (``ValueError``)."""
+    dim = rope.rotary_dim(config.head_dim)
+    if config.k_dtype == DS_MLA and (rope.offset, dim) != (512, 64):
+        raise NotSupportedError(f"k_dtype='fp8_ds_mla' keeps the rope dims as the row's 64 "
+                                f"trailing bfloat16 values: the shift must be RopeShift(dim=64, "
+                                f"offset=512), got offset={rope.offset}, dim={dim}")
+    if config.v_less and rope.offset + dim != config.head_dim:
+        raise NotSupportedError(
+            f"an MLA (v_head_dim=0) latent row keeps its rope dims last: the shift must rotate "
+            f"dims [head_dim - n_rot, head_dim) = RopeShift(dim=n_rot, offset=head_dim - n_rot),"
+            f" got offset={rope.offset}, dim={dim} on head_dim={config.head_dim}")
+    if config.k_dtype in QUANT_TYPES and config.k_dtype != DS_MLA and rope.offset:
+        per_block = QUANT_TYPES[config.k_dtype][0]
+        if rope.offset % per_block or dim % per_block:
+            raise ValueError(f"a RopeShift with offset={rope.offset}, dim={dim} on "
+                             f"k_dtype={config.k_dtype!r} keys needs offset and dim multiples of "
+                             f"{per_block} (the rope dims must fill whole blocks)")
+    return dim
+
+
+__all__ = ["CacheConfig", "check_rope_layout", "KV_TYPES", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
            "normalize_dtype", "round_up", "row_bytes"]

@@ -109,6 +109,7 @@ class HybridCache:
 
     @property
     def n_layers(self) -> int:
+        """Model layers: ``len(layer_kinds)``."""
         return len(self.layer_kinds)
 
     # ------------------------------------------------------------------ forward pass
@@ -146,19 +147,24 @@ class HybridCache:
         self._attention_layer("put()")
         self.attn.put(key, value)
 
-    def get(self):
+    def get(self) -> Tuple[Any, Any, Any]:
         """``(key, value, mask)`` of the current attention layer."""
         self._attention_layer("get()")
         return self.attn.get()
 
-    def set_causal(self, except_=None) -> None:
+    def set_causal(self, except_: Optional[Sequence[int]] = None) -> None:
+        """Turn off the future-position test for batch indices ``except_`` in the attention half
+        until the next ``start_forward`` (see ``CausalCache.set_causal``)."""
         self.attn.set_causal(except_)
 
-    def page_table(self):
+    def page_table(self) -> Any:
+        """The current attention layer's page table (see ``CausalCache.page_table``)."""
         self._attention_layer("page_table()")
         return self.attn.page_table()
 
-    def layer_pool(self, layer: Optional[int] = None):
+    def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
+        """Zero-copy K/V views of every cell of an attention ``layer`` (model numbering; the
+        current one when None), see ``CausalCache.layer_pool``."""
         if layer is None:
             self._attention_layer("layer_pool()")
             return self.attn.layer_pool()
@@ -196,9 +202,13 @@ class HybridCache:
         return self.rc.state_views(self._recurrent_index(layer), seqs)
 
     def read_states(self, layer: Optional[int], seqs: Any) -> Dict[str, Any]:
+        """Copies of the recurrent states of any ``seqs`` in model ``layer``: ``{name: [len(seqs),
+        *shape]}`` (see ``RecurrentCache.read_states``)."""
         return self.rc.read_states(self._recurrent_index(layer), seqs)
 
     def write_states(self, layer: Optional[int], seqs: Any, states: Mapping[str, Any]) -> None:
+        """Write the recurrent states of ``seqs`` in model ``layer`` (see
+        ``RecurrentCache.write_states``)."""
         self.rc.write_states(self._recurrent_index(layer), seqs, states)
 
     def restore_plan(self, seq: int, n_new: int) -> List[int]:
@@ -206,6 +216,7 @@ class HybridCache:
         return self.rc.restore_plan(seq, n_new)
 
     def mark_restore(self, seq: int, pos: int) -> None:
+        """Ask for an explicit restore point at ``pos`` (see ``RecurrentCache.mark_restore``)."""
         self.rc.mark_restore(seq, pos)
 
     def keep_restore_point(self, seq: int, pos: int, states: Optional[Mapping[str, Any]] = None,
@@ -215,6 +226,7 @@ class HybridCache:
         self.rc.keep_restore_point(seq, pos, states, layer=rlayer, explicit=explicit)
 
     def restore_points(self, seq: int) -> List[int]:
+        """Positions of the restore points ``seq`` keeps, ascending."""
         return self.rc.restore_points(seq)
 
     def rollback(self, seq: int, pos: int) -> bool:
@@ -255,12 +267,19 @@ class HybridCache:
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None) -> None:
         """llama.cpp's ``seq_cp`` on both halves (the recurrent half copies the state at the
-        range's end: ``ValueError`` when it keeps none there; nothing changed)."""
+        range's end: ``ValueError`` when it keeps none there; nothing changed). ``dst`` must be
+        empty: its recurrent state would be replaced while its K/V stayed beside the copied
+        ones (``seq_rm(dst)`` first; ``copy_prefix`` does both)."""
         self._check_open()
         apply = self.rc._plan_seq_cp(src, dst, p0, p1)
+        if src != dst and max(self.attn.seq_pos_max(dst), self.rc.seq_pos_max(dst)) >= 0:
+            raise ValueError(f"seq_cp: dst {dst} holds positions: a recurrent state cannot be "
+                             "merged with another; seq_rm(dst) first (or copy_prefix, which "
+                             "replaces it)")
         self._both(apply, lambda: self.attn.seq_cp(src, dst, p0, p1))
 
     def seq_keep(self, seq: int) -> None:
+        """Drop every sequence but ``seq`` in both halves."""
         self._check_open()
         apply = self.rc._plan_seq_keep(seq)
         self._both(apply, lambda: self.attn.seq_keep(seq))
@@ -274,6 +293,8 @@ class HybridCache:
         self._both(apply, lambda: self.attn.seq_add(seq, p0, p1, delta))
 
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
+        """Divide positions ``[p0, p1)`` of ``seq`` by ``d`` in both halves (keys re-rotated; the
+        state's labels move)."""
         self._check_open()
         dd = _check_index("d", d, 1, UNLIMITED + 1)
         apply = self.rc._plan_relabel(seq, p0, p1, lambda p: p // dd)
@@ -334,9 +355,11 @@ class HybridCache:
         return bool(self.attn.can_resume(seq, pos)) and ok
 
     def defrag(self) -> None:
+        """Defragment the attention half (the recurrent rows never fragment)."""
         self.attn.defrag()
 
     def apply_pending_shifts(self) -> None:
+        """Re-rotate now the keys whose positions ``seq_add``/``seq_div`` moved."""
         if hasattr(self.attn, "apply_pending_shifts"):
             self.attn.apply_pending_shifts()
         else:
@@ -405,6 +428,7 @@ class HybridCache:
     def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[Sequence[int]] = None,
                     metadata: Optional[Mapping[str, str]] = None,
                     progress: Optional[bool] = None) -> bytes:
+        """What :meth:`save_state` writes, as bytes."""
         return _files.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
 
     def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
@@ -414,6 +438,7 @@ class HybridCache:
 
     def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
                          progress: Optional[bool] = None) -> dict:
+        """:meth:`load_state` from bytes."""
         _st._check_data(data)
         return load_hybrid(self, data, seq, strict=strict)
 
@@ -423,14 +448,18 @@ class HybridCache:
             raise KVCacheError("the cache is closed")
 
     def use_stream(self, stream: Any) -> None:
+        """Queue both halves' GPU work on ``stream`` (see ``CausalCache.use_stream``)."""
+        self.rc.use_stream(stream)      # checks first: a cpu cache refuses a stream
         self.attn.use_stream(stream)
 
     def close(self) -> None:
+        """Close both halves; any later call raises ``KVCacheError``."""
         self.attn.close()
         self.rc.close()
 
     @property
     def closed(self) -> bool:
+        """Whether either half is closed."""
         return self.attn.closed or self.rc.closed
 
     def __repr__(self) -> str:

@@ -332,10 +332,30 @@ class PromptCache:
         """Whether ``slot`` is serving a prompt (between ``load`` and ``release``)."""
         return self._slot(slot).in_use
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, *, evaluated: Optional[int] = None) -> None:
         """The request using ``slot`` is done: the slot becomes free (its inputs stay cached for
-        later prompts) and its last-used time is the clock's now."""
+        later prompts) and its last-used time is the clock's now. With a store, what the slot
+        holds is saved to it, so a later prompt (the retry of a cancelled request too) reuses
+        it.
+
+        ``evaluated``: how many of the slot's inputs have their K/V complete in every layer
+        (a request cancelled mid-prefill: the batch in flight may be half written). The slot
+        then keeps (and the store saves) only ``inputs[:evaluated]``; the positions after it
+        are removed from the sequence. None: every recorded input the sequence holds."""
         state = self._slot(slot, in_use=True)
+        if evaluated is not None:
+            if isinstance(evaluated, (bool, np.bool_)) or not isinstance(
+                    evaluated, (int, np.integer)) or not 0 <= int(evaluated) <= len(state.inputs):
+                raise ValueError(f"evaluated must be an integer in [0, {len(state.inputs)}] (the "
+                                 f"inputs slot {state.slot} records), got {evaluated!r}")
+            evaluated = int(evaluated)
+            held = self.cache.seq_pos_max(state.slot) + 1
+            if evaluated > held:
+                raise ValueError(f"evaluated={evaluated} but slot {state.slot}'s sequence holds "
+                                 f"only {held} positions")
+            if held > evaluated:
+                self.cache.seq_rm(state.slot, evaluated, None)
+            del state.inputs[evaluated:]
         state.in_use = False
         state.last_used = self.clock()
         if self.store is not None and state.inputs:
@@ -344,6 +364,12 @@ class PromptCache:
             n = min(len(state.inputs), self.cache.seq_pos_max(state.slot) + 1)
             if n > 0 and _all_token_ids(state.inputs[:n]):
                 self.store.save(state.slot, state.inputs[:n])
+
+    def cancel(self, slot: int, evaluated: int) -> None:
+        """A request cancelled after ``evaluated`` of its slot's inputs were prefilled (their
+        K/V complete in every layer): ``release(slot, evaluated=evaluated)``. The prefilled
+        part stays in the slot and, with a store, is saved to it, so the retry reuses it."""
+        self.release(slot, evaluated=evaluated)
 
     # ------------------------------------------------------------------ context shift
     def shift_discard(self, n_inputs: int, num_keep: int) -> int:

@@ -45,6 +45,7 @@ of a suffix succeeds back to any kept restore point (llama.cpp only inside its e
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -112,8 +113,9 @@ class RecurrentConfig:
         restore_every: spacing of the restore points :meth:`RecurrentCache.restore_plan` asks
             for, in absolute positions (a point at every multiple); 0 for none but the explicit
             ones and the batch end.
-        max_restore_points: restore points kept per sequence (>= 1); the pool holds
-            ``max_seqs * (1 + max_restore_points)`` states per layer.
+        max_restore_points: restore points kept per sequence (>= 1); beyond it the oldest
+            point that is neither explicit nor the newest goes first, then the oldest explicit
+            one. The pool holds ``max_seqs * (1 + max_restore_points)`` states per layer.
         device: ``auto``, ``cpu``, ``sim`` or ``cuda``.
     """
 
@@ -215,6 +217,11 @@ class RecurrentCache:
         self._free = list(range(self.n_rows - 1, S - 1, -1))  # free restore rows (a stack)
         self._forward: Optional[Dict[int, Tuple[int, int]]] = None   # seq -> (start, count)
         self._closed = False
+        self._stream = None           # CuPy stream of every launch (None: CuPy's current one)
+        self._device_id = None
+        if self.device == "cuda":
+            import cupy
+            self._device_id = cupy.cuda.runtime.getDevice()
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -249,15 +256,36 @@ class RecurrentCache:
         return s
 
     # ------------------------------------------------------------------ row moves
+    def _on_device(self):
+        """The cache's GPU and stream around device work (nothing on cpu/sim)."""
+        if self.device != "cuda":
+            return contextlib.nullcontext()
+        from .storage import _CudaScope
+        return _CudaScope(self._device_id, self._stream)
+
+    def use_stream(self, stream: Any) -> None:
+        """Queue this cache's GPU work (state-row kernels, zeroing, copies) on ``stream``: a
+        CuPy stream, a torch stream or a raw ``cudaStream_t`` int; None: CuPy's current stream
+        at each call. Views handed out (:meth:`state_views`) are ready in that stream's order.
+        On cpu/sim only None is accepted."""
+        self._check_open()
+        if self.device != "cuda":
+            if stream is None:
+                return
+            raise ValueError(f"stream applies to a cuda cache; this one stores on {self.device}")
+        from .storage import _as_cupy_stream
+        self._stream = _as_cupy_stream(stream, self._device_id)
+
     def _copy(self, dst_rows: Sequence[int], src_rows: Sequence[int]) -> None:
         """Rows ``src_rows[i]`` -> ``dst_rows[i]`` of every state tensor, every layer."""
         if not len(dst_rows):
             return
         d = np.asarray(dst_rows, dtype=np.int32)
         s = np.asarray(src_rows, dtype=np.int32)
-        for spec in self.config.states:
-            arr = self.pool[spec.name]
-            _rows.launch(self.device, arr, d, arr, s, spec.row_bytes)
+        with self._on_device():
+            for spec in self.config.states:
+                arr = self.pool[spec.name]
+                _rows.launch(self.device, arr, d, arr, s, spec.row_bytes)
 
     def _alloc(self) -> int:
         row = self._free.pop()
@@ -273,13 +301,15 @@ class RecurrentCache:
 
     def _detach(self, seqs: Sequence[int]) -> None:
         """Before live rows ``seqs`` are written: every restore point still reading one of them
-        (a lazy point, maybe shared by ``seq_cp``) gets its own row, one copy per live row."""
-        want = set(int(s) for s in seqs)
+        (a lazy point) gets its own row, one copy per live row. A lazy point only ever reads
+        its own sequence's row (``seq_cp`` and imports give the copy its own), so only the
+        sequences' own points are looked at."""
         users: Dict[int, List[_Point]] = {}
-        for pts in self._points:
-            for p in pts.values():
-                if p.row in want:
-                    users.setdefault(p.row, []).append(p)
+        for s in seqs:
+            s = int(s)
+            for p in self._points[s].values():
+                if p.row == s:
+                    users.setdefault(s, []).append(p)
         if not users:
             return
         src, dst = [], []
@@ -293,9 +323,12 @@ class RecurrentCache:
         self._copy(dst, src)
 
     def _zero(self, seqs: Sequence[int]) -> None:
-        for arr in self.pool.values():
-            for s in seqs:
-                arr[:, int(s)] = 0
+        if not len(seqs):
+            return
+        with self._on_device():
+            for arr in self.pool.values():
+                for s in seqs:
+                    arr[:, int(s)] = 0
 
     def _clear(self, seq: int) -> None:
         """Forget sequence ``seq`` (its row keeps its bytes until next written: lazy points of
@@ -318,8 +351,8 @@ class RecurrentCache:
         explicit nor the newest first, then the oldest explicit one (the newest point is the
         last to go)."""
         pts = self._points[seq]
-        while len(pts) >= self.config.max_restore_points:
-            others = [q for q in pts if q != adding]
+        while len(pts) - (adding in pts) >= self.config.max_restore_points:
+            others = [q for q in pts if q != adding]   # a point replaced in place takes no room
             newest = max(others)
             order = sorted(others, key=lambda q: (pts[q].explicit, q == newest, q))
             self._drop_point(seq, order[0])
@@ -351,38 +384,48 @@ class RecurrentCache:
         if sq.min() < 0 or sq.max() >= self.config.max_seqs:
             raise ValueError(f"seqs must be in [0, max_seqs={self.config.max_seqs}), got min "
                              f"{sq.min()} max {sq.max()}")
-        plan: Dict[int, Tuple[int, int]] = {}
+        # grouped by sequence, batch order kept inside each group (vectorised: a decode step of
+        # many sequences is one pass, not a Python loop per sequence)
         order = np.argsort(sq, kind="stable")
-        bounds = np.flatnonzero(np.diff(sq[order])) + 1
-        for group in np.split(order, bounds):
-            s = int(sq[group[0]])
-            p = pos[group]
-            start = int(p[0])
-            if self._hi[s] >= 0 and start != self._hi[s] + 1:
-                raise ValueError(f"sequence {s}: a recurrent state continues at position "
-                                 f"{self._hi[s] + 1} (seq_pos_max + 1), the batch starts it at "
-                                 f"{start}")
-            if len(p) > 1 and (np.diff(p) != 1).any():
-                raise ValueError(f"sequence {s}: its positions in the batch must be "
-                                 f"consecutive and in order ({start}, {start + 1}, ...), got "
-                                 f"{p.tolist()[:8]}")
-            plan[s] = (start, len(p))
-        return plan
+        ss, ps = sq[order], pos[order]
+        first = np.ones(len(ss), dtype=bool)
+        first[1:] = ss[1:] != ss[:-1]
+        heads = np.flatnonzero(first)
+        counts = np.diff(np.append(heads, len(ss)))
+        u, starts = ss[heads], ps[heads]
+        bad = np.flatnonzero(~first & (np.diff(ps, prepend=0) != 1))
+        if len(bad):
+            s = int(ss[bad[0]])
+            got = ps[ss == s]
+            raise ValueError(f"sequence {s}: its positions in the batch must be consecutive and "
+                             f"in order ({int(got[0])}, {int(got[0]) + 1}, ...), got "
+                             f"{got.tolist()[:8]}")
+        hi = np.asarray(self._hi, dtype=np.int64)[u]
+        wrong = np.flatnonzero((hi >= 0) & (starts != hi + 1))
+        if len(wrong):
+            i = wrong[0]
+            raise ValueError(f"sequence {int(u[i])}: a recurrent state continues at position "
+                             f"{int(hi[i]) + 1} (seq_pos_max + 1), the batch starts it at "
+                             f"{int(starts[i])}")
+        return {int(s): (int(a), int(n)) for s, a, n in zip(u.tolist(), starts.tolist(),
+                                                           counts.tolist())}
 
     def _apply_forward(self, plan: Dict[int, Tuple[int, int]]) -> None:
-        for s in plan:  # the batch end of the last pass: worth a copy only on the grid or asked for
-            for q, p in list(self._points[s].items()):
+        points, marks, lo, hi = self._points, self._marks, self._lo, self._hi
+        busy = [s for s in plan if points[s]]
+        for s in busy:  # the batch end of the last pass: worth a copy only on the grid or asked for
+            for q, p in list(points[s].items()):
                 if p.row == s and not p.explicit and not self._on_grid(q):
                     self._drop_point(s, q)
-        self._detach(list(plan))
-        fresh = [s for s in plan if self._hi[s] < 0]
-        self._zero(fresh)
+        self._detach(busy)
+        self._zero([s for s in plan if hi[s] < 0])
         for s, (start, n) in plan.items():
-            if self._hi[s] < 0:
-                self._lo[s] = start
-            self._hi[s] = start + n - 1
-            self._marks[s] = {m for m in self._marks[s] if m > start}
-        self._forward = dict(plan)
+            if hi[s] < 0:
+                lo[s] = start
+            hi[s] = start + n - 1
+            if marks[s]:
+                marks[s] = {m for m in marks[s] if m > start}
+        self._forward = plan
 
     def restore_plan(self, seq: int, n_new: int) -> List[int]:
         """Offsets ``k`` (``1 <= k <= n_new``, ascending) inside the next ``n_new`` tokens of
@@ -436,7 +479,10 @@ class RecurrentCache:
         """Keep the state of ``seq`` after its tokens before ``pos`` as a restore point.
 
         ``states=None``: the live state is that state (``pos == seq_pos_max + 1``): kept
-        lazily, no copy until the live state would be overwritten. Otherwise ``states`` maps
+        lazily, no copy until the live state would be overwritten; then (the next forward pass
+        of ``seq``) it is copied when it lies on the ``restore_every`` grid or is explicit, and
+        dropped otherwise (a decode step's end is not worth a state copy per token: pass
+        ``explicit=True`` to keep one). Otherwise ``states`` maps
         every state tensor's name to its value: ``[n_layers, *shape]`` (``layer=None``) or
         ``[*shape]`` for one ``layer`` (a model that cuts its scan layer by layer hands each
         layer's state as it goes; the point counts once every layer is in). Arrays are numpy,
@@ -511,6 +557,11 @@ class RecurrentCache:
         return out
 
     def _scatter_point(self, row: int, layer: Optional[int], arrays: Dict[str, Any]) -> None:
+        with self._on_device():
+            self._scatter_point_here(row, layer, arrays)
+
+    def _scatter_point_here(self, row: int, layer: Optional[int],
+                            arrays: Dict[str, Any]) -> None:
         xp = array_module(self.device)
         for name, spec in self._specs.items():
             a = xp.ascontiguousarray(arrays[name])
@@ -606,11 +657,14 @@ class RecurrentCache:
         is for writing): to only read, use :meth:`read_states`."""
         self._check_open()
         layer = self._check_layer(layer)
-        s = self._check_seqs(seqs)
+        s = host_int_array(seqs, "seqs")
         if len(s) > 1 and (np.diff(s) != 1).any():
             raise ValueError(f"state_views needs consecutive ascending sequence ids (row s is "
                              f"sequence s), got {s.tolist()[:8]}: use read_states/write_states "
                              f"for other sets")
+        if len(s) == 0 or s[0] < 0 or s[-1] >= self.config.max_seqs:
+            raise ValueError(f"seqs must be 1 to max_seqs ids in [0, max_seqs="
+                             f"{self.config.max_seqs}), got {s.tolist()[:8]}")
         self._detach(s.tolist())
         a, b = int(s[0]), int(s[-1]) + 1
         return {n: export_view(self.pool[n][layer, a:b], spec.dtype)
@@ -621,9 +675,10 @@ class RecurrentCache:
         pool = self.pool[name]
         src = pool if layer is None else pool[layer:layer + 1]
         xp = array_module(self.device)
-        out = xp.empty((src.shape[0], len(rows)) + spec.shape, dtype=pool.dtype)
-        _rows.launch(self.device, out, np.arange(len(rows), dtype=np.int32), src,
-                     np.asarray(rows, dtype=np.int32), spec.row_bytes)
+        with self._on_device():
+            out = xp.empty((src.shape[0], len(rows)) + spec.shape, dtype=pool.dtype)
+            _rows.launch(self.device, out, np.arange(len(rows), dtype=np.int32), src,
+                         np.asarray(rows, dtype=np.int32), spec.row_bytes)
         return out
 
     def read_states(self, layer: int, seqs: Any) -> Dict[str, Any]:
@@ -654,10 +709,11 @@ class RecurrentCache:
             arrays[name] = arr
         self._detach(s.tolist())
         xp = array_module(self.device)
-        for name, spec in self._specs.items():
-            src = xp.ascontiguousarray(arrays[name]).reshape((1, len(s)) + spec.shape)
-            _rows.launch(self.device, self.pool[name][layer:layer + 1], s.astype(np.int32), src,
-                         np.arange(len(s), dtype=np.int32), spec.row_bytes)
+        with self._on_device():
+            for name, spec in self._specs.items():
+                src = xp.ascontiguousarray(arrays[name]).reshape((1, len(s)) + spec.shape)
+                _rows.launch(self.device, self.pool[name][layer:layer + 1], s.astype(np.int32),
+                             src, np.arange(len(s), dtype=np.int32), spec.row_bytes)
 
     # ------------------------------------------------------------------ sequences (llama.cpp)
     def seq_pos_min(self, seq: int) -> int:
@@ -791,13 +847,27 @@ class RecurrentCache:
 
         def at(p):           # a position's new label
             return move(p) if p0 <= p < p1 else p
+        in_lo, in_hi = p0 <= lo < p1, p0 <= hi < p1
+        what = f"moving positions [{p0}, {p1}) of sequence {seq}"
+        if not in_lo and not in_hi:
+            if lo < p0 < p1 <= hi and any(at(p) != p for p in (p0, p1 - 1)):
+                raise ValueError(f"{what} would move tokens inside its recurrent state past "
+                                 "their neighbours")
+            return lambda: None
         new_lo, new_hi = at(lo), at(hi)
-        if new_hi < 0 and p0 <= lo:
+        if new_hi < 0 and in_lo:
             return lambda: self._clear(seq)     # all of it below 0: dropped, as K/V would be
-        new_lo = max(new_lo, 0)
+        if new_lo < 0:
+            raise ValueError(f"{what} would put positions below 0, which the K/V caches drop: "
+                             "a recurrent state cannot forget the tokens it read")
+        # the sequence's positions run lo..hi without gaps: a moved end must not pass the rest
+        if in_lo and not in_hi and not at(p1 - 1) < p1:
+            raise ValueError(f"{what} would put its first positions after position {p1}")
+        if in_hi and not in_lo and not at(p0) > p0 - 1:
+            raise ValueError(f"{what} would put its last positions before position {p0 - 1}")
         if new_lo > new_hi:
-            raise ValueError(f"moving positions [{p0}, {p1}) of sequence {seq} would put its "
-                             f"first position {lo} after its last {hi} ({new_lo} > {new_hi})")
+            raise ValueError(f"{what} would put its first position {lo} after its last {hi} "
+                             f"({new_lo} > {new_hi})")
         # a point at q follows the token before it (q - 1)
         moved = {q: at(q - 1) + 1 for q in self._points[seq]}
         if len(set(moved.values())) != len(moved) or any(not new_lo < m <= new_hi + 1
@@ -832,7 +902,7 @@ class RecurrentCache:
         states = {}
         for name in self._specs:
             arr = self._gather(name, None, rows)
-            states[name] = arr if isinstance(arr, np.ndarray) else arr.get()
+            states[name] = arr if isinstance(arr, np.ndarray) else arr.get(stream=self._stream)
         return RecurrentPart(first=max(lo, 0), positions=np.array([e[0] for e in entries],
                                                                   dtype=np.int32),
                              flags=np.array([e[2] for e in entries], dtype=np.uint8),
@@ -886,12 +956,13 @@ class RecurrentCache:
                 src.append(i)
                 pts[q] = _Point(r, bool(part.flags[i] & EXPLICIT), frozenset())
             xp = array_module(self.device)
-            for name, spec in self._specs.items():
-                a = part.states[name]
-                a = xp.asarray(a) if self.device == "cuda" else np.asarray(a)
-                a = xp.ascontiguousarray(a)
-                _rows.launch(self.device, self.pool[name], np.asarray(rows, np.int32), a,
-                             np.asarray(src, np.int32), spec.row_bytes)
+            with self._on_device():
+                for name, spec in self._specs.items():
+                    a = part.states[name]
+                    a = xp.asarray(a) if self.device == "cuda" else np.asarray(a)
+                    a = xp.ascontiguousarray(a)
+                    _rows.launch(self.device, self.pool[name], np.asarray(rows, np.int32), a,
+                                 np.asarray(src, np.int32), spec.row_bytes)
             self._points[seq] = pts
             self._lo[seq] = part.first + delta
             self._hi[seq] = int(part.positions[-1]) + delta - 1
@@ -946,11 +1017,15 @@ class RecurrentCache:
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close`."""
         return self._closed
 
     def synchronize(self) -> None:
         """Wait for this cache's queued GPU work (no-op on cpu/sim)."""
-        synchronize(self.device)
+        if self._stream is not None:
+            self._stream.synchronize()
+        else:
+            synchronize(self.device)
 
     def __repr__(self) -> str:
         used = sum(1 for h in self._hi if h >= 0)
@@ -1059,7 +1134,7 @@ def plan_recurrent(cache: RecurrentCache, state, seq: Optional[int], config: Any
             for plan in plans:
                 plan()
             for t, m in new_marks.items():
-                cache._marks[t] = {x for x in m if x > cache._hi[t] + 1}
+                cache._marks[t] = m   # as saved (those the last pass crossed go at the next)
             cache._forward = None
         return apply
     return expected, finish

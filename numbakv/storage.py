@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 from ._jit import njit
 
-from .config import CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, RopeShift
+from .config import (CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, QUANT_TYPES, RopeShift,
+                     check_rope_layout)
 from .kernels import mask as _mask
+from .kernels import mla as _mla
 from .kernels import move as _move
 from .kernels import put as _put
 from .kernels import quant as _quant
@@ -334,7 +336,7 @@ class KVStorage:
             view_dtype, _ = _rope.storage_kind("cuda", self.dtype)
             f32 = _common.Desc(0, (1, 1), (4, 4), np.dtype(np.float32))
             kd = _common.desc_of(self.keys, view_dtype)
-            sigs.append((_rope.rope_shift_kernel, (kd, i32, i32, i32, f32, f32, 0, 0)))
+            sigs.append((_rope.rope_shift_kernel, (kd, i32, i32, i32, f32, f32, 0, 0, 0)))
             for kernel, args in sigs:
                 _launch_mod.preload(kernel, [_launch_mod.numba_type(a) for a in args],
                                     self._device_id)
@@ -621,19 +623,45 @@ class KVStorage:
                 raise ValueError(f"layers must be in [0, {self.config.n_layers})")
             if np.unique(layers).size != layers.size:
                 raise ValueError("layers must not repeat")
+        dim = check_rope_layout(self.config, rope)
         if cells.size == 0:
             return
-        if self.k_quantized:
-            if self.config.head_dim > _quant.MAX_ROTATE_DIM:
-                raise ValueError(f"the rotary shift on quantized keys takes head_dim <= "
-                                 f"{_quant.MAX_ROTATE_DIM}, got {self.config.head_dim}")
+        if not self.k_quantized:   # the kernel indexes the rope dims of the contiguous rows
             with self._on_device():
-                _quant.rope_launch(self.device, self.keys, self.config.head_dim, cells, deltas,
-                                   inv_freq, rope.neox, self._k_fmt, self._k_scales, layers)
+                _rope.launch(self.device, self.keys, self.dtype, cells, deltas, inv_freq,
+                             rope.neox, layers, col=rope.offset)
             return
-        with self._on_device():
-            _rope.launch(self.device, self.keys, self.dtype, cells, deltas, inv_freq, rope.neox,
-                         layers)
+        if self._k_ds_mla:   # FlashMLA's row: the bfloat16 rope values turn in place
+            with self._on_device():
+                _rope.launch(self.device, self.keys.view(np.uint16), "bfloat16", cells, deltas,
+                             inv_freq, rope.neox, layers, col=_mla.ROPE_AT // 2)
+            return
+        keys, dim = self.rope_keys(rope)
+        if self.k_quantized:
+            if dim > _quant.MAX_ROTATE_DIM:
+                raise ValueError(f"the rotary shift on quantized keys takes head_dim <= "
+                                 f"{_quant.MAX_ROTATE_DIM}, got {dim}")
+            with self._on_device():
+                _quant.rope_launch(self.device, keys, dim, cells, deltas, inv_freq, rope.neox,
+                                   self._k_fmt, self._k_scales, layers)
+            return
+
+    def rope_keys(self, rope: RopeShift) -> Tuple[Any, int]:
+        """``(keys, dim)``: the part of the key storage a shift by ``rope`` rewrites, as a strided
+        view ``[n_layers, n_cells, n_kv_heads, row]`` of the storage (no copy), and the values
+        per row in it. The whole row unless ``rope.offset`` is set; with an offset (an MLA
+        latent's trailing rope dims) only the dims ``offset .. offset + rotary_dim`` -- for
+        quantized keys the blocks holding them, which must not hold other dims. The rotary kernels
+        run on the view as on a whole row, so their element math serves both."""
+        dim = check_rope_layout(self.config, rope)
+        if rope.offset == 0:
+            return self.keys, self.config.head_dim
+        lo, hi = rope.offset, rope.offset + dim
+        if self.k_quantized:   # whole blocks (check_rope_layout made sure)
+            per_block, block_bytes = QUANT_TYPES[self.config.k_dtype]
+            return (self.keys[..., lo // per_block * block_bytes:hi // per_block * block_bytes],
+                    dim)
+        return self.keys[..., lo:hi], dim
 
     # ---------------------------------------------------------------- quantized K/V
     def _init_quantized(self) -> None:
@@ -641,6 +669,8 @@ class KVStorage:
         scratch of a cache with a quantized side."""
         cfg = self.config
         self._k_fmt = _quant.FORMATS.get(cfg.k_dtype, 0)
+        #: FlashMLA's fp8_ds_mla latent rows (kernels/mla.py) rather than a ggml/float8 format
+        self._k_ds_mla = cfg.k_dtype == "fp8_ds_mla"
         self._v_fmt = _quant.FORMATS.get(cfg.v_dtype, 0)
         self._k_scales = self.xp.asarray(cfg.layer_scales("k"))
         self._v_scales = self.xp.asarray(cfg.layer_scales("v"))
@@ -655,6 +685,9 @@ class KVStorage:
             for quantized, fmt, scales, store, x in (
                     (self.k_quantized, self._k_fmt, self._k_scales, self.keys, key),
                     (self.v_quantized, self._v_fmt, self._v_scales, self.values, value)):
+                if quantized and store is self.keys and self._k_ds_mla:
+                    _mla.put_launch(self.device, store, layer, x, slots, start, self.dtype)
+                    continue
                 if quantized:
                     _quant.put_launch(self.device, store, layer, x, slots, start, fmt, scales,
                                       self.dtype)
@@ -692,6 +725,10 @@ class KVStorage:
                     scratch = zeros((self.n_cells, cfg.local_kv_heads, dim), dtype=self._sdt)
                     setattr(self, name, scratch)
                 view = scratch[:hi - lo]
+                if which == "k" and self._k_ds_mla:
+                    _mla.get_launch(self.device, self.keys, layer, lo, view, self.dtype)
+                    out.append(view)
+                    continue
                 _quant.get_launch(self.device, self.keys if which == "k" else self.values,
                                   layer, lo, view, getattr(self, f"_{which}_fmt"),
                                   getattr(self, f"_{which}_scales"), self.dtype)

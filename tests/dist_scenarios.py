@@ -4,7 +4,9 @@ returns something small the test checks too."""
 
 from __future__ import annotations
 
+import base64
 import os
+import time
 
 import numpy as np
 import torch
@@ -541,3 +543,121 @@ def hybrid_transfer(rank: int, world: int) -> list:
         for n, a in state.items():
             assert np.array_equal(a, target.rc.pool[n]), case
     return seen
+
+
+# ------------------------------------------------------------------------------ issue 37
+def oversized(rank: int, world: int) -> list:
+    """Rank 0 claims a sequence of 8M positions (a forged header) and then sends a real one
+    larger than the receiver's cache: rank 1 refuses both from the header, before allocating
+    anything, and both sides raise ``TransferRefused`` naming the room (#9)."""
+    if rank > 1:
+        return []
+    seen = []
+    if rank == 0:
+        cache = make_cache()
+        fill(cache, 0, 40, 41)
+        real = dist._wire.make_header
+
+        def forged(snap, n_kv_heads):
+            h = real(snap, n_kv_heads)
+            n = 8 << 20
+            h["parts"][0]["n"] = n
+            h["parts"][0]["positions"] = base64.b64encode(
+                np.arange(n, dtype="<i4").tobytes()).decode("ascii")
+            return h
+        dist._wire.make_header = forged
+        try:
+            dist.send_seq(cache, 0, 1, timeout=60)
+        except dist.TransferRefused as exc:
+            seen.append(str(exc))
+        finally:
+            dist._wire.make_header = real
+        try:
+            dist.send_seq(cache, 0, 1, timeout=60)
+        except dist.TransferRefused as exc:
+            seen.append(str(exc))
+        return seen
+    cache = make_cache(max_seqs=1, capacity=16)          # 16 cells, 40 positions come
+    before = dist.table_digest(cache)
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(2):
+        try:
+            dist.recv_seq(cache, 0, 0, timeout=60)
+        except dist.TransferRefused as exc:
+            seen.append(str(exc))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak   # KiB
+    assert dist.table_digest(cache) == before
+    seen.append(grown)
+    return seen
+
+
+def timeout_then_again(rank: int, world: int) -> list:
+    """Rank 1 waits for rank 0, which stalls past the timeout: ``TransferTimeout``; every later
+    call between the pair raises a ``TransferError`` that says to re-create the group, never a
+    raw ``RuntimeError`` from posting (#5)."""
+    if rank == 0:
+        time.sleep(6)       # stalled: sends nothing
+        return []
+    if rank > 1:
+        return []
+    cache = make_cache()
+    seen = []
+    try:
+        dist.recv_seq(cache, 0, 0, timeout=1)
+    except dist.TransferTimeout as exc:
+        seen.append(("first", type(exc).__name__, str(exc)))
+    for _ in range(2):
+        try:
+            dist.recv_seq(cache, 0, 0, timeout=1)
+            seen.append(("again", "no error", ""))
+        except dist.TransferError as exc:
+            seen.append(("again", type(exc).__name__, str(exc)))
+        except Exception as exc:   # noqa: BLE001 - what the defect raised
+            seen.append(("again", type(exc).__name__, str(exc)))
+    fill(cache, 1, 2, 5)
+    try:
+        dist.send_seq(cache, 1, 0, timeout=1)
+        seen.append(("send", "no error", ""))
+    except dist.TransferError as exc:
+        seen.append(("send", type(exc).__name__, str(exc)))
+    except Exception as exc:   # noqa: BLE001
+        seen.append(("send", type(exc).__name__, str(exc)))
+    return seen
+
+
+def _paired():
+    main = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=96, v_head_dim=0, capacity=16,
+                           max_seqs=2, device="cpu")
+    return nkv.PairedCache(main, main.replace(head_dim=32),
+                           shift=nkv.RopeShift(dim=32, offset=64),
+                           indexer_shift=nkv.RopeShift(dim=16, offset=16))
+
+
+def _fill_paired(p, seq, n, seed):
+    rng = np.random.default_rng(seed)
+    p.start_forward(np.arange(n, dtype=np.int32), np.full(n, seq, np.int32))
+    for layer in range(2):
+        p.set_layer(layer)
+        p.put(rng.standard_normal((n, 1, 96)).astype(np.float16), None)
+        p.put_indexer(rng.standard_normal((n, 1, 32)).astype(np.float16))
+
+
+def paired_transfer(rank: int, world: int) -> list:
+    """Rank 0 sends a PairedCache sequence (MLA latent rows + indexer keys) to rank 1's pair:
+    both halves arrive bit-exact and the pair stays paired."""
+    if rank > 1:
+        return []
+    if rank == 0:
+        p = _paired()
+        _fill_paired(p, 0, 9, 77)
+        assert dist.send_seq(p, 0, 1, timeout=60) == 9
+        return []
+    p, ref = _paired(), _paired()
+    _fill_paired(ref, 0, 9, 77)
+    assert dist.recv_seq(p, 1, 0, timeout=60) == 9
+    p.check_paired()
+    got, want = p.export_seq(1), ref.export_seq(0)
+    assert len(got.parts) == 2
+    assert rows(got) == rows(want)
+    return ["paired"]

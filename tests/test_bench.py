@@ -290,3 +290,13 @@ def test_generate_section_quick(capsys):
     assert [r["threads"] for r in res["generate"]] == [1, 2]
     text = "\n".join(bench_generate.format_generate(res))
     assert "StaticCache" in text and "tok/s" in text
+
+
+def test_states_section_quick(capsys):
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--sections", "states",
+                     "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "Recurrent state rows" in out
+    for case in ("gather", "scatter", "restore point", "read_states"):
+        assert case in out
+    assert "state gather >= 50% of np.copyto bandwidth" in out

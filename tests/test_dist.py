@@ -170,3 +170,29 @@ def test_hybrid_sequences_carry_their_recurrent_state(group):
     assert [c for c, _ in sender] == [c for c, _ in receiver] == [
         "into attention-only", "attention-only into hybrid"]
     assert "attention-only" in receiver[0][1] and "recurrent" in receiver[1][1]
+
+
+def test_oversized_sequence_refused_from_the_header_on_both_sides(group):
+    out = group.run(S, "oversized", timeout=180)
+    sender, receiver = out[0], out[1]
+    assert len(sender) == 2 and len(receiver) == 3, out
+    for msg in sender + receiver[:2]:
+        assert "room" in msg, msg
+    assert "8388608" in receiver[0]
+    assert receiver[2] < 256 * 1024, f"the receiver's peak RSS grew {receiver[2]} KiB"
+
+
+def test_after_a_timeout_every_call_says_to_recreate_the_group(group):
+    group.broken = True     # the pair's connection is gone after the timeout
+    out = group.run(S, "timeout_then_again", timeout=120)
+    seen = out[1]
+    assert seen[0][:2] == ("first", "TransferTimeout")
+    assert "re-create" in seen[0][2]
+    for step, kind, msg in seen[1:]:
+        assert kind in ("TransferTimeout", "TransferError"), (step, kind, msg)
+        assert "re-create" in msg, msg
+
+
+def test_paired_cache_sequences_move_both_halves(group):
+    seen = group.run(S, "paired_transfer")
+    assert seen[1] == ["paired"]

@@ -31,7 +31,7 @@ def test_config_defaults_and_sizing():
     (dict(head_dim=1.5), "head_dim"), (dict(dtype="int8"), "dtype"),
     (dict(mask_dtype="int8"), "mask_dtype"), (dict(max_seqs=257), "max_seqs"),
     (dict(device="tpu"), "device"), (dict(capacity=0), "capacity"),
-    (dict(permuted_v="yes"), "permuted_v"), (dict(v_head_dim=0), "v_head_dim"),
+    (dict(permuted_v="yes"), "permuted_v"), (dict(v_head_dim=-1), "v_head_dim"),
 ])
 def test_config_rejects_bad_values(kwargs, needle):
     base = dict(n_layers=1, n_kv_heads=1, head_dim=8)

@@ -345,8 +345,8 @@ def test_rope_shift_refuses_what_it_cannot_express():
         hf.rope_shift_for(dynamic)
     with pytest.raises(nkv.NotSupportedError, match="M-RoPE"):
         hf.rope_shift_for(T.Qwen2VLConfig())
-    with pytest.raises(nkv.NotSupportedError, match="MLA"):
-        hf.rope_shift_for(T.DeepseekV3Config(num_hidden_layers=1))
+    mla = hf.rope_shift_for(T.DeepseekV3Config(num_hidden_layers=1))   # the latent's rope dims
+    assert (mla.dim, mla.offset, mla.neox) == (64, 512, True)
     with pytest.raises(nkv.NotSupportedError, match="no_rope_layers"):
         hf.rope_shift_for(T.Llama4TextConfig(num_hidden_layers=4))
     # cache_for then builds a cache without a shift: context shift is refused, not wrong

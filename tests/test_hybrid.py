@@ -149,7 +149,7 @@ def test_refusals_change_neither_half():
         hc.remove(0, 5)
     with pytest.raises(NotSupportedError, match="recurrent"):
         hc.remove(0, 1, 3)
-    with pytest.raises(ValueError, match="would put its first position"):
+    with pytest.raises(ValueError, match="would put its last positions before"):
         hc.seq_add(0, 3, None, -10)
     same(before, everything(hc))
     noshift = make(capacity=8, max_seqs=2, shift=False)
@@ -299,3 +299,61 @@ def test_wrapper_attention_half():
     expect_state(other, 0, list(range(1, 12)))
     other.load_state_bytes(hc.state_bytes())
     expect_state(other, 0, list(range(1, 12)))
+
+
+def test_attend_reads_the_attention_half():
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    hc = make()
+    run(hc, 0, [1, 2, 3], 0)
+    run(hc, 0, [4, 5], 3)
+    q = torch.randn(2, 4, D)
+    hc.set_layer(3)
+    got = attend(q, hc)
+    want = attend(q, hc.attn)          # the attention half, layer 1 (model layer 3) selected
+    assert torch.equal(got, want)
+    hc.set_layer(2)
+    with pytest.raises(ValueError, match="recurrent layer"):
+        attend(q, hc)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_operations_keep_both_halves_in_step(seed):
+    """Random sequence operations on a hybrid: each either succeeds with both halves agreeing
+    on every sequence's positions, or refuses (False / an exception) with every array and every
+    piece of bookkeeping of both halves unchanged."""
+    rng = np.random.default_rng(seed)
+    hc = make(capacity=24, max_seqs=3, every=3, points=3)
+    toks = {}
+    ops = []
+    for step in range(80):
+        s, d = (int(x) for x in rng.integers(0, 3, 2))
+        end = hc.rc.seq_pos_max(s) + 1
+        r = lambda: int(rng.integers(0, end + 3))   # noqa: E731
+        choice = str(rng.choice(["run", "run", "rollback", "seq_rm", "seq_cp", "copy_prefix",
+                                 "remove", "seq_add", "seq_keep"]))
+        calls = {"rollback": lambda: hc.rollback(s, r()),
+                 "seq_rm": lambda: hc.seq_rm(s, r(), int(rng.choice([r(), -1]))),
+                 "seq_cp": lambda: hc.seq_cp(s, d, 0, int(rng.choice([r(), -1]))),
+                 "copy_prefix": lambda: hc.copy_prefix(s, d, r()),
+                 "remove": lambda: hc.remove(s, r(), rng.choice([None, r()])),
+                 "seq_add": lambda: hc.seq_add(s, r(), None, int(rng.integers(-3, 4))),
+                 "seq_keep": lambda: hc.seq_keep(s)}
+        before = everything(hc)
+        try:
+            if choice == "run":
+                n = int(rng.integers(1, 5))
+                run(hc, s, [int(t) for t in rng.integers(0, 9, n)], max(end, 0))
+                ok = True
+            else:
+                ok = calls[choice]()
+        except (ValueError, NotSupportedError, KVCacheFullError):
+            ok = False
+        ops.append((choice, s, ok))
+        if ok is False:
+            same(before, everything(hc))
+        for q in range(3):
+            assert hc.attn.seq_pos_max(q) == hc.rc.seq_pos_max(q), (ops[-3:], q)
+            if hc.rc.seq_pos_max(q) >= 0:
+                assert hc.attn.seq_pos_min(q) == hc.rc.seq_pos_min(q), (ops[-3:], q)
+    assert any(ok for _, _, ok in ops) and not all(ok is not False for _, _, ok in ops)

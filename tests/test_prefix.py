@@ -259,7 +259,7 @@ def test_store_clear_close_and_events():
     ev = store.take_events()
     assert ev == [{"type": "BlockStored", "block_hashes": block_keys(toks, 4, store._root(None)),
                    "parent_block_hash": None, "token_ids": toks, "block_size": 4,
-                   "lora_id": None, "medium": "cells"}]
+                   "lora_id": None, "medium": "cells", "priority": 35, "ttl": None}]
     store.clear()
     assert store.take_events() == [{"type": "AllBlocksCleared"}]
     assert store.match(toks) == 0 and cache.seq_pos_max(3) == -1

@@ -324,3 +324,107 @@ def test_unusable_index_log_is_named(tmp_path):
     os.mkdir(log)
     with pytest.raises(ValueError, match=r"/index\.log"):
         lower_store(spec)
+
+
+# -- 10: Redis books that are not numbers are rebuilt, not the end of every write --------------
+@pytest.mark.parametrize("what", ["bytes", "stats"])
+def test_redis_books_that_are_not_numbers_are_rebuilt(redis_url, what):
+    import redis
+    from numbakv.prefix.tiers.redis import RedisTier
+    ns = "nkv1-00000000000000aa"
+    tier = RedisTier(ns, 1 << 20, redis_url)
+    try:
+        assert tier.write_run("ab" * 8, ["cd" * 8, "ab" * 8], b"x" * 1000)
+        raw = redis.Redis.from_url(redis_url)
+        prefix = f"nkv:t1:{{{ns}}}:"
+        if what == "bytes":
+            raw.set(prefix + "bytes", b"not a number")
+        else:
+            raw.hset(prefix + "stats", mapping={"writes": "x", "evictions": "y", "invalid": "z"})
+        for i in range(3):
+            assert tier.write_run(f"{i:02x}" * 8, [f"{i:02x}" * 8], b"y" * 500)
+        tier.report_invalid("00" * 8)
+        st = tier.stats()
+        assert st["entries"] == 3
+        expected = sum(int(v.decode().split("|")[0])
+                       for v in raw.hgetall(prefix + "meta").values())
+        assert st["bytes_used"] == expected == int(raw.get(prefix + "bytes"))
+        if what == "bytes":
+            assert st["books_rebuilt"] == 1
+        assert tier.clear() == 3
+        raw.close()
+    finally:
+        tier.close()
+
+
+# -- 6: on sliding windows, an entry beside the query's path is still found --------------------
+def test_sliding_match_finds_an_entry_ending_beside_the_query_path():
+    cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=4, dtype="float32", capacity=48,
+                          max_seqs=4, device="cpu")
+    cache = nkv.CausalCache(cfg, swa_window=4, swa_memory=8)
+    store = nkv.PrefixStore(cache, retain_seqs=[2, 3], block_tokens=4, checkpoint_tail=3)
+    try:
+        prefill(cache, 0, [1], chunk=1)
+        assert store.save(0, [1]) == 1
+        assert store.pin([1]) == 1
+        cache.seq_rm(0)
+        long = [1] + [0] * 8               # its first block [1, 0, 0, 0] is beside [1]
+        prefill(cache, 0, long, chunk=1)   # the window prunes: that entry resumes from 5 only
+        store.save(0, long)
+        cache.seq_rm(0)
+        for query in ([1, 0], [1, 0, 0], [1, 7, 7]):
+            assert store.match(query) == 1     # the pinned one-token prefix, for every prompt
+            assert store.load(1, query) == 1
+            check_holds(cache, 1, query, 1)
+            cache.seq_rm(1)
+    finally:
+        store.close()
+
+
+# -- 8: the KV event log is bounded in bytes: RSS flat over 5,000 save/load cycles --------------
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_event_log_bounded_in_bytes_rss_flat_over_5000_cycles():
+    import gc
+    cache = small_cache(max_seqs=4, capacity=128)
+    store = nkv.PrefixStore(cache, retain_seqs=[3], block_tokens=16, event_bytes=1 << 20)
+    rng = np.random.default_rng(0)
+
+    def cycle(i):
+        p = [int(t) for t in rng.integers(0, 30000, 96)]   # a new prompt each time
+        prefill(cache, 0, p, chunk=96)
+        store.save(0, p)               # evicts the previous entry: stored + removed events
+        cache.seq_rm(0)
+        assert store.load(1, p) == 96
+        cache.seq_rm(1)
+    try:
+        for i in range(300):           # warm up (numba, allocator pools)
+            cycle(i)
+        gc.collect()
+        before = _rss()
+        for i in range(5000):
+            cycle(i)
+        gc.collect()
+        grown = _rss() - before
+        # unbounded: ~10,000 events x ~4 KB = ~40 MB; bounded: the 1 MiB log + noise
+        assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 5,000 cycles"
+        assert store.events.nbytes <= 1 << 20
+        assert store.stats()["events_dropped"] > 0
+        assert len(store.take_events()) > 0
+    finally:
+        store.close()
+
+
+def test_event_log_off_and_bad_bound():
+    cache = small_cache()
+    store = nkv.PrefixStore(cache, retain_seqs=[3], event_bytes=0)
+    prefill(cache, 0, [1, 2, 3])
+    store.save(0, [1, 2, 3])
+    assert store.take_events() == [] and store.stats()["events_dropped"] >= 1
+    store.close()
+    with pytest.raises(ValueError, match="event_bytes"):
+        nkv.PrefixStore(small_cache(), event_bytes=-1)

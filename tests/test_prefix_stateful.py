@@ -8,6 +8,12 @@ longer than some saved prompt allows (soundness) and is the longest any live ent
 its tokens' K/V, the host budget holds, per-tier byte accounts sum to their budgets, and the
 cache holds nothing but the retained sequences' cells between requests.
 
+Retention (issue 36) is in the same model: ``save``/``retain`` with priorities and TTLs on an
+injected clock (``advance`` moves it), prompts with ``extra_keys`` (an image key over a token
+range: a prompt matches past the range's start only with the same key), and after every
+eviction the evicted entries ranked no higher than those kept (expired first, then the lowest
+priority); the index never holds a block without its parent (no orphaned descendants).
+
 Small by default; ``pytest -m slow`` runs >= 100k operations (the count is printed)."""
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import numbakv as nkv
 from numbakv.errors import KVCacheFullError
 from numbakv.prefix import PrefixStore
+from numbakv.prefix.keys import fold_extra_keys
 
 from prefix_helpers import check_holds, prefill, small_cache
 
@@ -29,6 +36,38 @@ OPS = {"count": 0, "violations": 0}
 
 tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=28)
 salt_st = st.sampled_from([None, b"t"])
+#: an image-like extra key (start, width, key) clipped to the prompt, or none
+extra_st = st.one_of(st.none(), st.tuples(st.integers(0, 27), st.integers(1, 8),
+                                          st.sampled_from([b"img-a", b"img-b"])))
+priority_st = st.one_of(st.none(), st.sampled_from([0, 20, 35, 60, 100]))
+ttl_st = st.one_of(st.none(), st.sampled_from([0.0, 5.0, 50.0]))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def clip(extra, tokens):
+    """``extra`` as the store's ``extra_keys`` for ``tokens`` (None: no keys)."""
+    if extra is None:
+        return None
+    start, width, key = extra
+    start = min(start, len(tokens) - 1)
+    return [(start, min(len(tokens), start + width), key)]
+
+
+def ref_prompt(tokens, extra_keys):
+    """The reference's view of a prompt: per token (id, key over it or None, offset in its
+    range) - written independently of the store's keyed ids."""
+    out = [(t, None, 0) for t in tokens]
+    for start, end, key in extra_keys or ():
+        for i in range(start, end):
+            out[i] = (tokens[i], key, i - start)
+    return tuple(out)
 
 
 def lcp(a, b) -> int:
@@ -45,10 +84,13 @@ class StoreMachine(RuleBasedStateMachine):
         self.cache = small_cache(max_seqs=4, capacity=24)          # 96 cells
         self.host = (self.cache.config.nbytes(1) * 40) if HAVE_SNAPSHOT else 0
         self.policy = "lru"
+        self.clock = Clock()
         self.store = PrefixStore(self.cache, retain_seqs=[2, 3], block_tokens=4,
-                                 host_bytes=self.host, policy=self.policy)
+                                 host_bytes=self.host, policy=self.policy, clock=self.clock)
         self.saved = {None: set(), b"t": set()}
-        self.pins = []     # (tokens, salt, length)
+        self.pins = []     # (tokens, salt, length, extra keys)
+        self._ranks = {}
+        self.unkey = {}    # the store's keyed ids (extra keys) -> token ids, for K/V checks
 
     def teardown(self):
         self.store.close()
@@ -56,34 +98,81 @@ class StoreMachine(RuleBasedStateMachine):
     def _op(self):
         OPS["count"] += 1
 
-    @rule(tokens=tokens_st, salt=salt_st)
-    def save(self, tokens, salt):
+    @rule(tokens=tokens_st, salt=salt_st, extra=extra_st, priority=priority_st,
+          ttl=ttl_st)
+    def save(self, tokens, salt, extra, priority, ttl):
         self._op()
+        keys = clip(extra, tokens)
         try:
             prefill(self.cache, 0, tokens, chunk=16)
         except KVCacheFullError:
             assert self.cache.seq_pos_max(0) < len(tokens) - 1
             self.cache.seq_rm(0)
             return
-        kept = self.store.save(0, tokens, salt=salt)
+        kept = self.store.save(0, tokens, salt=salt, extra_keys=keys, priority=priority,
+                               ttl=ttl)
         assert kept in (0, len(tokens))
-        self.saved[salt].add(tuple(tokens))
+        self.saved[salt].add(ref_prompt(tokens, keys))
+        keyed = np.frombuffer(fold_extra_keys(np.asarray(tokens, "<i8").tobytes(), keys), "<i8")
+        self.unkey.update(zip(keyed.tolist(), tokens))   # keyed id -> the token it stands for
         self.cache.seq_rm(0)
         if kept:
-            assert self.store.match(tokens, salt=salt) == len(tokens)
+            assert self.store.match(tokens, salt=salt, extra_keys=keys) == len(tokens)
+            if priority is not None:
+                [e] = [e for e in self._entries_of(tokens, keys, salt)
+                       if e["length"] == len(tokens)][:1] or [None]
+                assert e is None or e["priority"] == priority
 
-    @rule(tokens=tokens_st, salt=salt_st)
-    def load(self, tokens, salt):
+    def _entries_of(self, tokens, keys, salt):
+        root = self.store._root(salt)
+        want = np.frombuffer(fold_extra_keys(np.asarray(tokens, "<i8").tobytes(), keys),
+                             "<i8").tolist()
+        return [e for e in self.store.entries() if e["salt_root"] == root
+                and e["tokens"] == want[:e["length"]]]
+
+    @rule(tokens=tokens_st, salt=salt_st, extra=extra_st,
+          priority=st.sampled_from([0, 35, 80, 100]), ttl=ttl_st)
+    def retain(self, tokens, salt, extra, priority, ttl):
         self._op()
-        n = self.store.match(tokens, salt=salt)
-        # soundness: never more than some saved prompt of this salt shares with it
-        assert n <= max((lcp(tokens, p) for p in self.saved[salt]), default=0)
+        keys = clip(extra, tokens)
+        n = self.store.match(tokens, salt=salt, extra_keys=keys)
+        local = self.store.index.match(self.store._root(salt), np.frombuffer(
+            fold_extra_keys(np.asarray(tokens, "<i8").tobytes(), keys), "<i8").tobytes()).n
+        got = self.store.retain(tokens, priority=priority, ttl=ttl, salt=salt, extra_keys=keys)
+        assert got == local and got <= n
+        if got:
+            # every entry inside the range took it (or a longer one holds it at >= priority)
+            assert self.store.match(tokens, salt=salt, extra_keys=keys) >= got
+            inside = [e for e in self._entries_of(tokens[:got], keys and [
+                (a, min(b, got), k) for a, b, k in keys if a < got], salt)
+                if e["length"] <= got]
+            assert all(e["priority"] == priority for e in inside)
+
+    @rule(dt=st.sampled_from([1.0, 10.0, 60.0]))
+    def advance(self, dt):
+        """Time passes: TTLs run out (the expired are first out, still served till then)."""
+        self._op()
+        before = self.store.match([0, 1, 2, 3])
+        self.clock.t += dt
+        assert self.store.match([0, 1, 2, 3]) == before
+
+    @rule(tokens=tokens_st, salt=salt_st, extra=extra_st)
+    def load(self, tokens, salt, extra):
+        self._op()
+        keys = clip(extra, tokens)
+        n = self.store.match(tokens, salt=salt, extra_keys=keys)
+        # soundness: never more than some saved prompt of this salt shares with it (tokens
+        # AND the extra keys over them)
+        assert n <= max((lcp(ref_prompt(tokens, keys), p) for p in self.saved[salt]),
+                        default=0)
         # completeness: the longest any live entry of this salt shares
         root = self.store._root(salt)
         live = [e["tokens"] for e in self.store.entries() if e["salt_root"] == root]
-        assert n == max((lcp(tokens, p) for p in live), default=0)
+        keyed = np.frombuffer(fold_extra_keys(np.asarray(tokens, "<i8").tobytes(), keys),
+                              "<i8").tolist()
+        assert n == max((lcp(keyed, p) for p in live), default=0)
         try:
-            got = self.store.load(1, tokens, salt=salt)
+            got = self.store.load(1, tokens, salt=salt, extra_keys=keys)
         except KVCacheFullError:
             assert self.cache.seq_pos_max(1) == -1
             return
@@ -96,28 +185,39 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(k=st.integers(1, 90))
     def occupy(self, k):
-        """A request that needs room: the store must give up cells (never pinned ones)."""
+        """A request that needs room: the store must give up cells (never pinned ones), in
+        retention order: nothing it evicts ranks above an entry it keeps."""
         self._op()
+        before = {e.id: e for e in self.store.index.in_tier("cells")}
+        ranks = dict(self._ranks)        # recorded by the invariant after the last step
         try:
             prefill(self.cache, 0, [9] * k, chunk=90)
         except KVCacheFullError:
             pass
         self.cache.seq_rm(0)
+        after = {e.id for e in self.store.index.in_tier("cells")}
+        gone = [i for i in before if i not in after]
+        kept = [i for i in before if i in after and not before[i].pins]
+        for i in gone:
+            for j in kept:
+                assert ranks[i] <= ranks[j], ("evicted above a kept entry", ranks[i], ranks[j])
 
-    @rule(tokens=tokens_st, salt=salt_st)
-    def pin(self, tokens, salt):
+    @rule(tokens=tokens_st, salt=salt_st, extra=extra_st)
+    def pin(self, tokens, salt, extra):
         self._op()
-        n = self.store.pin(tokens, salt=salt)
-        assert n == self.store.match(tokens, salt=salt)
+        keys = clip(extra, tokens)
+        n = self.store.pin(tokens, salt=salt, extra_keys=keys)
+        assert n == self.store.match(tokens, salt=salt, extra_keys=keys) or \
+            self.store._lower   # the lower tiers may serve longer than what pin holds
         if n:
-            self.pins.append((tokens, salt, n))
+            self.pins.append((tokens, salt, n, keys))
 
     @precondition(lambda self: self.pins)
     @rule(i=st.integers(0, 100))
     def unpin(self, i):
         self._op()
-        tokens, salt, n = self.pins.pop(i % len(self.pins))
-        assert self.store.unpin(tokens, salt=salt)
+        tokens, salt, n, keys = self.pins.pop(i % len(self.pins))
+        assert self.store.unpin(tokens, salt=salt, extra_keys=keys)
 
     @rule(roll=st.integers(0, 6))
     def clear_sometimes(self, roll):
@@ -128,14 +228,37 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def pins_hold(self):
-        for tokens, salt, n in self.pins:
-            assert self.store.match(tokens, salt=salt) >= n
+        for tokens, salt, n, keys in self.pins:
+            assert self.store.match(tokens, salt=salt, extra_keys=keys) >= n
+
+    @invariant()
+    def record_ranks(self):
+        """Every cells entry's retention rank now (the next eviction is checked against it)."""
+        policy = self.store._policy["cells"]
+        self._ranks = {e.id: policy.rank(e.id) for e in self.store.index.in_tier("cells")}
+
+    @invariant()
+    def no_orphaned_descendants(self):
+        """Every block the index holds hangs off its parent, up to its root (the tail of a
+        chain goes before its parent, never the other way), and every entry's blocks are all
+        linked."""
+        index = self.store.index
+        for e in index.entries.values():
+            node = e.path[-1] if e.path else None
+            while node is not None and node.parent is not None:
+                assert node.parent.children.get(node.tok) is node, "an orphaned block"
+                node = node.parent
+            assert node is None or index.roots.get(node.digest) is node
+        for e in self.store.entries():
+            assert e["ttl"] is None or e["ttl"] >= 0.0
+            assert not e["expired"] or e["ttl"] == 0.0
 
     @invariant()
     def entries_hold_their_kv(self):
         for e in self.store.entries():
             if e["tier"] == "cells":
-                check_holds(self.cache, e["seq"], e["tokens"], e["length"])
+                toks = [self.unkey.get(t, t) for t in e["tokens"]]
+                check_holds(self.cache, e["seq"], toks, e["length"])
 
     @invariant()
     def index_holds_only_covered_blocks(self):
@@ -172,13 +295,11 @@ TestStoreMachine.settings = settings(max_examples=25, stateful_step_count=30, de
 
 class LfuMachine(StoreMachine):
     def __init__(self):
-        RuleBasedStateMachine.__init__(self)
+        super().__init__()
+        self.store.close()
         self.cache = small_cache(max_seqs=4, capacity=24)
-        self.host = (self.cache.config.nbytes(1) * 40) if HAVE_SNAPSHOT else 0
         self.store = PrefixStore(self.cache, retain_seqs=[2, 3], block_tokens=4,
-                                 host_bytes=self.host, policy="lfu")
-        self.saved = {None: set(), b"t": set()}
-        self.pins = []
+                                 host_bytes=self.host, policy="lfu", clock=self.clock)
 
 
 TestLfuMachine = LfuMachine.TestCase
@@ -240,6 +361,14 @@ class SlidingStoreMachine(RuleBasedStateMachine):
     def load(self, tokens):
         OPS["count"] += 1
         n = self.store.match(tokens)
+        # completeness (#6): the longest length some live entry can serve - it shares c tokens
+        # with the prompt and resumes anywhere in [floor, c]
+        best = 0
+        for e in self.store.entries():
+            c = min(lcp(tokens, e["tokens"]), e["length"])
+            if e["floor"] <= c:
+                best = max(best, c)
+        assert n == best, (n, best)
         try:
             got = self.store.load(1, tokens)
         except KVCacheFullError:

@@ -297,8 +297,14 @@ def test_seq_add_and_div_move_labels():
     feed(rc, 0, [9], 7)
     check_state(rc, 0, [1, 2, 3, 4, 9])
     before = everything(rc)
-    with pytest.raises(ValueError, match="first position"):
-        rc.seq_add(0, 7, None, -5)
+    for args, match in [((0, 7, None, -5), "last positions before"),
+                        ((0, 0, 6, 3), "first positions after"),
+                        ((0, 0, None, -6), "below 0"),
+                        ((0, 6, 7, 1), "inside its recurrent state")]:
+        with pytest.raises(ValueError, match=match):
+            rc.seq_add(*args)
+    with pytest.raises(ValueError, match="last positions before"):
+        rc.seq_div(0, 6, None, 2)
     same(before, everything(rc))
     rc.seq_add(0, 0, None, -100)
     assert rc.seq_pos_max(0) == -1
@@ -423,3 +429,257 @@ def test_closed_cache_refuses():
     rc.close()
     with pytest.raises(nkv.KVCacheError):
         rc.start_forward([0], [0])
+
+
+def test_hostile_recurrent_states_raise_state_error():
+    """Crafted files whose tensors parse but whose values lie: each a StateError, nothing
+    changed."""
+    from numbakv.state import codec as st
+    rc = make(every=2, points=4)
+    feed(rc, 0, [1, 2, 3, 4, 5], 0)
+    good = rc.state_bytes(0)
+    target = make(every=2, points=4)
+    feed(target, 1, [9], 0)
+    before = everything(target)
+
+    def crafted(**override):
+        with st._Opened(good) as state:
+            config = dict(state.config)
+            tensors = {n: np.array(state.tensor(n)) for n in state.tensors}
+            dtypes = {n: t.dtype for n, t in state.tensors.items()}
+        tensors.update(override)
+        specs = [st._Spec(n, dtypes[n], tuple(a.shape), lambda a=a: a) for n, a in tensors.items()]
+        return st._to_bytes(lambda: (st._base_metadata("recurrent-seq", config, None), specs),
+                            False)
+    pos = np.array([2, 2, 5], np.int32)
+    for bad, match in [(dict(**{"s0.positions": pos}), "ascending"),
+                       (dict(**{"s0.flags": np.array([9, 1, 0], np.uint8)}), "flags"),
+                       (dict(**{"s0.first": np.array([7], np.int32)}), "ascending"),
+                       (dict(**{"s0.first": np.array([-1], np.int32)}), "first")]:
+        with pytest.raises(StateError, match=match):
+            target.load_state_bytes(crafted(**bad), 0)
+    with pytest.raises(StateError, match="shape"):
+        target.load_state_bytes(crafted(**{"s0.state.ssm": np.zeros((L, 2, 2, 3, 3),
+                                                                     np.float32)}), 0)
+    same(before, everything(target))
+
+
+def test_emulated_cuda_row_kernel(kernel_device, monkeypatch):
+    """The ``cuda`` launch path (descriptors, packed row tables, 16-byte words where aligned) on
+    a stand-in CuPy, run by the simulator: a pool slice (one layer of several) included."""
+    if kernel_device != "sim":
+        pytest.skip("a real GPU runs the cuda path itself")
+    from fake_cupy import FakeDeviceArray
+    from helpers import clear_launch_caches, emulate_cuda
+    from numbakv.kernels import _common
+    launched = []
+
+    def record(kernel, args):
+        assert all(isinstance(a, (_common.Desc, int)) for a in args)
+        launched.append(kernel)
+    emulate_cuda(monkeypatch, record)
+    try:
+        rng = np.random.default_rng(3)
+        pool = rng.integers(0, 2**16, (3, 6, 2, 8)).astype(np.uint16)
+        ref = pool.copy()
+        src, dst = np.array([5, 0], np.int32), np.array([1, 3], np.int32)
+        krows.launch("cuda", FakeDeviceArray(pool), dst, FakeDeviceArray(pool), src, 32)
+        ref[:, dst] = ref[:, src]
+        np.testing.assert_array_equal(pool, ref)
+        out = np.zeros((1, 2, 2, 8), np.uint16)
+        krows.launch("cuda", FakeDeviceArray(out), np.arange(2, dtype=np.int32),
+                     FakeDeviceArray(pool[2:3]), src, 32)
+        np.testing.assert_array_equal(out[0], pool[2, src])
+        assert launched == [krows.state_rows_kernel] * 2
+    finally:
+        clear_launch_caches()
+
+
+# ------------------------------------------------------------------ random operations vs a model
+def _expected(tokens, layer):
+    ssm, conv = reference(tokens, layer)
+    return conv, ssm
+
+
+class _Model:
+    """What RecurrentCache must hold, in plain Python: per sequence its first position, the
+    tokens it read, its restore points (prefix length, explicit, lazy) and its marks."""
+
+    def __init__(self, S, R, every):
+        self.S, self.R, self.every = S, R, every
+        self.seqs = [None] * S       # None or dict(lo, hist, points, marks)
+
+    def on_grid(self, pos):
+        return self.every > 0 and pos % self.every == 0
+
+    def make_room(self, st, adding):
+        pts = st["points"]
+        while len(pts) - (adding in pts) >= self.R:
+            others = [q for q in pts if q != adding]
+            newest = max(others)
+            victim = sorted(others, key=lambda q: (pts[q][1], q == newest, q))[0]
+            del pts[victim]
+
+
+def _check(rc, model):
+    for s in range(model.S):
+        st = model.seqs[s]
+        if st is None:
+            assert rc.seq_pos_max(s) == -1 and rc.restore_points(s) == []
+            continue
+        lo, hist = st["lo"], st["hist"]
+        assert (rc.seq_pos_min(s), rc.seq_pos_max(s)) == (lo, lo + len(hist) - 1), s
+        assert rc.restore_points(s) == sorted(st["points"]), (s, st["points"])
+        assert rc._marks[s] == st["marks"], (s, st["marks"])
+        for layer in range(L):
+            got = rc.read_states(layer, [s])
+            conv, ssm = reference(hist, layer)
+            np.testing.assert_array_equal(got["ssm"][0], ssm)
+            np.testing.assert_array_equal(got["conv"][0], conv)
+        for q, (n, explicit, lazy) in st["points"].items():
+            got = rc.restore_point(s, q)
+            for layer in range(L):
+                conv, ssm = reference(hist[:n], layer)
+                np.testing.assert_array_equal(got["ssm"][layer], ssm)
+                np.testing.assert_array_equal(got["conv"][layer], conv)
+            assert rc._points[s][q].explicit == explicit
+    # every restore row is referenced exactly as often as its refcount says, or free
+    refs = np.zeros(rc.n_rows, np.int64)
+    for pts in rc._points:
+        for p in pts.values():
+            if p.row >= rc.config.max_seqs:
+                refs[p.row] += 1
+    np.testing.assert_array_equal(refs, rc._refs)
+    assert sorted(rc._free) == [r for r in range(rc.config.max_seqs, rc.n_rows) if refs[r] == 0]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_operations_match_a_plain_model(seed):
+    rng = np.random.default_rng(seed)
+    S, R, every = 3, 3, 3
+    rc = make(max_seqs=S, every=every, points=R)
+    model = _Model(S, R, every)
+    done = []
+    for step in range(150):
+        op = rng.choice(["forward", "forward", "forward", "rollback", "seq_rm", "seq_cp",
+                         "seq_keep", "seq_add", "mark", "reload", "part"])
+        s = int(rng.integers(S))
+        st = model.seqs[s]
+        if op == "forward":
+            n = int(rng.integers(1, 6))
+            toks = [int(t) for t in rng.integers(0, 50, n)]
+            start = st["lo"] + len(st["hist"]) if st else int(rng.integers(0, 4))
+            if st is None:
+                st = model.seqs[s] = {"lo": start, "hist": [], "points": {}, "marks": set()}
+            for q, (k, ex, lazy) in list(st["points"].items()):
+                if lazy:
+                    if not ex and not model.on_grid(q):
+                        del st["points"][q]
+                    else:
+                        st["points"][q] = (k, ex, False)
+            st["marks"] = {m for m in st["marks"] if m > start}
+            plan = feed(rc, s, toks, start)
+            for cut in plan:
+                q = start + cut
+                model.make_room(st, q)
+                st["points"][q] = (len(st["hist"]) + cut, q in st["marks"], cut == n)
+            st["hist"] += toks
+        elif op == "rollback" and st is not None:
+            cands = sorted(st["points"]) + [st["lo"] + 1, st["lo"] + len(st["hist"]) + 1]
+            q = int(rng.choice(cands))
+            ok = rc.rollback(s, q)
+            end = st["lo"] + len(st["hist"])
+            expect = q in st["points"] or q == end or q <= st["lo"]
+            if q > end:
+                expect = False
+            assert ok == expect, (q, st)
+            if ok and q <= st["lo"]:
+                model.seqs[s] = None
+            elif ok and q != end:
+                k = q - st["lo"]
+                st["hist"] = st["hist"][:k]
+                st["points"] = {p: (n, ex, False) if p == q else v
+                                for p, v in st["points"].items() if p <= q
+                                for n, ex, _ in [v]}
+                st["marks"] = {m for m in st["marks"] if m > q}
+        elif op == "seq_rm":
+            if st is None:
+                assert rc.seq_rm(s, int(rng.integers(0, 5)))
+                continue
+            end = st["lo"] + len(st["hist"])
+            p0 = int(rng.choice([0, st["lo"] + 1, end - 1, *st["points"]]))
+            ok = rc.seq_rm(s, p0, None)
+            if p0 <= st["lo"]:
+                assert ok
+                model.seqs[s] = None
+            elif p0 in st["points"] or p0 >= end:
+                assert ok
+                if p0 < end:
+                    k = p0 - st["lo"]
+                    st["hist"] = st["hist"][:k]
+                    st["points"] = {p: (v[0], v[1], False) if p == p0 else v
+                                    for p, v in st["points"].items() if p <= p0}
+                    st["marks"] = {m for m in st["marks"] if m > p0}
+            else:
+                assert not ok
+        elif op == "seq_cp" and st is not None:
+            d = int(rng.integers(S))
+            if d == s:
+                continue
+            end = st["lo"] + len(st["hist"])
+            p1 = int(rng.choice([end + 5, *st["points"], st["lo"] + 1]))
+            if st["lo"] < p1 < end and p1 not in st["points"]:
+                with pytest.raises(ValueError, match="not held"):
+                    rc.seq_cp(s, d, 0, p1)
+                continue
+            rc.seq_cp(s, d, 0, p1)
+            cut = min(p1, end)
+            model.seqs[d] = {"lo": st["lo"], "hist": st["hist"][:cut - st["lo"]],
+                             "points": {q: (v[0], v[1], v[2] and cut == end)
+                                        for q, v in st["points"].items() if q <= cut},
+                             "marks": {m for m in st["marks"] if m > cut}}
+        elif op == "seq_keep":
+            rc.seq_keep(s)
+            model.seqs = [model.seqs[i] if i == s else None for i in range(S)]
+        elif op == "seq_add" and st is not None:
+            delta = int(rng.integers(-2, 5))
+            if st["lo"] + delta < 0:
+                continue
+            rc.seq_add(s, 0, None, delta)
+            st["lo"] += delta
+            st["points"] = {q + delta: v for q, v in st["points"].items()}
+            st["marks"] = {m + delta for m in st["marks"]}
+        elif op == "mark" and st is not None:
+            q = st["lo"] + len(st["hist"]) + int(rng.integers(2, 6))
+            rc.mark_restore(s, q)
+            st["marks"].add(q)
+        elif op == "reload":
+            data = rc.state_bytes()
+            rc = make(max_seqs=S, every=every, points=R)
+            rc.load_state_bytes(data)
+            for m in model.seqs:            # a loaded end point is lazy again
+                if m is not None:
+                    end = m["lo"] + len(m["hist"])
+                    m["points"] = {q: (v[0], v[1], q == end) for q, v in m["points"].items()}
+        elif op == "part" and st is not None:
+            d = int(rng.integers(S))
+            rc.import_part(d, rc.export_part(s))
+            end = st["lo"] + len(st["hist"])
+            model.seqs[d] = {"lo": st["lo"], "hist": list(st["hist"]),
+                             "points": {q: (v[0], v[1], q == end)
+                                        for q, v in st["points"].items()},
+                             "marks": set()}     # an import replaces the sequence
+        done.append(f"{op}({s})")
+        try:
+            _check(rc, model)
+        except AssertionError as exc:
+            raise AssertionError(f"after {done[-4:]}: {exc}") from None
+    assert len({d.split("(")[0] for d in done}) >= 9, sorted(set(done))     # the mix covered the operations
+
+
+def test_use_stream_is_for_cuda_caches():
+    rc = make()
+    rc.use_stream(None)
+    with pytest.raises(ValueError, match="cuda"):
+        rc.use_stream(7)
+    rc.synchronize()

@@ -544,3 +544,33 @@ def test_every_public_argument_rejects_garbage_naming_it(kind, tmp_path, monkeyp
                 except Exception as exc:  # noqa: BLE001 - the failure this test looks for
                     failures.append((name, arg, label, f"{type(exc).__name__}: {exc}"[:100]))
     assert not failures, failures
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_failed_defrag_in_a_later_group_restores_the_first_bit_exact(device, monkeypatch):
+    """issue 37: ``WrapperCache.defrag`` is all or nothing, as every other wrapper operation:
+    the second group failing leaves the first group's cells, K/V (every cell's bits), forward
+    pass and defrag count exactly as they were."""
+    rng = np.random.default_rng(4)
+    a = nkv.CausalCache(_cfg(device=device, capacity=8), shift=nkv.RopeShift())
+    b = nkv.CausalCache(_cfg(device=device, capacity=8), shift=nkv.RopeShift())
+    w = nkv.WrapperCache([a, b])
+    _fill(w, 0, range(3), rng)
+    _fill(w, 1, range(4), rng)
+    w.seq_rm(0, 0, 2)                       # holes at the front: defrag has moves to make
+    _fill(w, 0, [5], rng)
+    before = [_snapshot(c) for c in (a, b)]
+    counts = [a.defrag_count, b.defrag_count]
+
+    def broken(moves):
+        raise MemoryError("the device ran out of memory mid-defrag")
+    monkeypatch.setattr(b.storage, "move_blocks", broken)
+    with pytest.raises(MemoryError):
+        w.defrag()
+    for cache, snap in zip((a, b), before):
+        _assert_same(_snapshot(cache), snap)
+        cache.cells.check_consistency()
+    assert [a.defrag_count, b.defrag_count] == counts
+    monkeypatch.undo()
+    w.defrag()                              # and it works once the device does
+    assert a.cells.n_used == a.cells.cells["pos"][:a.cells.n_used].size

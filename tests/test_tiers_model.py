@@ -38,16 +38,34 @@ op = st.one_of(
     st.tuples(st.just("remove"), st.integers(0, 1), st.sampled_from(KEYS)),
     st.tuples(st.just("invalid"), st.integers(0, 1), st.sampled_from(KEYS)),
 )
+#: damage done from outside (issue 37): the disk tier's run files truncated, emptied, a length
+#: bit flipped, replaced by another run's file, a FIFO or a link out of the directory; the Redis
+#: tier's books made non-numeric. A damaged run is never served until written again.
+DISK_DAMAGE = ["truncate", "empty", "length", "copy", "fifo", "symlink"]
+REDIS_DAMAGE = ["books", "stats"]
 
 
-def run_ops(tiers, ops, files_total=None):
-    """Apply ``ops`` to ``tiers`` (two instances of one namespace) and check the invariants."""
+def damage_op(kinds):
+    return st.tuples(st.just("damage"), st.integers(0, 1), st.sampled_from(KEYS),
+                     st.sampled_from(kinds), st.sampled_from(KEYS))
+
+
+def run_ops(tiers, ops, files_total=None, damage=None):
+    """Apply ``ops`` to ``tiers`` (two instances of one namespace) and check the invariants.
+    ``damage(what, key, other)`` damages ``key``'s stored run from outside; it returns whether
+    the run's bytes are gone (then it must never be served until written again)."""
     # run key -> (the bytes it may hold, its block keys). Run keys are content keys in the
     # store (same key, same bytes), so a tier may keep the first copy when the same key comes
     # again with the same blocks: both are acceptable then.
     last = {}
+    damaged = set()
     for o in ops:
         kind, who = o[0], tiers[o[1]]
+        if kind == "damage":
+            if damage(o[3], o[2], o[4]):
+                last.pop(o[2], None)
+                damaged.add(o[2])
+            continue
         if kind == "write":
             _, _, key, blocks, size, fill = o
             data = key.encode() + bytes([fill]) * size
@@ -67,6 +85,8 @@ def run_ops(tiers, ops, files_total=None):
                 if hit is None:
                     continue
                 run, idx = hit
+                if run in damaged and run not in last:
+                    continue    # a pointer may outlive its run: the read then misses
                 assert run in last and last[run][1][idx] == block
         elif kind == "remove":
             who.remove_run(o[2])
@@ -79,7 +99,7 @@ def run_ops(tiers, ops, files_total=None):
             s = t.stats()
             assert 0 <= s["bytes_used"] <= BUDGET
             assert s["bytes_used"] + s["bytes_free"] + s["bytes_pinned"] == BUDGET
-        if files_total is not None:
+        if files_total is not None and not damaged:
             assert files_total() == tiers[0].stats()["bytes_used"]
 
 
@@ -88,8 +108,48 @@ _SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                                             HealthCheck.function_scoped_fixture])
 
 
+def disk_damage(runs, outside):
+    def damage(what, key, other):
+        path = os.path.join(runs, key + ".run")
+        if not os.path.lexists(path):
+            return False
+        if what in ("truncate", "empty", "length"):
+            if not os.path.isfile(path) or os.path.islink(path):
+                return False
+            with open(path, "r+b") as f:
+                if what == "truncate":
+                    f.truncate(max(0, os.path.getsize(path) - 7))
+                elif what == "empty":
+                    f.truncate(0)
+                else:
+                    f.seek(19)
+                    b = f.read(1)
+                    f.seek(19)
+                    f.write(bytes([(b[0] if b else 0) ^ 0x40]))
+            return True
+        src = os.path.join(runs, other + ".run")
+        if what == "copy":
+            if other == key or not os.path.isfile(src) or os.path.islink(src):
+                return False
+            with open(src, "rb") as f:
+                data = f.read()
+            os.unlink(path)
+            with open(path, "wb") as f:
+                f.write(data)
+            return True
+        os.unlink(path)
+        if what == "fifo":
+            os.mkfifo(path)
+        else:
+            with open(outside, "wb") as f:
+                f.write(b"outside the directory")
+            os.symlink(outside, path)
+        return True
+    return damage
+
+
 @_SETTINGS
-@given(ops=st.lists(op, min_size=1, max_size=25))
+@given(ops=st.lists(st.one_of(op, damage_op(DISK_DAMAGE)), min_size=1, max_size=25))
 def test_disk_tier_against_reference(ops):
     root = tempfile.mkdtemp(prefix="nkv-model-")
     runs = os.path.join(root, "t1." + NS, "runs")
@@ -100,30 +160,39 @@ def test_disk_tier_against_reference(ops):
     try:
         tiers = [open_tier(root, NS, BUDGET), open_tier(root, NS, BUDGET)]
         try:
-            run_ops(tiers, ops, files_total)
+            run_ops(tiers, ops, files_total, disk_damage(runs, os.path.join(root, "out")))
         finally:
             for t in tiers:
                 t.close()
-        # a restart sees the same books
+        # a restart sees the same books (what is not a whole run file of ours left out)
         with open_tier(root, NS, BUDGET) as again:
-            assert again.stats()["bytes_used"] == files_total()
+            if not any(o[0] == "damage" for o in ops):
+                assert again.stats()["bytes_used"] == files_total()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 @_SETTINGS
-@given(ops=st.lists(op, min_size=1, max_size=25))
+@given(ops=st.lists(st.one_of(op, damage_op(REDIS_DAMAGE)), min_size=1, max_size=25))
 def test_redis_tier_against_reference(redis_server, ops):  # noqa: F811
     pytest.importorskip("redis")
     raw = redis_server.client()
     raw.flushall()
-    raw.close()
+    prefix = f"nkv:t1:{{{NS}}}:"
+
+    def damage(what, key, other):
+        if what == "books":
+            raw.set(prefix + "bytes", b"garbage")
+        else:
+            raw.hset(prefix + "stats", mapping={"writes": "x", "evictions": "y"})
+        return False   # the runs are intact: only the books are broken (and rebuilt)
     tiers = [open_tier(redis_server.url, NS, BUDGET), open_tier(redis_server.url, NS, BUDGET)]
     try:
-        run_ops(tiers, ops)
+        run_ops(tiers, ops, damage=damage)
     finally:
         for t in tiers:
             t.close()
+        raw.close()
 
 
 def _threads(tier, n_threads=4, rounds=30):

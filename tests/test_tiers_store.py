@@ -4,6 +4,7 @@ loads it bit-exact. Faults (server killed, corrupted bytes) are misses, never ex
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -251,3 +252,55 @@ def test_write_through_keeps_the_disk_budget(tmp_path):
             assert st["bytes_used"] <= budget and st["bytes_used"] + st["bytes_free"] == budget
         assert store.stats()["writer"]["written"] == 8 and 1 <= st["entries"] <= 3
         assert st["evictions"] >= 5
+
+
+def test_runs_record_the_model_id_and_store_stats_shows_it(spec, capsys):
+    """Every run's bytes record the store's model id, so `numbakv store stats` tells an
+    operator which model each namespace of a shared directory or server serves."""
+    from test_tiers_disk import cli_main
+    cache = tw.store_cache()
+    with tw.open_store(cache, spec, model_id="org/base@r1") as store:
+        tw.fill(cache, 0, 40, seed=11)
+        store.save(0, tw.prompt())
+        assert store.flush(30)
+        ns = store.namespace
+    main = cli_main()
+    assert main(["store", "stats", spec, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["namespaces"][ns]["fingerprint"]["model_id"] == "org/base@r1"
+    assert main(["store", "stats", spec]) == 0
+    assert "model_id=org/base@r1" in capsys.readouterr().out
+
+
+def _forked_child_saves(store, cache, out):
+    toks = [7000 + i for i in range(40)]
+    tw.fill(cache, 0, 40, seed=5)
+    store.save(0, toks)
+    out.put(bool(store.flush(20)))
+
+
+def test_a_forked_child_writes_through_with_a_writer_of_its_own(tmp_path):
+    """multiprocessing's fork start method copies the store without its writer thread: the
+    child starts its own, so its saves still reach the directory (flush does not hang)."""
+    import multiprocessing as mp
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    spec = str(tmp_path / "store")
+    cache = tw.store_cache(capacity=128)
+    with tw.open_store(cache, spec) as store:
+        tw.fill(cache, 0, 40, seed=11)
+        store.save(0, tw.prompt())                # the parent's writer thread is running
+        assert store.flush(30)
+        cache.seq_rm(0)
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_forked_child_saves, args=(store, cache, out))
+        child.start()
+        try:
+            assert out.get(timeout=60) is True
+        finally:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+        assert child.exitcode == 0
+        assert store.match([7000 + i for i in range(40)]) == 40   # found on the shared disk

@@ -89,10 +89,24 @@ class _Link:
             except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
                 raise TransferTimeout(f"peer rank {peer}: {what} did not complete within "
                                       f"{self._secs()} (the peer died, stalled or closed the "
-                                      f"connection): {exc}") from exc
+                                      f"connection); {RECREATE}: {exc}") from exc
             if ok is False:
                 raise TransferTimeout(f"peer rank {peer}: {what} timed out after "
-                                      f"{self._secs()}")
+                                      f"{self._secs()}; {RECREATE}")
+
+    def _post(self, op, tensor, peer: int, what: str) -> Tuple[Any, int, str]:
+        """Post one isend/irecv; a failure to post (the pair's connection is gone, e.g. after
+        an earlier timeout) is a :class:`TransferTimeout` too, never a raw ``RuntimeError``."""
+        try:
+            if op == "send":
+                work = self.tdist.isend(tensor, dst=peer, group=self.group)
+            else:
+                work = self.tdist.irecv(tensor, src=peer, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+            raise TransferTimeout(f"peer rank {peer}: {what} could not be posted (the "
+                                  f"connection to that rank is broken); {RECREATE}: {exc}") \
+                from exc
+        return (work, peer, what)
 
     def _secs(self) -> str:
         return "the process group's timeout" if self.timeout is None else \
@@ -114,21 +128,25 @@ class _Link:
 
     def post_send(self, tensor, peer: int, what: str) -> Tuple[Any, int, str]:
         """Start sending ``tensor`` (keep it alive until :meth:`wait`)."""
-        return (self.tdist.isend(tensor, dst=peer, group=self.group), peer, what)
+        return self._post("send", tensor, peer, what)
 
     def wait(self, works: Sequence[Tuple[Any, int, str]]) -> None:
         self._wait(works)
 
     def send(self, items: Sequence[Tuple[Any, int, str]]) -> None:
         """Send every ``(tensor, peer, what)`` at once, then wait for all."""
-        works = [(self.tdist.isend(t, dst=peer, group=self.group), peer, what)
-                 for t, peer, what in items]
+        works = [self._post("send", t, peer, what) for t, peer, what in items]
         self._wait(works)
 
     def recv(self, items: Sequence[Tuple[Any, int, str]]) -> None:
-        works = [(self.tdist.irecv(t, src=peer, group=self.group), peer, what)
-                 for t, peer, what in items]
+        works = [self._post("recv", t, peer, what) for t, peer, what in items]
         self._wait(works)
+
+
+#: what every TransferTimeout says: gloo and NCCL leave a timed-out pair unusable
+RECREATE = ("after a timeout the process group cannot be used between these ranks again: "
+            "destroy it and re-create it (torch.distributed.destroy_process_group() + "
+            "init_process_group(), or a new_group()) before the next transfer")
 
 
 def _send_blob(link: _Link, peer: int, data: bytes, what: str) -> None:

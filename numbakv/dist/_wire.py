@@ -148,6 +148,10 @@ class Probe:
         for c in groups:
             cfg = c.config
             spec = {"k_format": cfg.k_dtype, "v_format": cfg.v_dtype, "n_layers": cfg.n_layers}
+            # room: the free cells now (import_seq places the rows in free cells only)
+            cells = getattr(c, "cells", None)
+            spec["n_cells"] = getattr(c, "n_cells", None)
+            spec["n_free"] = getattr(cells, "n_free", None)
             for side, fmt, dim in (("k", cfg.k_dtype, cfg.head_dim),
                                    ("v", cfg.v_dtype, cfg.v_head_dim)):
                 quant = fmt in QUANT_TYPES
@@ -203,6 +207,13 @@ def check_header(header: Dict[str, Any], probe: Probe, need: Tuple[int, int],
         pos = p["positions"]
         if pos.size and (pos.min() < 0 or np.any(np.diff(pos.astype(np.int64)) < 0)):
             raise Refusal(f"group {g}: positions must be >= 0 and ascending")
+        # room, from the header, before a byte of the rows is allocated
+        if mine.get("n_cells") is not None and pos.size > mine["n_cells"]:
+            raise Refusal(f"group {g}: no room: the sequence has {pos.size} positions, this "
+                          f"cache holds {mine['n_cells']} cells in all")
+        if mine.get("n_free") is not None and pos.size > mine["n_free"]:
+            raise Refusal(f"group {g}: no room: the sequence has {pos.size} positions and "
+                          f"{mine['n_free']} cells are free")
     lo, hi = max(first, need[0]), min(stop, need[1])
     return (lo, hi) if lo < hi else None
 

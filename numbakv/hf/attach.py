@@ -20,7 +20,8 @@ from ..causal import CausalCache
 from ..errors import KVCacheError, NotSupportedError
 from ..wrappers import WrapperCache
 from ._deps import _import_torch
-from .families import LayerAttention, ModelShapes, _text_config, layer_attention, model_shapes
+from .families import (LayerAttention, ModelShapes, _text_config, layer_attention,
+                       mla_cache_config_kw, model_shapes)
 
 #: The name numbakv's attention function is registered under in transformers' AttentionInterface.
 ATTENTION_NAME = "numbakv"
@@ -86,6 +87,48 @@ class _Binding:
     generation: int = 0                             # start_forward calls since attach
     layer_generation: List[int] = field(default_factory=list)
     positions: Optional[np.ndarray] = None          # the last start_forward's positions
+    #: MLA layers: the get() mask of the layer whose latents update() just handed the model
+    latent_masks: Dict[int, Any] = field(default_factory=dict)
+    latent_hooks: List[Any] = field(default_factory=list)
+
+    def store_latent(self, layer: int, kv_nope, k_rot):
+        """An MLA layer's ``cache.update``: store the batch's latent rows ``[kv_nope | k_rot]``
+        (``[1, 1, q, kv_lora_rank]``, ``[1, 1, q, rope]``) and hand back every latent the batch
+        may attend to (``get()``'s range, ``[1, 1, n, ...]`` each, the model's dtype); the mask
+        is kept for the attention call that follows."""
+        torch = _import_torch()
+        if kv_nope.shape[0] != 1:
+            raise ValueError(f"numbakv runs one packed batch: input_ids must be [1, tokens], got "
+                             f"a batch of {kv_nope.shape[0]} rows")
+        self.begin_layer(layer, kv_nope.shape[2])
+        rank = kv_nope.shape[-1]
+        row = torch.cat([kv_nope.detach(), k_rot.detach().to(kv_nope.dtype)], dim=-1)[0]
+        row = row.transpose(0, 1)                    # [q, 1, kv_lora_rank + rope]
+        want = self.storage_dtypes[layer]
+        self.cache.set_layer(layer)
+        if self.layer_caches[layer]._put_layer >= 0:
+            self.cache.put(row.to(want).contiguous(), None)
+        key, _, mask = self.cache.get()
+        latents = torch.from_dlpack(key).to(kv_nope.dtype).transpose(0, 1)[None]   # [1,1,n,D]
+        self.latent_masks[layer] = torch.from_dlpack(mask)
+        return latents[..., :rank], latents[..., rank:]
+
+    def attend_latent(self, layer: int, query, key, value, scaling, softcap):
+        """The attention of an MLA layer over the latents :meth:`store_latent` handed out, now
+        expanded by the model (``key [1, H, n, Dqk]``, ``value [1, H, n, Dv]``): eager attention
+        under the cache's mask -> ``[q, H, Dv]``."""
+        torch = _import_torch()
+        mask = self.latent_masks.pop(layer, None)
+        if mask is None:
+            raise KVCacheError(f"layer {layer}: the MLA attention ran without its cache update")
+        q = query.detach()
+        scores = torch.matmul(q, key.detach().transpose(2, 3)) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + mask[:q.shape[2]].to(scores.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        self.layer_generation[layer] = self.generation
+        return torch.matmul(probs, value.detach())[0].transpose(0, 1)
 
     def begin_layer(self, layer: int, n_tokens: int) -> None:
         if self.generation == 0:
@@ -140,8 +183,34 @@ def _attention_forward(module, query, key, value, attention_mask=None, dropout: 
         raise KVCacheError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
                            "uses numbakv attention but is not attached: call hf.attach(model, "
                            "cache)")
-    out = binding.store_and_attend(module.layer_idx, query, key, value, scaling, softcap)
+    if module.layer_idx in binding.latent_masks:     # MLA: the latents were stored in update
+        out = binding.attend_latent(module.layer_idx, query, key, value, scaling, softcap)
+    else:
+        out = binding.store_and_attend(module.layer_idx, query, key, value, scaling, softcap)
     return out.unsqueeze(0), None
+
+
+class _LatentUpdate:
+    """What an attached MLA attention layer sees as its ``cache``: transformers 5.24's MLA
+    layers call ``cache.update(kv_nope, k_rot, layer_idx)`` with the compressed latents before
+    expanding them per head; numbakv stores them there (one V-less row per token)."""
+
+    def __init__(self, binding: "_Binding") -> None:
+        self.binding = binding
+
+    def update(self, kv_nope, k_rot, layer_idx, *args, **kwargs):
+        return self.binding.store_latent(int(layer_idx), kv_nope, k_rot)
+
+
+def _latent_hook(binding: "_Binding"):
+    """A forward pre-hook on an MLA attention module: its ``cache`` argument becomes numbakv."""
+    adapter = _LatentUpdate(binding)
+
+    def hook(module, args, kwargs):
+        kwargs.pop("past_key_values", None)
+        kwargs["cache"] = adapter
+        return args, kwargs
+    return hook
 
 
 def _gptj_attn(module, binding: _Binding):
@@ -223,6 +292,9 @@ def attach(model: Any, cache: Any) -> None:
         setattr(module, _BINDING_ATTR, binding)
         if not _uses_attention_interface(module):
             module._attn = _gptj_attn(module, binding)
+        elif shapes.latent is not None:
+            binding.latent_hooks.append(module.register_forward_pre_hook(
+                _latent_hook(binding), with_kwargs=True))
 
     original_start = cache.start_forward
 
@@ -254,16 +326,14 @@ def _cache_stream(cache):
 def _check_layer(layer: int, module, layer_cache: CausalCache, shapes: ModelShapes,
                  la: LayerAttention) -> None:
     cfg = layer_cache.config
-    head_dim = _module_head_dim(module) or shapes.head_dim
-    if cfg.n_kv_heads != shapes.n_kv_heads:
-        raise ValueError(f"layer {layer}: the model has {shapes.n_kv_heads} KV heads but the "
-                         f"cache has n_kv_heads={cfg.n_kv_heads}")
-    if cfg.head_dim != head_dim:
-        raise ValueError(f"layer {layer}: the model's head size is {head_dim} but the cache has "
-                         f"head_dim={cfg.head_dim}")
-    if cfg.v_head_dim != shapes.v_head_dim:
-        raise ValueError(f"layer {layer}: the model's value head size is {shapes.v_head_dim} but "
-                         f"the cache has v_head_dim={cfg.v_head_dim}")
+    if shapes.latent is not None:
+        want = mla_cache_config_kw(shapes)
+        got = {k: getattr(cfg, k) for k in want}
+        if got != want:
+            raise ValueError(f"layer {layer}: an MLA model caches one V-less latent row per token "
+                             f"({want}) but the cache has {got}: build it with hf.cache_for(model)")
+    else:
+        _check_heads(layer, module, cfg, shapes)
     if layer_cache.swa_window != la.swa_window:
         want = "no sliding window" if la.swa_window is None else \
             f"a sliding window of {la.swa_window + 1} tokens (swa_window={la.swa_window})"
@@ -279,6 +349,20 @@ def _check_layer(layer: int, module, layer_cache: CausalCache, shapes: ModelShap
     if type(module).__name__.endswith("FlashAttention2"):
         raise NotSupportedError(f"{type(module).__name__}: load the model with "
                                 "attn_implementation='eager' before hf.attach")
+
+
+def _check_heads(layer: int, module, cfg, shapes: ModelShapes) -> None:
+    """The cache's KV heads and head sizes are the model's (per-head K/V models)."""
+    head_dim = _module_head_dim(module) or shapes.head_dim
+    if cfg.n_kv_heads != shapes.n_kv_heads:
+        raise ValueError(f"layer {layer}: the model has {shapes.n_kv_heads} KV heads but the "
+                         f"cache has n_kv_heads={cfg.n_kv_heads}")
+    if cfg.head_dim != head_dim:
+        raise ValueError(f"layer {layer}: the model's head size is {head_dim} but the cache has "
+                         f"head_dim={cfg.head_dim}")
+    if cfg.v_head_dim != shapes.v_head_dim:
+        raise ValueError(f"layer {layer}: the model's value head size is {shapes.v_head_dim} but "
+                         f"the cache has v_head_dim={cfg.v_head_dim}")
 
 
 def _position_check(binding: _Binding):
@@ -329,6 +413,8 @@ def detach(model: Any) -> None:
             del module._attn
     if binding.hook is not None:
         binding.hook.remove()
+    for handle in binding.latent_hooks:
+        handle.remove()
     if "start_forward" in vars(binding.cache):
         del binding.cache.start_forward
     if _BINDING_ATTR in vars(binding.cache):

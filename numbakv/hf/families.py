@@ -8,6 +8,7 @@ common reading (MLA, hybrid recurrent models) plug in here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -59,10 +60,20 @@ class ModelShapes:
     n_kv_heads: int
     head_dim: int
     v_head_dim: int
+    #: MLA models (DeepSeek-V2/V3, ...): ``(kv_lora_rank, rope_dims)`` of the latent row
+    #: transformers caches per token (``cache.update(kv_nope, k_rot)``, one "head"); None else
+    latent: Optional[Tuple[int, int]] = None
+
+    @property
+    def latent_dim(self) -> int:
+        """Values of one cached latent row (``kv_lora_rank + rope_dims``); 0 without MLA."""
+        return 0 if self.latent is None else sum(self.latent)
 
 
 def model_shapes(model_or_config: Any) -> ModelShapes:
-    """Layers, query heads, KV heads and head sizes of ``model_or_config``'s decoder."""
+    """Layers, query heads, KV heads and head sizes of ``model_or_config``'s decoder
+    (``head_dim``/``v_head_dim`` are the per-head sizes of the model's attention; an MLA model's
+    cache holds ``latent`` rows instead)."""
     config = _text_config(model_or_config)
     n_layers = int(config.num_hidden_layers)
     n_heads = int(config.num_attention_heads)
@@ -72,7 +83,22 @@ def model_shapes(model_or_config: Any) -> ModelShapes:
     else:
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
     v_head_dim = int(getattr(config, "v_head_dim", None) or head_dim)
-    return ModelShapes(n_layers, n_heads, n_kv, head_dim, v_head_dim)
+    latent = None
+    if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
+        latent = (int(config.kv_lora_rank), int(config.qk_rope_head_dim))
+    return ModelShapes(n_layers, n_heads, n_kv, head_dim, v_head_dim, latent)
+
+
+#: MLA model types whose stored rope part keeps interleaved pairs ``(x[2i], x[2i+1])``
+#: (DeepSeek-V2 ropes through complex multiplication); DeepSeek-V3's interleaved weights are
+#: de-interleaved by its RoPE (``apply_rotary_pos_emb_interleave`` returns rotate-half order)
+_MLA_INTERLEAVED_MODEL_TYPES = frozenset({"deepseek_v2"})
+
+
+def mla_cache_config_kw(shapes: ModelShapes) -> dict:
+    """The CacheConfig shape fields of an MLA model's latent cache: one V-less "head" of
+    ``kv_lora_rank + rope_dims`` (llama.cpp's MLA cache; what transformers 5.24 caches)."""
+    return {"n_kv_heads": 1, "head_dim": shapes.latent_dim, "v_head_dim": 0}
 
 
 @dataclass(frozen=True)
@@ -172,24 +198,42 @@ def rope_shift_for(config: Any, layer_type: Optional[str] = None) -> RopeShift:
     Raises:
         NotSupportedError: RoPE that is not a fixed rotation per position delta - dynamic NTK
             (frequencies change with the sequence length), ``longrope`` that switches factor sets
-            with the length, M-RoPE (``mrope_section``), MLA's decoupled RoPE, or an unknown type.
+            with the length, M-RoPE (``mrope_section``), or an unknown type.
+
+    MLA models (``kv_lora_rank`` + ``qk_rope_head_dim``: DeepSeek-V2/V3, ...): the shift of the
+    cached latent row, ``RopeShift(dim=qk_rope_head_dim, offset=kv_lora_rank)`` (only the
+    trailing rope dims turn; DeepSeek-V2's pairs interleaved, V3's rotate-half).
     """
     config = _text_config(config)
     model_type = getattr(config, "model_type", "")
     shapes = model_shapes(config)
-    if getattr(config, "qk_rope_head_dim", None):
+    if shapes.latent is None and getattr(config, "qk_rope_head_dim", None):
         raise NotSupportedError(
-            f"{model_type}: MLA keys carry a decoupled RoPE part after the un-roped part; a "
-            "RopeShift rotates leading dims only, so context shift is not supported")
+            f"{model_type}: MLA keys carry a decoupled RoPE part after the un-roped part and the "
+            "config names no kv_lora_rank latent; context shift is not supported")
     no_rope = getattr(config, "no_rope_layers", None)
     if no_rope is not None and not all(no_rope):
         raise NotSupportedError(f"{model_type}: some layers use no RoPE (no_rope_layers), so one "
                                 "RopeShift cannot re-rotate every layer; context shift is not "
                                 "supported")
     neox = model_type not in INTERLEAVED_MODEL_TYPES
+    if shapes.latent is not None:   # MLA: the shift turns the latent row's trailing rope dims
+        shift = _rope_shift(config, layer_type, model_type, shapes.latent[1],
+                            model_type not in _MLA_INTERLEAVED_MODEL_TYPES)
+        return dataclasses.replace(shift, offset=shapes.latent[0])
     if model_type in _FIXED_BASE_MODEL_TYPES:
         dim = int(getattr(config, "rotary_dim", None) or shapes.head_dim)
         return RopeShift(base=10000.0, dim=dim, neox=neox)
+    partial = _rope_parameters(config, layer_type)[0].get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    partial = 1.0 if partial is None else float(partial)
+    return _rope_shift(config, layer_type, model_type, int(shapes.head_dim * partial), neox)
+
+
+def _rope_shift(config, layer_type: Optional[str], model_type: str, dim: int,
+                neox: bool) -> RopeShift:
+    """The RopeShift of ``dim`` rotary dims from the config's RoPE parameters (see
+    :func:`rope_shift_for`)."""
     params, rope_key = _rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if "mrope_section" in params or getattr(config, "mrope_section", None) or "mrope" in rope_type \
@@ -202,9 +246,6 @@ def rope_shift_for(config: Any, layer_type: Optional[str] = None) -> RopeShift:
             "sequence length, so a stored key cannot be re-rotated; context shift is not supported")
     base = params.get("rope_theta", getattr(config, "rope_theta", None))
     base = 10000.0 if base is None else float(base)
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    partial = 1.0 if partial is None else float(partial)
-    dim = int(shapes.head_dim * partial)
     if rope_type == "default":
         return RopeShift(base=base, dim=dim, neox=neox)
     if rope_type == "linear":
@@ -335,10 +376,12 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
                 raise NotSupportedError(f"layers {members} ({layer_type}) reuse K/V of a layer "
                                         "of another kind, which numbakv keeps in another cache")
             group_reuse = [local[reuse[i]] for i in members]
-        cfg = CacheConfig(n_layers=len(members), n_kv_heads=shapes.n_kv_heads,
-                          head_dim=shapes.head_dim, v_head_dim=shapes.v_head_dim, dtype=dtype,
-                          capacity=capacity, max_seqs=max_seqs, max_batch=max_batch,
-                          device=device, layer_reuse=group_reuse, **kw)
+        heads = dict(n_kv_heads=shapes.n_kv_heads, head_dim=shapes.head_dim,
+                     v_head_dim=shapes.v_head_dim) if shapes.latent is None \
+            else mla_cache_config_kw(shapes)
+        cfg = CacheConfig(n_layers=len(members), dtype=dtype, capacity=capacity,
+                          max_seqs=max_seqs, max_batch=max_batch, device=device,
+                          layer_reuse=group_reuse, **heads, **kw)
         caches.append(CausalCache(cfg, shift=_group_shift(shift, config, layer_type),
                                   swa_window=window,
                                   swa_memory=swa_memory if window is not None else None,

@@ -147,6 +147,8 @@ class _GenState:
         self.storage_dtype = None
         self.quantized = False
         self.layer_caches: List[Any] = []
+        #: an MLA model: its layers cache latent rows and attend themselves (see store_latent)
+        self.latent = model_shapes(model).latent is not None
 
     # ---------------------------------------------------------------- sequences and sizing
     def _build(self, batch: int, new: int) -> None:
@@ -277,6 +279,42 @@ class _GenState:
         want = self.storage_dtype
         cache.put(k.to(want).contiguous(), v.to(want).contiguous())
 
+    def store_latent(self, layer: int, kv_nope, k_rot):
+        """An MLA layer's pass: put the latent rows ``[kv_nope | k_rot]`` (``[batch, 1, new,
+        kv_lora_rank]`` and ``[batch, 1, new, rope]``; pad columns left out) and return every
+        row's latents ``(kv_nope, k_rot)`` ``[batch, 1, columns, ...]`` in the model's dtype,
+        column ``c`` = position ``c`` (never-stored pad columns zero: the model's own mask, built
+        for these columns, hides them)."""
+        torch, _ = _transformers()
+        batch, _, new, rank = kv_nope.shape
+        row = torch.cat([kv_nope.detach(), k_rot.detach().to(kv_nope.dtype)], dim=-1)
+        dim = row.shape[-1]
+        cache = self.cache
+        cache.set_layer(layer)
+        src = self.layer_caches[layer]
+        if src._put_layer >= 0:
+            k = row.transpose(1, 2).reshape(batch * new, 1, dim)
+            if self.keep is not None:
+                k = k.index_select(0, self.keep)
+            cache.put(k.to(self.storage_dtype).contiguous(), None)
+        key, _, _ = src.get()
+        lo, _ = src.cell_range()
+        pages = src._host_pages()
+        pool = torch.from_dlpack(key)
+        out = torch.zeros(batch, self.columns, dim, dtype=kv_nope.dtype, device=pool.device)
+        by_seq = {int(s): b for b, s in enumerate(pages.seq_ids)}
+        for r, seq in enumerate(self.seqs.tolist()):
+            b = by_seq.get(int(seq))
+            if b is None:
+                continue
+            a, z = int(pages.kv_indptr[b]), int(pages.kv_indptr[b + 1])
+            cells = torch.from_numpy(pages.kv_indices[a:z].astype(np.int64) - lo)
+            cols = torch.from_numpy(pages.kv_positions[a:z].astype(np.int64))
+            out[r, cols.to(pool.device)] = pool.index_select(0, cells.to(pool.device))[:, 0] \
+                .to(kv_nope.dtype)
+        out = out[:, None]
+        return out[..., :rank], out[..., rank:]
+
     def attend(self, layer: int, query, scaling, softcap):
         """query ``[batch, H, new, D]`` -> ``[batch, new, H, Dv]``: numbakv attention over the
         cell pool (the pass's page table)."""
@@ -360,6 +398,17 @@ def _layer_class():
             elif self.cumulative_length + new != state.columns:
                 raise KVCacheError(f"layer {self.layer} got {new} new columns, the pass started "
                                    f"with {state.columns - self.cumulative_length}")
+            if state.latent:
+                # MLA (transformers >= 5.24 caches the latent): key_states is kv_nope [batch, 1,
+                # new, kv_lora_rank], value_states k_rot [batch, 1, new, rope]; numbakv keeps one
+                # V-less row [kv_nope | k_rot] per token and hands the model back every row's
+                # visible latents, which the model expands per head and attends itself
+                kv_nope, k_rot = state.store_latent(self.layer, key_states, value_states)
+                self.is_initialized = True
+                self.cumulative_length += new
+                if self.layer == state.n_layers - 1:
+                    state.end_pass()
+                return kv_nope, k_rot
             state.store_layer(self.layer, key_states, value_states)
             self.is_initialized = True
             self.cumulative_length += new        # counted once stored

@@ -91,15 +91,16 @@ def _arr(dt, nd):
 
 
 _SIGS = [(_arr(dt, 4), _arr(types.int32, 1), _arr(types.int32, 1), _arr(types.int32, 1),
-          _arr(types.float32, 2), _arr(types.float32, 2), types.int64, types.int64)
+          _arr(types.float32, 2), _arr(types.float32, 2), types.int64, types.int64, types.int64)
          for dt in (types.float32, types.float16, types.uint16)]
 
 
 @cuda_kernel("rope_shift", _SIGS)
-def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind):
+def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind, col):
     """One flattened index space ``(listed cell, layer, head, pair)``, pair fastest (a warp
     turns adjacent pairs of one key row), grid-striding. ``keys [n_layers, n_cells, n_kv_heads,
-    head_dim]``; cell ``cells[c]`` turns by the angles of table row ``tab[c]``."""
+    head_dim]``; cell ``cells[c]`` turns by the angles of table row ``tab[c]``; the rotary dims
+    start at dim ``col`` of the row (0, or an MLA latent's trailing rope dims)."""
     half = cos_t.shape[1]
     row = keys.shape[2] * half
     per_cell = layers.shape[0] * row
@@ -114,6 +115,8 @@ def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind):
         h = r // half
         p = r - h * half
         i0, i1 = _pair_cuda(p, half, neox)
+        i0 += col
+        i1 += col
         cell = cells[c]
         u = tab[c]
         layer = layers[z]
@@ -126,7 +129,7 @@ def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind):
 
 
 @njit(cache=True, inline="always")
-def _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c):
+def _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c, col):
     half = cos_t.shape[1]
     cell = cells[c]
     u = tab[c]
@@ -135,6 +138,8 @@ def _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c):
         for h in range(keys.shape[2]):
             for p in range(half):
                 i0, i1 = _pair_cpu(p, half, neox)
+                i0 += col
+                i1 += col
                 a = _load_cpu(keys[layer, cell, h, i0], kind)
                 b = _load_cpu(keys[layer, cell, h, i1], kind)
                 a2, b2 = _rotate_cpu(a, b, cos_t[u, p], sin_t[u, p])
@@ -147,7 +152,7 @@ _f32_to_f16_hw = _common.f32_to_f16_bits_hw
 
 
 @njit(cache=True, inline="always")
-def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi):
+def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col):
     """:func:`_rotate_cell_cpu` for float16 bit patterns converted by the CPU's half-precision
     instructions (bit-identical with numpy's conversions). Staged per head row through float32
     scratch ``lo``/``hi`` (``[n/2]`` each): each of the five loops is a plain contiguous pass
@@ -161,7 +166,7 @@ def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, 
     for z in range(layers.shape[0]):
         layer = layers[z]
         for h in range(keys.shape[2]):
-            row = keys[layer, cell, h]
+            row = keys[layer, cell, h][col:]   # contiguous: the loops stay vectorised
             if neox != 0:
                 for p in range(half):
                     lo[p] = _f16_hw_to_f32(row[p])
@@ -188,19 +193,19 @@ def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, 
 
 
 @njit(cache=True)
-def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     lo = np.empty(cos_t.shape[1], np.float32)
     hi = np.empty(cos_t.shape[1], np.float32)
     for c in range(cells.shape[0]):
-        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi)
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col)
 
 
 @njit(cache=True, parallel=True)
-def _rope_cpu_f16hw_par(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_f16hw_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
         lo = np.empty(cos_t.shape[1], np.float32)
         hi = np.empty(cos_t.shape[1], np.float32)
-        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi)
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col)
 
 
 #: float16 rotations on the CPU use the hardware conversions where Numba's target has them
@@ -211,39 +216,39 @@ F16_HW = _common.cpu_has_f16c()
 # branches fold away and the pair loop vectorises: measured 2-8x faster than passing the kind).
 
 @njit(cache=True)
-def _rope_cpu_float(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_float(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in range(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c, col)
 
 
 @njit(cache=True)
-def _rope_cpu_f16(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_f16(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in range(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c, col)
 
 
 @njit(cache=True)
-def _rope_cpu_bf16(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_bf16(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in range(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c, col)
 
 
 @njit(cache=True, parallel=True)
-def _rope_cpu_float_par(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_float_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c, col)
 
 
 @njit(cache=True, parallel=True)
-def _rope_cpu_f16_par(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_f16_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c, col)
 
 
 @njit(cache=True, parallel=True)
-def _rope_cpu_bf16_par(keys, cells, tab, layers, cos_t, sin_t, neox):
+def _rope_cpu_bf16_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c, col)
 
 
 _CPU_TWINS = {KIND_FLOAT: (_rope_cpu_float, _rope_cpu_float_par),
@@ -252,10 +257,10 @@ _CPU_TWINS = {KIND_FLOAT: (_rope_cpu_float, _rope_cpu_float_par),
               KIND_F16_HW: (_rope_cpu_f16hw, _rope_cpu_f16hw_par)}
 
 
-def rope_shift_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, parallel=False):
+def rope_shift_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, parallel=False, col=0):
     """CPU twin of :func:`rope_shift_kernel` (cells spread over threads with ``parallel``; a cell
     must then be listed once: :func:`launch` merges repeats)."""
-    _CPU_TWINS[kind][1 if parallel else 0](keys, cells, tab, layers, cos_t, sin_t, neox)
+    _CPU_TWINS[kind][1 if parallel else 0](keys, cells, tab, layers, cos_t, sin_t, neox, col)
 
 
 #: below this many rotated pairs the CPU runs on one thread
@@ -311,7 +316,8 @@ def _merge(cells, deltas):
     return np.ascontiguousarray(cells), deltas
 
 
-def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, layers=None):
+def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, layers=None,
+            col: int = 0):
     """The host work of :func:`launch` for ``sim``/``cuda``: a :class:`Prepared` launch (or None
     when there is nothing to rotate)."""
     cells, deltas = _merge(cells, deltas)
@@ -326,7 +332,8 @@ def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, 
     nb = block_size(device)
     grid = geometry(cells.size, layers.size, keys.shape[2], inv_freq.size, nb,
                     _common.max_blocks(device))
-    args = (device_arg(device, keys, view_dtype),) + tuple(dev_in) + (int(bool(neox)), kind)
+    args = (device_arg(device, keys, view_dtype),) + tuple(dev_in) + (int(bool(neox)), kind,
+                                                                       int(col))
     return Prepared(rope_shift_kernel, grid, nb, args, keep)
 
 
@@ -337,13 +344,15 @@ def geometry(n_cells: int, n_layers: int, n_heads: int, half: int, block: int, c
 
 
 def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
-           layers=None) -> None:
+           layers=None, col: int = 0) -> None:
     """Rotate ``keys [n_layers, n_cells, n_kv_heads, head_dim]`` (storage dtype ``dtype``) of
     ``cells`` (int32 host ``[k]``) by ``deltas`` (int host ``[k]``; a cell listed twice turns by
     the sum) with ``inv_freq float32 [rot_dim/2]``, in ``layers`` (int host array, distinct; all
-    when None). Cells whose delta is 0 are left alone. Inputs validated by the caller."""
+    when None), the rotary dims starting at dim ``col`` of each row (an MLA latent's trailing
+    rope dims: ``col = kv_lora_rank``; the rest of the row is not touched). Cells whose delta is
+    0 are left alone. Inputs validated by the caller."""
     if device != "cpu":
-        p = prepare(device, keys, dtype, cells, deltas, inv_freq, neox, layers)
+        p = prepare(device, keys, dtype, cells, deltas, inv_freq, neox, layers, col)
         if p is not None:
             _launch(device, p.kernel, p.grid, p.block, p.args)
         return
@@ -357,7 +366,7 @@ def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
     view_dtype, kind = storage_kind(device, dtype)
     n_pairs = cells.size * layers.size * keys.shape[2] * inv_freq.size
     rope_shift_cpu(keys.view(view_dtype), cells, tab, layers, cos_t, sin_t, int(bool(neox)), kind,
-                   parallel=n_pairs >= PARALLEL_MIN_PAIRS and cells.size > 1)
+                   parallel=n_pairs >= PARALLEL_MIN_PAIRS and cells.size > 1, col=int(col))
 
 
 __all__ = ["F16_HW", "KIND_BF16_BITS", "KIND_F16_BITS", "KIND_F16_HW", "KIND_FLOAT", "launch", "load_f32", "pair_index",

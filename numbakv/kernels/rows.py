@@ -27,10 +27,10 @@ from ._registry import cuda_kernel, element
 
 
 @element
-def row_word(dst, dst_rows, src, src_rows, layer, i, w):
-    """Word ``w`` of pair ``i`` in ``layer``: ``dst[layer, dst_rows[i], w] = src[layer,
-    src_rows[i], w]``."""
-    copy_raw(dst, (layer, dst_rows[i], w), src, (layer, src_rows[i], w))
+def row_word(dst, di, src, si):
+    """One raw word of a row: ``dst[di] = src[si]`` (the CUDA kernel indexes ``(layer, row,
+    word)`` of the pools, the CPU twin ``(word,)`` of one row's view)."""
+    copy_raw(dst, di, src, si)
 
 
 _row_word_cuda = row_word.cuda
@@ -56,18 +56,22 @@ def state_rows_kernel(dst, dst_rows, src, src_rows):
         layer = i // per_layer
         rest = i - layer * per_layer
         c = rest // nw
-        _row_word_cuda(dst, dst_rows, src, src_rows, layer, c, rest - c * nw)
+        w = rest - c * nw
+        _row_word_cuda(dst, (layer, dst_rows[c], w), src, (layer, src_rows[c], w))
         i += step
 
 
 @njit(cache=True)
 def state_rows_cpu(dst, dst_rows, src, src_rows):
-    """CPU twin: pair by pair, the row's words innermost (one contiguous copy per row)."""
+    """CPU twin: pair by pair, each row as its own 1-D view so the word loop is a plain
+    contiguous copy (LLVM vectorises it, with a run-time overlap check)."""
     nw = dst.shape[2]
     for layer in range(dst.shape[0]):
         for c in range(dst_rows.shape[0]):
+            d = dst[layer, dst_rows[c]]
+            s = src[layer, src_rows[c]]
             for w in range(nw):
-                _row_word_cpu(dst, dst_rows, src, src_rows, layer, c, w)
+                _row_word_cpu(d, (w,), s, (w,))
 
 
 def row_words(arr, row_bytes: int, device: str) -> int:

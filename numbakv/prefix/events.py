@@ -8,7 +8,10 @@ Each event is a plain dict:
 * ``{"type": "BlockStored", "block_hashes": [hex, ...], "parent_block_hash": hex | None,
   "token_ids": [int, ...], "block_size": int, "lora_id": None, "medium": tier}`` - blocks that
   became held in ``medium`` (consecutive blocks of one prompt; the last one may be a partial
-  block, then ``token_ids`` is shorter than ``len(block_hashes) * block_size``);
+  block, then ``token_ids`` is shorter than ``len(block_hashes) * block_size``), plus two
+  extra fields: ``"priority"`` (0..100) and ``"ttl"`` (seconds left, or None) of the entry's
+  retention (None for the lower tiers). Token ids under ``extra_keys`` ranges appear as the
+  store's keyed ids (``2**62 +`` a hash of the key, the offset and the token);
 * ``{"type": "BlockRemoved", "block_hashes": [hex, ...], "medium": tier}``;
 * ``{"type": "AllBlocksCleared"}``.
 
@@ -20,19 +23,23 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 
 
-def block_stored(nodes: Sequence[Any], block_size: int, medium: str) -> Dict[str, Any]:
-    """A ``BlockStored`` event for consecutive index nodes of one prompt."""
+def block_stored(nodes: Sequence[Any], block_size: int, medium: str, *,
+                 priority: Optional[int] = None, ttl: Optional[float] = None) -> Dict[str, Any]:
+    """A ``BlockStored`` event for consecutive index nodes of one prompt; ``priority`` and
+    ``ttl`` (seconds left, None: no expiry) are the entry's retention (extra fields beside
+    vLLM's; None in the lower tiers, which keep no retention)."""
     parent = nodes[0].parent
     toks = np.frombuffer(b"".join(n.tok for n in nodes), dtype="<i8")
     return {"type": "BlockStored", "block_hashes": [n.key for n in nodes],
             "parent_block_hash": None if parent is None or parent.parent is None else parent.key,
             "token_ids": toks.tolist(), "block_size": block_size, "lora_id": None,
-            "medium": medium}
+            "medium": medium, "priority": priority, "ttl": ttl}
 
 
 def block_removed(nodes: Sequence[Any], medium: str) -> Dict[str, Any]:
@@ -43,28 +50,53 @@ def all_cleared() -> Dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
-class EventLog:
-    """Events waiting for ``take`` (bounded: past ``limit`` the oldest are dropped and counted in
-    ``dropped``, so a store nobody reads never grows without bound), fanned out to an optional
-    publisher as they happen."""
+#: default bound of the events waiting for ``take`` (estimated bytes of their Python objects)
+DEFAULT_MAX_BYTES = 4 << 20
 
-    def __init__(self, limit: int = 100_000, publisher: Optional["ZmqPublisher"] = None):
+
+def event_nbytes(event: Dict[str, Any]) -> int:
+    """A cheap estimate of the memory an event holds: a dict, ~40 bytes per token id (list slot
+    + int object) and ~100 per block hash (hex str + list slot)."""
+    return 400 + 40 * len(event.get("token_ids", ())) + 100 * len(event.get("block_hashes", ()))
+
+
+class EventLog:
+    """Events waiting for ``take``, bounded in bytes (``max_bytes``, estimated by
+    :func:`event_nbytes`; 0 keeps none): past it the oldest are dropped and counted in
+    ``dropped``, so a store nobody reads holds at most ``max_bytes`` of events whatever the
+    prompts' lengths (a bound by count let 8k-token prompts hold gigabytes). Every event is
+    also fanned out to an optional publisher as it happens, kept or not."""
+
+    def __init__(self, limit: int = 100_000, publisher: Optional["ZmqPublisher"] = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES):
         self.limit = limit
-        self.events: List[Dict[str, Any]] = []
+        self.max_bytes = int(max_bytes)
+        self.events: Deque[Dict[str, Any]] = deque()
+        self._sizes: Deque[int] = deque()
+        self.nbytes = 0
         self.dropped = 0
         self.publisher = publisher
 
     def emit(self, event: Dict[str, Any]) -> None:
-        self.events.append(event)
-        if len(self.events) > self.limit:
-            cut = len(self.events) - self.limit
-            del self.events[:cut]
-            self.dropped += cut
         if self.publisher is not None:
             self.publisher.publish([event])
+        size = event_nbytes(event)
+        if size > self.max_bytes:
+            self.dropped += 1
+            return
+        self.events.append(event)
+        self._sizes.append(size)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes or len(self.events) > self.limit:
+            self.events.popleft()
+            self.nbytes -= self._sizes.popleft()
+            self.dropped += 1
 
     def take(self) -> List[Dict[str, Any]]:
-        out, self.events = self.events, []
+        out = list(self.events)
+        self.events.clear()
+        self._sizes.clear()
+        self.nbytes = 0
         return out
 
 
@@ -115,4 +147,5 @@ class ZmqPublisher:
         self._sock.close(0)
 
 
-__all__ = ["block_stored", "block_removed", "all_cleared", "EventLog", "ZmqPublisher"]
+__all__ = ["block_stored", "block_removed", "all_cleared", "EventLog", "ZmqPublisher",
+           "event_nbytes", "DEFAULT_MAX_BYTES"]

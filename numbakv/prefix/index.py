@@ -329,6 +329,20 @@ class BlockIndex:
                     if c > best_n or (c == best_n and best is not None
                                       and rank[e.tier] < rank[best.tier]):
                         best, best_n = e, c
+        if best_n < self.block_tokens:
+            # the root holds no entries: an entry whose first block is beside the query's
+            # (a shorter tail, or a block sharing fewer tokens than the partial match) is
+            # judged here, by what its first block shares with the query
+            rnode = self.roots.get(root)
+            for first in (rnode.by_first.get(buf[:_TOKEN], ()) if rnode is not None else ()):
+                k = _common_tokens(first.tok, buf)
+                for e in first.entries.values():
+                    if e.id in seen:
+                        continue
+                    c = min(e.length, k)
+                    if e.floor <= c and (c > best_n or (c == best_n and best is not None
+                                                         and rank[e.tier] < rank[best.tier])):
+                        best, best_n = e, c
         return Match(best_n, best, end, partials[0] if partials else None, n_tok)
 
     # ------------------------------------------------------------------ entries

@@ -72,5 +72,36 @@ def block_keys(tokens: Sequence[int], block_tokens: int, root: bytes) -> List[st
     return out
 
 
-__all__ = ["root_digest", "namespace", "block_digest", "token_bytes", "block_keys",
+#: keyed token ids live in [2**62, 2**63): token ids below 2**62 (every real vocabulary) never
+#: equal one, so a prompt with extra keys never aliases one without
+KEYED_BIT = 1 << 62
+_MASK62 = np.uint64(KEYED_BIT - 1)
+
+
+def fold_extra_keys(buf: bytes, extra_keys) -> bytes:
+    """``buf`` (int64-LE token ids) with the tokens of each ``(start, end, key_bytes)`` range
+    replaced by *keyed ids*: ``2**62 + h(key_bytes, offset in the range, token id)`` (a 62-bit
+    blake2b-seeded mix). Every key the store makes then depends on the extra key from the block
+    holding ``start`` onwards (the chain carries it further), two images behind the same
+    placeholder ids never share a key, and the tokens before ``start`` still share theirs.
+    ``extra_keys`` must already be checked (sorted, non-overlapping, within ``buf``)."""
+    if not extra_keys:
+        return buf
+    toks = np.frombuffer(buf, "<i8").astype(np.uint64)
+    for start, end, key in extra_keys:
+        seed = int.from_bytes(hashlib.blake2b(bytes(key), digest_size=8,
+                                              person=b"nkv-extra").digest(), "little")
+        x = (np.uint64(seed) + np.arange(end - start, dtype=np.uint64)
+             * np.uint64(0x9E3779B97F4A7C15) + toks[start:end] * np.uint64(0xC2B2AE3D27D4EB4F))
+        x ^= x >> np.uint64(30)          # splitmix64's finalizer (uint64 arrays wrap silently)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        toks[start:end] = (x & _MASK62) | np.uint64(KEYED_BIT)
+    return toks.astype("<i8").tobytes()
+
+
+__all__ = ["fold_extra_keys", "KEYED_BIT", "root_digest", "namespace", "block_digest",
+           "token_bytes", "block_keys",
            "DIGEST_BYTES", "KEY_VERSION"]

@@ -5,7 +5,7 @@ the store skips the pinned ones (pinned entries are never evicted)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, Hashable, Iterator, Tuple
+from typing import Callable, Dict, Hashable, Iterator, Optional, Tuple
 
 
 class LRU:
@@ -77,6 +77,89 @@ class LFU:
         return len(self._meta)
 
 
+#: TensorRT-LLM's default retention priority (0..100): what an entry gets unless told
+DEFAULT_PRIORITY = 35
+PRIORITY_RANGE = (0, 100)
+
+
+class Retention:
+    """The eviction order of a tier with retention (agents' sessions): **expired entries first,
+    then the lowest priority, then the base policy's order** (LRU or LFU); among those equal, an
+    entry that is the ancestor of another live entry (``is_ancestor``) after the entries that
+    are not, so a chain loses its tail before its parent.
+
+    Pure Python over entry ids; ``clock`` (seconds, monotonic) is injectable for tests. An
+    entry's ``expires`` is a time on that clock (None: never); once past it the entry is first
+    out (it is still served until then evicted). With every entry at the default priority and
+    none expiring, ``victims()`` is the base order itself (no sort)."""
+
+    def __init__(self, base, clock) -> None:
+        self.base = base
+        self.name = base.name
+        self.clock = clock
+        self._meta: Dict[Hashable, Tuple[int, Optional[float]]] = {}
+        self._special = 0     # entries with a non-default priority or an expiry
+
+    @staticmethod
+    def _is_special(meta: Tuple[int, Optional[float]]) -> bool:
+        return meta[0] != DEFAULT_PRIORITY or meta[1] is not None
+
+    def add(self, key: Hashable, priority: int = DEFAULT_PRIORITY,
+            expires: Optional[float] = None) -> None:
+        self.base.add(key)
+        self.set(key, priority, expires)
+
+    def set(self, key: Hashable, priority: int, expires: Optional[float]) -> None:
+        """(Re)set ``key``'s priority and expiry time."""
+        old = self._meta.get(key)
+        if old is not None and self._is_special(old):
+            self._special -= 1
+        meta = (int(priority), expires)
+        self._meta[key] = meta
+        if self._is_special(meta):
+            self._special += 1
+
+    def get(self, key: Hashable) -> Tuple[int, Optional[float]]:
+        """``(priority, expires)`` of ``key``."""
+        return self._meta.get(key, (DEFAULT_PRIORITY, None))
+
+    def expired(self, key: Hashable, now: Optional[float] = None) -> bool:
+        expires = self.get(key)[1]
+        return expires is not None and (self.clock() if now is None else now) >= expires
+
+    def touch(self, key: Hashable) -> None:
+        self.base.touch(key)
+
+    def remove(self, key: Hashable) -> None:
+        self.base.remove(key)
+        old = self._meta.pop(key, None)
+        if old is not None and self._is_special(old):
+            self._special -= 1
+
+    def rank(self, key: Hashable, now: Optional[float] = None) -> Tuple[int, int]:
+        """``(0 if expired else 1, priority)``: the class ``victims`` orders first by."""
+        priority, expires = self.get(key)
+        now = self.clock() if now is None else now
+        return (0 if expires is not None and now >= expires else 1, priority)
+
+    def victims(self, is_ancestor: Optional[Callable[[Hashable], bool]] = None
+                ) -> Iterator[Hashable]:
+        """Ids, first to evict first (a snapshot: the caller may remove while iterating)."""
+        order = list(self.base.victims())
+        if not self._special and is_ancestor is None:
+            return iter(order)
+        now = self.clock()
+        pos = {k: i for i, k in enumerate(order)}
+        anc = is_ancestor or (lambda k: False)
+        return iter(sorted(order, key=lambda k: (*self.rank(k, now), bool(anc(k)), pos[k])))
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
 POLICIES = {"lru": LRU, "lfu": LFU}
 
 
@@ -88,4 +171,5 @@ def make_policy(name: str):
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None
 
 
-__all__ = ["LRU", "LFU", "make_policy", "POLICIES"]
+__all__ = ["LRU", "LFU", "Retention", "make_policy", "POLICIES", "DEFAULT_PRIORITY",
+           "PRIORITY_RANGE"]

@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import time
 import weakref
 from collections import OrderedDict, defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -52,8 +53,8 @@ import numpy as np
 from ..errors import KVCacheError, KVCacheFullError, StateError
 from . import events as ev
 from .index import BlockIndex, Entry, Match
-from .keys import block_keys, namespace, root_digest
-from .policy import make_policy
+from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
+from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
 from .tiers.base import BIND_RUN, is_bound
 from .tiers.host import HostTier
 from .writer import Job, TierWriter
@@ -124,6 +125,72 @@ def token_buffer(tokens, name: str = "tokens") -> bytes:
     return arr.tobytes()
 
 
+def _priority_arg(priority, name: str = "priority") -> int:
+    """``priority`` as an int in 0..100 (TensorRT-LLM's retention range); else ValueError."""
+    low, high = PRIORITY_RANGE
+    if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, (int, np.integer)) \
+            or not low <= int(priority) <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {priority!r}")
+    return int(priority)
+
+
+def _ttl_arg(ttl) -> Optional[float]:
+    """``ttl`` (seconds) as a float >= 0, or None (no expiry); else ValueError."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, (bool, np.bool_)) or not isinstance(ttl, (int, float, np.integer,
+                                                               np.floating)):
+        raise ValueError(f"ttl must be a number of seconds >= 0 or None, got {ttl!r}")
+    if not math.isfinite(float(ttl)) or float(ttl) < 0:
+        raise ValueError(f"ttl must be a finite number of seconds >= 0 or None, got {ttl!r}")
+    return float(ttl)
+
+
+def _extra_keys_arg(extra_keys, buf: bytes) -> Optional[List[Tuple[int, int, bytes]]]:
+    """Check ``extra_keys`` against the prompt ``buf`` (int64-LE): a list of ``(start, end,
+    key_bytes)`` with ``0 <= start < end <= len(tokens)``, sorted by ``start`` and not
+    overlapping, ``key_bytes`` non-empty bytes; the tokens they cover must be < 2**62 (keyed
+    ids live above). None or empty: no extra keys."""
+    if extra_keys is None:
+        return None
+    if isinstance(extra_keys, (str, bytes, bytearray, dict)) or not hasattr(extra_keys,
+                                                                           "__iter__"):
+        raise ValueError(f"extra_keys must be a list of (start, end, key_bytes) ranges, got "
+                         f"{type(extra_keys).__name__}")
+    n = len(buf) // 8
+    out: List[Tuple[int, int, bytes]] = []
+    prev_end = 0
+    for i, item in enumerate(extra_keys):
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise ValueError(f"extra_keys[{i}] must be a (start, end, key_bytes) triple, got "
+                             f"{item!r:.80}")
+        start, end, key = item
+        for what, v in (("start", start), ("end", end)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"extra_keys[{i}] {what} must be an integer token index, got "
+                                 f"{v!r}")
+        start, end = int(start), int(end)
+        if not 0 <= start < end <= n:
+            raise ValueError(f"extra_keys[{i}] must cover a token range 0 <= start < end <= "
+                             f"len(tokens)={n}, got ({start}, {end})")
+        if start < prev_end:
+            raise ValueError(f"extra_keys must be sorted by start and not overlap: "
+                             f"extra_keys[{i}] starts at {start}, before the previous range's "
+                             f"end {prev_end}")
+        if not isinstance(key, (bytes, bytearray)) or not key:
+            raise ValueError(f"extra_keys[{i}] key must be non-empty bytes (e.g. an image's "
+                             f"content hash, a LoRA id), got {key!r:.80}")
+        out.append((start, end, bytes(key)))
+        prev_end = end
+    if out:
+        toks = np.frombuffer(buf, "<i8")
+        for i, (start, end, _) in enumerate(out):
+            if int(toks[start:end].max()) >= KEYED_BIT:
+                raise ValueError(f"tokens under extra_keys[{i}] must be < 2**62 (ids above are "
+                                 "the store's keyed ids)")
+    return out or None
+
+
 def _groups(cache) -> List[Any]:
     """The ``CausalCache`` objects under ``cache`` (itself, or a WrapperCache's caches)."""
     inner = getattr(cache, "caches", None)
@@ -179,6 +246,9 @@ class PrefixStore:
         policy: ``"lru"`` or ``"lfu"``: eviction order in every tier the store runs.
         checkpoint_tail: on sliding-window caches, keep a checkpoint this many tokens before
             the end of each saved prompt (0: none).
+        event_bytes: bound (estimated bytes) of the KV events waiting for ``take_events``;
+            past it the oldest are dropped (``stats()["events_dropped"]``); 0 keeps none (a
+            publisher still gets every event).
         model_id: the identity of the model whose K/V the cache holds (e.g.
             ``"org/model@revision:sha256-of-weights"``; ``hf`` builds one from the model's name,
             revision and a digest of its weights). Part of every block key and of the lower
@@ -193,6 +263,13 @@ class PrefixStore:
             at ``close``.
         write_queue_bytes: bound of the writer's queue (K/V bytes waiting to be written; a
             save that does not fit is written later, at eviction / ``flush`` / ``close``).
+        clock: seconds (monotonic) for retention TTLs (``retain``/``save(ttl=...)``);
+            injectable for tests.
+
+    Retention (agents): every local entry has a priority (0..100, default 35) and an optional
+    expiry; tiers 0 and 1 evict expired entries first, then the lowest priority, then the
+    policy's order (LRU/LFU), a chain's tail before its parent. ``retain`` sets them for a
+    token range; the lower tiers keep their own LRU.
 
     Use it as a context manager (``with PrefixStore(...) as store:``) or call ``close()``; an
     open store is also closed at interpreter exit (its writes reach the lower tiers).
@@ -202,7 +279,8 @@ class PrefixStore:
                  host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
                  remote: Optional[str] = None, salt: bytes = b"", policy: str = "lru",
                  checkpoint_tail: int = 16, model_id: Optional[str] = None,
-                 write_through: bool = True, write_queue_bytes: int = 256 << 20) -> None:
+                 write_through: bool = True, write_queue_bytes: int = 256 << 20,
+                 event_bytes: int = ev.DEFAULT_MAX_BYTES, clock=time.monotonic) -> None:
         for name in ("copy_prefix", "seq_rm", "seq_pos_max", "seq_pos_min", "can_resume",
                      "start_forward"):
             if not callable(getattr(cache, name, None)):
@@ -238,6 +316,7 @@ class PrefixStore:
         host_bytes = _int_arg("host_bytes", host_bytes, 0)
         disk_bytes = _int_arg("disk_bytes", disk_bytes, 0)
         checkpoint_tail = _int_arg("checkpoint_tail", checkpoint_tail, 0)
+        event_bytes = _int_arg("event_bytes", event_bytes, 0)
         if not isinstance(salt, (bytes, bytearray)):
             raise ValueError(f"salt must be bytes, got {type(salt).__name__}")
         self._policy_name = make_policy(policy).name   # validates
@@ -260,6 +339,8 @@ class PrefixStore:
         if not isinstance(write_through, (bool, np.bool_)):
             raise ValueError(f"write_through must be a bool, got {write_through!r}")
         write_queue_bytes = _int_arg("write_queue_bytes", write_queue_bytes, 0)
+        if not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
         if getattr(cache, "_room_provider", None) is not None:
             raise ValueError("cache already has a prefix store (one store per cache)")
 
@@ -286,7 +367,9 @@ class PrefixStore:
         self._sliding = [(g, g.swa_window, g.swa_memory) for g in groups
                          if g.swa_memory is not None]
         self.index = BlockIndex(block_tokens, {CELLS: 0, HOST: 1})
-        self._policy = {CELLS: make_policy(policy), HOST: make_policy(policy)}
+        self._clock = clock
+        self._policy = {CELLS: Retention(make_policy(policy), clock),
+                        HOST: Retention(make_policy(policy), clock)}
         self._free: List[int] = list(retain)
         self._pending: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
         self._pins: Dict[Tuple[bytes, bytes], List[Entry]] = defaultdict(list)
@@ -295,7 +378,7 @@ class PrefixStore:
         self.tokens_reused = 0
         self.tokens_matched = 0
         self.bytes_moved = 0
-        self.events = ev.EventLog()
+        self.events = ev.EventLog(max_bytes=event_bytes)
         self._lower: List[Any] = []
         #: (tier name, block key) -> run key: lower-tier pointers found to name a run that does
         #: not hold their block (skipped while they still name that run; bounded)
@@ -307,7 +390,8 @@ class PrefixStore:
         self._writer: Optional[TierWriter] = None
         if self._lower_specs:
             self._open_lower()
-            self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes)
+            self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes,
+                                      metadata={"model_id": model_id} if model_id else None)
             # a store collected without close(): its writer still drains and stops (not at
             # exit: _close_live_stores closes the store, writer included, then)
             weakref.finalize(self, self._writer.close).atexit = False
@@ -342,6 +426,21 @@ class PrefixStore:
             raise ValueError(f"{name} {seq} is reserved by the prefix store (retain_seqs="
                              f"{list(self.retain_seqs)}); use another sequence")
         return seq
+
+    def _prompt(self, tokens, extra_keys) -> bytes:
+        """The prompt as the index keys it: ``tokens`` as int64-LE bytes, the ranges of
+        ``extra_keys`` folded in (``keys.fold_extra_keys``); both checked."""
+        buf = token_buffer(tokens)
+        return fold_extra_keys(buf, _extra_keys_arg(extra_keys, buf))
+
+    def _retention(self, priority, ttl, default: bool) -> Optional[Tuple[int, Optional[float]]]:
+        """``(priority, expiry time)`` from the arguments (checked); None when both are None
+        and ``default`` is False (keep what an entry has)."""
+        if priority is None and ttl is None and not default:
+            return None
+        priority = DEFAULT_PRIORITY if priority is None else _priority_arg(priority)
+        ttl = _ttl_arg(ttl)
+        return priority, (None if ttl is None else self._clock() + ttl)
 
     def _root(self, salt) -> bytes:
         salt = self.salt if salt is None else salt
@@ -388,28 +487,33 @@ class PrefixStore:
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
     # ------------------------------------------------------------------ public API
-    def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+    def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
+              extra_keys=None) -> int:
         """The longest prefix of ``tokens`` the store can load now (token granular; on
         sliding-window caches the deepest checkpoint at or below the token match), over every
-        tier. No side effects (the lower tiers may count a miss)."""
+        tier. No side effects (the lower tiers may count a miss). ``extra_keys``: ``[(start,
+        end, key_bytes)]`` as given to ``save`` (a prompt matches a stored one only up to the
+        first token where the tokens or the extra keys over them differ)."""
         self._check_open()
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
         n = self.index.match(root, buf).n
         if self._lower:
             n = max(n, self._lower_probe(root, buf, n)[0])
         return n
 
-    def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+    def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
+             extra_keys=None) -> int:
         """Make the empty sequence ``seq`` hold ``tokens[:n]`` at positions ``0..n-1`` from the
         store, ``n`` the longest prefix it can serve (``match``); returns ``n`` (0: a miss,
         nothing changed). Tier 0 hits share cells (no K/V copy); other tiers import the rows
         (one batched copy per layer) and promote the prefix to cells. Raises ``ValueError``
         (bad tokens, a reserved or non-empty ``seq``) or ``KVCacheFullError`` (no room for a
-        promotion even after evicting cells: the entry stays where it was, ``seq`` empty)."""
+        promotion even after evicting cells: the entry stays where it was, ``seq`` empty).
+        ``extra_keys``: as for ``match``."""
         self._check_open()
         seq = self._check_seq(seq)
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
         if self.cache.seq_pos_max(seq) >= 0:
             raise ValueError(f"seq {seq} must be empty to load a prefix into it (it holds "
@@ -442,16 +546,26 @@ class PrefixStore:
         return n
 
     def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
-             cache: bool = True) -> int:
+             cache: bool = True, priority: Optional[int] = None, ttl: Optional[float] = None,
+             extra_keys=None) -> int:
         """Record that ``seq`` holds ``tokens`` (``tokens[i]`` at position ``i``) so later
         prompts sharing a prefix with it can ``load`` it. ``cache=False``: skip this one (the
         engine's admission control); checkpoints ``checkpoint(seq)`` marked are dropped too.
         Returns how many tokens the store now keeps for it (0: nothing kept - no retained
-        sequence free of pins, or ``cache=False``). Metadata only in tier 0."""
+        sequence free of pins, or ``cache=False``). Metadata only in tier 0.
+
+        ``priority`` (0..100) and ``ttl`` (seconds): the entry's retention (see ``retain``;
+        both None: a new entry gets priority 35 and no expiry, an existing one keeps its own).
+        ``extra_keys``: ``[(start, end, key_bytes)]`` sorted, non-overlapping token ranges whose
+        key (an image's content hash over its placeholder tokens, a LoRA id) is folded into
+        the keys from the block holding ``start`` on; a later prompt matches past ``start``
+        only with the same key over the same range. A cancelled request's prefilled part:
+        ``save(seq, tokens[:k])`` with ``k`` the tokens whose forward pass completed."""
         self._check_open()
         seq = self._check_seq(seq)
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
+        retention = self._retention(priority, ttl, default=False)
         if not isinstance(cache, (bool, np.bool_)):
             raise ValueError(f"cache must be a bool, got {cache!r}")
         length = len(buf) // 8
@@ -470,18 +584,21 @@ class PrefixStore:
                 self._release_seq(r)
             if cache and length and servable and not self.retain_seqs \
                     and (self.host_bytes or self._lower):
-                if self._serves(root, buf) >= length:
-                    return length       # host RAM keeps it already
+                m = self.index.match(root, buf)
+                if m.n >= length:       # host RAM keeps it already
+                    if retention is not None and m.entry.length == length:
+                        self._policy[m.entry.tier].set(m.entry.id, *retention)
+                    return length
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = _owned(self.cache.export_seq(seq, 0, length))
                 self.bytes_moved += snap.nbytes
-                if self._admit_host(root, buf, snap):
+                if self._admit_host(root, buf, snap, retention):
                     self._write_through(root, buf, snap)
                     return length
                 return 0
             return 0
         self._pending[seq] = pending   # main may take one of them when nothing else is free
-        main = self._keep(seq, root, buf) if servable else None
+        main = self._keep(seq, root, buf, retention=retention) if servable else None
         pending = self._pending.pop(seq, [])
         protect = {main.id} if main is not None else set()
         for r, n in pending:   # marked checkpoints: their tokens are known now (no new cells)
@@ -494,8 +611,67 @@ class PrefixStore:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
                 self._keep(seq, root, buf[:8 * c], protect=protect)
+        if main is None and servable and self.host_bytes and self._serves(root, buf) < length \
+                and callable(getattr(self.cache, "export_seq", None)):
+            # every retained sequence holds a higher-priority (or pinned) entry: host RAM
+            snap = _owned(self.cache.export_seq(seq, 0, length))
+            self.bytes_moved += snap.nbytes
+            if self._admit_host(root, buf, snap, retention, write_lower=False):
+                main = self.index.match(root, buf).entry
         queued = self._write_through(root, buf, seq=seq)
         return length if main is not None or (queued and servable) else 0
+
+    def retain(self, tokens: TokenIds, *, priority: int = DEFAULT_PRIORITY,
+               ttl: Optional[float] = None, salt: Optional[bytes] = None,
+               extra_keys=None) -> int:
+        """Set the retention of the token range ``[0, n)`` of ``tokens`` the store serves now
+        (``n = match(tokens)``): ``priority`` 0..100 (35 by default, as TensorRT-LLM) and
+        ``ttl`` seconds (None: no expiry; afterwards the range is first out). Tiers 0 and 1
+        evict expired entries first, then the lowest priority, then by the policy (LRU/LFU);
+        a chain loses its tail before its parent. Every entry inside the range gets it; when
+        only a longer entry holds the range, the range becomes an entry of its own (cells:
+        metadata only, in a free or lower-ranked retained sequence; host RAM: a copy of its
+        rows within the budget) so the longer entry's tail can go first; when there is no room
+        for that, the longer entry takes the higher priority. Changeable later (a lower
+        priority too). Returns ``n`` (0: nothing stored, nothing changed). The lower tiers keep
+        their own LRU."""
+        self._check_open()
+        buf = self._prompt(tokens, extra_keys)
+        root = self._root(salt)
+        retention = self._retention(priority, ttl, default=True)
+        m = self.index.match(root, buf)
+        n = m.n
+        if n == 0:
+            return 0
+        head = buf[:8 * n]
+        inside = [e for e in self.index.entries.values()
+                  if e.root == root and e.length <= n and head.startswith(e.buf)]
+        for e in inside:
+            self._policy[e.tier].set(e.id, *retention)
+        if not any(e.length == n for e in inside):
+            self._split(root, head, m.entry, retention)
+        return n
+
+    def _split(self, root: bytes, head: bytes, longer: Entry, retention) -> None:
+        """An entry of its own for ``head`` (a prefix of ``longer``'s tokens) with
+        ``retention``; else ``longer`` takes the higher of the two priorities."""
+        n = len(head) // 8
+        rank = (1, retention[0])
+        made = None
+        if longer.tier == CELLS and not self._sliding and self.retain_seqs:
+            r = self._take_seq(protect={longer.id}, rank=rank)
+            if r is not None:
+                self.cache.copy_prefix(longer.seq, r, n)
+                made = self._add_cells_entry(root, head, r, retention)
+        elif longer.tier == HOST and not self._sliding:
+            snap = _owned(_slice_snapshot(longer.payload, n))
+            if self._admit_host(root, head, snap, retention, write_lower=False,
+                                protect={longer.id}):
+                made = True
+        if made is None:
+            old = self._policy[longer.tier].get(longer.id)
+            if retention[0] > old[0]:
+                self._policy[longer.tier].set(longer.id, *retention)
 
     def checkpoint(self, seq: int) -> int:
         """Keep a sliding-window checkpoint at ``seq``'s current end (call it where a later
@@ -521,11 +697,11 @@ class PrefixStore:
             self._release_seq(lst.pop(0)[0])
         return n
 
-    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> int:
+    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None, extra_keys=None) -> int:
         """Keep the prefix of ``tokens`` the store serves now from eviction until ``unpin``
         (the entry serving it stays in its tier). Returns the pinned length (0: not stored)."""
         self._check_open()
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         root = self._root(salt)
         m = self.index.match(root, buf)
         if m.n == 0:
@@ -536,10 +712,12 @@ class PrefixStore:
         self._pins[(root, buf)].append(m.entry)
         return m.n
 
-    def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None) -> bool:
-        """Undo one ``pin(tokens)`` (same tokens and salt). Returns False when none was held."""
+    def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
+              extra_keys=None) -> bool:
+        """Undo one ``pin(tokens)`` (same tokens, salt and extra keys). Returns False when none
+        was held."""
         self._check_open()
-        buf = token_buffer(tokens)
+        buf = self._prompt(tokens, extra_keys)
         key = (self._root(salt), buf)
         held = self._pins.get(key)
         if not held:
@@ -554,7 +732,10 @@ class PrefixStore:
 
     def stats(self) -> Dict[str, Any]:
         """``{"tiers": {name: {"bytes_used", "bytes_evictable", "bytes_pinned", "bytes_free",
-        "entries", "hits", "misses"}}, "tokens_reused", "tokens_matched", "bytes_moved"}``.
+        "entries", "hits", "misses"}}, "tokens_reused", "tokens_matched", "bytes_moved",
+        "writer"}``; tiers 0 and 1 add their retention: ``"priorities"`` (priority -> entries),
+        ``"expiring"`` (entries with a TTL), ``"expired"``; ``"writer"``: the background
+        writer's counters (None without lower tiers).
         ``bytes_used = bytes_evictable + bytes_pinned``; ``bytes_used + bytes_free`` is the
         tier's budget (tier 0: the bytes of the cells retained sequences hold, see the module
         docstring)."""
@@ -563,16 +744,33 @@ class PrefixStore:
         cells = self.index.in_tier(CELLS)
         tiers[CELLS] = {"bytes_used": used, "bytes_evictable": used - pinned,
                         "bytes_pinned": pinned, "bytes_free": 0, "entries": len(cells),
-                        **self._counts[CELLS], "budget": used}
+                        **self._counts[CELLS], "budget": used, **self._retention_stats(CELLS)}
         if self.host_bytes:
-            tiers[HOST] = {**self.host.stats(), **self._counts[HOST], "budget": self.host_bytes}
+            tiers[HOST] = {**self.host.stats(), **self._counts[HOST], "budget": self.host_bytes,
+                           **self._retention_stats(HOST)}
         for tier in self._lower:
             s = dict(tier.stats())
             tiers[tier.name] = s
         self._drain_writer()
-        return {"tiers": tiers, "writer": self._writer.stats() if self._writer else None, "tokens_reused": self.tokens_reused,
+        return {"tiers": tiers, "writer": self._writer.stats() if self._writer else None,
+                "tokens_reused": self.tokens_reused,
                 "tokens_matched": self.tokens_matched, "bytes_moved": self.bytes_moved,
                 "events_dropped": self.events.dropped}
+
+    def _retention_stats(self, tier: str) -> Dict[str, Any]:
+        """``{"priorities": {priority: entries}, "expiring": entries with a TTL, "expired":
+        entries past it}`` of a local tier."""
+        policy, now = self._policy[tier], self._clock()
+        by: Dict[int, int] = {}
+        expiring = expired = 0
+        for e in self.index.in_tier(tier):
+            priority, expires = policy.get(e.id)
+            by[priority] = by.get(priority, 0) + 1
+            if expires is not None:
+                expiring += 1
+                expired += now >= expires
+        return {"priorities": dict(sorted(by.items())), "expiring": expiring,
+                "expired": expired}
 
     def take_events(self) -> List[Dict[str, Any]]:
         """The events since the last call (see ``events.py``: vLLM's KV event fields)."""
@@ -665,23 +863,34 @@ class PrefixStore:
         """How many tokens of ``buf`` the local tiers serve now (exactly, windows included)."""
         return self.index.match(root, buf).n
 
-    def _keep(self, seq: int, root: bytes, buf: bytes, protect=()) -> Optional[Entry]:
+    def _keep(self, seq: int, root: bytes, buf: bytes, protect=(),
+              retention=None) -> Optional[Entry]:
         """Keep ``seq``'s first ``len(buf)/8`` tokens in a retained sequence (tier 0); returns
-        the cells entry (None: every retained sequence is pinned or protected)."""
+        the cells entry (None: every retained sequence is pinned, protected or holds an entry
+        ranked above ``retention``). ``retention``: ``(priority, expires)`` for the entry (None:
+        an existing entry keeps its own, a new one gets the default)."""
         n = len(buf) // 8
         m = self.index.match(root, buf)
         if m.n == n and m.entry is not None and m.entry.length == n:
             self._policy[m.entry.tier].touch(m.entry.id)   # already kept exactly
+            if retention is not None:
+                self._policy[m.entry.tier].set(m.entry.id, *retention)
             if m.entry.tier == CELLS:
                 return m.entry
+            if retention is None:   # promoted below: the host entry's retention goes along
+                retention = self._policy[HOST].get(m.entry.id)
+        want = retention or (DEFAULT_PRIORITY, None)
         # an unpinned cells entry this prompt extends: its sequence takes the longer prefix
         # (one entry per conversation, not one per turn)
         reuse = None
         if not self._sliding:
             for node in reversed(m.path):
                 for e in node.entries.values():
+                    # (a retained shorter entry stays: the longer prompt's tail must be able
+                    # to go before it)
                     if e.tier == CELLS and e.pins == 0 and e.length <= n \
-                            and e.path[-1] is node and node.end <= m.tokens_matched:
+                            and e.path[-1] is node and node.end <= m.tokens_matched \
+                            and self._policy[CELLS].get(e.id) == want:
                         reuse = e
                         break
                 if reuse is not None:
@@ -690,10 +899,10 @@ class PrefixStore:
             # the longer prefix first, then the shorter entry goes: its blocks stay covered
             # (no removed/stored event pair for them)
             self.cache.copy_prefix(seq, reuse.seq, n)
-            entry = self._add_cells_entry(root, buf, reuse.seq)
+            entry = self._add_cells_entry(root, buf, reuse.seq, want)
             self._drop_entry(reuse)
             return entry
-        r = self._take_seq(protect=protect)
+        r = self._take_seq(protect=protect, rank=(1, want[0]))
         if r is None:
             return None
         try:
@@ -701,20 +910,56 @@ class PrefixStore:
         except BaseException:
             self._release_seq(r)
             raise
-        return self._add_cells_entry(root, buf, r)
+        return self._add_cells_entry(root, buf, r, want)
 
-    def _add_cells_entry(self, root: bytes, buf: bytes, r: int) -> Entry:
+    def _add_cells_entry(self, root: bytes, buf: bytes, r: int, retention=None) -> Entry:
         n = len(buf) // 8
         path = self.index.insert_path(root, buf)
         e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r)
-        self._register(e)
+        self._register(e, retention)
         return e
 
-    def _register(self, e: Entry) -> None:
+    def _register(self, e: Entry, retention=None) -> None:
         fresh = self.index.add(e)
-        self._policy[e.tier].add(e.id)
+        priority, expires = retention or (DEFAULT_PRIORITY, None)
+        self._policy[e.tier].add(e.id, priority, expires)
         if fresh:
-            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier))
+            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier,
+                                             priority=priority, ttl=self._ttl_left(expires)))
+
+    def _ttl_left(self, expires: Optional[float]) -> Optional[float]:
+        return None if expires is None else max(0.0, expires - self._clock())
+
+    def _is_ancestor(self, eid: int) -> bool:
+        """Whether another live entry extends entry ``eid``'s tokens (its chain's tail): the
+        tail goes first, so this one waits behind entries of its rank that are not."""
+        e = self.index.entries.get(eid)
+        if e is None or not e.path:
+            return False
+        last = e.path[-1]
+        if len(last.tok) == self.index.width:
+            return any(o.length > e.length for o in last.entries.values())
+        # a partial last block: a longer prompt passes through a full sibling instead
+        pool = e.path[-2].entries.values() if len(e.path) > 1 else \
+            self.index.entries.values()
+        return any(o.length > e.length and o.root == e.root and o.buf.startswith(e.buf)
+                   for o in pool)
+
+    def _victims(self, tier: str, rank=None) -> List[Entry]:
+        """Unpinned entries of ``tier``, first to evict first: expired, then the lowest
+        priority, then the policy's order, a chain's tail before its parent. ``rank``
+        (``(0 expired / 1 not, priority)``): only those ranked at or below it."""
+        policy = self._policy[tier]
+        now = self._clock()
+        out = []
+        for eid in policy.victims(self._is_ancestor):
+            e = self.index.entries.get(eid)
+            if e is None or e.pins:
+                continue
+            if rank is not None and policy.rank(eid, now) > rank:
+                break   # ranked above: so is every later one
+            out.append(e)
+        return out
 
     def _drop_entry(self, e: Entry) -> None:
         """Take ``e`` out of the index (its sequence / bytes are the caller's to free)."""
@@ -732,15 +977,15 @@ class PrefixStore:
         for r, _ in self._pending.pop(seq, []):
             self._release_seq(r)
 
-    def _take_seq(self, protect=()) -> Optional[int]:
-        """A free retained sequence: a free one, else the one of the least recently (or
-        frequently) used unpinned cells entry, evicted (demoted), else a pending checkpoint's.
-        None when every one is pinned."""
+    def _take_seq(self, protect=(), rank=None) -> Optional[int]:
+        """A free retained sequence: a free one, else the one of the first unpinned cells
+        entry to evict (``_victims``; ranked at or below ``rank`` when given), evicted
+        (demoted), else a pending checkpoint's. None when every one is pinned or ranked
+        above."""
         if self._free:
             return self._free.pop()
-        for eid in self._policy[CELLS].victims():
-            e = self.index.entries.get(eid)
-            if e is None or e.pins or eid in protect:
+        for e in self._victims(CELLS, rank):
+            if e.id in protect:
                 continue
             self._evict_cells(e)
             return self._free.pop()
@@ -763,11 +1008,12 @@ class PrefixStore:
                 snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
             except (KVCacheError, ValueError):
                 snap = None   # cannot export (e.g. an unsupported cache): dropped instead
+        retention = self._policy[CELLS].get(e.id)
         self._drop_entry(e)
         self._release_seq(e.seq)
         if snap is not None:
             self.bytes_moved += snap.nbytes
-            self._admit_host(e.root, e.tokens_bytes(), snap)
+            self._admit_host(e.root, e.tokens_bytes(), snap, retention)
 
     def _cells_bytes(self) -> Tuple[int, int]:
         """(bytes of the cells retained sequences hold, of those pinned entries hold)."""
@@ -793,9 +1039,8 @@ class PrefixStore:
         evicted = False
         if roomy():
             return False
-        for eid in self._policy[CELLS].victims():
-            e = self.index.entries.get(eid)
-            if e is None or e.pins:
+        for e in self._victims(CELLS):
+            if e.id not in self.index.entries:
                 continue
             self._evict_cells(e)
             evicted = True
@@ -808,18 +1053,22 @@ class PrefixStore:
         return evicted
 
     # ------------------------------------------------------------------ tier 1
-    def _admit_host(self, root: bytes, buf: bytes, snap) -> bool:
-        """Keep ``snap`` (the K/V of prompt ``buf``'s first tokens) in host RAM, evicting least
-        recently used unpinned host entries (to the lower tiers) to fit; too large or no room:
-        straight to the lower tiers. Returns whether some tier now keeps it."""
+    def _admit_host(self, root: bytes, buf: bytes, snap, retention=None,
+                    write_lower: bool = True, protect=()) -> bool:
+        """Keep ``snap`` (the K/V of prompt ``buf``'s first tokens) in host RAM with
+        ``retention`` (default priority when None), evicting unpinned host entries ranked at or
+        below it (``_victims``: to the lower tiers) to fit; too large or no room: straight to
+        the lower tiers (unless ``write_lower`` is False). Returns whether some tier now keeps
+        it."""
         nbytes = int(snap.nbytes)
+        retention = retention or (DEFAULT_PRIORITY, None)
         if self._sliding and self._floor_of_snapshot(snap) > len(buf) // 8:
             return False    # its window holds none of the prefix: it could never be served
         if self.host_bytes and nbytes <= self.host_bytes:
             if not self.host.fits(nbytes):
-                for eid in self._policy[HOST].victims():
-                    e = self.index.entries.get(eid)
-                    if e is None or e.pins:
+                expired = retention[1] is not None and self._clock() >= retention[1]
+                for e in self._victims(HOST, rank=(0 if expired else 1, retention[0])):
+                    if e.id in protect or e.id not in self.index.entries:
                         continue
                     self._evict_host(e)
                     if self.host.fits(nbytes):
@@ -829,8 +1078,10 @@ class PrefixStore:
                 e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
                           nbytes=nbytes)
                 self.host.add(nbytes)
-                self._register(e)
+                self._register(e, retention)
                 return True
+        if not write_lower:
+            return False
         path = self.index.insert_path(root, buf)     # the block keys (no entry covers them)
         try:
             return self._write_lower(path, snap)
@@ -858,7 +1109,9 @@ class PrefixStore:
         if not self.retain_seqs:
             return
         n = len(buf) // 8
-        if self._keep(seq, root, buf) is not None and source is not None \
+        retention = self._policy[source.tier].get(source.id) \
+            if source is not None and source.id in self.index.entries else None
+        if self._keep(seq, root, buf, retention=retention) is not None and source is not None \
                 and source.tier == HOST \
                 and source.length == n and not source.pins \
                 and source.id in self.index.entries:
@@ -1016,11 +1269,17 @@ class PrefixStore:
     # ------------------------------------------------------------------ misc
     def entries(self) -> List[Dict[str, Any]]:
         """The local entries, for inspection and tests: ``{"tier", "length", "floor", "seq",
-        "pins", "hits", "nbytes", "tokens"}`` each."""
+        "pins", "hits", "nbytes", "priority", "ttl" (seconds left or None), "expired",
+        "tokens"}`` each (``tokens`` under ``extra_keys`` ranges are keyed ids)."""
         out = []
+        now = self._clock()
         for e in self.index.entries.values():
+            priority, expires = self._policy[e.tier].get(e.id)
             out.append({"tier": e.tier, "length": e.length, "floor": e.floor, "seq": e.seq,
                         "pins": e.pins, "hits": e.hits, "nbytes": e.nbytes,
+                        "priority": priority,
+                        "ttl": None if expires is None else max(0.0, expires - now),
+                        "expired": expires is not None and now >= expires,
                         "salt_root": e.root,
                         "tokens": np.frombuffer(e.tokens_bytes(), "<i8").tolist()})
         return out

@@ -17,6 +17,7 @@ exit.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
@@ -57,11 +58,15 @@ class TierWriter:
             refuses, full or down, does not stop the others).
         max_jobs, max_bytes: the queue's bounds (a single job larger than ``max_bytes`` is taken
             only when the queue is empty, so no prefix is too large to be written).
+        metadata: str -> str pairs every run's bytes record (``PrefixStore`` passes its
+            ``model_id``: ``numbakv store stats`` shows which model a namespace serves).
     """
 
     def __init__(self, tiers: Sequence[Any], *, max_jobs: int = 64,
-                 max_bytes: int = 256 << 20) -> None:
+                 max_bytes: int = 256 << 20, metadata: Optional[Dict[str, str]] = None) -> None:
         self.tiers = list(tiers)
+        #: str -> str recorded in every run's snapshot metadata (the store's model id)
+        self.metadata = dict(metadata or {})
         self.max_jobs = int(max_jobs)
         self.max_bytes = int(max_bytes)
         self._cv = threading.Condition()
@@ -73,16 +78,35 @@ class TierWriter:
         self._queued_keys: Dict[str, int] = {}
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
+        self._pid = os.getpid()
         self.counts = {"queued": 0, "written": 0, "refused": 0, "failed": 0, "errors": 0}
+
+    def _check_fork(self) -> None:
+        """In a child forked from the process that made this writer (``multiprocessing``'s
+        fork start method): the thread did not come along and the lock may have been held at
+        the fork, so the child starts a writer of its own (the parent writes what it had
+        queued)."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._cv = threading.Condition()
+        self._queue = deque()
+        self._queued_bytes = 0
+        self._busy = 0
+        self._queued_keys = {}
+        self._results = deque()
+        self._thread = None
 
     # ------------------------------------------------------------------ request side
     def known(self, run_key: str) -> bool:
         """Whether ``run_key`` was written (by this process) or is queued."""
+        self._check_fork()
         with self._cv:
             return run_key in self._written or run_key in self._queued_keys
 
     def forget(self, run_key: Optional[str] = None) -> None:
         """Forget that ``run_key`` (None: every run) was written (the tiers were cleared)."""
+        self._check_fork()
         with self._cv:
             if run_key is None:
                 self._written.clear()
@@ -92,6 +116,7 @@ class TierWriter:
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False (nothing queued, counted in ``refused``) when the queue is full
         or the writer is closed. Never blocks for the write."""
+        self._check_fork()
         with self._cv:
             if self._stopped or not self.tiers:
                 return False
@@ -119,6 +144,7 @@ class TierWriter:
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued job is written (or failed); False when ``timeout`` seconds
         passed first."""
+        self._check_fork()
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
@@ -131,6 +157,7 @@ class TierWriter:
         return out
 
     def stats(self) -> Dict[str, int]:
+        self._check_fork()
         with self._cv:
             return {**self.counts, "pending": len(self._queue) + self._busy,
                     "pending_bytes": self._queued_bytes}
@@ -173,7 +200,7 @@ class TierWriter:
         try:
             # the bytes carry their run and block keys: every read checks them (base.is_bound)
             data = job.snap if isinstance(job.snap, (bytes, bytearray, memoryview)) \
-                else job.snap.to_bytes(binding(job.keys))
+                else job.snap.to_bytes({**self.metadata, **binding(job.keys)})
         except Exception:   # noqa: BLE001 - a bad snapshot must not kill the writer
             with self._cv:
                 self.counts["errors"] += 1

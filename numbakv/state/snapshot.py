@@ -589,9 +589,12 @@ def _shift_fingerprint(shift, head_dim: int) -> Dict[str, Any]:
         return {"type": "none"}
     if hasattr(shift, "inv_freq") and hasattr(shift, "rotary_dim"):  # a RopeShift
         factors = shift.freq_factors
-        return {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
-                "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
-                "freq_factors": None if factors is None else [float(f) for f in factors]}
+        out = {"type": "rope", "base": float(shift.base), "freq_scale": float(shift.freq_scale),
+               "dim": int(shift.rotary_dim(head_dim)), "neox": bool(shift.neox),
+               "freq_factors": None if factors is None else [float(f) for f in factors]}
+        if getattr(shift, "offset", 0):   # rope dims not at the row's start (MLA latent rows);
+            out["offset"] = int(shift.offset)   # absent at 0, so older states keep matching
+        return out
     name = getattr(shift, "__qualname__", None) or type(shift).__qualname__
     module = getattr(shift, "__module__", None) or type(shift).__module__
     return {"type": "callable", "name": f"{module}.{name}"}
@@ -1258,6 +1261,7 @@ class RecurrentPart:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of state held (every entry, layer and tensor)."""
         return sum(int(a.nbytes) for a in self.states.values())
 
     def layout(self) -> Dict[str, Any]:
@@ -1280,6 +1284,7 @@ class RecurrentPart:
                              flags=self.flags, states=self.states, specs=self.specs)
 
     def copy(self) -> "RecurrentPart":
+        """A part owning its arrays (one made from bytes views them)."""
         def own(a):
             return a.copy() if _is_device_array(a) else np.array(a, copy=True, order="C")
         return RecurrentPart(first=self.first, positions=self.positions.copy(),

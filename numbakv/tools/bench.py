@@ -25,6 +25,9 @@ Three sections, all measured in one run on one device with one dtype and one set
   ``numbakv/tools/bench_fidelity.py``.
 * **transformers generate()** (``--sections generate``, not in the default run): per-step cost
   and tok/s against ``StaticCache`` / ``DynamicCache``, see ``numbakv/tools/bench_generate.py``.
+* **Recurrent state rows** (``--sections states``, not in the default run): gather / scatter /
+  restore-point copies of ``RecurrentCache`` rows vs ``np.copyto``, see
+  ``numbakv/tools/bench_states.py``.
 
 Baselines that are not installed (torch, transformers, matplotlib for the plot) are skipped with
 a note, never replaced by something else.
@@ -52,7 +55,7 @@ _MARGIN = 16
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
 SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
-            "attend", "snapshot", "prefix", "fidelity", "generate")
+            "attend", "snapshot", "prefix", "fidelity", "generate", "states")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1387,6 +1390,9 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
     if results.get("snapshot"):
         from . import bench_snapshot
         out += bench_snapshot.targets(results["snapshot"])
+    if results.get("states"):
+        from . import bench_states
+        out += bench_states.targets(results["states"])
     return out
 
 
@@ -1570,6 +1576,9 @@ def format_report(results: dict) -> str:
     if results.get("snapshot"):
         from . import bench_snapshot
         lines += bench_snapshot.format_lines(results["snapshot"])
+    if results.get("states"):
+        from . import bench_states
+        lines += bench_states.format_lines(results["states"])
     if results.get("generate"):
         from .bench_generate import format_generate
         lines += format_generate(results["generate"])
@@ -1782,6 +1791,11 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
             s.device, s.dtype, layers=s.layers, heads=s.kv_heads, dim=s.head_dim,
             tokens=64 if s.quick else bench_snapshot.TOKENS, budget=max(s.budget * 4, 0.05),
             min_reps=3, log=log)
+    if "states" in s.sections:      # numbakv/tools/bench_states.py (recurrent state rows)
+        from . import bench_states
+        log("recurrent state rows ...")
+        results["states"] = bench_states.run(s.device, quick=s.quick, log=log,
+                                             budget=max(s.budget * 4, 0.05), min_reps=3)
     if "prefix" in s.sections:      # numbakv/tools/bench_prefix.py (CPU figures)
         from .bench_prefix import run_prefix
         results["prefix"] = run_prefix(s.quick, log)

@@ -10,7 +10,7 @@ import sys
 from typing import Optional
 
 #: fingerprint fields shown in the table (the whole fingerprint is in --json)
-_SHOWN = ("n_layers", "n_kv_heads", "head_dim", "k_dtype", "v_dtype", "swa_window")
+_SHOWN = ("model_id", "n_layers", "n_kv_heads", "head_dim", "k_dtype", "v_dtype", "swa_window")
 
 
 def _human(n: int) -> str:

@@ -900,6 +900,8 @@ def _fingerprint_summary(directory: str, namespace: str) -> Optional[dict]:
             meta = st_header.get("__metadata__", {})
             config = json.loads(meta.get("config", "{}"))
             fp = config.get("fingerprint", config)
+            if isinstance(fp, dict) and "meta.model_id" in meta:
+                fp = {"model_id": meta["meta.model_id"], **fp}   # the store's model identity
             return fp if isinstance(fp, dict) else None
         except (OSError, ValueError, struct.error, AttributeError):
             continue

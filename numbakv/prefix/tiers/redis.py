@@ -57,17 +57,40 @@ _POINTER_OVERHEAD = 16
 _PAUSE_FIRST, _PAUSE_MAX = 1.0, 30.0
 
 # Lua helpers shared by the scripts. KEYS: meta, lru, bytes, stats; ARGV[1]: the key prefix.
+# ``books()`` first: books that are not numbers (another client wrote them, a partial restore)
+# are rebuilt from ``meta`` and counted (stats ``books_rebuilt``) instead of failing every write.
 _LUA_DROP = """
+local function bump(field, n)
+  if not pcall(redis.call, 'HINCRBY', KEYS[4], field, n) then
+    redis.call('HSET', KEYS[4], field, n)
+  end
+end
+local function books()
+  local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if used == nil or used < 0 or used ~= math.floor(used) then
+    used = 0
+    local all = redis.call('HGETALL', KEYS[1])
+    for i = 2, #all, 2 do
+      local sep = string.find(all[i], '|', 1, true)
+      used = used + ((sep and tonumber(string.sub(all[i], 1, sep - 1))) or 0)
+    end
+    redis.call('SET', KEYS[3], used)
+    bump('books_rebuilt', 1)
+  end
+  return used
+end
 local function drop(prefix, run, meta)
   local size = 0
   if meta then
     local sep = string.find(meta, '|', 1, true)
-    size = tonumber(string.sub(meta, 1, sep - 1)) or 0
-    local i = 0
-    for bk in string.gmatch(string.sub(meta, sep + 1), '[^,]+') do
-      local ptr = prefix .. 'b:' .. bk
-      if redis.call('GET', ptr) == run .. ':' .. i then redis.call('DEL', ptr) end
-      i = i + 1
+    if sep then
+      size = tonumber(string.sub(meta, 1, sep - 1)) or 0
+      local i = 0
+      for bk in string.gmatch(string.sub(meta, sep + 1), '[^,]+') do
+        local ptr = prefix .. 'b:' .. bk
+        if redis.call('GET', ptr) == run .. ':' .. i then redis.call('DEL', ptr) end
+        i = i + 1
+      end
     end
     redis.call('HDEL', KEYS[1], run)
     redis.call('DECRBY', KEYS[3], size)
@@ -81,10 +104,12 @@ end
 # ARGV: prefix, run, data, accounted size, budget, now, blocks csv
 _LUA_WRITE = _LUA_DROP + """
 local prefix, run, size, budget = ARGV[1], ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[5])
+books()
 local meta = redis.call('HGET', KEYS[1], run)
 if meta then
-  if redis.call('EXISTS', prefix .. 'r:' .. run) == 1 and
-     string.sub(meta, string.find(meta, '|', 1, true) + 1) == ARGV[7] then
+  local sep = string.find(meta, '|', 1, true)
+  if sep and redis.call('EXISTS', prefix .. 'r:' .. run) == 1 and
+     string.sub(meta, sep + 1) == ARGV[7] then
     -- already stored: point its blocks at it again (a pointer rewritten to another run heals)
     local i = 0
     for bk in string.gmatch(ARGV[7], '[^,]+') do
@@ -120,20 +145,22 @@ end
 redis.call('HSET', KEYS[1], run, ARGV[4] .. '|' .. ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[6], run)
 redis.call('INCRBY', KEYS[3], size)
-redis.call('HINCRBY', KEYS[4], 'writes', 1)
-if evicted > 0 then redis.call('HINCRBY', KEYS[4], 'evictions', evicted) end
+bump('writes', 1)
+if evicted > 0 then bump('evictions', evicted) end
 return evicted + 1
 """
 
 # ARGV: prefix, run, invalid (0/1)
 _LUA_REMOVE = _LUA_DROP + """
+books()
 drop(ARGV[1], ARGV[2], redis.call('HGET', KEYS[1], ARGV[2]))
-if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[4], 'invalid', 1) end
+if ARGV[3] == '1' then bump('invalid', 1) end
 return 1
 """
 
 # ARGV: prefix
 _LUA_CLEAR = _LUA_DROP + """
+books()
 local runs = redis.call('HKEYS', KEYS[1])
 for _, run in ipairs(runs) do drop(ARGV[1], run, redis.call('HGET', KEYS[1], run)) end
 for _, run in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do drop(ARGV[1], run, nil) end
@@ -385,8 +412,16 @@ class RedisTier(ByteTier):
                 pipe.hlen(self._books[0])
                 pipe.hgetall(self._books[3])
                 raw_used, entries, raw_stats = pipe.execute()
-                used = int(raw_used or 0)
-                server = {k.decode(): int(v) for k, v in raw_stats.items()}
+                try:
+                    used = int(raw_used or 0)
+                except ValueError:   # books another client broke: the next write rebuilds them
+                    used = 0
+                server = {}
+                for k, v in raw_stats.items():
+                    try:
+                        server[k.decode()] = int(v)
+                    except (ValueError, UnicodeDecodeError):
+                        pass
                 self._ok()
             except (ValueError, *self._errors_caught) as exc:
                 self._failed(exc)
@@ -395,6 +430,7 @@ class RedisTier(ByteTier):
             pending = list(self._pending)
         out.update(hits_all_processes=server.get("hits", 0) + pending[0],
                    misses_all_processes=server.get("misses", 0) + pending[1],
+                   books_rebuilt=server.get("books_rebuilt", 0),
                    url=self.url)
         return out
 
@@ -436,8 +472,11 @@ def _fingerprint_of(value: Optional[bytes]) -> Optional[dict]:
     try:
         n = int.from_bytes(value[:8], "little")
         header = json.loads(value[8:8 + n])
-        config = json.loads(header["__metadata__"]["config"])
+        meta = header["__metadata__"]
+        config = json.loads(meta["config"])
         fp = config.get("fingerprint", config)
+        if isinstance(fp, dict) and "meta.model_id" in meta:
+            fp = {"model_id": meta["meta.model_id"], **fp}   # the store's model identity
         return fp if isinstance(fp, dict) else None
     except (TypeError, ValueError, KeyError, AttributeError):
         return None
