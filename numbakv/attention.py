@@ -748,6 +748,10 @@ def _cpu_kernel(q, host: HostPages, plan: dict, pools, scale: float, soft_cap, p
     return res
 
 
+#: quantized storage types the CPU kernel reads in place (kernels.quant's block formats)
+_KERNEL_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3")
+
+
 def _pool_formats(src) -> Optional[tuple]:
     """``(kfmt, vfmt, kscale, vscale)`` of the current layer of a quantized cache whose pool the
     CPU kernel can read as stored, or None (then ``get()`` dequantizes: keys stored rotated -
@@ -756,6 +760,9 @@ def _pool_formats(src) -> Optional[tuple]:
     if getattr(cfg, "kv_rotation", "off") not in (None, "off", False):
         return None
     st = src.storage
+    for quantized, kind in ((st.k_quantized, cfg.k_dtype), (st.v_quantized, cfg.v_dtype)):
+        if quantized and kind not in _KERNEL_QUANT_TYPES:
+            return None                   # e.g. FlashMLA's fp8_ds_mla row: get() decodes it
     slot = src._storage_layers[src._layer]
     kf = int(st._k_fmt) if st.k_quantized else 0
     vf = int(st._v_fmt) if st.v_quantized else 0
