@@ -158,3 +158,24 @@ def random_weight_model(config, std: float = 0.25, model_class=None):
             if p.dim() >= 2:
                 p.normal_(0.0, std)
     return model.eval()
+
+
+def gpu_compiler_missing() -> str:
+    """'' when numba-cuda's GPU compiler is installed (NVVM for PTX, NVRTC for its C++ shims,
+    nvJitLink for the cubin link), else what is missing and the extra that brings it: the
+    tests that compile kernels to PTX skip with that reason on a CPU-only `[test]` install
+    (CI installs `[test,ptx]`, so there they run)."""
+    try:
+        from cuda import pathfinder
+    except ImportError as exc:
+        return f"numba-cuda's cuda.pathfinder is missing ({exc}): pip install -e '.[ptx]'"
+    missing = []
+    for lib in ("nvvm", "nvrtc", "nvJitLink"):
+        try:
+            pathfinder.load_nvidia_dynamic_lib(lib)
+        except Exception:  # noqa: BLE001 - not found, or not loadable: either way, absent
+            missing.append(lib)
+    if missing:
+        return (f"the GPU compiler is not installed ({', '.join(missing)} not found): "
+                "pip install -e '.[ptx]' (or '.[gpu]') to compile the kernels to PTX")
+    return ""

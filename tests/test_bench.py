@@ -300,3 +300,24 @@ def test_states_section_quick(capsys):
     for case in ("gather", "scatter", "restore point", "read_states"):
         assert case in out
     assert "state gather >= 50% of np.copyto bandwidth" in out
+
+
+@pytest.mark.torch
+def test_hybrid_trace_reuses_the_history_and_matches_the_cold_run():
+    """bench_hybrid's trace runner on a 3-turn chat: from turn 2 only the new tokens (and the
+    last reply token) are prefilled with the store, replies and first-token logits equal the
+    run without it; the section's targets and table come out of the comparison."""
+    pytest.importorskip("transformers")
+    from numbakv.tools import bench_hybrid as bh
+    model = bh.tiny_qwen3_next(hidden=32)
+    trace = bh.chat_trace(turns=3, system=300, user=12, reply=2)
+    total = sum(len(t["append"]) + t["out"] for t in trace) + 16
+    stored = bh.run_trace(model, trace, store=True, capacity=total)
+    cold = bh.run_trace(model, trace, store=False, capacity=total)
+    res = bh.compare(stored, cold)
+    assert [t["prefilled"] for t in res["turns"]] == [312, 13, 13]
+    assert [t["reused"] for t in res["turns"]] == [0, 313, 327]
+    assert res["same_replies"] and res["max_rel_logit_diff"] < 1e-4
+    assert res["max_excess_prefill"] == 0
+    text = "\n".join(bh.format_hybrid({"spacing": bh.SPACING, "chat": res}, with_targets=True))
+    assert "state per restore point" in text and "TTFT" in text

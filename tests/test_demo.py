@@ -439,3 +439,40 @@ def test_bench_demo_child_surfaces_the_childs_error(monkeypatch):
     monkeypatch.setattr(bench_attend.subprocess, "run", failed_child)
     with pytest.raises(RuntimeError, match="status 1:\nTraceback.*\nValueError: q must be on"):
         bench_attend._demo_child(hide_torch=True)
+
+
+def test_warm_up_says_what_its_time_went_to():
+    """The warm-up line counts numba compiles (none once the code is loaded: a second run in
+    one process compiles nothing) and the torch import apart from the rest, instead of calling
+    all of it "compile"."""
+    import importlib.util
+    run_demo(**tiny("cpu"))
+    report = run_demo(**tiny("cpu"))
+    assert report.warmup_compiled == 0 and report.warmup_compile_time == 0.0
+    assert report.warmup_torch_import < 0.5       # already imported by the first run
+    line = report.warmup_summary()
+    assert line.startswith(f"{report.warmup_time:.1f} s (nothing compiled")
+    assert "loading compiled code and first calls" in line and "warm-up" in report.table()
+    report.warmup_compiled, report.warmup_compile_time = 3, 0.25
+    report.warmup_torch_import = 0.5 if importlib.util.find_spec("torch") else 0.0
+    assert "numba compiled 3 functions in 0.2 s" in report.warmup_summary()
+
+
+def test_compile_timer_counts_outermost_compiles_only():
+    import numba
+    from numbakv.tools.demo import _CompileTimer
+
+    @numba.njit
+    def inner(x):
+        return x + 1
+
+    @numba.njit
+    def outer(x):
+        return inner(x) * 2
+
+    with _CompileTimer() as timer:
+        assert outer(1) == 4
+    assert timer.count == 1 and timer.seconds > 0
+    with _CompileTimer() as again:
+        outer(2)
+    assert again.count == 0 and again.seconds == 0.0

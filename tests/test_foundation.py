@@ -11,6 +11,7 @@ import pytest
 import numbakv as nkv
 from numbakv import device as dev
 from numbakv.config import CacheConfig, RopeShift
+from helpers import gpu_compiler_missing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -204,6 +205,7 @@ def _ptx_env():
     return env
 
 
+@pytest.mark.skipif(bool(gpu_compiler_missing()), reason=gpu_compiler_missing() or "-")
 def test_every_kernel_compiles_links_and_passes_ptxas_for_sm80_and_sm90():
     """Runs in a fresh process (the simulator, on in this one, has no PTX compiler): every
     kernel x signature x {sm_80, sm_90} compiled to PTX, linked to a cubin by nvJitLink (ptxas)
@@ -417,6 +419,26 @@ def test_readme_commands_match_ci():
     assert len(commands) >= 2
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci.splitlines()
+
+
+def test_test_extra_pulls_no_gpu_package_and_ci_adds_the_compiler():
+    """`[test]` installs nothing GPU-only (no NVIDIA toolkit wheel, no CuPy, no numba-cuda
+    toolkit extra): a CPU-only contributor does not download ~180 MB of CUDA wheels. The
+    README's test command (what CI runs) adds `ptx`, the compiler the PTX tests need, so CI
+    still compiles every kernel; `gpu` is the GPU stack."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    gpu_only = re.compile(r"^(nvidia-|cupy|cuda-|numba-cuda\[)")
+    assert not [r for r in extras["test"] if gpu_only.match(r)], extras["test"]
+    assert any(r.startswith("numba-cuda[cu13]") for r in extras["ptx"])
+    assert not any(r.startswith("cupy") for r in extras["ptx"])
+    assert extras["gpu"] == ["numbakv[cuda13]"]
+    readme = (ROOT / "README.md").read_text()
+    assert '-e ".[test,ptx]"' in re.findall(r"^python3 -m venv .*$", readme, re.M)[1]
 
 
 def test_one_line_while_compiling_and_none_on_a_cache_hit(tmp_path):

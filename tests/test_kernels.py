@@ -6,7 +6,7 @@ import pytest
 from numba import njit
 
 from numbakv.kernels import _common, launch, mask, move, put, rope
-from helpers import as_f32, bf16_bits_to_f32, f32_to_bf16_bits, random_storage
+from helpers import as_f32, bf16_bits_to_f32, f32_to_bf16_bits, gpu_compiler_missing, random_storage
 
 DTYPES = ["float16", "float32", "bfloat16"]
 STORAGE = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
@@ -940,6 +940,7 @@ def test_mask_geometry_blocks_match_useful_work(monkeypatch):
         assert (gy - 1) * mask.ROWS_PER_THREAD < rows <= gy * mask.ROWS_PER_THREAD
 
 
+@pytest.mark.skipif(bool(gpu_compiler_missing()), reason=gpu_compiler_missing() or "-")
 def test_fast_kernel_loads_a_cubin_for_the_device_and_caches_it(tmp_path):
     """Without a GPU: a stand-in CuPy driver receives what FastKernel loads. It must be a cubin
     (ELF) linked for the device's compute capability (e_flags' low byte: 80 / 90), and a second
@@ -1181,6 +1182,7 @@ def test_emulated_cuda_put_and_move_choose_16_byte_words(emulated_cuda, permuted
     assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
 
 
+@pytest.mark.skipif(bool(gpu_compiler_missing()), reason=gpu_compiler_missing() or "-")
 def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx():
     """Compiled offline (a fresh process: the simulator has no PTX compiler): the put and block
     move kernels' 16-byte signatures load and store with ld.global.v2.u64 / st.global.v2.u64,

@@ -20,8 +20,8 @@ from ..causal import CausalCache
 from ..errors import KVCacheError, NotSupportedError
 from ..wrappers import WrapperCache
 from ._deps import _import_torch
-from .families import (LayerAttention, ModelShapes, _text_config, layer_attention,
-                       mla_cache_config_kw, model_shapes)
+from .families import (LayerAttention, ModelShapes, _text_config, hybrid_attention,
+                       hybrid_layout, mla_cache_config_kw, model_shapes)
 
 #: The name numbakv's attention function is registered under in transformers' AttentionInterface.
 ATTENTION_NAME = "numbakv"
@@ -30,8 +30,13 @@ _BINDING_ATTR = "_numbakv_binding"        # on an attached model, its attention 
 
 
 # ---------------------------------------------------------------------------- attach / detach
-def _layer_caches(cache) -> List[CausalCache]:
-    """For each model layer, the ``CausalCache`` that holds it."""
+def _layer_caches(cache) -> List[Optional[CausalCache]]:
+    """For each model layer, the ``CausalCache`` that holds it (``None`` for the recurrent
+    layers of a ``HybridCache``, whose ``set_layer`` takes model layer numbers)."""
+    if _is_hybrid(cache):
+        per_layer = _layer_caches(cache.attn)
+        return [per_layer[cache._attn_of[i]] if kind == "attention" else None
+                for i, kind in enumerate(cache.layer_kinds)]
     if isinstance(cache, CausalCache):
         return [cache] * cache.config.n_layers
     if isinstance(cache, WrapperCache):
@@ -41,6 +46,10 @@ def _layer_caches(cache) -> List[CausalCache]:
         return [cache.caches[g] for g in cache.layer_groups]
     raise ValueError(f"cache must be a numbakv CausalCache or WrapperCache, got "
                      f"{type(cache).__name__}")
+
+
+def _is_hybrid(cache) -> bool:
+    return getattr(cache, "rc", None) is not None and hasattr(cache, "layer_kinds")
 
 
 def _attention_modules(model) -> Dict[int, Any]:
@@ -87,6 +96,7 @@ class _Binding:
     generation: int = 0                             # start_forward calls since attach
     layer_generation: List[int] = field(default_factory=list)
     positions: Optional[np.ndarray] = None          # the last start_forward's positions
+    recurrent: Any = None                           # hybrid models: the mixers' binding
     #: MLA layers: the get() mask of the layer whose latents update() just handed the model
     latent_masks: Dict[int, Any] = field(default_factory=dict)
     latent_hooks: List[Any] = field(default_factory=list)
@@ -256,7 +266,15 @@ def attach(model: Any, cache: Any) -> None:
         raise ValueError("cache is already attached to a model: call hf.detach(that model) first")
     config = _text_config(model)
     shapes = model_shapes(config)
-    layers = layer_attention(config)
+    layers = hybrid_attention(config)        # {model layer: its attention}: every layer but a
+    layout = hybrid_layout(config)           # hybrid's recurrent ones
+    if (layout is None) == _is_hybrid(cache):
+        raise ValueError(f"{config.model_type} {'has' if layout else 'has no'} recurrent layers "
+                         f"but the cache is a {type(cache).__name__}: build it with "
+                         "hf.cache_for(model)")
+    if layout is not None and list(cache.layer_kinds) != list(layout.layer_kinds):
+        raise ValueError(f"the cache's layer_kinds {list(cache.layer_kinds)} differ from the "
+                         f"model's {list(layout.layer_kinds)}: build it with hf.cache_for(model)")
     if getattr(config, "attn_temperature_tuning", False) and \
             not all(getattr(config, "no_rope_layers", None) or [1]):
         raise NotSupportedError(f"{config.model_type}: attention temperature tuning scales queries "
@@ -266,15 +284,27 @@ def attach(model: Any, cache: Any) -> None:
         raise ValueError(f"cache has {len(layer_caches)} layers but the model has "
                          f"{shapes.n_layers} (num_hidden_layers)")
     modules = _attention_modules(model)
-    if sorted(modules) != list(range(shapes.n_layers)):
+    if sorted(modules) != sorted(layers):
         raise NotSupportedError(f"found attention modules for layers {sorted(modules)}, expected "
-                                f"0..{shapes.n_layers - 1}")
+                                f"{sorted(layers)}")
     for layer, module in modules.items():
         _check_layer(layer, module, layer_caches[layer], shapes, layers[layer])
+    mixers = {}
+    if layout is not None:
+        from .recurrent import mixer_modules
+        mixers = mixer_modules(model, layout)
+        if sorted(mixers) != layout.recurrent_layers:
+            raise NotSupportedError(f"found recurrent mixers ({layout.mixer}) for layers "
+                                    f"{sorted(mixers)}, expected {layout.recurrent_layers}")
 
     binding = _Binding(model, cache, layer_caches,
-                       [getattr(torch, layer_cache.config.dtype) for layer_cache in layer_caches],
+                       [None if c is None else getattr(torch, c.config.dtype)
+                        for c in layer_caches],
                        modules, [], layer_generation=[-1] * shapes.n_layers)
+    if mixers:
+        from .recurrent import RecurrentBinding
+        binding.recurrent = RecurrentBinding(cache.rc, mixers, layout.resumes_chunks)
+        binding.recurrent.install()
     AttentionInterface.register(ATTENTION_NAME, _attention_forward)
     seen = {}
     for cfg in [model.config] + [m.config for m in modules.values() if hasattr(m, "config")]:
@@ -305,6 +335,8 @@ def attach(model: Any, cache: Any) -> None:
         original_start(host, seqs, reserve)
         binding.positions = host_int_array(host, "positions")
         binding.generation += 1
+        if binding.recurrent is not None and not reserve:
+            binding.recurrent.begin(binding.positions, host_int_array(seqs, "seqs"))
 
     start_forward.__doc__ = original_start.__doc__
     cache.start_forward = start_forward
@@ -411,6 +443,8 @@ def detach(model: Any) -> None:
             delattr(module, _BINDING_ATTR)
         if "_attn" in vars(module):
             del module._attn
+    if binding.recurrent is not None:
+        binding.recurrent.uninstall()
     if binding.hook is not None:
         binding.hook.remove()
     for handle in binding.latent_hooks:

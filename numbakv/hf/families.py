@@ -126,28 +126,28 @@ def layer_attention(model_or_config: Any) -> List[LayerAttention]:
     if len(types) != n_layers:
         raise ValueError(f"config.layer_types names {len(types)} layers but num_hidden_layers is "
                          f"{n_layers}")
-    out = []
-    for i, kind in enumerate(types):
-        if kind == "full_attention":
-            out.append(LayerAttention(kind, None, None))
-        elif kind == "sliding_attention":
-            if not window:
-                raise ValueError(f"layer {i} is a sliding_attention layer but config.sliding_window"
-                                 f" is {window!r}")
-            if int(window) < 2:
-                raise NotSupportedError(f"sliding_window={window} (a token sees only itself) is "
-                                        "not a window numbakv can express")
-            out.append(LayerAttention(kind, int(window) - 1, None))
-        elif kind == "chunked_attention":
-            chunk = getattr(config, "attention_chunk_size", None)
-            if not chunk:
-                raise ValueError(f"layer {i} is a chunked_attention layer but "
-                                 f"config.attention_chunk_size is {chunk!r}")
-            out.append(LayerAttention(kind, None, int(chunk)))
-        else:
-            raise NotSupportedError(f"layer {i} has layer type {kind!r}, which keeps no KV cache "
-                                    "numbakv can hold")
-    return out
+    return [_layer_attention(config, i, kind, window) for i, kind in enumerate(types)]
+
+
+def _layer_attention(config, i: int, kind: str, window) -> LayerAttention:
+    if kind == "full_attention":
+        return LayerAttention(kind, None, None)
+    if kind == "sliding_attention":
+        if not window:
+            raise ValueError(f"layer {i} is a sliding_attention layer but config.sliding_window"
+                             f" is {window!r}")
+        if int(window) < 2:
+            raise NotSupportedError(f"sliding_window={window} (a token sees only itself) is "
+                                    "not a window numbakv can express")
+        return LayerAttention(kind, int(window) - 1, None)
+    if kind == "chunked_attention":
+        chunk = getattr(config, "attention_chunk_size", None)
+        if not chunk:
+            raise ValueError(f"layer {i} is a chunked_attention layer but "
+                             f"config.attention_chunk_size is {chunk!r}")
+        return LayerAttention(kind, None, int(chunk))
+    raise NotSupportedError(f"layer {i} has layer type {kind!r}, which keeps no KV cache "
+                            "numbakv can hold")
 
 
 def _rope_parameters(config, layer_type: Optional[str]) -> Tuple[dict, Optional[str]]:
@@ -315,7 +315,7 @@ def _model_device(model) -> Optional[str]:
 
 def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_batch: int = 512,
               dtype: Any = None, device: str = "auto", shift: Any = "auto",
-              swa_memory: Optional[int] = None, **kw) -> Union[CausalCache, WrapperCache]:
+              swa_memory: Optional[int] = None, **kw) -> Any:
     """A cache shaped for ``model_or_config``: layers, KV heads and head sizes, sliding windows
     and chunks, and the RoPE re-rotation for context shift, all from the model's config.
 
@@ -337,13 +337,23 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
         swa_memory: window memory of the sliding groups (``CausalCache(swa_memory=)``).
         **kw: any other :class:`numbakv.CacheConfig` field, passed through: ``cache_padding``,
             ``mask_batch_padding``, ``permuted_v``, and - once quantized storage lands -
-            ``k_dtype="q8_0", v_dtype="q8_0"``.
+            ``k_dtype="q8_0", v_dtype="q8_0"``. Hybrid models also take ``restore_every``
+            (restore-point spacing in tokens, default 256) and ``max_restore_points`` (per
+            sequence, default 8) for their ``RecurrentCache``.
 
     Returns:
-        a ``CausalCache``, or a ``WrapperCache`` for models mixing layer kinds.
+        a ``CausalCache``, or a ``WrapperCache`` for models mixing layer kinds; for hybrid
+        models (:data:`HYBRID_FAMILIES`: recurrent layers beside attention layers) a
+        ``HybridCache`` of that attention cache and a ``RecurrentCache`` shaped by
+        :func:`hybrid_layout` (conv state in the model's dtype, SSM / delta state float32).
     """
     config = _text_config(model_or_config)
     model = model_or_config if _is_module(model_or_config) else None
+    layout = hybrid_layout(config)
+    recurrent_kw = {k: kw.pop(k) for k in ("restore_every", "max_restore_points") if k in kw}
+    if recurrent_kw and layout is None:
+        raise ValueError(f"cache_for got {sorted(recurrent_kw)}: options of hybrid models' "
+                         f"recurrent state, and {config.model_type} has no recurrent layers")
     known = {f.name for f in fields(CacheConfig)}
     reserved = {"n_layers", "n_kv_heads", "head_dim", "v_head_dim", "layer_reuse"}
     unknown = sorted(set(kw) - known)
@@ -353,7 +363,7 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
                          f"extra options must be CacheConfig fields "
                          f"{sorted(known - reserved - {'capacity', 'max_seqs', 'max_batch'})}")
     shapes = model_shapes(config)
-    layers = layer_attention(config)
+    layers = list(hybrid_attention(config).values())   # every layer unless hybrid
     if dtype is None:
         dtype = (_model_dtype(model) if model is not None else None) \
             or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
@@ -362,6 +372,8 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
         device = _model_device(model) or "auto"
     if not (shift in ("auto", None) or isinstance(shift, RopeShift) or callable(shift)):
         raise ValueError(f"shift must be 'auto', None, a RopeShift or a callable, got {shift!r}")
+    if layout is not None and not layout.rope and shift == "auto":
+        shift = None      # attention without RoPE (Jamba): positions move no key
 
     groups: Dict[Tuple[str, Optional[int], Optional[int]], List[int]] = {}
     for i, la in enumerate(layers):
@@ -388,9 +400,32 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
                                   chunk_size=chunk))
         for i in members:
             group_of[i] = g
-    if len(caches) == 1:
-        return caches[0]
-    return WrapperCache(caches, layer_groups=group_of)
+    attention = caches[0] if len(caches) == 1 else WrapperCache(caches, layer_groups=group_of)
+    if layout is None:
+        return attention
+    model_dtype = _model_dtype(model) if model is not None else None
+    state_dtype = normalize_dtype(model_dtype, "dtype") if model_dtype else dtype
+    return _hybrid_cache(layout, attention, state_dtype, max_seqs, device, **recurrent_kw)
+
+
+def _hybrid_cache(layout: HybridLayout, attention, dtype: str, max_seqs: int, device: str,
+                  restore_every: int = 256, max_restore_points: int = 8):
+    """A ``HybridCache``: ``attention`` (the attending layers) beside a ``RecurrentCache`` of
+    the model's recurrent layers (conv state in ``dtype``, the model's, unless the family keeps
+    it otherwise; SSM / delta state float32)."""
+    from ..hybrid import HybridCache
+    from ..recurrent import RecurrentCache, RecurrentConfig, StateSpec
+    if "both" in layout.layer_kinds:
+        raise NotSupportedError(f"{layout.family}: layers holding attention and a recurrent "
+                                "mixer side by side (Falcon-H1) are not supported by "
+                                "HybridCache yet")
+    specs = [StateSpec(s.name, s.shape, s.dtype or dtype) for s in layout.states]
+    groups = getattr(attention, "caches", (attention,))
+    rc = RecurrentCache(RecurrentConfig(
+        n_layers=len(layout.recurrent_layers), states=specs, max_seqs=max_seqs,
+        restore_every=restore_every, max_restore_points=max_restore_points,
+        device=groups[0].config.device if device == "auto" else device))
+    return HybridCache(attention, rc, layer_kinds=list(layout.layer_kinds))
 
 
 def kv_reuse_for(model_or_config: Any) -> Optional[List[int]]:
@@ -458,13 +493,16 @@ class HybridLayout:
     decoder layer holding its recurrent mixer (whose ``forward(hidden_states, cache,
     attention_mask)`` asks the cache for ``get_conv_state``/``update_recurrent_state``...);
     ``states`` the state tensors every recurrent layer keeps per sequence; ``rope``: whether the
-    attention layers rotate their keys (Jamba's and NoPE Granite's do not)."""
+    attention layers rotate their keys (Jamba's and NoPE Granite's do not);
+    ``resumes_chunks``: whether the mixer's multi-token scan starts from the state it is handed
+    (transformers' Jamba starts it from zeros: numbakv then continues a state token by token)."""
 
     family: str
     layer_kinds: Tuple[str, ...]
     mixer: str
     states: Tuple[RecurrentState, ...]
     rope: bool
+    resumes_chunks: bool = True
 
     @property
     def recurrent_layers(self) -> List[int]:
@@ -529,6 +567,11 @@ HYBRID_FAMILIES: Dict[str, Tuple[str, Any, Any]] = {
 }
 
 
+#: families whose transformers mixer starts every multi-token scan from a zero SSM state
+#: (JambaMambaMixer passes no initial state to ``mamba_selective_scan``)
+_SCAN_FROM_ZERO = frozenset({"jamba"})
+
+
 def hybrid_layout(model_or_config: Any) -> Optional[HybridLayout]:
     """The :class:`HybridLayout` of a hybrid model (``None`` for a model whose layers all
     attend). Raises ``NotSupportedError`` for a model with recurrent layers whose family is not
@@ -545,4 +588,18 @@ def hybrid_layout(model_or_config: Any) -> Optional[HybridLayout]:
     mixer, states, rope = family
     kinds = tuple("recurrent" if t in _RECURRENT_TYPES else "both" if t in _BOTH_TYPES
                   else "attention" for t in types)
-    return HybridLayout(config.model_type, kinds, mixer, states(config), bool(rope(config)))
+    return HybridLayout(config.model_type, kinds, mixer, states(config), bool(rope(config)),
+                        config.model_type not in _SCAN_FROM_ZERO)
+
+
+def hybrid_attention(model_or_config: Any) -> Dict[int, LayerAttention]:
+    """``{model layer: LayerAttention}`` for the layers of a hybrid model that attend (a
+    Falcon-H1 ``"hybrid"`` layer attends fully, a ``"hybrid_sliding"`` one with its window)."""
+    config = _text_config(model_or_config)
+    layout = hybrid_layout(config)
+    if layout is None:
+        return dict(enumerate(layer_attention(config)))
+    window = getattr(config, "sliding_window", None)
+    types = list(config.layer_types)
+    return {i: _layer_attention(config, i, _BOTH_TYPES.get(types[i], types[i]), window)
+            for i in layout.attention_layers}

@@ -31,9 +31,11 @@ import numpy as np
 from ..config import CacheConfig
 from ..errors import KVCacheError, KVCacheFullError, NotSupportedError
 from ._deps import _transformers
-from .attach import _attention_modules, _uses_attention_interface, attached_cache
-from .families import _text_config, cache_for, layer_attention, model_shapes
+from .attach import (_attention_modules, _layer_caches, _uses_attention_interface,
+                     attached_cache)
+from .families import _text_config, cache_for, hybrid_attention, hybrid_layout, model_shapes
 from .identity import check_store_model
+from .recurrent import RecurrentStateCalls, begin_passes_in_a_hook, generation_layer_class
 
 #: The attention implementation name generation caches switch a model to (a dispatcher: it runs
 #: numbakv attention for a generation cache's layers, the model's previous implementation else).
@@ -65,7 +67,7 @@ def _dispatch(module, query, key, value, attention_mask, **kwargs):
         state, layer = handoff[1], handoff[2]
         if not state.fallback_pass:
             out = state.attend(layer, query, kwargs.get("scaling"), kwargs.get("softcap"))
-            if layer == state.n_layers - 1:
+            if layer == state.last_attention:
                 state.end_pass()
             return out, None
     elif handoff is not None and handoff[2] == getattr(module, "layer_idx", None):
@@ -83,7 +85,7 @@ def _dispatch(module, query, key, value, attention_mask, **kwargs):
         from transformers import AttentionInterface
         fn = AttentionInterface()[name]
     result = fn(module, query, key, value, attention_mask, **kwargs)
-    if state is not None and layer == state.n_layers - 1:
+    if state is not None and layer == state.last_attention:
         state.end_pass()
     return result
 
@@ -134,6 +136,8 @@ class _GenState:
         self.store = store
         self.cache: Any = None if store is None else store.cache
         self.n_layers = n_layers
+        self.last_attention = n_layers - 1   # the layer whose attention ends a pass
+        self.pending = None         # (batch, new) of a pass the forward pre-hook saw begin
         self.batch = 0
         self.columns = 0            # columns (positions) of every row the numbakv cache holds
         self.seqs: Optional[np.ndarray] = None    # numbakv sequence of each row
@@ -164,14 +168,12 @@ class _GenState:
 
     def _bind_cache(self, batch: int) -> None:
         torch, _ = _transformers()
-        caches = getattr(self.cache, "caches", None)
-        groups = getattr(self.cache, "layer_groups", None)
-        self.layer_caches = [self.cache] * self.n_layers if caches is None else \
-            [caches[g] for g in groups]
-        self.storage_dtype = getattr(torch, self.layer_caches[0].config.dtype)
+        self.layer_caches = _layer_caches(self.cache)   # None: a hybrid's recurrent layers
+        attending = [c for c in self.layer_caches if c is not None]
+        self.storage_dtype = getattr(torch, attending[0].config.dtype)
         self.quantized = any(getattr(getattr(c, "storage", None), "quantized", False)
-                             for c in self.layer_caches)
-        cfg = self.layer_caches[0].config
+                             for c in attending)
+        cfg = attending[0].config
         reserved = set(self.store.retain_seqs) if self.store is not None else set()
         free = [s for s in range(cfg.max_seqs) if s not in reserved]
         if len(free) < batch:
@@ -219,6 +221,7 @@ class _GenState:
         """A forward pass of ``new`` columns for each of ``batch`` rows (the first layer's
         update): place the non-pad tokens, decide who attends."""
         torch, _ = _transformers()
+        self.pending = None
         padding = getattr(_local, "padding", None)
         _local.padding = None
         if self.seqs is None or self.cache is None:
@@ -262,6 +265,12 @@ class _GenState:
         # K/V (what DynamicCache runs); quantized K/V are attended as stored, in every pass
         self.fallback_pass = self.columns == 0 and not self.quantized
         self.columns += new
+
+    def ensure_begun(self) -> None:
+        """Begin the pass the forward pre-hook saw start, if no layer began it yet (a hybrid's
+        first layer is recurrent: it asks for its state before any attention layer stores)."""
+        if self.pending is not None:
+            self.begin(*self.pending)
 
     # ---------------------------------------------------------------- per layer
     def store_layer(self, layer: int, key_states, value_states) -> None:
@@ -539,22 +548,29 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
         check_store_model(store, model, "hf.generation_cache")
     elif input_ids is not None:
         raise ValueError("input_ids is for loading a stored prefix: pass store= too")
-    layers = layer_attention(model)
-    if any(la.chunk_size is not None for la in layers):
+    layout = hybrid_layout(model)
+    attention = hybrid_attention(model)       # every layer, unless the model is a hybrid
+    if any(la.chunk_size is not None for la in attention.values()):
         raise NotImplementedError("chunked-attention models are not supported by "
                                   "generation_cache")
+    if layout is not None and "both" in layout.layer_kinds:
+        raise NotSupportedError(f"{layout.family}: layers holding attention and a recurrent "
+                                "mixer side by side are not supported by generation_cache yet")
     modules = _attention_modules(model)
     if not all(_uses_attention_interface(m) for m in modules.values()):
         raise NotSupportedError(f"{type(model).__name__}: its attention does not go through "
                                 "transformers' AttentionInterface")
     state = _GenState(model, max_new_tokens, capacity, dtype, device, kw, store,
                       model_shapes(model).n_layers)
+    state.last_attention = max(attention)
     reused = state.load_prefix(input_ids) if input_ids is not None else 0
     _switch_model(model)
     layer_cls = _layer_class()
 
-    class NumbakvGenerationCache(cache_utils.Cache):
+    class NumbakvGenerationCache(RecurrentStateCalls, cache_utils.Cache):
         """A transformers Cache backed by numbakv (see :func:`numbakv.hf.generation_cache`)."""
+
+        _numbakv_state = state
 
         @property
         def numbakv_cache(self):
@@ -570,8 +586,15 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
             e.g. at an end-of-sequence token); returns the tokens saved per row."""
             return state.save()
 
-    past = NumbakvGenerationCache(layers=[layer_cls(state, i, la.swa_window)
-                                          for i, la in enumerate(layers)])
+    layers = {i: layer_cls(state, i, la.swa_window) for i, la in attention.items()}
+    if layout is not None:
+        # recurrent layers: transformers' own layer over numbakv's state rows
+        recurrent_cls = generation_layer_class()
+        layers.update({i: recurrent_cls(state, i, j)
+                       for j, i in enumerate(layout.recurrent_layers)})
+    past = NumbakvGenerationCache(layers=[layers[i] for i in sorted(layers)])
+    if layout is not None:
+        begin_passes_in_a_hook(model, past, state)
     if store is not None:
         hook = model.register_forward_pre_hook(_record_inputs(weakref.ref(past), state),
                                                with_kwargs=True)

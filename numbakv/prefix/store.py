@@ -52,6 +52,8 @@ import numpy as np
 
 from ..errors import KVCacheError, KVCacheFullError, StateError
 from . import events as ev
+from . import edit as _edit
+from .edit import EditMatch
 from .index import BlockIndex, Entry, Match
 from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
 from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
@@ -191,14 +193,29 @@ def _extra_keys_arg(extra_keys, buf: bytes) -> Optional[List[Tuple[int, int, byt
     return out or None
 
 
+def _recurrent(cache) -> Any:
+    """The ``RecurrentCache`` of a ``HybridCache`` (None for an attention-only cache)."""
+    return getattr(cache, "rc", None) if hasattr(cache, "layer_kinds") else None
+
+
+def _attention(cache) -> Any:
+    """The cache holding the K/V: a HybridCache's attention half, else ``cache``."""
+    return cache.attn if _recurrent(cache) is not None else cache
+
+
 def _groups(cache) -> List[Any]:
-    """The ``CausalCache`` objects under ``cache`` (itself, or a WrapperCache's caches)."""
+    """The ``CausalCache`` objects under ``cache`` (itself, or a WrapperCache's caches; a
+    HybridCache's attention half)."""
+    cache = _attention(cache)
     inner = getattr(cache, "caches", None)
     return list(inner) if inner else [cache]
 
 
 def _slice_snapshot(snap, n: int):
-    """The rows of ``snap`` at positions ``< n`` (every part), as a new snapshot of views."""
+    """The rows of ``snap`` at positions ``< n`` (every part), as a new snapshot of views; a
+    hybrid snapshot keeps its recurrent entries at positions ``<= n``."""
+    if getattr(snap, "recurrent", None) is not None:
+        return snap.below(n)
     if all(len(p.positions) == 0 or int(p.positions[-1]) < n for p in snap.parts):
         return snap
     parts = []
@@ -206,6 +223,18 @@ def _slice_snapshot(snap, n: int):
         k = int(np.searchsorted(p.positions, n))
         parts.append(type(p)(positions=p.positions[:k], keys=tuple(a[:k] for a in p.keys),
                              values=tuple(a[:k] for a in p.values), k_format=p.k_format,
+                             v_format=p.v_format))
+    return type(snap)(parts=tuple(parts), fingerprint=snap.fingerprint,
+                      head_range=snap.head_range)
+
+
+def _range_snapshot(snap, a: int, b: int):
+    """The rows of ``snap`` at positions ``[a, b)`` (every part), as a new snapshot of views."""
+    parts = []
+    for p in snap.parts:
+        i, j = (int(x) for x in np.searchsorted(p.positions, [a, b]))
+        parts.append(type(p)(positions=p.positions[i:j], keys=tuple(x[i:j] for x in p.keys),
+                             values=tuple(x[i:j] for x in p.values), k_format=p.k_format,
                              v_format=p.v_format))
     return type(snap)(parts=tuple(parts), fingerprint=snap.fingerprint,
                       head_range=snap.head_range)
@@ -226,6 +255,8 @@ def _owned(snap):
                           keys=tuple(own(a) for a in p.keys),
                           values=tuple(own(a) for a in p.values), k_format=p.k_format,
                           v_format=p.v_format) for p in snap.parts)
+    if getattr(snap, "recurrent", None) is not None:
+        return snap._with(parts=parts)      # the recurrent part owns its arrays (an export)
     return type(snap)(parts=parts, fingerprint=snap.fingerprint, head_range=snap.head_range)
 
 
@@ -341,7 +372,7 @@ class PrefixStore:
         write_queue_bytes = _int_arg("write_queue_bytes", write_queue_bytes, 0)
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
-        if getattr(cache, "_room_provider", None) is not None:
+        if getattr(_attention(cache), "_room_provider", None) is not None:
             raise ValueError("cache already has a prefix store (one store per cache)")
 
         self.cache = cache
@@ -356,6 +387,11 @@ class PrefixStore:
         self.model_id = model_id
         self.fingerprint = {"groups": [_state.fingerprint(g) for g in groups],
                             "model_id": model_id}
+        #: hybrid caches: the recurrent half, whose state an entry holds at its restore points
+        self._rc = _recurrent(cache)
+        if self._rc is not None:
+            self.fingerprint["recurrent"] = {"layout": self._rc.config.layout(),
+                                             "layer_kinds": list(cache.layer_kinds)}
         first = groups[0].config
         heads = getattr(first, "head_range", None) or (0, first.n_kv_heads)
         self.layout = {"kind": type(cache).__name__, "block_tokens": block_tokens,
@@ -376,6 +412,10 @@ class PrefixStore:
         self.host = HostTier(host_bytes)
         self._counts = {t: {"hits": 0, "misses": 0} for t in (CELLS, HOST)}
         self.tokens_reused = 0
+        #: after ``load_edit``: what it placed (an ``EditMatch``) and the position ranges the
+        #: caller must compute before prefilling on from ``last_edit.end``
+        self.last_edit: EditMatch = EditMatch(0, recompute=[])
+        self.last_recompute: List[Tuple[int, int]] = []
         self.tokens_matched = 0
         self.bytes_moved = 0
         self.events = ev.EventLog(max_bytes=event_bytes)
@@ -396,7 +436,7 @@ class PrefixStore:
             # exit: _close_live_stores closes the store, writer included, then)
             weakref.finalize(self, self._writer.close).atexit = False
         self._closed = False
-        cache._room_provider = self._make_room
+        _attention(cache)._room_provider = self._make_room   # its start_forward asks for room
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ lower tiers
@@ -486,6 +526,36 @@ class PrefixStore:
     def _groups_windows(self):
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
+    # ------------------------------------------------------------------ restore points
+    def _restore_end(self, seq: int, length: int) -> int:
+        """Hybrid caches: the longest prefix ``<= length`` of ``seq`` whose recurrent state is
+        held: ``length`` itself at ``seq``'s end (kept as an explicit restore point) or at a
+        kept restore point, else the deepest restore point below it (0: none)."""
+        rc = self._rc
+        if rc.seq_pos_max(seq) + 1 == length:
+            self.cache.keep_restore_point(seq, length, explicit=True)
+            return length
+        points = [p for p in rc.restore_points(seq) if p <= length]
+        return points[-1] if points else 0
+
+    def _restore_of_seq(self, r: int, n: int) -> Optional[Tuple[int, ...]]:
+        """The lengths ``<= n`` at which retained sequence ``r`` holds the recurrent state (its
+        restore points and its end); None on attention-only caches."""
+        if self._rc is None:
+            return None
+        points = {p for p in self._rc.restore_points(r) if p <= n}
+        if self._rc.seq_pos_max(r) + 1 == n:
+            points.add(n)
+        return tuple(sorted(points))
+
+    def _restore_of_snapshot(self, snap) -> Optional[Tuple[int, ...]]:
+        """The lengths a hybrid snapshot can serve: every recurrent entry (a restore point or
+        its end), each importable as the live state; None on attention-only caches."""
+        rec = getattr(snap, "recurrent", None)
+        if self._rc is None or rec is None:
+            return None
+        return tuple(int(p) for p in rec.positions)
+
     # ------------------------------------------------------------------ public API
     def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
               extra_keys=None) -> int:
@@ -499,8 +569,26 @@ class PrefixStore:
         root = self._root(salt)
         n = self.index.match(root, buf).n
         if self._lower:
-            n = max(n, self._lower_probe(root, buf, n)[0])
+            lower, hit = self._lower_probe(root, buf, n)
+            if lower > n and self._rc is not None:
+                lower = self._lower_restore_point(hit, lower)
+            n = max(n, lower)
         return n
+
+    def _lower_restore_point(self, hit, n: int) -> int:
+        """Hybrid caches: the deepest restore point ``<= n`` the lower tier's run holds (its
+        bytes read and parsed: the run's recurrent part says where its state is); 0 when the
+        run cannot be read or holds none."""
+        from ..state.snapshot import SeqSnapshot   # the snapshot codec
+        tier, run_key = hit[0], hit[1]
+        try:
+            data = tier.read_runs([run_key])[0]
+            if data is None:
+                return 0
+            served = self._restore_of_snapshot(_slice_snapshot(SeqSnapshot.from_bytes(data), n))
+        except (StateError, ValueError):
+            return 0
+        return served[-1] if served else 0
 
     def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
              extra_keys=None) -> int:
@@ -545,6 +633,103 @@ class PrefixStore:
         self.tokens_reused += n
         return n
 
+    def match_edit(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
+                   recompute_after: int = 16) -> EditMatch:
+        """What the store can re-use of ``tokens`` when they differ from a stored prompt only
+        inside one range (an agent stripped earlier reasoning, changed its tool list): the exact
+        prefix (``match``, cells and host RAM) plus a stored suffix found again after the edit,
+        at shifted positions (:class:`numbakv.prefix.edit.EditMatch`). ``recompute`` lists what
+        a caller must compute: the edited tokens and the first ``recompute_after`` tokens of
+        the moved suffix (the CacheBlend/LegoLink approximation: the rest of the suffix keeps
+        K/V computed against the pre-edit tokens, ``approximated``). No side effects.
+
+        A plain prefix match (``suffix_src=None``, nothing approximated) where moving K/V is
+        not possible: a cache without a shift (keys cannot be re-rotated), sliding-window
+        groups, hybrid caches (a recurrent state cannot skip the edit), or no suffix longer
+        than ``recompute_after`` found. ``extra_keys`` prompts are not edit-matched."""
+        self._check_open()
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        recompute_after = _int_arg("recompute_after", recompute_after, 0)
+        return self._match_edit(root, buf, recompute_after)[0]
+
+    def _match_edit(self, root: bytes, buf: bytes, recompute_after: int):
+        """``(EditMatch, the entry holding the suffix or None)``."""
+        m = self.index.match(root, buf)
+        plain = _edit.plan(m.n, None, 0)
+        movable = not self._sliding and all(getattr(g, "shift", None) is not None
+                                            for g in self._groups)
+        if m.n == 0 or not movable:
+            return plain, None
+        # candidates: the entries covering the deepest node of the match (they share the
+        # prefix); the longest re-usable suffix wins
+        best, best_e = plain, None
+        for e in sorted(m.path[-1].entries.values(), key=lambda e: -e.length)[:8]:
+            if e.restore is not None or e.floor or e.length <= m.n:
+                continue
+            found = _edit.find_suffix(e.buf, buf, m.n, self.block_tokens)
+            got = _edit.plan(m.n, found, recompute_after)
+            if got.approximated is not None and (
+                    best.approximated is None
+                    or got.approximated[1] - got.approximated[0]
+                    > best.approximated[1] - best.approximated[0]):
+                best, best_e = got, e
+        return best, best_e
+
+    def load_edit(self, seq: int, tokens: TokenIds, *, recompute_after: int = 16,
+                  salt: Optional[bytes] = None) -> int:
+        """``load`` for an edited prompt (see :meth:`match_edit`): the empty ``seq`` gets the
+        exact prefix at ``0..prefix-1`` and the re-usable stored suffix moved to its new
+        positions ``suffix_dst`` (keys re-rotated through the cache's shift), minus its first
+        ``recompute_after`` tokens. Returns the tokens placed. ``store.last_recompute`` then
+        lists the position ranges the caller must compute (the edited tokens and those first
+        tokens after the edit; they attend only to lower positions, so computing them after
+        the load is causal) before it prefills on from ``store.last_edit.end``; the suffix's
+        other tokens keep their pre-edit K/V (an approximation, ``last_edit.approximated``).
+
+        Where no suffix can be moved (no shift, sliding windows, hybrid caches, no suffix
+        found, no room for it) this is a plain :meth:`load`: ``last_recompute == []`` and
+        ``last_edit.suffix_src is None``. Raises as ``load``; a refusal leaves ``seq`` empty."""
+        self._check_open()
+        seq = self._check_seq(seq)
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        recompute_after = _int_arg("recompute_after", recompute_after, 0)
+        if self.cache.seq_pos_max(seq) >= 0:
+            raise ValueError(f"seq {seq} must be empty to load a prefix into it (it holds "
+                             f"positions up to {self.cache.seq_pos_max(seq)}); seq_rm it first")
+        em, e = self._match_edit(root, buf, recompute_after)
+        suffix = None
+        if e is not None:
+            # the suffix rows are copied out first: loading the prefix or making room for the
+            # suffix may evict the entry that holds them
+            (a, b), (a2, b2) = em.suffix_src, em.suffix_dst
+            skip = em.approximated[0] - a2
+            if e.tier == CELLS:
+                suffix = _owned(self.cache.export_seq(e.seq, a + skip, b))
+            else:
+                suffix = _range_snapshot(e.payload, a + skip, b)
+        n = self.load(seq, tokens, salt=salt)
+        self.last_recompute, self.last_edit = [], _edit.plan(n, None, 0)
+        if suffix is None or n > em.approximated[0]:
+            return n
+        try:
+            placed = self._import_at(seq, suffix, em.approximated[0])
+        except KVCacheFullError:
+            return n                           # no room for the suffix: a plain prefix load
+        self.last_recompute = [(n, em.approximated[0])]
+        self.last_edit = em._replace(prefix=n, recompute=list(self.last_recompute))
+        self.tokens_reused += placed
+        return n + placed
+
+    def _import_at(self, seq: int, snap, at: int) -> int:
+        """``cache.import_seq(seq, snap, at=at)`` with one retry after the store made room."""
+        try:
+            return self.cache.import_seq(seq, snap, at=at)
+        except KVCacheFullError:
+            self._make_room(max(len(p.positions) for p in snap.parts))
+            return self.cache.import_seq(seq, snap, at=at)
+
     def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
              cache: bool = True, priority: Optional[int] = None, ttl: Optional[float] = None,
              extra_keys=None) -> int:
@@ -575,6 +760,12 @@ class PrefixStore:
                              f"{held - 1}: tokens[i] must be what seq holds at position i")
         if not self._sliding and length and self.cache.seq_pos_min(seq) != 0:
             raise ValueError(f"seq {seq} does not hold position 0: it holds no prefix to save")
+        if self._rc is not None and length and cache:
+            # hybrid: the prompt's end gets a restore point (the live state, kept lazily) when
+            # it is seq's end; else the deepest restore point below it ends what is kept (K/V
+            # past it would be dead: no state to resume there)
+            length = self._restore_end(seq, length)
+            buf = buf[:8 * length]
         pending = self._pending.pop(seq, [])
         # on sliding-window caches the window may have pruned the whole prefix already (a
         # prompt saved after a long generation): nothing of it can be served, keep nothing
@@ -685,6 +876,11 @@ class PrefixStore:
         n = self.cache.seq_pos_max(seq) + 1
         if n <= 0:
             raise ValueError(f"seq {seq} holds nothing to checkpoint")
+        if self._rc is not None:
+            # hybrid: a restore point at seq's end (the live state, kept until overwritten,
+            # then copied: explicit), which the next save's entry can serve
+            self.cache.keep_restore_point(seq, n, explicit=True)
+            return n
         if not self._sliding:
             return n
         r = self._take_seq(protect=())
@@ -847,8 +1043,8 @@ class PrefixStore:
             if not getattr(self.cache, "closed", False):
                 self.clear()
         finally:
-            if getattr(self.cache, "_room_provider", None) == self._make_room:
-                self.cache._room_provider = None
+            if getattr(_attention(self.cache), "_room_provider", None) == self._make_room:
+                _attention(self.cache)._room_provider = None
             for tier in lower:
                 tier.close()
             if self.events.publisher is not None:
@@ -915,7 +1111,8 @@ class PrefixStore:
     def _add_cells_entry(self, root: bytes, buf: bytes, r: int, retention=None) -> Entry:
         n = len(buf) // 8
         path = self.index.insert_path(root, buf)
-        e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r)
+        e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r,
+                  restore=self._restore_of_seq(r, n))
         self._register(e, retention)
         return e
 
@@ -1076,6 +1273,7 @@ class PrefixStore:
             if self.host.fits(nbytes):
                 path = self.index.insert_path(root, buf)
                 e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
+                          restore=self._restore_of_snapshot(snap),
                           nbytes=nbytes)
                 self.host.add(nbytes)
                 self._register(e, retention)
@@ -1209,8 +1407,9 @@ class PrefixStore:
         return is_bound(snap.metadata, run_key, block, block_key)
 
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
-        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a lower tier holds
-        beyond ``local`` tokens, one ``find_blocks`` round trip per tier."""
+        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a
+        lower tier holds beyond ``local`` tokens, one ``find_blocks`` round trip per tier
+        (pointers this process found naming the wrong run are skipped)."""
         keys = block_keys(np.frombuffer(buf, "<i8"), self.block_tokens, root)
         first = local // self.block_tokens
         if first >= len(keys):
@@ -1228,11 +1427,23 @@ class PrefixStore:
                     break
         return 0, None
 
+    def _forget_written(self, run_key: Optional[str]) -> None:
+        """The writer no longer takes ``run_key`` (None: any run) as written: a lower tier lost
+        or refused it, and a fresh save must store it again."""
+        if self._writer is not None:
+            self._writer.forget(run_key)
+
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, block, block_key) = hit
-        data = tier.read_runs([run_key])[0]
+        try:
+            data = tier.read_runs([run_key])[0]
+        except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss
+            data = None
         if data is None:
+            # gone (evicted elsewhere, or the tier dropped a damaged file): the next save of
+            # this prompt must write it again, not trust that it was written once
+            self._forget_written(run_key)
             self._counts[tier.name]["misses"] += 1
             return 0
         try:
@@ -1247,9 +1458,18 @@ class PrefixStore:
                 while len(self._distrust) > _MAX_DISTRUST:
                     self._distrust.popitem(last=False)
                 tier._count("invalid")
+                self._forget_written(None)   # a re-save of the prompt re-points its blocks
                 self._counts[tier.name]["misses"] += 1
                 return 0
             snap = _slice_snapshot(snap, n)
+            if self._rc is not None:
+                # hybrid: the run serves up to its deepest restore point at or below the match
+                served = self._restore_of_snapshot(snap)
+                n = served[-1] if served else 0
+                if n == 0:
+                    self._counts[tier.name]["misses"] += 1
+                    return 0
+                snap = _slice_snapshot(snap, n)
             if self._sliding and self._floor_of_snapshot(snap) > n:
                 self._counts[tier.name]["misses"] += 1
                 return 0
@@ -1258,6 +1478,7 @@ class PrefixStore:
             if isinstance(exc, KVCacheFullError):
                 raise
             tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
+            self._forget_written(run_key)
             self._counts[tier.name]["misses"] += 1
             return 0
         self.bytes_moved += snap.nbytes

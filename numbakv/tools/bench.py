@@ -25,6 +25,9 @@ Three sections, all measured in one run on one device with one dtype and one set
   ``numbakv/tools/bench_fidelity.py``.
 * **transformers generate()** (``--sections generate``, not in the default run): per-step cost
   and tok/s against ``StaticCache`` / ``DynamicCache``, see ``numbakv/tools/bench_generate.py``.
+* **Hybrid models through the prefix store** (``--sections hybrid``, not in the default run):
+  a 10-turn chat and a 30-turn agent trace on a tiny Qwen3-Next, store vs no store, see
+  ``numbakv/tools/bench_hybrid.py``.
 * **Recurrent state rows** (``--sections states``, not in the default run): gather / scatter /
   restore-point copies of ``RecurrentCache`` rows vs ``np.copyto``, see
   ``numbakv/tools/bench_states.py``.
@@ -55,7 +58,7 @@ _MARGIN = 16
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
 SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
-            "attend", "snapshot", "prefix", "fidelity", "generate", "states")
+            "attend", "snapshot", "prefix", "fidelity", "generate", "states", "hybrid")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1393,6 +1396,9 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
     if results.get("states"):
         from . import bench_states
         out += bench_states.targets(results["states"])
+    if results.get("hybrid"):       # numbakv/tools/bench_hybrid.py
+        from .bench_hybrid import targets as hybrid_targets
+        out += hybrid_targets(results["hybrid"])
     return out
 
 
@@ -1579,6 +1585,9 @@ def format_report(results: dict) -> str:
     if results.get("states"):
         from . import bench_states
         lines += bench_states.format_lines(results["states"])
+    if results.get("hybrid"):
+        from .bench_hybrid import format_hybrid
+        lines += format_hybrid(results["hybrid"])
     if results.get("generate"):
         from .bench_generate import format_generate
         lines += format_generate(results["generate"])
@@ -1808,6 +1817,14 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
             log("generate() vs StaticCache / DynamicCache ...")
             from .bench_generate import run_generate
             results["generate"] = run_generate(s.quick, log)
+    if "hybrid" in s.sections:       # numbakv/tools/bench_hybrid.py (CPU, transformers)
+        missing = _missing(["torch", "transformers"])
+        if missing:
+            notes.append(f"hybrid: skipped, {' and '.join(missing)} not installed: "
+                         f"{install_hint(missing)}")
+        else:
+            from .bench_hybrid import run_hybrid
+            results["hybrid"] = run_hybrid(s.quick, log)
     if "fidelity" in s.sections:           # numbakv/tools/bench_fidelity.py
         log("shared_shift='copy' ...")
         from .bench_fidelity import run as run_fidelity

@@ -438,6 +438,11 @@ class DemoReport:
     decode_time: float = 0.0
     cache_time: float = 0.0
     warmup_time: float = 0.0
+    #: of ``warmup_time``: numba compiling numbakv's functions (outermost compiles), how many
+    #: it compiled, and importing torch (the demo's attention runs through it when installed)
+    warmup_compile_time: float = 0.0
+    warmup_compiled: int = 0
+    warmup_torch_import: float = 0.0
     verify_time: float = 0.0
     wall_time: float = 0.0
     peak_cells: int = 0
@@ -523,13 +528,29 @@ class DemoReport:
                                   f"{max(self.max_layer0_err, self.max_shifted_key_err):.1e}"),
             ]
         rows += [
-            ("warm-up (compile)", f"{self.warmup_time:.1f} s"),
+            ("warm-up", self.warmup_summary()),
             ("wall time", f"{self.wall_time:.1f} s (verification {self.verify_time:.1f} s)"),
         ]
         if self.plot_path:
             rows.append(("picture", self.plot_path))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def warmup_summary(self) -> str:
+        """What the warm-up's seconds went to: numba compiling (only when it did), importing
+        torch (only when the demo uses it), and the rest: loading compiled code (shipped or
+        numba's cache) and first calls."""
+        parts = []
+        if self.warmup_compiled:
+            parts.append(f"numba compiled {self.warmup_compiled} functions in "
+                         f"{self.warmup_compile_time:.1f} s")
+        else:
+            parts.append("nothing compiled")
+        if self.warmup_torch_import >= 0.05:
+            parts.append(f"import torch {self.warmup_torch_import:.1f} s")
+        rest = self.warmup_time - self.warmup_compile_time - self.warmup_torch_import
+        parts.append(f"loading compiled code and first calls {max(rest, 0.0):.1f} s")
+        return f"{self.warmup_time:.1f} s ({'; '.join(parts)})"
 
     def terminal_picture(self, width: int = 64, rows: int = 12) -> str:
         """A compact rendering of ``owners``: one character per group of cells (the group's most
@@ -620,9 +641,53 @@ def _seq_rows(cache: CausalCache, seq: int) -> Tuple[np.ndarray, np.ndarray]:
     return rows, cells["pos"][rows].astype(np.int64)
 
 
-def _warm_up(cfg: CacheConfig, shift: RopeShift, swa_window: Optional[int]) -> float:
-    """Compile the cache's numba functions (and kernels) before the timed run: one of every
-    operation the demo uses, on a small cache of the same dtype and shapes."""
+class _CompileTimer:
+    """Seconds numba spends compiling (outermost compiles only: a function's callees compile
+    inside it) and how many functions, while registered (a ``with`` block); loading compiled
+    code from the shipped or numba's cache is not a compile."""
+
+    def __init__(self) -> None:
+        from numba.core import event
+
+        timer = self
+
+        class Listener(event.Listener):
+            def on_start(self, ev) -> None:
+                if timer._depth == 0:
+                    timer._t0 = time.perf_counter()
+                timer._depth += 1
+
+            def on_end(self, ev) -> None:
+                timer._depth -= 1
+                if timer._depth == 0:
+                    timer.seconds += time.perf_counter() - timer._t0
+                    timer.count += 1
+
+        self._event, self._listener = event, Listener()
+        self._depth, self._t0, self.seconds, self.count = 0, 0.0, 0.0, 0
+
+    def __enter__(self) -> "_CompileTimer":
+        self._event.register("numba:compile", self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._event.unregister("numba:compile", self._listener)
+
+
+def _warm_up(cfg: CacheConfig, shift: RopeShift, swa_window: Optional[int],
+             report: Optional["DemoReport"] = None) -> float:
+    """Compile (or load) the cache's numba functions (and kernels) before the timed run: one of
+    every operation the demo uses, on a small cache of the same dtype and shapes. ``report``
+    gets what the time went to (numba compiles, the torch import)."""
+    with _CompileTimer() as compiles:
+        took = _warm_up_calls(cfg, shift, swa_window, report)
+    if report is not None:
+        report.warmup_compile_time, report.warmup_compiled = compiles.seconds, compiles.count
+    return took
+
+
+def _warm_up_calls(cfg: CacheConfig, shift: RopeShift, swa_window: Optional[int],
+                   report: Optional["DemoReport"]) -> float:
     t0 = time.perf_counter()
     # with a window, a capacity above its memory, so that window pruning compiles too
     small = cfg.replace(n_layers=1, capacity=16 if swa_window is None else 2 * swa_window + 4,
@@ -635,7 +700,10 @@ def _warm_up(cfg: CacheConfig, shift: RopeShift, swa_window: Optional[int]) -> f
         cache.set_layer(0)
         cache.put(to_storage(k, small.dtype, xp), to_storage(k, small.dtype, xp))
         cache.get()
+        t_import = time.perf_counter()
         torch = _attend_torch()     # imported here (~1.5 s), not inside the first timed step
+        if report is not None and positions[0] == 0:
+            report.warmup_torch_import = time.perf_counter() - t_import
         if torch is not None:
             from ..attention import attend
             # q where the cache is: attend() takes no host q for a GPU cache
@@ -715,7 +783,7 @@ def run_demo(n_seqs: int = 8, steps: int = 100, n_layers: int = 4, swa_window: O
     report = DemoReport(device=device, dtype=dtype, n_layers=model_cfg.n_layers,
                         swa_window=swa_window, n_cells=0, capacity=capacity,
                         requests=n_seqs)
-    report.warmup_time = _warm_up(cfg, net.rope_shift, swa_window)
+    report.warmup_time = _warm_up(cfg, net.rope_shift, swa_window, report)
     cache = CausalCache(cfg, shift=net.rope_shift, swa_window=swa_window)
     report.n_cells = cache.n_cells
 

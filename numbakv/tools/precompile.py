@@ -14,9 +14,11 @@ changing any ``@njit`` code (``tests/test_precompiled.py`` fails while the shipp
 and commit the result.
 
 The common path is what a first session does: ``numbakv demo`` (float32, float16, bfloat16, with
-and without a sliding window), the README's examples, the sequence operations, page tables and
-the dense attention, quantized K/V, state save/load, stream caches, the prompt cache and
-``numbakv bench --quick``, on the CPU. Anything outside it still works; numba compiles it on
+and without a sliding window), the README's examples (its quantized one as pasted, and its
+transformers ones: ``generate()`` with float and q8_0 K/V, ``hf.Server``, ``hf.attach``, when
+torch and transformers are installed), the sequence operations, page tables and the dense
+attention, quantized K/V, puts of strided (non-contiguous) K/V, state save/load, stream caches,
+the prompt cache and ``numbakv bench --quick``, on the CPU. Anything outside it still works; numba compiles it on
 first use.
 """
 
@@ -157,6 +159,103 @@ def _quantized() -> None:
         cache.close()
 
 
+def _readme_quantized() -> None:
+    """The README's quantized example as pasted (float32 K/V into q8_0 blocks), and float32
+    input to every quantized format: the quantizing put and the dequantizing get have a
+    signature per input dtype."""
+    import numbakv as nkv
+
+    for quant in ("q8_0", "q4_0", "fp8"):
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=64, capacity=256, max_seqs=1,
+                              max_batch=64, dtype="float32", k_dtype=quant, v_dtype=quant,
+                              device="cpu")
+        cache = nkv.CausalCache(cfg)
+        k = np.random.default_rng(0).standard_normal((16, 2, 64)).astype(np.float32)
+        cache.start_forward(list(range(16)), [0] * 16)
+        cache.set_layer(0)
+        cache.put(k, k)
+        key, value, mask = cache.get()
+        float(np.abs(np.asarray(key)[:16] - k).max())
+        cache.close()
+
+
+def _strided_inputs() -> None:
+    """Puts of strided K/V: a ``[heads, batch, dim]`` array transposed, or K and V split out of
+    one fused projection (what a torch model hands over). numba types them as non-contiguous
+    arrays, another signature than contiguous input, per storage width and per quantized
+    format; both scatter puts and range puts."""
+    import numbakv as nkv
+
+    for dtype, quant in (("float32", None), ("float16", None), ("bfloat16", None),
+                         ("float16", "q8_0"), ("float16", "q4_0"), ("float16", "fp8"),
+                         ("float32", "q8_0"), ("float32", "q4_0"), ("float32", "fp8")):
+        extra = {"k_dtype": quant, "v_dtype": quant} if quant else {}
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=32, dtype=dtype, capacity=32,
+                              max_seqs=2, max_batch=16, device="cpu", **extra)
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+        fused = np.ones((4, 2, 2 * 32), np.float32).astype(cfg.dtype)   # [batch, heads, K|V]
+        key, value = fused[:, :, :32], fused[:, :, 32:]
+        heads_first = np.ones((2, 4, 32), np.float32).astype(cfg.dtype).transpose(1, 0, 2)
+        for positions, seqs in (([0, 1, 0, 1], [0, 0, 1, 1]), ([2, 3, 2, 3], [0, 0, 1, 1])):
+            cache.start_forward(positions, seqs)     # the second batch: scattered cells
+            cache.set_layer(0)
+            cache.put(key, value)
+            cache.get()
+        cache.start_forward([4, 5, 6, 7], [0, 0, 0, 0])   # a contiguous run: the range put
+        cache.set_layer(0)
+        cache.put(heads_first, heads_first)
+        cache.get()
+        cache.close()
+
+
+def _transformers() -> None:
+    """The README's transformers examples on a tiny random Llama: ``generate()`` through
+    ``hf.generation_cache`` (float K/V and q8_0), ``hf.Server`` and ``hf.attach``. Skipped
+    without torch and transformers (the shipped code then lacks what only they reach)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return
+    from .. import hf
+
+    def llama(hidden: int):
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden,
+                                          intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+    model = llama(64)                        # the README's: 4 heads of 16
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    # transformers 5.24 renamed generate's past_key_values= to cache= (and warns on the old)
+    renamed = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24)
+    # q8_0 blocks run along head_dim (a multiple of 32): heads of 32 for the quantized run,
+    # on the unpadded row (a left-padded batch with q8_0 K/V raised "a padded pass after the
+    # prompt" on 2026-11-26; the float run covers padding)
+    runs = ((model, ids, mask, {}),
+            (llama(128), ids[1:], mask[1:], {"k_dtype": "q8_0", "v_dtype": "q8_0"}))
+    for gen_model, gen_ids, gen_mask, quant in runs:
+        past = hf.generation_cache(gen_model, max_new_tokens=8, **quant)
+        gen_model.generate(gen_ids, attention_mask=gen_mask, max_new_tokens=8, do_sample=False,
+                           pad_token_id=0, **{"cache" if renamed else "past_key_values": past})
+    server = hf.Server(model, hf.cache_for(model, capacity=256, max_seqs=4))
+    for prompt in ([1, 5, 9], [1, 22, 7, 3], [1, 40], [1]):
+        server.submit(prompt, max_new_tokens=8)
+    while server.pending:
+        server.step()
+    hf.detach(model)                         # the server attached it
+    cache = hf.cache_for(model, capacity=64, max_seqs=2)
+    hf.attach(model, cache)
+    try:
+        positions = [0, 1, 2, 0, 1]
+        cache.start_forward(positions, [0, 0, 0, 1, 1])
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), position_ids=torch.tensor([positions]))
+    finally:
+        hf.detach(model)
+
+
 def _prompt_cache(tmp: str) -> None:
     """The README's prompt-cache walk: load, extend, shift, release, save and load a slot."""
     import numbakv as nkv
@@ -210,6 +309,9 @@ def common_path(verbose: bool = False) -> Dict[str, float]:
         "windows and chunks": lambda tmp: [_windows_and_chunks(d)
                                              for d in ("float32", "float16")],
         "quantized": lambda tmp: _quantized(),
+        "README quantized": lambda tmp: _readme_quantized(),
+        "strided inputs": lambda tmp: _strided_inputs(),
+        "transformers": lambda tmp: _transformers(),
         "prompt cache": _prompt_cache,
         "bench --quick": lambda tmp: _bench_quick(),
     }
