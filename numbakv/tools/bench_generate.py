@@ -167,13 +167,27 @@ def generate_fns(model, context: int, new: int) -> Dict[str, Callable[[int], Any
             "dynamic": lambda n: run(n)}
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak resident set (MiB): ``VmHWM`` (getrusage's ru_maxrss is inherited
+    from the parent across fork and exec on Linux, so a child would report the parent's)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _rss_child(contender: str, layers: int, context: int, new: int) -> float:
     """Peak RSS (MiB) of a child process that runs one generate() through ``contender``."""
-    code = ("import json, resource, sys, torch\n"
-            "from numbakv.tools.bench_generate import _tiny_model, generate_fns\n"
+    code = ("import json, torch\n"
+            "from numbakv.tools.bench_generate import _peak_rss_mib, _tiny_model, generate_fns\n"
             f"torch.set_num_threads(1)\nm = _tiny_model({layers}, {context})\n"
             f"generate_fns(m, {context}, {new})[{contender!r}]({new})\n"
-            "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))\n")
+            "print(json.dumps(_peak_rss_mib()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=900, env=dict(os.environ))
     if out.returncode != 0:
