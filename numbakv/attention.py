@@ -48,6 +48,7 @@ from .kernels import decode as _decode_kernel
 from .kernels.quant import dequantize_block as _dequantize_block
 
 from .pages import HostPages, columns_mask, plan_parts, token_mask, visible_lo
+from .rotation import hadamard_blocks, rotate_queries, unrotate_output
 
 BACKENDS = ("auto", "torch", "flashinfer", "dense")
 
@@ -201,6 +202,19 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
                          "backend='dense' or 'auto'")
+    if getattr(cfg, "k_rotation", 0) or getattr(cfg, "v_rotation", 0):
+        # llama.cpp's rotated quantized K/V: the cache holds H k and H v (get() hands them out
+        # as stored), so the queries are rotated like the keys ((H q) . (H k) = q . k) and the
+        # output, H times the true one, is turned back (H @ H = I); float32 in between
+        qr = rotate_queries(q.float(), cfg) if cfg.k_rotation else q
+        out = _dense(torch, qr, cache, scale, soft_cap, permuted, latent_v)
+        if latent_v:   # MLA: the values are the latent's first dims, rotated as keys
+            if latent_v % cfg.k_rotation:
+                raise ValueError(f"v_dim={latent_v} must be a multiple of the latent's "
+                                 f"Walsh-Hadamard block {cfg.k_rotation} (kv_rotation)")
+            return hadamard_blocks(out.float(), cfg.k_rotation).to(q.dtype)
+        return unrotate_output(out.float(), cfg).to(q.dtype) if cfg.v_rotation \
+            else out.to(q.dtype)
     if backend == "dense":
         return _dense(torch, q, cache, scale, soft_cap, permuted, latent_v)
     if formats is not None:

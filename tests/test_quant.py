@@ -74,6 +74,7 @@ def in_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def make_cache(device, k_dtype, v_dtype=None, *, dtype="float16", n_layers=2, n_kv_heads=2,
                head_dim=32, capacity=16, max_seqs=2, shift=True, **kw):
+    kw.setdefault("kv_rotation", "off")   # unrotated ggml blocks (rotation: test_rotation.py)
     cfg = nkv.CacheConfig(n_layers, n_kv_heads, head_dim, dtype=dtype, capacity=capacity,
                           max_seqs=max_seqs, device=device, k_dtype=k_dtype,
                           v_dtype=k_dtype if v_dtype is None else v_dtype, **kw)
@@ -262,7 +263,7 @@ def test_shift_on_quantized_keys_equals_quantize_rotate_dequantize(device, kind,
     bytes."""
     rope = nkv.RopeShift(base=10000.0, neox=neox)
     cfg = nkv.CacheConfig(2, 2, 64, capacity=8, device=device, k_dtype=kind, v_dtype=kind,
-                          k_scale=[0.5, 2.0])
+                          k_scale=[0.5, 2.0], kv_rotation="off")
     cache = nkv.CausalCache(cfg, shift=rope)
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((2, 6, 2, 64)) * 2).astype(np.float16)
@@ -473,7 +474,8 @@ def _llama_logits(k_dtype: "str | None", prompt, steps):
                          head_dim=64, max_position_embeddings=256, rope_theta=10000.0)
     model = LlamaForCausalLM(config).eval()
     cache = nkv.CausalCache(nkv.CacheConfig(2, 2, 64, capacity=128, device="cpu",
-                                            k_dtype=k_dtype, v_dtype=k_dtype))
+                                            k_dtype=k_dtype, v_dtype=k_dtype,
+                                            kv_rotation="off"))
 
     def numbakv_attention(module, query, key, value, attention_mask, scaling=None, **kw):
         # query [1, H, q, D]; key/value [1, kv, q, D] already roped
