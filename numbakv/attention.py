@@ -207,7 +207,9 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         # as stored), so the queries are rotated like the keys ((H q) . (H k) = q . k) and the
         # output, H times the true one, is turned back (H @ H = I); float32 in between
         qr = rotate_queries(q.float(), cfg) if cfg.k_rotation else q
-        out = _dense(torch, qr, cache, scale, soft_cap, permuted, latent_v)
+        out = _quantized_paged(torch, qr, host, src, scale, soft_cap, formats) \
+            if formats is not None and backend != "dense" else \
+            _dense(torch, qr, cache, scale, soft_cap, permuted, latent_v)
         if latent_v:   # MLA: the values are the latent's first dims, rotated as keys
             if latent_v % cfg.k_rotation:
                 raise ValueError(f"v_dim={latent_v} must be a multiple of the latent's "
@@ -858,11 +860,10 @@ _KERNEL_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3")
 
 def _pool_formats(src) -> Optional[tuple]:
     """``(kfmt, vfmt, kscale, vscale)`` of the current layer of a quantized cache whose pool the
-    CPU kernel can read as stored, or None (then ``get()`` dequantizes: keys stored rotated -
-    ``kv_rotation`` - need the queries rotated too, which that path does)."""
+    CPU kernel can read as stored, or None (then ``get()`` dequantizes). Rotated K/V
+    (``kv_rotation``) are read as stored too: ``attend`` rotates the queries and turns the
+    output back around either path."""
     cfg = src.config
-    if getattr(cfg, "kv_rotation", "off") not in (None, "off", False):
-        return None
     st = src.storage
     for quantized, kind in ((st.k_quantized, cfg.k_dtype), (st.v_quantized, cfg.v_dtype)):
         if quantized and kind not in _KERNEL_QUANT_TYPES:

@@ -585,10 +585,11 @@ def test_attend_on_a_quantized_cache_matches_its_dequantized_get():
         attend(q, cache, backend="flashinfer")
 
 
+@pytest.mark.parametrize("rotation", ["off", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("kinds", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q8_0", None),
                                    ("float8_e4m3", "q4_0")])
-def test_cpu_attend_reads_quantized_blocks_in_place(dtype, kinds):
+def test_cpu_attend_reads_quantized_blocks_in_place(dtype, kinds, rotation):
     """The CPU kernel reads quantized rows where they lie (no dequantized copy of the range):
     equal to the dense reference for every format pair, storage dtype, a sliding window, several
     sequences, a prefill pass and a decode pass; no get() scratch is allocated."""
@@ -598,7 +599,8 @@ def test_cpu_attend_reads_quantized_blocks_in_place(dtype, kinds):
     rng = np.random.default_rng(3)
     kd, vd = kinds
     cfg = nkv.CacheConfig(2, 2, 64, capacity=64, max_seqs=3, dtype=dtype, k_dtype=kd,
-                          v_dtype=vd or dtype, v_scale=0.5, device="cpu")
+                          v_dtype=vd or dtype, v_scale=0.5, kv_rotation=rotation,
+                          device="cpu")
     cache = nkv.CausalCache(cfg, swa_window=20)
     tt = getattr(torch, dtype)
     passes = [([0] * 30 + [1] * 25 + [2] * 5, list(range(30)) + list(range(25)) + list(range(5))),
