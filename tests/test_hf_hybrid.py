@@ -306,3 +306,34 @@ def test_generation_cache_with_a_store_reuses_a_hybrid_prefix(family):
         assert torch.equal(out2, hm.dynamic_generate(model, second, max_new_tokens=4))
     finally:
         store.close()
+
+
+def test_server_survives_a_failed_pass_of_a_hybrid():
+    """A forward pass that raises mid-model (a recurrent layer updated its state in place, no
+    restore point where the pass began): the server restarts that request from its prompt;
+    the next passes give the same tokens as generate()."""
+    from numbakv import hf
+    model = hm.tiny_model("qwen3_next")
+    gen = torch.Generator().manual_seed(19)
+    prompts = [torch.randint(3, hm.VOCAB, (n,), generator=gen).tolist() for n in (7, 10)]
+    expected = [hm.dynamic_generate(model, torch.tensor([p]), max_new_tokens=5)[0, len(p):]
+                .tolist() for p in prompts]
+    cache = hf.cache_for(model, capacity=64, max_seqs=2, restore_every=256)
+    srv = hf.Server(model, cache, prefill_chunk=16)
+    attention = model.model.layers[1].self_attn
+    try:
+        rids = [srv.submit(p, max_new_tokens=5) for p in prompts]
+        srv.step()
+        srv.step()                                      # decoding now
+        original = attention.forward
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("boom")
+        attention.forward = broken
+        with pytest.raises(RuntimeError, match="boom"):
+            srv.step()
+        attention.forward = original
+        done = srv.run()
+        assert [done[r] for r in rids] == expected
+    finally:
+        hf.detach(model)
