@@ -102,8 +102,16 @@ def flashinfer_available() -> bool:
 
 
 def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
-           soft_cap: Optional[float] = None, backend: str = "auto") -> Any:
+           soft_cap: Optional[float] = None, backend: str = "auto",
+           v_dim: Optional[int] = None) -> Any:
     """Attention of this forward pass's queries over the cache.
+
+    On a V-less MLA latent cache (``v_head_dim=0``, one "head" of ``kv_lora_rank + rope``
+    values) this is MLA in its absorbed form: ``q`` holds each query head's absorbed query
+    (``q_nope @ W_UK`` then ``q_rope``, ``[batch, n_heads, kv_lora_rank + rope]``), scores are
+    ``q . latent`` over the whole row, and the output is the softmax-weighted sum of the rows'
+    first ``v_dim`` values (the latent ``c_kv``), ``[batch, n_heads, v_dim]``: the caller applies
+    ``W_UV``. ``v_dim`` defaults to the cache's ``RopeShift.offset`` (``kv_lora_rank``).
 
     Args:
         q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch
@@ -118,9 +126,13 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
             before the mask).
         backend: ``"auto"``, ``"torch"``, ``"flashinfer"`` or ``"dense"``.
 
+        v_dim: V-less caches only: how many leading values of each latent row are the value
+            (default: the cache's ``RopeShift`` offset).
+
     Returns:
-        torch tensor ``[batch, n_heads, v_head_dim]`` on ``q``'s device, ``q``'s dtype, rows in
-        batch order: exactly the attention ``get()``'s mask defines.
+        torch tensor ``[batch, n_heads, v_head_dim]`` (``[batch, n_heads, v_dim]`` on a V-less
+        cache) on ``q``'s device, ``q``'s dtype, rows in batch order: exactly the attention
+        ``get()``'s mask defines.
     """
     torch = _torch()
     if backend not in BACKENDS:
@@ -150,6 +162,7 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     on_cuda = src.device == "cuda"
     if (q.device.type == "cuda") != on_cuda:
         raise ValueError(f"q must be on the cache's device ({src.device}), got {q.device}")
+    latent_v = _latent_v_dim(src, cfg, v_dim)
     if scale is None:
         scale = 1.0 / math.sqrt(cfg.head_dim)
     scale = float(scale)
@@ -168,8 +181,12 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
                          "backend='dense' or 'auto'")
     if backend == "dense":
-        return _dense(torch, q, cache, scale, soft_cap, permuted)
+        return _dense(torch, q, cache, scale, soft_cap, permuted, latent_v)
     pools = cache.layer_pool()
+    if latent_v:   # the value is a view of the latent rows (llama.cpp: V is a view of K)
+        kp = pools[0]
+        pools = (kp, BFloat16View(kp.bits[..., :latent_v]) if isinstance(kp, BFloat16View)
+                 else kp[..., :latent_v])
     if backend == "flashinfer":
         if not on_cuda or not flashinfer_available():
             raise ValueError("backend='flashinfer' needs flashinfer installed and a cache on CUDA")
@@ -805,10 +822,31 @@ def _scatter(torch, out, res, toks, first, last, contiguous, dev):
 # dense: get() + mask (the reference)
 # --------------------------------------------------------------------------------------------
 
-def _dense(torch, q, cache, scale, soft_cap, permuted):
+def _latent_v_dim(src, cfg, v_dim) -> int:
+    """0 for caches that store V; on a V-less (MLA) cache the latent's value width: ``v_dim``,
+    else the cache's RopeShift offset (the rope dims follow the latent)."""
+    if not getattr(cfg, "v_less", False):
+        if v_dim is not None:
+            raise ValueError(f"v_dim applies to V-less (v_head_dim=0) caches; this one stores V "
+                             f"of v_head_dim={cfg.v_head_dim}")
+        return 0
+    if v_dim is None:
+        v_dim = getattr(getattr(src, "shift", None), "offset", 0)
+        if not v_dim:
+            raise ValueError("attend() on a V-less (MLA) cache needs v_dim (the latent width "
+                             "kv_lora_rank) when the cache's shift is not a RopeShift with an "
+                             "offset")
+    if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or \
+            not 1 <= v_dim <= cfg.head_dim:
+        raise ValueError(f"v_dim must be an integer in [1, head_dim={cfg.head_dim}], got "
+                         f"{v_dim!r}")
+    return int(v_dim)
+
+
+def _dense(torch, q, cache, scale, soft_cap, permuted, latent_v: int = 0):
     key, value, mask = cache.get()
     k = torch.from_dlpack(key)
-    v = torch.from_dlpack(value)
+    v = k[..., :latent_v] if latent_v else torch.from_dlpack(value)
     m = torch.from_dlpack(mask) if not isinstance(mask, np.ndarray) else torch.from_numpy(mask)
     if k.ndim == 4:
         # per-sequence streams: key [n_b, n_kv, Hkv, D] and mask [n_b, rows, n_kv], stream b's

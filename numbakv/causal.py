@@ -1094,12 +1094,66 @@ class CausalCache(StateMethods):
         self.close()
 
     # ------------------------------------------------------------------ attention-ready outputs
-    def page_table(self) -> "PageTable":
+    def page_table(self, page_size: int = 1) -> Any:
         """This forward pass's per-sequence page table (:class:`numbakv.pages.PageTable`, page
         size 1: a page is a cell): for each sequence of the batch, the cells any of its tokens
         may attend to, ascending by position, as int32 arrays on the cache's device. Valid
-        until the next ``start_forward`` or sequence operation; follows ``set_causal``."""
-        return self._host_pages().table
+        until the next ``start_forward`` or sequence operation; follows ``set_causal``.
+
+        ``page_size > 1`` (FlashMLA's dense decode takes 64): a
+        :class:`numbakv.pages.PagedTable` (``block_table``, ``cache_seqlens``, FlashInfer's
+        ``kv_indptr``/``kv_indices``/``kv_last_page_len``) over pages of ``page_size`` cells,
+        when every sequence of the batch sees one run of cells, in position order, starting on
+        a page boundary (e.g. sequences prefilled from page-aligned cells: ``cache_padding`` a
+        multiple of the page size keeps the pool whole pages); otherwise ``NotSupportedError``
+        saying which sequence. Pair it with :meth:`mla_views` ``(page_size=...)``."""
+        page_size = _check_index("page_size", page_size, 1)
+        host = self._host_pages()
+        if page_size == 1:
+            return host.table
+        if self.n_cells % page_size:
+            raise ValueError(f"page_size={page_size} must divide the cache's {self.n_cells} "
+                             "cells (set cache_padding to a multiple of it)")
+        arrays = _pages.paged_arrays(host, page_size)
+        if isinstance(arrays, str):
+            raise NotSupportedError(f"page_table(page_size={page_size}): {arrays}")
+        xp = self._xp
+        dev = {k: xp.asarray(v) for k, v in arrays.items()}
+        table = host.table
+        return _pages.PagedTable(page_size, table.seq_ids, table.qo_indptr, table.token_order,
+                          table.q_positions, **dev)
+
+    def mla_views(self, layer: Optional[int] = None, *, page_size: int = 1) -> Tuple[Any, Any]:
+        """An MLA latent pool split as FlashInfer's MLA kernels take it, zero-copy: ``ckv``
+        ``[n_cells, kv_lora_rank]`` and ``kpe`` ``[n_cells, rope]`` (strided views of the one
+        ``[n_cells, 1, kv_lora_rank + rope]`` row array of :meth:`layer_pool`), or ``[n_pages,
+        page_size, ...]`` with ``page_size > 1`` (pages as :meth:`page_table` numbers them). The
+        split point is the cache's ``RopeShift`` offset. V-less float caches only."""
+        cfg = self.config
+        if not cfg.v_less or cfg.local_kv_heads != 1:
+            raise ValueError(f"mla_views() needs an MLA latent cache (n_kv_heads=1, "
+                             f"v_head_dim=0), got n_kv_heads={cfg.n_kv_heads}, "
+                             f"v_head_dim={cfg.v_head_dim}")
+        if cfg.k_quantized:
+            raise ValueError(f"mla_views() reads float rows; k_dtype={cfg.k_dtype!r} stores "
+                             "quantized bytes (get_quantized() hands them out)")
+        rank = getattr(self.shift, "offset", 0)
+        if not rank:
+            raise ValueError("mla_views() splits the row at the RopeShift offset (kv_lora_rank):"
+                             " build the cache with shift=RopeShift(dim=rope, offset=kv_lora_rank)")
+        page_size = _check_index("page_size", page_size, 1)
+        if self.n_cells % page_size:
+            raise ValueError(f"page_size={page_size} must divide the cache's {self.n_cells} cells")
+        key, _ = self.layer_pool(layer)
+        bits = getattr(key, "bits", None)
+        raw = key if bits is None else bits
+        pages = self.n_cells // page_size
+        out = []
+        for part in (raw[:, 0, :rank], raw[:, 0, rank:]):
+            if page_size > 1:
+                part = part.reshape(pages, page_size, part.shape[-1])   # a view: axis 0 splits
+            out.append(part if bits is None else type(key)(part))
+        return out[0], out[1]
 
     def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of every cell of ``layer`` (the current layer when None): key

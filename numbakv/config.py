@@ -551,5 +551,6 @@ def check_rope_layout(config: CacheConfig, rope: RopeShift) -> int:
     return dim
 
 
-__all__ = ["CacheConfig", "check_rope_layout", "KV_TYPES", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
+__all__ = ["CacheConfig", "check_rope_layout",
+           "KV_TYPES", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
            "normalize_dtype", "round_up", "row_bytes"]

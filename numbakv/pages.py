@@ -106,6 +106,65 @@ class HostPages:
         self.plans: dict = {}           # per-backend state planned once per forward pass
 
 
+@dataclass(frozen=True)
+class PagedTable:
+    """A forward pass's page table in pages of ``page_size`` cells (FlashMLA's dense decode:
+    ``block_table`` + ``cache_seqlens``; FlashInfer's paged MLA: ``kv_indptr`` / ``kv_indices``
+    / ``kv_last_page_len``), int32 arrays on the cache's device. Page ``p`` is cells
+    ``p * page_size .. (p + 1) * page_size - 1`` of the pool (:meth:`CausalCache.mla_views`
+    shapes the latent pool ``[n_pages, page_size, ...]`` to match); token ``i`` of sequence
+    ``b`` (in position order) is slot ``i % page_size`` of page ``block_table[b, i //
+    page_size]``.
+
+    Attributes: ``page_size``; ``seq_ids``, ``qo_indptr``, ``token_order``, ``q_positions`` as
+    in :class:`PageTable`; ``cache_seqlens [n_b]`` (tokens each sequence attends to);
+    ``block_table [n_b, max_pages]`` (-1 past a sequence's pages); ``kv_indptr [n_b + 1]``,
+    ``kv_indices [n_pages_used]``, ``kv_last_page_len [n_b]``.
+    """
+
+    page_size: int
+    seq_ids: Any
+    qo_indptr: Any
+    token_order: Any
+    q_positions: Any
+    cache_seqlens: Any
+    block_table: Any
+    kv_indptr: Any
+    kv_indices: Any
+    kv_last_page_len: Any
+
+
+def paged_arrays(host: "HostPages", page_size: int) -> dict:
+    """Host arrays of a :class:`PagedTable` from a pass's page-size-1 table, or a ``str``
+    saying why the layout has no page form: each sequence's visible cells must be one run
+    ``c0, c0 + 1, ...`` in position order starting on a page boundary (``c0 % page_size ==
+    0``), so that whole pages hold only its tokens, in order."""
+    n_b = host.seq_ids.shape[0]
+    seqlens = np.diff(host.kv_indptr).astype(np.int32)
+    counts = -(-seqlens // page_size)
+    max_pages = int(counts.max()) if n_b else 0
+    block = np.full((n_b, max(max_pages, 1)), -1, np.int32)
+    indices = []
+    for b in range(n_b):
+        cells = host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
+        n = cells.shape[0]
+        if n == 0:
+            continue
+        c0 = int(cells[0])
+        if c0 % page_size or not np.array_equal(cells, np.arange(c0, c0 + n)):
+            return (f"sequence {int(host.seq_ids[b])}'s visible cells are not one run starting "
+                    f"on a page boundary (first cell {c0}, {n} cells): pages of {page_size} "
+                    "cells cannot describe them")
+        pages = np.arange(c0 // page_size, c0 // page_size + counts[b], dtype=np.int32)
+        block[b, :pages.shape[0]] = pages
+        indices.append(pages)
+    last = np.where(seqlens > 0, seqlens - (counts - 1) * page_size, 0).astype(np.int32)
+    return {"cache_seqlens": seqlens, "block_table": block,
+            "kv_indptr": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            "kv_indices": (np.concatenate(indices) if indices else np.zeros(0)).astype(np.int32),
+            "kv_last_page_len": last}
+
+
 # --------------------------------------------------------------------------------------------
 # numba builder
 # --------------------------------------------------------------------------------------------

@@ -129,6 +129,11 @@ class PairedCache(WrapperCache):
         key, _, mask = self.indexer.get()
         return key, mask
 
+    def page_table(self, page_size: int = 1) -> Any:
+        """The pass's page table (both halves place alike: one table serves both pools); see
+        ``CausalCache.page_table``."""
+        return self.main.page_table(page_size)
+
     def check_paired(self) -> None:
         """Raise ``KVCacheError`` unless the two halves' cell tables are identical (positions,
         pending shifts, sequence sets, free cells): every row pair is one token's."""

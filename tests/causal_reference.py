@@ -366,10 +366,12 @@ class RefCausal:
             else:
                 self._free(u)
 
-    def _moving(self, seq: int, p0: int, p1: Optional[int]) -> List[int]:
+    def _moving(self, seq: int, p0: int, p1: Optional[int], d: int = 0) -> List[int]:
         stop = INF if p1 is None else p1
         moving = [u for u in self.uids_of(seq) if p0 <= self.pos[u] < stop]
-        if any(len(self.seqs[u]) > 1 for u in moving):
+        # seq_div (d > 1) leaves position 0 in place: a shared cell there does not move
+        if any(len(self.seqs[u]) > 1 and not (d and self.pos[u] // d == self.pos[u])
+               for u in moving):
             raise RefNotSupported("moving shared cells")
         return moving
 
@@ -382,7 +384,7 @@ class RefCausal:
                 self._free(u)
 
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int) -> None:
-        moving = self._moving(seq, p0, p1)
+        moving = self._moving(seq, p0, p1, d)
         for u in moving:
             new = self.pos[u] // d
             self.shift[u] += new - self.pos[u]

@@ -196,3 +196,44 @@ def test_after_a_timeout_every_call_says_to_recreate_the_group(group):
 def test_paired_cache_sequences_move_both_halves(group):
     seen = group.run(S, "paired_transfer")
     assert seen[1] == ["paired"]
+
+
+def test_header_room_is_checked_before_any_allocation_for_every_size():
+    """issue 37 #9, the class that found it: headers claiming any number of positions (up to
+    what the 64 MiB header limit allows) against caches with any number of free cells. The
+    check refuses exactly when the positions exceed the cells or the free cells, and only ever
+    raises ``Refusal`` (never an allocation error): it runs before anything is allocated."""
+    import base64
+
+    import numpy as np
+    from hypothesis import given, settings, strategies as st
+
+    from numbakv.dist import _wire
+    from numbakv.state.snapshot import cache_fingerprint
+
+    cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=4, dtype="float16", capacity=16,
+                          max_seqs=2, device="cpu")
+    sender = nkv.CausalCache(cfg)
+    sender.start_forward(list(range(3)), [0] * 3)
+    for layer in range(2):
+        sender.set_layer(layer)
+        sender.put(np.ones((3, 2, 4), np.float16), np.ones((3, 2, 4), np.float16))
+    template = _wire.make_header(sender.export_seq(0), 2)
+
+    @settings(max_examples=60, deadline=None)
+    @given(n=st.one_of(st.integers(0, 40), st.integers(0, 16 << 20)), used=st.integers(0, 32))
+    def check(n, used):
+        cache = nkv.CausalCache(cfg)                       # 32 cells
+        if used:
+            cache.start_forward(list(range(used)), [1] * used)
+        probe = _wire.Probe(cache, cache_fingerprint(cache))
+        h = dict(template, parts=[dict(template["parts"][0], n=n, positions=base64.b64encode(
+            np.arange(n, dtype="<i4").tobytes()).decode("ascii"))])
+        h = _wire.decode_header(_wire.encode_header(h))
+        fits = n <= cache.cells.n_free
+        try:
+            _wire.check_header(h, probe, (0, 2), 2)
+            assert fits, (n, cache.cells.n_free)
+        except _wire.Refusal as exc:
+            assert not fits and "no room" in str(exc), (n, used, exc)
+    check()

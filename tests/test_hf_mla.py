@@ -25,7 +25,8 @@ RANK, ROPE = 64, 32
 
 
 def mla_config(name: str, n_layers: int = 2):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=n_layers,
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                  num_hidden_layers=n_layers,
                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=RANK,
                   q_lora_rank=None, qk_rope_head_dim=ROPE, qk_nope_head_dim=16, v_head_dim=12,
                   max_position_embeddings=256, moe_intermediate_size=32, n_routed_experts=4,

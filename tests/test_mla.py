@@ -419,3 +419,137 @@ def test_head_shard_replicates_the_latent_and_says_so():
     assert snap.head_range == (0, 1)
     assert b.import_seq(0, snap) == 4
     assert same(seq_rows(b, 0)[1], rows)
+
+
+# ------------------------------------------------------------------ attend: absorbed MLA
+def absorbed_reference(q, lat, visible, scale, v_dim):
+    """float64 softmax(q . lat * scale) @ lat[:, :v_dim] per head over the visible rows."""
+    s = np.einsum("bhd,nd->bhn", q.astype(np.float64), lat.astype(np.float64)) * scale
+    s = np.where(visible[:, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhn,nd->bhd", p, lat[:, :v_dim].astype(np.float64))
+
+
+@pytest.mark.parametrize("backend,dtype,k_dtype", [
+    ("torch", "float32", None), ("torch", "bfloat16", None), ("torch", "float16", None),
+    ("dense", "float32", None), ("dense", "float32", "q8_0")])
+def test_attend_absorbed_mla_equals_a_reference(device, backend, dtype, k_dtype):
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    from helpers import f32_to_bf16_bits
+    rng = np.random.default_rng(12)
+    cache = nkv.CausalCache(mla_config(device, dtype=dtype, k_dtype=k_dtype), shift=mla_shift())
+
+    def rows(n):
+        x = rng.standard_normal((n, 1, D)).astype(np.float32)
+        return f32_to_bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
+    # two sequences, then a mixed pass: a decode of seq 0 and a 3-token prefill of seq 1
+    for seq, n in ((0, 7), (1, 2)):
+        cache.start_forward(np.arange(n, dtype=np.int32), np.full(n, seq, np.int32))
+        for layer in range(2):
+            cache.set_layer(layer)
+            cache.put(rows(n), None)
+    pos = np.array([7, 2, 3, 4], np.int32)
+    sq = np.array([0, 1, 1, 1], np.int32)
+    cache.start_forward(pos, sq)
+    cache.set_layer(1)
+    cache.put(rows(4), None)
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    q = torch.from_numpy(rng.standard_normal((4, 8, D)).astype(np.float32)).to(tdt)
+    out = attend(q, cache, backend=backend)
+    assert tuple(out.shape) == (4, 8, RANK)
+    key, _, mask = cache.get()
+    lat = torch.from_dlpack(key)[:, 0].float().numpy()
+    want = absorbed_reference(q.float().numpy(), lat, np.asarray(host(mask))[:4] == 0,
+                              1 / np.sqrt(D), RANK)
+    tol = 2e-4 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(out.float().numpy(), want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="v_dim"):
+        attend(q, cache, backend=backend, v_dim=D + 1)
+    narrow = attend(q, cache, backend=backend, v_dim=16)
+    np.testing.assert_allclose(narrow.float().numpy(), want[..., :16], rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------ FlashMLA pages, FlashInfer views
+def test_page_table_in_pages_of_64_and_split_views(device):
+    pytest.importorskip("torch")
+    from helpers import shares_memory
+    rng = np.random.default_rng(13)
+    cfg = mla_config(device, capacity=128, max_seqs=2, cache_padding=64, max_batch=128)
+    cache = nkv.CausalCache(cfg, shift=mla_shift())
+    # one prefill pass of two sequences: 64 tokens of sequence 0 (cells 0..63, page 0), then 40
+    # of sequence 1 (cells 64..103, page 1): each sequence one run from a page boundary
+    pos = np.concatenate([np.arange(64), np.arange(40)]).astype(np.int32)
+    sq = np.concatenate([np.zeros(64), np.ones(40)]).astype(np.int32)
+    cache.start_forward(pos, sq)
+    for layer in range(2):
+        cache.set_layer(layer)
+        cache.put(rng.standard_normal((104, 1, D)).astype(np.float16), None)
+    pt = cache.page_table(page_size=64)
+    assert host(pt.seq_ids).tolist() == [0, 1]
+    assert host(pt.cache_seqlens).tolist() == [64, 40]
+    assert host(pt.block_table).tolist() == [[0], [1]]
+    assert host(pt.kv_indptr).tolist() == [0, 1, 2]
+    assert host(pt.kv_indices).tolist() == [0, 1]
+    assert host(pt.kv_last_page_len).tolist() == [64, 40]
+    # sequence 1 decodes alone: its token lands on cell 104, the run goes on (page 1, slot 40)
+    cache.start_forward(np.array([40], np.int32), np.array([1], np.int32))
+    cache.set_layer(1)
+    cache.put(rng.standard_normal((1, 1, D)).astype(np.float16), None)
+    pt = cache.page_table(page_size=64)
+    assert host(pt.cache_seqlens).tolist() == [41]
+    assert host(pt.block_table).tolist() == [[1]]
+    assert host(pt.kv_last_page_len).tolist() == [41]
+    # FlashInfer's split ckv/kpe: strided views of the one latent row, pages of 64
+    ckv, kpe = cache.mla_views(1, page_size=64)
+    key, _ = cache.layer_pool(1)
+    assert tuple(ckv.shape) == (cache.n_cells // 64, 64, RANK)
+    assert tuple(kpe.shape) == (cache.n_cells // 64, 64, ROPE)
+    assert shares_memory(ckv, key) and shares_memory(kpe, key)
+    k = np.asarray(host(key))
+    assert same(np.asarray(host(ckv))[1, 40], k[104, 0, :RANK])
+    assert same(np.asarray(host(kpe))[1, 40], k[104, 0, RANK:])
+    flat_ckv, flat_kpe = cache.mla_views(1)
+    assert tuple(flat_ckv.shape) == (cache.n_cells, RANK)
+    assert tuple(flat_kpe.shape) == (cache.n_cells, ROPE)
+    # a layout pages cannot describe is refused, naming the sequence (both decode: sequence 0's
+    # next token cannot follow its run, which sequence 1 holds)
+    cache.start_forward(np.array([64, 41], np.int32), np.array([0, 1], np.int32))
+    with pytest.raises(NotSupportedError, match="sequence 0"):
+        cache.page_table(page_size=64)
+    with pytest.raises(ValueError, match="page_size"):
+        cache.page_table(page_size=0)
+    with pytest.raises(ValueError, match="divide"):
+        cache.page_table(page_size=48)
+    with pytest.raises(ValueError, match="MLA latent"):
+        nkv.CausalCache(mla_config(v_head_dim=None)).mla_views()
+
+
+@pytest.mark.parametrize("k_dtype", [None, "fp8_ds_mla"])
+def test_disk_tier_keeps_latent_rows_bit_exact(tmp_path, k_dtype):
+    """A PrefixStore's disk tier: a later store of the same model loads the latent rows (float
+    or FlashMLA's fp8 row) bit-exactly, and a store of the other layout does not match them."""
+    rng = np.random.default_rng(14)
+    kw = dict(n_layers=2, n_kv_heads=1, head_dim=576, v_head_dim=0, dtype="bfloat16",
+              capacity=32, max_seqs=2, device="cpu")
+    shift = nkv.RopeShift(dim=64, offset=512)
+    rows = np.stack([ds_rows(rng, 8), ds_rows(rng, 8)])
+    toks = list(range(300, 308))
+    a = nkv.CausalCache(nkv.CacheConfig(**kw, k_dtype=k_dtype), shift=shift)
+    put_rows(a, rows, "bfloat16")
+    want = seq_rows(a, 0)[1]
+    with nkv.PrefixStore(a, block_tokens=4, disk_dir=str(tmp_path), disk_bytes=1 << 22,
+                         model_id="mla-toy") as first:
+        assert first.save(0, toks) == 8
+        first.flush()
+    b = nkv.CausalCache(nkv.CacheConfig(**kw, k_dtype=k_dtype), shift=shift)
+    with nkv.PrefixStore(b, block_tokens=4, disk_dir=str(tmp_path), disk_bytes=1 << 22,
+                         model_id="mla-toy") as second:
+        assert second.load(1, toks + [1]) == 8
+    assert same(seq_rows(b, 1)[1], want)
+    other = None if k_dtype else "fp8_ds_mla"
+    c = nkv.CausalCache(nkv.CacheConfig(**kw, k_dtype=other), shift=shift)
+    with nkv.PrefixStore(c, block_tokens=4, disk_dir=str(tmp_path), disk_bytes=1 << 22,
+                         model_id="mla-toy") as third:
+        assert third.match(toks + [1]) == 0

@@ -428,3 +428,26 @@ def test_event_log_off_and_bad_bound():
     store.close()
     with pytest.raises(ValueError, match="event_bytes"):
         nkv.PrefixStore(small_cache(), event_bytes=-1)
+
+
+def test_damaged_run_healed_by_a_save_of_the_same_process(tmp_path):
+    """3 with write-through: the process that wrote a run and then found it damaged writes it
+    again at the next save (it does not trust that it was written once)."""
+    spec = str(tmp_path / "store")
+    cache, store = lower_store(spec)
+    try:
+        p = prompt(11)
+        prefill(cache, 0, p)
+        assert store.save(0, p) == len(p)
+        store.flush()
+        [path] = run_files(spec).values()
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 50)
+        assert store.load(1, p) == 0 and store.match(p) == 0
+        assert store.save(0, p) == len(p)
+        store.flush()
+        cache.seq_rm(0)
+        assert store.match(p) == len(p) and store.load(1, p) == len(p)
+        check_holds(cache, 1, p, len(p))
+    finally:
+        store.close()

@@ -41,10 +41,18 @@ class Server:
     ``model``). A request's prompt then starts from the store's longest prefix (the first
     time it is scheduled) and a finished or cancelled request saves its tokens. ``stats``
     counts prompt tokens computed and reused.
+
+    ``edit_reuse=True`` (off by default: an approximation): a prompt that differs from a stored
+    one only inside a range (an agent stripped earlier reasoning) loads with
+    ``store.load_edit``: the stored suffix after the edit is moved to its new positions and the
+    server computes only the ranges it returns (the edit plus ``recompute_after`` tokens after
+    it) before prefilling on; the rest of the suffix keeps K/V computed before the edit, so
+    outputs may differ from a full prefill (see ``PrefixStore.match_edit``).
     """
 
     def __init__(self, model: Any, cache: Any, *, prefill_chunk: int = 256,
-                 store: Any = None) -> None:
+                 store: Any = None, edit_reuse: bool = False,
+                 recompute_after: int = 16) -> None:
         torch, _ = _transformers()
         self._torch = torch
         if store is not None:
@@ -63,6 +71,18 @@ class Server:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
                 or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+        if not isinstance(edit_reuse, bool):
+            raise ValueError(f"edit_reuse must be a bool, got {edit_reuse!r}")
+        if edit_reuse and store is None:
+            raise ValueError("edit_reuse=True needs a store (Server(..., store=PrefixStore(...)))")
+        if edit_reuse and getattr(cache, "rc", None) is not None:
+            raise NotSupportedError("edit_reuse=True: a hybrid model's recurrent state after an "
+                                    "edit depends on every token before it (nothing after the "
+                                    "edit can be re-used)")
+        if isinstance(recompute_after, bool) or not isinstance(recompute_after, int) \
+                or recompute_after < 0:
+            raise ValueError(f"recompute_after must be an integer >= 0, got {recompute_after!r}")
+        self.edit_reuse, self.recompute_after = edit_reuse, recompute_after
         self.model, self.cache, self.prefill_chunk = model, cache, prefill_chunk
         attn = getattr(cache, "attn", cache)        # a HybridCache's attention half
         cfg = getattr(attn, "config", None) or attn.caches[0].config
@@ -105,7 +125,7 @@ class Server:
         self._reqs[rid] = {"prompt": ids.astype(np.int64).tolist(), "done": 0, "seq": None,
                            "out": [], "max": max_new_tokens, "sample": do_sample,
                            "temp": float(temperature), "top_k": top_k, "gen": gen,
-                           "eos": eos_token_id}
+                           "eos": eos_token_id, "gaps": []}
         self._waiting.append(rid)
         return rid
 
@@ -123,6 +143,7 @@ class Server:
         last_row: Dict[int, int] = {}
         placed: Dict[int, int] = {}                # sequence -> first position this pass puts
         chunks: List[tuple] = []                   # (rid, seq, tokens taken)
+        gaps: Dict[int, tuple] = {}                # sequence -> the gap range this pass fills
         free = list(self._free)
         room = self._max_batch
         for rid, r in self._reqs.items():          # one decode token per running request
@@ -143,6 +164,16 @@ class Server:
                 if not free:
                     break
                 seq = free.pop(0)
+            if r["gaps"]:                          # ranges an edited load left to compute
+                a, b = r["gaps"][0]
+                n = min(self.prefill_chunk, room, b - a)
+                tokens += r["prompt"][a:a + n]
+                positions += range(a, a + n)
+                seqs += [seq] * n
+                gaps[seq] = (a, a + n)
+                chunks.append((rid, seq, n))
+                room -= n
+                continue
             n = min(self.prefill_chunk, room, len(r["prompt"]) - r["done"])
             tokens += r["prompt"][r["done"]:r["done"] + n]
             positions += range(r["done"], r["done"] + n)
@@ -169,13 +200,21 @@ class Server:
                     self.cache.remove(seq, p0)
                 except (ValueError, NotSupportedError):
                     self._restart(seq)
+            for seq, (a, b) in gaps.items():       # (inside a gap: that range only)
+                self.cache.seq_rm(seq, a, b)
             raise
         self._free = free
         for rid, seq, n in chunks:
             r = self._reqs[rid]
             r["seq"] = seq
-            r["done"] += n
             self.stats["prefill_tokens"] += n
+            if seq in gaps:
+                a, b = r["gaps"][0]
+                r["gaps"][0] = (a + n, b)
+                if a + n == b:
+                    r["gaps"].pop(0)
+                continue
+            r["done"] += n
             if r["done"] == len(r["prompt"]):
                 self._waiting.remove(rid)
         new: Dict[int, int] = {}
@@ -210,11 +249,18 @@ class Server:
             if not self._free:
                 break
             seq = self._free.pop(0)
+            gaps: list = []
             try:
-                n = self.store.load(seq, r["prompt"][:-1])
+                if self.edit_reuse:
+                    n = self.store.load_edit(seq, r["prompt"][:-1],
+                                             recompute_after=self.recompute_after)
+                    gaps = [g for g in self.store.last_recompute if g[1] > g[0]]
+                    done = self.store.last_edit.end
+                else:
+                    n = done = self.store.load(seq, r["prompt"][:-1])
             except KVCacheFullError:
-                n = 0                              # no room to promote it: compute the prompt
-            r["seq"], r["done"] = seq, n
+                n = done = 0                       # no room to promote it: compute the prompt
+            r["seq"], r["done"], r["gaps"] = seq, done, gaps
             self.stats["reused_tokens"] += n
 
     def _release(self, rid: int) -> None:
@@ -225,7 +271,8 @@ class Server:
         if seq is None:
             return
         if self.store is not None:
-            held = r["prompt"][:r["done"]]
+            # an edited load's gaps not yet computed: only what lies before the first is whole
+            held = r["prompt"][:r["gaps"][0][0] if r["gaps"] else r["done"]]
             if r["done"] == len(r["prompt"]) and r["out"]:
                 held = r["prompt"] + r["out"][:-1]     # the last token was never computed
             if held:

@@ -129,11 +129,12 @@ def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind, col):
 
 
 @njit(cache=True, inline="always")
-def _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c, col):
+def _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c, col, z0, z1):
+    """Listed cell ``c`` in layers ``layers[z0:z1]``."""
     half = cos_t.shape[1]
     cell = cells[c]
     u = tab[c]
-    for z in range(layers.shape[0]):
+    for z in range(z0, z1):
         layer = layers[z]
         for h in range(keys.shape[2]):
             for p in range(half):
@@ -152,7 +153,8 @@ _f32_to_f16_hw = _common.f32_to_f16_bits_hw
 
 
 @njit(cache=True, inline="always")
-def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col):
+def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col, z0,
+                           z1):
     """:func:`_rotate_cell_cpu` for float16 bit patterns converted by the CPU's half-precision
     instructions (bit-identical with numpy's conversions). Staged per head row through float32
     scratch ``lo``/``hi`` (``[n/2]`` each): each of the five loops is a plain contiguous pass
@@ -163,7 +165,7 @@ def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, 
     u = tab[c]
     cs = cos_t[u]
     sn = sin_t[u]
-    for z in range(layers.shape[0]):
+    for z in range(z0, z1):
         layer = layers[z]
         for h in range(keys.shape[2]):
             row = keys[layer, cell, h][col:]   # contiguous: the loops stay vectorised
@@ -192,12 +194,18 @@ def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, 
                     row[2 * p + 1] = _f32_to_f16_hw(hi[p])
 
 
+# One thread walks layer by layer (cells inner): consecutive cells of a layer are neighbours in
+# memory, while one cell's layers lie n_cells rows apart; measured 2-3x faster (minimum) and up
+# to 20x (median, busy machine) than cell by cell for 4 layers x 4,096 MLA rows.
+
 @njit(cache=True)
 def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     lo = np.empty(cos_t.shape[1], np.float32)
     hi = np.empty(cos_t.shape[1], np.float32)
-    for c in range(cells.shape[0]):
-        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col)
+    for z in range(layers.shape[0]):
+        for c in range(cells.shape[0]):
+            _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col,
+                                   z, z + 1)
 
 
 @njit(cache=True, parallel=True)
@@ -205,7 +213,8 @@ def _rope_cpu_f16hw_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
         lo = np.empty(cos_t.shape[1], np.float32)
         hi = np.empty(cos_t.shape[1], np.float32)
-        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col)
+        _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, hi, col, 0,
+                               layers.shape[0])
 
 
 #: float16 rotations on the CPU use the hardware conversions where Numba's target has them
@@ -217,38 +226,47 @@ F16_HW = _common.cpu_has_f16c()
 
 @njit(cache=True)
 def _rope_cpu_float(keys, cells, tab, layers, cos_t, sin_t, neox, col):
-    for c in range(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c, col)
+    for z in range(layers.shape[0]):
+        for c in range(cells.shape[0]):
+            _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c, col, z,
+                             z + 1)
 
 
 @njit(cache=True)
 def _rope_cpu_f16(keys, cells, tab, layers, cos_t, sin_t, neox, col):
-    for c in range(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c, col)
+    for z in range(layers.shape[0]):
+        for c in range(cells.shape[0]):
+            _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c, col, z,
+                             z + 1)
 
 
 @njit(cache=True)
 def _rope_cpu_bf16(keys, cells, tab, layers, cos_t, sin_t, neox, col):
-    for c in range(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c, col)
+    for z in range(layers.shape[0]):
+        for c in range(cells.shape[0]):
+            _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c,
+                             col, z, z + 1)
 
 
 @njit(cache=True, parallel=True)
 def _rope_cpu_float_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c, col)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_FLOAT, c, col, 0,
+                         layers.shape[0])
 
 
 @njit(cache=True, parallel=True)
 def _rope_cpu_f16_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c, col)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_BITS, c, col, 0,
+                         layers.shape[0])
 
 
 @njit(cache=True, parallel=True)
 def _rope_cpu_bf16_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
     for c in prange(cells.shape[0]):
-        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c, col)
+        _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c, col, 0,
+                         layers.shape[0])
 
 
 _CPU_TWINS = {KIND_FLOAT: (_rope_cpu_float, _rope_cpu_float_par),

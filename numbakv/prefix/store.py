@@ -50,8 +50,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import KVCacheError, KVCacheFullError, StateError
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from . import events as ev
+from . import edit as _edit
+from .edit import EditMatch
 from .index import BlockIndex, Entry, Match
 from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
 from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
@@ -221,6 +223,18 @@ def _slice_snapshot(snap, n: int):
         k = int(np.searchsorted(p.positions, n))
         parts.append(type(p)(positions=p.positions[:k], keys=tuple(a[:k] for a in p.keys),
                              values=tuple(a[:k] for a in p.values), k_format=p.k_format,
+                             v_format=p.v_format))
+    return type(snap)(parts=tuple(parts), fingerprint=snap.fingerprint,
+                      head_range=snap.head_range)
+
+
+def _range_snapshot(snap, a: int, b: int):
+    """The rows of ``snap`` at positions ``[a, b)`` (every part), as a new snapshot of views."""
+    parts = []
+    for p in snap.parts:
+        i, j = (int(x) for x in np.searchsorted(p.positions, [a, b]))
+        parts.append(type(p)(positions=p.positions[i:j], keys=tuple(x[i:j] for x in p.keys),
+                             values=tuple(x[i:j] for x in p.values), k_format=p.k_format,
                              v_format=p.v_format))
     return type(snap)(parts=tuple(parts), fingerprint=snap.fingerprint,
                       head_range=snap.head_range)
@@ -398,6 +412,10 @@ class PrefixStore:
         self.host = HostTier(host_bytes)
         self._counts = {t: {"hits": 0, "misses": 0} for t in (CELLS, HOST)}
         self.tokens_reused = 0
+        #: after ``load_edit``: what it placed (an ``EditMatch``) and the position ranges the
+        #: caller must compute before prefilling on from ``last_edit.end``
+        self.last_edit: EditMatch = EditMatch(0, recompute=[])
+        self.last_recompute: List[Tuple[int, int]] = []
         self.tokens_matched = 0
         self.bytes_moved = 0
         self.events = ev.EventLog(max_bytes=event_bytes)
@@ -509,6 +527,12 @@ class PrefixStore:
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
     # ------------------------------------------------------------------ restore points
+    def _refuse_edits_on_hybrids(self) -> None:
+        if self._rc is not None:
+            raise NotSupportedError("match_edit/load_edit: a hybrid model's recurrent state "
+                                    "after an edit depends on every token before it: nothing "
+                                    "after the edit can be re-used (use match/load)")
+
     def _restore_end(self, seq: int, length: int) -> int:
         """Hybrid caches: the longest prefix ``<= length`` of ``seq`` whose recurrent state is
         held: ``length`` itself at ``seq``'s end (kept as an explicit restore point) or at a
@@ -614,6 +638,105 @@ class PrefixStore:
         self._counts[e.tier]["hits"] += 1
         self.tokens_reused += n
         return n
+
+    def match_edit(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
+                   recompute_after: int = 16) -> EditMatch:
+        """What the store can re-use of ``tokens`` when they differ from a stored prompt only
+        inside one range (an agent stripped earlier reasoning, changed its tool list): the exact
+        prefix (``match``, cells and host RAM) plus a stored suffix found again after the edit,
+        at shifted positions (:class:`numbakv.prefix.edit.EditMatch`). ``recompute`` lists what
+        a caller must compute: the edited tokens and the first ``recompute_after`` tokens of
+        the moved suffix (the CacheBlend/LegoLink approximation: the rest of the suffix keeps
+        K/V computed against the pre-edit tokens, ``approximated``). No side effects.
+
+        A plain prefix match (``suffix_src=None``, nothing approximated) where moving K/V is
+        not possible: a cache without a shift (keys cannot be re-rotated), sliding-window
+        groups, hybrid caches (a recurrent state cannot skip the edit), or no suffix longer
+        than ``recompute_after`` found. ``extra_keys`` prompts are not edit-matched."""
+        self._check_open()
+        self._refuse_edits_on_hybrids()
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        recompute_after = _int_arg("recompute_after", recompute_after, 0)
+        return self._match_edit(root, buf, recompute_after)[0]
+
+    def _match_edit(self, root: bytes, buf: bytes, recompute_after: int):
+        """``(EditMatch, the entry holding the suffix or None)``."""
+        m = self.index.match(root, buf)
+        plain = _edit.plan(m.n, None, 0)
+        movable = not self._sliding and all(getattr(g, "shift", None) is not None
+                                            for g in self._groups)
+        if m.n == 0 or not movable:
+            return plain, None
+        # candidates: the entries covering the deepest node of the match (they share the
+        # prefix); the longest re-usable suffix wins
+        best, best_e = plain, None
+        for e in sorted(m.path[-1].entries.values(), key=lambda e: -e.length)[:8]:
+            if e.restore is not None or e.floor or e.length <= m.n:
+                continue
+            found = _edit.find_suffix(e.buf, buf, m.n, self.block_tokens)
+            got = _edit.plan(m.n, found, recompute_after)
+            if got.approximated is not None and (
+                    best.approximated is None
+                    or got.approximated[1] - got.approximated[0]
+                    > best.approximated[1] - best.approximated[0]):
+                best, best_e = got, e
+        return best, best_e
+
+    def load_edit(self, seq: int, tokens: TokenIds, *, recompute_after: int = 16,
+                  salt: Optional[bytes] = None) -> int:
+        """``load`` for an edited prompt (see :meth:`match_edit`): the empty ``seq`` gets the
+        exact prefix at ``0..prefix-1`` and the re-usable stored suffix moved to its new
+        positions ``suffix_dst`` (keys re-rotated through the cache's shift), minus its first
+        ``recompute_after`` tokens. Returns the tokens placed. ``store.last_recompute`` then
+        lists the position ranges the caller must compute (the edited tokens and those first
+        tokens after the edit; they attend only to lower positions, so computing them after
+        the load is causal) before it prefills on from ``store.last_edit.end``; the suffix's
+        other tokens keep their pre-edit K/V (an approximation, ``last_edit.approximated``).
+
+        Where no suffix can be moved (no shift, sliding windows, hybrid caches, no suffix
+        found, no room for it) this is a plain :meth:`load`: ``last_recompute == []`` and
+        ``last_edit.suffix_src is None``. Raises as ``load``; a refusal leaves ``seq`` empty."""
+        self._check_open()
+        self._refuse_edits_on_hybrids()
+        seq = self._check_seq(seq)
+        buf = token_buffer(tokens)
+        root = self._root(salt)
+        recompute_after = _int_arg("recompute_after", recompute_after, 0)
+        if self.cache.seq_pos_max(seq) >= 0:
+            raise ValueError(f"seq {seq} must be empty to load a prefix into it (it holds "
+                             f"positions up to {self.cache.seq_pos_max(seq)}); seq_rm it first")
+        em, e = self._match_edit(root, buf, recompute_after)
+        suffix = None
+        if e is not None:
+            # the suffix rows are copied out first: loading the prefix or making room for the
+            # suffix may evict the entry that holds them
+            (a, b), (a2, b2) = em.suffix_src, em.suffix_dst
+            skip = em.approximated[0] - a2
+            if e.tier == CELLS:
+                suffix = _owned(self.cache.export_seq(e.seq, a + skip, b))
+            else:
+                suffix = _range_snapshot(e.payload, a + skip, b)
+        n = self.load(seq, tokens, salt=salt)
+        self.last_recompute, self.last_edit = [], _edit.plan(n, None, 0)
+        if suffix is None or n > em.approximated[0]:
+            return n
+        try:
+            placed = self._import_at(seq, suffix, em.approximated[0])
+        except KVCacheFullError:
+            return n                           # no room for the suffix: a plain prefix load
+        self.last_recompute = [(n, em.approximated[0])]
+        self.last_edit = em._replace(prefix=n, recompute=list(self.last_recompute))
+        self.tokens_reused += placed
+        return n + placed
+
+    def _import_at(self, seq: int, snap, at: int) -> int:
+        """``cache.import_seq(seq, snap, at=at)`` with one retry after the store made room."""
+        try:
+            return self.cache.import_seq(seq, snap, at=at)
+        except KVCacheFullError:
+            self._make_room(max(len(p.positions) for p in snap.parts))
+            return self.cache.import_seq(seq, snap, at=at)
 
     def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
              cache: bool = True, priority: Optional[int] = None, ttl: Optional[float] = None,
@@ -1292,8 +1415,9 @@ class PrefixStore:
         return is_bound(snap.metadata, run_key, block, block_key)
 
     def _lower_probe(self, root: bytes, buf: bytes, local: int) -> Tuple[int, Any]:
-        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a lower tier holds
-        beyond ``local`` tokens, one ``find_blocks`` round trip per tier."""
+        """``(n, (tier, run key, block index, block key))``: the deepest block of ``buf`` a
+        lower tier holds beyond ``local`` tokens, one ``find_blocks`` round trip per tier
+        (pointers this process found naming the wrong run are skipped)."""
         keys = block_keys(np.frombuffer(buf, "<i8"), self.block_tokens, root)
         first = local // self.block_tokens
         if first >= len(keys):
@@ -1311,11 +1435,23 @@ class PrefixStore:
                     break
         return 0, None
 
+    def _forget_written(self, run_key: Optional[str]) -> None:
+        """The writer no longer takes ``run_key`` (None: any run) as written: a lower tier lost
+        or refused it, and a fresh save must store it again."""
+        if self._writer is not None:
+            self._writer.forget(run_key)
+
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, block, block_key) = hit
-        data = tier.read_runs([run_key])[0]
+        try:
+            data = tier.read_runs([run_key])[0]
+        except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss
+            data = None
         if data is None:
+            # gone (evicted elsewhere, or the tier dropped a damaged file): the next save of
+            # this prompt must write it again, not trust that it was written once
+            self._forget_written(run_key)
             self._counts[tier.name]["misses"] += 1
             return 0
         try:
@@ -1330,6 +1466,7 @@ class PrefixStore:
                 while len(self._distrust) > _MAX_DISTRUST:
                     self._distrust.popitem(last=False)
                 tier._count("invalid")
+                self._forget_written(None)   # a re-save of the prompt re-points its blocks
                 self._counts[tier.name]["misses"] += 1
                 return 0
             snap = _slice_snapshot(snap, n)
@@ -1349,6 +1486,7 @@ class PrefixStore:
             if isinstance(exc, KVCacheFullError):
                 raise
             tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
+            self._forget_written(run_key)
             self._counts[tier.name]["misses"] += 1
             return 0
         self.bytes_moved += snap.nbytes

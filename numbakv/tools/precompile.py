@@ -245,6 +245,7 @@ def _transformers() -> None:
         server.submit(prompt, max_new_tokens=8)
     while server.pending:
         server.step()
+    hf.detach(model)                         # the server attached it
     cache = hf.cache_for(model, capacity=64, max_seqs=2)
     hf.attach(model, cache)
     try:

@@ -112,9 +112,18 @@ def is_bound(metadata: Dict[str, str], run_key: str, block: int, block_key: str)
     pointer of block number ``block`` (key ``block_key``), are that run and hold that block: a
     file copied or linked under another run's name, a value of another run, or a pointer
     rewritten to another run fail."""
-    blocks = metadata.get(BIND_BLOCKS, "").split(",")
-    return metadata.get(BIND_RUN) == run_key and blocks[-1] == run_key \
-        and 0 <= block < len(blocks) and blocks[block] == block_key
+    blocks = metadata.get(BIND_BLOCKS, "")
+    if metadata.get(BIND_RUN) != run_key or not blocks.endswith(run_key) or block < 0:
+        return False
+    # the store's keys have one length: the block's key sits at a known offset (no split of
+    # a 2k-block prompt's list on every hit); anything else is checked the long way
+    width = len(block_key)
+    at = block * (width + 1)
+    if blocks[at:at + width] == block_key and (at + width == len(blocks)
+                                               or blocks[at + width] == ","):
+        return at == 0 or blocks[at - 1] == ","
+    keys = blocks.split(",")
+    return block < len(keys) and keys[block] == block_key
 
 
 def check_data(data) -> memoryview:

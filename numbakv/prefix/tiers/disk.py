@@ -431,8 +431,8 @@ class DiskTier(ByteTier):
                     errno.ENOSPC: "is on a full file system",
                     errno.ENOTDIR: "has a path component that is not a directory"}.get(
                         exc.errno, f"cannot be used ({exc.strerror or exc})")
-            raise ValueError(f"{where} {kind}: {exc.filename2 or exc.filename or ''}".rstrip(": ")) \
-                from exc
+            what = exc.filename2 or exc.filename or ""     # os.replace's target: filename2
+            raise ValueError(f"{where} {kind}: {what}".rstrip(": ")) from exc
 
     # -- locking -------------------------------------------------------------------------------
     class _Held:
