@@ -237,9 +237,9 @@ def test_edit_reuse_is_refused_on_hybrids():
     store = PrefixStore(hc, retain_seqs=[3], block_tokens=4)
     hybrid_prefill(hc, 0, toks)
     assert store.save(0, toks) == 20
-    edited = toks[:5] + [99] + toks[6:]
+    edited = toks[:10] + [99] + toks[11:]
     with pytest.raises(NotSupportedError, match="hybrid"):
         store.match_edit(edited)
     with pytest.raises(NotSupportedError, match="hybrid"):
         store.load_edit(1, edited)
-    assert hc.seq_pos_max(1) == -1 and store.match(edited) == 4
+    assert hc.seq_pos_max(1) == -1 and store.match(edited) == 8   # restore point 8
