@@ -22,8 +22,12 @@ Backends:
   ``set_causal``, queries that are not the sequence's last positions, position gaps). CUDA only;
   planned once per forward pass and reused by every layer.
 * ``"dense"``: ``get()`` and its mask, in float32 (the reference; pays for the union).
-* ``"auto"``: ``"flashinfer"`` when it can run (importable, cache and ``q`` on CUDA, V not
-  permuted), else ``"torch"``.
+* ``"auto"``: ``"flashinfer"`` when it can run (importable - probed once per process -, cache
+  and ``q`` on CUDA, V not permuted); else on CUDA numbakv's batched paged kernel
+  (:mod:`numbakv.kernels.decode`: one launch per layer for every token of the pass, reading the
+  pool through the device page table, split-K with a log-sum-exp merge, on the cache's stream
+  after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
+  16, group x head_dim <= 2048); else ``"torch"``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from numba.extending import intrinsic, overload
 
 from ._dlpack import BFloat16View
 from ._jit import njit
+from .kernels import decode as _decode_kernel
 
 from .pages import HostPages, columns_mask, plan_parts, token_mask, visible_lo
 
@@ -92,13 +97,22 @@ def _torch():
     return torch
 
 
+#: memoised answer of flashinfer_available(): a failed import is tried once per process, not on
+#: every attend call (a failing import walks sys.path each time: tens of microseconds)
+_FLASHINFER: Optional[bool] = None
+
+
 def flashinfer_available() -> bool:
-    """Whether the FlashInfer backend can be imported."""
-    try:
-        import flashinfer  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return False
-    return True
+    """Whether the FlashInfer backend can be imported (probed once per process)."""
+    global _FLASHINFER
+    if _FLASHINFER is None:
+        try:
+            import flashinfer  # noqa: F401
+        except Exception:  # noqa: BLE001 - any import failure means "not available"
+            _FLASHINFER = False
+        else:
+            _FLASHINFER = True
+    return _FLASHINFER
 
 
 def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
@@ -173,9 +187,12 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
     # quantized K/V: the cell pool holds raw blocks; get() dequantizes the attended range
     quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
+    gpu_kernel = False
     if backend == "auto":
         backend = "dense" if quantized else \
             "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
+        # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
+        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v
     elif quantized and backend != "dense":
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
@@ -195,8 +212,63 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
                              "(the cache has permuted_v=True): use backend='torch'")
         key_pool, value_pool = (torch.from_dlpack(x) for x in pools)
         return _flashinfer(torch, q, host, key_pool, value_pool, scale, soft_cap)
+    if gpu_kernel and _decode_kernel.fits(q.shape[1], cfg.local_kv_heads, cfg.head_dim,
+                                          _value_dim(pools[1], permuted), batch):
+        return _gpu_attend(torch, q, host, pools, scale, soft_cap, "cuda",
+                           src.storage).to(q.dtype)
     return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
                         cfg.dtype == "bfloat16")
+
+
+def _value_dim(value_pool, permuted: bool) -> int:
+    return int(value_pool.shape[1] if permuted else value_pool.shape[2])
+
+
+def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device: str,
+                storage: Any = None):
+    """float32 ``[batch, H, Dv]`` torch tensor on ``q``'s device: every token of the pass in one
+    launch of :func:`numbakv.kernels.decode.paged_attention` (``device`` ``"cuda"``: CuPy pools
+    and page table; ``"sim"``: numpy ones through the CUDA simulator, for the tests). Per pass,
+    the token -> sequence map, the causal flags and the list lengths are planned once and kept
+    in ``host.plans`` (one upload per pass, read by every layer)."""
+    from .kernels.launch import to_device
+    plan = host.plans.get("gpu-kernel")
+    if plan is None:
+        batch = host.q_positions.shape[0]
+        tok_seq = _decode_kernel.token_sequences(host.qo_indptr, host.token_order, batch)
+        causal = np.ascontiguousarray(host.rule.causal, np.uint8)
+        (tok_dev, causal_dev), keep = to_device(device, tok_seq, causal)
+        plan = host.plans["gpu-kernel"] = (tok_dev, causal_dev, keep,
+                                           np.diff(host.kv_indptr).astype(np.int64))
+    tok_dev, causal_dev, _, lens = plan
+    bf16 = isinstance(pools[0], BFloat16View)
+    kp, vp = (x.bits if isinstance(x, BFloat16View) else x for x in pools)
+    args = (host.table, tok_dev, causal_dev, int(host.rule.window), int(host.rule.chunk), scale,
+            soft_cap, lens)
+    if device != "cuda":
+        qd = np.ascontiguousarray(q.detach().float().numpy())
+        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, bf16=bf16)
+        return torch.from_numpy(out)
+    import cupy
+    qf = q.detach().float().contiguous()       # on torch's current stream (the producer's)
+    producer = torch.cuda.current_stream(q.device).cuda_stream
+    with storage._on_device():
+        # on the cache's stream: wait for the producer's work (q) and for the cache's own work
+        # (puts) is implied; importing q here hands DLPack this stream as the consumer, so torch
+        # orders it after q's producer as well
+        stream = cupy.cuda.get_current_stream()
+        if stream.ptr != producer:
+            ready = cupy.cuda.Event(disable_timing=True)
+            ready.record(cupy.cuda.ExternalStream(producer))
+            stream.wait_event(ready)
+        qd = cupy.from_dlpack(qf)
+        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, bf16=bf16)
+        if stream.ptr != producer:
+            # the consumer (torch's current stream) reads out only after the kernel
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(stream)
+            cupy.cuda.ExternalStream(producer).wait_event(done)
+    return torch.from_dlpack(out)
 
 
 # --------------------------------------------------------------------------------------------

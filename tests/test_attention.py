@@ -102,11 +102,11 @@ def test_attend_equals_dense_attention(device, name, split_mode):
                                    rtol=TOL[dtype])
         np.testing.assert_allclose(paged.float().cpu().numpy(), ref, atol=TOL[dtype],
                                    rtol=TOL[dtype])
-        if device == "cuda" and attention.flashinfer_available():
+        if device == "cuda":    # FlashInfer, else numbakv's batched paged kernel
             np.testing.assert_allclose(auto.float().cpu().numpy(), ref, atol=TOL[dtype],
                                        rtol=TOL[dtype])
         else:
-            assert torch.equal(auto, paged)    # no FlashInfer: auto is the torch backend
+            assert torch.equal(auto, paged)    # off CUDA auto is the torch backend
         checked += 1
     assert checked >= 3
 

@@ -321,3 +321,33 @@ def test_hybrid_trace_reuses_the_history_and_matches_the_cold_run():
     assert res["max_excess_prefill"] == 0
     text = "\n".join(bh.format_hybrid({"spacing": bh.SPACING, "chat": res}, with_targets=True))
     assert "state per restore point" in text and "TTFT" in text
+
+
+@pytest.mark.torch
+def test_agents_replay_counts_hits_edits_and_orphans():
+    """bench_agents' replay on a tiny trace: both policies replay the same requests, the
+    retained one reuses at least as much, load_edit cuts the prefill of stripped-reasoning
+    turns below the exact-prefix run's, 0 orphaned blocks, and the table/targets come out."""
+    pytest.importorskip("transformers")
+    from numbakv.tools import bench_agents as ba
+    shape = ba.Shape(sessions=2, turns=5, system=64, task=16, tool=32, reasoning=16, call=2,
+                     one_off=48, prefill_chunk=64, strip_share=0.5, cancel_share=0.3, seed=3)
+    res = ba.run_agents(shape=shape)
+    a, b = res["retained"], res["lru"]
+    assert a["requests"] == b["requests"] and a["prompt_tokens"] == b["prompt_tokens"]
+    assert a["strip_turns"] > 0 and a["cancelled"] > 0
+    assert a["orphans"] == 0 and b["orphans"] == 0
+    assert a["strip_prefill_pct_mean"] < b["strip_prefill_pct_mean"]
+    assert 0 < b["hit_rate"] <= a["hit_rate"] <= 100
+    text = "\n".join(ba.format_agents(res, with_targets=True))
+    assert "orphaned" in text and "LRU" in text
+
+
+def test_agents_orphan_count_follows_the_events():
+    from numbakv.tools.bench_agents import _orphans
+    live = {}
+    stored = {"type": "BlockStored", "block_hashes": ["a", "b", "c"], "parent_block_hash": None}
+    assert _orphans(live, [stored]) == 0
+    assert _orphans(live, [{"type": "BlockRemoved", "block_hashes": ["c"]}]) == 0
+    assert _orphans(live, [{"type": "BlockRemoved", "block_hashes": ["a"]}]) == 1   # b lost a
+    assert _orphans(live, [{"type": "AllBlocksCleared"}]) == 0

@@ -111,3 +111,23 @@ def test_edit_reuse_arguments():
         hf.Server(model, cache, store=store, edit_reuse=True, recompute_after=-1)
     with pytest.raises(ValueError, match="edit_reuse"):
         hf.Server(model, cache, store=store, edit_reuse="yes")
+
+
+def test_submit_priority_reaches_the_store():
+    model = tiny_model("llama")
+    cache = hf.cache_for(model, capacity=128, max_seqs=3)
+    store = PrefixStore(cache, retain_seqs=[2])
+    srv = hf.Server(model, cache, store=store)
+    rid = srv.submit(list(range(3, 30)), max_new_tokens=2, priority=90, ttl=60)
+    srv.run()
+    (e,) = store.entries()
+    assert e["priority"] == 90 and 0 < e["ttl"] <= 60
+    for bad in (dict(priority=101), dict(priority=-1), dict(priority=True), dict(ttl=-1.0)):
+        with pytest.raises(ValueError, match="priority|ttl"):
+            srv.submit([3, 4], **bad)
+    assert srv.pending == 0 and rid in srv.finished
+    hf.detach(model)
+    plain = hf.Server(model, hf.cache_for(model, capacity=64, max_seqs=2))
+    with pytest.raises(ValueError, match="store"):
+        plain.submit([3, 4], priority=50)
+    hf.detach(model)

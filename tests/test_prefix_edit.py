@@ -107,6 +107,9 @@ def test_load_edit_moves_the_suffix_and_reports_what_to_recompute():
     assert sorted(_rows(cache, 1)) == list(range(len(new)))
     # the store entry it came from is intact
     assert store.match(stored) == len(stored)
+    # and saves like any other sequence: the next turn matches all of it
+    assert store.save(1, new) == len(new)
+    assert store.match(new + [5, 6]) == len(new)
 
 
 def test_load_edit_from_host_ram():

@@ -106,8 +106,20 @@ class Server:
 
     def submit(self, prompt_ids: Any, max_new_tokens: int = 32, *, do_sample: bool = False,
                temperature: float = 1.0, top_k: Optional[int] = None, seed: int = 0,
-               eos_token_id: Optional[int] = None) -> int:
-        """Queue ``prompt_ids`` (a sequence of token ids, ``[n]``); returns the request id."""
+               eos_token_id: Optional[int] = None, priority: Optional[int] = None,
+               ttl: Optional[float] = None) -> int:
+        """Queue ``prompt_ids`` (a sequence of token ids, ``[n]``); returns the request id.
+        ``priority`` (0..100) / ``ttl`` (seconds): the retention its tokens get in the store
+        when it finishes or is cancelled (``PrefixStore.save(priority=, ttl=)``; an agent
+        runtime gives a live session's turns a high priority); None: the store's default."""
+        if (priority is not None or ttl is not None) and self.store is None:
+            raise ValueError("priority/ttl need a store (Server(..., store=PrefixStore(...)))")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(
+                priority, (int, np.integer)) or not 0 <= priority <= 100):
+            raise ValueError(f"priority must be an integer in [0, 100] or None, got {priority!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(
+                ttl, (int, float, np.integer, np.floating)) or not ttl >= 0):
+            raise ValueError(f"ttl must be seconds >= 0 or None, got {ttl!r}")
         ids = np.asarray(prompt_ids.detach().cpu() if hasattr(prompt_ids, "detach")
                          else prompt_ids).reshape(-1)
         if ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -125,7 +137,8 @@ class Server:
         self._reqs[rid] = {"prompt": ids.astype(np.int64).tolist(), "done": 0, "seq": None,
                            "out": [], "max": max_new_tokens, "sample": do_sample,
                            "temp": float(temperature), "top_k": top_k, "gen": gen,
-                           "eos": eos_token_id, "gaps": []}
+                           "eos": eos_token_id, "gaps": [], "priority": priority,
+                           "ttl": ttl}
         self._waiting.append(rid)
         return rid
 
@@ -276,7 +289,7 @@ class Server:
             if r["done"] == len(r["prompt"]) and r["out"]:
                 held = r["prompt"] + r["out"][:-1]     # the last token was never computed
             if held:
-                self.store.save(seq, held)
+                self.store.save(seq, held, priority=r["priority"], ttl=r["ttl"])
         self.cache.remove(seq, 0)
         self._free.append(seq)
 

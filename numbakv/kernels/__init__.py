@@ -2,7 +2,7 @@
 CPU twin sharing one element function. Importing this package registers every kernel."""
 
 from ._registry import KERNELS, KernelSpec, cuda_device, cuda_kernel, element, registered
-from . import _common, mask, mla, move, put, quant, rope, rows  # noqa: E402,F401 - importing registers the kernels
+from . import _common, decode, mask, mla, move, put, quant, rope, rows  # noqa: E402,F401 - importing registers the kernels
 
 __all__ = ["KERNELS", "KernelSpec", "cuda_device", "cuda_kernel", "element", "registered", "mask", "mla", "move",
            "put", "quant", "rope", "rows"]

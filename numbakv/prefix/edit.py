@@ -106,7 +106,9 @@ def plan(prefix: int, found: Optional[Tuple[Range, Range]], recompute_after: int
     if found is None:
         return EditMatch(prefix, recompute=[])
     (a, b), (a2, b2) = found
+    if a2 < prefix:               # the run's head is inside the exact prefix already
+        a, a2 = a + prefix - a2, prefix
     keep = a2 + recompute_after
-    if keep >= b2 or a2 < prefix:
+    if keep >= b2 or a >= b:
         return EditMatch(prefix, recompute=[])
     return EditMatch(prefix, (a, b), (a2, b2), [(prefix, keep)], (keep, b2))

@@ -353,6 +353,8 @@ class BlockIndex:
             node = self.roots[root] = Node(None, b"", 0, root)
         path: List[Node] = []
         width = self.width
+        fps = pows = None      # every block's fingerprint and weight: one vectorised pass,
+        # made on the first new node (per-block numpy calls were most of a save's cost)
         for pos in range(0, len(buf), width):
             chunk = buf[pos:pos + width]
             child = node.children.get(chunk)
@@ -362,11 +364,13 @@ class BlockIndex:
                 node.children[chunk] = child
                 node.by_first.setdefault(chunk[:_TOKEN], []).append(child)
                 if len(chunk) == width:
-                    child.fp = block_fingerprints(chunk, self.block_tokens)[0]
-                    node.fast.setdefault(child.fp, child)   # a collision keeps the first
+                    if fps is None:
+                        fps = block_fingerprints(buf, self.block_tokens)
+                        pows = _powers(len(fps)).tolist()
                     depth = child.end // self.block_tokens
-                    child.h = (node.h + child.fp * int(_powers(depth)[depth - 1])) \
-                        & 0xFFFFFFFFFFFFFFFF
+                    child.fp = fps[depth - 1]
+                    node.fast.setdefault(child.fp, child)   # a collision keeps the first
+                    child.h = (node.h + child.fp * pows[depth - 1]) & 0xFFFFFFFFFFFFFFFF
                     self.deep.setdefault((root, depth, child.h), child)
             path.append(child)
             node = child
@@ -401,23 +405,28 @@ class BlockIndex:
         for node in reversed(entry.path):
             if node.entries or node.children:
                 continue
-            self._unlink(node)
+            self._unlink(node, entry.root)
         return gone
 
     def prune(self, path: Iterable[Node]) -> None:
         """Unlink nodes of ``path`` that no entry covers (after a failed save)."""
-        for node in reversed(list(path)):
+        path = list(path)
+        root = self._root_of(path[0]) if path else None
+        for node in reversed(path):
             if not node.entries and not node.children:
-                self._unlink(node)
+                self._unlink(node, root)
 
-    def _unlink(self, node: Node) -> None:
+    def _unlink(self, node: Node, root: Optional[bytes] = None) -> None:
+        """Take ``node`` out of the trie (``root``: its root's digest when the caller knows
+        it; else found by walking up, O(depth))."""
         parent = node.parent
         if parent is None:
             return
         if parent.children.get(node.tok) is node:
             del parent.children[node.tok]
             if node.fp is not None:
-                key = (self._root_of(node), node.end // self.block_tokens, node.h)
+                key = (root if root is not None else self._root_of(node),
+                       node.end // self.block_tokens, node.h)
                 if self.deep.get(key) is node:
                     del self.deep[key]
             if node.fp is not None and parent.fast.get(node.fp) is node:

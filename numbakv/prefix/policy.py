@@ -5,7 +5,7 @@ the store skips the pinned ones (pinned entries are never evicted)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Dict, Hashable, Iterator, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 
 class LRU:
@@ -144,14 +144,37 @@ class Retention:
 
     def victims(self, is_ancestor: Optional[Callable[[Hashable], bool]] = None
                 ) -> Iterator[Hashable]:
-        """Ids, first to evict first (a snapshot: the caller may remove while iterating)."""
+        """Ids, first to evict first (the order is a snapshot: the caller may remove while
+        iterating): by ``rank`` (expired, then priority), then, within a rank, entries that
+        are not ``is_ancestor`` before those that are, each in the policy's order.
+
+        Lazy: ``is_ancestor`` is asked only as far as the caller iterates (a save that evicts
+        one entry asks about the first few, not every entry: flat in the number of entries);
+        an entry whose descendants went meanwhile is no longer held back."""
         order = list(self.base.victims())
-        if not self._special and is_ancestor is None:
-            return iter(order)
-        now = self.clock()
-        pos = {k: i for i, k in enumerate(order)}
-        anc = is_ancestor or (lambda k: False)
-        return iter(sorted(order, key=lambda k: (*self.rank(k, now), bool(anc(k)), pos[k])))
+        if not self._special:
+            groups = [order]        # every entry ranks (1, default priority)
+        else:
+            now = self.clock()
+            ranks = {k: self.rank(k, now) for k in order}
+            by_rank: Dict[Tuple[int, int], List[Hashable]] = {}
+            for k in order:                     # stable: policy order inside each rank
+                by_rank.setdefault(ranks[k], []).append(k)
+            groups = [by_rank[r] for r in sorted(by_rank)]
+        if is_ancestor is None:
+            return (k for g in groups for k in g)
+        return self._tails_first(groups, is_ancestor)
+
+    @staticmethod
+    def _tails_first(groups, is_ancestor) -> Iterator[Hashable]:
+        for group in groups:
+            held = []
+            for k in group:
+                if is_ancestor(k):
+                    held.append(k)
+                else:
+                    yield k
+            yield from held
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.base

@@ -46,7 +46,7 @@ import os
 import time
 import weakref
 from collections import OrderedDict, defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -226,6 +226,13 @@ def _slice_snapshot(snap, n: int):
                              v_format=p.v_format))
     return type(snap)(parts=tuple(parts), fingerprint=snap.fingerprint,
                       head_range=snap.head_range)
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """Tokens two int64-LE prompts share from the start."""
+    n = min(len(a), len(b)) // 8
+    x = np.frombuffer(a, "<i8", n) != np.frombuffer(b, "<i8", n)
+    return int(np.argmax(x)) if x.any() else n
 
 
 def _range_snapshot(snap, a: int, b: int):
@@ -668,13 +675,16 @@ class PrefixStore:
                                             for g in self._groups)
         if m.n == 0 or not movable:
             return plain, None
-        # candidates: the entries covering the deepest node of the match (they share the
-        # prefix); the longest re-usable suffix wins
+        # candidates: the entries through the deepest two nodes of the match (the longest
+        # prompt may leave the match a block early, where a shorter entry's tail matched a
+        # token or two more); each is searched after its own common prefix; the longest
+        # re-usable suffix wins
+        pool = {e.id: e for node in m.path[-2:] for e in node.entries.values()
+                if e.restore is None and not e.floor and e.length > m.n}
         best, best_e = plain, None
-        for e in sorted(m.path[-1].entries.values(), key=lambda e: -e.length)[:8]:
-            if e.restore is not None or e.floor or e.length <= m.n:
-                continue
-            found = _edit.find_suffix(e.buf, buf, m.n, self.block_tokens)
+        for e in sorted(pool.values(), key=lambda e: -e.length)[:8]:
+            common = _common_prefix(e.buf, buf)
+            found = _edit.find_suffix(e.buf, buf, common, self.block_tokens)
             got = _edit.plan(m.n, found, recompute_after)
             if got.approximated is not None and (
                     best.approximated is None
@@ -783,10 +793,10 @@ class PrefixStore:
                 self._release_seq(r)
             if cache and length and servable and not self.retain_seqs \
                     and (self.host_bytes or self._lower):
-                m = self.index.match(root, buf)
-                if m.n >= length:       # host RAM keeps it already
-                    if retention is not None and m.entry.length == length:
-                        self._policy[m.entry.tier].set(m.entry.id, *retention)
+                if self._serves(root, buf) >= length:   # host RAM keeps it already
+                    if retention is not None:
+                        for e in self._exact(root, buf):
+                            self._policy[e.tier].set(e.id, *retention)
                     return length
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = _owned(self.cache.export_seq(seq, 0, length))
@@ -810,15 +820,17 @@ class PrefixStore:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
                 self._keep(seq, root, buf[:8 * c], protect=protect)
-        if main is None and servable and self.host_bytes and self._serves(root, buf) < length \
-                and callable(getattr(self.cache, "export_seq", None)):
-            # every retained sequence holds a higher-priority (or pinned) entry: host RAM
-            snap = _owned(self.cache.export_seq(seq, 0, length))
-            self.bytes_moved += snap.nbytes
-            if self._admit_host(root, buf, snap, retention, write_lower=False):
-                main = self.index.match(root, buf).entry
+        held_locally = main is not None
+        if main is None and servable:
+            # no retained sequence for it (each holds a higher-ranked or pinned entry)
+            if self._exact(root, buf) or self._serves(root, buf) >= length:
+                held_locally = True   # host RAM (or a longer entry) holds it already
+            elif self.host_bytes and callable(getattr(self.cache, "export_seq", None)):
+                snap = _owned(self.cache.export_seq(seq, 0, length))
+                self.bytes_moved += snap.nbytes
+                held_locally = self._admit_host(root, buf, snap, retention, write_lower=False)
         queued = self._write_through(root, buf, seq=seq)
-        return length if main is not None or (queued and servable) else 0
+        return length if held_locally or (queued and servable) else 0
 
     def retain(self, tokens: TokenIds, *, priority: int = DEFAULT_PRIORITY,
                ttl: Optional[float] = None, salt: Optional[bytes] = None,
@@ -1075,14 +1087,20 @@ class PrefixStore:
         an existing entry keeps its own, a new one gets the default)."""
         n = len(buf) // 8
         m = self.index.match(root, buf)
-        if m.n == n and m.entry is not None and m.entry.length == n:
-            self._policy[m.entry.tier].touch(m.entry.id)   # already kept exactly
+        if retention is None and m.n == n and m.entry is not None and m.entry.length == n \
+                and m.entry.tier == CELLS:
+            exact = [m.entry]            # the common case, without walking the trie again
+        else:
+            exact = self._exact(root, buf)
+        for e in exact:                                    # already kept exactly
+            self._policy[e.tier].touch(e.id)
             if retention is not None:
-                self._policy[m.entry.tier].set(m.entry.id, *retention)
-            if m.entry.tier == CELLS:
-                return m.entry
-            if retention is None:   # promoted below: the host entry's retention goes along
-                retention = self._policy[HOST].get(m.entry.id)
+                self._policy[e.tier].set(e.id, *retention)
+        for e in exact:
+            if e.tier == CELLS:
+                return e
+        if exact and retention is None:   # promoted below: the host entry's retention goes along
+            retention = self._policy[exact[0].tier].get(exact[0].id)
         want = retention or (DEFAULT_PRIORITY, None)
         # an unpinned cells entry this prompt extends: its sequence takes the longer prefix
         # (one entry per conversation, not one per turn)
@@ -1115,6 +1133,21 @@ class PrefixStore:
             self._release_seq(r)
             raise
         return self._add_cells_entry(root, buf, r, want)
+
+    def _exact(self, root: bytes, buf: bytes) -> List[Entry]:
+        """The entries holding exactly the prompt ``buf`` (any tier, cells first): one dict
+        look-up per block down the trie."""
+        node = self.index.roots.get(root)
+        width = self.index.width
+        for pos in range(0, len(buf), width):
+            if node is None:
+                return []
+            node = node.children.get(buf[pos:pos + width])
+        if node is None or node.parent is None:
+            return []
+        n = len(buf) // 8
+        return sorted((e for e in node.entries.values() if e.length == n and e.floor <= n),
+                      key=lambda e: e.tier != CELLS)
 
     def _add_cells_entry(self, root: bytes, buf: bytes, r: int, retention=None) -> Entry:
         n = len(buf) // 8
@@ -1150,21 +1183,21 @@ class PrefixStore:
         return any(o.length > e.length and o.root == e.root and o.buf.startswith(e.buf)
                    for o in pool)
 
-    def _victims(self, tier: str, rank=None) -> List[Entry]:
+    def _victims(self, tier: str, rank=None) -> Iterator[Entry]:
         """Unpinned entries of ``tier``, first to evict first: expired, then the lowest
         priority, then the policy's order, a chain's tail before its parent. ``rank``
-        (``(0 expired / 1 not, priority)``): only those ranked at or below it."""
+        (``(0 expired / 1 not, priority)``): only those ranked at or below it. Lazy (the
+        caller may evict while iterating; an entry gone meanwhile is skipped): evicting one
+        entry costs the first few, not every entry."""
         policy = self._policy[tier]
         now = self._clock()
-        out = []
         for eid in policy.victims(self._is_ancestor):
             e = self.index.entries.get(eid)
             if e is None or e.pins:
                 continue
             if rank is not None and policy.rank(eid, now) > rank:
-                break   # ranked above: so is every later one
-            out.append(e)
-        return out
+                return   # ranked above: so is every later one
+            yield e
 
     def _drop_entry(self, e: Entry) -> None:
         """Take ``e`` out of the index (its sequence / bytes are the caller's to free)."""

@@ -28,6 +28,9 @@ Three sections, all measured in one run on one device with one dtype and one set
 * **Hybrid models through the prefix store** (``--sections hybrid``, not in the default run):
   a 10-turn chat and a 30-turn agent trace on a tiny Qwen3-Next, store vs no store, see
   ``numbakv/tools/bench_hybrid.py``.
+* **Agent sessions** (``--sections agents``, not in the default run): seeded agent traces
+  replayed through ``hf.Server`` with retention priorities and ``load_edit`` against plain LRU,
+  see ``numbakv/tools/bench_agents.py``.
 * **Recurrent state rows** (``--sections states``, not in the default run): gather / scatter /
   restore-point copies of ``RecurrentCache`` rows vs ``np.copyto``, see
   ``numbakv/tools/bench_states.py``.
@@ -58,7 +61,8 @@ _MARGIN = 16
 _MEMORY_SHARE = 0.6
 #: what --sections may name; the first three run by default, the others on request
 SECTIONS = ("decode", "kernels", "capacity", "quant", "seqops", "attention", "streams",
-            "attend", "snapshot", "prefix", "fidelity", "generate", "states", "hybrid")
+            "attend", "snapshot", "prefix", "fidelity", "generate", "states", "hybrid",
+            "agents")
 
 
 # --------------------------------------------------------------------------------- settings
@@ -1399,6 +1403,9 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
     if results.get("hybrid"):       # numbakv/tools/bench_hybrid.py
         from .bench_hybrid import targets as hybrid_targets
         out += hybrid_targets(results["hybrid"])
+    if results.get("agents"):       # numbakv/tools/bench_agents.py
+        from .bench_agents import targets as agents_targets
+        out += agents_targets(results["agents"])
     return out
 
 
@@ -1588,6 +1595,9 @@ def format_report(results: dict) -> str:
     if results.get("hybrid"):
         from .bench_hybrid import format_hybrid
         lines += format_hybrid(results["hybrid"])
+    if results.get("agents"):
+        from .bench_agents import format_agents
+        lines += format_agents(results["agents"])
     if results.get("generate"):
         from .bench_generate import format_generate
         lines += format_generate(results["generate"])
@@ -1825,6 +1835,14 @@ def _run_sections(s: BenchSettings, dev: _Device, notes: List[str], results: dic
         else:
             from .bench_hybrid import run_hybrid
             results["hybrid"] = run_hybrid(s.quick, log)
+    if "agents" in s.sections:       # numbakv/tools/bench_agents.py (CPU, transformers)
+        missing = _missing(["torch", "transformers"])
+        if missing:
+            notes.append(f"agents: skipped, {' and '.join(missing)} not installed: "
+                         f"{install_hint(missing)}")
+        else:
+            from .bench_agents import run_agents
+            results["agents"] = run_agents(s.quick, log)
     if "fidelity" in s.sections:           # numbakv/tools/bench_fidelity.py
         log("shared_shift='copy' ...")
         from .bench_fidelity import run as run_fidelity

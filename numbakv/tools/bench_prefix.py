@@ -16,6 +16,8 @@ run, on this machine:
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -63,6 +65,99 @@ def _fill(cache, seq: int, n: int, chunk: int = 512, seed: int = 0) -> None:
         for layer in range(cfg.n_layers):
             cache.set_layer(layer)
             cache.put(k, k)
+
+
+class HashChainPeer:
+    """vLLM's prefix-cache bookkeeping re-implemented as a baseline: a hash per full block of
+    ``block`` tokens chained through its parent's, a dict from block hash to block; least
+    recently inserted prompt evicted past ``max_prompts``. ``algo="sha256"``: SHA-256 of the
+    pickled ``(parent, tokens, extra)`` (vLLM's default, collision-safe like numbakv's BLAKE2b
+    block keys); ``"builtin"``: Python's ``hash`` (vLLM's fast, non-cryptographic option)."""
+
+    def __init__(self, block: int = 16, max_prompts: int = 64, algo: str = "sha256") -> None:
+        self.block, self.max_prompts, self.algo = block, max_prompts, algo
+        self.blocks: Dict[int, int] = {}
+        self.prompts: List[List[int]] = []
+
+    def insert(self, tokens: List[int]) -> None:
+        h, hashes = None, []
+        for i in range(0, len(tokens) - self.block + 1, self.block):
+            key = (h, tuple(tokens[i:i + self.block]), None)
+            h = hash(key) if self.algo == "builtin" else \
+                hashlib.sha256(pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+            hashes.append(h)
+            self.blocks.setdefault(h, len(self.blocks))
+        self.prompts.append(hashes)
+        if len(self.prompts) > self.max_prompts:
+            for h in self.prompts.pop(0):
+                self.blocks.pop(h, None)
+
+
+class TriePeer:
+    """mlx-lm's prompt cache trie (``LRUPromptCache``) re-implemented as a baseline: one dict
+    level per token, the cache object at the prompt's last node; least recently inserted
+    prompt evicted past ``max_prompts``."""
+
+    def __init__(self, max_prompts: int = 64) -> None:
+        self.root: Dict[Any, Any] = {}
+        self.max_prompts = max_prompts
+        self.prompts: List[List[int]] = []
+
+    def insert(self, tokens: List[int], value: Any = True) -> None:
+        node = self.root
+        for t in tokens:
+            node = node.setdefault(t, {})
+        node["cache"] = value
+        self.prompts.append(tokens)
+        if len(self.prompts) > self.max_prompts:
+            self._remove(self.prompts.pop(0))
+
+    def _remove(self, tokens: List[int]) -> None:
+        path, node = [], self.root
+        for t in tokens:
+            path.append((node, t))
+            node = node[t]
+        node.pop("cache", None)
+        for parent, t in reversed(path):
+            if parent[t]:
+                break
+            del parent[t]
+
+
+def bench_save(n_tokens: int = 2048, entries=(16, 128), reps: int = 48) -> Dict[str, Any]:
+    """``store.save`` of a fresh ``n_tokens`` prompt (tier 0, 32 bytes of K/V per token) into a
+    store already holding ``entries`` prompts (each save evicts one), against the two peers'
+    insert of the same prompts at the same fill (vLLM's builtin-hash option reported beside).
+    Targets: save <= 2x the faster peer's insert,
+    and flat in the number of entries (the largest fill <= 1.5x the smallest)."""
+    rng = np.random.default_rng(5)
+    out = []
+    for n_entries in entries:
+        cache = _tiny_cache((n_entries + 4) * n_tokens, max_seqs=n_entries + 2)
+        store = PrefixStore(cache, retain_seqs=list(range(2, n_entries + 2)))
+        _fill(cache, 0, n_tokens)
+        prompts = [rng.integers(0, 1 << 30, n_tokens) for _ in range(n_entries + reps)]
+        lists = [p.tolist() for p in prompts]
+        for p in prompts[:n_entries]:
+            store.save(0, p)
+        it = iter(prompts[n_entries:])
+        save_s = _median(lambda: store.save(0, next(it)), reps, budget=5.0)
+        peers = {}
+        for name, peer in (("hash_chain", HashChainPeer(max_prompts=n_entries)),
+                           ("hash_builtin", HashChainPeer(max_prompts=n_entries,
+                                                          algo="builtin")),
+                           ("trie", TriePeer(max_prompts=n_entries))):
+            for p in lists[:n_entries]:
+                peer.insert(p)
+            it2 = iter(lists[n_entries:])
+            peers[name] = _median(lambda: peer.insert(next(it2)), reps, budget=5.0)
+        store.close()
+        out.append({"tokens": n_tokens, "entries": n_entries, "save_us": 1e6 * save_s,
+                    "hash_chain_us": 1e6 * peers["hash_chain"], "trie_us": 1e6 * peers["trie"],
+                    "hash_builtin_us": 1e6 * peers["hash_builtin"],
+                    "vs_faster_peer": save_s / min(peers["hash_chain"], peers["trie"]),
+                    "vs_builtin_hash": save_s / peers["hash_builtin"]})
+    return {"runs": out, "growth": out[-1]["save_us"] / out[0]["save_us"]}
 
 
 def bench_match(n_tokens: int = 32768, reps: int = 50) -> Dict[str, Any]:
@@ -304,6 +399,8 @@ def run_prefix(quick: bool = False, log: Callable[[str], None] = print) -> Dict[
     log("prefix: tier-0 hits ...")
     res["tier0"] = bench_tier0_hit(1024 if quick else 4096,
                                    (8192, 32768) if quick else (8192, 65536, 262144))
+    log("prefix: save vs the peers' insert ...")
+    res["save"] = bench_save(2048, (16, 64) if quick else (16, 64, 240), 16 if quick else 48)
     if hasattr(nkv.CausalCache, "export_seq"):
         log("prefix: tier-1 hit ...")
         res["tier1"] = bench_tier1_hit(512 if quick else 2048)
@@ -335,6 +432,18 @@ def format_prefix(res: Dict[str, Any]) -> str:
         lines.append(f"  tier-0 hit, {r['tokens']} tokens, cache of {r['cells']} cells: "
                      f"{r['median_us']:.1f} us [{_status(r['median_us'] <= r['target_us'])}: "
                      f"<= 100 us]")
+    sv = res.get("save")
+    if sv:
+        for r in sv["runs"]:
+            lines.append(f"  save, {r['tokens']}-token prompt, {r['entries']} entries: "
+                         f"{r['save_us']:.0f} us vs insert: vLLM-style hash chain (sha256) "
+                         f"{r['hash_chain_us']:.0f} us, mlx-lm-style trie {r['trie_us']:.0f} us "
+                         f"= {r['vs_faster_peer']:.1f}x the faster "
+                         f"[{_status(r['vs_faster_peer'] <= 2)}: <= 2x]; vLLM's builtin-hash "
+                         f"option {r['hash_builtin_us']:.0f} us ({r['vs_builtin_hash']:.0f}x)")
+        lines.append(f"  save growth from {sv['runs'][0]['entries']} to "
+                     f"{sv['runs'][-1]['entries']} entries: {sv['growth']:.2f}x "
+                     f"[{_status(sv['growth'] <= 1.5)}: flat, <= 1.5x]")
     t = res.get("tier1")
     if t:
         lines.append(f"  tier-1 hit, {t['tokens']} tokens ({t['bytes'] / 2**20:.1f} MiB): "

@@ -1,0 +1,379 @@
+"""Batched paged attention on the GPU: one launch per layer for every query token of the pass,
+reading K/V straight from the cell pool through the pass's device page table (the CSR
+``kv_indptr`` / ``kv_indices`` / ``kv_positions`` of ``cache.page_table()``), split-K over long
+lists with a log-sum-exp merge (flash-decoding).
+
+Block ``(part, token, kv_head)``: the query heads of one KV head (grouped-query attention: the
+group's K/V rows are read once for all of them), list entries ``part * part_len ..`` of the
+token's sequence intersected with the run the token sees. Positions ascend along a list, so a
+token's visible cells (causal ``p``, sliding window, chunks: :func:`numbakv.pages.visible_lo`)
+are one run ``[jlo, jhi)`` found by two binary searches; no mask is read or built.
+
+Per tile of :data:`TILE` cells the block computes the group's scores (one thread per (head,
+cell)), then each head's running maximum and sum (online softmax), then the accumulators (one
+thread per (head, value dim): consecutive threads read consecutive values of a V row). Pools are
+read as raw bits (float16/bfloat16 as ``uint16``, float32 as ``uint32``) and converted with the
+shared float conversions of :mod:`._common`, so one body serves every storage dtype.
+
+With one part per token the kernel writes normalised rows and their LSE itself; with several it
+writes each part's unnormalised accumulator, maximum and sum, and :data:`paged_merge_kernel`
+combines them. The LSE is the natural log of the sum of ``exp(scale * q.k)`` over the visible
+cells (``-inf`` for a token that sees none, whose row is zeros), as the CPU kernel defines it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+from numba import cuda, float32, types
+
+from . import _common
+from ._common import block_size, cdiv, sig_array as _arr
+from .launch import launch as _launch, to_device
+from ._registry import cuda_device, cuda_kernel
+
+#: cells per tile: the group's scores of a tile sit in shared memory between the passes
+TILE = 32
+#: the largest grouped-query group (query heads per KV head) the kernel takes
+MAX_GROUP = 16
+#: the largest group x head_dim (and group x value dim): the scaled queries and the accumulators
+#: of a block live in shared memory, 2 x 8 KiB
+MAX_GROUP_DIM = 2048
+#: the scores of a tile for the largest group (a literal: shared array shapes must be constants)
+_SCORE_SLOTS = 512
+assert _SCORE_SLOTS == TILE * MAX_GROUP
+#: blocks per launch the split-K plan aims for (per SM on a GPU): with fewer (token, KV head)
+#: pairs than this, long lists are cut into parts so every SM has work
+BLOCKS_PER_SM = 4
+#: the shortest part a list is cut into (cells): shorter parts cost more in the merge than they
+#: gain in parallelism
+MIN_PART = 256
+#: exp(x) below this is a float32 denormal: flushed to 0, as the CPU kernel does
+_EXP_FLUSH = -87.0
+#: storage formats of the pools (``fmt``): float16 bits, bfloat16 bits, float32 bits
+FMT_F16, FMT_BF16, FMT_F32 = 0, 1, 2
+
+_f16 = _common.f16_bits_to_f32.cuda
+_bf16 = _common.bf16_bits_to_f32.cuda
+
+
+@cuda_device
+def kv_to_f32(x, fmt):
+    """One stored K/V element (raw bits) as float32, by storage format ``fmt``."""
+    if fmt == FMT_F16:
+        return _f16(x)
+    if fmt == FMT_BF16:
+        return _bf16(x)
+    return np.uint32(x).view(np.float32)
+
+
+@cuda_device
+def lower_bound(pos, a, e, value):
+    """First ``j`` in ``[a, e)`` with ``pos[j] >= value`` (``pos`` ascending)."""
+    while a < e:
+        m = (a + e) >> 1
+        if pos[m] < value:
+            a = m + 1
+        else:
+            e = m
+    return a
+
+
+@cuda_device
+def visible_run(kv_pos, c0, c1, p, causal, window, chunk):
+    """``(jlo, jhi)``: the entries of list ``[c0, c1)`` a token at position ``p`` sees (the
+    device form of :func:`numbakv.pages.visible_lo` plus the causal upper bound)."""
+    lo = 0
+    if window >= 0:
+        lo = max(lo, p - window)
+    if chunk > 0:
+        lo = max(lo, p - p % chunk)
+    jlo = lower_bound(kv_pos, c0, c1, lo)
+    jhi = c1
+    if causal != 0:
+        jhi = lower_bound(kv_pos, jlo, c1, p + 1)
+    return jlo, jhi
+
+
+def _sigs():
+    i32 = _arr(types.int32, 1)
+    out = []
+    for word in (types.uint16, types.uint32):
+        out.append((_arr(types.float32, 3), _arr(word, 3), _arr(word, 3), types.int64, i32, i32,
+                    i32, i32, i32, _arr(types.uint8, 1), types.int64, types.int64,
+                    _arr(types.float32, 1), types.int64, _arr(types.float32, 3),
+                    _arr(types.float32, 2), _arr(types.float32, 4), _arr(types.float32, 4)))
+    return out
+
+
+@cuda_kernel("paged_attention", _sigs())
+def paged_attention_kernel(q, kpool, vpool, fmt, kv_indices, kv_pos, kv_indptr, tok_seq, q_pos,
+                           causal, window, chunk, scal, part_len, out, lse, part_acc, part_ml):
+    """q float32 ``[T, H, D]`` (the scale folded in here); kpool ``[n_cells, Hkv, D]``, vpool
+    ``[n_cells, Hkv, Dv]`` raw bits; page table int32; tok_seq ``[T]`` each token's sequence;
+    causal uint8 ``[T]``; scal float32 ``[scale, soft_cap (<= 0: none)]``; out float32 ``[T, H,
+    Dv]`` and lse ``[T, H]`` (one part), else part_acc ``[P, T, H, Dv]`` and part_ml ``[2, P, T,
+    H]`` (maximum, sum)."""
+    qs = cuda.shared.array(MAX_GROUP_DIM, float32)
+    acc = cuda.shared.array(MAX_GROUP_DIM, float32)
+    sc = cuda.shared.array(_SCORE_SLOTS, float32)
+    mx = cuda.shared.array(MAX_GROUP, float32)
+    tot = cuda.shared.array(MAX_GROUP, float32)
+    corr = cuda.shared.array(MAX_GROUP, float32)
+    part = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    kh = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n_heads = q.shape[1]
+    dim = q.shape[2]
+    dv = out.shape[2]
+    g = n_heads // kpool.shape[1]
+    h0 = kh * g
+    scale = scal[0]
+    soft_cap = scal[1]
+    b = tok_seq[t]
+    c0 = np.int64(kv_indptr[b])
+    c1 = np.int64(kv_indptr[b + 1])
+    jlo, jhi = visible_run(kv_pos, c0, c1, np.int64(q_pos[t]), causal[t], window, chunk)
+    a = max(jlo, c0 + part * part_len)
+    e = min(jhi, c0 + (part + 1) * part_len)
+    for i in range(tid, g * dim, nt):
+        gi = i // dim
+        qs[i] = q[t, h0 + gi, i - gi * dim] * scale
+    for i in range(tid, g * dv, nt):
+        acc[i] = 0.0
+    for i in range(tid, g, nt):
+        mx[i] = -math.inf
+        tot[i] = 0.0
+    cuda.syncthreads()
+    for j0 in range(a, e, TILE):
+        n = min(TILE, e - j0)
+        # scores: one thread per (head of the group, cell of the tile)
+        for i in range(tid, g * TILE, nt):
+            gi = i // TILE
+            jj = i - gi * TILE
+            x = float32(-math.inf)
+            if jj < n:
+                c = kv_indices[j0 + jj]
+                x = float32(0.0)
+                for d in range(dim):
+                    x += qs[gi * dim + d] * kv_to_f32(kpool[c, kh, d], fmt)
+                if soft_cap > 0:
+                    x = soft_cap * math.tanh(x / soft_cap)
+            sc[i] = x
+        cuda.syncthreads()
+        # online softmax per head: new maximum, the rescale of what was summed, the weights
+        for gi in range(tid, g, nt):
+            m_old = mx[gi]
+            m = m_old
+            for jj in range(n):
+                m = max(m, sc[gi * TILE + jj])
+            y = m_old - m
+            cr = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
+            s = tot[gi] * cr
+            for jj in range(n):
+                y = sc[gi * TILE + jj] - m
+                w = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
+                sc[gi * TILE + jj] = w
+                s += w
+            mx[gi] = m
+            tot[gi] = s
+            corr[gi] = cr
+        cuda.syncthreads()
+        # accumulators: one thread per (head, value dim), consecutive threads along a V row
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            d = i - gi * dv
+            v = acc[i] * corr[gi]
+            for jj in range(n):
+                w = sc[gi * TILE + jj]
+                if w != 0:
+                    v += w * kv_to_f32(vpool[kv_indices[j0 + jj], kh, d], fmt)
+            acc[i] = v
+        cuda.syncthreads()
+    if cuda.gridDim.x == 1:
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            s = tot[gi]
+            out[t, h0 + gi, i - gi * dv] = acc[i] / s if s > 0 else float32(0.0)
+        for gi in range(tid, g, nt):
+            s = tot[gi]
+            lse[t, h0 + gi] = mx[gi] + math.log(s) if s > 0 else float32(-math.inf)
+    else:
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            part_acc[part, t, h0 + gi, i - gi * dv] = acc[i]
+        for gi in range(tid, g, nt):
+            part_ml[0, part, t, h0 + gi] = mx[gi]
+            part_ml[1, part, t, h0 + gi] = tot[gi]
+
+
+_MERGE_SIGS = [(_arr(types.float32, 4), _arr(types.float32, 4), _arr(types.float32, 3),
+                _arr(types.float32, 2))]
+
+
+@cuda_kernel("paged_attention_merge", _MERGE_SIGS)
+def paged_merge_kernel(part_acc, part_ml, out, lse):
+    """Block ``(token, head)``: the parts' accumulators combined by their maxima and sums into
+    the normalised row of ``out`` and its LSE (split-K's second pass)."""
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    n_parts = part_acc.shape[0]
+    m = float32(-math.inf)
+    for p in range(n_parts):
+        m = max(m, part_ml[0, p, t, h])
+    s = float32(0.0)
+    if m > -math.inf:
+        for p in range(n_parts):
+            y = part_ml[0, p, t, h] - m
+            if y > _EXP_FLUSH:
+                s += float32(math.exp(y)) * part_ml[1, p, t, h]
+    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+        v = float32(0.0)
+        if s > 0:
+            for p in range(n_parts):
+                y = part_ml[0, p, t, h] - m
+                if y > _EXP_FLUSH:
+                    v += float32(math.exp(y)) * part_acc[p, t, h, d]
+            v = v / s
+        out[t, h, d] = v
+    if cuda.threadIdx.x == 0:
+        lse[t, h] = m + math.log(s) if s > 0 else float32(-math.inf)
+
+
+def fits(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int, batch: int) -> bool:
+    """Whether the kernel takes this shape (group and group x dims within the shared-memory
+    tiles, tokens within the grid's y extent)."""
+    g = n_heads // max(1, n_kv_heads)
+    return (n_heads % max(1, n_kv_heads) == 0 and 1 <= g <= MAX_GROUP
+            and g * max(head_dim, v_dim) <= MAX_GROUP_DIM and 0 < batch <= _common.MAX_GRID_YZ
+            and n_kv_heads <= _common.MAX_GRID_YZ)
+
+
+def plan_part_len(list_lens: np.ndarray, blocks_per_part: int, device: str,
+                  part_len: Optional[int] = None) -> Tuple[int, int]:
+    """``(part_len, n_parts)`` of the split-K: lists cut so that the launch has about
+    :data:`BLOCKS_PER_SM` blocks per SM (``blocks_per_part`` = tokens x KV heads), parts of at
+    least :data:`MIN_PART` cells (a multiple of :data:`TILE`); ``part_len`` forces it."""
+    longest = int(list_lens.max()) if list_lens.size else 0
+    if longest <= 0:
+        return 1, 1
+    if part_len is None:
+        want = BLOCKS_PER_SM * (_common.sm_count(_device_id()) if device == "cuda" else 4)
+        n = max(1, want // max(1, blocks_per_part))
+        part_len = max(MIN_PART, cdiv(cdiv(longest, n), TILE) * TILE)
+    part_len = max(1, int(part_len))
+    return part_len, cdiv(longest, part_len)
+
+
+def _device_id() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDevice()
+
+
+def _raw(pool, device: str):
+    """A pool as the kernel reads it: raw bits and the storage format."""
+    dt = np.dtype(pool.dtype)
+    if dt == np.float32:
+        word, fmt = np.uint32, FMT_F32
+    elif dt == np.float16:
+        word, fmt = np.uint16, FMT_F16
+    elif dt == np.uint16:     # bfloat16 bit patterns
+        word, fmt = np.uint16, FMT_BF16
+    else:
+        raise ValueError(f"paged attention reads float16, bfloat16 (uint16 bits) or float32 "
+                         f"pools, got {dt}")
+    if device == "cuda":
+        return _common.desc_of(pool, word), fmt
+    return pool.view(word), fmt
+
+
+def token_sequences(qo_indptr: np.ndarray, token_order: np.ndarray, batch: int) -> np.ndarray:
+    """int32 ``[batch]``: the batch-sequence index of each batch token (host side)."""
+    out = np.empty(batch, np.int32)
+    counts = np.diff(np.asarray(qo_indptr, np.int64))
+    out[np.asarray(token_order, np.int64)] = np.repeat(np.arange(counts.size, dtype=np.int32),
+                                                       counts)
+    return out
+
+
+def paged_attention(device: str, q, kpool, vpool, table, tok_seq, causal, window: int,
+                    chunk: int, scale: float, soft_cap: Optional[float], list_lens: np.ndarray,
+                    *, bf16: bool = False, part_len: Optional[int] = None):
+    """Attention of every query token over its sequence's listed cells, one launch (two when
+    lists are split).
+
+    Args:
+        device: ``"cuda"`` (CuPy arrays) or ``"sim"`` (numpy arrays).
+        q: float32 ``[T, H, D]`` contiguous on the device.
+        kpool: ``[n_cells, Hkv, D]`` float16/float32, or uint16 bfloat16 bits (``bf16``);
+            vpool ``[n_cells, Hkv, Dv]`` likewise.
+        table: the pass's :class:`numbakv.pages.PageTable` (device arrays).
+        tok_seq: int32 ``[T]`` device array (:func:`token_sequences`); causal uint8 ``[T]``.
+        window, chunk: the mask rule (-1 / 0: none); scale; soft_cap (None: none).
+        list_lens: host int ``[n_b]`` list lengths (plans the split).
+        part_len: force the split-K part length (tests).
+
+    Returns:
+        ``(out, lse)``: float32 ``[T, H, Dv]`` and ``[T, H]`` on the device.
+    """
+    T, H, D = q.shape
+    hkv = kpool.shape[1]
+    dv = vpool.shape[2]
+    if bf16 and np.dtype(kpool.dtype) == np.float16:
+        raise ValueError("bf16=True needs the pools as uint16 bit patterns")
+    if not fits(H, hkv, D, dv, T):
+        raise ValueError(f"paged attention kernel does not take n_heads={H}, n_kv_heads={hkv}, "
+                         f"head_dim={D}, v_dim={dv}, batch={T}")
+    xp = _xp(device)
+    pl, n_parts = plan_part_len(np.asarray(list_lens), T * hkv, device, part_len)
+    out = xp.empty((T, H, dv), np.float32)
+    lse = xp.empty((T, H), np.float32)
+    if n_parts > 1:
+        part_acc = xp.empty((n_parts, T, H, dv), np.float32)
+        part_ml = xp.empty((2, n_parts, T, H), np.float32)
+    else:   # unused by the one-part kernel: a minimal placeholder of the right rank
+        part_acc = xp.empty((1, 1, 1, 1), np.float32)
+        part_ml = xp.empty((2, 1, 1, 1), np.float32)
+    if bf16:
+        kpool = kpool.view(np.uint16)
+        vpool = vpool.view(np.uint16)
+    kr, fmt = _raw(kpool, device)
+    vr, vfmt = _raw(vpool, device)
+    if fmt != vfmt:
+        raise ValueError("K and V pools must share their storage dtype")
+    if bf16:
+        fmt = FMT_BF16
+    (scal,), keep = to_device(device, np.array([scale, soft_cap or 0.0], np.float32))
+    if device == "cuda":
+        def arg(a):
+            return a if isinstance(a, _common.Desc) else _common.desc_of(a)
+    else:
+        def arg(a):
+            return a
+    nb = block_size(device) if device == "sim" else 128
+    _launch(device, paged_attention_kernel, (n_parts, T, hkv), nb,
+            (arg(q), kr, vr, fmt, arg(table.kv_indices), arg(table.kv_positions),
+             arg(table.kv_indptr), arg(tok_seq), arg(table.q_positions), arg(causal),
+             int(window), int(chunk), scal, pl, arg(out), arg(lse), arg(part_acc),
+             arg(part_ml)))
+    if n_parts > 1:
+        _launch(device, paged_merge_kernel, (T, H), min(nb, max(32, dv)),
+                (arg(part_acc), arg(part_ml), arg(out), arg(lse)))
+    del keep
+    return out, lse
+
+
+def _xp(device: str):
+    if device == "cuda":
+        import cupy
+        return cupy
+    return np
+
+
+__all__ = ["FMT_BF16", "FMT_F16", "FMT_F32", "MAX_GROUP", "MAX_GROUP_DIM", "TILE", "fits",
+           "kv_to_f32", "lower_bound", "paged_attention", "paged_attention_kernel",
+           "paged_merge_kernel", "plan_part_len", "token_sequences", "visible_run"]

@@ -1,0 +1,184 @@
+"""numbakv.kernels.decode: the batched paged attention kernel (the real @cuda.jit kernel, in the
+simulator or on a GPU) against the CPU attend and an independent numpy reference, on random
+multi-sequence passes (GQA, windows, chunks, set_causal, soft cap, split-K, every dtype)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from numbakv import attention  # noqa: E402
+from numbakv.kernels import decode  # noqa: E402
+from conftest import KERNEL_DEVICE  # noqa: E402
+from scenario_pages import make_cache, random_forwards  # noqa: E402
+from test_attention import _independent_reference  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+
+CONFIGS = {
+    "f32": dict(),
+    "f32-window": dict(swa_window=3),
+    "f16-chunk": dict(dtype="float16", chunk=4),
+    "bf16": dict(dtype="bfloat16"),
+}
+
+
+def _run(cache, q, scale, soft_cap, part_len=None):
+    """The kernel on ``cache``'s pass through attention's wiring (float32 torch result)."""
+    host = cache._host_pages()
+    if part_len is None:
+        return attention._gpu_attend(torch, q, host, cache.layer_pool(), scale, soft_cap,
+                                     KERNEL_DEVICE).cpu()
+    # a forced split: call the launcher itself with the same arguments
+    attention._gpu_attend(torch, q, host, cache.layer_pool(), scale, soft_cap, KERNEL_DEVICE)
+    tok, causal, _, lens = host.plans["gpu-kernel"]
+    pools = cache.layer_pool()
+    bf16 = cache.config.dtype == "bfloat16"
+    kp, vp = (p.bits if bf16 else p for p in pools)
+    qd = q.float().numpy() if KERNEL_DEVICE == "sim" else \
+        __import__("cupy").from_dlpack(q.float().contiguous())
+    out, lse = decode.paged_attention(KERNEL_DEVICE, qd, kp, vp, host.table, tok, causal,
+                                      int(host.rule.window), int(host.rule.chunk), scale,
+                                      soft_cap, lens, bf16=bf16, part_len=part_len)
+    return torch.from_dlpack(out).cpu() if KERNEL_DEVICE == "cuda" else torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_paged_kernel_equals_cpu_attend(name):
+    kw = CONFIGS[name]
+    dtype = kw.get("dtype", "float32")
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    cache = make_cache(KERNEL_DEVICE, capacity=40, n_kv_heads=2, head_dim=16, **kw)
+    checked = 0
+    for pos, _ in random_forwards(cache, rng, 6, torch=torch):
+        cache.set_layer(int(rng.integers(cache.config.n_layers)))
+        q = torch.randn(len(pos), 4, 16)             # 4 query heads over 2 KV heads (GQA 2)
+        if KERNEL_DEVICE == "cuda":
+            q = q.cuda()
+        soft_cap = 2.0 if checked % 3 == 1 else None
+        scale = 0.3 if checked % 2 else 1 / math.sqrt(16)
+        ref = _independent_reference(q.float(), cache, scale, soft_cap)
+        cpu = attention.attend(q, cache, scale=scale, soft_cap=soft_cap, backend="torch")
+        for part_len in (None, 3):                   # one part, and split-K with merge
+            got = _run(cache, q, scale, soft_cap, part_len).numpy()
+            np.testing.assert_allclose(got, ref, atol=TOL[dtype], rtol=TOL[dtype])
+            np.testing.assert_allclose(got, cpu.float().cpu().numpy(), atol=TOL[dtype],
+                                       rtol=TOL[dtype])
+        checked += 1
+    assert checked >= 3
+
+
+def test_lse_with_and_without_split():
+    """The LSE is log sum exp(scale q.k) over the visible cells, with one part and with a split
+    whose later parts are empty for the early tokens (their -inf maxima must drop out)."""
+    cache = make_cache(KERNEL_DEVICE, capacity=40, n_kv_heads=2, head_dim=16)
+    rng = np.random.default_rng(5)
+    cache.start_forward(list(range(11)) + list(range(5)), [0] * 11 + [1] * 5)
+    for layer in range(2):
+        cache.set_layer(layer)
+        k = rng.standard_normal((16, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((16, 2, 16)).astype(np.float32)
+        cache.put(k, v)
+    q = torch.randn(16, 4, 16)
+    host = cache._host_pages()
+    attention._gpu_attend(torch, q, host, cache.layer_pool(), 0.25, None, KERNEL_DEVICE)
+    tok, causal, _, lens = host.plans["gpu-kernel"]
+    kp, vp = cache.layer_pool()
+    for part_len in (None, 4):
+        out, lse = decode.paged_attention(KERNEL_DEVICE, q.numpy(), kp, vp, host.table, tok,
+                                          causal, -1, 0, 0.25, None, lens, part_len=part_len)
+        # reference LSE from the independent scores
+        kk = k.astype(np.float64)
+        qq = q.numpy().astype(np.float64)
+        for t in range(16):
+            rows = list(range(0, t + 1)) if t < 11 else list(range(11, t + 1))
+            sc = np.einsum("hd,nhd->hn", qq[t], np.repeat(kk[rows], 2, axis=1)) * 0.25
+            ref = np.log(np.exp(sc).sum(-1))
+            np.testing.assert_allclose(lse[t], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_splits_long_lists_and_fits_limits():
+    pl, n = decode.plan_part_len(np.array([5000, 10]), 2, "sim")
+    assert pl >= decode.MIN_PART and pl % decode.TILE == 0 and n == -(-5000 // pl)
+    assert decode.plan_part_len(np.array([5000]), 10_000, "sim") == (5024, 1)
+    assert decode.plan_part_len(np.array([7]), 1, "sim", part_len=3) == (3, 3)
+    assert decode.fits(32, 8, 128, 128, 8)
+    assert not decode.fits(64, 1, 128, 128, 8)          # group 64 > MAX_GROUP
+    assert not decode.fits(16, 1, 576, 512, 8)          # MLA latent rows: too wide per block
+    assert decode.token_sequences(np.array([0, 2, 3]), np.array([2, 0, 1]), 3).tolist() == \
+        [0, 1, 0]
+
+
+def test_flashinfer_probe_is_memoised(monkeypatch):
+    import builtins
+    calls = []
+    real = builtins.__import__
+
+    def spy(name, *a, **k):
+        if name == "flashinfer":
+            calls.append(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(attention, "_FLASHINFER", None)
+    monkeypatch.setattr(builtins, "__import__", spy)
+    first = attention.flashinfer_available()
+    for _ in range(5):
+        assert attention.flashinfer_available() is first
+    assert len(calls) == 1
+
+
+def _slow_stream_setup():
+    import cupy
+    import numbakv as nkv
+    cfg = nkv.CacheConfig(1, 2, 64, dtype="float32", capacity=1024, max_seqs=1, max_batch=512,
+                          device="cuda")
+    cache = nkv.CausalCache(cfg)
+    cache.use_stream(cupy.cuda.Stream(non_blocking=True))
+    return cache
+
+
+@pytest.mark.gpu
+def test_put_from_a_slow_producer_stream_is_ordered():
+    """The producer's stream spins (~tens of ms) before it writes K/V; put on the cache's own
+    stream must still store the written values (DLPack import on the cache's stream)."""
+    import cupy
+    cache = _slow_stream_setup()
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        kv = torch.zeros(512, 2, 64, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        kv.fill_(3.0)
+        cache.start_forward(np.arange(512, dtype=np.int32), np.zeros(512, np.int32))
+        cache.put(kv, kv)
+    cache.storage.stream.synchronize()
+    key, value, _ = cache.get()
+    cache.storage.stream.synchronize()
+    assert bool((cupy.asarray(key)[:512] == 3.0).all())
+
+
+@pytest.mark.gpu
+def test_attend_waits_for_the_producer_and_the_cache_stream():
+    """q is written after a spin on the producer's stream and K/V after one on the cache's
+    stream; attend (the paged kernel) must see both and its result must be ready on the
+    producer's stream."""
+    cache = _slow_stream_setup()
+    rng = np.random.default_rng(0)
+    k = torch.from_numpy(rng.standard_normal((512, 2, 64)).astype(np.float32)).cuda()
+    cache.start_forward(np.arange(512, dtype=np.int32), np.zeros(512, np.int32))
+    cache.put(k, k)
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        q = torch.zeros(512, 4, 64, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        q.copy_(k.repeat_interleave(2, dim=1))
+        out = attention.attend(q, cache)
+        got = out.clone()           # on the producer's stream, after attend's kernel
+    torch.cuda.synchronize()
+    want = _independent_reference(q.float(), cache, 1 / math.sqrt(64), None)
+    np.testing.assert_allclose(got.cpu().numpy(), want, atol=2e-5, rtol=2e-5)
