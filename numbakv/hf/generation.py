@@ -321,6 +321,10 @@ class _GenState:
             cols = torch.from_numpy(pages.kv_positions[a:z].astype(np.int64))
             out[r, cols.to(pool.device)] = pool.index_select(0, cells.to(pool.device))[:, 0] \
                 .to(kv_nope.dtype)
+        rot = src.config.k_rotation
+        if rot:   # a rotated quantized latent (llama.cpp #21038): the model reads the plain basis
+            from ..rotation import hadamard_blocks
+            out = hadamard_blocks(out, rot).to(kv_nope.dtype)
         out = out[:, None]
         return out[..., :rank], out[..., rank:]
 
