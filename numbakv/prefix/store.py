@@ -50,7 +50,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import KVCacheError, KVCacheFullError, StateError
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from . import events as ev
 from . import edit as _edit
 from .edit import EditMatch
@@ -534,6 +534,12 @@ class PrefixStore:
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
     # ------------------------------------------------------------------ restore points
+    def _refuse_edits_on_hybrids(self) -> None:
+        if self._rc is not None:
+            raise NotSupportedError("match_edit/load_edit: a hybrid model's recurrent state "
+                                    "after an edit depends on every token before it: nothing "
+                                    "after the edit can be re-used (use match/load)")
+
     def _restore_end(self, seq: int, length: int) -> int:
         """Hybrid caches: the longest prefix ``<= length`` of ``seq`` whose recurrent state is
         held: ``length`` itself at ``seq``'s end (kept as an explicit restore point) or at a
@@ -655,6 +661,7 @@ class PrefixStore:
         groups, hybrid caches (a recurrent state cannot skip the edit), or no suffix longer
         than ``recompute_after`` found. ``extra_keys`` prompts are not edit-matched."""
         self._check_open()
+        self._refuse_edits_on_hybrids()
         buf = token_buffer(tokens)
         root = self._root(salt)
         recompute_after = _int_arg("recompute_after", recompute_after, 0)
@@ -701,6 +708,7 @@ class PrefixStore:
         found, no room for it) this is a plain :meth:`load`: ``last_recompute == []`` and
         ``last_edit.suffix_src is None``. Raises as ``load``; a refusal leaves ``seq`` empty."""
         self._check_open()
+        self._refuse_edits_on_hybrids()
         seq = self._check_seq(seq)
         buf = token_buffer(tokens)
         root = self._root(salt)
