@@ -197,7 +197,8 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         backend = ("torch" if formats is not None else "dense") if quantized else \
             "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
         # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
-        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v
+        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v \
+            and getattr(src, "storage", None) is not None
     elif quantized and backend != "dense" and not (backend == "torch" and formats is not None):
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
