@@ -20,3 +20,12 @@ def test_python_option_needs_ship(capsys):
     assert args.python == [sys.executable] and not args.ship
     assert precompile.run(args) == 2
     assert "--python applies to --ship" in capsys.readouterr().err
+
+
+def test_interpreter_check(tmp_path):
+    assert precompile.interpreter_problem(sys.executable) == ""
+    assert "missing-python" in precompile.interpreter_problem(str(tmp_path / "missing-python"))
+    fake = tmp_path / "fake-python"
+    fake.write_text("#!/bin/sh\necho 0.0.1\n")
+    fake.chmod(0o755)
+    assert "numba 0.0.1" in precompile.interpreter_problem(str(fake))

@@ -391,6 +391,25 @@ def python_tag(python: str = "") -> str:
     return out.stdout.strip()
 
 
+def interpreter_problem(python: str) -> str:
+    """Why interpreter ``python`` cannot build shipped code for this checkout ('' if it can):
+    it must import numba (the same version as this process: the shipped code is stamped with
+    it), numpy and ml_dtypes (the common path puts bfloat16 arrays)."""
+    import numba
+    code = "import numba, numpy, ml_dtypes; print(numba.__version__)"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python}: {exc}"
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"{python}: {last} (install numbakv's dependencies and ml_dtypes there)"
+    if out.stdout.strip() != numba.__version__:
+        return (f"{python} has numba {out.stdout.strip()}, this process {numba.__version__}: "
+                "install the same numba version")
+    return ""
+
+
 def ship(pythons=()) -> int:
     """Rebuild ``numbakv/_precompiled/`` (module docstring) for this interpreter, or for each
     interpreter in ``pythons`` (paths; each needs numbakv's dependencies, the same numba
@@ -399,6 +418,11 @@ def ship(pythons=()) -> int:
     ``.pyXY.``). Returns an exit status."""
     out = _jit.SHIPPED_DIR
     targets = list(pythons) or [""]
+    for python in targets:
+        problem = interpreter_problem(python) if python else ""
+        if problem:
+            print(f"numbakv precompile --ship: {problem}", file=sys.stderr)
+            return 2
     tags = [python_tag(p) for p in targets]
     out.mkdir(exist_ok=True)
     for tag in tags:
