@@ -22,6 +22,7 @@ from .errors import NoSlotError, ReprocessError
 from .prompt import PromptCache
 from .state.snapshot import SeqSnapshot, SnapshotPart
 from .prefix import PrefixStore
+from .rotation import rotate_queries, unrotate_output
 from .recurrent import RecurrentCache, RecurrentConfig, StateSpec  # registers its state files
 from .hybrid import HybridCache  # registers its state files
 from .state.snapshot import RecurrentPart
@@ -36,4 +37,5 @@ __all__ += ["PairedCache"]
 __all__ += ["ConcurrentUseError"]
 __all__ += ["SeqSnapshot", "SnapshotPart"]
 __all__ += ["PrefixStore"]
+__all__ += ["rotate_queries", "unrotate_output"]
 __all__ += ["StateSpec", "RecurrentConfig", "RecurrentCache", "RecurrentPart", "HybridCache"]

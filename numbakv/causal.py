@@ -9,6 +9,7 @@ cell's metadata with another cell's K/V (defrag included).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -265,10 +266,11 @@ class CausalCache(StateMethods):
         self._mask_buf = None
         self._ones = np.ones(0, np.uint8)
         self._packed_pos = self.device == "cpu" and sys.byteorder == "little"
-        #: the CPU builds a pass's dense mask at its first get(), not in start_forward (callers
-        #: that attend over page_table() never pay for it); on a GPU it is queued in
-        #: start_forward as before, on the stream the caller chose then
-        self._lazy_mask = self.device == "cpu"
+        #: a pass's dense mask is built at its first get(), not in start_forward, on every
+        #: device: callers that attend over page_table() (attend, FlashInfer, the GPU paged
+        #: kernel) never pay for it (on a GPU: a [batch x n_cells] fill every step). On CUDA it
+        #: is then queued on the cache's stream at that get()
+        self._lazy_mask = True
         self._bf16_mask = config.mask_dtype == "bfloat16"
         self._bf16 = config.dtype == "bfloat16"
         #: when a list: every sequence operation appends its undo log here (WrapperCache fan-out)
@@ -545,7 +547,10 @@ class CausalCache(StateMethods):
             raise second_put_error(self._layer)
         if self._put_layer < 0:
             raise self._no_put()
-        k, v = self._batch_kv(key, value, len(fwd.positions))
+        # imported (and converted) on the cache's stream: CuPy hands a DLPack producer its
+        # current stream, so the producer (e.g. torch) orders this stream after its own work
+        with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
+            k, v = self._batch_kv(key, value, len(fwd.positions))
         if not fwd.reserve:
             self.storage.put_range(self._put_layer, fwd.start, k, v)
         self._put_in = fwd
@@ -1238,6 +1243,8 @@ def _refuse_held(cells: CellTable, src: int, dst: int, p0: int, p1: Optional[int
                          f"sequence {src} would copy into it; seq_rm them from {dst} first")
 
 
+#: put's import scope on a cache without storage (no stream to enter)
+_NO_STREAM_SCOPE = contextlib.nullcontext()
 _TABLE_SAMPLE_CELLS = 4096
 
 

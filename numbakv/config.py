@@ -25,6 +25,18 @@ QUANT_TYPES = {"q8_0": (32, 34), "q4_0": (32, 18), "float8_e4m3": (1, 1),
 #: 576-value latent row (512 latent + 64 rope), 656 bytes; V-less caches only
 DS_MLA = "fp8_ds_mla"
 DEVICES = ("auto", "cpu", "cuda", "sim")
+#: ``kv_rotation`` settings: llama.cpp's rule (``"auto"``), the rule required (``"on"``), none
+KV_ROTATIONS = ("auto", "on", "off")
+#: the storage types llama.cpp rotates before quantizing (its ggml block types; float8 is vLLM's
+#: per-layer-scale format, which llama.cpp has no rotation for)
+ROTATED_TYPES = ("q8_0", "q4_0")
+#: the smallest Walsh-Hadamard block (and the V block): llama.cpp rotates a side only when its
+#: head dim is a multiple of it
+ROTATION_MIN_BLOCK = 64
+#: llama.cpp's rule, as the errors quote it
+ROTATION_RULE = ("llama.cpp rotates a side whose type is q8_0/q4_0 and whose head dim is a "
+                 "multiple of 64 (K in blocks of the largest power of two dividing head_dim, "
+                 "V in blocks of 64)")
 #: The sequence bitset of a cell has this many bits (see cells.py).
 MAX_SEQS_LIMIT = 256
 
@@ -165,6 +177,16 @@ class CacheConfig:
     #: stays the model's total; storage, ``put``, ``get``, page tables, ``layer_pool`` and
     #: ``attend`` use :attr:`local_kv_heads`.
     head_shard: Optional[Tuple[int, int]] = None
+    #: llama.cpp's rotated quantized K/V (since 2026-04, #21038): ``"auto"`` rotates each side
+    #: whose type is q8_0/q4_0 and whose head dim is a multiple of 64 by an orthonormal
+    #: Walsh-Hadamard matrix before quantizing (K in blocks of the largest power of two dividing
+    #: ``head_dim``, V in blocks of 64; see :attr:`k_rotation`); ``"on"``: the same, but a
+    #: quantized side the rule cannot serve (or no q8_0/q4_0 side at all) is a ValueError;
+    #: ``"off"``: never (llama.cpp's ``LLAMA_ATTN_ROT_DISABLE=1``). Stored rows, ``get()``,
+    #: ``get_quantized()``, ``layer_pool()`` and page tables are then in the rotated basis:
+    #: a caller's own attention rotates Q with :func:`numbakv.rotate_queries` and turns the
+    #: output back with :func:`numbakv.unrotate_output`; ``attend`` does both.
+    kv_rotation: str = "auto"
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -191,6 +213,7 @@ class CacheConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._check_kv_types(set_)
+        self._check_rotation()
         set_("layer_reuse", _check_layer_reuse(self.layer_reuse, self.n_layers))
         set_("head_shard", _check_head_shard(self.head_shard, self.n_kv_heads))
 
@@ -263,6 +286,48 @@ class CacheConfig:
                              f"{self.v_dtype!r} (quantized blocks run along v_head_dim)")
         set_("k_scale", _check_scale("k_scale", self.k_scale, self.n_layers))
         set_("v_scale", _check_scale("v_scale", self.v_scale, self.n_layers))
+
+    def _check_rotation(self) -> None:
+        """``kv_rotation`` is one of :data:`KV_ROTATIONS`; ``"on"`` needs every q8_0/q4_0 side
+        to satisfy llama.cpp's rule, and at least one such side."""
+        if not isinstance(self.kv_rotation, str) or self.kv_rotation not in KV_ROTATIONS:
+            raise ValueError(f"kv_rotation must be one of {KV_ROTATIONS}, got "
+                             f"{self.kv_rotation!r}")
+        if self.kv_rotation != "on":
+            return
+        sides = [(name, kind, dim) for name, kind, dim in
+                 (("k_dtype", self.k_dtype, self.head_dim),
+                  ("v_dtype", self.v_dtype, self.v_head_dim))
+                 if kind in ROTATED_TYPES and dim > 0]   # dim 0: a V-less (MLA) layer
+        if not sides:
+            raise ValueError(f"kv_rotation='on' needs k_dtype or v_dtype in {ROTATED_TYPES}, "
+                             f"got {self.k_dtype!r}/{self.v_dtype!r}: {ROTATION_RULE}")
+        for name, kind, dim in sides:
+            if dim % ROTATION_MIN_BLOCK:
+                dim_name = "head_dim" if name == "k_dtype" else "v_head_dim"
+                raise ValueError(f"kv_rotation='on' cannot rotate {name}={kind!r} with "
+                                 f"{dim_name}={dim} (not a multiple of {ROTATION_MIN_BLOCK}): "
+                                 f"{ROTATION_RULE}; use kv_rotation='auto' or 'off'")
+
+    def _rotation_block(self, kind: str, dim: int, largest: bool) -> int:
+        if self.kv_rotation == "off" or kind not in ROTATED_TYPES or dim <= 0 \
+                or dim % ROTATION_MIN_BLOCK:
+            return 0
+        if not largest:
+            return ROTATION_MIN_BLOCK
+        return dim & -dim   # the largest power of two dividing dim
+
+    @property
+    def k_rotation(self) -> int:
+        """Walsh-Hadamard block of the stored keys (and of the queries that read them): the
+        largest power of two dividing ``head_dim`` when keys are rotated, else 0."""
+        return self._rotation_block(self.k_dtype, self.head_dim, True)
+
+    @property
+    def v_rotation(self) -> int:
+        """Walsh-Hadamard block of the stored values (and of the attention output): 64 when
+        values are rotated, else 0."""
+        return self._rotation_block(self.v_dtype, self.v_head_dim, False)
 
     @property
     def v_less(self) -> bool:
@@ -548,9 +613,14 @@ def check_rope_layout(config: CacheConfig, rope: RopeShift) -> int:
             raise ValueError(f"a RopeShift with offset={rope.offset}, dim={dim} on "
                              f"k_dtype={config.k_dtype!r} keys needs offset and dim multiples of "
                              f"{per_block} (the rope dims must fill whole blocks)")
+    rot = config.k_rotation
+    if rot and (rope.offset % rot or (rope.offset and dim % rot)):
+        raise ValueError(f"a RopeShift with offset={rope.offset}, dim={dim} on keys rotated in "
+                         f"Walsh-Hadamard blocks of {rot} (kv_rotation) needs offset and dim "
+                         f"multiples of {rot}: the shift turns whole blocks back and forth")
     return dim
 
 
-__all__ = ["CacheConfig", "check_rope_layout",
-           "KV_TYPES", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
+__all__ = ["CacheConfig", "check_rope_layout", "KV_ROTATIONS", "KV_TYPES", "ROTATED_TYPES",
+           "ROTATION_RULE", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
            "normalize_dtype", "round_up", "row_bytes"]

@@ -641,9 +641,9 @@ class KVStorage:
             if dim > _quant.MAX_ROTATE_DIM:
                 raise ValueError(f"the rotary shift on quantized keys takes head_dim <= "
                                  f"{_quant.MAX_ROTATE_DIM}, got {dim}")
-            with self._on_device():
+            with self._on_device():   # rotated keys: whole blocks, turned back around the RoPE
                 _quant.rope_launch(self.device, keys, dim, cells, deltas, inv_freq, rope.neox,
-                                   self._k_fmt, self._k_scales, layers)
+                                   self._k_fmt, self._k_scales, layers, self.config.k_rotation)
             return
 
     def rope_keys(self, rope: RopeShift) -> Tuple[Any, int]:
@@ -682,15 +682,17 @@ class KVStorage:
         """put/put_range for a cache with a quantized side (inputs checked): the quantized
         side through the quantize kernel, a float side by a plain array copy."""
         with self._on_device():
-            for quantized, fmt, scales, store, x in (
-                    (self.k_quantized, self._k_fmt, self._k_scales, self.keys, key),
-                    (self.v_quantized, self._v_fmt, self._v_scales, self.values, value)):
+            for quantized, fmt, scales, store, x, rot in (
+                    (self.k_quantized, self._k_fmt, self._k_scales, self.keys, key,
+                     self.config.k_rotation),
+                    (self.v_quantized, self._v_fmt, self._v_scales, self.values, value,
+                     self.config.v_rotation)):
                 if quantized and store is self.keys and self._k_ds_mla:
                     _mla.put_launch(self.device, store, layer, x, slots, start, self.dtype)
                     continue
                 if quantized:
                     _quant.put_launch(self.device, store, layer, x, slots, start, fmt, scales,
-                                      self.dtype)
+                                      self.dtype, rot)
                     continue
                 if slots is None:
                     idx, rows = slice(start, start + x.shape[0]), x

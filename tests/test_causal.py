@@ -973,16 +973,16 @@ def test_attention(device, kind):
     c.close()
 
 
-def test_cpu_mask_is_built_at_first_get_and_equals_the_eager_one():
-    # the CPU leaves a pass's dense mask for its first get() (attention over page_table() never
-    # reads it); the mask is the one start_forward would have built, set_causal rebuilds it, and
-    # a start_forward that fails leaves the previous pass's mask readable and unchanged
+def test_mask_is_built_at_first_get_and_equals_the_eager_one(device):
+    # every device leaves a pass's dense mask for its first get() (attention over page_table()
+    # never reads it); the mask is the one start_forward would have built, set_causal rebuilds
+    # it, and a start_forward that fails leaves the previous pass's mask readable and unchanged
     cfg = nkv.CacheConfig(1, 2, 4, dtype="float32", capacity=12, max_seqs=2, max_batch=8,
-                          device="cpu")
+                          device=device)
     lazy = nkv.CausalCache(cfg, swa_window=3)
     eager = nkv.CausalCache(cfg, swa_window=3)
     eager._lazy_mask = False
-    kv = np.ones((5, 2, 4), np.float32)
+    kv = to_device(np.ones((5, 2, 4), np.float32), device)
     for pos, seqs in (([0, 1, 2, 0, 1], [0, 0, 0, 1, 1]), ([3, 2, 4], [0, 1, 0]),
                       ([5, 3], [0, 1])):
         for cache in (lazy, eager):
@@ -991,11 +991,11 @@ def test_cpu_mask_is_built_at_first_get_and_equals_the_eager_one():
         assert lazy._forward.mask is None and eager._forward.mask is not None
         lazy.page_table()
         assert lazy._forward.mask is None
-        assert np.array_equal(lazy.get()[2], eager.get()[2])
+        assert np.array_equal(to_host(lazy.get()[2]), to_host(eager.get()[2]))
         for cache in (lazy, eager):
             cache.set_causal([0])
-        assert np.array_equal(lazy.get()[2], eager.get()[2])
-    held = lazy.get()[2].copy()
+        assert np.array_equal(to_host(lazy.get()[2]), to_host(eager.get()[2]))
+    held = to_host(lazy.get()[2]).copy()
     with pytest.raises(ValueError, match="already stored"):
         lazy.start_forward([6, 5], [0, 0])
-    assert np.array_equal(lazy.get()[2], held)
+    assert np.array_equal(to_host(lazy.get()[2]), held)

@@ -131,3 +131,54 @@ def test_flashinfer_probe_is_memoised(monkeypatch):
     for _ in range(5):
         assert attention.flashinfer_available() is first
     assert len(calls) == 1
+
+
+def _slow_stream_setup():
+    import cupy
+    import numbakv as nkv
+    cfg = nkv.CacheConfig(1, 2, 64, dtype="float32", capacity=1024, max_seqs=1, max_batch=512,
+                          device="cuda")
+    cache = nkv.CausalCache(cfg)
+    cache.use_stream(cupy.cuda.Stream(non_blocking=True))
+    return cache
+
+
+@pytest.mark.gpu
+def test_put_from_a_slow_producer_stream_is_ordered():
+    """The producer's stream spins (~tens of ms) before it writes K/V; put on the cache's own
+    stream must still store the written values (DLPack import on the cache's stream)."""
+    import cupy
+    cache = _slow_stream_setup()
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        kv = torch.zeros(512, 2, 64, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        kv.fill_(3.0)
+        cache.start_forward(np.arange(512, dtype=np.int32), np.zeros(512, np.int32))
+        cache.put(kv, kv)
+    cache.storage.stream.synchronize()
+    key, value, _ = cache.get()
+    cache.storage.stream.synchronize()
+    assert bool((cupy.asarray(key)[:512] == 3.0).all())
+
+
+@pytest.mark.gpu
+def test_attend_waits_for_the_producer_and_the_cache_stream():
+    """q is written after a spin on the producer's stream and K/V after one on the cache's
+    stream; attend (the paged kernel) must see both and its result must be ready on the
+    producer's stream."""
+    cache = _slow_stream_setup()
+    rng = np.random.default_rng(0)
+    k = torch.from_numpy(rng.standard_normal((512, 2, 64)).astype(np.float32)).cuda()
+    cache.start_forward(np.arange(512, dtype=np.int32), np.zeros(512, np.int32))
+    cache.put(k, k)
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        q = torch.zeros(512, 4, 64, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        q.copy_(k.repeat_interleave(2, dim=1))
+        out = attention.attend(q, cache)
+        got = out.clone()           # on the producer's stream, after attend's kernel
+    torch.cuda.synchronize()
+    want = _independent_reference(q.float(), cache, 1 / math.sqrt(64), None)
+    np.testing.assert_allclose(got.cpu().numpy(), want, atol=2e-5, rtol=2e-5)

@@ -351,3 +351,24 @@ def test_release_evaluated_none_keeps_todays_behaviour():
     cache.seq_rm(slot, 24, None)                      # the caller dropped the half batch
     pc.release(slot)                                  # saves what the sequence holds
     assert store.match(prompt) == 24
+
+
+def test_save_priority_reaches_the_exact_entry_beside_a_longer_one():
+    """Found by the model check: the prompt [0] held in host RAM while a longer prompt
+    starting with it sits in cells; save([0], priority=0) must set the priority of the entry
+    holding exactly [0], not leave it at 35 because the longer one is matched first."""
+    cache = small_cache(max_seqs=4, capacity=32)
+    store = PrefixStore(cache, retain_seqs=[3], block_tokens=4,
+                        host_bytes=cache.config.nbytes(1) * 64, clock=FakeClock())
+    for toks, priority in (([0], 20), ([0, 0, 0], None)):   # [0] ranked lower: demoted
+        prefill(cache, 0, toks)
+        store.save(0, toks, priority=priority)
+        cache.seq_rm(0)
+    tiers = {tuple(e["tokens"]): e["tier"] for e in store.entries()}
+    assert tiers == {(0,): "host", (0, 0, 0): "cells"}
+    prefill(cache, 0, [0])
+    assert store.save(0, [0], priority=0) == 1
+    cache.seq_rm(0)
+    [e] = [e for e in store.entries() if e["tokens"] == [0]]
+    assert e["priority"] == 0
+    store.close()

@@ -45,13 +45,14 @@ class QuantMemory:
 
 
 class QuantKernelsCPU:
-    """One layer, 8 KV heads, head_dim 128, float16 in and out, 512 tokens."""
+    """One layer, 8 KV heads, head_dim 128, float16 in and out, 512 tokens, unrotated."""
     params = [KINDS]
     param_names = ["kind"]
+    rotation = "off"
 
     def setup(self, kind):
         cfg = CacheConfig(1, N_KV_HEADS, HEAD_DIM, capacity=TOKENS, max_batch=TOKENS,
-                          k_dtype=kind, v_dtype=kind)
+                          k_dtype=kind, v_dtype=kind, kv_rotation=self.rotation)
         self.st = KVStorage(cfg, TOKENS, "cpu")
         rng = np.random.default_rng(0)
         self.key = rng.standard_normal((TOKENS, N_KV_HEADS, HEAD_DIM)).astype(np.float16)
@@ -101,3 +102,11 @@ class QuantKernelsCPU:
     def track_rotate_vs_copyto(self, kind):
         return _best_ratio(self.rotate, self.copy_k)
     track_rotate_vs_copyto.unit = "fraction of np.copyto"
+
+
+class RotatedQuantKernelsCPU(QuantKernelsCPU):
+    """llama.cpp's rotated quantized cache (``kv_rotation="auto"``: K in Walsh-Hadamard blocks
+    of 128, V of 64): the rotation fused into the quantizing put, and undone/redone around the
+    RoPE of the shift. Goal (issue 34): put >= 0.5 of ``np.copyto`` of the float16 input."""
+    params = [["q8_0", "q4_0"]]
+    rotation = "auto"

@@ -321,6 +321,10 @@ class _GenState:
             cols = torch.from_numpy(pages.kv_positions[a:z].astype(np.int64))
             out[r, cols.to(pool.device)] = pool.index_select(0, cells.to(pool.device))[:, 0] \
                 .to(kv_nope.dtype)
+        rot = src.config.k_rotation
+        if rot:   # a rotated quantized latent (llama.cpp #21038): the model reads the plain basis
+            from ..rotation import hadamard_blocks
+            out = hadamard_blocks(out, rot).to(kv_nope.dtype)
         out = out[:, None]
         return out[..., :rank], out[..., rank:]
 
@@ -563,6 +567,8 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
     state = _GenState(model, max_new_tokens, capacity, dtype, device, kw, store,
                       model_shapes(model).n_layers)
     state.last_attention = max(attention)
+    if layout is not None and max(layout.recurrent_layers) > state.last_attention:
+        state.last_attention = -1     # the pass ends after the model (a forward hook)
     reused = state.load_prefix(input_ids) if input_ids is not None else 0
     _switch_model(model)
     layer_cls = _layer_class()

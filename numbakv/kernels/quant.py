@@ -32,10 +32,11 @@ import numpy as np
 from numba import cuda, prange, types
 
 from .._jit import njit
-from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, f16_bits_to_f32, f32_to_bf16_bits,
-                      f32_to_f16_bits)
+from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, f16_bits_to_f32, f16_bits_to_f32_hw,
+                      f32_to_bf16_bits, f32_to_f16_bits)
+from .hadamard import rotation_scale, wht_pair_index, wht_row_cpu, wht_sum_diff
 from .launch import device_arg, launch as _launch, to_device
-from ._registry import cuda_kernel, element
+from ._registry import cuda_device, cuda_kernel, element
 from .move import move_step, normalize
 from .rope import (KIND_F16_BITS, KIND_F16_HW, KIND_FLOAT, load_f32, pair_index, rotate_pair,
                    storage_kind, tables)
@@ -138,28 +139,26 @@ def quantize_block(x, j0, n, kind, q, b0, fmt, scale):
         for i in range(n):
             q[b0 + i] = _to_e4m3(_load(x[j0 + i], kind) / scale)
         return
-    amax = np.float32(0.0)
-    vmax = np.float32(0.0)
-    finite = True
+    # the largest magnitude as a max over the magnitudes' bit patterns (ordered as the values
+    # for non-negative floats; >= 0x7F800000 is an infinity or NaN), with the index folded into
+    # the low bits so the first of equal magnitudes wins, as in ggml: an integer max reduction,
+    # which LLVM vectorises (a float compare-and-select chain it does not)
+    key = np.int64(0)
     for i in range(32):
-        v = _load(x[j0 + i], kind)
-        a = abs(v)
-        if not (a <= _FLT_MAX):
-            finite = False
-        elif i == 0 or a > amax:  # the first of equal magnitudes wins, as in ggml
-            amax = a
-            vmax = v
+        bits = np.int64(np.float32(_load(x[j0 + i], kind)).view(np.uint32)) & 0x7FFFFFFF
+        key = max(key, (bits << 5) | (31 - i))
+    amax_bits = key >> 5
     n_q = 32 if fmt == 1 else 16
-    if not finite:
+    if amax_bits >= 0x7F800000:   # a NaN or an infinity in the block
         q[b0] = np.uint8(0x00)  # f16 NaN 0x7E00, little-endian
         q[b0 + 1] = np.uint8(0x7E)
         for i in range(n_q):
             q[b0 + 2 + i] = np.uint8(0)
         return
     if fmt == 1:
-        d = amax / np.float32(127.0)
+        d = np.uint32(amax_bits).view(np.float32) / np.float32(127.0)
     else:
-        d = vmax / np.float32(-8.0)
+        d = np.float32(_load(x[j0 + 31 - (key & 31)], kind)) / np.float32(-8.0)
     inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
     bits = np.int64(_f32_to_f16(d))
     q[b0] = np.uint8(bits & 0xFF)
@@ -168,14 +167,14 @@ def quantize_block(x, j0, n, kind, q, b0, fmt, scale):
         for i in range(32):
             y = _load(x[j0 + i], kind) * inv
             a = abs(y)
-            fl = np.int64(a)  # floor (a >= 0); then half away from zero as ggml's roundf
-            r = fl + np.int64(np.float32(2.0) * (a - np.float32(fl)))
+            fl = np.int32(a)  # floor (0 <= a <= 127.5); then half away from zero as roundf
+            r = fl + np.int32(np.float32(2.0) * (a - np.float32(fl)))
             r = -r if y < np.float32(0.0) else r
             q[b0 + 2 + i] = np.uint8(r & 0xFF)
     else:
         for i in range(16):
-            lo = np.int64(_load(x[j0 + i], kind) * inv + np.float32(8.5))
-            hi = np.int64(_load(x[j0 + 16 + i], kind) * inv + np.float32(8.5))
+            lo = np.int32(_load(x[j0 + i], kind) * inv + np.float32(8.5))
+            hi = np.int32(_load(x[j0 + 16 + i], kind) * inv + np.float32(8.5))
             q[b0 + 2 + i] = np.uint8(min(15, lo) | (min(15, hi) << 4))
 
 
@@ -212,31 +211,48 @@ def dequantize_block(q, b0, n, fmt, scale, out, j0, kind):
                 out[j] = y
 
 
-@_bound_element({"_dequantize": dequantize_block, "_quantize": quantize_block,
-                 "_pair": pair_index, "_rotate": rotate_pair})
-def rotate_row(q, work, dim, fmt, scale, cos_t, sin_t, u, neox):
-    """The quantized key row ``q`` (bytes of ``dim`` values) turned by table row ``u`` of the
-    cos/sin tables: dequantized into ``work`` (float32, ``>= dim``), rotated pair by pair with
-    rope.py's math, requantized in place."""
-    per = dim if fmt == 3 else 32  # float8: the whole row as one "block"
-    nbytes = dim if fmt == 3 else (34 if fmt == 1 else 18)
-    for blk in range(dim // per):
-        _dequantize(q, blk * nbytes, per, fmt, scale, work, blk * per, 0)
-    half = cos_t.shape[1]
-    for p in range(half):
-        i0, i1 = _pair(p, half, neox)
-        a2, b2 = _rotate(work[i0], work[i1], cos_t[u, p], sin_t[u, p])
-        work[i0] = a2
-        work[i1] = b2
-    for blk in range(dim // per):
-        _quantize(work, blk * per, per, 0, q, blk * nbytes, fmt, scale)
-
-
 _quantize_cpu = quantize_block.cpu
 _dequantize_cpu = dequantize_block.cpu
 _quantize_cuda = quantize_block.cuda
 _dequantize_cuda = dequantize_block.cuda
-_rotate_row_cpu = rotate_row.cpu
+_pair_cpu = pair_index.cpu
+_rotate_pair_cpu = rotate_pair.cpu
+_load_cpu = load_f32.cpu
+_load_cuda = load_f32.cuda
+_sum_diff_cuda = wht_sum_diff.cuda
+_wht_pair_cuda = wht_pair_index.cuda
+_f16_hw = f16_bits_to_f32_hw
+
+
+@njit(inline="always")
+def rotate_row_cpu(q, work, dim, fmt, scale, cos_t, sin_t, u, neox, rot, rscale):
+    """The quantized key row ``q`` (bytes of ``dim`` values) turned by table row ``u`` of the
+    cos/sin tables: dequantized into ``work`` (float32, ``>= dim``), rotated pair by pair with
+    rope.py's math, requantized in place. A Walsh-Hadamard-rotated row (``rot`` > 0) is turned
+    back before the RoPE pairs and forward again after them (llama.cpp's ``build_rope_shift``:
+    dequantize, rotate back, RoPE, rotate forward, requantize)."""
+    per = dim if fmt == 3 else 32  # float8: the whole row as one "block"
+    nbytes = dim if fmt == 3 else (34 if fmt == 1 else 18)
+    for blk in range(dim // per):
+        _dequantize_cpu(q, blk * nbytes, per, fmt, scale, work, blk * per, 0)
+    if rot > 0:
+        for j in range(dim):
+            work[j] = work[j] * rscale
+        wht_row_cpu(work, dim, rot)
+    half = cos_t.shape[1]
+    for p in range(half):
+        i0, i1 = _pair_cpu(p, half, neox)
+        a2, b2 = _rotate_pair_cpu(work[i0], work[i1], cos_t[u, p], sin_t[u, p])
+        work[i0] = a2
+        work[i1] = b2
+    if rot > 0:
+        for j in range(dim):
+            work[j] = work[j] * rscale
+        wht_row_cpu(work, dim, rot)
+    for blk in range(dim // per):
+        _quantize_cpu(work, blk * per, per, 0, q, blk * nbytes, fmt, scale)
+
+
 _pair_cuda = pair_index.cuda
 _rotate_pair_cuda = rotate_pair.cuda
 _move_step_cuda = move_step.cuda
@@ -250,11 +266,14 @@ def _arr(dt, nd):
 _IN_TYPES = (types.float16, types.float32, types.uint16)
 _PUT_SIGS = [(_arr(types.uint8, 4), _arr(dt, 3), _arr(types.int32, 1), types.int64, types.int64,
               types.int64, _arr(types.float32, 1), types.int64) for dt in _IN_TYPES]
+_PUT_ROT_SIGS = [(_arr(types.uint8, 4), _arr(dt, 3), _arr(types.int32, 1), types.int64,
+                  types.int64, types.int64, types.int64, types.int64, types.int64)
+                 for dt in _IN_TYPES]
 _GET_SIGS = [(_arr(types.uint8, 4), types.int64, types.int64, types.int64,
               _arr(types.float32, 1), _arr(dt, 3), types.int64) for dt in _IN_TYPES]
 _ROPE_SIGS = [(_arr(types.uint8, 4), _arr(types.int32, 1), _arr(types.int32, 1),
                _arr(types.int32, 1), _arr(types.float32, 2), _arr(types.float32, 2), types.int64,
-               types.int64, _arr(types.float32, 1), types.int64)]
+               types.int64, _arr(types.float32, 1), types.int64, types.int64, types.int64)]
 _MOVE_SIGS = [(_arr(w, 4), _arr(types.int64, 2)) for w in (types.uint8, types.uint16,
                                                            types.uint32, types.uint64)]
 
@@ -346,6 +365,136 @@ def _cpu_twin(single, threaded, values: int, items: int):
 
 
 # --------------------------------------------------------------------------------------------
+# put with llama.cpp's Walsh-Hadamard rotation (kernels/hadamard.py): rotate, then quantize
+
+@cuda_device
+def _wht_shared(work, dim, rot, rscale, t, nt):
+    """The block's threads rotate the row ``work[:dim]`` (shared memory, all of it written
+    and synchronised) in Walsh-Hadamard blocks of ``rot``: scale (a thread per value), then
+    each stage a thread per butterfly, a barrier after each. Every thread must call it."""
+    j = t
+    while j < dim:
+        work[j] = work[j] * rscale
+        j += nt
+    cuda.syncthreads()
+    step = 1
+    while step < rot:
+        p = t
+        while p < dim // 2:
+            i = _wht_pair_cuda(p, step)
+            work[i], work[i + step] = _sum_diff_cuda(work[i], work[i + step])
+            p += nt
+        cuda.syncthreads()
+        step *= 2
+
+
+#: threads that rotate and quantize one (token, head) row together (the row in shared memory)
+PUT_ROW_THREADS = 64
+
+
+@cuda_kernel("quant_put_rot", _PUT_ROT_SIGS)
+def quant_put_rot_kernel(q, x, slots, start, layer, fmt, kind, rot, rscale_bits):
+    """One block per (token, head) row (grid x, grid-striding over tokens x heads). The block
+    loads the row into shared memory as float32 (a thread per value), scales it by ``rscale``,
+    runs the Walsh-Hadamard stages (a thread per butterfly, a barrier between stages: each stage reads
+    the previous one's values) in blocks of ``rot`` values, then quantizes it (a thread per
+    ggml block). ``fmt``: q8_0 or q4_0 (float8 is never rotated). ``rscale_bits``: the float32
+    bits of the scale (the fast launch path passes 64-bit words only)."""
+    work = cuda.shared.array(MAX_ROTATE_DIM, np.float32)
+    rscale = np.uint32(rscale_bits).view(np.float32)
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    dim = x.shape[2]
+    n_heads = x.shape[1]
+    nbytes = 34 if fmt == 1 else 18
+    rows = x.shape[0] * n_heads
+    r = cuda.blockIdx.x
+    while r < rows:        # block-uniform loops: every thread reaches each syncthreads
+        tok = r // n_heads
+        h = r - tok * n_heads
+        cell = start + tok if start >= 0 else np.int64(slots[tok])
+        if cell >= 0:
+            j = t
+            while j < dim:
+                work[j] = _load_cuda(x[tok, h, j], kind)
+                j += nt
+            cuda.syncthreads()
+            _wht_shared(work, dim, rot, rscale, t, nt)
+            b = t
+            while b < dim // 32:
+                _quantize_cuda(work, b * 32, 32, 0, q[layer, cell, h], b * nbytes, fmt,
+                               np.float32(1.0))
+                b += nt
+            cuda.syncthreads()   # the next row reuses work
+        r += cuda.gridDim.x
+
+
+@njit(inline="always")
+def _put_token_rows_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale, t):
+    """Token ``t`` of a q8_0/q4_0 put: each head's row widened into a float32 work row (F16C
+    for float16 bits), rotated when ``rot`` > 0, then quantized from the work row (contiguous
+    float32: the block math vectorises)."""
+    cell = start + t if start >= 0 else np.int64(slots[t])
+    if cell < 0:
+        return
+    dim = x.shape[2]
+    nbytes = 34 if fmt == 1 else 18
+    work = np.empty(dim, np.float32)
+    for h in range(x.shape[1]):
+        x_row = x[t, h]
+        # widened and scaled in one pass (each value rounded once by the multiply, as ggml)
+        if kind == 3:   # float16 bits (the cast only types the branch for other inputs)
+            for j in range(dim):
+                work[j] = _f16_hw(np.uint16(x_row[j])) * rscale
+        else:
+            for j in range(dim):
+                work[j] = _load_cpu(x_row[j], kind) * rscale
+        if rot > 0:
+            wht_row_cpu(work, dim, rot)
+        q_row = q[layer, cell, h]
+        for blk in range(dim // 32):
+            _quantize_cpu(work, blk * 32, 32, 0, q_row, blk * nbytes, fmt, np.float32(1.0))
+
+
+@njit(inline="always")
+def _put_rows_rot_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale):
+    for t in prange(x.shape[0]):   # threads in the _par twin only; distinct cells
+        _put_token_rows_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale, t)
+
+
+@njit(inline="always")
+def _put_rot_by_format(q, x, slots, start, layer, fmt, kind, rot, rscale):
+    # the format and the two common input kinds as literals: their per-value branches fold away
+    if fmt == 1:
+        if kind == 3:
+            _put_rows_rot_cpu(q, x, slots, start, layer, 1, 3, rot, rscale)
+        elif kind == 0:
+            _put_rows_rot_cpu(q, x, slots, start, layer, 1, 0, rot, rscale)
+        else:
+            _put_rows_rot_cpu(q, x, slots, start, layer, 1, kind, rot, rscale)
+    else:
+        if kind == 3:
+            _put_rows_rot_cpu(q, x, slots, start, layer, 2, 3, rot, rscale)
+        elif kind == 0:
+            _put_rows_rot_cpu(q, x, slots, start, layer, 2, 0, rot, rscale)
+        else:
+            _put_rows_rot_cpu(q, x, slots, start, layer, 2, kind, rot, rscale)
+
+
+@njit(cache=True)
+def quant_put_rot_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale):
+    """CPU twin of :func:`quant_put_rot_kernel` (``rot`` 0: no rotation; any ggml block put on
+    the CPU runs here)."""
+    _put_rot_by_format(q, x, slots, start, layer, fmt, kind, rot, rscale)
+
+
+@njit(cache=True, parallel=True)
+def quant_put_rot_cpu_par(q, x, slots, start, layer, fmt, kind, rot, rscale):
+    """:func:`quant_put_rot_cpu` with its tokens spread over numba's threads (large batches)."""
+    _put_rot_by_format(q, x, slots, start, layer, fmt, kind, rot, rscale)
+
+
+# --------------------------------------------------------------------------------------------
 # get: dequantize cells lo .. lo + n - 1 of one layer into out [n, heads, dim]
 
 @cuda_kernel("quant_get", _GET_SIGS)
@@ -416,14 +565,19 @@ ROPE_ROW_THREADS = 32
 
 
 @cuda_kernel("quant_rope_shift", _ROPE_SIGS)
-def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot,
+                      rscale_bits):
     """One block per (cell, head) key row (grid x, grid-striding over cells x heads), grid y over
     layers (grid-striding). The block dequantizes the row into shared memory (a thread per
     ggml block, or per value for float8), rotates its pairs (a thread per pair, rope.py's math)
     and requantizes it (a thread per block). Shared memory rather than a per-thread local
     array: NeoX pairs span ggml blocks, so the whole row must be held at once, and a local
-    array of MAX_ROTATE_DIM floats went to a 4 KiB stack frame (ptxas)."""
+    array of MAX_ROTATE_DIM floats went to a 4 KiB stack frame (ptxas). A Walsh-Hadamard-rotated
+    row (``rot`` > 0) is turned back before the pairs and forward after them (a thread per
+    butterfly, a barrier between stages), as :func:`rotate_row_cpu` (``rscale_bits``: the
+    float32 bits of its scale)."""
     work = cuda.shared.array(MAX_ROTATE_DIM, np.float32)
+    rscale = np.uint32(rscale_bits).view(np.float32)
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     n_heads = q.shape[2]
@@ -447,6 +601,8 @@ def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fm
                 _dequantize_cuda(row, b * nbytes, per, fmt, scale, work, b * per, 0)
                 b += nt
             cuda.syncthreads()
+            if rot > 0:
+                _wht_shared(work, dim, rot, rscale, t, nt)
             p = t
             while p < half:
                 i0, i1 = _pair_cuda(p, half, neox)
@@ -455,6 +611,8 @@ def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fm
                 work[i1] = b2
                 p += nt
             cuda.syncthreads()
+            if rot > 0:
+                _wht_shared(work, dim, rot, rscale, t, nt)
             b = t
             while b < nblk:
                 _quantize_cuda(work, b * per, per, 0, row, b * nbytes, fmt, scale)
@@ -465,36 +623,38 @@ def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fm
 
 
 @njit(inline="always")
-def _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+def _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot, rscale):
     for c in prange(cells.shape[0]):   # threads in quant_rope_cpu_par; distinct cells (merged)
         work = np.empty(dim, np.float32)
         for z in range(layers.shape[0]):
             layer = layers[z]
             for h in range(q.shape[2]):
-                _rotate_row_cpu(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t,
-                                sin_t, tab[c], neox)
+                rotate_row_cpu(q[layer, cells[c], h], work, dim, fmt, scales[layer], cos_t,
+                               sin_t, tab[c], neox, rot, rscale)
 
 
 @njit(inline="always")
-def _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+def _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot, rscale):
     if fmt == 1:
-        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 1)
+        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 1, rot, rscale)
     elif fmt == 2:
-        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 2)
+        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 2, rot, rscale)
     else:
-        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 3)
+        _rope_rows_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, 3, rot, rscale)
 
 
 @njit(cache=True)
-def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot=0,
+                   rscale=np.float32(1.0)):
     """CPU twin of :func:`quant_rope_kernel` (one inlined body per format, see put)."""
-    _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt)
+    _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot, rscale)
 
 
 @njit(cache=True, parallel=True)
-def quant_rope_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt):
+def quant_rope_cpu_par(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot=0,
+                       rscale=np.float32(1.0)):
     """:func:`quant_rope_cpu` with its cells spread over numba's threads (many cells)."""
-    _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt)
+    _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot, rscale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,16 +705,21 @@ def _kind(device: str, dtype: str):
 
 
 def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scales,
-               dtype: str) -> None:
+               dtype: str, rot: int = 0) -> None:
     """Quantize ``x [batch, n_kv_heads, dim]`` (the cache's ``dtype``) into layer ``layer`` of
     ``q [n_layers, n_cells, n_kv_heads, row_bytes]`` (uint8) at ``slots`` (int32 host; negative
-    skips) or, when ``start >= 0``, at ``start + t``; ``scales`` float32 ``[n_layers]``."""
+    skips) or, when ``start >= 0``, at ``start + t``; ``scales`` float32 ``[n_layers]``.
+    ``rot`` > 0 (q8_0/q4_0 only): rotate each row in Walsh-Hadamard blocks of ``rot`` values
+    first (llama.cpp's rotated cache)."""
     batch = x.shape[0]
     if batch == 0:
         return
-    view_dtype, kind = _kind(device, dtype)
     if slots is None:
         slots = np.zeros(1, np.int32)
+    if fmt != FMT_F8 and (rot > 0 or device == "cpu"):
+        _put_rows_launch(device, q, layer, x, slots, start, fmt, dtype, rot)
+        return
+    view_dtype, kind = _kind(device, dtype)
     if device == "cpu":
         x = x.view(view_dtype)
         if kind == KIND_F16_BITS:
@@ -571,6 +736,27 @@ def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scale
     _launch(device, quant_put_kernel, grid, nb,
             (device_arg(device, q), device_arg(device, x, view_dtype), slots_d, int(start),
              int(layer), fmt, device_arg(device, scales), kind))
+    del keep
+
+
+def _put_rows_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, dtype: str,
+                     rot: int) -> None:
+    """A q8_0/q4_0 put a row at a time (rotated when ``rot`` > 0): the CPU's form for every
+    ggml block put, the GPU's for rotated ones."""
+    view_dtype, kind = storage_kind(device, dtype)   # the CPU reads float16 through F16C
+    rscale = rotation_scale(rot) if rot > 0 else np.float32(1.0)
+    if device == "cpu":
+        launch = _cpu_twin(quant_put_rot_cpu, quant_put_rot_cpu_par, x.size, x.shape[0])
+        launch(q, x.view(view_dtype), slots, int(start), int(layer), fmt, kind, int(rot), rscale)
+        return
+    if x.shape[2] > MAX_ROTATE_DIM:
+        raise ValueError(f"the rotated put takes head dims <= {MAX_ROTATE_DIM}, got {x.shape[2]}")
+    (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
+    nb = min(block_size(device), PUT_ROW_THREADS)
+    grid = (min(x.shape[0] * x.shape[1], _MAX_GRID_X),)
+    _launch(device, quant_put_rot_kernel, grid, nb,
+            (device_arg(device, q), device_arg(device, x, view_dtype), slots_d, int(start),
+             int(layer), fmt, kind, int(rot), int(rscale.view(np.uint32))))
     del keep
 
 
@@ -594,10 +780,12 @@ def get_launch(device: str, q, layer: int, lo: int, out, fmt: int, scales, dtype
 
 
 def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, fmt: int,
-                scales, layers=None) -> None:
+                scales, layers=None, rot: int = 0) -> None:
     """Rotate quantized keys ``q [n_layers, n_cells, n_kv_heads, row_bytes]`` (``dim`` values a
     row) of ``cells`` by ``deltas`` (a cell listed twice turns by the sum; zero deltas are
-    skipped), in ``layers`` (all when None): dequantize, rotate in float32, requantize."""
+    skipped), in ``layers`` (all when None): dequantize, rotate in float32, requantize; rows
+    stored Walsh-Hadamard-rotated in blocks of ``rot`` (> 0) are turned back around the RoPE."""
+    rscale = rotation_scale(rot) if rot > 0 else np.float32(1.0)
     from .rope import _merge
     cells, deltas = _merge(cells, deltas)
     layers = (np.arange(q.shape[0], dtype=np.int32) if layers is None
@@ -609,14 +797,16 @@ def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, f
     if device == "cpu":
         launch = _cpu_twin(quant_rope_cpu, quant_rope_cpu_par,
                            cells.size * layers.size * q.shape[2] * int(dim), cells.size)
-        launch(q, cells, tab, layers, cos_t, sin_t, int(bool(neox)), int(dim), scales, fmt)
+        launch(q, cells, tab, layers, cos_t, sin_t, int(bool(neox)), int(dim), scales, fmt,
+               int(rot), rscale)
         return
     dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
     nb = min(block_size(device), ROPE_ROW_THREADS)
     grid = (min(cells.size * q.shape[2], _MAX_GRID_X), min(layers.size, MAX_GRID_YZ))
     _launch(device, quant_rope_kernel, grid, nb,
             (device_arg(device, q),) + tuple(dev_in) + (int(bool(neox)), int(dim),
-                                                       device_arg(device, scales), fmt))
+                                                       device_arg(device, scales), fmt,
+                                                       int(rot), int(rscale.view(np.uint32))))
     del keep
 
 
@@ -654,7 +844,7 @@ def move_launch(device: str, arr, moves, cell_axis: int = 1) -> None:
 
 
 __all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "FORMATS",
-           "MAX_ROTATE_DIM", "dequantize_block", "e4m3_to_f32", "f32_to_e4m3", "get_launch",
-           "move_launch", "put_launch", "quant_get_kernel", "quant_put_kernel",
+           "MAX_ROTATE_DIM", "PUT_ROW_THREADS", "dequantize_block", "e4m3_to_f32", "f32_to_e4m3", "get_launch",
+           "move_launch", "put_launch", "quant_get_kernel", "quant_put_kernel", "quant_put_rot_kernel",
            "quant_rope_kernel", "quantize_block", "raw_move_kernel", "raw_words", "rope_launch",
-           "rotate_row"]
+           "rotate_row_cpu"]

@@ -50,7 +50,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import KVCacheError, KVCacheFullError, StateError
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from . import events as ev
 from . import edit as _edit
 from .edit import EditMatch
@@ -534,6 +534,12 @@ class PrefixStore:
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
     # ------------------------------------------------------------------ restore points
+    def _refuse_edits_on_hybrids(self) -> None:
+        if self._rc is not None:
+            raise NotSupportedError("match_edit/load_edit: a hybrid model's recurrent state "
+                                    "after an edit depends on every token before it: nothing "
+                                    "after the edit can be re-used (use match/load)")
+
     def _restore_end(self, seq: int, length: int) -> int:
         """Hybrid caches: the longest prefix ``<= length`` of ``seq`` whose recurrent state is
         held: ``length`` itself at ``seq``'s end (kept as an explicit restore point) or at a
@@ -655,6 +661,7 @@ class PrefixStore:
         groups, hybrid caches (a recurrent state cannot skip the edit), or no suffix longer
         than ``recompute_after`` found. ``extra_keys`` prompts are not edit-matched."""
         self._check_open()
+        self._refuse_edits_on_hybrids()
         buf = token_buffer(tokens)
         root = self._root(salt)
         recompute_after = _int_arg("recompute_after", recompute_after, 0)
@@ -701,6 +708,7 @@ class PrefixStore:
         found, no room for it) this is a plain :meth:`load`: ``last_recompute == []`` and
         ``last_edit.suffix_src is None``. Raises as ``load``; a refusal leaves ``seq`` empty."""
         self._check_open()
+        self._refuse_edits_on_hybrids()
         seq = self._check_seq(seq)
         buf = token_buffer(tokens)
         root = self._root(salt)
@@ -785,10 +793,10 @@ class PrefixStore:
                 self._release_seq(r)
             if cache and length and servable and not self.retain_seqs \
                     and (self.host_bytes or self._lower):
-                m = self.index.match(root, buf)
-                if m.n >= length:       # host RAM keeps it already
-                    if retention is not None and m.entry.length == length:
-                        self._policy[m.entry.tier].set(m.entry.id, *retention)
+                if self._serves(root, buf) >= length:   # host RAM keeps it already
+                    if retention is not None:
+                        for e in self._exact(root, buf):
+                            self._policy[e.tier].set(e.id, *retention)
                     return length
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = _owned(self.cache.export_seq(seq, 0, length))
@@ -812,15 +820,17 @@ class PrefixStore:
             c = length - tail
             if self._resumable(seq, c) and self._serves(root, buf[:8 * c]) < c:
                 self._keep(seq, root, buf[:8 * c], protect=protect)
-        if main is None and servable and self.host_bytes and self._serves(root, buf) < length \
-                and callable(getattr(self.cache, "export_seq", None)):
-            # every retained sequence holds a higher-priority (or pinned) entry: host RAM
-            snap = _owned(self.cache.export_seq(seq, 0, length))
-            self.bytes_moved += snap.nbytes
-            if self._admit_host(root, buf, snap, retention, write_lower=False):
-                main = self.index.match(root, buf).entry
+        held_locally = main is not None
+        if main is None and servable:
+            # no retained sequence for it (each holds a higher-ranked or pinned entry)
+            if self._exact(root, buf) or self._serves(root, buf) >= length:
+                held_locally = True   # host RAM (or a longer entry) holds it already
+            elif self.host_bytes and callable(getattr(self.cache, "export_seq", None)):
+                snap = _owned(self.cache.export_seq(seq, 0, length))
+                self.bytes_moved += snap.nbytes
+                held_locally = self._admit_host(root, buf, snap, retention, write_lower=False)
         queued = self._write_through(root, buf, seq=seq)
-        return length if main is not None or (queued and servable) else 0
+        return length if held_locally or (queued and servable) else 0
 
     def retain(self, tokens: TokenIds, *, priority: int = DEFAULT_PRIORITY,
                ttl: Optional[float] = None, salt: Optional[bytes] = None,
@@ -1077,14 +1087,20 @@ class PrefixStore:
         an existing entry keeps its own, a new one gets the default)."""
         n = len(buf) // 8
         m = self.index.match(root, buf)
-        if m.n == n and m.entry is not None and m.entry.length == n:
-            self._policy[m.entry.tier].touch(m.entry.id)   # already kept exactly
+        if retention is None and m.n == n and m.entry is not None and m.entry.length == n \
+                and m.entry.tier == CELLS:
+            exact = [m.entry]            # the common case, without walking the trie again
+        else:
+            exact = self._exact(root, buf)
+        for e in exact:                                    # already kept exactly
+            self._policy[e.tier].touch(e.id)
             if retention is not None:
-                self._policy[m.entry.tier].set(m.entry.id, *retention)
-            if m.entry.tier == CELLS:
-                return m.entry
-            if retention is None:   # promoted below: the host entry's retention goes along
-                retention = self._policy[HOST].get(m.entry.id)
+                self._policy[e.tier].set(e.id, *retention)
+        for e in exact:
+            if e.tier == CELLS:
+                return e
+        if exact and retention is None:   # promoted below: the host entry's retention goes along
+            retention = self._policy[exact[0].tier].get(exact[0].id)
         want = retention or (DEFAULT_PRIORITY, None)
         # an unpinned cells entry this prompt extends: its sequence takes the longer prefix
         # (one entry per conversation, not one per turn)
@@ -1117,6 +1133,21 @@ class PrefixStore:
             self._release_seq(r)
             raise
         return self._add_cells_entry(root, buf, r, want)
+
+    def _exact(self, root: bytes, buf: bytes) -> List[Entry]:
+        """The entries holding exactly the prompt ``buf`` (any tier, cells first): one dict
+        look-up per block down the trie."""
+        node = self.index.roots.get(root)
+        width = self.index.width
+        for pos in range(0, len(buf), width):
+            if node is None:
+                return []
+            node = node.children.get(buf[pos:pos + width])
+        if node is None or node.parent is None:
+            return []
+        n = len(buf) // 8
+        return sorted((e for e in node.entries.values() if e.length == n and e.floor <= n),
+                      key=lambda e: e.tier != CELLS)
 
     def _add_cells_entry(self, root: bytes, buf: bytes, r: int, retention=None) -> Entry:
         n = len(buf) // 8

@@ -120,7 +120,11 @@ def _quant_config(cfg) -> dict:
     raw blocks mean nothing without them."""
     return {"k_dtype": cfg.k_dtype, "v_dtype": cfg.v_dtype,
             "k_scale": list(cfg.k_scale) if isinstance(cfg.k_scale, tuple) else cfg.k_scale,
-            "v_scale": list(cfg.v_scale) if isinstance(cfg.v_scale, tuple) else cfg.v_scale}
+            "v_scale": list(cfg.v_scale) if isinstance(cfg.v_scale, tuple) else cfg.v_scale,
+            # Walsh-Hadamard block of rotated rows (0: not rotated), checked whatever `strict`
+            # says: rotated blocks read by an unrotated cache (or the reverse) are garbage
+            "k_rotation": int(getattr(cfg, "k_rotation", 0)),
+            "v_rotation": int(getattr(cfg, "v_rotation", 0))}
 
 
 def _check_fingerprint(state: "_State", cache, config: dict, where: str, strict: bool) -> None:
@@ -280,7 +284,8 @@ def _check_shapes(state: _State, cache, config: dict, where: str = "") -> None:
         raise state.fail(f"dtype does not match: the state has {config.get('dtype')!r}, the "
                          f"cache {cfg.dtype!r}{where}")
     # states written before quantized K/V existed hold float rows of `dtype`, scale 1
-    saved = {"k_dtype": cfg.dtype, "v_dtype": cfg.dtype, "k_scale": 1.0, "v_scale": 1.0}
+    saved = {"k_dtype": cfg.dtype, "v_dtype": cfg.dtype, "k_scale": 1.0, "v_scale": 1.0,
+             "k_rotation": 0, "v_rotation": 0}   # and before rotated K/V: unrotated rows
     saved.update({k: config[k] for k in saved if k in config})
     for key, value in _quant_config(cfg).items():
         if saved[key] != value:

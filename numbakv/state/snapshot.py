@@ -572,6 +572,11 @@ def fingerprint(cache) -> Dict[str, Any]:
         fields["head_range"] = [int(h) for h in cfg.head_range]
     if getattr(cfg, "layer_reuse", None) is not None:   # absent otherwise: older states match
         fields["layer_reuse"] = list(cfg.layer_reuse)
+    # llama.cpp's rotated quantized K/V: the rows are H k / H v, meaningless to an unrotated
+    # cache (and the reverse); recorded only when rotated, so unrotated states keep matching
+    k_rot, v_rot = getattr(cfg, "k_rotation", 0), getattr(cfg, "v_rotation", 0)
+    if k_rot or v_rot:
+        fields["kv_rotation"] = {"k": int(k_rot), "v": int(v_rot)}
     return fields
 
 

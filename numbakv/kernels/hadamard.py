@@ -1,0 +1,91 @@
+"""The Walsh-Hadamard rotation llama.cpp applies to Q, K and V before a quantized cache (#21038),
+as element math the quantized put and rotary-shift kernels fuse in.
+
+A row of ``dim`` values is rotated in independent blocks of ``n`` values (``n`` a power of two
+dividing ``dim``): ``y = H_n x`` with ``H_n`` the orthonormal Sylvester-Hadamard matrix
+(``H_n[i, j] = (-1)^popcount(i & j) / sqrt(n)``, symmetric, ``H_n @ H_n = I``: the same matrix
+rotates forward and back). The float32 arithmetic follows ggml's CPU fast Walsh-Hadamard op
+(``ggml_compute_forward_fwht_f32``, a817a22bc) exactly, so results are bit-identical with it:
+
+1. every value times ``scale = 1.0f / sqrtf((float) n)`` (float32, rounded once);
+2. stages ``step = 1, 2, 4, ..., n/2``: for each ``i`` with ``i & step == 0``,
+   ``(x[i], x[i + step]) = (x[i] + x[i + step], x[i] - x[i + step])``.
+
+Each stage's pairs are independent and a stage reads only the previous stage's values, so any
+order within a stage (SIMD lanes, GPU threads) gives the same bits; the multiply is never fused
+with the following add (stored between, on every target).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._jit import njit
+from ._registry import element
+
+
+def rotation_scale(n: int) -> np.float32:
+    """``1.0f / sqrtf((float) n)`` in float32, as ggml forms it."""
+    return np.float32(1.0) / np.sqrt(np.float32(n))
+
+
+@element
+def wht_pair_index(p, step):
+    """The first dim of pair ``p`` of a stage with stride ``step`` (pairs ``(i, i + step)``,
+    ``i & step == 0``, numbered in ascending ``i``)."""
+    blk = p // step
+    return blk * 2 * step + (p - blk * step)
+
+
+@element
+def wht_sum_diff(u, v):
+    """One butterfly of two float32 values: ``(u + v, u - v)``."""
+    return u + v, u - v
+
+
+_sum_diff_cpu = wht_sum_diff.cpu
+
+
+@njit(inline="always")
+def wht_row_cpu(work, dim, n):
+    """The stages of the rotation of ``work[:dim]`` (float32, already scaled) in blocks of
+    ``n >= 8`` in place, in the CPU twins' loop order: the first three stages (steps 1, 2, 4)
+    on eight values held in registers, then one loop per stage whose inner loop is contiguous
+    (LLVM vectorises it). The CUDA kernels run the same butterflies a thread per pair."""
+    for i0 in range(0, dim, 8):
+        b0, b1 = _sum_diff_cpu(work[i0], work[i0 + 1])
+        b2, b3 = _sum_diff_cpu(work[i0 + 2], work[i0 + 3])
+        b4, b5 = _sum_diff_cpu(work[i0 + 4], work[i0 + 5])
+        b6, b7 = _sum_diff_cpu(work[i0 + 6], work[i0 + 7])
+        c0, c2 = _sum_diff_cpu(b0, b2)
+        c1, c3 = _sum_diff_cpu(b1, b3)
+        c4, c6 = _sum_diff_cpu(b4, b6)
+        c5, c7 = _sum_diff_cpu(b5, b7)
+        work[i0], work[i0 + 4] = _sum_diff_cpu(c0, c4)
+        work[i0 + 1], work[i0 + 5] = _sum_diff_cpu(c1, c5)
+        work[i0 + 2], work[i0 + 6] = _sum_diff_cpu(c2, c6)
+        work[i0 + 3], work[i0 + 7] = _sum_diff_cpu(c3, c7)
+    step = 8
+    while step < n:
+        for i0 in range(0, dim, 2 * step):
+            for j in range(i0, i0 + step):
+                work[j], work[j + step] = _sum_diff_cpu(work[j], work[j + step])
+        step *= 2
+
+
+def wht_reference(x: np.ndarray, n: int) -> np.ndarray:
+    """numpy reference (float32): ``x [..., dim]`` rotated in blocks of ``n`` along the last
+    axis, ggml's order and scale. Used by the tests and host-side code paths."""
+    y = np.asarray(x, dtype=np.float32) * rotation_scale(n)
+    shape = y.shape
+    dim = shape[-1]
+    step = 1
+    while step < n:
+        z = y.reshape(shape[:-1] + (dim // (2 * step), 2, step))
+        u, v = z[..., 0, :], z[..., 1, :]
+        y = np.stack([u + v, u - v], axis=-2).reshape(shape)
+        step *= 2
+    return y
+
+
+__all__ = ["rotation_scale", "wht_sum_diff", "wht_pair_index", "wht_reference", "wht_row_cpu"]
