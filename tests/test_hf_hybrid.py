@@ -337,3 +337,28 @@ def test_server_survives_a_failed_pass_of_a_hybrid():
         assert [done[r] for r in rids] == expected
     finally:
         hf.detach(model)
+
+
+def test_hybrid_refusals_name_what_is_wrong():
+    """Falcon-H1 (attention and a Mamba mixer side by side in one layer) is refused by name;
+    a hybrid model attached to an attention-only cache, an attention-only model to a
+    HybridCache, and restore options for a model without recurrent layers are ValueErrors;
+    nothing is attached after a refusal."""
+    from numbakv import hf
+    from numbakv.errors import NotSupportedError
+    with pytest.raises(NotSupportedError, match="falcon_h1"):
+        hf.cache_for(hm.tiny_config("falcon_h1"), capacity=16)
+    llama = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                     num_hidden_layers=2, num_attention_heads=2)
+    with pytest.raises(ValueError, match="restore_every"):
+        hf.cache_for(llama, capacity=16, restore_every=8)
+    model = hm.tiny_model("bamba")
+    plain = hf.cache_for(llama, capacity=16)
+    with pytest.raises(ValueError, match="recurrent layers"):
+        hf.attach(model, plain)
+    assert hf.attached_cache(model) is None
+    hc = hf.cache_for(model, capacity=16)
+    lm = hm.random_weight_model(llama)
+    with pytest.raises(ValueError, match="recurrent layers"):
+        hf.attach(lm, hc)
+    assert hf.attached_cache(lm) is None
