@@ -64,6 +64,8 @@ from .writer import Job, TierWriter
 CELLS, HOST = "cells", "host"
 #: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
 TokenIds = Union[Sequence[int], np.ndarray]
+#: ``[(start, end, key_bytes)]``: keys folded into the chained keys of the tokens from ``start`` on
+ExtraKeys = Optional[Sequence[Tuple[int, int, bytes]]]
 _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
 #: the floor of an entry that can serve no length at all (its window pruned the whole prefix)
 _NEVER = 1 << 62
@@ -571,7 +573,7 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ public API
     def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
-              extra_keys=None) -> int:
+              extra_keys: ExtraKeys = None) -> int:
         """The longest prefix of ``tokens`` the store can load now (token granular; on
         sliding-window caches the deepest checkpoint at or below the token match), over every
         tier. No side effects (the lower tiers may count a miss). ``extra_keys``: ``[(start,
@@ -604,7 +606,7 @@ class PrefixStore:
         return served[-1] if served else 0
 
     def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
-             extra_keys=None) -> int:
+             extra_keys: ExtraKeys = None) -> int:
         """Make the empty sequence ``seq`` hold ``tokens[:n]`` at positions ``0..n-1`` from the
         store, ``n`` the longest prefix it can serve (``match``); returns ``n`` (0: a miss,
         nothing changed). Tier 0 hits share cells (no K/V copy); other tiers import the rows
@@ -750,7 +752,7 @@ class PrefixStore:
 
     def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
              cache: bool = True, priority: Optional[int] = None, ttl: Optional[float] = None,
-             extra_keys=None) -> int:
+             extra_keys: ExtraKeys = None) -> int:
         """Record that ``seq`` holds ``tokens`` (``tokens[i]`` at position ``i``) so later
         prompts sharing a prefix with it can ``load`` it. ``cache=False``: skip this one (the
         engine's admission control); checkpoints ``checkpoint(seq)`` marked are dropped too.
@@ -834,7 +836,7 @@ class PrefixStore:
 
     def retain(self, tokens: TokenIds, *, priority: int = DEFAULT_PRIORITY,
                ttl: Optional[float] = None, salt: Optional[bytes] = None,
-               extra_keys=None) -> int:
+               extra_keys: ExtraKeys = None) -> int:
         """Set the retention of the token range ``[0, n)`` of ``tokens`` the store serves now
         (``n = match(tokens)``): ``priority`` 0..100 (35 by default, as TensorRT-LLM) and
         ``ttl`` seconds (None: no expiry; afterwards the range is first out). Tiers 0 and 1
@@ -913,7 +915,7 @@ class PrefixStore:
             self._release_seq(lst.pop(0)[0])
         return n
 
-    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None, extra_keys=None) -> int:
+    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None, extra_keys: ExtraKeys = None) -> int:
         """Keep the prefix of ``tokens`` the store serves now from eviction until ``unpin``
         (the entry serving it stays in its tier). Returns the pinned length (0: not stored)."""
         self._check_open()
@@ -929,7 +931,7 @@ class PrefixStore:
         return m.n
 
     def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
-              extra_keys=None) -> bool:
+              extra_keys: ExtraKeys = None) -> bool:
         """Undo one ``pin(tokens)`` (same tokens, salt and extra keys). Returns False when none
         was held."""
         self._check_open()
