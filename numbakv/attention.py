@@ -27,7 +27,8 @@ Backends:
   (:mod:`numbakv.kernels.decode`: one launch per layer for every token of the pass, reading the
   pool through the device page table, split-K with a log-sum-exp merge, on the cache's stream
   after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
-  16, group x head_dim <= 2048); else ``"torch"``.
+  16, group x head_dim <= 2048) and no sequence has more than 32 queries in the pass (long
+  prefills go to PyTorch's flash kernel); else ``"torch"``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ _PARALLEL_WORK = 1 << 17
 #: with fewer sequences than twice numba's threads, long lists are cut into parts of at least
 #: this many cells (split-K, merged by their log-sum-exp), so one long decode uses every thread
 _MIN_PART = 512
+#: on CUDA the paged kernel (one block per token, KV head and part) serves passes whose
+#: sequences have at most this many queries (decode, speculative verification, short chunks):
+#: it reads a sequence's K/V once per query, so long prefills go to PyTorch's flash kernel
+_GPU_KERNEL_TOKENS = 32
 #: the process that imported this module: a child forked from it runs the kernel on one thread,
 #: because numba's threading layer here (GNU OpenMP) aborts a forked child that starts a
 #: parallel region after its parent ran one
@@ -197,7 +202,8 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         backend = ("torch" if formats is not None else "dense") if quantized else \
             "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
         # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
-        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v
+        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v \
+            and getattr(src, "storage", None) is not None
     elif quantized and backend != "dense" and not (backend == "torch" and formats is not None):
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
@@ -235,11 +241,21 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         key_pool, value_pool = (torch.from_dlpack(x) for x in pools)
         return _flashinfer(torch, q, host, key_pool, value_pool, scale, soft_cap)
     if gpu_kernel and _decode_kernel.fits(q.shape[1], cfg.local_kv_heads, cfg.head_dim,
-                                          _value_dim(pools[1], permuted), batch):
+                                          _value_dim(pools[1], permuted), batch) \
+            and _max_queries(host) <= _GPU_KERNEL_TOKENS:
         return _gpu_attend(torch, q, host, pools, scale, soft_cap, "cuda",
                            src.storage).to(q.dtype)
     return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
                         cfg.dtype == "bfloat16")
+
+
+def _max_queries(host: HostPages) -> int:
+    """The most queries any sequence of the pass has (kept in ``host.plans``)."""
+    n = host.plans.get("max-queries")
+    if n is None:
+        n = host.plans["max-queries"] = int(np.diff(host.qo_indptr).max()) \
+            if host.qo_indptr.shape[0] > 1 else 0
+    return n
 
 
 def _value_dim(value_pool, permuted: bool) -> int:
