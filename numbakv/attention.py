@@ -27,7 +27,8 @@ Backends:
   (:mod:`numbakv.kernels.decode`: one launch per layer for every token of the pass, reading the
   pool through the device page table, split-K with a log-sum-exp merge, on the cache's stream
   after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
-  16, group x head_dim <= 2048); else ``"torch"``.
+  16, group x head_dim <= 2048) and no sequence has more than 32 queries in the pass (long
+  prefills go to PyTorch's flash kernel); else ``"torch"``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from numba.extending import intrinsic, overload
 from ._dlpack import BFloat16View
 from ._jit import njit
 from .kernels import decode as _decode_kernel
+from .kernels.quant import dequantize_block as _dequantize_block
 
 from .pages import HostPages, columns_mask, plan_parts, token_mask, visible_lo
 from .rotation import hadamard_blocks, rotate_queries, unrotate_output
@@ -81,6 +83,10 @@ _PARALLEL_WORK = 1 << 17
 #: with fewer sequences than twice numba's threads, long lists are cut into parts of at least
 #: this many cells (split-K, merged by their log-sum-exp), so one long decode uses every thread
 _MIN_PART = 512
+#: on CUDA the paged kernel (one block per token, KV head and part) serves passes whose
+#: sequences have at most this many queries (decode, speculative verification, short chunks):
+#: it reads a sequence's K/V once per query, so long prefills go to PyTorch's flash kernel
+_GPU_KERNEL_TOKENS = 32
 #: the process that imported this module: a child forked from it runs the kernel on one thread,
 #: because numba's threading layer here (GNU OpenMP) aborts a forked child that starts a
 #: parallel region after its parent ran one
@@ -186,15 +192,19 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         if not soft_cap > 0:
             raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
     permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
-    # quantized K/V: the cell pool holds raw blocks; get() dequantizes the attended range
+    # quantized K/V: the cell pool holds raw blocks. On the CPU numbakv's kernel reads them as
+    # they are (dequantized per tile, never copied out); elsewhere get() dequantizes the range
     quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
+    # (an MLA latent cache, whose V is a view of K, keeps get(): no V rows of its own)
+    formats = _pool_formats(src) if quantized and not on_cuda and not latent_v else None
     gpu_kernel = False
     if backend == "auto":
-        backend = "dense" if quantized else \
+        backend = ("torch" if formats is not None else "dense") if quantized else \
             "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
         # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
-        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v
-    elif quantized and backend != "dense":
+        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v \
+            and getattr(src, "storage", None) is not None
+    elif quantized and backend != "dense" and not (backend == "torch" and formats is not None):
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
                          "backend='dense' or 'auto'")
@@ -203,7 +213,9 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         # as stored), so the queries are rotated like the keys ((H q) . (H k) = q . k) and the
         # output, H times the true one, is turned back (H @ H = I); float32 in between
         qr = rotate_queries(q.float(), cfg) if cfg.k_rotation else q
-        out = _dense(torch, qr, cache, scale, soft_cap, permuted, latent_v)
+        out = _quantized_paged(torch, qr, host, src, scale, soft_cap, formats) \
+            if formats is not None and backend != "dense" else \
+            _dense(torch, qr, cache, scale, soft_cap, permuted, latent_v)
         if latent_v:   # MLA: the values are the latent's first dims, rotated as keys
             if latent_v % cfg.k_rotation:
                 raise ValueError(f"v_dim={latent_v} must be a multiple of the latent's "
@@ -213,6 +225,8 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
             else out.to(q.dtype)
     if backend == "dense":
         return _dense(torch, q, cache, scale, soft_cap, permuted, latent_v)
+    if formats is not None:
+        return _quantized_paged(torch, q, host, src, scale, soft_cap, formats)
     pools = cache.layer_pool()
     if latent_v:   # the value is a view of the latent rows (llama.cpp: V is a view of K)
         kp = pools[0]
@@ -227,11 +241,21 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         key_pool, value_pool = (torch.from_dlpack(x) for x in pools)
         return _flashinfer(torch, q, host, key_pool, value_pool, scale, soft_cap)
     if gpu_kernel and _decode_kernel.fits(q.shape[1], cfg.local_kv_heads, cfg.head_dim,
-                                          _value_dim(pools[1], permuted), batch):
+                                          _value_dim(pools[1], permuted), batch) \
+            and _max_queries(host) <= _GPU_KERNEL_TOKENS:
         return _gpu_attend(torch, q, host, pools, scale, soft_cap, "cuda",
                            src.storage).to(q.dtype)
     return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
                         cfg.dtype == "bfloat16")
+
+
+def _max_queries(host: HostPages) -> int:
+    """The most queries any sequence of the pass has (kept in ``host.plans``)."""
+    n = host.plans.get("max-queries")
+    if n is None:
+        n = host.plans["max-queries"] = int(np.diff(host.qo_indptr).max()) \
+            if host.qo_indptr.shape[0] > 1 else 0
+    return n
 
 
 def _value_dim(value_pool, permuted: bool) -> int:
@@ -497,21 +521,85 @@ def _to_f32_impl(x, bf16):
     return None
 
 
+_dequantize_row_block = _dequantize_block.cpu   # the element math quant.get uses (written once)
+
+
+def _load_key_row(pool, c, kh, dst, fmt, scale, bf16):
+    """float32 ``dst[:]`` = key row ``(c, kh)`` of the pool (numba overload below)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+def _load_value_row(pool, c, kh, dst, vperm, fmt, scale, bf16):
+    """float32 ``dst[:]`` = value row ``(c, kh)`` (``pool[kh, :, c]`` when ``vperm``)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+def _blocks_to_f32(row, dst, fmt, scale):
+    """Dequantize one stored row (ggml q8_0 / q4_0 blocks, or float8 with ``scale``) into
+    float32 ``dst``: quantized K/V stay quantized in the pool and are read per tile."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+@overload(_blocks_to_f32, inline="always")
+def _blocks_to_f32_impl(row, dst, fmt, scale):
+    def impl(row, dst, fmt, scale):
+        n = dst.shape[0]
+        if fmt == 3:
+            _dequantize_row_block(row, 0, n, 3, scale, dst, 0, 0)
+        else:
+            nbytes = 34 if fmt == 1 else 18
+            for blk in range(n // 32):
+                _dequantize_row_block(row, blk * nbytes, 32, fmt, scale, dst, blk * 32, 0)
+    return impl
+
+
+@overload(_load_key_row, inline="always")
+def _load_key_row_impl(pool, c, kh, dst, fmt, scale, bf16):
+    if isinstance(pool.dtype, types.Integer) and pool.dtype.bitwidth == 8:
+        def from_blocks(pool, c, kh, dst, fmt, scale, bf16):
+            _blocks_to_f32(pool[c, kh], dst, fmt, scale)
+        return from_blocks
+
+    def from_elements(pool, c, kh, dst, fmt, scale, bf16):
+        for d in range(dst.shape[0]):
+            dst[d] = _to_f32(pool[c, kh, d], bf16)
+    return from_elements
+
+
+@overload(_load_value_row, inline="always")
+def _load_value_row_impl(pool, c, kh, dst, vperm, fmt, scale, bf16):
+    if isinstance(pool.dtype, types.Integer) and pool.dtype.bitwidth == 8:
+        def from_blocks(pool, c, kh, dst, vperm, fmt, scale, bf16):
+            _blocks_to_f32(pool[c, kh], dst, fmt, scale)    # never permuted (CacheConfig)
+        return from_blocks
+
+    def from_elements(pool, c, kh, dst, vperm, fmt, scale, bf16):
+        if vperm:
+            for d in range(dst.shape[0]):
+                dst[d] = _to_f32(pool[kh, d, c], bf16)
+        else:
+            for d in range(dst.shape[0]):
+                dst[d] = _to_f32(pool[c, kh, d], bf16)
+    return from_elements
+
+
 #: cells per tile of the kernel: the tile's K and V rows of every KV head (8 x 128 float32 each
 #: at 16 cells: 64 KiB apiece) stay in L2 while every query row uses them
 _TILE = 16
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})   # no nnan/ninf: -inf marks masked scores
-def _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
-                 token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
-                 part_m, part_l):
+def _attend_item(it, items, q, kpool, vpool, bf16, vperm, kfmt, vfmt, kscale, vscale,
+                 kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window, chunk, scale,
+                 soft_cap, out, part_acc, part_m, part_l):
     """Work item ``it`` of :func:`_attend_pool`: ``items[it] = (b, j0, j1, row0)``, batch sequence
     ``b``'s list entries ``j0:j1`` (all of its list, or one part of it), every query and every
     head at once, so each cell's K/V row (all KV heads: one contiguous read) is read and
     converted to float32 once. ``row0 < 0``: the whole list, normalised rows written to
     ``out``; else the unnormalised accumulators, maxima and sums go to ``part_*`` rows
-    ``row0 ..`` (merged by :func:`_merge_item_parts`)."""
+    ``row0 ..`` (merged by :func:`_merge_item_parts`). A uint8 pool holds quantized rows
+    (``kfmt``/``vfmt``: kernels.quant format codes, ``kscale``/``vscale`` for float8),
+    dequantized per tile as they are read."""
     T, H, dim = q.shape
     hkv = kpool.shape[1]
     dv = out.shape[2]
@@ -572,15 +660,9 @@ def _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo
         for j in range(j0, j1):
             c = kv_indices[j]
             for kh in range(hkv):
-                for d in range(dim):
-                    kt[kh, j - j0, d] = _to_f32(kpool[c, kh, d], bf16)
+                _load_key_row(kpool, c, kh, kt[kh, j - j0], kfmt, kscale, bf16)
             for kh in range(hkv):
-                if vperm:
-                    for d in range(dv):
-                        vt[kh, j - j0, d] = _to_f32(vpool[kh, d, c], bf16)
-                else:
-                    for d in range(dv):
-                        vt[kh, j - j0, d] = _to_f32(vpool[c, kh, d], bf16)
+                _load_value_row(vpool, c, kh, vt[kh, j - j0], vperm, vfmt, vscale, bf16)
         for tl in range(L):
             a = max(j0, jlo[tl]) - j0
             e = min(j1, jhi[tl]) - j0
@@ -667,9 +749,9 @@ def _merge_item_parts(i, merges, items, qo_indptr, token_order, out, part_acc, p
 
 
 @njit(cache=True)
-def _attend_pool(items, merges, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
-                 token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
-                 part_m, part_l):
+def _attend_pool(items, merges, q, kpool, vpool, bf16, vperm, kfmt, vfmt, kscale, vscale,
+                 kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window, chunk, scale,
+                 soft_cap, out, part_acc, part_m, part_l):
     """Attention of the batch sequences named by ``items`` (:func:`_attend_item`), read straight
     from the cell pool, one thread.
 
@@ -679,35 +761,36 @@ def _attend_pool(items, merges, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos
     H, Dv]``: the rows of these sequences' tokens are written (zeros for a token that sees no
     cell). soft_cap <= 0: none. ``merges``: the sequences split into several items."""
     for it in range(items.shape[0]):
-        _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
-                     token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
-                     part_m, part_l)
+        _attend_item(it, items, q, kpool, vpool, bf16, vperm, kfmt, vfmt, kscale, vscale,
+                     kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window, chunk,
+                     scale, soft_cap, out, part_acc, part_m, part_l)
     for i in range(merges.shape[0]):
         _merge_item_parts(i, merges, items, qo_indptr, token_order, out, part_acc, part_m,
                           part_l)
 
 
 @njit(cache=True, parallel=True)
-def _attend_pool_parallel(items, merges, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos,
-                          qo_indptr, token_order, q_pos, causal, window, chunk, scale, soft_cap,
-                          out, part_acc, part_m, part_l):
+def _attend_pool_parallel(items, merges, q, kpool, vpool, bf16, vperm, kfmt, vfmt, kscale,
+                          vscale, kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal,
+                          window, chunk, scale, soft_cap, out, part_acc, part_m, part_l):
     """:func:`_attend_pool` with the items, then the merges, spread over numba's threads."""
     for it in prange(items.shape[0]):
-        _attend_item(it, items, q, kpool, vpool, bf16, vperm, kv_indices, kv_pos, qo_indptr,
-                     token_order, q_pos, causal, window, chunk, scale, soft_cap, out, part_acc,
-                     part_m, part_l)
+        _attend_item(it, items, q, kpool, vpool, bf16, vperm, kfmt, vfmt, kscale, vscale,
+                     kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window, chunk,
+                     scale, soft_cap, out, part_acc, part_m, part_l)
     for i in prange(merges.shape[0]):
         _merge_item_parts(i, merges, items, qo_indptr, token_order, out, part_acc, part_m,
                           part_l)
 
 
-def _kernel_plan(host: HostPages, n_heads: int, half: bool) -> dict:
+def _kernel_plan(host: HostPages, n_heads: int, half: bool, everything: bool = False) -> dict:
     """The CPU kernel's work for this pass (planned once per forward pass, kept in
     ``host.plans``): the sequences it computes (``_KERNEL_TOKENS`` and the limits after it;
     ``half``: 16-bit storage), as items (a whole list, or - when there are fewer sequences than
     twice numba's threads and the work is parallel - parts of at least ``_MIN_PART`` cells,
-    merged afterwards)."""
-    limit = _KERNEL_TOKENS_16BIT if half else _KERNEL_TOKENS
+    merged afterwards). ``everything``: every sequence (a quantized pool no other path reads).
+    """
+    limit = (1 << 62) if everything else _KERNEL_TOKENS_16BIT if half else _KERNEL_TOKENS
     key = ("kernel", limit, _SHORT_CELLS, _SHORT_TOKENS, _PARALLEL_WORK, _MIN_PART, n_heads)
     plan = host.plans.get(key)
     if plan is not None:
@@ -764,25 +847,61 @@ def _host_pool(x):
 
 
 def _cpu_kernel(q, host: HostPages, plan: dict, pools, scale: float, soft_cap, permuted: bool,
-                bf16: bool) -> np.ndarray:
+                bf16: bool, formats: tuple = (0, 0, 1.0, 1.0, 0)) -> np.ndarray:
     """float32 ``[batch, H, Dv]``: the rows of the plan's sequences' tokens from
     :func:`_attend_pool` (other rows undefined)."""
     kp, vp = (_host_pool(x) for x in pools)
     qn = q.detach().float().contiguous().numpy()
     H = qn.shape[1]
-    dv = vp.shape[1] if permuted else vp.shape[2]
+    kf, vf, ks, vs, v_dim = formats
+    dv = v_dim if vf else vp.shape[1] if permuted else vp.shape[2]   # quantized: row bytes
     res = np.empty((qn.shape[0], H, dv), np.float32)
     n_part = plan["part_rows"]
     part_acc = np.empty((n_part, dv), np.float32)
     part_ml = np.empty((2, n_part), np.float32)
     rule = host.rule
     fn = _attend_pool_parallel if plan["parallel"] and os.getpid() == _PID else _attend_pool
-    fn(plan["items"], plan["merges"], qn, kp, vp, bf16, permuted, host.kv_indices,
+    fn(plan["items"], plan["merges"], qn, kp, vp, bf16, permuted, kf, vf, np.float32(ks),
+       np.float32(vs), host.kv_indices,
        host.kv_positions, host.qo_indptr, host.token_order, host.q_positions, rule.causal,
        int(rule.window), int(rule.chunk), np.float32(scale),
        np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc, part_ml[0],
        part_ml[1])
     return res
+
+
+#: quantized storage types the CPU kernel reads in place (kernels.quant's block formats)
+_KERNEL_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3")
+
+
+def _pool_formats(src) -> Optional[tuple]:
+    """``(kfmt, vfmt, kscale, vscale)`` of the current layer of a quantized cache whose pool the
+    CPU kernel can read as stored, or None (then ``get()`` dequantizes). Rotated K/V
+    (``kv_rotation``) are read as stored too: ``attend`` rotates the queries and turns the
+    output back around either path."""
+    cfg = src.config
+    st = src.storage
+    for quantized, kind in ((st.k_quantized, cfg.k_dtype), (st.v_quantized, cfg.v_dtype)):
+        if quantized and kind not in _KERNEL_QUANT_TYPES:
+            return None                   # e.g. FlashMLA's fp8_ds_mla row: get() decodes it
+    slot = src._storage_layers[src._layer]
+    kf = int(st._k_fmt) if st.k_quantized else 0
+    vf = int(st._v_fmt) if st.v_quantized else 0
+    return (kf, vf, float(cfg.layer_scales("k")[slot]), float(cfg.layer_scales("v")[slot]),
+            int(cfg.v_head_dim))
+
+
+def _quantized_paged(torch, q, host: HostPages, src, scale, soft_cap, formats):
+    """``attend`` over a quantized CPU cache: every sequence through :func:`_attend_pool`,
+    reading the rows its page list names from the storage as stored (quantized blocks
+    dequantized per tile; a float side as float32, float16 or bfloat16 bits)."""
+    plan = _kernel_plan(host, q.shape[1], True, everything=True)
+    st = src.storage
+    slot = src._storage_layers[src._layer]
+    pools = (st.key_view(slot, 0, src.n_cells), st.value_view(slot, 0, src.n_cells))
+    res = _cpu_kernel(q, host, plan, pools, scale, soft_cap, False,
+                      src.config.dtype == "bfloat16", formats)
+    return torch.from_numpy(res).to(q.dtype)
 
 
 def _merge_parts(torch, outs, lses):

@@ -1196,7 +1196,8 @@ class CausalCache(StateMethods):
             host = pages.pages_of_table(
                 self.cells, fwd.positions, fwd.seqs, fwd.causal,
                 window=-1 if self._window == UNLIMITED else self._window, chunk=self._chunk)
-        pages.to_device(host, self.device)
+        with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
+            pages.to_device(host, self.device)     # on the cache's stream
         self._pages_cache = (fwd, fwd.causal, self.cells, host)
         return host
 

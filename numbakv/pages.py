@@ -834,20 +834,19 @@ def build_all_visible(cell_pos: np.ndarray, n_cells: int, max_seqs: int, positio
 
 def to_device(host: HostPages, device: str) -> PageTable:
     """The :class:`PageTable` of ``host`` on ``device``: the host arrays themselves on ``cpu`` and
-    ``sim``; on ``cuda`` one copy of all of them, packed in one pinned buffer."""
+    ``sim``; on ``cuda`` one asynchronous copy of all of them on the current stream, packed in
+    a pinned staging buffer reused between passes (:func:`numbakv.kernels.launch.to_device`: no
+    pinned allocation, no pageable upload and no host synchronisation per pass; legal while a
+    CUDA graph is captured)."""
     arrays = [getattr(host, name) for name in FIELDS]
     if device != "cuda":
         table = PageTable(*arrays)
     else:
-        import cupy
-        import cupyx
-        sizes = [a.shape[0] for a in arrays]
-        pinned = cupyx.empty_pinned(sum(sizes), dtype=np.int32)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        for a, o0, o1 in zip(arrays, offsets[:-1], offsets[1:]):
-            pinned[o0:o1] = a
-        dev = cupy.asarray(pinned)   # one host -> device copy
-        table = PageTable(*[dev[o0:o1] for o0, o1 in zip(offsets[:-1], offsets[1:])])
+        from .kernels.launch import to_device as staged_copy
+        descs, dev = staged_copy("cuda", *[np.ascontiguousarray(a, np.int32) for a in arrays])
+        base = int(dev.data.ptr)
+        table = PageTable(*[dev[d.ptr - base:d.ptr - base + 4 * d.shape[0]].view(np.int32)
+                            for d in descs])
     host.table = table
     return table
 

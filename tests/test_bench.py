@@ -286,7 +286,7 @@ def test_generate_section_quick(capsys):
     for r in res["steps"]:
         # numbakv's step attends over what it holds: the same output as SDPA over StaticCache
         assert r["max_abs_diff_vs_static"] < (1e-4 if r["dtype"] == "float32" else 3e-2)
-        assert all(r[k]["median"] > 0 for k in bench_generate.CONTENDERS)
+        assert all(r[k]["median"] > 0 for k in bench_generate.STEP_CONTENDERS)
     assert [r["threads"] for r in res["generate"]] == [1, 2]
     text = "\n".join(bench_generate.format_generate(res))
     assert "StaticCache" in text and "tok/s" in text
@@ -351,3 +351,21 @@ def test_agents_orphan_count_follows_the_events():
     assert _orphans(live, [{"type": "BlockRemoved", "block_hashes": ["c"]}]) == 0
     assert _orphans(live, [{"type": "BlockRemoved", "block_hashes": ["a"]}]) == 1   # b lost a
     assert _orphans(live, [{"type": "AllBlocksCleared"}]) == 0
+
+
+def test_prefix_save_bench_and_its_peers():
+    """bench_prefix.bench_save runs at a tiny size; the peer baselines keep what they should
+    (the hash chain and the trie drop the oldest prompt past their bound)."""
+    from numbakv.tools import bench_prefix as bp
+    chain = bp.HashChainPeer(block=4, max_prompts=2)
+    trie = bp.TriePeer(max_prompts=2)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7]]
+    for p in prompts:
+        chain.insert(p)
+        trie.insert(p)
+    assert len(chain.prompts) == 2 and len(chain.blocks) == 3   # [1..4] + [9..] + [7..]
+    assert 5 not in trie.root[1][2][3][4] and 9 in trie.root[1][2][3][4] and 7 in trie.root
+    res = bp.bench_save(256, (4, 8), reps=5)
+    assert [r["entries"] for r in res["runs"]] == [4, 8]
+    assert all(r["save_us"] > 0 and r["hash_chain_us"] > 0 for r in res["runs"])
+    assert "save growth" in bp.format_prefix({"save": res})

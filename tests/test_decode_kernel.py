@@ -182,3 +182,13 @@ def test_attend_waits_for_the_producer_and_the_cache_stream():
     torch.cuda.synchronize()
     want = _independent_reference(q.float(), cache, 1 / math.sqrt(64), None)
     np.testing.assert_allclose(got.cpu().numpy(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_serves_passes_of_few_queries_per_sequence():
+    """The CUDA routing rule: the most queries of any sequence in the pass (memoised per pass)
+    against attention._GPU_KERNEL_TOKENS."""
+    cache = make_cache("cpu", capacity=40, n_kv_heads=2, head_dim=16)
+    cache.start_forward([0, 1, 2, 3, 4, 0], [0, 0, 0, 0, 0, 1])
+    host = cache._host_pages()
+    assert attention._max_queries(host) == 5 and host.plans["max-queries"] == 5
+    assert attention._GPU_KERNEL_TOKENS >= 1

@@ -272,3 +272,93 @@ def test_server_reuses_stored_prefixes_of_a_hybrid(family):
     finally:
         hf.detach(model)
         store.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba_recurrent_last"])
+def test_generation_cache_with_a_store_reuses_a_hybrid_prefix(family):
+    """generation_cache(store=, input_ids=) on a hybrid: the first generate() saves its rows
+    (K/V and the state at their ends), a second one on a prompt extending the first loads the
+    stored prefix (state included) and computes only the rest, token-equal to DynamicCache.
+    ``bamba_recurrent_last``: Bamba whose last layers are recurrent (a pass ends after them)."""
+    from numbakv import PrefixStore, hf
+    if family == "bamba_recurrent_last":
+        cfg = hm.tiny_config("bamba")
+        cfg.attn_layer_indices = [1]
+        model = hm.random_weight_model(cfg)
+    else:
+        model = hm.tiny_model(family)
+    gen = torch.Generator().manual_seed(17)
+    first = torch.randint(3, hm.VOCAB, (1, 14), generator=gen)
+    cache = hf.cache_for(model, capacity=64, max_seqs=2, restore_every=4)
+    store = PrefixStore(cache, retain_seqs=[1], block_tokens=4)
+    try:
+        past = hf.generation_cache(model, store=store, max_new_tokens=4)
+        with torch.no_grad():
+            out1 = model.generate(first, **{hm.cache_kwarg(): past}, max_new_tokens=4,
+                                  do_sample=False, pad_token_id=0)
+        assert torch.equal(out1, hm.dynamic_generate(model, first, max_new_tokens=4))
+        second = torch.cat([out1, torch.randint(3, hm.VOCAB, (1, 5), generator=gen)], dim=1)
+        past2 = hf.generation_cache(model, store=store, input_ids=second, max_new_tokens=4)
+        assert past2.reused_tokens == out1.shape[1] - 1       # the saved rows' end
+        with torch.no_grad():
+            out2 = model.generate(second, **{hm.cache_kwarg(): past2}, max_new_tokens=4,
+                                  do_sample=False, pad_token_id=0)
+        assert torch.equal(out2, hm.dynamic_generate(model, second, max_new_tokens=4))
+    finally:
+        store.close()
+
+
+def test_server_survives_a_failed_pass_of_a_hybrid():
+    """A forward pass that raises mid-model (a recurrent layer updated its state in place, no
+    restore point where the pass began): the server restarts that request from its prompt;
+    the next passes give the same tokens as generate()."""
+    from numbakv import hf
+    model = hm.tiny_model("qwen3_next")
+    gen = torch.Generator().manual_seed(19)
+    prompts = [torch.randint(3, hm.VOCAB, (n,), generator=gen).tolist() for n in (7, 10)]
+    expected = [hm.dynamic_generate(model, torch.tensor([p]), max_new_tokens=5)[0, len(p):]
+                .tolist() for p in prompts]
+    cache = hf.cache_for(model, capacity=64, max_seqs=2, restore_every=256)
+    srv = hf.Server(model, cache, prefill_chunk=16)
+    attention = model.model.layers[1].self_attn
+    try:
+        rids = [srv.submit(p, max_new_tokens=5) for p in prompts]
+        srv.step()
+        srv.step()                                      # decoding now
+        original = attention.forward
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("boom")
+        attention.forward = broken
+        with pytest.raises(RuntimeError, match="boom"):
+            srv.step()
+        attention.forward = original
+        done = srv.run()
+        assert [done[r] for r in rids] == expected
+    finally:
+        hf.detach(model)
+
+
+def test_hybrid_refusals_name_what_is_wrong():
+    """Falcon-H1 (attention and a Mamba mixer side by side in one layer) is refused by name;
+    a hybrid model attached to an attention-only cache, an attention-only model to a
+    HybridCache, and restore options for a model without recurrent layers are ValueErrors;
+    nothing is attached after a refusal."""
+    from numbakv import hf
+    from numbakv.errors import NotSupportedError
+    with pytest.raises(NotSupportedError, match="falcon_h1"):
+        hf.cache_for(hm.tiny_config("falcon_h1"), capacity=16)
+    llama = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                     num_hidden_layers=2, num_attention_heads=2)
+    with pytest.raises(ValueError, match="restore_every"):
+        hf.cache_for(llama, capacity=16, restore_every=8)
+    model = hm.tiny_model("bamba")
+    plain = hf.cache_for(llama, capacity=16)
+    with pytest.raises(ValueError, match="recurrent layers"):
+        hf.attach(model, plain)
+    assert hf.attached_cache(model) is None
+    hc = hf.cache_for(model, capacity=16)
+    lm = hm.random_weight_model(llama)
+    with pytest.raises(ValueError, match="recurrent layers"):
+        hf.attach(lm, hc)
+    assert hf.attached_cache(lm) is None

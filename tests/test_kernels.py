@@ -742,7 +742,8 @@ def test_put_geometry_blocks_match_useful_work(seed):
         grid, nb, nbk, mode = put.geometry("cuda", (batch, kh, kw), (batch, vh, vw), permuted,
                                            H100_CAP)
         assert len(grid) == 1 and nb == _common.BLOCK_CUDA
-        assert _space_ok(nbk, batch * kh * kw, nb, H100_CAP)
+        # K: a warp per token row (one thread per word when there is a single row)
+        assert _space_ok(nbk, batch * 32 if batch > 1 else kh * kw, nb, H100_CAP)
         nbv = grid[0] - nbk
         if mode == put.V_CELLS_TILED:
             assert permuted and batch >= put.TILE and vh * vw >= put.TILE
@@ -752,7 +753,8 @@ def test_put_geometry_blocks_match_useful_work(seed):
             assert batch * vh * vw >= 0.25 * tiles * put.TILE ** 2
         else:
             assert mode == (put.V_CELLS_DIRECT if permuted else put.V_ROWS)
-            assert _space_ok(nbv, batch * vh * vw, nb, H100_CAP)
+            rows = batch * 32 if batch > 1 else vh * vw
+            assert _space_ok(nbv, batch * vh * vw if permuted else rows, nb, H100_CAP)
 
 
 def test_put_geometry_the_measured_cases():
@@ -764,9 +766,14 @@ def test_put_geometry_the_measured_cases():
     # the same put with K as 16-byte words (aligned input and storage): half K's threads
     grid, nb, nbk, mode = put.geometry("cuda", (1, 1, 128), (1, 8, 128), True, H100_CAP)
     assert nbk == 1 and grid[0] == 1 + 4 and mode == put.V_CELLS_DIRECT
-    # a row-layout prefill of 4096 tokens in 16-byte words: 4096 x 128 items each, capped
+    # a row-layout prefill of 4096 tokens in 16-byte words: a warp per token row (each lane
+    # four words in flight), capped
     grid, nb, nbk, mode = put.geometry("cuda", (4096, 1, 128), (4096, 1, 128), False, H100_CAP)
-    assert nbk == min(4096 * 128 // nb, H100_CAP) and grid[0] == 2 * nbk and mode == put.V_ROWS
+    assert nbk == min(4096 * 32 // nb, H100_CAP) and grid[0] == 2 * nbk and mode == put.V_ROWS
+    # a decode put of 8 tokens (8 heads x 128 bfloat16 rows as 16-byte words): one block of
+    # 8 warps for K and one for V, not 4 + 4 blocks of one word per thread
+    grid, nb, nbk, mode = put.geometry("cuda", (8, 1, 128), (8, 1, 128), False, H100_CAP)
+    assert nbk == 1 and grid[0] == 2
     # a 32k-token prefill: both spaces capped at the SM-sized grid, V through tiles
     grid, nb, nbk, mode = put.geometry("cuda", (32768, 1, 256), (32768, 8, 128), True, H100_CAP)
     assert nbk == H100_CAP and grid[0] - nbk == H100_CAP and mode == put.V_CELLS_TILED
@@ -1065,9 +1072,34 @@ def test_put_takes_16_byte_words_when_aligned(kernel_device, dtype, permuted, mo
             assert vd.dtype.itemsize == v_src.dtype.itemsize == ks.itemsize
         else:
             assert vd.dtype == v_src.dtype == _common.WORD16
-        # blocks against useful work: K's index space counts 16-byte words
+        # blocks against useful work: K's index space is a warp per token row
         nbk = args[-1]
-        assert (nbk - 1) * block < b * row // 16 <= nbk * block
+        assert _space_ok(nbk, put.row_threads(b, 1, row // 16), block,
+                         _common.max_blocks(kernel_device))
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 64), (4, 5, 80), (1, 8, 64)])
+def test_put_rows_with_four_words_in_flight(kernel_device, shape, monkeypatch):
+    """Rows of 128 and 100 16-byte words: a warp per token row, each lane copying four words at
+    once while four remain (the 100-word row ends in a tail of single words); a single token
+    grid-strides over its words. Slot lists with a skipped token and contiguous starts."""
+    seen = _recording(monkeypatch, put)
+    _no_fast_put(monkeypatch)
+    rng = np.random.default_rng(sum(shape))
+    b, h, d = shape
+    n = 9
+    k_store, v_store = (_random_bits(rng, (n, h, d), "float32") for _ in range(2))
+    key, value = (_random_bits(rng, (b, h, d), "float32") for _ in range(2))
+    slot_list = np.array([7, -1, 0, 3][:b], np.int32) if b > 1 else np.array([5], np.int32)
+    for slots, start in ((slot_list, -1), (None, 2)):
+        ks, vs = _placed(kernel_device, k_store), _placed(kernel_device, v_store)
+        put.launch(kernel_device, ks, vs, slots, _placed(kernel_device, key),
+                   _placed(kernel_device, value), False, start=start)
+        eff = slots if slots is not None else np.arange(start, start + b, dtype=np.int32)
+        rk, rv = _ref_put(k_store, v_store, eff, key, value, False)
+        assert np.array_equal(bits(ks), bits(rk)) and np.array_equal(bits(vs), bits(rv))
+        _, _, _, args = seen[-1]
+        assert args[3].dtype == _common.WORD16 and args[3].shape == (b, 1, h * d // 4)
 
 
 # (shape [batch, heads, dim], input offset in elements, storage offset in bytes, expected word)

@@ -226,3 +226,20 @@ def test_redis_carries_hybrid_entries_with_their_state():
             assert second.load(3, toks[:21] + [2]) == 16
     finally:
         gen.close()
+
+
+def test_edit_reuse_is_refused_on_hybrids():
+    """An edited prompt cannot re-use anything after the edit on a hybrid (the recurrent state
+    there depends on every earlier token): match_edit/load_edit say so, changing nothing."""
+    from numbakv.errors import NotSupportedError
+    toks = list(range(1, 21))
+    hc = hybrid_cache()
+    store = PrefixStore(hc, retain_seqs=[3], block_tokens=4)
+    hybrid_prefill(hc, 0, toks)
+    assert store.save(0, toks) == 20
+    edited = toks[:10] + [99] + toks[11:]
+    with pytest.raises(NotSupportedError, match="hybrid"):
+        store.match_edit(edited)
+    with pytest.raises(NotSupportedError, match="hybrid"):
+        store.load_edit(1, edited)
+    assert hc.seq_pos_max(1) == -1 and store.match(edited) == 8   # restore point 8

@@ -560,8 +560,9 @@ def test_storage_put_with_slots(device, kinds):
 
 
 def test_attend_on_a_quantized_cache_matches_its_dequantized_get():
-    """attend() on quantized storage: 'auto' attends over get()'s dequantized K/V (the cell pool
-    holds raw blocks, which the pool-reading backends refuse, naming the way out)."""
+    """attend() on quantized storage equals attention over get()'s dequantized K/V: on the CPU
+    numbakv's kernel reads the raw blocks of the cell pool (dequantized per tile); FlashInfer,
+    which cannot read them, is refused naming the way out."""
     torch = pytest.importorskip("torch")
     from numbakv.attention import attend
     rng = np.random.default_rng(9)
@@ -579,8 +580,45 @@ def test_attend_on_a_quantized_cache_matches_its_dequantized_get():
                      k.repeat_interleave(2, dim=1)) / 32 ** 0.5 + m[:, None, :]
     want = torch.einsum("bhn,nhd->bhd", torch.softmax(s, -1), v.repeat_interleave(2, dim=1))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(attend(q, cache, backend="torch"), want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="quantized blocks"):
-        attend(q, cache, backend="torch")
+        attend(q, cache, backend="flashinfer")
+
+
+@pytest.mark.parametrize("rotation", ["off", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kinds", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q8_0", None),
+                                   ("float8_e4m3", "q4_0")])
+def test_cpu_attend_reads_quantized_blocks_in_place(dtype, kinds, rotation):
+    """The CPU kernel reads quantized rows where they lie (no dequantized copy of the range):
+    equal to the dense reference for every format pair, storage dtype, a sliding window, several
+    sequences, a prefill pass and a decode pass; no get() scratch is allocated."""
+    torch = pytest.importorskip("torch")
+    import numbakv as nkv
+    from numbakv.attention import attend
+    rng = np.random.default_rng(3)
+    kd, vd = kinds
+    cfg = nkv.CacheConfig(2, 2, 64, capacity=64, max_seqs=3, dtype=dtype, k_dtype=kd,
+                          v_dtype=vd or dtype, v_scale=0.5, kv_rotation=rotation,
+                          device="cpu")
+    cache = nkv.CausalCache(cfg, swa_window=20)
+    tt = getattr(torch, dtype)
+    passes = [([0] * 30 + [1] * 25 + [2] * 5, list(range(30)) + list(range(25)) + list(range(5))),
+              ([0, 1, 2, 2, 2], [30, 25, 5, 6, 7])]
+    for seqs, pos in passes:
+        cache.start_forward(pos, seqs)
+        for layer in range(2):
+            cache.set_layer(layer)
+            k = torch.from_numpy(rng.standard_normal((len(seqs), 2, 64)).astype(np.float32))
+            cache.put(k.to(tt), (k * 0.5).to(tt))
+            q = torch.from_numpy(rng.standard_normal((len(seqs), 8, 64)).astype(np.float32))
+            q = q.to(tt)
+            got = attend(q, cache, soft_cap=30.0)
+            if (pos, layer) == (passes[0][1], 0):     # before the dense reference's own get():
+                assert cache.storage._k_scratch is None   # nothing dequantized out of place
+            want = attend(q, cache, soft_cap=30.0, backend="dense")
+            tol = 1e-4 if dtype == "float32" else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "float8_e4m3"])

@@ -377,3 +377,26 @@ def test_hf_reads_gpu_positions_back_on_the_cache_stream(fake_gpu):
     for c in wrapper.caches:
         c.storage._stream = stream
     assert hf._cache_stream(wrapper) is stream
+
+
+def test_page_table_is_one_staged_async_copy_on_the_given_stream(fake_gpu):
+    """pages.to_device on cuda: every array of the table in one host-to-device copy from the
+    reused pinned staging, on the current (the cache's) stream; the device arrays read back
+    equal the host ones (no pinned allocation or pageable upload per pass)."""
+    from numbakv import pages as pages_mod
+    cp, _ = fake_gpu
+    rng = np.random.default_rng(4)
+    arrays = {name: rng.integers(0, 50, 3 + i).astype(np.int32)
+              for i, name in enumerate(pages_mod.FIELDS)}
+    arrays["kv_last_page_len"] = np.zeros(0, np.int32)          # an empty field too
+    host = pages_mod.HostPages(arrays, pages_mod.MaskRule(np.ones(3, np.uint8), -1, 0),
+                               None, None, True)
+    stream = cp.cuda.ExternalStream(0x4242)
+    cp.log.clear()
+    with stream:
+        table = pages_mod.to_device(host, "cuda")
+    copies = [e for e in cp.log if e[0] == "h2d"]
+    assert len(copies) == 1 and copies[0][1] == 0x4242
+    for name in pages_mod.FIELDS:
+        got = getattr(table, name).get()
+        assert got.dtype == np.int32 and np.array_equal(got, arrays[name]), name

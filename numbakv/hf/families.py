@@ -350,6 +350,10 @@ def cache_for(model_or_config: Any, *, capacity: int, max_seqs: int = 1, max_bat
     config = _text_config(model_or_config)
     model = model_or_config if _is_module(model_or_config) else None
     layout = hybrid_layout(config)
+    if layout is not None and "both" in layout.layer_kinds:
+        raise NotSupportedError(f"{layout.family}: layers holding attention and a recurrent "
+                                "mixer side by side (Falcon-H1) are not supported by "
+                                "HybridCache yet")
     recurrent_kw = {k: kw.pop(k) for k in ("restore_every", "max_restore_points") if k in kw}
     if recurrent_kw and layout is None:
         raise ValueError(f"cache_for got {sorted(recurrent_kw)}: options of hybrid models' "
@@ -415,10 +419,6 @@ def _hybrid_cache(layout: HybridLayout, attention, dtype: str, max_seqs: int, de
     it otherwise; SSM / delta state float32)."""
     from ..hybrid import HybridCache
     from ..recurrent import RecurrentCache, RecurrentConfig, StateSpec
-    if "both" in layout.layer_kinds:
-        raise NotSupportedError(f"{layout.family}: layers holding attention and a recurrent "
-                                "mixer side by side (Falcon-H1) are not supported by "
-                                "HybridCache yet")
     specs = [StateSpec(s.name, s.shape, s.dtype or dtype) for s in layout.states]
     groups = getattr(attention, "caches", (attention,))
     rc = RecurrentCache(RecurrentConfig(

@@ -567,6 +567,8 @@ def generation_cache(model: Any, *, max_new_tokens: Optional[int] = None,
     state = _GenState(model, max_new_tokens, capacity, dtype, device, kw, store,
                       model_shapes(model).n_layers)
     state.last_attention = max(attention)
+    if layout is not None and max(layout.recurrent_layers) > state.last_attention:
+        state.last_attention = -1     # the pass ends after the model (a forward hook)
     reused = state.load_prefix(input_ids) if input_ids is not None else 0
     _switch_model(model)
     layer_cls = _layer_class()

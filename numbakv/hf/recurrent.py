@@ -358,6 +358,22 @@ def generation_layer_class():
                 self.recurrent_states[state_idx] = views["ssm"]
                 self.is_recurrent_states_initialized[state_idx] = True
 
+        def sync(self) -> None:
+            """Before the layer's first call: rows that already hold a state (a prefix the
+            store loaded) hand it to the model as its previous state."""
+            if self.is_conv_states_initialized[0] or not self.state.loaded:
+                return
+            views = self._views()
+            conv = views["conv"]
+            self.dtype, self.device = conv.dtype, conv.device
+            self.conv_kernel_size[0] = conv.shape[-1]
+            self.conv_states[0] = conv
+            self.is_conv_states_initialized[0] = True
+            if "ssm" in views:
+                self.recurrent_states[0] = views["ssm"]
+                self.is_recurrent_states_initialized[0] = True
+            self.has_previous_state[0] = True
+
         def reset(self) -> None:
             raise KVCacheError("a numbakv generation cache is not reset: make a new one per "
                                "generate() call (hf.generation_cache)")
@@ -391,30 +407,34 @@ class RecurrentStateCalls:
 
     _numbakv_state: Any = None
 
-    def _begun(self) -> None:
+    def _begun(self, layer_idx: Optional[int] = None) -> None:
         if self._numbakv_state is not None:
             self._numbakv_state.ensure_begun()
+        if layer_idx is not None and 0 <= layer_idx < len(self.layers):
+            sync = getattr(self.layers[layer_idx], "sync", None)
+            if sync is not None:
+                sync()
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
-        self._begun()
+        self._begun(layer_idx)
         return super().get_conv_state(layer_idx, state_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        self._begun()
+        self._begun(layer_idx)
         return super().get_recurrent_state(layer_idx, state_idx)
 
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
-        self._begun()
+        self._begun(layer_idx)
         return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0,
                                **kwargs):
-        self._begun()
+        self._begun(layer_idx)
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
     def has_previous_state(self, layer_idx: Optional[int] = None,
                            state_idx: Optional[int] = None) -> bool:
-        self._begun()
+        self._begun(layer_idx)
         return super().has_previous_state(layer_idx, state_idx)
 
 
@@ -441,8 +461,19 @@ def begin_passes_in_a_hook(model: Any, cache_obj: Any, state: Any) -> None:
         state.pending = (int(ids.shape[0]), int(ids.shape[1]))
         return None
 
+    def after(module, args, kwargs, output):
+        # a model whose last layers are recurrent ends its pass here (no cache call follows a
+        # recurrent layer's in-place decode update): the store's saves see every layer's state
+        cache = ref()
+        if cache is not None and kwargs.get("cache", kwargs.get("past_key_values")) is cache \
+                and state.last_attention < 0:
+            state.end_pass()
+        return None
+
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     weakref.finalize(cache_obj, handle.remove)
+    done = model.register_forward_hook(after, with_kwargs=True)
+    weakref.finalize(cache_obj, done.remove)
 
 
 __all__ = ["StateRows", "plan_groups", "run_packed", "RecurrentBinding", "mixer_modules",

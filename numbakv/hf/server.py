@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..errors import KVCacheError, KVCacheFullError
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError
 from ._deps import _transformers
 from .attach import attach, attached_cache
 from .identity import check_store_model
@@ -75,6 +75,10 @@ class Server:
             raise ValueError(f"edit_reuse must be a bool, got {edit_reuse!r}")
         if edit_reuse and store is None:
             raise ValueError("edit_reuse=True needs a store (Server(..., store=PrefixStore(...)))")
+        if edit_reuse and getattr(cache, "rc", None) is not None:
+            raise NotSupportedError("edit_reuse=True: a hybrid model's recurrent state after an "
+                                    "edit depends on every token before it (nothing after the "
+                                    "edit can be re-used)")
         if isinstance(recompute_after, bool) or not isinstance(recompute_after, int) \
                 or recompute_after < 0:
             raise ValueError(f"recompute_after must be an integer >= 0, got {recompute_after!r}")
@@ -205,7 +209,10 @@ class Server:
                      for rid, row in last_row.items()}
         except BaseException:
             for seq, p0 in placed.items():         # the tokens of the failed pass go again
-                self.cache.remove(seq, p0)
+                try:
+                    self.cache.remove(seq, p0)
+                except (ValueError, NotSupportedError):
+                    self._restart(seq)
             for seq, (a, b) in gaps.items():       # (inside a gap: that range only)
                 self.cache.seq_rm(seq, a, b)
             raise
@@ -232,6 +239,17 @@ class Server:
                 self._release(rid)
                 self.finished[rid] = r["out"]
         return new
+
+    def _restart(self, seq: int) -> None:
+        """A hybrid model's failed pass: the recurrent state of ``seq`` cannot go back to where
+        the pass began (no restore point there; the layers that ran updated it in place), so
+        its request starts over from its prompt (the tokens it produced are produced again)."""
+        self.cache.remove(seq, 0)
+        for rid, r in self._reqs.items():
+            if r["seq"] == seq:
+                r["done"], r["out"] = 0, []
+                if rid not in self._waiting:
+                    self._waiting.append(rid)
 
     def _load_prefixes(self) -> None:
         """Give each waiting request that has no sequence yet (while sequences are free) its

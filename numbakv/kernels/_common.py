@@ -272,7 +272,36 @@ def copy_raw(dst, di, src, si):
     dst[di] = src[si]
 
 
+def copy_raw4(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
+    """Four raw words ``dst[dk] = src[sk]``, all four loaded before the first store: the loads
+    are independent, so a GPU thread has four memory requests in flight instead of one (a store
+    may alias a later load, so the compiler would not reorder :func:`copy_raw` calls itself).
+    The callers guarantee that no destination word is also a source word."""
+    a = src[s0]
+    b = src[s1]
+    c = src[s2]
+    e = src[s3]
+    dst[d0] = a
+    dst[d1] = b
+    dst[d2] = c
+    dst[d3] = e
+
+
 from numba.extending import overload as _overload  # noqa: E402
+
+
+@_overload(copy_raw4, inline="always")
+def _copy_raw4_cpu(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
+    def impl(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
+        a = src[s0]
+        b = src[s1]
+        c = src[s2]
+        e = src[s3]
+        dst[d0] = a
+        dst[d1] = b
+        dst[d2] = c
+        dst[d3] = e
+    return impl
 
 
 @_overload(copy_raw, inline="always")
@@ -313,6 +342,43 @@ def _register_cuda_copy_raw() -> None:
             builder.store(word, pointer(dty, d, dity, dix), align=16)
             return context.get_dummy_value()
         return types.void(dst, di, src, si), codegen
+
+    @cuda_intrinsic
+    def copy16x4(typingctx, dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
+        """Four 16-byte words: four ``ld.global.v2.u64`` issued, then four stores."""
+        def codegen(context, builder, sig, args):
+            vec = ir.VectorType(ir.IntType(64), 2)
+            glob = ir.PointerType(vec, 1)
+
+            def pointer(aryty, ary, idxty, idx):
+                p = item_pointer(context, builder, aryty, ary, idxty, idx)
+                return builder.addrspacecast(builder.bitcast(p, vec.as_pointer()), glob)
+            dty, sty = sig.args[0], sig.args[5]
+            words = [builder.load(pointer(sty, args[5], sig.args[6 + k], args[6 + k]), align=16)
+                     for k in range(4)]
+            for k in range(4):
+                builder.store(words[k], pointer(dty, args[0], sig.args[1 + k], args[1 + k]),
+                              align=16)
+            return context.get_dummy_value()
+        return types.void(dst, d0, d1, d2, d3, src, s0, s1, s2, s3), codegen
+
+    @cuda_overload(copy_raw4, target="cuda", inline="always")
+    def _copy_raw4_cuda(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
+        if dst.dtype == src.dtype == types.complex128:
+            def impl16(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
+                copy16x4(dst, d0, d1, d2, d3, src, s0, s1, s2, s3)
+            return impl16
+
+        def impl(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
+            a = src[s0]
+            b = src[s1]
+            c = src[s2]
+            e = src[s3]
+            dst[d0] = a
+            dst[d1] = b
+            dst[d2] = c
+            dst[d3] = e
+        return impl
 
     @cuda_overload(copy_raw, target="cuda", inline="always")
     def _copy_raw_cuda(dst, di, src, si):
@@ -421,4 +487,4 @@ __all__ = ["cpu_has_f16c", "f16_bits_to_f32_hw", "f32_to_f16_bits_hw", "BLOCKS_P
            "BLOCK_CUDA", "BLOCK_SIM", "MAX_GRID_YZ", "SIM_MAX_BLOCKS", "flat_blocks", "max_blocks", "sm_count",
            "UINT", "Desc", "bf16_bits_to_f32", "block_size", "cdiv", "desc_of", "f16_bits_to_f32",
            "f32_to_bf16_bits", "f32_to_f16_bits", "head_word", "word_size", "copy_raw",
-           "DEVICE_WORD", "WORD", "WORD16", "sig_array", "WORD_PAIRS", "mul_rn"]
+           "DEVICE_WORD", "WORD", "WORD16", "sig_array", "WORD_PAIRS", "copy_raw4", "mul_rn"]

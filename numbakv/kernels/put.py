@@ -23,8 +23,8 @@ from .._jit import njit
 
 from . import _common, launch as _launch_mod
 from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
-from ._common import (DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, desc_of, head_word,
-                      word_size)
+from ._common import (DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, copy_raw4, desc_of,
+                      head_word, word_size)
 from .launch import launch as _launch
 from ._registry import cuda_device, cuda_kernel, element
 
@@ -60,28 +60,70 @@ TILE_PITCH = TILE + 1  # a padded row of the shared tile: no bank conflicts on t
 V_ROWS, V_CELLS_DIRECT, V_CELLS_TILED = 0, 1, 2
 
 
+#: lanes of a warp: put's row spaces give each token row one warp
+WARP = 32
+
+
 @cuda_device
-def put_flat(dst, src, slots, start, i, step):
-    """Items ``i``, ``i + step``, ... of the flattened ``(token, row word)`` space of ``src
-    [batch, heads', words]``, row word fastest (a warp reads and writes adjacent words of one
-    row), each into its token's slot: one GPU thread's share of K, or of V in the row layout."""
+def put_rows(dst, src, slots, start, i, step):
+    """Token rows of ``src [batch, heads', words]``, one warp per row (warp ``i >> 5`` of the
+    space, then every ``step >> 5``-th): the row's slot is read once, lane ``l`` copies words
+    ``l, l + 32, ...`` (adjacent lanes, adjacent words), four independent words in flight
+    (:func:`copy_raw4`) while four remain. A one-row space (a single token, or a contiguous
+    put viewed as one flat row) grid-strides over its words instead, so every thread has work.
+    ``i`` and ``step`` come from blocks of a multiple of 32 threads."""
     nh = src.shape[1]
     nw = src.shape[2]
-    row = nh * nw
-    total = src.shape[0] * row
-    while i < total:
-        t = i // row
-        r = i - t * row
+    batch = src.shape[0]
+    if batch == 1:
+        slot = _slot_of_cuda(slots, start, 0)
+        if slot < 0:
+            return
+        if nh == 1:
+            while i < nw:
+                _put_word_cuda(dst, src, slot, 0, 0, i)
+                i += step
+            return
+        row = nh * nw
+        while i < row:
+            h, w = _head_word_cuda(i, nh, nw)
+            _put_word_cuda(dst, src, slot, 0, h, w)
+            i += step
+        return
+    lane = i & (WARP - 1)
+    t = i >> 5
+    warps = step >> 5
+    while t < batch:
         slot = _slot_of_cuda(slots, start, t)
         if slot >= 0:
-            h, w = _head_word_cuda(r, nh, nw)
-            _put_word_cuda(dst, src, slot, t, h, w)
-        i += step
+            if nh == 1:
+                w = lane
+                while w + 3 * WARP < nw:
+                    copy_raw4(dst, (slot, 0, w), (slot, 0, w + WARP), (slot, 0, w + 2 * WARP),
+                              (slot, 0, w + 3 * WARP), src, (t, 0, w), (t, 0, w + WARP),
+                              (t, 0, w + 2 * WARP), (t, 0, w + 3 * WARP))
+                    w += 4 * WARP
+                while w < nw:
+                    _put_word_cuda(dst, src, slot, t, 0, w)
+                    w += WARP
+            else:
+                for h in range(nh):
+                    w = lane
+                    while w < nw:
+                        _put_word_cuda(dst, src, slot, t, h, w)
+                        w += WARP
+        t += warps
+
+
+def row_threads(batch: int, heads: int, words: int) -> int:
+    """Threads :func:`put_rows` uses for a ``[batch, heads, words]`` space: a warp per row, or
+    one per word of a single row."""
+    return heads * words if batch == 1 else batch * WARP
 
 
 @cuda_device
 def put_flat_cells(dst, src, slots, start, i, step):
-    """Like :func:`put_flat` over ``(row element, token)``, token fastest: a warp writes adjacent
+    """Every ``(row element, token)`` item of ``src``, token fastest: a warp writes adjacent
     cells of permuted V (few tokens: a decode step)."""
     batch = src.shape[0]
     nh = src.shape[1]
@@ -179,12 +221,12 @@ def put_kv_kernel(k_dst, v_dst, slots, k_src, v_src, start, v_mode, nbk):
     nb = cuda.blockDim.x
     tid = cuda.threadIdx.x
     if bx < nbk:
-        put_flat(k_dst, k_src, slots, start, bx * nb + tid, nbk * nb)
+        put_rows(k_dst, k_src, slots, start, bx * nb + tid, nbk * nb)
         return
     vb = bx - nbk
     nbv = cuda.gridDim.x - nbk
     if v_mode == 0:
-        put_flat(v_dst, v_src, slots, start, vb * nb + tid, nbv * nb)
+        put_rows(v_dst, v_src, slots, start, vb * nb + tid, nbv * nb)
     elif v_mode == 1:
         put_flat_cells(v_dst, v_src, slots, start, vb * nb + tid, nbv * nb)
     else:
@@ -324,10 +366,10 @@ def geometry(device: str, ks_shape, vs_shape, permuted: bool, cap: int):
     the blocks its items fill, at most ``cap`` (grid-striding beyond)."""
     batch = ks_shape[0]
     nb = block_size(device)
-    nbk = _common.flat_blocks(batch * ks_shape[1] * ks_shape[2], nb, cap)
+    nbk = _common.flat_blocks(row_threads(*ks_shape), nb, cap)
     v_row = vs_shape[1] * vs_shape[2]
     if not permuted:
-        v_mode, nbv = V_ROWS, _common.flat_blocks(batch * v_row, nb, cap)
+        v_mode, nbv = V_ROWS, _common.flat_blocks(row_threads(*vs_shape), nb, cap)
     elif batch >= TILE and v_row >= TILE:
         v_mode, nbv = V_CELLS_TILED, min(cdiv(batch, TILE) * cdiv(v_row, TILE), cap)
     else:

@@ -402,10 +402,33 @@ class BlockIndex:
                 gone.append(node)
             else:
                 node.tier_count[entry.tier] = c
+        # the nodes no entry covers any more: the tail of the path that holds no entries and
+        # only the next such node as a child. Only the top one is unlinked from its parent
+        # (the rest go with it); the deeper ones only leave ``deep`` and drop their parent
+        # link (no reference cycle left for the garbage collector). One dict operation per
+        # node instead of a full unlink each: most of an evicting save's index work.
+        chain: List[Node] = []
+        below: Optional[Node] = None
         for node in reversed(entry.path):
-            if node.entries or node.children:
-                continue
-            self._unlink(node, entry.root)
+            if node.entries or len(node.children) > (below is not None) or (
+                    below is not None and node.children.get(below.tok) is not below):
+                break
+            chain.append(node)
+            below = node
+        if chain:
+            bt, deep = self.block_tokens, self.deep
+            for node in chain[:-1]:
+                if node.fp is not None:
+                    key = (entry.root, node.end // bt, node.h)
+                    if deep.get(key) is node:
+                        del deep[key]
+                node.parent = None
+                node.children = {}
+            chain[-1].children = {}
+            self._unlink(chain[-1], entry.root)
+        for node in entry.path[:len(entry.path) - len(chain)]:
+            if not node.entries and not node.children:   # (not expected: kept for safety)
+                self._unlink(node, entry.root)
         return gone
 
     def prune(self, path: Iterable[Node]) -> None:

@@ -50,7 +50,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import KVCacheError, KVCacheFullError, StateError
+from ..errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from . import events as ev
 from . import edit as _edit
 from .edit import EditMatch
@@ -64,6 +64,8 @@ from .writer import Job, TierWriter
 CELLS, HOST = "cells", "host"
 #: token ids as the store takes them: a list/tuple of ints or a 1-D integer numpy array ``[n]``
 TokenIds = Union[Sequence[int], np.ndarray]
+#: ``[(start, end, key_bytes)]``: keys folded into the chained keys of the tokens from ``start`` on
+ExtraKeys = Optional[Sequence[Tuple[int, int, bytes]]]
 _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
 #: the floor of an entry that can serve no length at all (its window pruned the whole prefix)
 _NEVER = 1 << 62
@@ -534,6 +536,12 @@ class PrefixStore:
         return [(g, g.swa_window, g.swa_memory) for g in self._groups]
 
     # ------------------------------------------------------------------ restore points
+    def _refuse_edits_on_hybrids(self) -> None:
+        if self._rc is not None:
+            raise NotSupportedError("match_edit/load_edit: a hybrid model's recurrent state "
+                                    "after an edit depends on every token before it: nothing "
+                                    "after the edit can be re-used (use match/load)")
+
     def _restore_end(self, seq: int, length: int) -> int:
         """Hybrid caches: the longest prefix ``<= length`` of ``seq`` whose recurrent state is
         held: ``length`` itself at ``seq``'s end (kept as an explicit restore point) or at a
@@ -565,7 +573,7 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ public API
     def match(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
-              extra_keys=None) -> int:
+              extra_keys: ExtraKeys = None) -> int:
         """The longest prefix of ``tokens`` the store can load now (token granular; on
         sliding-window caches the deepest checkpoint at or below the token match), over every
         tier. No side effects (the lower tiers may count a miss). ``extra_keys``: ``[(start,
@@ -598,7 +606,7 @@ class PrefixStore:
         return served[-1] if served else 0
 
     def load(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
-             extra_keys=None) -> int:
+             extra_keys: ExtraKeys = None) -> int:
         """Make the empty sequence ``seq`` hold ``tokens[:n]`` at positions ``0..n-1`` from the
         store, ``n`` the longest prefix it can serve (``match``); returns ``n`` (0: a miss,
         nothing changed). Tier 0 hits share cells (no K/V copy); other tiers import the rows
@@ -655,6 +663,7 @@ class PrefixStore:
         groups, hybrid caches (a recurrent state cannot skip the edit), or no suffix longer
         than ``recompute_after`` found. ``extra_keys`` prompts are not edit-matched."""
         self._check_open()
+        self._refuse_edits_on_hybrids()
         buf = token_buffer(tokens)
         root = self._root(salt)
         recompute_after = _int_arg("recompute_after", recompute_after, 0)
@@ -701,6 +710,7 @@ class PrefixStore:
         found, no room for it) this is a plain :meth:`load`: ``last_recompute == []`` and
         ``last_edit.suffix_src is None``. Raises as ``load``; a refusal leaves ``seq`` empty."""
         self._check_open()
+        self._refuse_edits_on_hybrids()
         seq = self._check_seq(seq)
         buf = token_buffer(tokens)
         root = self._root(salt)
@@ -742,7 +752,7 @@ class PrefixStore:
 
     def save(self, seq: int, tokens: TokenIds, *, salt: Optional[bytes] = None,
              cache: bool = True, priority: Optional[int] = None, ttl: Optional[float] = None,
-             extra_keys=None) -> int:
+             extra_keys: ExtraKeys = None) -> int:
         """Record that ``seq`` holds ``tokens`` (``tokens[i]`` at position ``i``) so later
         prompts sharing a prefix with it can ``load`` it. ``cache=False``: skip this one (the
         engine's admission control); checkpoints ``checkpoint(seq)`` marked are dropped too.
@@ -826,7 +836,7 @@ class PrefixStore:
 
     def retain(self, tokens: TokenIds, *, priority: int = DEFAULT_PRIORITY,
                ttl: Optional[float] = None, salt: Optional[bytes] = None,
-               extra_keys=None) -> int:
+               extra_keys: ExtraKeys = None) -> int:
         """Set the retention of the token range ``[0, n)`` of ``tokens`` the store serves now
         (``n = match(tokens)``): ``priority`` 0..100 (35 by default, as TensorRT-LLM) and
         ``ttl`` seconds (None: no expiry; afterwards the range is first out). Tiers 0 and 1
@@ -905,7 +915,7 @@ class PrefixStore:
             self._release_seq(lst.pop(0)[0])
         return n
 
-    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None, extra_keys=None) -> int:
+    def pin(self, tokens: TokenIds, *, salt: Optional[bytes] = None, extra_keys: ExtraKeys = None) -> int:
         """Keep the prefix of ``tokens`` the store serves now from eviction until ``unpin``
         (the entry serving it stays in its tier). Returns the pinned length (0: not stored)."""
         self._check_open()
@@ -921,7 +931,7 @@ class PrefixStore:
         return m.n
 
     def unpin(self, tokens: TokenIds, *, salt: Optional[bytes] = None,
-              extra_keys=None) -> bool:
+              extra_keys: ExtraKeys = None) -> bool:
         """Undo one ``pin(tokens)`` (same tokens, salt and extra keys). Returns False when none
         was held."""
         self._check_open()

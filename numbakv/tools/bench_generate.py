@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 
 CONTENDERS = ("numbakv", "static", "dynamic")
+#: the per-step section also times numbakv with q8_0 K/V (read quantized by attend's kernel)
+STEP_CONTENDERS = CONTENDERS + ("numbakv_q8_0",)
 
 
 def _spread_timer(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, dict]:
@@ -90,6 +92,9 @@ def step_cases(layers: int, kv_heads: int, head_dim: int, context: int, dtype: s
         for layer in range(layers):
             k, v = static.update(k1, v1, layer, {"cache_position": pos})
             outs["static"] = sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        for lay in static.layers:            # back to `context` tokens (5.x counts them itself)
+            if hasattr(lay, "cumulative_length") and torch.is_tensor(lay.cumulative_length):
+                lay.cumulative_length.fill_(context)
 
     dynamic = transformers.DynamicCache(config=config)
     for layer in range(layers):
@@ -101,20 +106,25 @@ def step_cases(layers: int, kv_heads: int, head_dim: int, context: int, dtype: s
             outs["dynamic"] = sdpa(q, k, v, scale=scale, enable_gqa=True)
         dynamic.crop(-1)                       # back to `context` tokens
 
-    past = hf.generation_cache(model, max_new_tokens=16, dtype=dtype, device="cpu")
-    for layer in range(layers):
-        past.layers[layer].update(pk, pv)
-        _local.handoff = None                  # the prompt's attention is not timed
-    state = past.layers[0].state
-
-    def numbakv_step():
+    def numbakv_contender(name: str, **kw):
+        past = hf.generation_cache(model, max_new_tokens=16, dtype=dtype, device="cpu", **kw)
         for layer in range(layers):
-            k, v = past.layers[layer].update(k1, v1)
-            outs["numbakv"] = _dispatch(modules[layer], q, k, v, None, scaling=scale)[0]
-        past.numbakv_cache.seq_rm(int(state.seqs[0]), context)   # back to `context` tokens
-        state.columns -= 1
-        for lay in past.layers:
-            lay.cumulative_length -= 1
+            past.layers[layer].update(pk, pv)
+            _local.handoff = None              # the prompt's attention is not timed
+        state = past.layers[0].state
+
+        def step():
+            for layer in range(layers):
+                k, v = past.layers[layer].update(k1, v1)
+                outs[name] = _dispatch(modules[layer], q, k, v, None, scaling=scale)[0]
+            past.numbakv_cache.seq_rm(int(state.seqs[0]), context)   # back to `context`
+            state.columns -= 1
+            for lay in past.layers:
+                lay.cumulative_length -= 1
+        return step
+
+    numbakv_step = numbakv_contender("numbakv")
+    q8_step = numbakv_contender("numbakv_q8_0", k_dtype="q8_0", v_dtype="q8_0")
 
     def max_abs_diff() -> float:
         """numbakv's last-layer output against StaticCache's SDPA (one step each)."""
@@ -124,7 +134,7 @@ def step_cases(layers: int, kv_heads: int, head_dim: int, context: int, dtype: s
         return float((outs["numbakv"].float() - ref).abs().max())
 
     return {"numbakv": numbakv_step, "static": static_step, "dynamic": dynamic_step,
-            "check": max_abs_diff}
+            "numbakv_q8_0": q8_step, "check": max_abs_diff}
 
 
 # ------------------------------------------------------------------------- generate()
@@ -157,13 +167,27 @@ def generate_fns(model, context: int, new: int) -> Dict[str, Callable[[int], Any
             "dynamic": lambda n: run(n)}
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak resident set (MiB): ``VmHWM`` (getrusage's ru_maxrss is inherited
+    from the parent across fork and exec on Linux, so a child would report the parent's)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _rss_child(contender: str, layers: int, context: int, new: int) -> float:
     """Peak RSS (MiB) of a child process that runs one generate() through ``contender``."""
-    code = ("import json, resource, sys, torch\n"
-            "from numbakv.tools.bench_generate import _tiny_model, generate_fns\n"
+    code = ("import json, torch\n"
+            "from numbakv.tools.bench_generate import _peak_rss_mib, _tiny_model, generate_fns\n"
             f"torch.set_num_threads(1)\nm = _tiny_model({layers}, {context})\n"
             f"generate_fns(m, {context}, {new})[{contender!r}]({new})\n"
-            "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))\n")
+            "print(json.dumps(_peak_rss_mib()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=900, env=dict(os.environ))
     if out.returncode != 0:
@@ -237,12 +261,13 @@ def format_generate(res: dict) -> List[str]:
              "(ms, median [min-max]; ratio = numbakv / StaticCache; |diff| = numbakv's output "
              "vs StaticCache's)"]
     lines.append(f"{'dtype':<9} {'thr':>3} {'numbakv':>22} {'StaticCache':>22} "
-                 f"{'DynamicCache':>22} {'vs static':>9} {'|diff|':>8}")
+                 f"{'DynamicCache':>22} {'numbakv q8_0':>22} {'vs static':>9} {'|diff|':>8}")
     for r in res["steps"]:
         cells = [f"{r[k]['median']:.2f} [{r[k]['min']:.2f}-{r[k]['max']:.2f}]"
-                 for k in CONTENDERS]
+                 for k in STEP_CONTENDERS]
         lines.append(f"{r['dtype']:<9} {r['threads']:>3} {cells[0]:>22} {cells[1]:>22} "
-                     f"{cells[2]:>22} {r['numbakv']['median'] / r['static']['median']:>9.2f} "
+                     f"{cells[2]:>22} {cells[3]:>22} "
+                     f"{r['numbakv']['median'] / r['static']['median']:>9.2f} "
                      f"{r['max_abs_diff_vs_static']:>8.1e}")
     g = res["generate_shape"]
     lines += ["", f"generate() decode tok/s: random-weight Llama, {g['layers']} layers, "

@@ -69,7 +69,8 @@ def _fill(cache, seq: int, n: int, chunk: int = 512, seed: int = 0) -> None:
 
 class HashChainPeer:
     """vLLM's prefix-cache bookkeeping re-implemented as a baseline: a hash per full block of
-    ``block`` tokens chained through its parent's, a dict from block hash to block; least
+    ``block`` tokens chained through its parent's, a dict from block hash to its reference
+    count (shared blocks stay while a prompt holds them); least
     recently inserted prompt evicted past ``max_prompts``. ``algo="sha256"``: SHA-256 of the
     pickled ``(parent, tokens, extra)`` (vLLM's default, collision-safe like numbakv's BLAKE2b
     block keys); ``"builtin"``: Python's ``hash`` (vLLM's fast, non-cryptographic option)."""
@@ -86,11 +87,15 @@ class HashChainPeer:
             h = hash(key) if self.algo == "builtin" else \
                 hashlib.sha256(pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)).digest()
             hashes.append(h)
-            self.blocks.setdefault(h, len(self.blocks))
+            self.blocks[h] = self.blocks.get(h, 0) + 1      # reference count
         self.prompts.append(hashes)
         if len(self.prompts) > self.max_prompts:
             for h in self.prompts.pop(0):
-                self.blocks.pop(h, None)
+                c = self.blocks[h] - 1
+                if c:
+                    self.blocks[h] = c
+                else:
+                    del self.blocks[h]
 
 
 class TriePeer:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -369,34 +368,87 @@ def _child(mode: str) -> int:
     return 0
 
 
-def _run_child(mode: str, **env: str) -> int:
-    """Run :func:`_child` ``mode`` in a fresh interpreter with ``env`` added to this one's (and
-    the compile notice off: the parent reports); returns its exit status."""
+def _run_child(mode: str, python: str = "", **env: str) -> int:
+    """Run :func:`_child` ``mode`` in a fresh interpreter (``python``, default this one) with
+    ``env`` added to this one's (and the compile notice off: the parent reports); returns its
+    exit status. Another interpreter imports this checkout's numbakv (``PYTHONPATH``)."""
     full = {k: v for k, v in os.environ.items() if k != _jit.BUILD_ENV}
     full.update(NUMBAKV_COMPILE_NOTICE="0", **env)
-    return subprocess.call([sys.executable, "-m", "numbakv.tools.precompile", _CHILD_FLAG, mode],
-                           env=full)
+    if python:
+        root = str(_jit.SHIPPED_DIR.parent.parent)
+        full["PYTHONPATH"] = os.pathsep.join(
+            [root] + [p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.call([python or sys.executable, "-m", "numbakv.tools.precompile",
+                            _CHILD_FLAG, mode], env=full)
 
 
-def ship() -> int:
-    """Rebuild ``numbakv/_precompiled/`` (module docstring); returns an exit status."""
+def python_tag(python: str = "") -> str:
+    """The ``pyXY`` tag numba's cache files of interpreter ``python`` (default this one) carry."""
+    if not python:
+        return f"py{sys.version_info[0]}{sys.version_info[1]}"
+    out = subprocess.run([python, "-c", "import sys; print('py%d%d' % sys.version_info[:2])"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def interpreter_problem(python: str) -> str:
+    """Why interpreter ``python`` cannot build shipped code for this checkout ('' if it can):
+    it must import numba (the same version as this process: the shipped code is stamped with
+    it), numpy and ml_dtypes (the common path puts bfloat16 arrays)."""
+    import numba
+    code = "import numba, numpy, ml_dtypes; print(numba.__version__)"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python}: {exc}"
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"{python}: {last} (install numbakv's dependencies and ml_dtypes there)"
+    if out.stdout.strip() != numba.__version__:
+        return (f"{python} has numba {out.stdout.strip()}, this process {numba.__version__}: "
+                "install the same numba version")
+    return ""
+
+
+def ship(pythons=()) -> int:
+    """Rebuild ``numbakv/_precompiled/`` (module docstring) for this interpreter, or for each
+    interpreter in ``pythons`` (paths; each needs numbakv's dependencies, the same numba
+    version, installed): only the files of the interpreters built are replaced, so the shipped
+    code of several CPython versions lives side by side (numba tags its cache files
+    ``.pyXY.``). Returns an exit status."""
     out = _jit.SHIPPED_DIR
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir()
-    print(f"compiling numbakv's common path for {_jit.SHIPPED_CPU} into {out}", flush=True)
-    rc = _run_child("build", **{_jit.BUILD_ENV: "1", "NUMBA_CPU_NAME": _jit.SHIPPED_CPU,
-                                "NUMBA_CPU_FEATURES": _jit.SHIPPED_FEATURES})
-    if rc:
-        return rc
-    size = sum(p.stat().st_size for p in out.iterdir())
-    print(f"{len(list(out.glob('*.nbi')))} functions, {len(list(out.glob('*.nbc')))} "
-          f"signatures, {size / 2**20:.1f} MiB", flush=True)
-    if not _jit.shipped_cache_usable():
-        print("this host cannot load the shipped code (not x86-64-v3): check skipped")
-        return 0
-    with tempfile.TemporaryDirectory(prefix="numbakv-precompile-check-") as empty_cache:
-        return _run_child("check", NUMBA_CACHE_DIR=empty_cache)
+    targets = list(pythons) or [""]
+    for python in targets:
+        problem = interpreter_problem(python) if python else ""
+        if problem:
+            print(f"numbakv precompile --ship: {problem}", file=sys.stderr)
+            return 2
+    tags = [python_tag(p) for p in targets]
+    out.mkdir(exist_ok=True)
+    for tag in tags:
+        for stale in out.glob(f"*.{tag}.*"):
+            stale.unlink()
+    for python, tag in zip(targets, tags):
+        print(f"compiling numbakv's common path for {_jit.SHIPPED_CPU} ({tag}) into {out}",
+              flush=True)
+        rc = _run_child("build", python, **{_jit.BUILD_ENV: "1",
+                                            "NUMBA_CPU_NAME": _jit.SHIPPED_CPU,
+                                            "NUMBA_CPU_FEATURES": _jit.SHIPPED_FEATURES})
+        if rc:
+            return rc
+        mine = list(out.glob(f"*.{tag}.*"))
+        size = sum(p.stat().st_size for p in mine)
+        print(f"{tag}: {sum(p.suffix == '.nbi' for p in mine)} functions, "
+              f"{sum(p.suffix == '.nbc' for p in mine)} signatures, {size / 2**20:.1f} MiB",
+              flush=True)
+        if not _jit.shipped_cache_usable():
+            print("this host cannot load the shipped code (not x86-64-v3): check skipped")
+            continue
+        with tempfile.TemporaryDirectory(prefix="numbakv-precompile-check-") as empty_cache:
+            rc = _run_child("check", python, NUMBA_CACHE_DIR=empty_cache)
+        if rc:
+            return rc
+    return 0
 
 
 def add_parser(sub) -> None:
@@ -408,13 +460,20 @@ def add_parser(sub) -> None:
                     "shipped in the package.")
     p.add_argument("--ship", action="store_true",
                    help="rebuild numbakv/_precompiled for x86-64-v3 and check that it loads")
+    p.add_argument("--python", action="append", default=[], metavar="PATH",
+                   help="with --ship: build with this interpreter instead (repeatable; e.g. "
+                        "a CPython 3.12 and a 3.13 venv with the same numba): only its "
+                        "Python version's shipped files are replaced")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """``numbakv precompile [--ship]``; returns the exit status."""
+    if getattr(args, "python", None) and not args.ship:
+        print("--python applies to --ship", file=sys.stderr)
+        return 2
     if args.ship:
-        return ship()
+        return ship(getattr(args, "python", None) or ())
     # a child that ignores the shipped code, so numba compiles (or finds) host-tuned code for
     # all of the path and caches it; later runs look in numba's cache first
     print("numbakv precompile: compiling the common path for this host into numba's cache",
