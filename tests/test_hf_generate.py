@@ -115,6 +115,23 @@ def test_quantized_generate_equals_numbakv_packed_path():
     assert out[0, ids.shape[1]:].tolist() == packed
 
 
+def test_quantized_generate_of_a_left_padded_batch():
+    # q8_0 attends every pass through attend(), the prompt's padded pass too (it raised "a
+    # padded pass after the prompt"): each row's greedy tokens equal its own packed run
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      num_hidden_layers=2, max_position_embeddings=128)
+    model = random_weight_model(config)
+    ids, mask = _batch(True)
+    cache = hf.generation_cache(model, max_new_tokens=NEW, k_dtype="q8_0", v_dtype="q8_0")
+    out = _generate(model, ids, mask, cache, False, kwarg=CACHE_KWARG)
+    for row in range(ids.shape[0]):
+        prompt = ids[row][mask[row].bool()].tolist()
+        packed = _greedy_packed(model, hf.cache_for(model, capacity=64, k_dtype="q8_0",
+                                                    v_dtype="q8_0"), prompt, NEW)
+        assert out[row, ids.shape[1]:].tolist() == packed, row
+
+
 def test_plain_generate_after_attach_says_what_to_do():
     model = tiny_model("llama")
     hf.attach(model, hf.cache_for(model, capacity=64))
@@ -398,3 +415,19 @@ def test_generation_cache_with_a_store_reuses_shared_prefixes():
         hf.generation_cache(model, input_ids=prompts[0], max_new_tokens=NEW)
     with pytest.raises(ValueError, match="cache_for"):
         hf.generation_cache(model, store=store, max_new_tokens=NEW, capacity=64)
+
+
+def test_generation_cache_layers_refuse_what_they_cannot_keep():
+    # reset/beam reorder/crop/row selection would leave numbakv's rows stale: every layer kind
+    # (the attention layers here; the recurrent ones share hf._refused.RefusedLayerOps) refuses
+    from numbakv.hf._refused import RefusedLayerOps
+    from numbakv.hf.recurrent import generation_layer_class
+    assert issubclass(generation_layer_class(), RefusedLayerOps)
+    cache = hf.generation_cache(tiny_model("llama"), max_new_tokens=NEW)
+    layer = cache.layers[0]
+    for call in (layer.reset, lambda: layer.reorder_cache(torch.tensor([0])),
+                 lambda: layer.crop(1), lambda: layer.batch_repeat_interleave(2),
+                 lambda: layer.batch_select_indices(torch.tensor([0]))):
+        with pytest.raises(KVCacheError, match="numbakv"):
+            call()
+    layer.batch_repeat_interleave(1)          # a no-op repeat is fine

@@ -34,6 +34,7 @@ from ._deps import _transformers
 from .attach import (_attention_modules, _layer_caches, _uses_attention_interface,
                      attached_cache)
 from .families import _text_config, cache_for, hybrid_attention, hybrid_layout, model_shapes
+from ._refused import RefusedLayerOps
 from .identity import check_store_model
 from .recurrent import RecurrentStateCalls, begin_passes_in_a_hook, generation_layer_class
 
@@ -334,12 +335,19 @@ class _GenState:
         from ..attention import attend
         batch, heads, new, dim = query.shape
         q = query.detach().transpose(1, 2).reshape(batch * new, heads, dim)
-        if self.keep is not None:
-            raise KVCacheError("a padded pass after the prompt: generation_cache cannot place it")
+        keep = self.keep
+        if keep is not None:
+            # a padded pass attended here (quantized K/V: the prompt pass too): only the stored
+            # tokens are the cache's batch; pad rows' outputs are zeros nothing ever reads
+            q = q.index_select(0, keep)
         want = self.storage_dtype
         self.cache.set_layer(layer)
         out = attend(q if q.dtype == want else q.to(want), self.cache, scale=scaling,
                      soft_cap=softcap)
+        if keep is not None:
+            full = out.new_zeros((batch * new, heads, out.shape[-1]))
+            full[keep] = out
+            out = full
         if out.dtype != query.dtype:
             out = out.to(query.dtype)
         return out.reshape(batch, new, heads, -1)
@@ -377,7 +385,7 @@ class _GenState:
 def _layer_class():
     torch, cache_utils = _transformers()
 
-    class NumbakvLayer(cache_utils.CacheLayerMixin):
+    class NumbakvLayer(RefusedLayerOps, cache_utils.CacheLayerMixin):
         """One model layer of a :func:`generation_cache` (see the module docstring)."""
 
         is_compileable = False
@@ -442,27 +450,6 @@ def _layer_class():
 
         def get_max_length(self) -> int:
             return -1 if self.sliding_window is None else self.sliding_window
-
-        def reset(self) -> None:
-            raise KVCacheError("a numbakv generation cache is not reset: make a new one per "
-                               "generate() call (hf.generation_cache)")
-
-        def reorder_cache(self, beam_idx) -> None:
-            raise KVCacheError("beam search is not supported by numbakv's generation cache "
-                               "(num_beams=1)")
-
-        def crop(self, tokens_to_remove: int) -> None:
-            raise KVCacheError("cropping (assisted decoding) is not supported by numbakv's "
-                               "generation cache")
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            if repeats != 1:
-                raise KVCacheError("num_return_sequences > 1 / num_beams > 1 are not supported "
-                                   "by numbakv's generation cache: repeat the rows of input_ids")
-
-        def batch_select_indices(self, indices) -> None:
-            raise KVCacheError("selecting batch rows is not supported by numbakv's generation "
-                               "cache")
 
     return NumbakvLayer
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import KVCacheError, NotSupportedError
+from ..errors import NotSupportedError
+from ._refused import RefusedLayerOps
 
 
 class StateRows:
@@ -319,7 +320,7 @@ def generation_layer_class():
     from ._deps import _transformers
     torch, cache_utils = _transformers()
 
-    class NumbakvRecurrentLayer(cache_utils.LinearAttentionLayer):
+    class NumbakvRecurrentLayer(RefusedLayerOps, cache_utils.LinearAttentionLayer):
         """One recurrent layer of a numbakv generation cache."""
 
         def __init__(self, state: Any, layer: int, recurrent_layer: int) -> None:
@@ -374,26 +375,6 @@ def generation_layer_class():
                 self.is_recurrent_states_initialized[0] = True
             self.has_previous_state[0] = True
 
-        def reset(self) -> None:
-            raise KVCacheError("a numbakv generation cache is not reset: make a new one per "
-                               "generate() call (hf.generation_cache)")
-
-        def reorder_cache(self, beam_idx) -> None:
-            raise KVCacheError("beam search is not supported by numbakv's generation cache "
-                               "(num_beams=1)")
-
-        def crop(self, tokens_to_remove: int) -> None:
-            raise KVCacheError("cropping (assisted decoding) is not supported by numbakv's "
-                               "generation cache")
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            if repeats != 1:
-                raise KVCacheError("num_return_sequences > 1 / num_beams > 1 are not supported "
-                                   "by numbakv's generation cache: repeat the rows of input_ids")
-
-        def batch_select_indices(self, indices) -> None:
-            raise KVCacheError("selecting batch rows is not supported by numbakv's generation "
-                               "cache")
 
     return NumbakvRecurrentLayer
 
