@@ -244,7 +244,8 @@ def test_ptxas_report_checks_catch_what_they_must():
     # a stated per-kernel bound admits that kernel only, and still refuses anything beyond it
     over = ptx.Resources(ptx.REGISTER_BOUNDS["mask_fill"], 0, 0, 0, 0)
     assert ptx.resource_problems(over, "mask_fill") == []
-    assert ptx.resource_problems(over, "put_kv") != []
+    assert ptx.resource_problems(over._replace(registers=ptx.REGISTER_BOUNDS["put_kv"] + 1),
+                                 "put_kv") != []
     assert ptx.resource_problems(over._replace(registers=over.registers + 1), "mask_fill") != []
     clean = ".visible .entry k(\n .param .u64 k_param_0\n)\n{ ret; }"
     assert ptx.ptx_problems(clean) == []
