@@ -868,17 +868,19 @@ def measure_interleaved(contenders: Sequence["_Contender"], *, sync: Callable[[]
         elif first > budget / 3:
             quota[i] = min(min_reps, 3)
 
+    max_reps = 100_000      # a step too fast for the clock to fill the budget stops here
+
     def done(i: int) -> bool:
         if quota[i] is not None:
             return len(times[i]) >= quota[i]
-        return len(times[i]) >= min_reps and spent[i] >= budget
+        return len(times[i]) >= max_reps or (len(times[i]) >= min_reps and spent[i] >= budget)
 
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
         while not all(done(i) for i in range(n)):
             for i, c in enumerate(contenders):
-                if done(i) or len(times[i]) >= 100_000:
+                if done(i):
                     continue
                 c.begin()
                 try:
