@@ -74,6 +74,19 @@ def test_common_path_loads_everything_with_an_empty_numba_cache(tmp_path):
 
 
 @needs_shipped
+def test_cuda_host_path_loads_everything_with_an_empty_numba_cache(tmp_path):
+    """The host side of the CUDA path (run on the simulator: the same @njit bookkeeping a GPU
+    cache runs) compiles nothing numbakv either: a GPU machine's first step loads it."""
+    proc = subprocess.run([sys.executable, "-m", "numbakv.tools.precompile", "--child",
+                           "check-cuda-host"],
+                          env=dict(CHILD_ENV, NUMBA_CACHE_DIR=str(tmp_path),
+                                   NUMBA_ENABLE_CUDASIM="1"),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check-cuda-host: 0 numbakv compiles" in proc.stdout
+
+
+@needs_shipped
 def test_host_compiled_function_calls_shipped_code(tmp_path):
     """A function numba compiles for the host links shipped functions (their bitcode) in."""
     proc = _run("""
