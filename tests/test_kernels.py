@@ -1215,6 +1215,51 @@ def test_emulated_cuda_put_and_move_choose_16_byte_words(emulated_cuda, permuted
 
 
 @pytest.mark.skipif(bool(gpu_compiler_missing()), reason=gpu_compiler_missing() or "-")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rot_dim, col, row", [(64, 512, 576), (128, 0, 128), (64, 0, 96)])
+def test_cpu_vector_rope_rows_match_float32_numpy(dtype, neox, rot_dim, col, row):
+    """The CPU twins' vector row form (16-bit rows, rotary dim 64 or 128, e.g. an MLA latent's
+    64 trailing rope dims at dim 512) gives the bits of rotate_pair's float32 math done in numpy
+    with numpy's conversions, specials included, and touches nothing outside the rope dims."""
+    rng = np.random.default_rng(rot_dim + col)
+    vals = (rng.standard_normal((2, 5, 2, row)) * 50).astype(np.float32)
+    vals[0, 1, 0, col:col + 6] = [np.nan, np.inf, -np.inf, 1e-6, -0.0, 65000.0]
+    if dtype == "float16":
+        stored = vals.astype(np.float16).view(np.uint16)
+        stored[1, 2, 1, col + 3] = 0x7C01      # a signalling NaN
+    else:
+        stored = f32_to_bf16_bits(vals)
+        stored[1, 2, 1, col + 3] = 0x7F81
+    inv = _inv_freq_ref(rot_dim, 10000.0, 1.0, None).astype(np.float32)
+    cells, deltas = np.array([0, 2, 3], np.int32), np.array([7, -300, 2])
+    keys = stored.copy()
+    storage = keys.view(np.float16) if dtype == "float16" else keys
+    rope.launch("cpu", storage, dtype, cells, deltas, inv, neox, col=col)
+    tab, cos_t, sin_t = rope.tables(deltas, inv)
+    half = rot_dim // 2
+    idx = np.arange(half)
+    first, second = (idx, idx + half) if neox else (2 * idx, 2 * idx + 1)
+    want = stored.copy()
+    for k, c in enumerate(cells):
+        part = stored[:, c, :, col:col + rot_dim]
+        x = part.view(np.float16).astype(np.float32) if dtype == "float16" \
+            else bf16_bits_to_f32(part)
+        a, b = x[..., first], x[..., second]
+        with np.errstate(invalid="ignore", over="ignore"):
+            y = np.empty_like(x)
+            cs, sn = cos_t[tab[k]], sin_t[tab[k]]
+            y[..., first] = a * cs - b * sn
+            y[..., second] = a * sn + b * cs
+            want[:, c, :, col:col + rot_dim] = (y.astype(np.float16).view(np.uint16)
+                                                if dtype == "float16" else f32_to_bf16_bits(y))
+    nan = np.zeros(want.shape, bool)
+    if dtype == "bfloat16":   # a NaN: any quiet NaN bits (numpy has no bfloat16 to follow)
+        nan = ((want & 0x7F80) == 0x7F80) & ((want & 0x7F) != 0)
+        assert np.array_equal(nan, ((keys & 0x7F80) == 0x7F80) & ((keys & 0x7F) != 0))
+    assert np.array_equal(keys[~nan], want[~nan])
+
+
 def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx():
     """Compiled offline (a fresh process: the simulator has no PTX compiler): the put and block
     move kernels' 16-byte signatures load and store with ld.global.v2.u64 / st.global.v2.u64,

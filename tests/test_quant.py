@@ -631,7 +631,7 @@ def test_large_cpu_puts_gets_and_shifts_thread_without_changing_a_bit(kind):
     test_ggml_blocks_bit_exact and test_non_finite_inputs check float16 caches against the
     references.)"""
     from numbakv.kernels import quant as Q
-    from numbakv.kernels.rope import KIND_F16_BITS, KIND_FLOAT, _merge
+    from numbakv.kernels.rope import KIND_F16_BITS, KIND_FLOAT, _merge, tables
     fmt = Q.FORMATS[kind]
     heads, dim = 2, 64
     batch = -(-Q.PARALLEL_MIN_VALUES // (heads * dim))   # just at the threaded size
@@ -663,6 +663,6 @@ def test_large_cpu_puts_gets_and_shifts_thread_without_changing_a_bit(kind):
     inv_freq = 1e4 ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
     Q.rope_launch("cpu", fast, dim, cells, deltas, inv_freq, True, fmt, scales)
     c2, d2 = _merge(cells, deltas)
-    tab, cos_t, sin_t = Q.tables(d2, inv_freq)
+    tab, cos_t, sin_t = tables(d2, inv_freq)
     Q.quant_rope_cpu(slow, c2, tab, np.zeros(1, np.int32), cos_t, sin_t, 1, dim, scales, fmt)
     np.testing.assert_array_equal(fast, slow)

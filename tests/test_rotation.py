@@ -105,6 +105,65 @@ def test_reference_is_the_orthonormal_sylvester_matrix():
         assert np.array_equal(nkv.rotation.hadamard_blocks(x, n), ggml_fwht(x, n))
 
 
+@pytest.mark.parametrize("n", [32, 64, 128, 256, 512])
+def test_cpu_twin_rotation_is_bit_exact_for_every_block_size(n):
+    """The CPU twins' rotation (one LLVM vector per block of 64/128/256, stage loops otherwise)
+    gives ggml's bits, over two blocks a row, specials included (a NaN, infinities, a
+    subnormal, signed zeros)."""
+    from numba import njit
+    from numbakv.kernels.hadamard import rotation_scale, wht_row_cpu
+
+    @njit
+    def rotate_rows(rows, n):
+        for r in range(rows.shape[0]):
+            wht_row_cpu(rows[r], rows.shape[1], n)
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((5, 2 * n)) * 4).astype(np.float32)
+    x[1, :6] = [np.nan, np.inf, -np.inf, 1e-40, -0.0, 0.0]
+    x[2, n + 3] = np.float32(3e38)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = ggml_fwht(x, n)
+        got = x * rotation_scale(n)
+        rotate_rows(got, n)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_cpu_row_quantizer_is_bit_exact_with_gguf(kind):
+    """The CPU twins' vector quantizer (quant.quantize_row_cpu) gives gguf's blocks, with the
+    cases where a block's scale is decided by a tie (q4_0: the first of equal magnitudes, of
+    either sign), all zeros, the largest value at either end, subnormal scales; a block with a
+    NaN or an infinity is stored with a NaN scale and zero quants."""
+    from numba import njit
+    from numbakv.kernels.quant import FORMATS, quantize_row_cpu
+    fmt, row_bytes = FORMATS[kind], {"q8_0": 34, "q4_0": 18}[kind] * 4
+
+    @njit
+    def quantize_rows(rows, out, fmt):
+        for r in range(rows.shape[0]):
+            if fmt == 1:
+                quantize_row_cpu(rows[r], rows.shape[1], out[r], 1)
+            else:
+                quantize_row_cpu(rows[r], rows.shape[1], out[r], 2)
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((64, 128)) * rng.uniform(0.01, 50, (64, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, :32] = 1.0
+    x[1, 40], x[1, 41] = -7.0, 7.0      # a tie of opposite signs: the first wins
+    x[2, 31], x[2, 32] = 9.0, -9.0
+    x[3] *= np.float32(1e-40)           # subnormal values and scales
+    x[4, 5:32] = np.arange(27)          # the largest at the block's end
+    x[5, 64] = -100.0                   # ... and at its start
+    x[6, 7], x[7, 100] = np.nan, np.inf
+    got = np.zeros((64, row_bytes), np.uint8)
+    quantize_rows(x, got, fmt)
+    finite = np.isfinite(x).reshape(64, 4, 32).all(axis=2)
+    want = gguf_blocks(np.nan_to_num(x)[:, None], kind).reshape(64, 4, -1)
+    blocks = got.reshape(64, 4, -1)
+    assert np.array_equal(blocks[finite], want[finite])
+    assert (blocks[~finite][:, :2] == [0x00, 0x7E]).all() and not blocks[~finite][:, 2:].any()
+
+
 # ------------------------------------------------------------------------------ put
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])

@@ -290,25 +290,17 @@ def copy_raw4(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
 from numba.extending import overload as _overload  # noqa: E402
 
 
+# The plain forms above are also the compiled ones on the CPU and for GPU words up to 8 bytes
+# (written once: the overloads hand Numba the same Python functions).
+
 @_overload(copy_raw4, inline="always")
 def _copy_raw4_cpu(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
-    def impl(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
-        a = src[s0]
-        b = src[s1]
-        c = src[s2]
-        e = src[s3]
-        dst[d0] = a
-        dst[d1] = b
-        dst[d2] = c
-        dst[d3] = e
-    return impl
+    return copy_raw4
 
 
 @_overload(copy_raw, inline="always")
 def _copy_raw_cpu(dst, di, src, si):
-    def impl(dst, di, src, si):
-        dst[di] = src[si]
-    return impl
+    return copy_raw
 
 
 def _register_cuda_copy_raw() -> None:
@@ -368,17 +360,7 @@ def _register_cuda_copy_raw() -> None:
             def impl16(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
                 copy16x4(dst, d0, d1, d2, d3, src, s0, s1, s2, s3)
             return impl16
-
-        def impl(dst, d0, d1, d2, d3, src, s0, s1, s2, s3):
-            a = src[s0]
-            b = src[s1]
-            c = src[s2]
-            e = src[s3]
-            dst[d0] = a
-            dst[d1] = b
-            dst[d2] = c
-            dst[d3] = e
-        return impl
+        return copy_raw4
 
     @cuda_overload(copy_raw, target="cuda", inline="always")
     def _copy_raw_cuda(dst, di, src, si):
@@ -386,10 +368,7 @@ def _register_cuda_copy_raw() -> None:
             def impl16(dst, di, src, si):
                 copy16(dst, di, src, si)
             return impl16
-
-        def impl(dst, di, src, si):
-            dst[di] = src[si]
-        return impl
+        return copy_raw
 
 
 def mul_rn(a, b):
@@ -474,6 +453,11 @@ def sig_array(dt, nd: int) -> types.Array:
     """The Numba type of a kernel's array argument in an eager signature: ``nd``-D of ``dt``,
     layout ``'A'`` (strided), as the fast launch path types every array (launch.numba_type)."""
     return types.Array(dt, nd, "A")
+
+
+#: the element types a kernel sees float storage as (rope.storage_kind): float16 natively on a
+#: GPU, float32, and 16-bit patterns (float16 on the CPU, bfloat16 everywhere)
+STORAGE_VIEW_TYPES = (types.float16, types.float32, types.uint16)
 
 
 #: the (K word, V word) pairs the put and move kernels are compiled for: K and V rows alike

@@ -26,7 +26,8 @@ import numpy as np
 from numba import cuda, prange, types
 
 from .._jit import njit
-from ._common import bf16_bits_to_f32, block_size, cdiv, f32_to_bf16_bits, f32_to_f16_bits
+from ._common import (STORAGE_VIEW_TYPES, bf16_bits_to_f32, block_size, cdiv, f32_to_bf16_bits,
+                      f32_to_f16_bits, sig_array as _arr)
 from ._registry import cuda_kernel
 from .launch import device_arg, launch as _launch, to_device
 from .quant import _bound_element, _cpu_twin, _kind, e4m3_to_f32, f32_to_e4m3
@@ -135,11 +136,7 @@ _quantize_cpu = quantize_part.cpu
 _dequantize_cpu = dequantize_part.cpu
 
 
-def _arr(dt, nd):
-    return types.Array(dt, nd, "A")
-
-
-_IN_TYPES = (types.float16, types.float32, types.uint16)
+_IN_TYPES = STORAGE_VIEW_TYPES
 _PUT_SIGS = [(_arr(types.uint8, 4), _arr(dt, 3), _arr(types.int32, 1), types.int64, types.int64,
               types.int64) for dt in _IN_TYPES]
 _GET_SIGS = [(_arr(types.uint8, 4), types.int64, types.int64, _arr(dt, 3), types.int64)

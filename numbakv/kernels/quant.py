@@ -29,17 +29,20 @@ from __future__ import annotations
 import types as pytypes
 
 import numpy as np
+import numba
 from numba import cuda, prange, types
+from numba.extending import intrinsic
 
 from .._jit import njit
-from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, f16_bits_to_f32, f16_bits_to_f32_hw,
-                      f32_to_bf16_bits, f32_to_f16_bits, mul_rn)
-from .hadamard import rotation_scale, wht_pair_index, wht_row_cpu, wht_sum_diff
+from ._common import (MAX_GRID_YZ, STORAGE_VIEW_TYPES, UINT, _hw_float_to_half, block_size,
+                      cdiv, f16_bits_to_f32, f16_bits_to_f32_hw, f32_to_bf16_bits,
+                      f32_to_f16_bits, mul_rn, sig_array as _arr)
+from .hadamard import _vector_ptr, rotation_scale, wht_pair_index, wht_row_cpu, wht_sum_diff
 from .launch import device_arg, launch as _launch, to_device
 from ._registry import cuda_device, cuda_kernel, element
 from .move import move_step, normalize
-from .rope import (KIND_F16_BITS, KIND_F16_HW, KIND_FLOAT, load_f32, pair_index, rotate_pair,
-                   storage_kind, tables)
+from .rope import (F16_HW, KIND_F16_BITS, KIND_F16_HW, KIND_FLOAT, load_f32, pair_index,
+                   rotate_pair, shift_plan, storage_kind)
 
 #: storage formats (kernel argument ``fmt``)
 FMT_Q8_0, FMT_Q4_0, FMT_F8 = 1, 2, 3
@@ -213,6 +216,9 @@ def dequantize_block(q, b0, n, fmt, scale, out, j0, kind):
 
 
 _quantize_cpu = quantize_block.cpu
+_f32_to_f16_cpu = f32_to_f16_bits.cpu
+#: whether the CPU converts float16 in hardware (frozen into the compiled twins as a constant)
+_F16C = bool(F16_HW)
 _dequantize_cpu = dequantize_block.cpu
 _quantize_cuda = quantize_block.cuda
 _dequantize_cuda = dequantize_block.cuda
@@ -223,6 +229,157 @@ _load_cuda = load_f32.cuda
 _sum_diff_cuda = wht_sum_diff.cuda
 _wht_pair_cuda = wht_pair_index.cuda
 _f16_hw = f16_bits_to_f32_hw
+
+
+# --------------------------------------------------------------------------------------------
+# the CPU twins' vector form of quantize_block's q8_0/q4_0 math on a contiguous float32 row:
+# LLVM vector IR (Numba's loops over 32 values did not vectorise: the block max stayed a scalar
+# compare chain, 0.7-2.3 ns a value; this form 0.16-0.26). Same float32 operations in the same
+# order as quantize_block (no fast-math, the multiply never fused with the add), so the bytes
+# are identical to it and to ggml's reference (tests/test_rotation.py, tests/test_quant.py).
+
+def _llvm_splat(builder, x, n):
+    from llvmlite import ir
+    vt = ir.VectorType(x.type, n)
+    one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+
+
+def _llvm_abs_bits32(context, builder, aryty, ary, off):
+    """The 32 values at ``off`` as ``<32 x i32>`` magnitude bit patterns."""
+    from llvmlite import ir
+    v32 = ir.VectorType(ir.IntType(32), 32)
+    v = builder.load(_vector_ptr(context, builder, aryty, ary, off, ir.IntType(32), 32), align=4)
+    return builder.and_(v, ir.Constant(v32, [0x7FFFFFFF] * 32))
+
+
+@intrinsic
+def _amax_bits32(typingctx, work, off):
+    """The largest magnitude of ``work[off : off + 32]`` (float32) as its bit pattern (int64;
+    ``>= 0x7F800000``: an infinity or NaN is in the block): an unsigned max over the magnitudes'
+    bits, ordered as the values."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i32, [ir.VectorType(i32, 32)]),
+            "llvm.vector.reduce.umax.v32i32")
+        m = builder.call(fn, [_llvm_abs_bits32(context, builder, sig.args[0], *args)])
+        return builder.zext(m, ir.IntType(64))
+    return types.int64(work, off), codegen
+
+
+@intrinsic
+def _first_of_bits32(typingctx, work, off, bits):
+    """The index (0-31) of the first value of ``work[off : off + 32]`` whose magnitude has the
+    bit pattern ``bits`` (q4_0 keeps the first of equal magnitudes, as ggml)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    def codegen(context, builder, sig, args):
+        i32, i1 = ir.IntType(32), ir.IntType(1)
+        mags = _llvm_abs_bits32(context, builder, sig.args[0], args[0], args[1])
+        want = _llvm_splat(builder, builder.trunc(args[2], i32), 32)
+        eq = builder.icmp_unsigned("==", mags, want)
+        cttz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32, i1]),
+                                              "llvm.cttz.i32")
+        first = builder.call(cttz, [builder.bitcast(eq, i32), ir.Constant(i1, 0)])
+        return builder.zext(first, ir.IntType(64))
+    return types.int64(work, off, bits), codegen
+
+
+@intrinsic
+def _q8_0_quants32(typingctx, work, off, inv, q, qoff):
+    """``q[qoff : qoff + 32]`` = the int8 of ``roundf(work[off + i] * inv)`` (half away from
+    zero: ``floor(|y|) + int(2 * (|y| - floor(|y|)))`` with the sign of ``y``, as
+    :func:`quantize_block`)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, sig, args):
+        n = 32
+        vf, vi = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
+        x = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], args[1],
+                                     ir.FloatType(), n), align=4)
+        y = builder.fmul(x, _llvm_splat(builder, args[2], n))
+        a = builder.bitcast(builder.and_(builder.bitcast(y, vi),
+                                         ir.Constant(vi, [0x7FFFFFFF] * n)), vf)
+        fl = builder.fptosi(a, vi)
+        up = builder.fptosi(builder.fmul(ir.Constant(vf, [2.0] * n),
+                                         builder.fsub(a, builder.sitofp(fl, vf))), vi)
+        r = builder.add(fl, up)
+        neg = builder.fcmp_ordered("<", y, ir.Constant(vf, [0.0] * n))
+        r = builder.select(neg, builder.sub(ir.Constant(vi, [0] * n), r), r)
+        builder.store(builder.trunc(r, ir.VectorType(ir.IntType(8), n)),
+                      _vector_ptr(context, builder, sig.args[3], args[3], args[4],
+                                  ir.IntType(8), n), align=1)
+        return context.get_dummy_value()
+    return types.void(work, off, inv, q, qoff), codegen
+
+
+@intrinsic
+def _q4_0_quants32(typingctx, work, off, inv, q, qoff):
+    """``q[qoff : qoff + 16]``: ``min(15, int(work[off + i] * inv + 8.5))`` in the low nibble
+    of byte ``i`` and that of value ``i + 16`` in the high one (the product rounded before the
+    add: a separate multiply and add, never fused)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, sig, args):
+        n = 32
+        vf, vi = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
+        x = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], args[1],
+                                     ir.FloatType(), n), align=4)
+        y = builder.fadd(builder.fmul(x, _llvm_splat(builder, args[2], n)),
+                         ir.Constant(vf, [8.5] * n))
+        r = builder.fptosi(y, vi)
+        c15 = ir.Constant(vi, [15] * n)
+        r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
+        h = ir.VectorType(ir.IntType(32), 16)
+        lo = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16))))
+        hi = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16, 32))))
+        b = builder.or_(lo, builder.shl(hi, ir.Constant(h, [4] * 16)))
+        builder.store(builder.trunc(b, ir.VectorType(ir.IntType(8), 16)),
+                      _vector_ptr(context, builder, sig.args[3], args[3], args[4],
+                                  ir.IntType(8), 16), align=1)
+        return context.get_dummy_value()
+    return types.void(work, off, inv, q, qoff), codegen
+
+
+@njit(inline="always")
+def quantize_row_cpu(work, dim, q_row, fmt):
+    """``work[:dim]`` (contiguous float32) quantized into the q8_0 (``fmt`` 1) or q4_0 (2) byte
+    row ``q_row`` (contiguous): :func:`quantize_block`'s math, block by block, in vector form.
+    The scale's float16 by F16C where the CPU has it (the same bits as the software conversion
+    for the finite scales that reach it; a compile-time constant)."""
+    nbytes = 34 if fmt == 1 else 18
+    for blk in range(dim // 32):
+        j0 = blk * 32
+        b0 = blk * nbytes
+        amax_bits = _amax_bits32(work, j0)
+        if amax_bits >= 0x7F800000:   # a NaN or an infinity in the block: NaN scale, zero quants
+            q_row[b0] = np.uint8(0x00)
+            q_row[b0 + 1] = np.uint8(0x7E)
+            for i in range(nbytes - 2):
+                q_row[b0 + 2 + i] = np.uint8(0)
+            continue
+        if fmt == 1:
+            d = np.uint32(amax_bits).view(np.float32) / np.float32(127.0)
+        else:
+            d = work[j0 + _first_of_bits32(work, j0, amax_bits)] / np.float32(-8.0)
+        inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+        if _F16C:
+            bits = np.int64(_hw_float_to_half(d))
+        else:
+            bits = np.int64(_f32_to_f16_cpu(d))
+        q_row[b0] = np.uint8(bits & 0xFF)
+        q_row[b0 + 1] = np.uint8(bits >> 8)
+        if fmt == 1:
+            _q8_0_quants32(work, j0, inv, q_row, b0 + 2)
+        else:
+            _q4_0_quants32(work, j0, inv, q_row, b0 + 2)
+
 
 
 @njit(inline="always")
@@ -250,8 +407,10 @@ def rotate_row_cpu(q, work, dim, fmt, scale, cos_t, sin_t, u, neox, rot, rscale)
         for j in range(dim):
             work[j] = work[j] * rscale
         wht_row_cpu(work, dim, rot)
-    for blk in range(dim // per):
-        _quantize_cpu(work, blk * per, per, 0, q, blk * nbytes, fmt, scale)
+    if fmt == 3:
+        _quantize_cpu(work, 0, dim, 0, q, 0, fmt, scale)
+    else:
+        quantize_row_cpu(work, dim, q, fmt)
 
 
 _pair_cuda = pair_index.cuda
@@ -260,11 +419,7 @@ _move_step_cuda = move_step.cuda
 _move_step_cpu = move_step.cpu
 
 
-def _arr(dt, nd):
-    return types.Array(dt, nd, "A")
-
-
-_IN_TYPES = (types.float16, types.float32, types.uint16)
+_IN_TYPES = STORAGE_VIEW_TYPES
 _PUT_SIGS = [(_arr(types.uint8, 4), _arr(dt, 3), _arr(types.int32, 1), types.int64, types.int64,
               types.int64, _arr(types.float32, 1), types.int64) for dt in _IN_TYPES]
 _PUT_ROT_SIGS = [(_arr(types.uint8, 4), _arr(dt, 3), _arr(types.int32, 1), types.int64,
@@ -357,6 +512,8 @@ def quant_put_cpu_par(q, x, slots, start, layer, fmt, scales, kind):
 #: numba's threads: (de)quantizing is compute-bound (~1-4 ns a value on one core), so threads pay
 #: off far sooner than for plain copies
 PARALLEL_MIN_VALUES = 1 << 18
+#: tokens a thread takes at a time in the threaded quantized put (dynamic scheduling)
+PARALLEL_CHUNK_TOKENS = 32
 
 
 def _cpu_twin(single, threaded, values: int, items: int):
@@ -439,7 +596,6 @@ def _put_token_rows_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale, t):
     if cell < 0:
         return
     dim = x.shape[2]
-    nbytes = 34 if fmt == 1 else 18
     work = np.empty(dim, np.float32)
     for h in range(x.shape[1]):
         x_row = x[t, h]
@@ -452,9 +608,7 @@ def _put_token_rows_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale, t):
                 work[j] = _load_cpu(x_row[j], kind) * rscale
         if rot > 0:
             wht_row_cpu(work, dim, rot)
-        q_row = q[layer, cell, h]
-        for blk in range(dim // 32):
-            _quantize_cpu(work, blk * 32, 32, 0, q_row, blk * nbytes, fmt, np.float32(1.0))
+        quantize_row_cpu(work, dim, q[layer, cell, h], fmt)
 
 
 @njit(inline="always")
@@ -748,7 +902,15 @@ def _put_rows_launch(device: str, q, layer: int, x, slots, start: int, fmt: int,
     rscale = rotation_scale(rot) if rot > 0 else np.float32(1.0)
     if device == "cpu":
         launch = _cpu_twin(quant_put_rot_cpu, quant_put_rot_cpu_par, x.size, x.shape[0])
-        launch(q, x.view(view_dtype), slots, int(start), int(layer), fmt, kind, int(rot), rscale)
+        if launch is quant_put_rot_cpu:
+            launch(q, x.view(view_dtype), slots, int(start), int(layer), fmt, kind, int(rot),
+                   rscale)
+            return
+        # tokens handed out in chunks as threads come free (not one static half each): on a
+        # shared machine a thread the OS parks would otherwise hold the whole put back
+        with numba.parallel_chunksize(PARALLEL_CHUNK_TOKENS):
+            launch(q, x.view(view_dtype), slots, int(start), int(layer), fmt, kind, int(rot),
+                   rscale)
         return
     if x.shape[2] > MAX_ROTATE_DIM:
         raise ValueError(f"the rotated put takes head dims <= {MAX_ROTATE_DIM}, got {x.shape[2]}")
@@ -787,14 +949,10 @@ def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, f
     skipped), in ``layers`` (all when None): dequantize, rotate in float32, requantize; rows
     stored Walsh-Hadamard-rotated in blocks of ``rot`` (> 0) are turned back around the RoPE."""
     rscale = rotation_scale(rot) if rot > 0 else np.float32(1.0)
-    from .rope import _merge
-    cells, deltas = _merge(cells, deltas)
-    layers = (np.arange(q.shape[0], dtype=np.int32) if layers is None
-              else np.asarray(layers, dtype=np.int32).reshape(-1))
-    inv_freq = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
-    if cells.size == 0 or layers.size == 0 or inv_freq.size == 0:
+    plan = shift_plan(cells, deltas, inv_freq, q.shape[0], layers)
+    if plan is None:
         return
-    tab, cos_t, sin_t = tables(deltas, inv_freq)
+    cells, layers, tab, cos_t, sin_t = plan
     if device == "cpu":
         launch = _cpu_twin(quant_rope_cpu, quant_rope_cpu_par,
                            cells.size * layers.size * q.shape[2] * int(dim), cells.size)

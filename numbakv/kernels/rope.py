@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda, prange, types
+from numba.extending import intrinsic
 
 from .._jit import njit
 
@@ -86,9 +87,7 @@ _pair_cpu = pair_index.cpu
 _rotate_cpu = rotate_pair.cpu
 
 
-def _arr(dt, nd):
-    return types.Array(dt, nd, "A")
-
+_arr = _common.sig_array
 
 _SIGS = [(_arr(dt, 4), _arr(types.int32, 1), _arr(types.int32, 1), _arr(types.int32, 1),
           _arr(types.float32, 2), _arr(types.float32, 2), types.int64, types.int64, types.int64)
@@ -126,6 +125,163 @@ def rope_shift_kernel(keys, cells, tab, layers, cos_t, sin_t, neox, kind, col):
         _store_cuda(keys, layer, cell, h, i0, a2, kind)
         _store_cuda(keys, layer, cell, h, i1, b2, kind)
         i += step
+
+
+# --------------------------------------------------------------------------------------------
+# the CPU twins' vector form of one 16-bit key row's rotation (rotary dims 64 and 128: MLA's rope
+# part, most heads): the row's ``2 * half`` values one LLVM vector, widened, split into the pairs'
+# two sides by shuffles, turned with rotate_pair's float32 math (``a*c - b*s``, ``a*s + b*c``,
+# no fusing), joined and rounded back with the same bits as _common's conversions (numpy's NaN
+# bits for float16, a quiet NaN for bfloat16). Addressed by byte offset from the 4-D storage:
+# no per-row array view (the view and five short loops cost ~27 ns a 64-value row; this ~9 ns).
+
+def _byte_vector_ptr(context, builder, aryty, ary, byte_off, elem, n):
+    """A pointer to ``<n x elem>`` ``byte_off`` bytes past the data of the array ``ary``."""
+    from llvmlite import ir
+    arr = context.make_array(aryty)(context, builder, value=ary)
+    p = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+    return builder.bitcast(builder.gep(p, [byte_off]), ir.VectorType(elem, n).as_pointer())
+
+
+def _rope_row_intrinsic(kind: int):
+    """An intrinsic ``(keys, byte_off, cos_t, sin_t, table_byte_off, half, neox)`` turning the
+    ``2 * half`` (64 or 128) contiguous 16-bit values (``kind`` KIND_F16_HW or KIND_BF16_BITS) at
+    ``byte_off`` of ``keys`` by the cos/sin table row at ``table_byte_off``, NeoX pairs when
+    ``neox`` != 0: one straight-line body per (half, neox), picked by two branches."""
+    from llvmlite import ir
+
+    def rope_row(typingctx, keys, off, cos_t, sin_t, toff, half, neox):
+        def codegen(context, builder, sig, args):
+            is_short = builder.icmp_signed("==", args[5], ir.Constant(args[5].type, 32))
+            is_neox = builder.icmp_signed("!=", args[6], ir.Constant(args[6].type, 0))
+            with builder.if_else(is_short) as (short, long_):
+                for half_, branch in ((32, short), (64, long_)):
+                    with branch:
+                        with builder.if_else(is_neox) as (neox_pairs, interleaved):
+                            with neox_pairs:
+                                row(context, builder, sig, args, half_, True)
+                            with interleaved:
+                                row(context, builder, sig, args, half_, False)
+            return context.get_dummy_value()
+
+        def row(context, builder, sig, args, half, neox):
+            n = 2 * half
+            i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+            vi16, vi32, vf = ir.VectorType(i16, n), ir.VectorType(i32, n), ir.VectorType(f32, n)
+
+            def c32(v):
+                return ir.Constant(vi32, [v] * n)
+            ptr = _byte_vector_ptr(context, builder, sig.args[0], args[0], args[1], i16, n)
+            raw = builder.load(ptr, align=2)
+            if kind == KIND_F16_HW:   # fpext, signalling NaNs kept signalling (numpy's bits)
+                f = builder.bitcast(builder.fpext(builder.bitcast(
+                    raw, ir.VectorType(ir.HalfType(), n)), vf), vi32)
+                h = builder.zext(raw, vi32)
+                snan = builder.and_(builder.and_(
+                    builder.icmp_unsigned("==", builder.and_(h, c32(0x7C00)), c32(0x7C00)),
+                    builder.icmp_unsigned("!=", builder.and_(h, c32(0x3FF)), c32(0))),
+                    builder.icmp_unsigned("==", builder.and_(h, c32(0x200)), c32(0)))
+                x = builder.bitcast(builder.select(snan, builder.and_(f, c32(0xFFBFFFFF)), f), vf)
+            else:                     # bfloat16: the high half of a float32
+                x = builder.bitcast(builder.shl(builder.zext(raw, vi32), c32(16)), vf)
+            first, second = ((list(range(half)), list(range(half, n))) if neox else
+                             (list(range(0, n, 2)), list(range(1, n, 2))))
+            hv = ir.VectorType(i32, half)
+            a = builder.shuffle_vector(x, x, ir.Constant(hv, first))
+            b = builder.shuffle_vector(x, x, ir.Constant(hv, second))
+            cs = builder.load(_byte_vector_ptr(context, builder, sig.args[2], args[2], args[4],
+                                               f32, half), align=4)
+            sn = builder.load(_byte_vector_ptr(context, builder, sig.args[3], args[3], args[4],
+                                               f32, half), align=4)
+            a2 = builder.fsub(builder.fmul(a, cs), builder.fmul(b, sn))
+            b2 = builder.fadd(builder.fmul(a, sn), builder.fmul(b, cs))
+            back = [0] * n
+            for k in range(half):
+                back[first[k]], back[second[k]] = k, k + half
+            y = builder.shuffle_vector(a2, b2, ir.Constant(vi32, back))
+            bits = builder.bitcast(y, vi32)
+            nan = builder.icmp_unsigned(">", builder.and_(bits, c32(0x7FFFFFFF)),
+                                        c32(0x7F800000))
+            if kind == KIND_F16_HW:   # fptrunc; a NaN as numpy makes it (_f32_to_f16_hw)
+                hw = builder.zext(builder.bitcast(builder.fptrunc(
+                    y, ir.VectorType(ir.HalfType(), n)), vi16), vi32)
+                payload = builder.and_(builder.lshr(bits, c32(13)), c32(0x3FF))
+                payload = builder.select(builder.icmp_unsigned("!=", payload, c32(0)), payload,
+                                         c32(1))
+                nan_bits = builder.or_(builder.or_(builder.and_(builder.lshr(bits, c32(16)),
+                                                                c32(0x8000)), c32(0x7C00)),
+                                       payload)
+                out = builder.select(nan, nan_bits, hw)
+            else:                     # round to nearest even; a NaN quiet (f32_to_bf16_bits)
+                rounded = builder.lshr(builder.add(bits, builder.add(builder.and_(
+                    builder.lshr(bits, c32(16)), c32(1)), c32(0x7FFF))), c32(16))
+                out = builder.select(nan, builder.or_(builder.lshr(bits, c32(16)), c32(0x40)),
+                                     rounded)
+            builder.store(builder.trunc(out, vi16), ptr, align=2)
+        return types.void(keys, off, cos_t, sin_t, toff, half, neox), codegen
+    rope_row.__name__ = f"rope_row_{kind}"
+    return intrinsic(rope_row)
+
+
+_rope_row_f16 = _rope_row_intrinsic(KIND_F16_HW)
+_rope_row_bf16 = _rope_row_intrinsic(KIND_BF16_BITS)
+
+
+@intrinsic
+def _prefetch_for_write(typingctx, keys, byte_off):
+    """``llvm.prefetch`` (for writing, kept in every cache level) of the two cache lines at
+    ``byte_off`` bytes past the data of ``keys``."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    def codegen(context, builder, sig, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+        p = builder.gep(builder.bitcast(arr.data, i8p), [args[1]])
+        for line in (0, 64):
+            builder.call(fn, [builder.gep(p, [ir.Constant(ir.IntType(64), line)]),
+                              ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(keys, byte_off), codegen
+
+
+#: listed cells ahead whose rope dims the vector form prefetches: a rope-only shift touches
+#: 128 bytes of each 1,152-byte latent row, too sparse for the hardware prefetcher to run
+#: ahead, so after anything else has used the cache every row was a memory round trip
+#: (measured: 150 ns a row cold)
+PREFETCH_CELLS = 16
+
+
+@njit(inline="always")
+def _vector_rows(keys, cos_t):
+    """Whether the vector row form serves: 16-bit rows, rotary dim 64 or 128, the row's last
+    axis contiguous (decided once per launch: a check per cell inside the loop cost 5x)."""
+    half = cos_t.shape[1]
+    return (half == 32 or half == 64) and keys.strides[3] == 2
+
+
+@njit(inline="always")
+def _rotate_cell_vector(keys, cells, tab, layers, cos_t, sin_t, neox, kind, c, col, z0, z1):
+    """Listed cell ``c`` in layers ``layers[z0:z1]`` by the vector row form (where
+    :func:`_vector_rows`)."""
+    half = cos_t.shape[1]
+    s0, s1, s2 = keys.strides[0], keys.strides[1], keys.strides[2]
+    cell_at = cells[c] * s1 + col * 2
+    table_at = tab[c] * cos_t.strides[0]
+    ahead = c + PREFETCH_CELLS
+    for z in range(z0, z1):
+        layer_at = layers[z] * s0 + cell_at
+        for h in range(keys.shape[2]):
+            at = layer_at + h * s2
+            if ahead < cells.shape[0]:
+                _prefetch_for_write(keys, layers[z] * s0 + cells[ahead] * s1 + col * 2 + h * s2)
+            if kind == KIND_F16_HW:
+                _rope_row_f16(keys, at, cos_t, sin_t, table_at, half, neox)
+            else:
+                _rope_row_bf16(keys, at, cos_t, sin_t, table_at, half, neox)
 
 
 @njit(cache=True, inline="always")
@@ -200,6 +356,12 @@ def _rotate_cell_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, c, lo, 
 
 @njit(cache=True)
 def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, col):
+    if _vector_rows(keys, cos_t):
+        for z in range(layers.shape[0]):
+            for c in range(cells.shape[0]):
+                _rotate_cell_vector(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_HW, c,
+                                    col, z, z + 1)
+        return
     lo = np.empty(cos_t.shape[1], np.float32)
     hi = np.empty(cos_t.shape[1], np.float32)
     for z in range(layers.shape[0]):
@@ -210,6 +372,11 @@ def _rope_cpu_f16hw(keys, cells, tab, layers, cos_t, sin_t, neox, col):
 
 @njit(cache=True, parallel=True)
 def _rope_cpu_f16hw_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
+    if _vector_rows(keys, cos_t):
+        for c in prange(cells.shape[0]):
+            _rotate_cell_vector(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_F16_HW, c, col,
+                                0, layers.shape[0])
+        return
     for c in prange(cells.shape[0]):
         lo = np.empty(cos_t.shape[1], np.float32)
         hi = np.empty(cos_t.shape[1], np.float32)
@@ -242,6 +409,12 @@ def _rope_cpu_f16(keys, cells, tab, layers, cos_t, sin_t, neox, col):
 
 @njit(cache=True)
 def _rope_cpu_bf16(keys, cells, tab, layers, cos_t, sin_t, neox, col):
+    if _vector_rows(keys, cos_t):
+        for z in range(layers.shape[0]):
+            for c in range(cells.shape[0]):
+                _rotate_cell_vector(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS,
+                                    c, col, z, z + 1)
+        return
     for z in range(layers.shape[0]):
         for c in range(cells.shape[0]):
             _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c,
@@ -264,6 +437,11 @@ def _rope_cpu_f16_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
 
 @njit(cache=True, parallel=True)
 def _rope_cpu_bf16_par(keys, cells, tab, layers, cos_t, sin_t, neox, col):
+    if _vector_rows(keys, cos_t):
+        for c in prange(cells.shape[0]):
+            _rotate_cell_vector(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c,
+                                col, 0, layers.shape[0])
+        return
     for c in prange(cells.shape[0]):
         _rotate_cell_cpu(keys, cells, tab, layers, cos_t, sin_t, neox, KIND_BF16_BITS, c, col, 0,
                          layers.shape[0])
@@ -334,21 +512,32 @@ def _merge(cells, deltas):
     return np.ascontiguousarray(cells), deltas
 
 
-def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, layers=None,
-            col: int = 0):
-    """The host work of :func:`launch` for ``sim``/``cuda``: a :class:`Prepared` launch (or None
-    when there is nothing to rotate)."""
+def shift_plan(cells, deltas, inv_freq, n_layers: int, layers=None):
+    """The host side of every rotary shift (plain and quantized keys): ``(cells int32 [k],
+    layers int32 [z], tab int32 [k], cos_t, sin_t float32 [u, n/2])`` with zero deltas dropped
+    and repeated cells merged (:func:`_merge`), ``layers`` all ``n_layers`` when None, the
+    tables of :func:`tables`; None when nothing turns."""
     cells, deltas = _merge(cells, deltas)
-    layers = (np.arange(keys.shape[0], dtype=np.int32) if layers is None
+    layers = (np.arange(n_layers, dtype=np.int32) if layers is None
               else np.asarray(layers, dtype=np.int32).reshape(-1))
     inv_freq = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
     if cells.size == 0 or layers.size == 0 or inv_freq.size == 0:
         return None
-    tab, cos_t, sin_t = tables(deltas, inv_freq)
+    return (cells, layers) + tables(deltas, inv_freq)
+
+
+def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, layers=None,
+            col: int = 0):
+    """The host work of :func:`launch` for ``sim``/``cuda``: a :class:`Prepared` launch (or None
+    when there is nothing to rotate)."""
+    plan = shift_plan(cells, deltas, inv_freq, keys.shape[0], layers)
+    if plan is None:
+        return None
+    cells, layers, tab, cos_t, sin_t = plan
     view_dtype, kind = storage_kind(device, dtype)
     dev_in, keep = to_device(device, cells, tab, layers, cos_t, sin_t)
     nb = block_size(device)
-    grid = geometry(cells.size, layers.size, keys.shape[2], inv_freq.size, nb,
+    grid = geometry(cells.size, layers.size, keys.shape[2], cos_t.shape[1], nb,
                     _common.max_blocks(device))
     args = (device_arg(device, keys, view_dtype),) + tuple(dev_in) + (int(bool(neox)), kind,
                                                                        int(col))
@@ -374,20 +563,17 @@ def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
         if p is not None:
             _launch(device, p.kernel, p.grid, p.block, p.args)
         return
-    cells, deltas = _merge(cells, deltas)
-    layers = (np.arange(keys.shape[0], dtype=np.int32) if layers is None
-              else np.asarray(layers, dtype=np.int32).reshape(-1))
-    inv_freq = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
-    if cells.size == 0 or layers.size == 0 or inv_freq.size == 0:
+    plan = shift_plan(cells, deltas, inv_freq, keys.shape[0], layers)
+    if plan is None:
         return
-    tab, cos_t, sin_t = tables(deltas, inv_freq)
+    cells, layers, tab, cos_t, sin_t = plan
     view_dtype, kind = storage_kind(device, dtype)
-    n_pairs = cells.size * layers.size * keys.shape[2] * inv_freq.size
+    n_pairs = cells.size * layers.size * keys.shape[2] * cos_t.shape[1]
     rope_shift_cpu(keys.view(view_dtype), cells, tab, layers, cos_t, sin_t, int(bool(neox)), kind,
                    parallel=n_pairs >= PARALLEL_MIN_PAIRS and cells.size > 1, col=int(col))
 
 
 __all__ = ["F16_HW", "KIND_BF16_BITS", "KIND_F16_BITS", "KIND_F16_HW", "KIND_FLOAT", "launch", "load_f32", "pair_index",
            "prepare",
-           "rope_shift_cpu", "rope_shift_kernel", "rotate_pair",
+           "rope_shift_cpu", "rope_shift_kernel", "rotate_pair", "shift_plan",
            "storage_kind", "store_f32", "tables"]
