@@ -37,6 +37,7 @@ _I32 = np.dtype(np.int32)
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
     from .state.snapshot import SeqSnapshot
+    from .step import DecodeStep
 
 PathLike = Union[str, os.PathLike]   # a file path
 
@@ -1068,6 +1069,26 @@ class CausalCache(StateMethods):
         return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ misc
+    def capture_step(self, batch: int, *, attend: bool = False) -> "DecodeStep":
+        """A decode step of up to ``batch`` tokens whose inputs sit in fixed device buffers: on
+        ``cuda`` a CUDA graph of one put per stored layer reading its slots from a step
+        descriptor the host refreshes with one asynchronous copy per replay; on ``cpu``/``sim``
+        the same launches recorded and run by each replay (same results and errors, no graph).
+
+        ``step.replay(positions, seqs, q=None, k, v)`` then does ``start_forward`` and stores
+        ``k [n_stored_layers, n, n_kv_heads, head_dim]`` / ``v [n_stored_layers, n, n_kv_heads,
+        v_head_dim]`` in every stored layer; ``step.key`` / ``step.value`` are the fixed input
+        buffers a model may write into directly (pass ``k=None, v=None``). The graph runs on the
+        cache's stream (:meth:`use_stream`); the step keeps its buffers and graph alive as long as
+        it lives. See :mod:`numbakv.step`.
+
+        Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``) and ``NotSupportedError``
+        for what is not captured: ``attend=True``, quantized K/V, V-less (MLA) caches,
+        per-sequence streams. Changes nothing in the cache."""
+        self._check_open()
+        from .step import DecodeStep, check_capturable
+        return DecodeStep(self, check_capturable(self, batch, attend))
+
     def use_stream(self, stream: Any) -> None:
         """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a
         CuPy stream, a torch stream (``torch.cuda.current_stream()``) or a raw ``cudaStream_t``

@@ -572,6 +572,13 @@ class StreamCache(CausalCache):
         for stream in self.streams:
             stream.apply_pending_shifts()
 
+    def capture_step(self, batch: int, *, attend: bool = False) -> Any:
+        """Not captured for per-sequence streams (each stream places its tokens in its own
+        slice): ``NotSupportedError``, nothing changed."""
+        self._check_open()
+        raise NotSupportedError("capture_step: per-sequence streams (unified=False) are not "
+                                "captured; use a unified cache")
+
     def use_stream(self, stream: Any) -> None:
         """Queue every stream's GPU work on ``stream`` (see ``CausalCache.use_stream``): the
         streams share one allocation and one CUDA stream."""

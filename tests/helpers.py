@@ -68,8 +68,13 @@ def emulate_cuda(monkeypatch, record):
     def fake_launch(device, kernel, grid, block, args):
         assert device == "cuda"
         record(kernel, args)
-        launch.launch("sim", kernel, grid, block,
-                      [desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
+        host_args = [desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args]
+        stream = cp.cuda.get_current_stream()
+        if stream.graph_nodes is not None:   # capturing (begin_capture): a node of the graph
+            stream.graph_nodes.append(lambda: launch.launch("sim", kernel, grid, block,
+                                                            host_args))
+            return
+        launch.launch("sim", kernel, grid, block, host_args)
 
     for mod in (put, mask, move, rope, rows):
         monkeypatch.setattr(mod, "_launch", fake_launch)
