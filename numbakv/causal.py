@@ -589,6 +589,8 @@ class CausalCache(StateMethods):
             key, value = self.storage.views_trusted(layer, fwd.lo, fwd.hi)
         if fwd.exported is None:
             self._build_mask()      # first get() of this pass (the CPU builds it lazily)
+        if self.storage._stream is not None:
+            self.storage.order_before()   # CuPy's current stream reads after the puts
         if self._bf16:
             return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
         return key, value, fwd.exported
@@ -601,6 +603,8 @@ class CausalCache(StateMethods):
         fwd = self._require_forward("get_quantized")
         k, v = self.storage.quantized_views(self._read_layer_checked("get_quantized"), fwd.lo,
                                             fwd.hi)
+        if self.storage._stream is not None:
+            self.storage.order_before()
         return export_view(k, "uint8"), export_view(v, "uint8")
 
     def cell_range(self) -> Tuple[int, int]:
@@ -1135,6 +1139,8 @@ class CausalCache(StateMethods):
         saying which sequence. Pair it with :meth:`mla_views` ``(page_size=...)``."""
         page_size = _check_index("page_size", page_size, 1)
         host = self._host_pages()
+        if self.storage is not None and self.storage._stream is not None:
+            self.storage.order_before()   # the table's upload and the puts, before its reader
         if page_size == 1:
             return host.table
         if self.n_cells % page_size:
@@ -1194,6 +1200,8 @@ class CausalCache(StateMethods):
             raise ValueError(f"layer_pool(): layer {layer} has no K/V in this cache "
                              f"(layer_reuse[{layer}] = -1)")
         dtype = self.config.dtype
+        if self.storage._stream is not None:
+            self.storage.order_before()
         return (export_view(self.storage.key_view(slot, 0, self.n_cells), dtype),
                 export_view(self.storage.value_view(slot, 0, self.n_cells), dtype))
 

@@ -362,6 +362,8 @@ class StreamCache(CausalCache):
             raise ValueError(f"get(): layer {self._layer} has no K/V in this cache "
                              f"(layer_reuse[{self._layer}] = -1)")
         k5, v5 = self._k5[layer], self._v5[layer]
+        if self.storage._stream is not None:
+            self.storage.order_before()   # views and gathers on CuPy's current stream: after puts
         if fwd.consecutive:
             s0, s1 = int(ids[0]), int(ids[0]) + len(ids)
             key = k5[s0:s1, :n_kv]

@@ -184,3 +184,27 @@ def gpu_compiler_missing() -> str:
         return (f"the GPU compiler is not installed ({', '.join(missing)} not found): "
                 "pip install -e '.[ptx]' (or '.[gpu]') to compile the kernels to PTX")
     return ""
+
+
+def fake_cuda_cache(cp, cfg, stream_ptr=None, **kwargs):
+    """A ``CausalCache`` whose storage is a ``cuda`` storage over the stand-in CuPy (``cfg``'s
+    device is ``cpu``; no warm-up, which preloads through the driver); with ``stream_ptr`` its
+    own stream (``use_stream``). Install the stand-in first (:func:`emulate_cuda`)."""
+    import os
+
+    import numbakv as nkv
+    from numbakv.storage import KVStorage
+    old = os.environ.get("NUMBAKV_WARM_UP")
+    os.environ["NUMBAKV_WARM_UP"] = "0"
+    try:
+        cache = nkv.CausalCache(cfg, _storage_factory=lambda n, device: KVStorage(cfg, n, "cuda"),
+                                **kwargs)
+    finally:
+        if old is None:
+            del os.environ["NUMBAKV_WARM_UP"]
+        else:
+            os.environ["NUMBAKV_WARM_UP"] = old
+    cache.device = "cuda"
+    if stream_ptr is not None:
+        cache.use_stream(cp.cuda.ExternalStream(stream_ptr))
+    return cache

@@ -16,7 +16,7 @@ import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 from numbakv.step import HEADER
 from fake_cupy import FakeDeviceArray
-from helpers import clear_launch_caches, emulate_cuda, host
+from helpers import clear_launch_caches, emulate_cuda, fake_cuda_cache, host
 
 SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
 
@@ -191,19 +191,8 @@ def fake_gpu(kernel_device, monkeypatch):
 
 
 def _cuda_cache(cp, stream_ptr=0x61):
-    """A cuda-device cache over the stand-in (no warm-up: it preloads through the driver)."""
-    import os
-    os.environ["NUMBAKV_WARM_UP"] = "0"
-    try:
-        cfg = _cfg("cpu")
-        cache = nkv.CausalCache(cfg, _storage_factory=lambda n, device: nkv.storage.KVStorage(
-            cfg, n, "cuda"))
-    finally:
-        del os.environ["NUMBAKV_WARM_UP"]
-    cache.device = "cuda"
-    stream = cp.cuda.ExternalStream(stream_ptr)
-    cache.use_stream(stream)
-    return cache, stream
+    cache = fake_cuda_cache(cp, _cfg("cpu"), stream_ptr)
+    return cache, cache.storage.stream
 
 
 def test_cuda_step_is_one_graph_replayed_with_new_slots(fake_gpu):
