@@ -194,6 +194,8 @@ class KVStorage:
         self._bind_layers()
         # the stream contract (cuda only; see use_stream): None = CuPy's current stream
         self._stream = None
+        self._order_event = None      # order_before / order_after: one reused event each
+        self._after_event = None
         self._pending: list = []      # inputs of queued launches not yet covered by an event
         self._retired: list = []      # [(event, objects)], oldest first
         self._last_mask = None
@@ -266,8 +268,14 @@ class KVStorage:
           attention that read them must be queued on this stream (or ordered before it) by then.
         - Host-to-device inputs travel through pinned, reused buffers (asynchronous copies).
         - While the stream captures a CUDA graph, nothing synchronises or queries events.
-        - Outputs (``get()`` views) are ready in this stream's order: consumers on another stream
-          must wait on it (``torch.cuda.current_stream().wait_stream(...)``) or share it.
+        - Outputs are ready in this stream's order. ``get()``, ``layer_pool()``,
+          ``page_table()`` and ``get_quantized()`` make CuPy's current stream wait for it (an
+          event, :meth:`order_before`), so CuPy work and DLPack exports (which order their
+          consumer after CuPy's current stream) read after the puts; ``attend`` makes torch's
+          current stream wait. Other consumers call :meth:`order_before` with their stream.
+        - Inputs imported through DLPack are imported on this stream (the producer orders it
+          after its own work); plain CuPy arrays made on another stream need
+          :meth:`order_after` with that stream first.
         """
         if self.device != "cuda":
             if stream is None:
@@ -280,6 +288,54 @@ class KVStorage:
     def stream(self):
         """The CuPy stream launches go on (None: CuPy's current stream at each call)."""
         return self._stream
+
+    def order_before(self, consumer=None) -> None:
+        """Make ``consumer`` wait for the work queued so far on this storage's stream: an event
+        recorded here, waited on there (``cudaStreamWaitEvent``; the host never waits).
+        ``consumer``: a stream as :meth:`use_stream` takes it, or None for CuPy's current
+        stream. What hands out views of the storage calls it (``get()``, ``layer_pool()``,
+        ``page_table()``, ``attend`` for torch's stream), so a consumer on another stream never
+        reads K/V before the puts that wrote them. Without a stream of its own the storage's
+        work is on CuPy's current stream, which then stands for it. A no-op on cpu/sim, on the
+        same stream, and while either stream captures a graph (an event crossing a capture
+        boundary is illegal)."""
+        if self.device != "cuda":
+            return
+        import cupy
+        from .device import capturing
+        current = cupy.cuda.get_current_stream()
+        own = self._stream if self._stream is not None else current
+        cons = current if consumer is None else _as_cupy_stream(consumer, self._device_id)
+        if cons.ptr == own.ptr or capturing(own) or capturing(cons):
+            return
+        ev = self._order_event
+        if ev is None:
+            ev = self._order_event = cupy.cuda.Event(block=False, disable_timing=True,
+                                                     interprocess=False)
+        ev.record(own)      # a later record does not move waits already queued
+        cons.wait_event(ev)
+
+    def order_after(self, producer) -> None:
+        """Make this storage's stream wait for the work queued so far on ``producer`` (a stream
+        as :meth:`use_stream` takes it; None: CuPy's current stream): what an engine whose K/V
+        come from another stream as plain CuPy arrays calls before ``put`` (DLPack inputs are
+        ordered by the protocol itself: they are imported on this stream). Same no-op cases as
+        :meth:`order_before`."""
+        if self.device != "cuda":
+            return
+        import cupy
+        from .device import capturing
+        current = cupy.cuda.get_current_stream()
+        own = self._stream if self._stream is not None else current
+        prod = current if producer is None else _as_cupy_stream(producer, self._device_id)
+        if prod.ptr == own.ptr or capturing(own) or capturing(prod):
+            return
+        ev = self._after_event
+        if ev is None:
+            ev = self._after_event = cupy.cuda.Event(block=False, disable_timing=True,
+                                                     interprocess=False)
+        ev.record(prod)
+        own.wait_event(ev)
 
     def retire(self, *objects) -> None:
         """Keep ``objects`` (device buffers a launch or a consumer may still read) referenced until
