@@ -27,12 +27,12 @@ import math
 from typing import Optional, Tuple
 
 import numpy as np
-from numba import cuda, float32, types
+from numba import float32, types
 
 from . import _common
 from ._common import block_size, cdiv, sig_array as _arr
 from .launch import launch as _launch, to_device
-from ._registry import cuda_device, cuda_kernel
+from ._registry import cuda, cuda_device, cuda_kernel
 
 #: cells per tile: the group's scores of a tile sit in shared memory between the passes
 TILE = 32

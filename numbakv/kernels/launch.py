@@ -95,6 +95,8 @@ def ptx_entry(py_func, sig: Tuple[types.Type, ...], cc: Tuple[int, int]):
     unless the entry takes exactly the 64-bit parameters :func:`_flatten` produces (so the fast
     path can never pass a kernel a misaligned argument list)."""
     from numba import cuda
+    from ._registry import ensure_cuda
+    ensure_cuda()                 # the kernel modules' globals: real CUDA objects, not stand-ins
     ptx, _ = cuda.compile_ptx(py_func, sig, cc=cc)
     m = _ENTRY.search(ptx)
     if m is None:

@@ -18,7 +18,7 @@ Defrag plans (holes filled from the end) never overlap, so they take the fast ke
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 
 from .._jit import njit
 
@@ -26,7 +26,7 @@ from . import _common
 from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
 from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, head_word, word_size
 from .launch import Prepared, launch as _launch, to_device
-from ._registry import cuda_device, cuda_kernel, element
+from ._registry import cuda, cuda_device, cuda_kernel, element
 
 
 @element

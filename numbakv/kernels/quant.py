@@ -29,14 +29,14 @@ from __future__ import annotations
 import types as pytypes
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 
 from .._jit import njit
 from ._common import (MAX_GRID_YZ, UINT, block_size, cdiv, f16_bits_to_f32, f16_bits_to_f32_hw,
                       f32_to_bf16_bits, f32_to_f16_bits, mul_rn)
 from .hadamard import rotation_scale, wht_pair_index, wht_row_cpu, wht_sum_diff
 from .launch import device_arg, launch as _launch, to_device
-from ._registry import cuda_device, cuda_kernel, element
+from ._registry import cuda, cuda_device, cuda_jit_from, cuda_kernel, element, resolved
 from .move import move_step, normalize
 from .rope import (KIND_F16_BITS, KIND_F16_HW, KIND_FLOAT, load_f32, pair_index, rotate_pair,
                    storage_kind, tables)
@@ -60,12 +60,17 @@ def _bound_element(names: dict):
     to its :class:`Element`; the CPU form sees each ``.cpu``, the CUDA form each ``.cuda``."""
     def wrap(fn):
         def bound(form):
+            # the module's globals as they are now: for the CUDA form (made once numba.cuda is
+            # imported, see _registry.Deferred) every stand-in already replaced by its object
             g = dict(fn.__globals__)
             g.update({k: getattr(v, form) for k, v in names.items()})
+            if form == "cuda":     # the globals fn reads, real (not its module's own alias)
+                g.update({k: resolved(g[k]) for k in fn.__code__.co_names if k in g})
             return pytypes.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__,
                                         fn.__closure__)
         e = element(bound("cpu"))
-        e.cuda = element(bound("cuda")).cuda  # compiled lazily: only the used forms build
+        # the CUDA form is made (and compiled) only when a CUDA kernel first needs it
+        e.cuda = cuda_jit_from(lambda: bound("cuda"), device=True)
         e.py_func = fn
         return e
     return wrap

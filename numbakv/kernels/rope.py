@@ -18,7 +18,7 @@ cos/sin.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 
 from .._jit import njit
 
@@ -26,7 +26,7 @@ from . import _common
 from ._common import (bf16_bits_to_f32, block_size, cdiv, f16_bits_to_f32, f32_to_bf16_bits,
                       f32_to_f16_bits)
 from .launch import Prepared, device_arg, launch as _launch, to_device
-from ._registry import cuda_kernel, element
+from ._registry import cuda, cuda_kernel, element
 
 #: how the kernel reads the storage: native floats, float16 bit patterns, bfloat16 bit patterns;
 #: on the CPU also float16 bit patterns converted by the hardware (F16C), the default there
