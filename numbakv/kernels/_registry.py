@@ -119,8 +119,10 @@ def cuda_jit(fn: Callable, **options: Any) -> Deferred:
 
 def cuda_jit_from(make_fn: Callable[[], Callable], **options: Any) -> Deferred:
     """``numba.cuda.jit(**options)(make_fn())``, made on first use (``make_fn`` runs once
-    numba.cuda is imported and the module globals hold real objects)."""
-    return Deferred(lambda: _import_cuda().jit(**options)(make_fn()))
+    numba.cuda is imported and the module globals hold real objects). Once numba.cuda is in
+    use (a module imported after that), the object is made at once: nothing swaps it later."""
+    made = Deferred(lambda: _import_cuda().jit(**options)(make_fn()))
+    return made.resolve() if _STATE["ready"] else made
 
 
 @dataclass(frozen=True)
