@@ -390,6 +390,63 @@ def paged_merge_kernel(part_acc, part_ml, out, lse):
         lse[t, h] = m + math.log(s) if s > 0 else float32(-math.inf)
 
 
+_I32 = _arr(types.int32, 1)
+
+
+@cuda_kernel("extend_page_lists", [(_I32,) * 9])
+def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr, add_cells,
+                        add_pos, out_idx, out_pos):
+    """A page table's lists grown at their ends (a decode step): entry ``j`` of the new CSR
+    lists (one thread each, grid-striding) is entry ``k`` of its list ``b``: ``prev``'s entry
+    ``k`` while ``k`` is below the old list's length, else new cell ``k - old length`` of ``b``
+    (``add_cells`` / ``add_pos`` grouped by ``qo_indptr``, in position order). Every new list
+    is non-empty, so ``new_indptr`` ascends strictly and ``b`` is found by binary search."""
+    nb = new_indptr.shape[0] - 1
+    nnz = out_idx.shape[0]
+    j = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while j < nnz:
+        lo = 0
+        hi = nb
+        while hi - lo > 1:                  # the last b with new_indptr[b] <= j
+            m = (lo + hi) >> 1
+            if new_indptr[m] <= j:
+                lo = m
+            else:
+                hi = m
+        k = j - new_indptr[lo]
+        p0 = prev_indptr[lo]
+        n_prev = prev_indptr[lo + 1] - p0
+        if k < n_prev:
+            out_idx[j] = prev_idx[p0 + k]
+            out_pos[j] = prev_pos[p0 + k]
+        else:
+            a = qo_indptr[lo] + k - n_prev
+            out_idx[j] = add_cells[a]
+            out_pos[j] = add_pos[a]
+        j += stride
+
+
+def extend_lists(device: str, prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr,
+                 add_cells, add_pos, out_idx, out_pos) -> None:
+    """Launch :data:`extend_lists_kernel` (``device`` ``"cuda"``: CuPy arrays; ``"sim"``: numpy
+    arrays through the simulator). All int32, 1-d; ``out_*`` ``[new_indptr[-1]]``."""
+    nnz = int(out_idx.shape[0])
+    if nnz == 0:
+        return
+    nb = block_size(device)
+    grid = _common.flat_blocks(nnz, nb, _common.max_blocks(device))
+    if device == "cuda":
+        def arg(a):
+            return a if isinstance(a, _common.Desc) else _common.desc_of(a)
+    else:
+        def arg(a):
+            return a
+    _launch(device, extend_lists_kernel, (grid,), nb,
+            tuple(arg(a) for a in (prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr,
+                                   add_cells, add_pos, out_idx, out_pos)))
+
+
 def fits(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int, batch: int) -> bool:
     """Whether the kernel takes this shape (group and group x dims within the shared-memory
     tiles, tokens within the grid's y extent)."""
@@ -551,7 +608,7 @@ def _xp(device: str):
     return np
 
 
-__all__ = ["FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "MAX_GROUP",
+__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "MAX_GROUP",
            "MAX_GROUP_DIM", "QUANT_FORMATS", "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot",
            "float_key_dot", "kv_to_f32", "kv_value", "quant_key_dot", "quant_value", "row_values", "lower_bound", "paged_attention", "paged_attention_kernel",
            "paged_merge_kernel", "plan_part_len", "token_sequences", "visible_run"]
