@@ -133,6 +133,30 @@ def test_flashinfer_probe_is_memoised(monkeypatch):
     assert len(calls) == 1
 
 
+def test_flashinfer_probe_with_an_installed_module_runs_once(monkeypatch):
+    """With flashinfer importable (a stand-in module in sys.modules), the probe answers True
+    and imports it once per process: later calls (and a module that went away) get the
+    remembered answer."""
+    import builtins
+    import sys
+    import types
+    calls = []
+    real = builtins.__import__
+
+    def spy(name, *a, **k):
+        if name == "flashinfer":
+            calls.append(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(attention, "_FLASHINFER", None)
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setattr(builtins, "__import__", spy)
+    assert attention.flashinfer_available() is True
+    monkeypatch.delitem(sys.modules, "flashinfer")
+    for _ in range(5):
+        assert attention.flashinfer_available() is True
+    assert calls == ["flashinfer"]
+
+
 def _slow_stream_setup():
     import cupy
     import numbakv as nkv
