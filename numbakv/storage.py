@@ -194,6 +194,7 @@ class KVStorage:
         self._bind_layers()
         # the stream contract (cuda only; see use_stream): None = CuPy's current stream
         self._stream = None
+        self._mover = None            # kernels.move.RunMover, built at the first move
         self._order_event = None      # order_before / order_after: one reused event each
         self._after_event = None
         self._pending: list = []      # inputs of queued launches not yet covered by an event
@@ -236,6 +237,7 @@ class KVStorage:
         # its own in-flight bookkeeping (the stream handle itself is shared: use_stream on the
         # parent's owner sets every slice)
         part._pending, part._retired, part._last_mask = [], [], None
+        part._mover = None      # its own storage views
         return part
 
     # ---------------------------------------------------------------- basics
@@ -388,6 +390,7 @@ class KVStorage:
             i32 = _common.Desc(0, (1,), (4,), np.dtype(np.int32))
             i64 = _common.Desc(0, (1, 3), (24, 8), np.dtype(np.int64))
             sigs = [(_move.move_cells_kernel, (k, v, i32, i32, 0, 0)),
+                    (_move.move_runs_kernel, (k, v, i64, 0, 0, 0)),
                     (_move.move_lanes_kernel, (k, v, i64, 0))]
             view_dtype, _ = _rope.storage_kind("cuda", self.dtype)
             f32 = _common.Desc(0, (1, 1), (4, 4), np.dtype(np.float32))
@@ -622,11 +625,15 @@ class KVStorage:
     def move_blocks(self, moves) -> None:
         """Apply a defrag plan ``moves`` (int ``[m, 3]``: src, dst, length) to every layer of K
         and V in one launch: in order, each move as a memmove (overlaps are safe)."""
-        moves = _host_ints(moves, "moves", np.int64, ndim=2) if np.asarray(moves).size \
-            else np.zeros((0, 3), dtype=np.int64)
+        if not (type(moves) is np.ndarray and moves.dtype == np.int64 and moves.ndim == 2):
+            moves = _host_ints(moves, "moves", np.int64, ndim=2) if np.asarray(moves).size \
+                else np.zeros((0, 3), dtype=np.int64)
         if moves.shape[1:] != (3,):
             raise ValueError(f"moves must have shape [m, 3] (src, dst, length), got {moves.shape}")
         if moves.shape[0] == 0:
+            return
+        if self.device != "cpu" and not self.quantized:
+            self._move_runs(moves)
             return
         src, dst, ln = moves[:, 0], moves[:, 1], moves[:, 2]
         if ln.min() < 0:
@@ -638,6 +645,21 @@ class KVStorage:
             return
         with self._on_device():
             _move.launch(self.device, self.keys, self.values, moves, self.permuted)
+
+    def _move_runs(self, moves: np.ndarray) -> None:
+        """A plan on the GPU (or the simulator) through :class:`kernels.move.RunMover`: checked,
+        normalised and sent in one compiled pass over the moves, expanded into cells on the
+        device (host time independent of the cells moved)."""
+        mover = self._mover
+        if mover is None:
+            mover = self._mover = _move.RunMover(self.device, self.keys, self.values,
+                                                 self.permuted)
+        with self._on_device():
+            problem = mover.launch(moves)
+        if problem == 1:
+            raise ValueError("moves' lengths must be >= 0")
+        if problem == 2:
+            raise ValueError(f"moves must stay inside the {self.n_cells} cells")
 
     def copy_cells(self, src, dst) -> None:
         """Copy cell ``src[i]`` to cell ``dst[i]`` (int32 host ``[k]`` each) in every layer, K and
@@ -654,6 +676,9 @@ class KVStorage:
                 raise ValueError(f"{name} cells must be in [0, {self.n_cells})")
         if self.quantized:  # in order, as one-cell moves (what move.copy_launch does)
             self._move_quantized(np.stack([src, dst, np.ones_like(src)], axis=1).astype(np.int64))
+            return
+        if self.device != "cpu":   # in order, as one-cell moves
+            self._move_runs(np.stack([src, dst, np.ones_like(src)], axis=1).astype(np.int64))
             return
         with self._on_device():
             _move.copy_launch(self.device, self.keys, self.values, src, dst, self.permuted)
