@@ -195,6 +195,8 @@ class KVStorage:
         # the stream contract (cuda only; see use_stream): None = CuPy's current stream
         self._stream = None
         self._mover = None            # kernels.move.RunMover, built at the first move
+        self._roper = None            # kernels.rope.RopeLauncher, built at the first rotation
+        self._rope_memo = (None, None, 0)   # (RopeShift, inv_freq, rotary dim) of the last one
         self._order_event = None      # order_before / order_after: one reused event each
         self._after_event = None
         self._pending: list = []      # inputs of queued launches not yet covered by an event
@@ -237,7 +239,7 @@ class KVStorage:
         # its own in-flight bookkeeping (the stream handle itself is shared: use_stream on the
         # parent's owner sets every slice)
         part._pending, part._retired, part._last_mask = [], [], None
-        part._mover = None      # its own storage views
+        part._mover = part._roper = None      # its own storage views
         return part
 
     # ---------------------------------------------------------------- basics
@@ -690,7 +692,13 @@ class KVStorage:
         cell listed twice turns by the sum of its deltas."""
         if not isinstance(rope, RopeShift):
             raise ValueError(f"rope must be a RopeShift, got {type(rope).__name__}")
-        inv_freq = rope.inv_freq(self.config.head_dim)  # checks the rotary dim fits
+        memo = self._rope_memo
+        if memo[0] is rope:    # a cache shifts with one RopeShift: its tables, once
+            inv_freq, dim = memo[1], memo[2]
+        else:
+            inv_freq = rope.inv_freq(self.config.head_dim)  # checks the rotary dim fits
+            dim = check_rope_layout(self.config, rope)
+            self._rope_memo = (rope, inv_freq, dim)
         cells = _host_ints(cells, "cells")
         deltas = _host_ints(deltas, "deltas", np.int64)
         if cells.shape != deltas.shape:
@@ -704,8 +712,14 @@ class KVStorage:
                 raise ValueError(f"layers must be in [0, {self.config.n_layers})")
             if np.unique(layers).size != layers.size:
                 raise ValueError("layers must not repeat")
-        dim = check_rope_layout(self.config, rope)
         if cells.size == 0:
+            return
+        if not self.k_quantized and self.device != "cpu":
+            launcher = self._roper
+            if launcher is None:
+                launcher = self._roper = _rope.RopeLauncher(self.device, self.keys, self.dtype)
+            with self._on_device():
+                launcher.launch(cells, deltas, inv_freq, rope.neox, layers, rope.offset)
             return
         if not self.k_quantized:   # the kernel indexes the rope dims of the contiguous rows
             with self._on_device():
