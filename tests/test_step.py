@@ -16,7 +16,7 @@ import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 from numbakv.step import HEADER
 from fake_cupy import FakeDeviceArray
-from helpers import clear_launch_caches, emulate_cuda, fake_cuda_cache, host
+from helpers import clear_launch_caches, dev, emulate_cuda, fake_cuda_cache, host
 
 SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
 
@@ -67,6 +67,7 @@ def _drive(cache, rng_seed, use_step):
     for i, (pos, seqs) in enumerate(_steps()):
         _edit(cache, i)
         k, v = _kv(rng, len(pos))
+        k, v = dev(k, cache.device), dev(v, cache.device)
         if use_step:
             step.replay(pos, seqs, None, k, v)
         else:
@@ -95,9 +96,11 @@ def test_replay_reads_slots_from_the_descriptor(device):
     step = cache.capture_step(batch=4)
     rng = np.random.default_rng(1)
     k, v = _kv(rng, 2)
-    step.replay(np.array([0, 0], np.int32), np.array([0, 1], np.int32), None, k, v)
+    step.replay(np.array([0, 0], np.int32), np.array([0, 1], np.int32), None, dev(k, device),
+                dev(v, device))
     k2, v2 = _kv(rng, 3)
-    step.replay(np.array([1, 1, 0], np.int32), np.array([0, 1, 2], np.int32), None, k2, v2)
+    step.replay(np.array([1, 1, 0], np.int32), np.array([0, 1, 2], np.int32), None,
+                dev(k2, device), dev(v2, device))
     d = host(step.descriptor)
     start = cache._forward.start
     np.testing.assert_array_equal(d[:HEADER], [3, start, 4, 0])
@@ -117,8 +120,8 @@ def test_inputs_written_in_place(device):
     cache = nkv.CausalCache(_cfg(device))
     step = cache.capture_step(batch=2)
     k, v = _kv(np.random.default_rng(3), 2)
-    step.key[...] = k
-    step.value[...] = v
+    step.key[...] = dev(k, device)
+    step.value[...] = dev(v, device)
     step.replay(np.array([0, 0], np.int32), np.array([0, 2], np.int32))
     start = cache._forward.start
     np.testing.assert_array_equal(host(cache.storage.keys)[:, start:start + 2], k)
@@ -150,12 +153,15 @@ def test_a_bad_replay_changes_nothing(device):
     cache = nkv.CausalCache(_cfg(device, capacity=2, max_seqs=1))
     step = cache.capture_step(batch=2)
     rng = np.random.default_rng(4)
-    k, v = _kv(rng, 2)
+
+    def kv(n):
+        return tuple(dev(x, device) for x in _kv(rng, n))
+    k, v = kv(2)
     step.replay(np.array([0, 1], np.int32), np.array([0, 0], np.int32), None, k, v)
     before = _snapshot(cache)
     fwd = cache._forward
     pos, seqs = np.array([2], np.int32), np.array([0], np.int32)
-    k1, v1 = _kv(rng, 1)
+    k1, v1 = kv(1)
     cases = [
         (dict(q=np.zeros((1, 4, 8), np.float16), k=k1, v=v1), ValueError, "q must be None"),
         (dict(k=k, v=v1), ValueError, "k must have shape"),
@@ -166,7 +172,7 @@ def test_a_bad_replay_changes_nothing(device):
         with pytest.raises(exc, match=match):
             step.replay(pos, seqs, **kw)
     with pytest.raises(ValueError, match="1 to batch=2"):
-        step.replay(np.arange(3, dtype=np.int32), np.zeros(3, np.int32), None, *_kv(rng, 3))
+        step.replay(np.arange(3, dtype=np.int32), np.zeros(3, np.int32), None, *kv(3))
     with pytest.raises(KVCacheFullError):      # 2 cells, both used
         step.replay(pos, seqs, None, k1, v1)
     with pytest.raises(ValueError, match="positions"):
