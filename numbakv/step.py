@@ -37,6 +37,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from ._jit import njit
 from .device import as_array
 from .errors import KVCacheError, NotSupportedError
 from .kernels import put as _put
@@ -49,6 +50,27 @@ HEADER = 4
 PINNED_RING = 4
 #: cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 _H2D, _D2D = 1, 3
+
+
+@njit(cache=True)
+def fill_descriptor(host, pos, seqs, start, batch):
+    """The step descriptor (see the module docstring) of ``n = len(pos)`` tokens placed at
+    cells ``start ..`` into ``host`` (int32 ``[HEADER + 3 * batch]``), -1 past ``n``; one
+    compiled pass instead of a dozen numpy slice assignments per replay."""
+    n = pos.shape[0]
+    host[0] = n
+    host[1] = start
+    host[2] = batch
+    host[3] = 0
+    for t in range(batch):
+        if t < n:
+            host[HEADER + t] = start + t
+            host[HEADER + batch + t] = pos[t]
+            host[HEADER + 2 * batch + t] = seqs[t]
+        else:
+            host[HEADER + t] = -1
+            host[HEADER + batch + t] = -1
+            host[HEADER + 2 * batch + t] = -1
 
 
 class DecodeStep:
@@ -174,15 +196,7 @@ class DecodeStep:
             host = slot[1]
         else:
             host = self._host
-        host[0], host[1], host[2], host[3] = n, start, self.batch, 0
-        s, p, q = self._slots_at, self._pos_at, self._seq_at
-        b = self.batch
-        host[s:s + n] = np.arange(start, start + n, dtype=np.int32)
-        host[s + n:s + b] = -1
-        host[p:p + n] = pos
-        host[p + n:p + b] = -1
-        host[q:q + n] = seqs
-        host[q + n:q + b] = -1
+        fill_descriptor(host, pos, seqs, start, self.batch)
         if self.device == "cuda":
             import cupy
             cupy.cuda.runtime.memcpyAsync(int(self.descriptor.data.ptr), slot[3], self._nbytes,
@@ -299,4 +313,4 @@ def check_capturable(cache: Any, batch: Any, attend: bool) -> int:
     return int(batch)
 
 
-__all__ = ["DecodeStep", "HEADER", "check_capturable"]
+__all__ = ["DecodeStep", "HEADER", "check_capturable", "fill_descriptor"]
