@@ -404,10 +404,10 @@ class CausalCache(StateMethods):
         back the window pruning when this raises."""
         batch = len(pos)
         page = self.config.page_size
-        tails = self.cells.shared_tails(pos, sq)
-        if len(tails):
+        lo, hi, slots, head, tails, run = self.cells.place_paged(pos, sq, range_window, True)
+        if len(tails):      # copy-on-write of shared last pages first, then place
             self._unshare_tails(tails, undo)
-        lo, hi, slots, head = self.cells.place_paged(pos, sq, range_window)
+            lo, hi, slots, head, _, run = self.cells.place_paged(pos, sq, range_window)
         if slots is None:
             # pages a sequence starts, at most: one per page_size tokens, plus one
             need = (batch // page + 1) * page
@@ -419,8 +419,10 @@ class CausalCache(StateMethods):
                 f"({self.cells.n_free} free cells, the rest inside partly used pages; cache full)")
         undo.head = head
         undo.slots = slots
-        first, last = int(slots.min()), int(slots.max())
-        run = last - first + 1 == batch and bool(np.all(np.diff(slots) == 1))
+        if run:
+            first, last = int(slots[0]), int(slots[-1])
+        else:
+            first, last = int(slots.min()), int(slots.max())
         if lo >= hi:
             lo, hi = first, last + 1
         lo, hi = min(lo, first), max(hi, last + 1)

@@ -961,17 +961,30 @@ def _place_contiguous(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positi
 # --------------------------------------------------------------------------------------------
 
 @njit(cache=True)
+def _range_free(occ, lo, hi):
+    """Whether cells ``lo .. hi - 1`` (``lo < hi``) are all free: the bitmap words they span
+    only (``_next_used`` would run on through a free region to its end)."""
+    w0 = lo >> 6
+    w1 = (hi - 1) >> 6
+    for w in range(w0, w1 + 1):
+        x = occ[w]
+        if w == w0:
+            x &= _ALL << np.uint64(lo & 63)
+        if w == w1 and (hi & 63) != 0:
+            x &= (_ONE << np.uint64(hi & 63)) - _ONE
+        if x != 0:
+            return False
+    return True
+
+
+@njit(cache=True)
 def _free_page(occ, n, page, from_page):
     """The first page >= ``from_page`` whose ``page`` cells are all free, or -1. O(pages
-    skipped): a page with a used cell costs one bitmap word read."""
+    skipped * words per page): a page with a used cell costs about one bitmap word read."""
     n_pages = n // page
-    p = from_page
-    while p < n_pages:
-        lo = p * page
-        u = _next_used(occ, lo, n)
-        if u >= lo + page:
+    for p in range(from_page, n_pages):
+        if _range_free(occ, p * page, p * page + page):
             return p
-        p = u // page + 1 if u < n else n_pages
     return -1
 
 
@@ -986,26 +999,56 @@ def _count_free_pages(occ, n, page):
 
 
 @njit(cache=True)
-def _find_paged(cpos, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs, page):
+def _append_after(cpos, cseqs, stree, sidx, meta, positions, bseqs):
+    """Per sequence (int64 ``[max_seqs]``): the cell of its highest position when the batch
+    gives it tokens that all come after the positions it holds (its tokens go on from there),
+    else -1 (not in the batch, holds nothing, or goes below what it holds). O(batch) plus one
+    O(log n + block) search per appending sequence whose last cell is not its highest-numbered
+    cell (usually it is: pages open in increasing order)."""
+    nseq = sidx.shape[1]
+    lowest = np.full(nseq, -1, np.int64)
+    for i in range(positions.shape[0]):
+        s = bseqs[i]
+        p = np.int64(positions[i])
+        if lowest[s] < 0 or p < lowest[s]:
+            lowest[s] = p
+    bshift = meta[_M_BSHIFT]
+    for s in range(nseq):
+        low = lowest[s]
+        if low < 0:
+            continue
+        top = sidx[3, s]
+        lowest[s] = -1
+        if top < 0 or low <= top:
+            continue
+        c = sidx[1, s]
+        if cpos[c] != top:
+            c = _last_cell_ge(cpos, cseqs, stree, s, top, bshift)
+        lowest[s] = c
+    return lowest
+
+
+@njit(cache=True)
+def _find_paged(occ, ftree, n_cells, positions, bseqs, page, after):
     """Cells (int32 ``[batch]``) for a batch under paged placement, or (empty, False) when the
     pages it needs are not free; nothing is changed (the bitmap bits claimed while planning
-    are cleared again). Per sequence of the batch, its tokens in position order: when they all
-    come after the positions it holds, the first goes to the slot after the cell of its
-    highest position if that slot is free and on the same page, then on up that page; each
-    time a page is full (or the sequence holds nothing, or the slot is taken, e.g. by a
-    sequence sharing that page), the first wholly free page is opened. Tokens that go below
-    positions the sequence holds start a fresh page (its page rule is then broken; page
-    tables say so). O(batch log batch + pages skipped)."""
-    n = cpos.shape[0]
+    are cleared again). Per sequence of the batch (ascending id), its tokens in position
+    order: when it appends (``after[s]``, see :func:`_append_after`) the first goes to the slot
+    after that cell if the slot is free and on the same page, then on up that page; each time
+    a page is full (or the sequence holds nothing, or the slot is taken), the first wholly free
+    page is opened. Tokens that go below positions the sequence holds start a fresh page (its
+    page rule is then broken; page tables say so). O(batch log batch + pages skipped)."""
     b = positions.shape[0]
     slots = np.empty(b, np.int32)
     if b == 0:
         return slots, True
-    bshift = meta[_M_BSHIFT]
     key = np.empty(b, np.int64)
+    sorted_ = True
     for i in range(b):
         key[i] = (np.int64(bseqs[i]) << 32) | np.int64(positions[i])
-    order = np.argsort(key, kind="mergesort")
+        if i > 0 and key[i] < key[i - 1]:
+            sorted_ = False
+    order = np.arange(b) if sorted_ else np.argsort(key, kind="mergesort")
     # a free page needs a free run of `page`: none anywhere, no page (the tree is current)
     no_page = ftree[2, 1] < page
     next_page = 0          # pages below it were found not free during this plan
@@ -1018,15 +1061,14 @@ def _find_paged(cpos, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs, pa
         while j < b and bseqs[order[j]] == s:
             j += 1
         cursor = np.int64(-1)
-        top = sidx[3, s]
-        if top >= 0 and np.int64(positions[order[i]]) > top:
-            last = _last_cell_ge(cpos, cseqs, stree, s, top, bshift)
+        last = after[s]
+        if last >= 0:
             nxt = last + 1
-            if last >= 0 and nxt % page != 0 and nxt < n and not _occ_test(occ, nxt):
+            if nxt % page != 0 and not _occ_test(occ, nxt):
                 cursor = nxt
         for t in range(i, j):
             if cursor < 0 or cursor % page == 0 or _occ_test(occ, cursor):
-                pg = -1 if no_page else _free_page(occ, n, page, next_page)
+                pg = -1 if no_page else _free_page(occ, n_cells, page, next_page)
                 if pg < 0:
                     ok = False
                     break
@@ -1046,37 +1088,29 @@ def _find_paged(cpos, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs, pa
 
 
 @njit(cache=True)
-def _shared_tails(cpos, cseqs, occ, stree, sidx, meta, positions, bseqs, page):
-    """Copy-on-write under paged placement: the batch's sequences that append after a partly
-    filled last page whose next slot is taken -- by another sequence already, or by one earlier
-    in this batch (ascending sequence id, :func:`_find_paged`'s order) that appends after the
-    same cell: two sequences sharing a page through ``seq_cp`` that both go on. Returns int64
-    ``[k, 3]`` rows (seq, first cell, cells): the sequence's cells on that page, slots ``0 ..
-    cells - 1`` of it, every one shared, which it needs its own copies of before its tokens
-    can follow them. O(batch + max_seqs + log n) per sequence; changes nothing."""
-    b = positions.shape[0]
-    nseq = sidx.shape[1]
-    lowest = np.full(nseq, -1, np.int64)
-    for i in range(b):
-        s = bseqs[i]
-        p = np.int64(positions[i])
-        if lowest[s] < 0 or p < lowest[s]:
-            lowest[s] = p
+def _shared_tails(cpos, cseqs, occ, page, after):
+    """Copy-on-write under paged placement: the batch's appending sequences (``after``, see
+    :func:`_append_after`) whose partly filled last page has its next slot taken -- by another
+    sequence already, or by one earlier in this batch (ascending id, :func:`_find_paged`'s
+    order) that appends after the same cell: two sequences sharing a page through ``seq_cp``
+    that both go on. Returns int64 ``[k, 3]`` rows (seq, first cell, cells): the sequence's
+    cells on that page, slots ``0 .. cells - 1`` of it, every one shared, which it needs its
+    own copies of before its tokens can follow them. O(max_seqs) plus O(page) per sharer;
+    changes nothing."""
     out = np.empty((0, 3), np.int64)
     claimed = np.empty(0, np.int64)     # next slots the sequences before took (bits set)
-    bshift = meta[_M_BSHIFT]
     n = cpos.shape[0]
-    for s in range(nseq):
-        low = lowest[s]
-        top = sidx[3, s]
-        if low < 0 or top < 0 or low <= top:
+    for s in range(after.shape[0]):
+        last = after[s]
+        if last < 0:
             continue
-        last = _last_cell_ge(cpos, cseqs, stree, s, top, bshift)
         off = last % page
         nxt = last + 1
-        if last < 0 or off == page - 1 or nxt >= n or _has(cseqs, nxt, s):
+        if off == page - 1 or nxt >= n or _has(cseqs, nxt, s):
             continue
         if not _occ_test(occ, nxt):
+            if not _has_others(cseqs, last, s):
+                continue                # its own last cell: nobody else appends after it
             _occ_set(occ, nxt)          # this sequence writes it; a later sharer copies
             grown_c = np.empty(claimed.shape[0] + 1, np.int64)
             grown_c[:claimed.shape[0]] = claimed
@@ -1107,22 +1141,37 @@ def _shared_tails(cpos, cseqs, occ, stree, sidx, meta, positions, bseqs, page):
 
 @njit(cache=True)
 def _place_paged(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs, window,
-                 page):
-    """start_forward's paged placement in one call: the attended range, :func:`_find_paged`
-    and applying the batch there. Returns (code, lo, hi, slots, head before); slots empty
-    (nothing applied) when the pages are not free."""
+                 page, cow):
+    """start_forward's paged placement in one call: the attended range, then (``cow``) the
+    sequences that need copy-on-write first (:func:`_shared_tails`; when there are any,
+    nothing is placed and they are returned), :func:`_find_paged` and applying the batch.
+    Returns (code, lo, hi, slots, head before, tails, contiguous); slots empty (nothing
+    applied) when the pages are not free or copies are needed; ``contiguous``: the slots are
+    one ascending run."""
     code, lo, hi = _batch_range(cpos, cseqs, stree, sidx, meta, positions, bseqs, window)
     head = meta[_M_HEAD]
+    none = np.empty(0, np.int32)
+    tails = np.empty((0, 3), np.int64)
     if code != 0:
-        return code, lo, hi, positions[:0], head
-    slots, ok = _find_paged(cpos, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs, page)
+        return code, lo, hi, none, head, tails, False
+    after = _append_after(cpos, cseqs, stree, sidx, meta, positions, bseqs)
+    if cow:
+        tails = _shared_tails(cpos, cseqs, occ, page, after)
+        if tails.shape[0] > 0:
+            return 0, lo, hi, none, head, tails, False
+    slots, ok = _find_paged(occ, ftree, cpos.shape[0], positions, bseqs, page, after)
     if not ok:
-        return 0, lo, hi, slots, head
+        return 0, lo, hi, none, head, tails, False
     code = _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, positions,
                         bseqs)
     if code != 0:
-        return code, lo, hi, slots[:0], head
-    return 0, lo, hi, slots, head
+        return code, lo, hi, none, head, tails, False
+    run = True
+    for i in range(1, slots.shape[0]):
+        if slots[i] != slots[i - 1] + 1:
+            run = False
+            break
+    return 0, lo, hi, slots, head, tails, run
 
 
 @njit(cache=True)
@@ -1137,8 +1186,7 @@ def _plan_defrag_pages(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, page)
     n_pages = n // page
     used_pages = 0
     for p in range(n_pages):
-        lo = p * page
-        if _next_used(occ, lo, n) < lo + page:
+        if not _range_free(occ, p * page, p * page + page):
             used_pages += 1
     moves = np.empty((16, 3), np.int64)
     m = 0
@@ -1146,17 +1194,17 @@ def _plan_defrag_pages(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, page)
     srcbuf = np.empty(16, np.int64)
     p = 0
     while p < used_pages:
-        if _next_used(occ, p * page, n) < p * page + page:
+        if not _range_free(occ, p * page, p * page + page):
             p += 1
             continue
         h1 = p          # a run of hole pages [p, h1) below used_pages
-        while h1 < used_pages and _next_used(occ, h1 * page, n) >= h1 * page + page:
+        while h1 < used_pages and _range_free(occ, h1 * page, h1 * page + page):
             h1 += 1
         nh = h1 - p
         if srcbuf.shape[0] < nh:
             srcbuf = np.empty(2 * nh, np.int64)
         for k in range(nh):     # the last nh used pages not yet moved, descending
-            while _next_used(occ, top * page, n) >= top * page + page:
+            while _range_free(occ, top * page, top * page + page):
                 top -= 1
             srcbuf[k] = top
             top -= 1
@@ -2293,8 +2341,10 @@ class CellTable:
         code = _check_batch(self.max_seqs, positions, seqs)
         if code:
             self._raise(code)
-        out, ok = _find_paged(self._pos, self._seqs, self._occ, self._ftree, self._stree,
-                              self._sidx, self._meta, positions, seqs, self.page_size)
+        after = _append_after(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                              positions, seqs)
+        out, ok = _find_paged(self._occ, self._ftree, self.n_cells, positions, seqs,
+                              self.page_size, after)
         return out if ok else None
 
     def find_cells(self, positions: np.ndarray, seqs: np.ndarray) -> Optional[np.ndarray]:
@@ -2361,8 +2411,9 @@ class CellTable:
     def shared_tails(self, positions: np.ndarray, seqs: np.ndarray) -> np.ndarray:
         """Under paged placement: int64 ``[k, 3]`` rows (seq, first cell, cells) for the
         batch's sequences whose partly filled last page they share with a sequence that has
-        taken its next slot; each needs its own copy of those cells (copy-on-write) for its
-        tokens to follow them on one page. Empty when ``page_size`` is 1. Changes nothing."""
+        taken (or in this batch takes) its next slot; each needs its own copy of those cells
+        (copy-on-write) for its tokens to follow them on one page. Empty when ``page_size`` is
+        1. Changes nothing."""
         if self.page_size == 1:
             return np.zeros((0, 3), np.int64)
         positions = _index_array(positions, "positions")
@@ -2370,21 +2421,26 @@ class CellTable:
         code = _check_batch(self.max_seqs, positions, seqs)
         if code:
             self._raise(code)
-        return _shared_tails(self._pos, self._seqs, self._occ, self._stree, self._sidx,
-                             self._meta, positions, seqs, self.page_size)
+        after = _append_after(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                              positions, seqs)
+        return _shared_tails(self._pos, self._seqs, self._occ, self.page_size, after)
 
-    def place_paged(self, positions: np.ndarray, seqs: np.ndarray,
-                    window: int) -> Tuple[int, int, Optional[np.ndarray], int]:
+    def place_paged(self, positions: np.ndarray, seqs: np.ndarray, window: int,
+                    cow: bool = False) -> Tuple[int, int, Optional[np.ndarray], int, np.ndarray,
+                                                bool]:
         """:meth:`place_contiguous` under paged placement (``page_size > 1``): returns ``(lo,
-        hi, slots, head)`` with ``slots`` the batch's cells (int32 ``[batch]``, batch order), or
-        None (nothing applied) when the pages it needs are not free."""
-        code, lo, hi, slots, head = _place_paged(
+        hi, slots, head, tails, contiguous)`` with ``slots`` the batch's cells (int32
+        ``[batch]``, batch order; ``contiguous``: one ascending run), or None (nothing applied)
+        when the pages it needs are not free or, with ``cow``, when sequences need copies of
+        a shared last page first: then ``tails`` lists them as :meth:`shared_tails` does."""
+        code, lo, hi, slots, head, tails, run = _place_paged(
             self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree, self._sidx,
             self._meta, _index_array(positions, "positions"), _index_array(seqs, "seqs"),
-            min(_int(window, "window"), _INF), self.page_size)
+            min(_int(window, "window"), _INF), self.page_size, bool(cow))
         if code:
             self._raise(code)
-        return int(lo), int(hi), (slots if len(slots) == len(positions) else None), int(head)
+        return (int(lo), int(hi), (slots if len(slots) == len(positions) else None), int(head),
+                tails, bool(run))
 
     # ---- sliding window -------------------------------------------------------------------
 

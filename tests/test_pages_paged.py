@@ -484,3 +484,34 @@ def test_defrag_repacks_a_sequence_a_context_shift_broke():
     cache.defrag()
     assert rule_holds(cache, 2) and not rule_holds(cache, 1)
     model.check_rows()
+
+
+def test_prefix_store_loads_keep_the_page_rule():
+    """A PrefixStore over a paged cache: a tier-0 hit shares the retained sequence's pages
+    (copy_prefix), a second request on the same prefix copies the partly filled last page when
+    it goes on: every sequence's paged table is the reference's and every row its own
+    (import_seq, what the lower tiers' hits go through, is in the random operations)."""
+    rng = np.random.default_rng(11)
+    cache = paged_cache(max_seqs=4, capacity=256)
+    store = nkv.PrefixStore(cache, retain_seqs=[3], host_bytes=64 << 20)
+    model = Model(cache, rng)
+    prompt = list(range(1000, 1100))
+    model.forward([(0, 100)])
+    store.save(0, prompt)
+    for p in range(100):                         # the store keeps the prompt in sequence 3
+        model.rows[(3, p)] = model.rows[(0, p)]
+    model.seq_rm(0)
+    for seq in (1, 2):
+        n = store.load(seq, prompt + [seq])
+        assert n == 100
+        for (t, p), r in list(model.rows.items()):
+            if t == 3 and p < n:
+                model.rows[(seq, p)] = r
+        model.forward([(seq, 1)])
+    assert rule_holds(cache, 1) and rule_holds(cache, 2)
+    model.forward([(2, 1), (1, 1)])
+    check_table(cache, cache.page_table(page_size=P), [2, 1])
+    for s in (1, 2, 3):
+        assert rule_holds(cache, s)
+    model.check_rows()
+    store.close()

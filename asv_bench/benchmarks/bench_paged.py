@@ -1,17 +1,19 @@
 """Paged placement (``CacheConfig(page_size=64)``, issue 34 item 2) against Ollama's contiguous
 first fit (the default), on the CPU.
 
-* ``PagedFindSlot``: the bookkeeping of one decode step of 64 sequences (one token each) in a
-  table 75% full in the steady state of lock-step decoding: the attended range, finding the
-  cells and applying the batch (``CellTable.place_paged`` vs ``place_contiguous``), then taking
-  it back (``unapply_batch``) so every call sees the same table.
-* ``PagedDecodeStep``: ``start_forward`` + one layer's ``put`` of DeepSeek-V3 latent rows (576
-  float16 values, V-less) for the same 64-sequence decode step through ``CausalCache``: the
-  paged step writes 64 scattered cells (one per sequence's page), the contiguous one a run.
+* ``PagedFindSlot``: finding the cells of one decode step of 64 sequences (one token each) in a
+  table 75% full in the steady state of lock-step decoding: ``CellTable.find_paged`` (each
+  sequence's next slot, by its highest position's cell) vs ``find_contiguous(64)`` (the
+  free-run tree). Both change nothing.
+* ``PagedDecodeRun``: 64 sequences decoding in lock step through ``CausalCache`` from an empty
+  cache until each holds ``capacity - 1`` tokens (``start_forward`` + one layer's ``put`` of
+  DeepSeek-V3 latent rows, 576 float16 values, V-less, per step), then ``seq_rm`` of all:
+  the time per step. The paged step writes 64 scattered cells (one per sequence's page), the
+  contiguous one a run of 64.
 * ``PagedPrefill``: one 512-token prefill into an empty sequence (both place one run).
 
-``track_*`` = time(paged) / time(contiguous) of the same step, best of interleaved repeats in
-one run (``bench_quant._best_ratio``): 1.0 is parity, below 1 the paged step is faster.
+``track_*`` = time(paged) / time(contiguous) of the same work, best of interleaved repeats in
+one run (``bench_quant._best_ratio``): 1.0 is parity, below 1 the paged side is faster.
 """
 
 import numpy as np
@@ -42,18 +44,6 @@ def steady_table(n_cells, page_size, n_seq=N_SEQ, fill=0.75):
     return t, memory
 
 
-def _step(table, pos, seqs):
-    if table.page_size > 1:
-        def run():
-            _, _, slots, head = table.place_paged(pos, seqs, -1)
-            table.unapply_batch(slots, head)
-    else:
-        def run():
-            _, _, start, head = table.place_contiguous(pos, seqs, -1)
-            table.unapply_batch(np.arange(start, start + len(pos), dtype=np.int32), head)
-    return run
-
-
 class PagedFindSlot:
     params = [4096, 32768]
     param_names = ["n_cells"]
@@ -63,7 +53,9 @@ class PagedFindSlot:
         self.steps = {}
         for page in (1, PAGE):
             table, p = steady_table(n_cells, page)
-            self.steps[page] = _step(table, np.full(N_SEQ, p, np.int32), seqs)
+            pos = np.full(N_SEQ, p, np.int32)
+            self.steps[page] = (lambda t=table, pos=pos: t.find_paged(pos, seqs)) if page > 1 \
+                else (lambda t=table: t.find_contiguous(N_SEQ))
             self.steps[page]()
 
     def time_paged(self, n_cells):
@@ -83,10 +75,9 @@ def latent_cache(page_size, n_cells):
     return CausalCache(cfg)
 
 
-class PagedDecodeStep:
-    """start_forward + put of one decode step of 64 sequences; the step's tokens are removed
-    again with one ``seq_rm(-1, p, p + 1)`` outside the timed part's difference (both sides
-    pay it)."""
+class PagedDecodeRun:
+    """64 sequences decode in lock step from an empty cache until full, then are removed; a
+    call is one whole run (``capacity - 1`` steps): divide by the steps for the per-step time."""
     params = [4096, 32768]
     param_names = ["n_cells"]
 
@@ -95,23 +86,20 @@ class PagedDecodeStep:
         self.rows = rng.standard_normal((N_SEQ, 1, ROW)).astype(np.float16)
         self.none = np.zeros((N_SEQ, 1, 0), np.float16)
         self.seqs = np.arange(N_SEQ, dtype=np.int32)
+        self.n_steps = n_cells // N_SEQ - 1
         self.steps = {}
         for page in (1, PAGE):
-            cache = latent_cache(page, n_cells)
-            memory = min(int(n_cells * 0.75) // N_SEQ, n_cells // N_SEQ - 1)
-            for p in range(memory):
-                cache.start_forward(np.full(N_SEQ, p, np.int32), self.seqs)
-                cache.put(self.rows, self.none)
-            self.steps[page] = self._step(cache, np.full(N_SEQ, memory, np.int32))
+            self.steps[page] = self._run(latent_cache(page, n_cells))
             self.steps[page]()
 
-    def _step(self, cache, pos):
-        p = int(pos[0])
+    def _run(self, cache):
+        positions = [np.full(N_SEQ, p, np.int32) for p in range(self.n_steps)]
 
         def run():
-            cache.start_forward(pos, self.seqs)
-            cache.put(self.rows, self.none)
-            cache.seq_rm(-1, p, p + 1)
+            for pos in positions:
+                cache.start_forward(pos, self.seqs)
+                cache.put(self.rows, self.none)
+            cache.seq_rm(-1)
         return run
 
     def time_paged(self, n_cells):
