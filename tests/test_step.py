@@ -128,6 +128,41 @@ def test_inputs_written_in_place(device):
     np.testing.assert_array_equal(host(cache.storage.values)[:, start:start + 2], v)
 
 
+def test_prepare_and_put_for_an_engine_own_graph(device):
+    """prepare() + put() per layer (what an engine calls inside its own captured graph) store
+    the first n rows of each [batch, H, D] input where start_forward placed them; the rows past
+    n are padding and never stored."""
+    cfg = _cfg(device)
+    cache, direct = nkv.CausalCache(cfg), nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    rng = np.random.default_rng(12)
+    for i, (pos, seqs) in enumerate(_steps()):
+        _edit(cache, i)
+        _edit(direct, i)
+        k, v = _kv(rng, 4)              # a full step's rows: only the first len(pos) count
+        step.prepare(pos, seqs)
+        direct.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            step.put(layer, dev(k[layer], device), dev(v[layer], device))
+            direct.set_layer(layer)
+            direct.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    for a, b in zip(_snapshot(cache), _snapshot(direct)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_put_checks(device):
+    cache = nkv.CausalCache(_cfg(device))
+    step = cache.capture_step(batch=2)
+    k, v = (dev(x, device) for x in _kv(np.random.default_rng(0), 2))
+    step.prepare(np.array([0, 0], np.int32), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="layer"):
+        step.put(2, k[0], v[0])
+    with pytest.raises(ValueError, match="key"):
+        step.put(0, k[0, :1], v[0, :1])         # the step's batch rows, always
+    with pytest.raises(ValueError, match="batch=2"):
+        step.prepare(np.arange(3, dtype=np.int32), np.zeros(3, np.int32))
+
+
 def test_capture_checks(device):
     cache = nkv.CausalCache(_cfg(device))
     for bad in (0, 5, -1, 2.0, True, "4"):
@@ -232,6 +267,38 @@ def test_cuda_step_is_one_graph_replayed_with_new_slots(fake_gpu):
     np.testing.assert_array_equal(host(cache.storage.values), reference.storage.values)
 
 
+def test_cuda_puts_captured_in_an_engine_graph_follow_each_prepare(fake_gpu):
+    """An engine captures its own graph on the cache's stream with step.put per layer (fixed
+    input buffers); each replay of that graph after step.prepare stores the new tokens where
+    the cell table placed them."""
+    cp, launches = fake_gpu
+    cache, stream = _cuda_cache(cp)
+    step = cache.capture_step(batch=4)
+    k_buf = np.zeros((SHAPE["n_layers"], 4, 2, 8), np.float16)
+    v_buf = np.zeros((SHAPE["n_layers"], 4, 2, 4), np.float16)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))   # a first pass
+    stream.begin_capture()
+    for layer in range(SHAPE["n_layers"]):
+        step.put(layer, FakeDeviceArray(k_buf[layer], cp), FakeDeviceArray(v_buf[layer], cp))
+    graph = stream.end_capture()
+    assert len(graph.nodes) == SHAPE["n_layers"]
+    reference = nkv.CausalCache(_cfg("cpu"))
+    reference.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    rng = np.random.default_rng(13)
+    for pos, seqs in _steps()[1:7]:
+        k, v = _kv(rng, 4)
+        k_buf[...], v_buf[...] = k, v          # the engine's graph writes its K/V here
+        step.prepare(pos, seqs)
+        graph.launch(stream)
+        reference.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            reference.set_layer(layer)
+            reference.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    # the first pass's token was never put on either side: compare the cells both wrote
+    np.testing.assert_array_equal(host(cache.storage.keys), reference.storage.keys)
+    np.testing.assert_array_equal(host(cache.storage.values), reference.storage.values)
+
+
 def test_cuda_full_batch_inputs_are_one_device_copy_each(fake_gpu):
     cp, _ = fake_gpu
     cache, _ = _cuda_cache(cp)
@@ -287,6 +354,48 @@ def test_captured_graph_replays_on_a_gpu():
         for layer in range(SHAPE["n_layers"]):
             twin.set_layer(layer)
             twin.put(k[layer], v[layer])
+    stream.synchronize()
+    np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
+    np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
+
+
+@pytest.mark.gpu
+def test_engine_graph_with_step_puts_on_a_gpu():
+    """An engine's own graph (captured with cupy on the cache's stream) calling step.put per
+    layer; each replay after step.prepare stores that step's tokens."""
+    cupy = pytest.importorskip("cupy")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cache = nkv.CausalCache(_cfg("cuda"))
+    cache.use_stream(stream)
+    twin = nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    with stream:
+        k_buf = cupy.zeros((SHAPE["n_layers"], 4, 2, 8), np.float16)
+        v_buf = cupy.zeros((SHAPE["n_layers"], 4, 2, 4), np.float16)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(SHAPE["n_layers"]):      # loads the kernels outside the capture
+        step.put(layer, k_buf[layer], v_buf[layer])
+    twin.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(SHAPE["n_layers"]):
+        twin.set_layer(layer)
+        twin.put(np.zeros((1, 2, 8), np.float16), np.zeros((1, 2, 4), np.float16))
+    stream.synchronize()
+    stream.begin_capture()
+    for layer in range(SHAPE["n_layers"]):
+        step.put(layer, k_buf[layer], v_buf[layer])
+    graph = stream.end_capture()
+    rng = np.random.default_rng(14)
+    for pos, seqs in _steps()[1:8]:
+        k, v = _kv(rng, 4)
+        with stream:
+            k_buf.set(k, stream=stream)
+            v_buf.set(v, stream=stream)
+        step.prepare(pos, seqs)
+        graph.launch(stream)
+        twin.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            twin.set_layer(layer)
+            twin.put(k[layer, :len(pos)], v[layer, :len(pos)])
     stream.synchronize()
     np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
     np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
