@@ -1155,7 +1155,7 @@ class PrefixStore:
         n = len(buf) // 8
         path = self.index.insert_path(root, buf)
         e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r,
-                  restore=self._restore_of_seq(r, n))
+                  restore=self._restore_of_seq(r, n), buf=buf)
         self._register(e, retention)
         return e
 
@@ -1164,8 +1164,9 @@ class PrefixStore:
         priority, expires = retention or (DEFAULT_PRIORITY, None)
         self._policy[e.tier].add(e.id, priority, expires)
         if fresh:
-            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier,
-                                             priority=priority, ttl=self._ttl_left(expires)))
+            self.events.emit_later(ev.block_stored_later(
+                fresh, self.block_tokens, e.tier, priority=priority,
+                ttl=self._ttl_left(expires)))
 
     def _ttl_left(self, expires: Optional[float]) -> Optional[float]:
         return None if expires is None else max(0.0, expires - self._clock())
@@ -1206,7 +1207,7 @@ class PrefixStore:
         gone = self.index.remove(e)
         self._policy[e.tier].remove(e.id)
         if gone:
-            self.events.emit(ev.block_removed(gone, e.tier))
+            self.events.emit_later(ev.block_removed_later(gone, e.tier))
 
     def _release_seq(self, r: int) -> None:
         self.cache.seq_rm(r)
@@ -1317,7 +1318,7 @@ class PrefixStore:
                 path = self.index.insert_path(root, buf)
                 e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
                           restore=self._restore_of_snapshot(snap),
-                          nbytes=nbytes)
+                          nbytes=nbytes, buf=buf)
                 self.host.add(nbytes)
                 self._register(e, retention)
                 return True
