@@ -515,3 +515,20 @@ def test_prefix_store_loads_keep_the_page_rule():
         assert rule_holds(cache, s)
     model.check_rows()
     store.close()
+
+
+def test_captured_decode_step_writes_the_paged_cells(device):
+    """capture_step under paged placement: the step descriptor carries the batch's scattered
+    cells (one per sequence's page), so replays store exactly what start_forward + put do."""
+    from test_step import _cfg, _drive
+
+    def make():
+        return nkv.CausalCache(_cfg(device, capacity=16, page_size=4))
+    direct = _drive(make(), 7, False)
+    replayed = _drive(make(), 7, True)
+    for a, b in zip(replayed, direct):
+        np.testing.assert_array_equal(a, b)
+    cells = direct[2]
+    bit = cells["seqs"][:, 0]
+    pages = {s: set((np.nonzero(bit & (1 << s))[0] // 4).tolist()) for s in range(3)}
+    assert not (pages[0] & pages[1]) and not (pages[1] & pages[2])   # each its own pages
