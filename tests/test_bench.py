@@ -387,5 +387,6 @@ def test_prefix_save_bench_and_its_peers():
     assert 5 not in trie.root[1][2][3][4] and 9 in trie.root[1][2][3][4] and 7 in trie.root
     res = bp.bench_save(256, (4, 8), reps=5)
     assert [r["entries"] for r in res["runs"]] == [4, 8]
-    assert all(r["save_us"] > 0 and r["hash_chain_us"] > 0 for r in res["runs"])
+    assert all(r["save_us"] > 0 and r["hash_chain_us"] > 0 and r["save_events_us"] > 0
+               for r in res["runs"])
     assert "save growth" in bp.format_prefix({"save": res})
