@@ -532,3 +532,25 @@ def test_captured_decode_step_writes_the_paged_cells(device):
     bit = cells["seqs"][:, 0]
     pages = {s: set((np.nonzero(bit & (1 << s))[0] // 4).tolist()) for s in range(3)}
     assert not (pages[0] & pages[1]) and not (pages[1] & pages[2])   # each its own pages
+
+
+def test_hybrid_cache_attention_half_in_pages():
+    """HybridCache over a paged attention half: page_table(page_size) passes through, and
+    sequences decoding in turn keep their own pages."""
+    from test_hybrid import KINDS, SPECS, H, D as HD, run
+    cfg = nkv.CacheConfig(n_layers=KINDS.count("attention"), n_kv_heads=H, head_dim=HD,
+                          dtype="float32", capacity=64, max_seqs=3, device="cpu", page_size=16)
+    rc = nkv.RecurrentCache(nkv.RecurrentConfig(KINDS.count("recurrent"), SPECS, max_seqs=3,
+                                                restore_every=4, max_restore_points=4,
+                                                device="cpu"))
+    hc = nkv.HybridCache(nkv.CausalCache(cfg, shift=nkv.RopeShift()), rc, KINDS)
+    run(hc, 0, [5, 6, 7], 0)
+    run(hc, 1, [8, 9], 0)
+    for t in range(20):
+        run(hc, t % 2, [10 + t], 3 + t // 2 if t % 2 == 0 else 2 + t // 2)
+    pt = hc.page_table(page_size=16)
+    want = reference_table(hc.attn, [1], 16)
+    assert host(pt.block_table).tolist() == want["block_table"].tolist() == [[1]]
+    assert host(pt.cache_seqlens).tolist() == [12]
+    assert [rule_holds(hc.attn, s, 16) for s in (0, 1)] == [True, True]
+    assert ordered_cells(hc.attn, 0)[0].tolist() == list(range(13))
