@@ -249,11 +249,12 @@ class CausalCache(StateMethods):
         self.shared_shift = shared_shift
         self.n_cells = config.n_cells(self.swa_memory)
         if self.n_cells % config.page_size:
+            sized = "max_seqs * window memory + max_batch" if self.swa_memory \
+                else "max_seqs * capacity"
             raise ValueError(
                 f"page_size={config.page_size} must divide the cache's cell count "
-                f"{self.n_cells} (max_seqs * capacity{' or the window memory' if self.swa_memory else ''}"
-                f", rounded up to cache_padding={config.cache_padding}): set cache_padding to a "
-                f"multiple of {config.page_size}")
+                f"{self.n_cells} ({sized}, rounded up to cache_padding={config.cache_padding}): "
+                f"set cache_padding to a multiple of {config.page_size}")
         if _storage_factory is None:
             _check_memory(config, self.n_cells, self.device)
 

@@ -161,7 +161,7 @@ def random_step(model, rng, breaking: bool):
     cache, n = model.cache, model.max_seqs
     ops = ["forward"] * 6 + ["rm_all", "rm_suffix", "cp", "defrag", "add", "import", "keep"]
     if breaking:
-        ops += ["rm_middle"] * 2
+        ops += ["rm_middle"] * 4
     op = ops[int(rng.integers(len(ops)))]
     s = int(rng.integers(n))
     if op == "forward":
@@ -196,13 +196,16 @@ def random_step(model, rng, breaking: bool):
         if dst != s and cache.seq_pos_max(s) >= 0:
             snap = cache.export_seq(s)
             model.seq_rm(dst)
+            at = int(rng.integers(0, 4)) if rng.random() < 0.5 else None
+            delta = 0 if at is None else at - cache.seq_pos_min(s)
             try:
-                cache.import_seq(dst, snap)
+                cache.import_seq(dst, snap, at=at)
             except KVCacheFullError:
                 return op
             for (t, p), r in list(model.rows.items()):
                 if t == s:
-                    model.rows[(dst, p)] = r
+                    model.rows[(dst, p + delta)] = r if delta == 0 else rope_reference(
+                        r[:, None, :], np.full(2, delta), cache.shift)[:, 0]
     elif op == "keep":
         if rng.random() < 0.3:
             cache.seq_keep(s)
@@ -272,7 +275,7 @@ def test_random_operations_that_break_the_rule_are_refused_by_page_table(seed):
     cache = paged_cache()
     model = Model(cache, rng)
     refused = described = 0
-    for _ in range(80):
+    for _ in range(120):
         op = random_step(model, rng, breaking=True)
         cache.cells.check_consistency()
         if op != "forward" or cache._forward is None:
