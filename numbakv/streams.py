@@ -394,6 +394,8 @@ class StreamCache(CausalCache):
         from . import pages
         page_size = _check_index("page_size", page_size, 1)
         host = self._host_pages()
+        if self.storage._stream is not None:
+            self.storage.order_before()   # the table's upload and the puts, before its reader
         if page_size == 1:
             return host.table
         return pages.paged_table(host, page_size, self.n_cells, self._xp)
