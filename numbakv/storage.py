@@ -78,6 +78,16 @@ def _slots_problem(slots, n_cells):
     return 0
 
 
+@njit(cache=True)
+def _all_in(values, lo, hi):
+    """Whether every entry is in ``[lo, hi)``: one compiled pass (two numpy reductions cost
+    about 6 us on the rotation's host path)."""
+    for i in range(values.shape[0]):
+        if values[i] < lo or values[i] >= hi:
+            return False
+    return True
+
+
 #: host storage alignment: JAX's CPU DLPack import copies unless data is 64-byte aligned, and
 #: numpy's allocator only guarantees 16
 HOST_ALIGN = 64
@@ -704,7 +714,7 @@ class KVStorage:
         if cells.shape != deltas.shape:
             raise ValueError(f"deltas must have one entry per cell ({cells.shape[0]}), "
                              f"got {deltas.shape[0]}")
-        if cells.size and (cells.min() < 0 or cells.max() >= self.n_cells):
+        if cells.size and not _all_in(cells, 0, self.n_cells):
             raise ValueError(f"cells must be in [0, {self.n_cells})")
         if layers is not None:
             layers = _host_ints(layers, "layers")
