@@ -194,7 +194,8 @@ class DecodeStep:
             slot[2].synchronize()   # the GPU is PINNED_RING replays behind
         return slot
 
-    def _write_descriptor(self, pos: np.ndarray, seqs: np.ndarray, start: int, stream) -> None:
+    def _write_descriptor(self, pos: np.ndarray, seqs: np.ndarray, start: int, stream,
+                          slots: Optional[np.ndarray] = None) -> None:
         n = pos.shape[0]
         if self.device == "cuda":
             slot = self._pinned(stream)
@@ -202,6 +203,8 @@ class DecodeStep:
         else:
             host = self._host
         fill_descriptor(host, pos, seqs, start, self.batch)
+        if slots is not None:       # paged placement (CacheConfig(page_size)): scattered cells
+            host[HEADER:HEADER + n] = slots
         if self.device == "cuda":
             import cupy
             cupy.cuda.runtime.memcpyAsync(int(self.descriptor.data.ptr), slot[3], self._nbytes,
@@ -270,7 +273,7 @@ class DecodeStep:
             if self.device == "cuda":
                 import cupy
                 stream = cupy.cuda.get_current_stream()
-            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream)
+            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream, fwd.slots)
 
     def put(self, layer: int, key: Any, value: Any) -> None:
         """Store ``key [batch, n_kv_heads, head_dim]`` and ``value [batch, n_kv_heads,
@@ -340,7 +343,7 @@ class DecodeStep:
             if self.device == "cuda":
                 import cupy
                 stream = cupy.cuda.get_current_stream()
-            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream)
+            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream, fwd.slots)
             if k_arr is not None:
                 self._copy_in(self.key, k_arr, n, stream)
             if v_arr is not None:

@@ -22,9 +22,9 @@ def incremental(monkeypatch):
     monkeypatch.setattr(pages, "INCREMENTAL_DEVICES", ("cuda", "sim"))
 
 
-def _cache(n_cells=64, max_seqs=4, **kw):
+def _cache(n_cells=64, max_seqs=4, page_size=1, **kw):
     cfg = nkv.CacheConfig(1, 1, 8, dtype="float32", capacity=n_cells, max_seqs=max_seqs,
-                          max_batch=16, device=KERNEL_DEVICE)
+                          max_batch=16, device=KERNEL_DEVICE, page_size=page_size)
     return nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=8), **kw)
 
 
@@ -56,9 +56,12 @@ def _next(cache, s):
     return cache.seq_pos_max(s) + 1
 
 
-def test_extended_table_equals_the_host_build_after_random_sequence_ops(incremental):
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_extended_table_equals_the_host_build_after_random_sequence_ops(incremental, page_size):
+    """Contiguous placement, and paged placement (each step's cells scattered over the
+    sequences' pages, copy-on-write of shared last pages after copy_prefix)."""
     rng = np.random.default_rng(3)
-    cache = _cache()
+    cache = _cache(n_cells=96 if page_size > 1 else 64, page_size=page_size)
     seqs = [0, 1, 2]
     extended = full = 0
     for step in range(30):

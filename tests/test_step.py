@@ -399,3 +399,49 @@ def test_engine_graph_with_step_puts_on_a_gpu():
     stream.synchronize()
     np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
     np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_torch_cuda_graph_with_step_puts_on_a_gpu():
+    """What a torch engine does: step.put per layer inside torch.cuda.graph (captured on the
+    cache's stream, inputs in static torch buffers), then step.prepare + g.replay() per step."""
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    side = torch.cuda.Stream()
+    cache = nkv.CausalCache(_cfg("cuda"))
+    cache.use_stream(side)
+    twin = nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    L = SHAPE["n_layers"]
+    with torch.cuda.stream(side):
+        k_buf = torch.zeros((L, 4, 2, 8), device="cuda", dtype=torch.float16)
+        v_buf = torch.zeros((L, 4, 2, 4), device="cuda", dtype=torch.float16)
+    kc, vc = cupy.from_dlpack(k_buf), cupy.from_dlpack(v_buf)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))   # warm: plans, kernels
+    for layer in range(L):
+        step.put(layer, kc[layer], vc[layer])
+    twin.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(L):
+        twin.set_layer(layer)
+        twin.put(np.zeros((1, 2, 8), np.float16), np.zeros((1, 2, 4), np.float16))
+    side.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        for layer in range(L):
+            step.put(layer, kc[layer], vc[layer])
+    rng = np.random.default_rng(15)
+    for pos, seqs in _steps()[1:8]:
+        k, v = _kv(rng, 4)
+        with torch.cuda.stream(side):
+            k_buf.copy_(torch.from_numpy(k))
+            v_buf.copy_(torch.from_numpy(v))
+            step.prepare(pos, seqs)
+            g.replay()
+        twin.start_forward(pos, seqs)
+        for layer in range(L):
+            twin.set_layer(layer)
+            twin.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    side.synchronize()
+    np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
+    np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
