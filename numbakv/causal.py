@@ -626,8 +626,8 @@ class CausalCache(StateMethods):
             if not fwd.reserve:
                 if fwd.slots is None:
                     self.storage.put_range_trusted(self._put_layer, fwd.start, key, value)
-                else:
-                    self.storage.put(self._put_layer, fwd.slots, key, value)
+                else:   # paged placement: the batch's cells, placed (so checked) by the table
+                    self.storage.put_slots_trusted(self._put_layer, fwd.slots, key, value)
             self._put_in = fwd
             return
         fwd = self._require_forward("put")

@@ -527,6 +527,23 @@ class KVStorage:
             if self.device == "cuda":
                 self._keep_inputs(key, value)
 
+    def put_slots_trusted(self, layer: int, slots: np.ndarray, key, value) -> None:
+        """:meth:`put` without its checks, for a caller that made them all (CausalCache's
+        per-layer hot path under paged placement): ``slots`` int32 host ``[batch]`` of distinct
+        cells in range (the cell table placed them), ``key``/``value`` as for
+        :meth:`put_range_trusted`."""
+        if self.quantized:
+            self._put_quantized(layer, slots, -1, key, value)
+            return
+        if self.device == "cpu":
+            _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], slots, key, value)
+            return
+        with self._on_device():
+            _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], slots, key,
+                        value, self.permuted)
+            if self.device == "cuda":
+                self._keep_inputs(key, value)
+
     def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
                           window: int, chunk: int) -> None:
         """:meth:`fill_mask` without its checks (CausalCache's start_forward made them)."""

@@ -557,3 +557,31 @@ def test_hybrid_cache_attention_half_in_pages():
     assert host(pt.cache_seqlens).tolist() == [12]
     assert [rule_holds(hc.attn, s, 16) for s in (0, 1)] == [True, True]
     assert ordered_cells(hc.attn, 0)[0].tolist() == list(range(13))
+
+
+@pytest.mark.parametrize("k_dtype", [None, "q8_0"])
+def test_scattered_puts_store_what_the_contiguous_policy_stores(device, k_dtype):
+    """The paged pass's put writes each token's row into its (scattered) cell: sequence by
+    sequence in position order the rows equal a contiguous cache's, float and q8_0."""
+    from helpers import seq_rows
+    rng = np.random.default_rng(12)
+    caches = [nkv.CausalCache(nkv.CacheConfig(
+        n_layers=2, n_kv_heads=2, head_dim=32, dtype="float16", k_dtype=k_dtype, capacity=64,
+        max_seqs=3, max_batch=64, device=device, page_size=page)) for page in (1, 16)]
+    steps = [[(0, 5), (1, 3)], [(1, 1), (0, 1), (2, 2)], [(2, 1), (0, 1)], [(1, 20), (2, 1)]]
+    for step in steps:
+        pos = np.concatenate([np.arange(caches[0].seq_pos_max(s) + 1,
+                                        caches[0].seq_pos_max(s) + 1 + k) for s, k in step])
+        sq = np.concatenate([np.full(k, s) for s, k in step])
+        kv = rng.standard_normal((2, 2, len(pos), 2, 32)).astype(np.float16)
+        for cache in caches:
+            cache.start_forward(pos.astype(np.int32), sq.astype(np.int32))
+            for layer in range(2):
+                cache.set_layer(layer)
+                cache.put(kv[0, layer], kv[1, layer])
+    assert caches[1]._forward.slots is not None          # the last pass was scattered
+    for s in range(3):
+        a, b = seq_rows(caches[0], s), seq_rows(caches[1], s)
+        for x, y in zip(a, b):
+            assert same(np.asarray(x), np.asarray(y))
+        assert rule_holds(caches[1], s, 16)
