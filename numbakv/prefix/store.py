@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 import time
 import weakref
 from collections import OrderedDict, defaultdict
@@ -58,7 +59,7 @@ from .index import BlockIndex, Entry, Match
 from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
 from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
 from .tiers.base import BIND_RUN, is_bound
-from .tiers.host import HostTier
+from .tiers.host import BufferPool, HostTier, owned_copy
 from .writer import Job, TierWriter
 
 CELLS, HOST = "cells", "host"
@@ -419,6 +420,9 @@ class PrefixStore:
         self._pending: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
         self._pins: Dict[Tuple[bytes, bytes], List[Entry]] = defaultdict(list)
         self.host = HostTier(host_bytes)
+        #: recycled buffers of owned rows (host entries, write-through jobs): see BufferPool
+        self._pool = BufferPool(host_bytes + (write_queue_bytes if self._has_lower(
+            disk_dir, remote) else 0))
         self._counts = {t: {"hits": 0, "misses": 0} for t in (CELLS, HOST)}
         self.tokens_reused = 0
         #: after ``load_edit``: what it placed (an ``EditMatch``) and the position ranges the
@@ -440,7 +444,8 @@ class PrefixStore:
         if self._lower_specs:
             self._open_lower()
             self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes,
-                                      metadata={"model_id": model_id} if model_id else None)
+                                      metadata={"model_id": model_id} if model_id else None,
+                                      pool=self._pool)
             # a store collected without close(): its writer still drains and stops (not at
             # exit: _close_live_stores closes the store, writer included, then)
             weakref.finalize(self, self._writer.close).atexit = False
@@ -459,6 +464,22 @@ class PrefixStore:
                                          self.namespace, budget, timeout))
         for tier in self._lower:
             self._counts.setdefault(tier.name, {"hits": 0, "misses": 0})
+
+    @staticmethod
+    def _has_lower(disk_dir, remote) -> bool:
+        return disk_dir is not None or remote is not None
+
+    def _own_export(self, seq: int, p0: int, p1: int):
+        """Positions ``[p0, p1)`` of ``seq`` as a snapshot with rows of its own, in one recycled
+        buffer of the store's pool: gathered there when the cells are scattered (one
+        ``take`` per layer and side), else copied there from the export's views of a run of
+        cells (``tiers.host.owned_copy``: one copy per layer and side)."""
+        if self._rc is None and callable(getattr(self.cache, "export_seq", None)):
+            from ..state.snapshot import export_seq   # the snapshot module (state layer)
+            snap = export_seq(self.cache, seq, p0, p1, alloc=self._pool.take)
+        else:
+            snap = self.cache.export_seq(seq, p0, p1)
+        return owned_copy(snap, self._pool)
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -801,7 +822,7 @@ class PrefixStore:
                             self._policy[e.tier].set(e.id, *retention)
                     return length
                 # no tier 0: straight to host RAM (or the next tier down)
-                snap = _owned(self.cache.export_seq(seq, 0, length))
+                snap = self._own_export(seq, 0, length)
                 self.bytes_moved += snap.nbytes
                 if self._admit_host(root, buf, snap, retention):
                     self._write_through(root, buf, snap)
@@ -828,7 +849,7 @@ class PrefixStore:
             if self._exact(root, buf) or self._serves(root, buf) >= length:
                 held_locally = True   # host RAM (or a longer entry) holds it already
             elif self.host_bytes and callable(getattr(self.cache, "export_seq", None)):
-                snap = _owned(self.cache.export_seq(seq, 0, length))
+                snap = self._own_export(seq, 0, length)
                 self.bytes_moved += snap.nbytes
                 held_locally = self._admit_host(root, buf, snap, retention, write_lower=False)
         queued = self._write_through(root, buf, seq=seq)
@@ -1033,6 +1054,9 @@ class PrefixStore:
         for e in self.index.clear():
             if e.tier == CELLS:
                 self._release_seq(e.seq)
+            elif e.tier == HOST:
+                self._pool.give(e.payload)
+                e.payload = None
         for seq in list(self._pending):
             self._drop_pending(seq)
         for p in self._policy.values():
@@ -1245,7 +1269,7 @@ class PrefixStore:
         if not others and (self.host_bytes or self._lower) \
                 and callable(getattr(self.cache, "export_seq", None)):
             try:
-                snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
+                snap = self._own_export(e.seq, 0, e.length)
             except (KVCacheError, ValueError):
                 snap = None   # cannot export (e.g. an unsupported cache): dropped instead
         retention = self._policy[CELLS].get(e.id)
@@ -1314,6 +1338,8 @@ class PrefixStore:
                     if self.host.fits(nbytes):
                         break
             if self.host.fits(nbytes):
+                # idle buffers and entries together stay within the host budget + write queue
+                self._pool.trim(self._pool.max_idle_bytes - self.host.used - nbytes)
                 path = self.index.insert_path(root, buf)
                 e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
                           restore=self._restore_of_snapshot(snap),
@@ -1333,6 +1359,8 @@ class PrefixStore:
         self._drop_entry(e)
         self.host.remove(e.nbytes)
         self._write_lower(e.path, e.payload)
+        self._pool.give(e.payload)   # reused once the writer is done with it
+        e.payload = None             # (entries and index nodes form cycles: free the rows now)
 
     def _import(self, seq: int, snap) -> int:
         """``cache.import_seq`` with one retry after the store made room; raises
@@ -1358,6 +1386,8 @@ class PrefixStore:
                 and source.id in self.index.entries:
             self._drop_entry(source)
             self.host.remove(source.nbytes)
+            self._pool.give(source.payload)
+            source.payload = None
 
     # ------------------------------------------------------------------ disk / redis
     def _flush_down(self, skip_known: bool = False) -> None:
@@ -1371,7 +1401,7 @@ class PrefixStore:
                 continue
             if e.tier == CELLS:
                 try:   # owned rows: the writer encodes them later
-                    snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
+                    snap = self._own_export(e.seq, 0, e.length)
                 except (KVCacheError, ValueError):
                     continue
             else:
@@ -1426,7 +1456,7 @@ class PrefixStore:
                 return True
             if snap is None:
                 try:
-                    snap = _owned(self.cache.export_seq(seq, 0, len(buf) // 8))
+                    snap = self._own_export(seq, 0, len(buf) // 8)
                 except (KVCacheError, ValueError):
                     return False   # a cache that cannot export: written only if demoted
             job = self._job(path, snap)
@@ -1476,9 +1506,69 @@ class PrefixStore:
         if self._writer is not None:
             self._writer.forget(run_key)
 
+    def _reads_into_cells(self) -> bool:
+        """Whether a lower-tier hit can be read straight into the cells (``import_run``): one
+        group of K/V in host memory (cpu/sim), no recurrent half, a little-endian host (the
+        codec's byte order is the storage's)."""
+        return self._rc is None and len(self._groups) == 1 and sys.byteorder == "little" \
+            and isinstance(self._groups[0].storage.keys, np.ndarray)
+
+    def _load_lower_direct(self, seq: int, root: bytes, buf: bytes, hit) -> int:
+        """``_load_lower`` with the run's rows read from the tier straight into the cells they
+        land in (``RunReader`` + ``state.snapshot.import_run``): header, positions and binding
+        checked first, the rows' crc32 while they arrive; a bad run is a miss, rolled back."""
+        from ..state.snapshot import import_run, open_run
+        n, (tier, run_key, block, block_key) = hit
+        try:
+            reader = tier.open_run(run_key)
+        except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss
+            reader = None
+        if reader is None:
+            self._forget_written(run_key)
+            self._counts[tier.name]["misses"] += 1
+            return 0
+        try:
+            run = open_run(reader, f"the {tier.name} tier's run {run_key}")
+            if run.snap.metadata.get(BIND_RUN) != run_key:
+                raise StateError(f"the {tier.name} tier's run {run_key} holds another run's "
+                                 "bytes")
+            if not self._bound(run.snap, run_key, block, block_key):
+                self._distrust[(tier.name, block_key)] = run_key
+                while len(self._distrust) > _MAX_DISTRUST:
+                    self._distrust.popitem(last=False)
+                tier._count("invalid")
+                self._forget_written(None)
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            snap = _slice_snapshot(run.snap, n)
+            if self._sliding and self._floor_of_snapshot(snap) > n:
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            try:
+                import_run(self.cache, seq, run, upto=n)
+            except KVCacheFullError:
+                self._make_room(max(len(p.positions) for p in snap.parts))
+                import_run(self.cache, seq, run, upto=n)
+        except (StateError, ValueError, NotSupportedError) as exc:
+            if isinstance(exc, KVCacheFullError):
+                raise
+            tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
+            self._forget_written(run_key)
+            self._counts[tier.name]["misses"] += 1
+            return 0
+        finally:
+            reader.close()
+        self.bytes_moved += snap.nbytes
+        self._counts[tier.name]["hits"] += 1
+        self.tokens_reused += n
+        self._promote(seq, root, buf[:8 * n], source=None)
+        return n
+
     def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, block, block_key) = hit
+        if self._reads_into_cells() and callable(getattr(tier, "open_run", None)):
+            return self._load_lower_direct(seq, root, buf, hit)
         try:
             data = tier.read_runs([run_key])[0]
         except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss

@@ -63,8 +63,11 @@ class TierWriter:
     """
 
     def __init__(self, tiers: Sequence[Any], *, max_jobs: int = 64,
-                 max_bytes: int = 256 << 20, metadata: Optional[Dict[str, str]] = None) -> None:
+                 max_bytes: int = 256 << 20, metadata: Optional[Dict[str, str]] = None,
+                 pool: Any = None) -> None:
         self.tiers = list(tiers)
+        #: where a written job's rows go back for reuse (the store's ``BufferPool``), or None
+        self.pool = pool
         #: str -> str recorded in every run's snapshot metadata (the store's model id)
         self.metadata = dict(metadata or {})
         self.max_jobs = int(max_jobs)
@@ -186,6 +189,9 @@ class TierWriter:
                 self._busy += 1
             try:
                 self._write(job)
+                if self.pool is not None:
+                    self.pool.give(job.snap)   # reused once nobody else holds the rows
+                job.snap = None
             finally:
                 with self._cv:
                     self._busy -= 1
@@ -199,16 +205,24 @@ class TierWriter:
     def _write(self, job: Job) -> None:
         try:
             # the bytes carry their run and block keys: every read checks them (base.is_bound)
+            # (to_chunks: the header and views of the job's own rows, written with one writev:
+            # no joined copy of the run on the way to the tier)
             data = job.snap if isinstance(job.snap, (bytes, bytearray, memoryview)) \
-                else job.snap.to_bytes({**self.metadata, **binding(job.keys)})
+                else job.snap.to_chunks({**self.metadata, **binding(job.keys)})
         except Exception:   # noqa: BLE001 - a bad snapshot must not kill the writer
             with self._cv:
                 self.counts["errors"] += 1
             return
         ok_any = False
+        joined = None
         for tier in self.tiers:
             try:
-                ok = tier.write_run(job.run_key, job.keys[job.first:], data)
+                if isinstance(data, list) and not getattr(tier, "accepts_chunks", False):
+                    if joined is None:    # a tier of another protocol: one buffer, as before
+                        joined = b"".join(data)
+                    ok = tier.write_run(job.run_key, job.keys[job.first:], joined)
+                else:
+                    ok = tier.write_run(job.run_key, job.keys[job.first:], data)
             except Exception:   # noqa: BLE001 - tiers never raise on I/O; count anything else
                 with self._cv:
                     self.counts["errors"] += 1

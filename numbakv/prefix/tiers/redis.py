@@ -43,7 +43,7 @@ import time
 import urllib.parse
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .base import (FORMAT_VERSION, ByteTier, check_budget, check_data, check_key, check_keys,
+from .base import (FORMAT_VERSION, ByteTier, check_budget, check_chunks, check_key, check_keys,
                    check_namespace)
 
 __all__ = ["RedisTier", "KEY_PREFIX", "DEFAULT_BUDGET_BYTES", "scan_server", "clear_server",
@@ -353,7 +353,8 @@ class RedisTier(ByteTier):
     def write_run(self, run_key: str, block_keys: Sequence[str], data: bytes) -> bool:
         run = check_key(run_key, "run_key")
         keys = check_keys(block_keys, "block_keys")
-        view = check_data(data)
+        chunks = check_chunks(data)
+        view = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         size = len(view) + sum(len(k) + len(run) + _POINTER_OVERHEAD for k in keys)
         if size > self.budget_bytes or not self._available():
             return False
