@@ -92,8 +92,8 @@ def shipped_cache_usable() -> bool:
 #: edit to any one makes every shipped entry stale (numba's own cache only looks at the
 #: function's file).
 COMPILED_SOURCES = ("attention.py", "cells.py", "pages.py", "storage.py", "kernels/_common.py",
-                    "kernels/_registry.py", "kernels/decode.py", "kernels/mask.py",
-                    "kernels/move.py",
+                    "kernels/_registry.py", "kernels/decode.py", "kernels/hadamard.py",
+                    "kernels/mask.py", "kernels/mla.py", "kernels/move.py",
                     "kernels/put.py", "kernels/quant.py", "kernels/rope.py", "kernels/rows.py")
 
 _SOURCE_HASHES: Dict[str, str] = {}

@@ -208,6 +208,8 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
                          "backend='dense' or 'auto'")
+    if on_cuda and not gpu_kernel:
+        _after_cache(torch, src, q)
     if getattr(cfg, "k_rotation", 0) or getattr(cfg, "v_rotation", 0):
         # llama.cpp's rotated quantized K/V: the cache holds H k and H v (get() hands them out
         # as stored), so the queries are rotated like the keys ((H q) . (H k) = q . k) and the
@@ -245,8 +247,19 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
             and _max_queries(host) <= _GPU_KERNEL_TOKENS:
         return _gpu_attend(torch, q, host, pools, scale, soft_cap, "cuda",
                            src.storage).to(q.dtype)
+    if gpu_kernel:      # the batched kernel does not fit: torch reads the pools on its stream
+        _after_cache(torch, src, q)
     return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
                         cfg.dtype == "bfloat16")
+
+
+def _after_cache(torch, src: Any, q: Any) -> None:
+    """Order torch's current stream (where the torch/FlashInfer paths read the pools and the
+    page table) after the cache's stream (its puts and uploads; CuPy's current stream when it
+    has none of its own): an event waited on, no host wait; nothing when they are one stream."""
+    storage = getattr(src, "storage", None)
+    if storage is not None:
+        storage.order_before(torch.cuda.current_stream(q.device))
 
 
 def _max_queries(host: HostPages) -> int:

@@ -37,6 +37,7 @@ _I32 = np.dtype(np.int32)
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
     from .state.snapshot import SeqSnapshot
+    from .step import DecodeStep
 
 PathLike = Union[str, os.PathLike]   # a file path
 
@@ -588,6 +589,8 @@ class CausalCache(StateMethods):
             key, value = self.storage.views_trusted(layer, fwd.lo, fwd.hi)
         if fwd.exported is None:
             self._build_mask()      # first get() of this pass (the CPU builds it lazily)
+        if self.storage._stream is not None:
+            self.storage.order_before()   # CuPy's current stream reads after the puts
         if self._bf16:
             return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
         return key, value, fwd.exported
@@ -600,6 +603,8 @@ class CausalCache(StateMethods):
         fwd = self._require_forward("get_quantized")
         k, v = self.storage.quantized_views(self._read_layer_checked("get_quantized"), fwd.lo,
                                             fwd.hi)
+        if self.storage._stream is not None:
+            self.storage.order_before()
         return export_view(k, "uint8"), export_view(v, "uint8")
 
     def cell_range(self) -> Tuple[int, int]:
@@ -1068,6 +1073,26 @@ class CausalCache(StateMethods):
         return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ misc
+    def capture_step(self, batch: int, *, attend: bool = False) -> "DecodeStep":
+        """A decode step of up to ``batch`` tokens whose inputs sit in fixed device buffers: on
+        ``cuda`` a CUDA graph of one put per stored layer reading its slots from a step
+        descriptor the host refreshes with one asynchronous copy per replay; on ``cpu``/``sim``
+        the same launches recorded and run by each replay (same results and errors, no graph).
+
+        ``step.replay(positions, seqs, q=None, k, v)`` then does ``start_forward`` and stores
+        ``k [n_stored_layers, n, n_kv_heads, head_dim]`` / ``v [n_stored_layers, n, n_kv_heads,
+        v_head_dim]`` in every stored layer; ``step.key`` / ``step.value`` are the fixed input
+        buffers a model may write into directly (pass ``k=None, v=None``). The graph runs on the
+        cache's stream (:meth:`use_stream`); the step keeps its buffers and graph alive as long as
+        it lives. See :mod:`numbakv.step`.
+
+        Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``) and ``NotSupportedError``
+        for what is not captured: ``attend=True``, quantized K/V, V-less (MLA) caches,
+        per-sequence streams. Changes nothing in the cache."""
+        self._check_open()
+        from .step import DecodeStep, check_capturable
+        return DecodeStep(self, check_capturable(self, batch, attend))
+
     def use_stream(self, stream: Any) -> None:
         """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a
         CuPy stream, a torch stream (``torch.cuda.current_stream()``) or a raw ``cudaStream_t``
@@ -1114,6 +1139,8 @@ class CausalCache(StateMethods):
         saying which sequence. Pair it with :meth:`mla_views` ``(page_size=...)``."""
         page_size = _check_index("page_size", page_size, 1)
         host = self._host_pages()
+        if self.storage is not None and self.storage._stream is not None:
+            self.storage.order_before()   # the table's upload and the puts, before its reader
         if page_size == 1:
             return host.table
         if self.n_cells % page_size:
@@ -1173,6 +1200,8 @@ class CausalCache(StateMethods):
             raise ValueError(f"layer_pool(): layer {layer} has no K/V in this cache "
                              f"(layer_reuse[{layer}] = -1)")
         dtype = self.config.dtype
+        if self.storage._stream is not None:
+            self.storage.order_before()
         return (export_view(self.storage.key_view(slot, 0, self.n_cells), dtype),
                 export_view(self.storage.value_view(slot, 0, self.n_cells), dtype))
 

@@ -362,6 +362,8 @@ class StreamCache(CausalCache):
             raise ValueError(f"get(): layer {self._layer} has no K/V in this cache "
                              f"(layer_reuse[{self._layer}] = -1)")
         k5, v5 = self._k5[layer], self._v5[layer]
+        if self.storage._stream is not None:
+            self.storage.order_before()   # views and gathers on CuPy's current stream: after puts
         if fwd.consecutive:
             s0, s1 = int(ids[0]), int(ids[0]) + len(ids)
             key = k5[s0:s1, :n_kv]
@@ -571,6 +573,13 @@ class StreamCache(CausalCache):
         self._check_open()
         for stream in self.streams:
             stream.apply_pending_shifts()
+
+    def capture_step(self, batch: int, *, attend: bool = False) -> Any:
+        """Not captured for per-sequence streams (each stream places its tokens in its own
+        slice): ``NotSupportedError``, nothing changed."""
+        self._check_open()
+        raise NotSupportedError("capture_step: per-sequence streams (unified=False) are not "
+                                "captured; use a unified cache")
 
     def use_stream(self, stream: Any) -> None:
         """Queue every stream's GPU work on ``stream`` (see ``CausalCache.use_stream``): the

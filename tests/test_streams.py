@@ -68,7 +68,7 @@ def test_every_launch_and_copy_goes_on_the_chosen_stream(fake_gpu, make):
     cp.log.clear()
     key, _ = _every_operation(st, cp, np.random.default_rng(0))
     names = {name for name, _ in launches}
-    assert {"put_kv_kernel", "mask_fill_kernel", "move_cells_kernel",
+    assert {"put_kv_kernel", "mask_fill_kernel", "move_runs_kernel",
             "rope_shift_kernel"} <= names
     assert {ptr for _, ptr in launches} == {handle}
     copies = [e for e in cp.log if e[0] == "h2d"]

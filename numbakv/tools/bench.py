@@ -54,6 +54,7 @@ import numpy as np
 
 # interleaved timing, one copy for every section (the asv benchmarks import it from here)
 from ._timing import time_alternating as _time_alternating
+from ._report import target_lines
 
 #: tokens of spare room per sequence beyond the context (the timed step adds one, then rolls back)
 _MARGIN = 16
@@ -1644,8 +1645,7 @@ def format_report(results: dict) -> str:
     if targets:
         lines += ["", "Targets" + (" (defined at real shapes: at --quick's tiny shapes these "
                                    "figures are indicative only)" if s.get("quick") else "")]
-        for t in targets:
-            lines.append(f"  [{t['status']:>12}] {t['target']}: {t['detail']}")
+        lines += target_lines(targets, width=12)
     if results.get("notes"):
         lines += ["", "Notes"] + [f"  - {n}" for n in results["notes"]]
     return "\n".join(lines)

@@ -37,6 +37,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from ._models import random_model
+from ._report import section_main, target_lines
+
 VOCAB = 512
 LIVE, DONE = 80, 0       # retention priorities of a live / finished session's prefix
 
@@ -67,19 +70,11 @@ QUICK = Shape(sessions=2, turns=8, system=128, task=32, tool=48, reasoning=16, c
 def tiny_llama(seed: int = 0):
     """A seeded random-weight Llama (2 layers, hidden 64, GQA 4/2, vocab 512), eager attention,
     eval mode."""
-    import torch
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=16384)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
-    return model.eval()
+    return random_model(transformers.LlamaForCausalLM, cfg, seed)
 
 
 def make_trace(shape: Shape) -> List[Dict[str, Any]]:
@@ -336,12 +331,8 @@ def format_agents(res: Dict[str, Any], with_targets: bool = False) -> List[str]:
                      f"{r['hit_rate']:>5.1f} {r['session_hit_rate']:>14.1f} {r['orphans']:>8} "
                      f"{r['strip_prefill_pct_max']:>11.1f}/{r['strip_prefill_pct_mean']:<6.1f} "
                      f"{speed:>10}")
-    if with_targets:
-        lines += [f"  [{t['status']:>6}] {t['target']}: {t['detail']}" for t in targets(res)]
-    return lines
+    return lines + (target_lines(targets(res)) if with_targets else [])
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import sys
-    res = run_agents("--quick" in sys.argv, log=print)
-    print("\n".join(format_agents(res, with_targets=True)))
+    section_main(run_agents, format_agents, targets)

@@ -26,13 +26,15 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
+from ._models import random_model
+from ._report import section_main, target_lines
+
 SPACING = 256
 
 
 def tiny_qwen3_next(hidden: int = 64, layers: int = 4, seed: int = 0):
     """A seeded random-weight Qwen3-Next (gated delta net, attention every other layer, MoE
     MLPs), eager attention, eval mode."""
-    import torch
     import transformers
     cfg = transformers.Qwen3NextConfig(
         vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -41,14 +43,7 @@ def tiny_qwen3_next(hidden: int = 64, layers: int = 4, seed: int = 0):
         linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=hidden,
         shared_expert_intermediate_size=hidden, num_experts_per_tok=2, num_experts=4,
         layer_types=["linear_attention", "full_attention"] * (layers // 2))
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.25)
-    return model.eval()
+    return random_model(transformers.Qwen3NextForCausalLM, cfg, seed)
 
 
 def chat_trace(turns: int = 10, system: int = 1024, user: int = 32, reply: int = 4,
@@ -258,12 +253,8 @@ def format_hybrid(res: Dict[str, Any], with_targets: bool = False) -> List[str]:
         lines.append(f"  {name}: state per restore point {r['state_bytes_per_point']} B beside "
                      f"K/V {r['kv_bytes_per_token']} B/token ({r['kv_bytes_between_points']} B "
                      f"between two points)")
-    if with_targets:
-        lines += [f"  [{t['status']:>6}] {t['target']}: {t['detail']}" for t in targets(res)]
-    return lines
+    return lines + (target_lines(targets(res)) if with_targets else [])
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import sys
-    res = run_hybrid("--quick" in sys.argv, log=print)
-    print("\n".join(format_hybrid(res, with_targets=True)))
+    section_main(run_hybrid, format_hybrid, targets)

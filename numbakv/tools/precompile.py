@@ -18,8 +18,9 @@ and without a sliding window), the README's examples (its quantized one as paste
 transformers ones: ``generate()`` with float and q8_0 K/V, ``hf.Server``, ``hf.attach``, when
 torch and transformers are installed), the sequence operations, page tables and the dense
 attention, quantized K/V, puts of strided (non-contiguous) K/V, state save/load, stream caches,
-the prompt cache and ``numbakv bench --quick``, on the CPU. Anything outside it still works; numba compiles it on
-first use.
+the prompt cache and ``numbakv bench --quick``, on the CPU; and the host side of the CUDA path (the
+``@njit`` bookkeeping a GPU cache runs on the CPU), run on device ``sim`` in a second child with
+Numba's CUDA simulator on. Anything outside it still works; numba compiles it on first use.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from .. import _jit
 _CHILD_FLAG = "--child"
 
 
-def _tour(dtype: str, tmp: str) -> None:
+def _tour(dtype: str, tmp: str, device: str = "cpu") -> None:
     """One of every public operation of :class:`~numbakv.CausalCache` (and the stream and
-    wrapper caches) on a tiny ``dtype`` cache."""
+    wrapper caches) on a tiny ``dtype`` cache on ``device``."""
     import numbakv as nkv
     from ..attention import attend
 
@@ -49,7 +50,7 @@ def _tour(dtype: str, tmp: str) -> None:
     shift = nkv.RopeShift(base=10000.0, neox=True)
     for unified in (True, False):
         cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=16, dtype=dtype, capacity=32,
-                              max_seqs=4, max_batch=16, device="cpu", unified=unified)
+                              max_seqs=4, max_batch=16, device=device, unified=unified)
         cache = nkv.CausalCache(cfg, shift=shift)
         batches = (([0, 1, 2, 3, 0, 1], [0, 0, 0, 0, 1, 1]), ([4, 2], [0, 1]))
         for positions, seqs in batches:
@@ -103,12 +104,12 @@ def _attend(attend, cache, batch: int, rng: np.random.Generator) -> None:
         attention._PARALLEL_WORK = saved
 
 
-def _windows_and_chunks(dtype: str) -> None:
+def _windows_and_chunks(dtype: str, device: str = "cpu") -> None:
     """Sliding-window and chunked-attention caches over several forward passes."""
     import numbakv as nkv
 
     cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=16, dtype=dtype, capacity=64,
-                          max_seqs=2, max_batch=16, device="cpu")
+                          max_seqs=2, max_batch=16, device=device)
     kv = np.zeros((4, 2, 16), np.float32).astype(cfg.dtype)
     for kwargs in ({"swa_window": 4}, {"chunk_size": 8}):
         cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(), **kwargs)
@@ -353,16 +354,49 @@ class _CompileCounter:
         self._event.unregister("numba:compile", self._listener)
 
 
+def cuda_host_path(verbose: bool = False) -> Dict[str, float]:
+    """The host side of the CUDA path (the ``@njit`` bookkeeping a GPU cache runs on the CPU:
+    page tables and mask gathers for device pools, ...), run on tiny caches on device ``sim``:
+    Numba's CUDA simulator runs the same host code a GPU does, so the functions only a GPU
+    cache calls are compiled (and shipped) without a GPU. Needs ``NUMBA_ENABLE_CUDASIM=1`` in
+    this process's environment before numba.cuda is imported (:func:`_run_child` sets it).
+    Returns seconds per part."""
+    parts = {
+        "cuda host: tour float32": lambda tmp: _tour("float32", tmp, device="sim"),
+        "cuda host: tour float16": lambda tmp: _tour("float16", tmp, device="sim"),
+        "cuda host: tour bfloat16": lambda tmp: _tour("bfloat16", tmp, device="sim"),
+        "cuda host: windows/chunks": lambda tmp: [_windows_and_chunks(d, device="sim")
+                                                  for d in ("float32", "float16")],
+    }
+    times: Dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="numbakv-precompile-") as tmp:
+        for name, part in parts.items():
+            t0 = time.perf_counter()
+            part(tmp)
+            times[name] = time.perf_counter() - t0
+            if verbose:
+                print(f"  {name:<22} {times[name]:6.1f} s", flush=True)
+    return times
+
+
+#: the child modes that run the CUDA host path under the simulator instead of the common path
+_CUDA_HOST_MODES = {"build-cuda-host": "build", "check-cuda-host": "check",
+                    "host-cuda-host": "host"}
+
+
 def _child(mode: str) -> int:
     """The child process: ``build`` (of ``--ship``) compiles the common path for the shipped
     level; ``check`` runs it again and fails if anything of numbakv compiled; ``host`` (of
-    ``numbakv precompile``) compiles it for this host into numba's cache."""
+    ``numbakv precompile``) compiles it for this host into numba's cache. The same modes with
+    ``-cuda-host`` appended run :func:`cuda_host_path` instead (in a simulator process)."""
+    path = cuda_host_path if mode in _CUDA_HOST_MODES else common_path
+    mode_kind = _CUDA_HOST_MODES.get(mode, mode)
     with _CompileCounter() as compiled:
         t0 = time.perf_counter()
-        common_path(verbose=mode != "check")
+        path(verbose=mode_kind != "check")
         took = time.perf_counter() - t0
     print(f"{mode}: {len(compiled.names)} numbakv compiles, {took:.1f} s", flush=True)
-    if mode == "check" and compiled.names:
+    if mode_kind == "check" and compiled.names:
         print("compiled although shipped: " + ", ".join(sorted(set(compiled.names))))
         return 1
     return 0
@@ -370,8 +404,18 @@ def _child(mode: str) -> int:
 
 def _run_child(mode: str, python: str = "", **env: str) -> int:
     """Run :func:`_child` ``mode`` in a fresh interpreter (``python``, default this one) with
-    ``env`` added to this one's (and the compile notice off: the parent reports); returns its
-    exit status. Another interpreter imports this checkout's numbakv (``PYTHONPATH``)."""
+    ``env`` added to this one's (and the compile notice off: the parent reports), then the
+    same mode over the CUDA host path in a second one with the CUDA simulator on; returns the
+    first non-zero exit status (0 when both pass). Another interpreter imports this checkout's
+    numbakv (``PYTHONPATH``)."""
+    rc = _run_one_child(mode, python, **env)
+    if rc:
+        return rc
+    return _run_one_child(f"{mode}-cuda-host", python, NUMBA_ENABLE_CUDASIM="1", **env)
+
+
+def _run_one_child(mode: str, python: str = "", **env: str) -> int:
+    """One child of :func:`_run_child`."""
     full = {k: v for k, v in os.environ.items() if k != _jit.BUILD_ENV}
     full.update(NUMBAKV_COMPILE_NOTICE="0", **env)
     if python:
