@@ -170,3 +170,102 @@ def test_export_gathers_scattered_cells_into_one_buffer():
     assert np.array_equal(snap.parts[0].values[1], cache.storage.values[1][0:40:2])
     with pytest.raises(ValueError, match="alloc"):
         export_seq(cache, 0, alloc=3)
+
+
+# -- chained runs: a growing conversation writes each block once --------------------------------
+def _run_files(tmp_path):
+    return sorted((tmp_path / "d").rglob("*.run"), key=lambda p: p.stat().st_mtime_ns)
+
+
+def test_growing_prompt_writes_only_new_blocks_and_loads_through_the_chain(tmp_path):
+    turn1 = list(range(1000, 1064))                 # 4 blocks of 16
+    turn2 = turn1 + list(range(2000, 2056))         # + 3.5 blocks
+    cache = _filled(turn2)
+    store = _disk_store(cache, tmp_path)
+    assert store.save(0, turn1) == 64 and store.flush(10)
+    first = _run_files(tmp_path)
+    assert len(first) == 1
+    assert store.save(0, turn2) == 120 and store.flush(10)
+    files = _run_files(tmp_path)
+    assert len(files) == 2
+    row_bytes = cache.config.nbytes(1)
+    grown = files[-1].stat().st_size
+    # the second run holds the 56 new tokens' rows, not the whole 120-token prompt
+    assert 56 * row_bytes <= grown < 64 * row_bytes + 8192
+    want = cache.export_seq(0, 0, 120)
+    # another cache (a restarted process) loads the whole prompt through the chain
+    other = small_cache()
+    store2 = _disk_store(other, tmp_path)
+    assert store2.load(1, turn2) == 120
+    assert _rows(other.export_seq(1)) == _rows(want)
+    other.seq_rm(1)
+    # a prompt that stops inside the chained run's blocks still loads its parents first
+    assert store2.load(1, turn2[:100] + [7]) == 96
+    assert _rows(other.export_seq(1)) == _rows(cache.export_seq(0, 0, 96))
+    other.seq_rm(1)
+    # the chained run corrupted: a miss with nothing changed (the parent's rows go too), the
+    # bad run dropped; match then promises the parent's blocks only
+    raw = bytearray(files[-1].read_bytes())
+    raw[-5] ^= 0x55
+    files[-1].write_bytes(bytes(raw))
+    free = other.cells.n_free
+    assert store2.load(1, turn2) == 0
+    assert other.seq_pos_max(1) == -1 and other.cells.n_free == free
+    assert store2.stats()["tiers"]["disk"]["invalid"] == 1
+    assert store2.match(turn2) == 64 and store2.load(1, turn2) == 64
+    other.seq_rm(1)
+    # the parent gone (evicted elsewhere): the child alone serves nothing and is dropped
+    store._writer.forget()
+    store.save(0, turn2)                            # writes the chained run again
+    assert store.flush(10)
+    assert len(_run_files(tmp_path)) == 2
+    first[0].unlink()
+    assert store2.load(1, turn2) == 0 and other.seq_pos_max(1) == -1
+    assert other.cells.n_free == free
+    assert len(_run_files(tmp_path)) == 0          # the chained run is gone too
+    # (the parent's index line outlives its hand-deleted file until a read finds it gone)
+    assert store2.load(1, turn2) == 0 and store2.match(turn2) == 0
+
+
+def test_chained_run_that_does_not_start_at_its_first_block_is_refused(tmp_path):
+    turn1 = list(range(64))
+    turn2 = turn1 + list(range(500, 532))
+    cache = _filled(turn2)
+    store = _disk_store(cache, tmp_path)
+    store.save(0, turn1)
+    store.save(0, turn2)
+    assert store.flush(10)
+    tier = store._lower[0]
+    from numbakv.prefix.keys import block_keys
+    keys = block_keys(np.asarray(turn2, "<i8"), store.block_tokens, store._root(None))
+    # forge: a chained run's bytes claiming first block 4 but holding rows from position 0
+    from numbakv.prefix.tiers.base import BIND_FIRST, binding
+    forged = cache.export_seq(0, 0, 96).copy().to_bytes({**binding(keys), BIND_FIRST: "4"})
+    tier.remove_run(keys[-1])
+    assert tier.write_run(keys[-1], keys[4:], forged)
+    other = small_cache()
+    store2 = _disk_store(other, tmp_path)
+    assert store2.load(1, turn2) == 0 and other.seq_pos_max(1) == -1
+    assert store2.stats()["tiers"]["disk"]["invalid"] == 1
+
+
+def test_request_thread_hands_over_only_the_new_blocks(tmp_path):
+    turn1 = list(range(3000, 3064))
+    turn2 = turn1 + list(range(4000, 4040))
+    cache = _filled(turn2)
+    store = _disk_store(cache, tmp_path)
+    sizes = []
+    submit = store._writer.submit
+
+    def spy(job):
+        sizes.append((int(job.snap.parts[0].positions[0]), job.nbytes))
+        return submit(job)
+    store._writer.submit = spy
+    store.save(0, turn1)
+    store.save(0, turn2)          # turn1's job may still be queued: its blocks count as handed
+    assert store.flush(10)
+    row = cache.config.nbytes(1)
+    assert sizes == [(0, 64 * row), (64, 40 * row)]
+    other = small_cache()
+    assert _disk_store(other, tmp_path).load(1, turn2) == 104
+    assert _rows(other.export_seq(1)) == _rows(cache.export_seq(0, 0, 104))

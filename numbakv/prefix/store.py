@@ -58,7 +58,7 @@ from .edit import EditMatch
 from .index import BlockIndex, Entry, Match
 from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
 from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
-from .tiers.base import BIND_RUN, is_bound
+from .tiers.base import BIND_FIRST, BIND_RUN, is_bound
 from .tiers.host import BufferPool, HostTier, owned_copy
 from .writer import Job, TierWriter
 
@@ -407,6 +407,14 @@ class PrefixStore:
         self.layout = {"kind": type(cache).__name__, "block_tokens": block_tokens,
                        "layer_groups": getattr(cache, "layer_groups", None),
                        "head_range": list(heads)}
+        #: lower-tier runs are chained (a run holds only the blocks the tier lacked, its
+        #: parents the rest: a growing conversation writes each block once), except where
+        #: windows prune old positions or a recurrent state must go with each run. In the
+        #: namespace: a reader that does not know chained runs never sees one.
+        self._chained = not any(g.swa_memory is not None for g in groups) \
+            and _recurrent(cache) is None
+        if self._chained:
+            self.layout["runs"] = "chained"
         self.namespace = namespace(self.fingerprint, self.layout)
         self._roots: Dict[bytes, bytes] = {}
         #: sliding groups: (cache, window, memory) of those that drop old positions
@@ -445,7 +453,8 @@ class PrefixStore:
             self._open_lower()
             self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes,
                                       metadata={"model_id": model_id} if model_id else None,
-                                      pool=self._pool)
+                                      pool=self._pool,
+                                      chain_tokens=block_tokens if self._chained else 0)
             # a store collected without close(): its writer still drains and stops (not at
             # exit: _close_live_stores closes the store, writer included, then)
             weakref.finalize(self, self._writer.close).atexit = False
@@ -821,6 +830,8 @@ class PrefixStore:
                         for e in self._exact(root, buf):
                             self._policy[e.tier].set(e.id, *retention)
                     return length
+                if not self.host_bytes and self._write_through(root, buf, seq=seq, count=True):
+                    return length   # lower tiers only: the writer has it (new blocks only)
                 # no tier 0: straight to host RAM (or the next tier down)
                 snap = self._own_export(seq, 0, length)
                 self.bytes_moved += snap.nbytes
@@ -1441,8 +1452,8 @@ class PrefixStore:
         return Job([node.key for node in path], snap, int(snap.nbytes), tag=path,
                    first=first)
 
-    def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None
-                       ) -> bool:
+    def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None,
+                       count: bool = False) -> bool:
         """A save reaches the lower tiers as it happens: queue the prompt's rows (``snap``, or
         a copy of ``seq``'s first ``len(buf)/8`` positions) for the background writer, unless
         it already wrote or queued that run; returns whether it is written or queued. A full
@@ -1455,10 +1466,19 @@ class PrefixStore:
             if self._writer.known(path[-1].key):
                 return True
             if snap is None:
+                # chained runs: only the blocks past those this process's writer already wrote
+                # or queued (the previous turn of a conversation) are copied here; the writer
+                # writes them as a run chained to the earlier ones
+                start = 0
+                if self._chained:
+                    start = self._writer.known_prefix([node.key for node in path[:-1]]) \
+                        * self.block_tokens
                 try:
-                    snap = self._own_export(seq, 0, len(buf) // 8)
+                    snap = self._own_export(seq, start, len(buf) // 8)
                 except (KVCacheError, ValueError):
                     return False   # a cache that cannot export: written only if demoted
+                if count:
+                    self.bytes_moved += snap.nbytes
             job = self._job(path, snap)
             return job is not None and self._writer.submit(job)
         finally:
@@ -1513,7 +1533,61 @@ class PrefixStore:
         return self._rc is None and len(self._groups) == 1 and sys.byteorder == "little" \
             and isinstance(self._groups[0].storage.keys, np.ndarray)
 
-    def _load_lower_direct(self, seq: int, root: bytes, buf: bytes, hit) -> int:
+    def _chain_start(self, snap, n: int) -> Optional[int]:
+        """Where the rows of the lower-tier run ``snap`` start: 0 for a whole prompt's run, the
+        first block's position for a chained run (``tiers.base.BIND_FIRST``: written when the
+        tier held the prompt's first blocks already); None when the run cannot be right (its
+        rows do not start there, or start at or past the match ``n``)."""
+        first = snap.metadata.get(BIND_FIRST)
+        if first is None or first == "0":
+            return 0
+        try:
+            p0 = int(first) * self.block_tokens
+        except ValueError:
+            return None
+        pos = snap.parts[0].positions
+        if p0 <= 0 or p0 >= n or not len(pos) or int(pos[0]) != p0:
+            return None
+        return p0
+
+    def _load_parent(self, seq: int, root: bytes, buf: bytes, p0: int) -> int:
+        """Load the first ``p0`` tokens of ``buf`` (the blocks a chained run's parents hold)
+        into the empty ``seq`` from the lower tiers; returns the tokens loaded (``p0``, or
+        fewer when a parent is gone: a valid shorter prefix)."""
+        hit = self._lower_probe(root, buf[:8 * p0], 0)
+        if hit[0] != p0:
+            return 0
+        return self._load_lower(seq, root, buf[:8 * p0], hit, promote=False)
+
+    def _broken_chain(self, seq: int, tier, run_key: str) -> int:
+        """A chained run whose parents cannot be loaded (evicted, damaged): a miss with
+        nothing changed (what the parents placed goes), the run dropped (``match`` stops
+        promising it) and every run forgotten as written, so the next save of the prompt
+        hands the writer every block again."""
+        self.cache.seq_rm(seq)
+        try:
+            tier.remove_run(run_key)
+        except Exception:  # noqa: BLE001 - tiers never raise on I/O
+            pass
+        self._forget_written(None)
+        self._counts[tier.name]["misses"] += 1
+        return 0
+
+    def _lower_done(self, seq: int, root: bytes, buf: bytes, tier, n: int,
+                    promote: bool) -> int:
+        """Book a lower-tier load of ``n`` tokens (0: a miss) and promote it (outermost
+        load of a chain only)."""
+        if n <= 0:
+            self._counts[tier.name]["misses"] += 1
+            return 0
+        self._counts[tier.name]["hits"] += 1
+        if promote:
+            self.tokens_reused += n
+            self._promote(seq, root, buf[:8 * n], source=None)
+        return n
+
+    def _load_lower_direct(self, seq: int, root: bytes, buf: bytes, hit,
+                           promote: bool = True) -> int:
         """``_load_lower`` with the run's rows read from the tier straight into the cells they
         land in (``RunReader`` + ``state.snapshot.import_run``): header, positions and binding
         checked first, the rows' crc32 while they arrive; a bad run is a miss, rolled back."""
@@ -1544,31 +1618,40 @@ class PrefixStore:
             if self._sliding and self._floor_of_snapshot(snap) > n:
                 self._counts[tier.name]["misses"] += 1
                 return 0
+            p0 = self._chain_start(run.snap, n)
+            if p0 is None:
+                raise StateError(f"the {tier.name} tier's chained run {run_key} does not start "
+                                 "at its first block")
+            if p0:   # a chained run: its parents' blocks first
+                if self._load_parent(seq, root, buf, p0) < p0:
+                    return self._broken_chain(seq, tier, run_key)
             try:
-                import_run(self.cache, seq, run, upto=n)
+                try:
+                    import_run(self.cache, seq, run, upto=n)
+                except KVCacheFullError:
+                    self._make_room(max(len(p.positions) for p in snap.parts))
+                    import_run(self.cache, seq, run, upto=n)
             except KVCacheFullError:
-                self._make_room(max(len(p.positions) for p in snap.parts))
-                import_run(self.cache, seq, run, upto=n)
+                if p0:
+                    self.cache.seq_rm(seq)   # nothing changed: the parents go too
+                raise
         except (StateError, ValueError, NotSupportedError) as exc:
             if isinstance(exc, KVCacheFullError):
                 raise
             tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
             self._forget_written(run_key)
-            self._counts[tier.name]["misses"] += 1
-            return 0
+            self.cache.seq_rm(seq)         # a chained run's parents go too: nothing changed
+            return self._lower_done(seq, root, buf, tier, 0, promote)
         finally:
             reader.close()
         self.bytes_moved += snap.nbytes
-        self._counts[tier.name]["hits"] += 1
-        self.tokens_reused += n
-        self._promote(seq, root, buf[:8 * n], source=None)
-        return n
+        return self._lower_done(seq, root, buf, tier, n, promote)
 
-    def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
+    def _load_lower(self, seq: int, root: bytes, buf: bytes, hit, promote: bool = True) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, block, block_key) = hit
         if self._reads_into_cells() and callable(getattr(tier, "open_run", None)):
-            return self._load_lower_direct(seq, root, buf, hit)
+            return self._load_lower_direct(seq, root, buf, hit, promote)
         try:
             data = tier.read_runs([run_key])[0]
         except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss
@@ -1594,6 +1677,7 @@ class PrefixStore:
                 self._forget_written(None)   # a re-save of the prompt re-points its blocks
                 self._counts[tier.name]["misses"] += 1
                 return 0
+            p0 = self._chain_start(snap, n)      # (the metadata: before slicing drops it)
             snap = _slice_snapshot(snap, n)
             if self._rc is not None:
                 # hybrid: the run serves up to its deepest restore point at or below the match
@@ -1606,19 +1690,27 @@ class PrefixStore:
             if self._sliding and self._floor_of_snapshot(snap) > n:
                 self._counts[tier.name]["misses"] += 1
                 return 0
-            self._import(seq, snap)    # checks the fingerprint, shapes and formats first
+            if p0 is None or (p0 and self._rc is not None):
+                raise StateError(f"the {tier.name} tier's chained run {run_key} does not start "
+                                 "at its first block")
+            if p0:   # a chained run: its parents' blocks first
+                if self._load_parent(seq, root, buf, p0) < p0:
+                    return self._broken_chain(seq, tier, run_key)
+            try:
+                self._import(seq, snap)    # checks the fingerprint, shapes and formats first
+            except KVCacheFullError:
+                if p0:
+                    self.cache.seq_rm(seq)   # nothing changed: the parents go too
+                raise
         except (StateError, ValueError) as exc:
             if isinstance(exc, KVCacheFullError):
                 raise
             tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
             self._forget_written(run_key)
-            self._counts[tier.name]["misses"] += 1
-            return 0
+            self.cache.seq_rm(seq)         # a chained run's parents go too: nothing changed
+            return self._lower_done(seq, root, buf, tier, 0, promote)
         self.bytes_moved += snap.nbytes
-        self._counts[tier.name]["hits"] += 1
-        self.tokens_reused += n
-        self._promote(seq, root, buf[:8 * n], source=None)
-        return n
+        return self._lower_done(seq, root, buf, tier, n, promote)
 
     # ------------------------------------------------------------------ misc
     def entries(self) -> List[Dict[str, Any]]:

@@ -440,10 +440,61 @@ def bench_moves(tiers=("host", "disk", "redis"), tokens: int = 8192, layers: int
     return out
 
 
+def bench_write_through(tokens: int = 2048, layers: int = 16, kv_heads: int = 8,
+                        head_dim: int = 64, reps: int = 10, turns: int = 8,
+                        directory: Optional[str] = None) -> Dict[str, float]:
+    """Write-through to a disk tier (issue 36 item 6): ``save_s``, the request thread's part of
+    a save of a fresh ``tokens``-token prompt (median; the writer's encode + write + fsync
+    waits in an untimed ``flush``), beside ``copyto_s``, ``np.copyto`` of the same K/V bytes
+    between preallocated arrays, timed in the same loop; and ``chat_bytes``, what the disk tier
+    holds after a conversation grew over ``turns`` saves to ``tokens`` tokens, against
+    ``prompt_bytes`` (the final prompt's K/V: each block written once) and ``quadratic_bytes``
+    (every turn's whole prompt written again)."""
+    import numbakv as nkv
+    cache, prompt = _moves_cache(tokens, layers, kv_heads, head_dim)
+    src = (cache.storage.keys[:, :tokens], cache.storage.values[:, :tokens])
+    dst = tuple(np.ones_like(a) for a in src)
+    root = tempfile.mkdtemp(prefix="nkv-bench-wt-", dir=directory)
+    try:
+        store = nkv.PrefixStore(cache, disk_dir=root, disk_bytes=64 * cache.config.nbytes(tokens),
+                                model_id="bench/write-through")
+        saves, copies = [], []
+        for i in range(reps + 2):
+            t0 = time.perf_counter()
+            store.save(0, prompt, salt=b"%d" % i)
+            t1 = time.perf_counter()
+            store.flush()
+            t2 = time.perf_counter()
+            for a, b in zip(src, dst):
+                np.copyto(b, a)
+            t3 = time.perf_counter()
+            if i >= 2:
+                saves.append(t1 - t0)
+                copies.append(t3 - t2)
+        store.clear()
+        step = -(-tokens // turns)
+        for turn in range(1, turns + 1):
+            store.save(0, prompt[:min(tokens, step * turn)], salt=b"chat")
+            store.flush()
+        held = store.stats()["tiers"]["disk"]["bytes_used"]
+        store.close()
+        per_token = cache.config.nbytes(1)
+        return {"save_s": statistics.median(saves), "copyto_s": statistics.median(copies),
+                "chat_bytes": held, "prompt_bytes": tokens * per_token,
+                "quadratic_bytes": sum(min(tokens, step * t) for t in range(1, turns + 1))
+                * per_token}
+    finally:
+        cache.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m numbakv.tools.bench_tiers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="disk,redis,ttft")
+    p.add_argument("--sections", default="disk,redis,ttft",
+                   help="disk, redis, ttft, moves (every tier's store/load into the cache vs "
+                        "its floor, 256 MiB), writethrough (a save's request-thread cost, a "
+                        "growing chat's bytes)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -464,6 +515,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         results["redis"] = bench_redis(data, args.tokens, url=args.redis, repeats=args.repeats)
     if "ttft" in sections:
         results["ttft"] = bench_ttft()
+    if "moves" in sections:
+        moves = bench_moves(directory=args.dir, url=args.redis)
+        for tier, r in moves.items():
+            results[f"moves-{tier}"] = r
+    if "writethrough" in sections:
+        results["writethrough"] = bench_write_through(directory=args.dir)
     for name, r in results.items():
         if "ratio" in r:
             r["target"] = TARGETS[name]
@@ -472,6 +529,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(results, indent=2))
         return 0
     for name, r in results.items():
+        if name.startswith("moves-"):
+            print(f"{name[6:]:<5}: {r['bytes'] / 2**20:.0f} MiB store "
+                  f"{r['store_s'] * 1e3:.1f} ms vs floor {r['store_floor_s'] * 1e3:.1f} ms -> {r['store_ratio']:.2f}; load into "
+                  f"the cache {r['load_s'] * 1e3:.1f} ms vs floor {r['load_floor_s'] * 1e3:.1f} ms"
+                  f" -> {r['load_ratio']:.2f} (target >= 0.6 each)")
+            continue
+        if name == "writethrough":
+            print(f"write-through: save (request thread) {r['save_s'] * 1e3:.1f} ms vs np.copyto "
+                  f"of the same bytes {r['copyto_s'] * 1e3:.1f} ms; a growing chat leaves "
+                  f"{r['chat_bytes'] / 2**20:.1f} MiB on disk (final prompt "
+                  f"{r['prompt_bytes'] / 2**20:.1f} MiB, whole prompt every turn "
+                  f"{r['quadratic_bytes'] / 2**20:.1f} MiB)")
+            continue
         if "skipped" in r:
             print(f"{name}: skipped ({r['skipped']})")
             continue

@@ -36,7 +36,8 @@ import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["ByteTier", "FORMAT_VERSION", "check_key", "check_keys", "check_namespace",
-           "check_budget", "check_data", "check_chunks", "BIND_RUN", "BIND_BLOCKS", "binding",
+           "check_budget", "BIND_FIRST", "check_data", "check_chunks", "BIND_RUN",
+           "BIND_BLOCKS", "binding",
            "is_bound", "RunReader"]
 
 #: Version of the tiers' on-disk / in-server layout; part of every path and key, so a future
@@ -101,6 +102,9 @@ def check_budget(budget_bytes) -> int:
 #: (``SeqSnapshot.to_bytes(binding(keys))``, covered by its checksum) and checks them on every
 #: read (:func:`is_bound`), whichever tier the bytes came from.
 BIND_RUN, BIND_BLOCKS = "prefix.run", "prefix.blocks"
+#: snapshot metadata of a *chained* run (written when the tier held the prompt's first blocks
+#: already): the index of the first block whose rows it holds (absent: 0, the whole prompt)
+BIND_FIRST = "prefix.first"
 
 
 def binding(block_keys: Sequence[str]) -> Dict[str, str]:

@@ -721,9 +721,11 @@ class DiskTier(ByteTier):
             # only runs the index lists: a file under a run's name that no writer of this
             # namespace logged (copied in, another model's) is never served
             known = [not closed and run in self._ix.runs for run in runs]
-        bad = []
+        bad, gone = [], []
         for run, listed in zip(runs, known):
             data = self._read_one(run) if listed else None
+            if data is None and listed:
+                gone.append(run)
             if data is False:
                 errors += 1
                 bad.append(run)
@@ -731,6 +733,8 @@ class DiskTier(ByteTier):
             out.append(data)
         for run in bad:   # not a whole run of ours: drop it, so neither a lookup nor a
             self.report_invalid(run)   # rewrite of the same key trusts it again
+        for run in gone:  # listed but its file is gone (deleted by hand): unlist it, so
+            self.remove_run(run)       # lookups stop promising it
         hits = sum(1 for x in out if x is not None)
         with self._lock:
             self._counts["hits"] += hits
@@ -762,8 +766,8 @@ class DiskTier(ByteTier):
                     os.utime(fd)  # least recently *used*: a read makes the run young again
                 except OSError:
                     pass
-            except FileNotFoundError:
-                pass
+            except FileNotFoundError:   # listed, file gone (deleted by hand): unlist it
+                self.remove_run(run)
             except (OSError, ValueError):
                 bad = True
         if bad:
