@@ -269,3 +269,31 @@ def test_request_thread_hands_over_only_the_new_blocks(tmp_path):
     other = small_cache()
     assert _disk_store(other, tmp_path).load(1, turn2) == 104
     assert _rows(other.export_seq(1)) == _rows(cache.export_seq(0, 0, 104))
+
+
+def test_large_run_checksum_overlaps_the_reads_and_still_refuses_damage(tmp_path):
+    """Runs of >= 8 MiB compute their crc32 on a helper thread beside the reads."""
+    from numbakv.state import snapshot as sn
+    cfg = nkv.CacheConfig(4, 8, 64, dtype="float16", capacity=4096, max_seqs=4, device="cpu")
+    cache = nkv.CausalCache(cfg)
+    toks = list(range(2304))
+    rng = np.random.default_rng(3)
+    for lo in range(0, len(toks), 512):
+        pos = np.arange(lo, lo + 512)
+        cache.start_forward(pos, np.zeros(512, np.int32))
+        for layer in range(4):
+            cache.set_layer(layer)
+            kv = rng.standard_normal((512, 8, 64)).astype("float16")
+            cache.put(kv, -kv)
+    data = cache.export_seq(0).to_bytes()
+    assert len(data) >= sn._PIPELINE_BYTES
+    dst = nkv.CausalCache(cfg)
+    assert import_run(dst, 1, open_run(RunReader(data)), upto=2000) == 2000
+    assert _rows(dst.export_seq(1)) == _rows(cache.export_seq(0, 0, 2000))
+    assert sn._CRC_WORKER[1] is not None       # the helper thread took the checksum
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 1
+    free = dst.cells.n_free
+    with pytest.raises(StateError, match="checksum"):
+        import_run(dst, 2, open_run(RunReader(bytes(bad))))
+    assert dst.seq_pos_max(2) == -1 and dst.cells.n_free == free

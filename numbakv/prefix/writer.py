@@ -126,10 +126,11 @@ class TierWriter:
         with self._cv:
             if run_key is None:
                 self._written.clear()
-                self._blocks.clear()
             else:
                 self._written.pop(run_key, None)
-                self._blocks.pop(run_key, None)
+            # which blocks the lost run held is not known here: the next save of any prompt
+            # hands over every block again (rare: a tier lost or refused a run)
+            self._blocks.clear()
 
     def known_prefix(self, block_keys: Sequence[str]) -> int:
         """How many leading ``block_keys`` were handed to this writer (queued or written) and
@@ -311,9 +312,11 @@ class TierWriter:
             held = self._held_prefix(tier, job) if len(job.keys) > 1 else 0
             if held < base:
                 # the job holds no rows of blocks [held, base) and the tier lost them (evicted,
-                # refused): a run chained past a gap would serve nothing
+                # refused): a run chained past a gap would serve nothing. The next save hands
+                # over the whole prompt (the entry itself is written whole at its eviction).
                 with self._cv:
                     self.counts["failed"] += 1
+                    self._blocks.clear()
                 continue
             m = max(held, base)
             if m >= len(job.keys):

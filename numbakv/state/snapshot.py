@@ -1207,6 +1207,9 @@ class _LazyState(_st._State):
     def verify_checksum(self, bar=None) -> None:
         """Deferred: the fill computes the crc32 over the rows it reads (``_fill_from_run``)."""
 
+    def data_bytes_total(self) -> int:
+        return max((t.end for t in self.tensors.values()), default=0)
+
 
 class OpenedRun:
     """A run (``SeqSnapshot.to_bytes`` bytes behind a ``RunReader``) whose header and positions
@@ -1248,6 +1251,50 @@ def open_run(reader, what: str = "run") -> OpenedRun:
     return OpenedRun(reader, lazy, snap)
 
 
+#: (pid, executor): the one helper thread computing a run's crc32 while its next rows are read
+_CRC_WORKER: list = [None, None]
+#: runs at least this large overlap their checksum with their reads
+_PIPELINE_BYTES = 8 << 20
+
+
+class _Crc:
+    """A crc32 over buffers handed in file order, optionally computed on a helper thread while
+    the caller reads the next ones (``zlib.crc32`` and ``preadv`` both release the GIL). One
+    worker thread per process serves every run in submission order, so each run's checksum
+    runs in its own order; ``value()`` waits for it."""
+
+    def __init__(self, crc: int, background: bool) -> None:
+        import zlib
+        self._zlib = zlib
+        self.crc = crc
+        self._last = None
+        self._pool = None
+        if background:
+            import concurrent.futures
+            import os
+            if _CRC_WORKER[0] != os.getpid():   # first use, or a forked child: a new thread
+                _CRC_WORKER[:] = [os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="numbakv-crc")]
+            self._pool = _CRC_WORKER[1]
+
+    def add(self, views: Sequence[memoryview]) -> None:
+        """Checksum ``views`` after everything added before; with a helper thread the views
+        must stay unchanged until :meth:`value` (rows in the cells, not a reused scratch)."""
+        def step() -> None:
+            for v in views:
+                self.crc = self._zlib.crc32(v, self.crc)
+        if self._pool is None:
+            step()
+        else:
+            self._last = self._pool.submit(step)
+
+    def value(self) -> int:
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+        return self.crc
+
+
 def _fill_from_run(unit, slots: np.ndarray, plan: "_Placement", run: OpenedRun) -> None:
     """Write the rows of ``run`` into ``slots`` of ``unit``: per tensor, one ``read_into`` of the
     rows that land straight in the cells' storage (a run of cells, all heads, K or unpermuted
@@ -1262,11 +1309,17 @@ def _fill_from_run(unit, slots: np.ndarray, plan: "_Placement", run: OpenedRun) 
     start = _run_start(slots)
     permuted = unit.config.permuted_v
     heads = plan.heads
-    crc = zlib.crc32(_st._canonical(state.header))
+    crc = _Crc(zlib.crc32(_st._canonical(state.header)), background=False)
     scratch = np.empty(0, np.uint8)
-    for name, t in sorted(state.tensors.items(), key=lambda item: item[1].begin):
+    tensors = sorted(state.tensors.items(), key=lambda item: item[1].begin)
+    for name, t in tensors:
         if name in state.positions_raw:
-            crc = zlib.crc32(state.positions_raw[name], crc)
+            crc.add([memoryview(state.positions_raw[name])])
+    if start >= 0 and state.data_bytes_total() >= _PIPELINE_BYTES:
+        # large runs: the checksum of each tensor's rows runs beside the read of the next
+        crc = _Crc(crc.value(), background=True)
+    for name, t in tensors:
+        if name in state.positions_raw:
             continue
         which, layer = name.rsplit(".", 2)[-2:]
         side = storage.keys if which == "k" else storage.values
@@ -1283,14 +1336,16 @@ def _fill_from_run(unit, slots: np.ndarray, plan: "_Placement", run: OpenedRun) 
             need = nbytes - k * row_nbytes
         else:
             need = nbytes
+        if need and crc._pool is not None:   # the worker may still read the last scratch
+            crc.value()
         if scratch.size < need:
             scratch = np.empty(need, np.uint8)
         buf = memoryview(scratch)[:need]
         views = [head_view, buf] if direct else [buf]
         if not reader.read_into(state.data_start + t.begin, views):
+            crc.value()
             raise StateError(f"{state.what}: truncated while read (tensor {name})")
-        for v in views:
-            crc = zlib.crc32(v, crc)
+        crc.add(views)
         if not direct and k:
             rows = np.frombuffer(scratch, side.dtype, k * row_nbytes // side.itemsize)
             rows = rows.reshape(k, n_heads, t.shape[2])[:, heads]
@@ -1301,10 +1356,11 @@ def _fill_from_run(unit, slots: np.ndarray, plan: "_Placement", run: OpenedRun) 
                 side[layer][:, :, idx] = rows.transpose(1, 2, 0)
             else:
                 side[layer][idx] = rows
+    value = crc.value()
     want = state.metadata.get("checksum", "")
-    if want != f"crc32:{crc:08x}":
+    if want != f"crc32:{value:08x}":
         raise StateError(f"{state.what}: checksum mismatch (stored {want!r}, computed "
-                         f"crc32:{crc:08x}): the data is corrupted")
+                         f"crc32:{value:08x}): the data is corrupted")
 
 
 def import_run(cache, seq: int, run: OpenedRun, *, upto: Optional[int] = None) -> int:
