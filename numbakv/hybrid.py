@@ -155,10 +155,12 @@ class HybridCache(_files.StateMethods):
         until the next ``start_forward`` (see ``CausalCache.set_causal``)."""
         self.attn.set_causal(except_)
 
-    def page_table(self) -> Any:
-        """The current attention layer's page table (see ``CausalCache.page_table``)."""
+    def page_table(self, page_size: int = 1) -> Any:
+        """The current attention layer's page table (see ``CausalCache.page_table``;
+        ``page_size > 1``: in pages, e.g. over a ``CacheConfig(page_size=64)`` attention
+        half)."""
         self._attention_layer("page_table()")
-        return self.attn.page_table()
+        return self.attn.page_table(page_size)
 
     def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy K/V views of every cell of an attention ``layer`` (model numbering; the

@@ -114,7 +114,10 @@ class PagedTable:
     ``p * page_size .. (p + 1) * page_size - 1`` of the pool (:meth:`CausalCache.mla_views`
     shapes the latent pool ``[n_pages, page_size, ...]`` to match); token ``i`` of sequence
     ``b`` (in position order) is slot ``i % page_size`` of page ``block_table[b, i //
-    page_size]``.
+    page_size]``. A sequence's pages may lie anywhere in the pool, in any order, and be shared
+    with other sequences; only its last page may be partial (``kv_last_page_len``). A cache
+    built with ``CacheConfig(page_size=...)`` places tokens so that this holds by
+    construction (see :func:`paged_arrays` for the rule and what breaks it).
 
     Attributes: ``page_size``; ``seq_ids``, ``qo_indptr``, ``token_order``, ``q_positions`` as
     in :class:`PageTable`; ``cache_seqlens [n_b]`` (tokens each sequence attends to);
@@ -134,35 +137,83 @@ class PagedTable:
     kv_last_page_len: Any
 
 
+def page_rule_break(cells: np.ndarray, page_size: int) -> int:
+    """The first index ``i`` of a sequence's cells in position order (``cells`` int ``[n]``)
+    that breaks the page rule of :func:`paged_arrays` (``cells[i]`` is not slot ``i %
+    page_size`` of the page ``cells[i - i % page_size]`` opened), or -1 when none does."""
+    cells = np.asarray(cells, np.int64)
+    i = np.arange(cells.shape[0])
+    slot = i % page_size
+    bad = (cells % page_size != slot) | (cells // page_size != cells[i - slot] // page_size)
+    return int(np.argmax(bad)) if bad.any() else -1
+
+
 def paged_arrays(host: "HostPages", page_size: int) -> dict:
     """Host arrays of a :class:`PagedTable` from a pass's page-size-1 table, or a ``str``
-    saying why the layout has no page form: each sequence's visible cells must be one run
-    ``c0, c0 + 1, ...`` in position order starting on a page boundary (``c0 % page_size ==
-    0``), so that whole pages hold only its tokens, in order."""
+    saying why the layout has no page form.
+
+    The rule (FlashMLA's ``block_table``, FlashInfer's paged KV): a sequence's visible cells,
+    in position order ``c_0, c_1, ...``, fill pages of ``page_size`` cells, so that ``c_i``
+    is slot ``i % page_size`` of its page (``c_i % page_size == i % page_size``) and the
+    cells ``c_{k*page_size} .. c_{k*page_size + page_size - 1}`` are one page. Pages need not
+    be contiguous nor ordered in the pool (a sequence's page list can run 7, 2, 9), sequences
+    may share pages (a ``seq_cp`` prefix), and only the last page may be partial. The
+    message names the first sequence and cell that breaks it. O(nnz), vectorised."""
     n_b = host.seq_ids.shape[0]
-    seqlens = np.diff(host.kv_indptr).astype(np.int32)
-    counts = -(-seqlens // page_size)
+    indptr = np.asarray(host.kv_indptr, np.int64)
+    cells = np.asarray(host.kv_indices, np.int64)
+    seqlens = np.diff(indptr).astype(np.int32)
+    counts = -(-seqlens.astype(np.int64) // page_size)
+    # rank of each visible cell inside its sequence's list (position order)
+    owner = np.repeat(np.arange(n_b, dtype=np.int64), np.diff(indptr))
+    rank = np.arange(cells.shape[0], dtype=np.int64) - indptr[owner]
+    slot = rank % page_size
+    page = cells // page_size
+    # the page each cell must share with the first cell of its group of page_size
+    head = np.arange(cells.shape[0], dtype=np.int64) - slot
+    bad = (cells % page_size != slot) | (page != page[head])
+    if bad.any():
+        i = int(np.argmax(bad))
+        b = int(owner[i])
+        r = int(rank[i])
+        c = int(cells[i])
+        want = (f"slot {r % page_size} of a page" if r % page_size == 0
+                else f"cell {int(cells[i - 1]) + 1} (slot {r % page_size} of page "
+                     f"{int(page[head[i]])})")
+        return (f"sequence {int(host.seq_ids[b])}'s visible token {r} (position "
+                f"{int(host.kv_positions[i])}) is in cell {c}, not {want}: its cells do not "
+                f"fill pages of {page_size} in position order (use CacheConfig(page_size="
+                f"{page_size}) and avoid seq_rm of a middle range, windows and context shifts, "
+                f"or defrag() after them)")
     max_pages = int(counts.max()) if n_b else 0
     block = np.full((n_b, max(max_pages, 1)), -1, np.int32)
-    indices = []
-    for b in range(n_b):
-        cells = host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
-        n = cells.shape[0]
-        if n == 0:
-            continue
-        c0 = int(cells[0])
-        if c0 % page_size or not np.array_equal(cells, np.arange(c0, c0 + n)):
-            return (f"sequence {int(host.seq_ids[b])}'s visible cells are not one run starting "
-                    f"on a page boundary (first cell {c0}, {n} cells): pages of {page_size} "
-                    "cells cannot describe them")
-        pages = np.arange(c0 // page_size, c0 // page_size + counts[b], dtype=np.int32)
-        block[b, :pages.shape[0]] = pages
-        indices.append(pages)
+    firsts = head[slot == 0] if cells.shape[0] else head[:0]
+    pages = page[firsts].astype(np.int32)          # every sequence's pages, in order
+    page_owner = owner[firsts]
+    page_rank = rank[firsts] // page_size
+    block[page_owner, page_rank] = pages
     last = np.where(seqlens > 0, seqlens - (counts - 1) * page_size, 0).astype(np.int32)
     return {"cache_seqlens": seqlens, "block_table": block,
             "kv_indptr": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-            "kv_indices": (np.concatenate(indices) if indices else np.zeros(0)).astype(np.int32),
-            "kv_last_page_len": last}
+            "kv_indices": pages, "kv_last_page_len": last}
+
+
+def paged_table(host: "HostPages", page_size: int, n_cells: int, xp: Any) -> PagedTable:
+    """The :class:`PagedTable` of a pass (``host``: its page-size-1 tables) over a pool of
+    ``n_cells`` cells, arrays made by ``xp`` (numpy or CuPy). ``ValueError`` when
+    ``page_size`` does not divide the pool, ``NotSupportedError`` (naming the sequence and
+    cell) when the layout breaks the page rule of :func:`paged_arrays`."""
+    from .errors import NotSupportedError
+    if n_cells % page_size:
+        raise ValueError(f"page_size={page_size} must divide the cache's {n_cells} cells (set "
+                         "cache_padding to a multiple of it)")
+    arrays = paged_arrays(host, page_size)
+    if isinstance(arrays, str):
+        raise NotSupportedError(f"page_table(page_size={page_size}): {arrays}")
+    dev = {k: xp.asarray(v) for k, v in arrays.items()}
+    table = host.table
+    return PagedTable(page_size, table.seq_ids, table.qo_indptr, table.token_order,
+                      table.q_positions, **dev)
 
 
 # --------------------------------------------------------------------------------------------

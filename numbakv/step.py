@@ -21,6 +21,10 @@ stream), the descriptor written into a pinned host buffer and sent by one ``cuda
 the caller's K/V copied into the fixed inputs -- then launches the graph: one put per stored
 layer, all reading the descriptor. Everything is queued on the cache's stream in that order.
 
+An engine that captures its own graph (the whole model) instead calls :meth:`DecodeStep.put`
+per layer inside its capture, on the cache's stream, and :meth:`DecodeStep.prepare` before each
+replay of its graph: the same descriptor-reading put, launched where the engine wants it.
+
 On ``cpu`` and ``sim`` there is no graph to capture; the step records the same launches (the
 CPU twin, or the real kernel in the simulator) reading the same descriptor array, and
 :meth:`DecodeStep.replay` runs them: the results, the validation and the error behaviour are
@@ -37,6 +41,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from ._jit import njit
 from .device import as_array
 from .errors import KVCacheError, NotSupportedError
 from .kernels import put as _put
@@ -49,6 +54,27 @@ HEADER = 4
 PINNED_RING = 4
 #: cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 _H2D, _D2D = 1, 3
+
+
+@njit(cache=True)
+def fill_descriptor(host, pos, seqs, start, batch):
+    """The step descriptor (see the module docstring) of ``n = len(pos)`` tokens placed at
+    cells ``start ..`` into ``host`` (int32 ``[HEADER + 3 * batch]``), -1 past ``n``; one
+    compiled pass instead of a dozen numpy slice assignments per replay."""
+    n = pos.shape[0]
+    host[0] = n
+    host[1] = start
+    host[2] = batch
+    host[3] = 0
+    for t in range(batch):
+        if t < n:
+            host[HEADER + t] = start + t
+            host[HEADER + batch + t] = pos[t]
+            host[HEADER + 2 * batch + t] = seqs[t]
+        else:
+            host[HEADER + t] = -1
+            host[HEADER + batch + t] = -1
+            host[HEADER + 2 * batch + t] = -1
 
 
 class DecodeStep:
@@ -70,6 +96,7 @@ class DecodeStep:
         self.layers: Tuple[int, ...] = tuple(cfg.owner_layers)
         self.replays = 0
         self.graph = None
+        self._user_plans: dict = {}   # put(): one launch plan per (layer, input addresses)
         xp = storage.xp
         n_layers = len(self.layers)
         sdt = cfg.storage_dtype
@@ -167,22 +194,17 @@ class DecodeStep:
             slot[2].synchronize()   # the GPU is PINNED_RING replays behind
         return slot
 
-    def _write_descriptor(self, pos: np.ndarray, seqs: np.ndarray, start: int, stream) -> None:
+    def _write_descriptor(self, pos: np.ndarray, seqs: np.ndarray, start: int, stream,
+                          slots: Optional[np.ndarray] = None) -> None:
         n = pos.shape[0]
         if self.device == "cuda":
             slot = self._pinned(stream)
             host = slot[1]
         else:
             host = self._host
-        host[0], host[1], host[2], host[3] = n, start, self.batch, 0
-        s, p, q = self._slots_at, self._pos_at, self._seq_at
-        b = self.batch
-        host[s:s + n] = np.arange(start, start + n, dtype=np.int32)
-        host[s + n:s + b] = -1
-        host[p:p + n] = pos
-        host[p + n:p + b] = -1
-        host[q:q + n] = seqs
-        host[q + n:q + b] = -1
+        fill_descriptor(host, pos, seqs, start, self.batch)
+        if slots is not None:       # paged placement (CacheConfig(page_size)): scattered cells
+            host[HEADER:HEADER + n] = slots
         if self.device == "cuda":
             import cupy
             cupy.cuda.runtime.memcpyAsync(int(self.descriptor.data.ptr), slot[3], self._nbytes,
@@ -220,6 +242,79 @@ class DecodeStep:
         if self.device == "cuda":
             self._storage._keep_inputs(arr, arr)
 
+    def _count(self, positions: Any) -> int:
+        n = int(np.size(positions)) if isinstance(positions, np.ndarray) else None
+        if n is None:
+            try:
+                n = len(positions)
+            except TypeError:
+                raise ValueError(f"positions must be a 1-d integer array, got "
+                                 f"{type(positions).__name__}") from None
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"positions must hold 1 to batch={self.batch} tokens (the step's "
+                             f"captured size), got {n}")
+        return n
+
+    def prepare(self, positions: Any, seqs: Any) -> None:
+        """The host half of a step without the graph, for an engine that captures its own
+        (the whole model, say) with :meth:`put` inside it: ``start_forward(positions, seqs)``
+        and the step descriptor sent to the device (on the cache's stream), so kernels
+        captured earlier by :meth:`put` store this batch's ``n <= batch`` tokens when the
+        engine replays its graph next on that stream. Raises like ``start_forward``, nothing
+        changed."""
+        cache = self.cache
+        if cache.closed:
+            raise KVCacheError("the cache is closed")
+        self._count(positions)
+        cache.start_forward(positions, seqs)
+        fwd = cache._forward
+        with self._scope():
+            stream = None
+            if self.device == "cuda":
+                import cupy
+                stream = cupy.cuda.get_current_stream()
+            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream, fwd.slots)
+
+    def put(self, layer: int, key: Any, value: Any) -> None:
+        """Store ``key [batch, n_kv_heads, head_dim]`` and ``value [batch, n_kv_heads,
+        v_head_dim]`` (arrays of the cache's device, storage dtype) for model ``layer`` at the
+        cells the step descriptor names: token ``t < n`` of the last :meth:`prepare` (or
+        :meth:`replay`) goes to its cell, rows past ``n`` are skipped. The kernel reads its
+        slots from the descriptor when it runs, never from its launch arguments, so a call made
+        while the engine captures a CUDA graph (on the cache's stream) stores each later
+        replay's tokens where that replay's ``prepare`` placed them. On cpu/sim the put runs
+        at once, reading the same descriptor."""
+        cfg = self.cache.config
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < cfg.n_layers:
+            raise ValueError(f"layer must be an integer in [0, {cfg.n_layers}), got {layer!r}")
+        slot = cfg.storage_layers[int(layer)]
+        if cfg.owner_layer(int(layer)) != layer or slot < 0:
+            raise ValueError(f"layer {layer} stores no K/V of its own (layer_reuse)")
+        storage = self._storage
+        storage._check_kv(key, value, self.batch)
+        k_l, v_l = storage._k_layers[slot], storage._v_layers[slot]
+        slots = self.descriptor[self._slots_at:self._slots_at + self.batch]
+        if self.device == "cpu":
+            _put.launch_cpu(k_l, v_l, slots, key, value)
+            return
+        if self.device == "sim":
+            _put.launch("sim", k_l, v_l, slots, key, value, storage.permuted)
+            return
+        import cupy
+        ptrs = (int(k_l.data.ptr), int(v_l.data.ptr),
+                int(self.descriptor.data.ptr) + 4 * self._slots_at, int(key.data.ptr),
+                int(value.data.ptr))
+        pkey = (slot, ptrs, key.shape, key.strides, value.shape, value.strides)
+        plan = self._user_plans.get(pkey)
+        if plan is None:
+            desc = Desc(ptrs[2], (self.batch,), (4,), np.dtype(np.int32))
+            plan = self._user_plans[pkey] = _put._CudaPut(
+                k_l, v_l, key, value, desc, storage.permuted, cupy.cuda.runtime.getDevice())
+        with self._scope():
+            plan.launch(ptrs, -1, cupy.cuda.get_current_stream().ptr)
+            storage._keep_inputs(key, value)
+
     def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
                v: Any = None) -> None:
         """Run the captured step for a batch of ``n <= batch`` tokens: ``positions`` and
@@ -237,16 +332,7 @@ class DecodeStep:
         if q is not None:
             raise ValueError("q must be None: this step was captured without attention "
                              "(capture_step(attend=False))")
-        n = int(np.size(positions)) if isinstance(positions, np.ndarray) else None
-        if n is None:
-            try:
-                n = len(positions)
-            except TypeError:
-                raise ValueError(f"positions must be a 1-d integer array, got "
-                                 f"{type(positions).__name__}") from None
-        if not 1 <= n <= self.batch:
-            raise ValueError(f"positions must hold 1 to batch={self.batch} tokens (the step's "
-                             f"captured size), got {n}")
+        n = self._count(positions)
         cfg = cache.config
         k_arr = self._check_input(k, "k", n, cfg.head_dim)
         v_arr = self._check_input(v, "v", n, cfg.v_head_dim)
@@ -257,7 +343,7 @@ class DecodeStep:
             if self.device == "cuda":
                 import cupy
                 stream = cupy.cuda.get_current_stream()
-            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream)
+            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream, fwd.slots)
             if k_arr is not None:
                 self._copy_in(self.key, k_arr, n, stream)
             if v_arr is not None:
@@ -299,4 +385,4 @@ def check_capturable(cache: Any, batch: Any, attend: bool) -> int:
     return int(batch)
 
 
-__all__ = ["DecodeStep", "HEADER", "check_capturable"]
+__all__ = ["DecodeStep", "HEADER", "check_capturable", "fill_descriptor"]

@@ -78,6 +78,16 @@ def _slots_problem(slots, n_cells):
     return 0
 
 
+@njit(cache=True)
+def _all_in(values, lo, hi):
+    """Whether every entry is in ``[lo, hi)``: one compiled pass (two numpy reductions cost
+    about 6 us on the rotation's host path)."""
+    for i in range(values.shape[0]):
+        if values[i] < lo or values[i] >= hi:
+            return False
+    return True
+
+
 #: host storage alignment: JAX's CPU DLPack import copies unless data is 64-byte aligned, and
 #: numpy's allocator only guarantees 16
 HOST_ALIGN = 64
@@ -195,6 +205,8 @@ class KVStorage:
         # the stream contract (cuda only; see use_stream): None = CuPy's current stream
         self._stream = None
         self._mover = None            # kernels.move.RunMover, built at the first move
+        self._roper = None            # kernels.rope.RopeLauncher, built at the first rotation
+        self._rope_memo = (None, None, 0)   # (RopeShift, inv_freq, rotary dim) of the last one
         self._order_event = None      # order_before / order_after: one reused event each
         self._after_event = None
         self._pending: list = []      # inputs of queued launches not yet covered by an event
@@ -237,7 +249,7 @@ class KVStorage:
         # its own in-flight bookkeeping (the stream handle itself is shared: use_stream on the
         # parent's owner sets every slice)
         part._pending, part._retired, part._last_mask = [], [], None
-        part._mover = None      # its own storage views
+        part._mover = part._roper = None      # its own storage views
         return part
 
     # ---------------------------------------------------------------- basics
@@ -515,6 +527,23 @@ class KVStorage:
             if self.device == "cuda":
                 self._keep_inputs(key, value)
 
+    def put_slots_trusted(self, layer: int, slots: np.ndarray, key, value) -> None:
+        """:meth:`put` without its checks, for a caller that made them all (CausalCache's
+        per-layer hot path under paged placement): ``slots`` int32 host ``[batch]`` of distinct
+        cells in range (the cell table placed them), ``key``/``value`` as for
+        :meth:`put_range_trusted`."""
+        if self.quantized:
+            self._put_quantized(layer, slots, -1, key, value)
+            return
+        if self.device == "cpu":
+            _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], slots, key, value)
+            return
+        with self._on_device():
+            _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], slots, key,
+                        value, self.permuted)
+            if self.device == "cuda":
+                self._keep_inputs(key, value)
+
     def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
                           window: int, chunk: int) -> None:
         """:meth:`fill_mask` without its checks (CausalCache's start_forward made them)."""
@@ -690,13 +719,19 @@ class KVStorage:
         cell listed twice turns by the sum of its deltas."""
         if not isinstance(rope, RopeShift):
             raise ValueError(f"rope must be a RopeShift, got {type(rope).__name__}")
-        inv_freq = rope.inv_freq(self.config.head_dim)  # checks the rotary dim fits
+        memo = self._rope_memo
+        if memo[0] is rope:    # a cache shifts with one RopeShift: its tables, once
+            inv_freq, dim = memo[1], memo[2]
+        else:
+            inv_freq = rope.inv_freq(self.config.head_dim)  # checks the rotary dim fits
+            dim = check_rope_layout(self.config, rope)
+            self._rope_memo = (rope, inv_freq, dim)
         cells = _host_ints(cells, "cells")
         deltas = _host_ints(deltas, "deltas", np.int64)
         if cells.shape != deltas.shape:
             raise ValueError(f"deltas must have one entry per cell ({cells.shape[0]}), "
                              f"got {deltas.shape[0]}")
-        if cells.size and (cells.min() < 0 or cells.max() >= self.n_cells):
+        if cells.size and not _all_in(cells, 0, self.n_cells):
             raise ValueError(f"cells must be in [0, {self.n_cells})")
         if layers is not None:
             layers = _host_ints(layers, "layers")
@@ -704,8 +739,14 @@ class KVStorage:
                 raise ValueError(f"layers must be in [0, {self.config.n_layers})")
             if np.unique(layers).size != layers.size:
                 raise ValueError("layers must not repeat")
-        dim = check_rope_layout(self.config, rope)
         if cells.size == 0:
+            return
+        if not self.k_quantized and self.device != "cpu":
+            launcher = self._roper
+            if launcher is None:
+                launcher = self._roper = _rope.RopeLauncher(self.device, self.keys, self.dtype)
+            with self._on_device():
+                launcher.launch(cells, deltas, inv_freq, rope.neox, layers, rope.offset)
             return
         if not self.k_quantized:   # the kernel indexes the rope dims of the contiguous rows
             with self._on_device():

@@ -384,11 +384,21 @@ class StreamCache(CausalCache):
 
     # ------------------------------------------------------------------ attention-ready outputs
     # layer_pool() is CausalCache's: every cell of the pool, so page_table().kv_indices index it
-    def page_table(self) -> "PageTable":
+    def page_table(self, page_size: int = 1) -> Any:
         """This forward pass's page table over the flattened pool: each stream's cells as
         ``stream * cells_per_stream + cell`` (so ``layer_pool()`` rows), grouped as ``get()``
-        groups (see ``CausalCache.page_table``)."""
-        return self._host_pages().table
+        groups (see ``CausalCache.page_table``). ``page_size > 1``: the pool in pages of that
+        many cells (a stream's contiguous placement fills whole pages from its first cell when
+        ``cells_per_stream`` is a multiple of it), or ``NotSupportedError`` naming the
+        sequence whose cells do not fill pages."""
+        from . import pages
+        page_size = _check_index("page_size", page_size, 1)
+        host = self._host_pages()
+        if self.storage._stream is not None:
+            self.storage.order_before()   # the table's upload and the puts, before its reader
+        if page_size == 1:
+            return host.table
+        return pages.paged_table(host, page_size, self.n_cells, self._xp)
 
     def _host_pages(self):
         """Every batch stream's own page table, its cells offset into the pool, joined in

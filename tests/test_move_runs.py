@@ -99,3 +99,44 @@ def test_storage_move_errors_change_nothing(device):
     with pytest.raises(ValueError, match="inside"):
         st.move_blocks(np.array([[0, 4, 2], [5, 0, 4]]))
     assert np.array_equal(host(st.keys), before)
+
+
+# ------------------------------------------------------------------ rotations (kernels/rope.py)
+
+def test_rotation_host_passes():
+    from numbakv.kernels import rope
+    out_c, out_d = np.zeros(8, np.int32), np.zeros(8, np.int64)
+    live = rope.merge_sorted(np.array([1, 4, 6, 9], np.int32), np.array([3, 0, -2, 3]),
+                             out_c, out_d)
+    assert live == 3 and out_c[:3].tolist() == [1, 6, 9] and out_d[:3].tolist() == [3, -2, 3]
+    assert rope.merge_sorted(np.array([4, 1], np.int32), np.array([1, 1]), out_c, out_d) == -1
+    assert rope.merge_sorted(np.array([4, 4], np.int32), np.array([1, 1]), out_c, out_d) == -1
+    tab, uniq = np.zeros(5, np.int32), np.zeros(8, np.int64)
+    assert rope.distinct_deltas(np.array([5, -1, 5, 7, -1]), tab, uniq) == 3
+    assert uniq[tab].tolist() == [5, -1, 5, 7, -1]
+    assert rope.distinct_deltas(np.arange(9, dtype=np.int64), np.zeros(9, np.int32), uniq) == -1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_storage_rotations_equal_the_cpu(device, dtype):
+    """Sorted and unsorted cell lists, repeats (deltas summed), zero deltas, one delta, many
+    distinct deltas (past the linear search), a layer subset, an offset rope: bit-identical to
+    the CPU storage."""
+    from numbakv.config import RopeShift
+    rng = np.random.default_rng(11)
+    cfg = CacheConfig(3, 2, 16, dtype=dtype, device=device)
+    stores = [KVStorage(cfg, 20, d) for d in (device, "cpu")]
+    start = random_storage(rng, stores[0].keys.shape, dtype)
+    for st in stores:
+        st.keys[...] = start
+    cases = [
+        (np.arange(3, 15, dtype=np.int32), np.full(12, -4), None, RopeShift()),
+        (np.array([7, 2, 9, 2], np.int32), np.array([3, 5, 0, -1]), None, RopeShift(neox=False)),
+        (np.arange(0, 20, 2, dtype=np.int32), np.arange(-5, 5), [2, 0], RopeShift(dim=8)),
+        (np.array([1, 5], np.int32), np.array([100000, -7]), None,
+         RopeShift(dim=8, offset=8, base=500.0)),
+    ]
+    for cells, deltas, layers, rs in cases:
+        for st in stores:
+            st.rotate(cells, deltas, rs, layers=layers)
+        assert np.array_equal(bits(stores[0].keys), bits(stores[1].keys)), (cells, deltas)

@@ -16,7 +16,7 @@ import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 from numbakv.step import HEADER
 from fake_cupy import FakeDeviceArray
-from helpers import clear_launch_caches, emulate_cuda, fake_cuda_cache, host
+from helpers import clear_launch_caches, dev, emulate_cuda, fake_cuda_cache, host
 
 SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
 
@@ -67,6 +67,7 @@ def _drive(cache, rng_seed, use_step):
     for i, (pos, seqs) in enumerate(_steps()):
         _edit(cache, i)
         k, v = _kv(rng, len(pos))
+        k, v = dev(k, cache.device), dev(v, cache.device)
         if use_step:
             step.replay(pos, seqs, None, k, v)
         else:
@@ -95,9 +96,11 @@ def test_replay_reads_slots_from_the_descriptor(device):
     step = cache.capture_step(batch=4)
     rng = np.random.default_rng(1)
     k, v = _kv(rng, 2)
-    step.replay(np.array([0, 0], np.int32), np.array([0, 1], np.int32), None, k, v)
+    step.replay(np.array([0, 0], np.int32), np.array([0, 1], np.int32), None, dev(k, device),
+                dev(v, device))
     k2, v2 = _kv(rng, 3)
-    step.replay(np.array([1, 1, 0], np.int32), np.array([0, 1, 2], np.int32), None, k2, v2)
+    step.replay(np.array([1, 1, 0], np.int32), np.array([0, 1, 2], np.int32), None,
+                dev(k2, device), dev(v2, device))
     d = host(step.descriptor)
     start = cache._forward.start
     np.testing.assert_array_equal(d[:HEADER], [3, start, 4, 0])
@@ -117,12 +120,47 @@ def test_inputs_written_in_place(device):
     cache = nkv.CausalCache(_cfg(device))
     step = cache.capture_step(batch=2)
     k, v = _kv(np.random.default_rng(3), 2)
-    step.key[...] = k
-    step.value[...] = v
+    step.key[...] = dev(k, device)
+    step.value[...] = dev(v, device)
     step.replay(np.array([0, 0], np.int32), np.array([0, 2], np.int32))
     start = cache._forward.start
     np.testing.assert_array_equal(host(cache.storage.keys)[:, start:start + 2], k)
     np.testing.assert_array_equal(host(cache.storage.values)[:, start:start + 2], v)
+
+
+def test_prepare_and_put_for_an_engine_own_graph(device):
+    """prepare() + put() per layer (what an engine calls inside its own captured graph) store
+    the first n rows of each [batch, H, D] input where start_forward placed them; the rows past
+    n are padding and never stored."""
+    cfg = _cfg(device)
+    cache, direct = nkv.CausalCache(cfg), nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    rng = np.random.default_rng(12)
+    for i, (pos, seqs) in enumerate(_steps()):
+        _edit(cache, i)
+        _edit(direct, i)
+        k, v = _kv(rng, 4)              # a full step's rows: only the first len(pos) count
+        step.prepare(pos, seqs)
+        direct.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            step.put(layer, dev(k[layer], device), dev(v[layer], device))
+            direct.set_layer(layer)
+            direct.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    for a, b in zip(_snapshot(cache), _snapshot(direct)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_put_checks(device):
+    cache = nkv.CausalCache(_cfg(device))
+    step = cache.capture_step(batch=2)
+    k, v = (dev(x, device) for x in _kv(np.random.default_rng(0), 2))
+    step.prepare(np.array([0, 0], np.int32), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="layer"):
+        step.put(2, k[0], v[0])
+    with pytest.raises(ValueError, match="key"):
+        step.put(0, k[0, :1], v[0, :1])         # the step's batch rows, always
+    with pytest.raises(ValueError, match="batch=2"):
+        step.prepare(np.arange(3, dtype=np.int32), np.zeros(3, np.int32))
 
 
 def test_capture_checks(device):
@@ -150,12 +188,15 @@ def test_a_bad_replay_changes_nothing(device):
     cache = nkv.CausalCache(_cfg(device, capacity=2, max_seqs=1))
     step = cache.capture_step(batch=2)
     rng = np.random.default_rng(4)
-    k, v = _kv(rng, 2)
+
+    def kv(n):
+        return tuple(dev(x, device) for x in _kv(rng, n))
+    k, v = kv(2)
     step.replay(np.array([0, 1], np.int32), np.array([0, 0], np.int32), None, k, v)
     before = _snapshot(cache)
     fwd = cache._forward
     pos, seqs = np.array([2], np.int32), np.array([0], np.int32)
-    k1, v1 = _kv(rng, 1)
+    k1, v1 = kv(1)
     cases = [
         (dict(q=np.zeros((1, 4, 8), np.float16), k=k1, v=v1), ValueError, "q must be None"),
         (dict(k=k, v=v1), ValueError, "k must have shape"),
@@ -166,7 +207,7 @@ def test_a_bad_replay_changes_nothing(device):
         with pytest.raises(exc, match=match):
             step.replay(pos, seqs, **kw)
     with pytest.raises(ValueError, match="1 to batch=2"):
-        step.replay(np.arange(3, dtype=np.int32), np.zeros(3, np.int32), None, *_kv(rng, 3))
+        step.replay(np.arange(3, dtype=np.int32), np.zeros(3, np.int32), None, *kv(3))
     with pytest.raises(KVCacheFullError):      # 2 cells, both used
         step.replay(pos, seqs, None, k1, v1)
     with pytest.raises(ValueError, match="positions"):
@@ -222,6 +263,38 @@ def test_cuda_step_is_one_graph_replayed_with_new_slots(fake_gpu):
         assert all(e[1] == 0x61 for e in work), work            # all on the cache's stream
         assert sum(e[0] == "h2d" for e in work) == 1
     assert len(launches) == captured                            # replays launch no kernel
+    np.testing.assert_array_equal(host(cache.storage.keys), reference.storage.keys)
+    np.testing.assert_array_equal(host(cache.storage.values), reference.storage.values)
+
+
+def test_cuda_puts_captured_in_an_engine_graph_follow_each_prepare(fake_gpu):
+    """An engine captures its own graph on the cache's stream with step.put per layer (fixed
+    input buffers); each replay of that graph after step.prepare stores the new tokens where
+    the cell table placed them."""
+    cp, launches = fake_gpu
+    cache, stream = _cuda_cache(cp)
+    step = cache.capture_step(batch=4)
+    k_buf = np.zeros((SHAPE["n_layers"], 4, 2, 8), np.float16)
+    v_buf = np.zeros((SHAPE["n_layers"], 4, 2, 4), np.float16)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))   # a first pass
+    stream.begin_capture()
+    for layer in range(SHAPE["n_layers"]):
+        step.put(layer, FakeDeviceArray(k_buf[layer], cp), FakeDeviceArray(v_buf[layer], cp))
+    graph = stream.end_capture()
+    assert len(graph.nodes) == SHAPE["n_layers"]
+    reference = nkv.CausalCache(_cfg("cpu"))
+    reference.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    rng = np.random.default_rng(13)
+    for pos, seqs in _steps()[1:7]:
+        k, v = _kv(rng, 4)
+        k_buf[...], v_buf[...] = k, v          # the engine's graph writes its K/V here
+        step.prepare(pos, seqs)
+        graph.launch(stream)
+        reference.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            reference.set_layer(layer)
+            reference.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    # the first pass's token was never put on either side: compare the cells both wrote
     np.testing.assert_array_equal(host(cache.storage.keys), reference.storage.keys)
     np.testing.assert_array_equal(host(cache.storage.values), reference.storage.values)
 
@@ -282,5 +355,93 @@ def test_captured_graph_replays_on_a_gpu():
             twin.set_layer(layer)
             twin.put(k[layer], v[layer])
     stream.synchronize()
+    np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
+    np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
+
+
+@pytest.mark.gpu
+def test_engine_graph_with_step_puts_on_a_gpu():
+    """An engine's own graph (captured with cupy on the cache's stream) calling step.put per
+    layer; each replay after step.prepare stores that step's tokens."""
+    cupy = pytest.importorskip("cupy")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cache = nkv.CausalCache(_cfg("cuda"))
+    cache.use_stream(stream)
+    twin = nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    with stream:
+        k_buf = cupy.zeros((SHAPE["n_layers"], 4, 2, 8), np.float16)
+        v_buf = cupy.zeros((SHAPE["n_layers"], 4, 2, 4), np.float16)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(SHAPE["n_layers"]):      # loads the kernels outside the capture
+        step.put(layer, k_buf[layer], v_buf[layer])
+    twin.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(SHAPE["n_layers"]):
+        twin.set_layer(layer)
+        twin.put(np.zeros((1, 2, 8), np.float16), np.zeros((1, 2, 4), np.float16))
+    stream.synchronize()
+    stream.begin_capture()
+    for layer in range(SHAPE["n_layers"]):
+        step.put(layer, k_buf[layer], v_buf[layer])
+    graph = stream.end_capture()
+    rng = np.random.default_rng(14)
+    for pos, seqs in _steps()[1:8]:
+        k, v = _kv(rng, 4)
+        with stream:
+            k_buf.set(k, stream=stream)
+            v_buf.set(v, stream=stream)
+        step.prepare(pos, seqs)
+        graph.launch(stream)
+        twin.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            twin.set_layer(layer)
+            twin.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    stream.synchronize()
+    np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
+    np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_torch_cuda_graph_with_step_puts_on_a_gpu():
+    """What a torch engine does: step.put per layer inside torch.cuda.graph (captured on the
+    cache's stream, inputs in static torch buffers), then step.prepare + g.replay() per step."""
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    side = torch.cuda.Stream()
+    cache = nkv.CausalCache(_cfg("cuda"))
+    cache.use_stream(side)
+    twin = nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    L = SHAPE["n_layers"]
+    with torch.cuda.stream(side):
+        k_buf = torch.zeros((L, 4, 2, 8), device="cuda", dtype=torch.float16)
+        v_buf = torch.zeros((L, 4, 2, 4), device="cuda", dtype=torch.float16)
+    kc, vc = cupy.from_dlpack(k_buf), cupy.from_dlpack(v_buf)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))   # warm: plans, kernels
+    for layer in range(L):
+        step.put(layer, kc[layer], vc[layer])
+    twin.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(L):
+        twin.set_layer(layer)
+        twin.put(np.zeros((1, 2, 8), np.float16), np.zeros((1, 2, 4), np.float16))
+    side.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        for layer in range(L):
+            step.put(layer, kc[layer], vc[layer])
+    rng = np.random.default_rng(15)
+    for pos, seqs in _steps()[1:8]:
+        k, v = _kv(rng, 4)
+        with torch.cuda.stream(side):
+            k_buf.copy_(torch.from_numpy(k))
+            v_buf.copy_(torch.from_numpy(v))
+            step.prepare(pos, seqs)
+            g.replay()
+        twin.start_forward(pos, seqs)
+        for layer in range(L):
+            twin.set_layer(layer)
+            twin.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    side.synchronize()
     np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
     np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)

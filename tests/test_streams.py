@@ -162,6 +162,8 @@ def test_no_implicit_synchronisation_while_capturing_a_graph(fake_gpu):
     assert not kinds & {"record", "event_sync", "stream_sync"}, kinds
     staged = launch._STAGING[(0, 0x45)]
     assert staged.captured and not staged._free and not staged._busy   # kept for replays
+    # the device buffers the captured kernels read are kept too, beside their pinned sources
+    assert any(isinstance(x, FakeDeviceArray) for x in staged.captured)
     stream.capturing = False
     st.new_mask(1, 1)                                        # after capture: covered by an event
     assert ("record", 0x45) in cp.log

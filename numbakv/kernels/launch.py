@@ -429,6 +429,12 @@ def to_device(device: str, *arrays: np.ndarray):
     # a fresh device buffer per call (CuPy's pool: no cudaMalloc): callers may keep it past the
     # next call (put's slot cache does)
     dev = cupy.empty(total, dtype=np.uint8)
+    if staging.captured and staging.captured[-1] is slot:
+        # the stream is capturing a graph (take() kept the pinned buffer): every replay reads
+        # this device buffer too, so it must outlive the caller's reference (issue 35: a
+        # captured launch's buffer was freed at once, and a replay read memory another array
+        # had been given)
+        staging.captured.append(dev)
     # cudaMemcpyAsync itself, not MemoryPointer.copy_from_host_async: CuPy refuses host-to-device
     # transfers on a capturing stream (seen on an H100: "the current stream is capturing, so H2D
     # transfers are disallowed"), while a copy from pinned memory is a legal graph node; the

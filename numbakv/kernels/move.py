@@ -25,7 +25,7 @@ from .._jit import njit
 from . import _common
 from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
 from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, head_word, word_size
-from .launch import Prepared, launch as _launch, to_device
+from .launch import Prepared, capturing, launch as _launch, staging_for, to_device
 from ._registry import cuda_device, cuda_kernel, element
 
 
@@ -341,7 +341,6 @@ class RunMover:
 
     def _launch_cuda(self, moves: np.ndarray, m: int) -> int:
         import cupy
-        from .launch import capturing, staging_for
         stream = cupy.cuda.get_current_stream()
         staging = staging_for(stream, cupy.cuda.runtime.getDevice())
         nbytes = max(m, 1) * 32

@@ -40,6 +40,7 @@ budget`` for every tier.
 
 from __future__ import annotations
 
+import array
 import atexit
 import math
 import os
@@ -71,6 +72,10 @@ _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
 #: the floor of an entry that can serve no length at all (its window pruned the whole prefix)
 _NEVER = 1 << 62
 _MAX_DISTRUST = 4096
+
+#: int64 in the machine's order is int64 little-endian (the keys' byte order): lists of token
+#: ids are packed by the array module
+_NATIVE_LE = sys.byteorder == "little" and array.array("q").itemsize == 8
 
 #: stores still open, closed at interpreter exit (weak: the registry keeps none alive)
 _LIVE: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
@@ -106,6 +111,19 @@ def token_buffer(tokens, name: str = "tokens") -> bytes:
     elif isinstance(tokens, (list, tuple, range)):
         if tokens and isinstance(tokens[0], (bool, np.bool_)):
             raise ValueError(f"{name} must hold integer token ids, got a bool")
+        if _NATIVE_LE:
+            # Python ints straight into int64 (a 4k-token list: ~2/3 of np.asarray's time,
+            # which infers a dtype first; most of a tier-0 hit from a list). Anything that
+            # is not an integer in int64's range takes the checked path below
+            try:
+                packed = array.array("q", tokens)
+            except (TypeError, OverflowError):
+                packed = None
+            if packed is not None:
+                low = int(np.frombuffer(packed, np.int64).min()) if packed else 0
+                if low < 0:
+                    raise ValueError(f"{name} must hold non-negative token ids, got {low}")
+                return packed.tobytes()
         try:
             arr = np.asarray(tokens)
         except (ValueError, TypeError) as exc:
@@ -1190,7 +1208,7 @@ class PrefixStore:
         n = len(buf) // 8
         path = self.index.insert_path(root, buf)
         e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r,
-                  restore=self._restore_of_seq(r, n))
+                  restore=self._restore_of_seq(r, n), buf=buf)
         self._register(e, retention)
         return e
 
@@ -1199,8 +1217,9 @@ class PrefixStore:
         priority, expires = retention or (DEFAULT_PRIORITY, None)
         self._policy[e.tier].add(e.id, priority, expires)
         if fresh:
-            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier,
-                                             priority=priority, ttl=self._ttl_left(expires)))
+            self.events.emit_later(ev.block_stored_later(
+                fresh, self.block_tokens, e.tier, priority=priority,
+                ttl=self._ttl_left(expires)))
 
     def _ttl_left(self, expires: Optional[float]) -> Optional[float]:
         return None if expires is None else max(0.0, expires - self._clock())
@@ -1241,7 +1260,7 @@ class PrefixStore:
         gone = self.index.remove(e)
         self._policy[e.tier].remove(e.id)
         if gone:
-            self.events.emit(ev.block_removed(gone, e.tier))
+            self.events.emit_later(ev.block_removed_later(gone, e.tier))
 
     def _release_seq(self, r: int) -> None:
         self.cache.seq_rm(r)
@@ -1354,7 +1373,7 @@ class PrefixStore:
                 path = self.index.insert_path(root, buf)
                 e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
                           restore=self._restore_of_snapshot(snap),
-                          nbytes=nbytes)
+                          nbytes=nbytes, buf=buf)
                 self.host.add(nbytes)
                 self._register(e, retention)
                 return True

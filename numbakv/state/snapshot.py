@@ -927,7 +927,8 @@ class _Placement:
         self.head = table.head
         try:
             slots = None
-            if k:
+            paged = table.page_size > 1
+            if k and not paged:
                 # prefer cells free before a replaced sequence is dropped: its rows stay intact
                 start = table.find_contiguous(k)
                 if start >= 0:
@@ -936,11 +937,14 @@ class _Placement:
                 table.seq_rm(s, 0, None, journal=self.journal)
             if k:
                 if slots is None:
-                    start = table.find_contiguous(k)
-                    slots = (np.arange(start, start + k, dtype=np.int32) if start >= 0
-                             else table.find_scatter(k))
-                    if slots is None:  # cannot happen: room was counted
-                        raise KVCacheFullError(f"no {k} free cells{self.where}")
+                    # paged placement (CacheConfig(page_size)): the tokens go on in the
+                    # sequence's last page, else fill wholly free pages
+                    slots = table.find_cells(self.positions, np.full(k, s, np.int32))
+                    if slots is None:  # paged: free cells, but not enough whole pages
+                        raise KVCacheFullError(
+                            f"no room for {k} tokens in pages of {table.page_size} cells"
+                            f"{self.where}: {table.n_free_pages} pages are wholly free "
+                            "(cache full)")
                     slots = np.asarray(slots, dtype=np.int32)
                     if self.replace:   # cells the dropped sequence held: keep their rows
                         self.backup = (slots, *unit.storage.read_cells(slots))
