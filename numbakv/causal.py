@@ -64,6 +64,12 @@ class _Forward:
     causal: np.ndarray         # uint8 [batch]; 0 where set_causal dropped the future-position test
     mask: Any = None
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
+    #: the cell table's version before this pass placed its batch (-1: the placement pruned
+    #: or defragmented as well) and right after: equal to the previous page table's version
+    #: and to the table's now, the pass only appended its cells (page tables extend on the
+    #: device, numbakv.pages.extend_pages)
+    cells_v0: int = -1
+    cells_v1: int = -1
     slots: Optional[np.ndarray] = None   # int32 [batch]: the batch's cells when not one run
                                          # start .. start+batch-1 (paged placement)
 
@@ -346,6 +352,7 @@ class CausalCache(StateMethods):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos, sq = self._check_batch(positions, seqs)
         batch = len(pos)
+        cells_v0 = self.cells.version
         undo = _Undo(self._forward, self.defrag_count)
         if not reserve:
             bad = self.cells.batch_conflict(pos, sq)
@@ -360,7 +367,9 @@ class CausalCache(StateMethods):
                 undo.pruned = self.cells.prune_window(pos, sq, self._memory)
             range_window = -1 if self._memory == UNLIMITED else self._window
             if self.config.page_size > 1:
-                return self._place_paged(pos, sq, range_window, undo, ask_room)
+                self._place_paged(pos, sq, range_window, undo, ask_room)
+                self._stamp_versions(undo, cells_v0)
+                return undo
             lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
             if start < 0:
                 if ask_room:
@@ -396,7 +405,18 @@ class CausalCache(StateMethods):
         pad = self.config.cache_padding
         lo, hi = (lo // pad) * pad, min(round_up(hi, pad), self.n_cells)
         self._forward = _Forward(pos, sq, False, start, lo, hi, self._all_causal(batch))
+        self._stamp_versions(undo, cells_v0)
         return undo
+
+    def _stamp_versions(self, undo: "_Undo", cells_v0: int) -> None:
+        """Record on the pass the cell table's version before its placement (-1 when window
+        pruning, a defrag or a copy-on-write of shared pages changed more than the pass's own
+        cells) and after it: page tables extend on the device only after a pure placement."""
+        fwd = self._forward
+        only_placed = (undo.pruned is None or not len(undo.pruned)) \
+            and undo.defrag_moves is None and not getattr(undo, "unshared", None)
+        fwd.cells_v0 = cells_v0 if only_placed else -1
+        fwd.cells_v1 = self.cells.version
 
     def _place_paged(self, pos: np.ndarray, sq: np.ndarray, range_window: int, undo: "_Undo",
                      ask_room: bool) -> "_Undo":
@@ -1369,16 +1389,50 @@ class CausalCache(StateMethods):
         if cached is not None and cached[0] is fwd and cached[1] is fwd.causal \
                 and cached[2] is self.cells:
             return cached[3]
-        if fwd.reserve:
-            host = pages.reserve_pages_of_table(self.cells, fwd.positions, fwd.seqs)
-        else:
-            host = pages.pages_of_table(
-                self.cells, fwd.positions, fwd.seqs, fwd.causal,
-                window=-1 if self._window == UNLIMITED else self._window, chunk=self._chunk)
+        cells = self.cells
+        window = -1 if self._window == UNLIMITED else self._window
+        # a decode step on a GPU: the previous pass's lists grown on the device by this pass's
+        # cells (O(batch) host work and upload) when the cell table changed only by this
+        # pass's placement and those lists held every cell of their sequences
+        appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve
+        host = None
         with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
-            pages.to_device(host, self.device)     # on the cache's stream
-        self._pages_cache = (fwd, fwd.causal, self.cells, host)
+            inc = getattr(self, "_pages_inc", None)
+            if appendable and inc is not None and inc[1] is cells \
+                    and inc[2] == fwd.cells_v0 and cells.version == fwd.cells_v1:
+                host = pages.extend_pages(inc[0], fwd.positions, fwd.seqs, fwd.causal,
+                                          fwd.start if fwd.slots is None else fwd.slots,
+                                          cells.max_seqs, self.device,
+                                          self._host_lists_of(fwd, cells.version, window),
+                                          window, self._chunk)
+            if host is None:
+                if fwd.reserve:
+                    host = pages.reserve_pages_of_table(cells, fwd.positions, fwd.seqs)
+                else:
+                    host = pages.pages_of_table(cells, fwd.positions, fwd.seqs, fwd.causal,
+                                                window=window, chunk=self._chunk)
+                pages.to_device(host, self.device)     # on the cache's stream
+                if appendable:
+                    pages.mark_extendable(host, cells.seq_pos_max,
+                                          window >= 0 or self._chunk > 0)
+        self._pages_inc = (host, cells, cells.version) \
+            if "last-positions" in host.plans else None
+        self._pages_cache = (fwd, fwd.causal, cells, host)
         return host
+
+    def _host_lists_of(self, fwd: _Forward, version: int, window: int):
+        """The host build of pass ``fwd``'s page table, for the host lists of a table extended
+        on the device (read only if a host-side backend asks, within the pass)."""
+        cells = self.cells
+
+        def fill():
+            if self.cells is not cells or cells.version != version:
+                raise RuntimeError("a page table's host lists were read after the cell table "
+                                   "changed (page tables are valid until the next "
+                                   "start_forward or sequence operation)")
+            return _pages.pages_of_table(cells, fwd.positions, fwd.seqs, fwd.causal,
+                                         window=window, chunk=self._chunk)
+        return fill
 
     def __repr__(self) -> str:
         cfg = self.config

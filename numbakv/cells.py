@@ -45,6 +45,8 @@ pruning, the attended range) never scans the whole table:
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -2064,6 +2066,16 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def _mutates(method):
+    """Count a call of a method that may change the table in :attr:`CellTable.version` (before
+    it runs: a call that fails having changed nothing only costs a page-table rebuild)."""
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        self.version += 1
+        return method(self, *args, **kwargs)
+    return counted
+
+
 class CellTable:
     """The cells of a cache and the indexes kept in step with them.
 
@@ -2087,9 +2099,13 @@ class CellTable:
       its free-run tree and the per-sequence position trees (see the module docstring).
 
     Every method validates its arguments before it writes; on any exception the table is
-    unchanged.
+    unchanged. ``version`` counts the calls of the methods that may change it: equal counts
+    mean an unchanged table (the page tables are extended on the device from it).
     """
 
+    #: calls of changing methods so far (a copy or an unpickled table starts again at 0; it is
+    #: another object, which is what the page-table cache compares first)
+    version = 0
     #: the allocation policy (``CacheConfig.page_size``): 1 contiguous, > 1 paged placement
     page_size = 1
 
@@ -2199,10 +2215,12 @@ class CellTable:
                 if k not in ("_pos", "_shift", "seq_cell_min", "seq_cell_max",
                              "seq_pos_min", "seq_pos_max")}
 
+    @_mutates
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
         self._bind()
 
+    @_mutates
     def load_cells(self, cells: np.ndarray) -> None:
         """Replace every cell record (e.g. from saved state) and rebuild the indexes; validated
         first, the table is unchanged on error. ``cells``: ``[n_cells]`` records with fields
@@ -2239,6 +2257,7 @@ class CellTable:
                              f"and sequence bits < max_seqs={self.max_seqs} "
                              f"(pos={int(pos[c])})")
 
+    @_mutates
     def rebuild_indexes(self) -> None:
         """Recompute every index from ``cells`` (free cells are normalised to pos -1, shift 0).
         Raises ValueError, indexes untouched, if a used cell has a negative position or a
@@ -2378,6 +2397,7 @@ class CellTable:
             return self.n_free
         return int(_count_free_pages(self._occ, self.n_cells, self.page_size))
 
+    @_mutates
     def apply_batch(self, slots: np.ndarray, positions: np.ndarray, seqs: np.ndarray) -> None:
         """Token i of the batch goes to cell ``slots[i]`` (which must be free) with
         ``positions[i]``, no pending shift and only sequence ``seqs[i]``. All ``[batch]``."""
@@ -2387,6 +2407,7 @@ class CellTable:
         if code:
             self._raise(code)
 
+    @_mutates
     def unapply_batch(self, slots: np.ndarray, head: int) -> None:
         """Undo :meth:`apply_batch` right after it: free ``slots`` (int ``[batch]``, each in use)
         and set the scatter head back to ``head`` (read :attr:`head` before applying). With
@@ -2402,6 +2423,7 @@ class CellTable:
         if code:
             self._raise(code)
 
+    @_mutates
     def place_contiguous(self, positions: np.ndarray, seqs: np.ndarray,
                          window: int) -> Tuple[int, int, int, int]:
         """:meth:`batch_range` (``window``), :meth:`find_contiguous` and, when a run is free,
@@ -2433,6 +2455,7 @@ class CellTable:
                               positions, seqs)
         return _shared_tails(self._pos, self._seqs, self._occ, self.page_size, after)
 
+    @_mutates
     def place_paged(self, positions: np.ndarray, seqs: np.ndarray, window: int,
                     cow: bool = False) -> Tuple[int, int, Optional[np.ndarray], int, np.ndarray,
                                                 bool]:
@@ -2452,6 +2475,7 @@ class CellTable:
 
     # ---- sliding window -------------------------------------------------------------------
 
+    @_mutates
     def prune_window(self, positions: np.ndarray, seqs: np.ndarray, memory: int) -> np.ndarray:
         """Ollama's updateSlidingWindow eviction, before a batch is placed.
 
@@ -2479,6 +2503,7 @@ class CellTable:
             self._raise(code)
         return undo
 
+    @_mutates
     def undo_prune(self, records: np.ndarray) -> None:
         """Put back what :meth:`prune_window` dropped (records exactly as it returned them,
         before any other change)."""
@@ -2543,6 +2568,7 @@ class CellTable:
         return int(_batch_conflict(self._pos, self._seqs, self._stree, self._sidx, self._meta,
                                    positions, seqs))
 
+    @_mutates
     def remove(self, seq: int, begin: int, end: Optional[int],
                journal: Optional[list] = None) -> np.ndarray:
         """Ollama's Remove: cells of seq with begin <= pos < end drop it; with a finite end,
@@ -2567,6 +2593,7 @@ class CellTable:
             raise NotSupportedError(SHARED_SHIFT_MESSAGE)
         return moved
 
+    @_mutates
     def copy_prefix(self, src: int, dst: int, length: int, journal: Optional[list] = None) -> None:
         """Ollama's CopyPrefix: dst drops every cell, then joins src's cells with pos < length.
         src == dst does nothing."""
@@ -2582,6 +2609,7 @@ class CellTable:
         _copy_prefix(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                      self._sidx, self._meta, src, dst, length)
 
+    @_mutates
     def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None,
                journal: Optional[list] = None) -> bool:
         """llama.cpp's seq_rm: cells of seq with p0 <= pos < p1 drop it (seq = -1: every cell in
@@ -2594,6 +2622,7 @@ class CellTable:
                     self._sidx, self._meta, seq, p0, p1)
         return True
 
+    @_mutates
     def leave_cells(self, seq: int, cells: np.ndarray, journal: Optional[list] = None) -> None:
         """``seq`` leaves exactly ``cells`` (int ``[k]``), each of which it holds and another
         sequence holds too (so none is freed): unlike ``seq_rm`` over a position range, a
@@ -2611,6 +2640,7 @@ class CellTable:
         _st_refresh_blocks(self._stree, self._pos, self._seqs, seq, blocks, bshift)
         _sidx_refresh(self._sidx, self._stree, self._pos, self._seqs, seq, bshift)
 
+    @_mutates
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None,
                journal: Optional[list] = None) -> None:
         """llama.cpp's seq_cp: dst joins every cell of src with p0 <= pos < p1."""
@@ -2622,6 +2652,7 @@ class CellTable:
         self._record_join(journal, src, dst, p0, p1)
         _seq_cp(self._pos, self._seqs, self._stree, self._sidx, self._meta, src, dst, p0, p1)
 
+    @_mutates
     def seq_keep(self, seq: int, journal: Optional[list] = None) -> None:
         """llama.cpp's seq_keep: cells holding seq keep only seq; every other cell is freed."""
         seq = self._seq(seq)
@@ -2629,6 +2660,7 @@ class CellTable:
         _seq_keep(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                   self._sidx, self._meta, seq)
 
+    @_mutates
     def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int,
                 journal: Optional[list] = None) -> None:
         """llama.cpp's seq_add: cells of seq with p0 <= pos < p1 get pos += delta and
@@ -2651,6 +2683,7 @@ class CellTable:
         if code == _E_SHIFT_OVERFLOW:
             raise ValueError(f"delta {delta} would overflow a cell's pending int32 shift")
 
+    @_mutates
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int,
                 journal: Optional[list] = None) -> None:
         """llama.cpp's seq_div: cells of seq with p0 <= pos < p1 get pos //= d and
@@ -2672,6 +2705,7 @@ class CellTable:
 
     # ---- shifts ---------------------------------------------------------------------------
 
+    @_mutates
     def restore_shifts(self, cells: np.ndarray, deltas: np.ndarray) -> None:
         """Undo :meth:`take_shifts` (exactly what it returned, before any other change)."""
         _restore_shifts(self._shift, self._meta, cells, deltas)
@@ -2679,6 +2713,7 @@ class CellTable:
     def has_pending_shifts(self) -> bool:
         return self._meta[_M_NSHIFT] > 0
 
+    @_mutates
     def take_shifts(self) -> Tuple[np.ndarray, np.ndarray]:
         """(cells int32 [k], deltas int32 [k]) of every cell with a pending shift, ascending;
         their shift is reset to 0 (the caller rotates those keys by the deltas)."""
@@ -2686,6 +2721,7 @@ class CellTable:
 
     # ---- defrag ---------------------------------------------------------------------------
 
+    @_mutates
     def plan_defrag(self) -> np.ndarray:
         """int64 ``[m, 3]`` block moves (src, dst, length), already applied to the metadata;
         the caller copies K/V ``[src, src+length) -> [dst, dst+length)`` for each (in any order:
@@ -2702,6 +2738,7 @@ class CellTable:
         return _plan_defrag(self._pos, self._shift, self._seqs, self._occ, self._ftree,
                             self._stree, self._sidx, self._meta)
 
+    @_mutates
     def undo_defrag(self, moves: np.ndarray, head: int) -> None:
         """Undo :meth:`plan_defrag` (its moves, the :attr:`head` read before it) right after
         it, or after changes that were themselves undone: the cells go back where they were."""
@@ -2737,6 +2774,7 @@ class CellTable:
         else:
             self._record(journal, src, p0, p1)
 
+    @_mutates
     def rollback(self, journal: list) -> None:
         """Undo, newest first, the edits recorded in ``journal`` (by the ``journal=`` argument
         of the sequence operations) and empty it. Nothing else may have changed the table

@@ -405,6 +405,18 @@ def staging_for(stream, device_id: int) -> HostStaging:
 _H2D = 1
 
 
+#: host -> device copies made through :func:`to_device` (and the page tables' copies), counted on
+#: every device but the CPU (the simulator counts what CUDA would copy): what a decode step
+#: uploads must not grow with the cache (tests, benchmarks). ``calls``: copies; ``bytes``.
+UPLOADS = {"calls": 0, "bytes": 0}
+
+
+def count_upload(nbytes: int) -> None:
+    """Count one host -> device copy of ``nbytes`` in :data:`UPLOADS`."""
+    UPLOADS["calls"] += 1
+    UPLOADS["bytes"] += int(nbytes)
+
+
 def to_device(device: str, *arrays: np.ndarray):
     """Host arrays for a kernel: as they are on ``cpu``/``sim``; on ``cuda`` packed into one
     pinned, reused host buffer (:class:`HostStaging`) and copied asynchronously, with a single
@@ -412,9 +424,12 @@ def to_device(device: str, *arrays: np.ndarray):
     device buffer is returned too: keep it alive until the kernel that reads it is queued (CuPy's
     pool orders its reuse on the stream)."""
     if device != "cuda":
+        if device != "cpu":
+            count_upload(sum(np.asarray(a).nbytes for a in arrays))
         return arrays, None
     import cupy
     parts = [np.ascontiguousarray(a) for a in arrays]
+    count_upload(sum(p.nbytes for p in parts))
     offsets = []
     total = 0
     for p in parts:
@@ -461,7 +476,7 @@ def device_arg(device: str, arr, dtype=None):
     return arr if dtype is None else arr.view(dtype)
 
 
-__all__ = ["link_cubin", "FastKernel", "HostStaging", "Prepared", "device_cc", "load_image",
+__all__ = ["UPLOADS", "count_upload", "link_cubin", "FastKernel", "HostStaging", "Prepared", "device_cc", "load_image",
            "preload", "staging_for", "ptx_entry", "device_arg", "fast_launch_enabled", "launch",
            "set_fast_launch", "numba_type", "to_device", "device_to_host", "capturing",
            "cached_image", "image_cache_dir"]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import bisect
 import math
 import os
 import sys
@@ -1309,6 +1310,29 @@ class PrefixStore:
             self.bytes_moved += snap.nbytes
             self._admit_host(e.root, e.tokens_bytes(), snap, retention)
 
+    def _trim_cells(self, e: Entry, n_cells: int) -> bool:
+        """Make room by dropping the end of the tier-0 entry ``e`` rather than all of it (the
+        tail before its parent, at token granularity as the peers' block-level eviction): its
+        sequence leaves the positions past the last whole block that keeps the free cells
+        short of ``n_cells`` by what its own tail holds; the entry keeps the rest, its id and
+        its place in the eviction order. Only where the tail would be lost anyway (no host RAM
+        or lower tier to demote it to) and where any prefix of an entry can serve (no sliding
+        windows, no recurrent state). Returns whether it trimmed (its tail's cells that another
+        sequence shares are not freed: the caller goes on evicting if short)."""
+        if self._sliding or self._rc is not None or self.host_bytes or self._lower or e.pins \
+                or len(e.path) < 2:
+            return False
+        deficit = max(n_cells - g.cells.n_free for g in self._groups)
+        keep = e.length - deficit          # the tail's cells are its own in the common case
+        k = bisect.bisect_right([node.end for node in e.path], keep)
+        if k < 1 or k >= len(e.path):
+            return False                   # not one whole node would stay / need all of it
+        self.cache.seq_rm(e.seq, e.path[k - 1].end, None)
+        gone = self.index.truncate(e, k)
+        if gone:
+            self.events.emit_later(ev.block_removed_later(gone, CELLS))
+        return True
+
     def _cells_bytes(self) -> Tuple[int, int]:
         """(bytes of the cells retained sequences hold, of those pinned entries hold)."""
         used = pinned = 0
@@ -1336,8 +1360,11 @@ class PrefixStore:
         for e in self._victims(CELLS):
             if e.id not in self.index.entries:
                 continue
-            self._evict_cells(e)
             evicted = True
+            if self._trim_cells(e, n_cells) and roomy():
+                break
+            if e.id in self.index.entries:
+                self._evict_cells(e)
             if roomy():
                 break
         if not roomy():
