@@ -928,17 +928,27 @@ def _pool_formats(src) -> Optional[tuple]:
     """``(kfmt, vfmt, kscale, vscale)`` of the current layer of a quantized cache whose pool the
     CPU kernel can read as stored, or None (then ``get()`` dequantizes). Rotated K/V
     (``kv_rotation``) are read as stored too: ``attend`` rotates the queries and turns the
-    output back around either path."""
-    cfg = src.config
+    output back around either path. Memoised per (storage, layer slot): a config and its
+    storage never change their formats or scales, and attend asks every layer of every step."""
     st = src.storage
-    for quantized, kind in ((st.k_quantized, cfg.k_dtype), (st.v_quantized, cfg.v_dtype)):
-        if quantized and kind not in _KERNEL_QUANT_TYPES:
-            return None                   # e.g. FlashMLA's fp8_ds_mla row: get() decodes it
     slot = src._storage_layers[src._layer]
-    kf = int(st._k_fmt) if st.k_quantized else 0
-    vf = int(st._v_fmt) if st.v_quantized else 0
-    return (kf, vf, float(cfg.layer_scales("k")[slot]), float(cfg.layer_scales("v")[slot]),
-            int(cfg.v_head_dim))
+    cfg = src.config
+    memo = getattr(src, "_kernel_formats", None)
+    if memo is None or memo[0] is not st or memo[1] is not cfg:
+        memo = (st, cfg, {})
+        src._kernel_formats = memo
+    if slot in memo[2]:
+        return memo[2][slot]
+    out = None
+    if all(not quantized or kind in _KERNEL_QUANT_TYPES    # e.g. fp8_ds_mla: get() decodes
+           for quantized, kind in ((st.k_quantized, cfg.k_dtype),
+                                   (st.v_quantized, cfg.v_dtype))):
+        kf = int(st._k_fmt) if st.k_quantized else 0
+        vf = int(st._v_fmt) if st.v_quantized else 0
+        out = (kf, vf, float(cfg.layer_scales("k")[slot]), float(cfg.layer_scales("v")[slot]),
+               int(cfg.v_head_dim))
+    memo[2][slot] = out
+    return out
 
 
 def _quantized_paged(torch, q, host: HostPages, src, scale, soft_cap, formats):

@@ -1394,8 +1394,7 @@ class CausalCache(StateMethods):
         # a decode step on a GPU: the previous pass's lists grown on the device by this pass's
         # cells (O(batch) host work and upload) when the cell table changed only by this
         # pass's placement and those lists held every cell of their sequences
-        appendable = (self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve
-                      and window < 0 and self._chunk <= 0)
+        appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve
         host = None
         with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
             inc = getattr(self, "_pages_inc", None)
@@ -1404,7 +1403,8 @@ class CausalCache(StateMethods):
                 host = pages.extend_pages(inc[0], fwd.positions, fwd.seqs, fwd.causal,
                                           fwd.start if fwd.slots is None else fwd.slots,
                                           cells.max_seqs, self.device,
-                                          self._host_lists_of(fwd, cells.version))
+                                          self._host_lists_of(fwd, cells.version, window),
+                                          window, self._chunk)
             if host is None:
                 if fwd.reserve:
                     host = pages.reserve_pages_of_table(cells, fwd.positions, fwd.seqs)
@@ -1413,15 +1413,14 @@ class CausalCache(StateMethods):
                                                 window=window, chunk=self._chunk)
                 pages.to_device(host, self.device)     # on the cache's stream
                 if appendable:
-                    last = pages.last_positions(host)
-                    if np.array_equal(last, np.asarray(cells.seq_pos_max)[host.seq_ids]):
-                        host.plans["last-positions"] = last   # every cell listed: extendable
+                    pages.mark_extendable(host, cells.seq_pos_max,
+                                          window >= 0 or self._chunk > 0)
         self._pages_inc = (host, cells, cells.version) \
             if "last-positions" in host.plans else None
         self._pages_cache = (fwd, fwd.causal, cells, host)
         return host
 
-    def _host_lists_of(self, fwd: _Forward, version: int):
+    def _host_lists_of(self, fwd: _Forward, version: int, window: int):
         """The host build of pass ``fwd``'s page table, for the host lists of a table extended
         on the device (read only if a host-side backend asks, within the pass)."""
         cells = self.cells
@@ -1431,7 +1430,8 @@ class CausalCache(StateMethods):
                 raise RuntimeError("a page table's host lists were read after the cell table "
                                    "changed (page tables are valid until the next "
                                    "start_forward or sequence operation)")
-            return _pages.pages_of_table(cells, fwd.positions, fwd.seqs, fwd.causal)
+            return _pages.pages_of_table(cells, fwd.positions, fwd.seqs, fwd.causal,
+                                         window=window, chunk=self._chunk)
         return fill
 
     def __repr__(self) -> str:

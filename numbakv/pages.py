@@ -923,7 +923,8 @@ INCREMENTAL_DEVICES = ("cuda",)
 
 
 def extend_pages(prev: HostPages, positions: np.ndarray, seqs: np.ndarray, causal: np.ndarray,
-                 start: Any, max_seqs: int, device: str, fill) -> Optional[HostPages]:
+                 start: Any, max_seqs: int, device: str, fill, window: int = -1,
+                 chunk: int = 0) -> Optional[HostPages]:
     """This pass's page table as ``prev``'s lists, each followed by its sequence's new cells,
     built on the device from ``prev.table``: O(batch) host work and an O(batch) upload,
     whatever the lists' lengths. None (build it the usual way) unless every list just grows
@@ -933,7 +934,10 @@ def extend_pages(prev: HostPages, positions: np.ndarray, seqs: np.ndarray, causa
     The caller vouches for the rest (:meth:`numbakv.causal.CausalCache._host_pages`): the cell
     table changed since ``prev`` only by this pass's placement at cells ``start .. start +
     batch - 1`` (``start`` an int) or ``start[i]`` (int32 ``[batch]``: paged placement),
-    ``prev``'s lists held every cell of their sequences, no window or chunk.
+    ``prev``'s lists held every cell of their sequences from their first listed position on,
+    ``prev`` was built under the same ``window`` / ``chunk``. With a window or chunks each list
+    also loses its front up to the new tokens' lowest visible position: counted on the host
+    when the list's positions are one run (``prev.plans["contiguous"]``), else None.
     ``fill()`` builds the same table on the host: the host lists (:data:`LAZY_FIELDS`) come
     from it on first read.
 
@@ -953,14 +957,36 @@ def extend_pages(prev: HostPages, positions: np.ndarray, seqs: np.ndarray, causa
     add_tok = token_order[order]
     add_pos = bpos[add_tok]
     prev_last = prev.plans.get("last-positions")
-    if prev_last is None:
+    prev_first = prev.plans.get("first-positions")
+    if prev_last is None or prev_first is None:
         return None
     if not (add_pos[qo_indptr[:-1]] > prev_last).all():
         return None
+    prev_indptr = np.asarray(prev.kv_indptr, np.int64)
+    prev_len = np.diff(prev_indptr)
+    n_new = np.diff(qo_indptr).astype(np.int64)
+    drop = np.zeros(nb, np.int64)
+    if window >= 0 or chunk > 0:
+        # each list keeps the positions its tokens can still see: from the lowest visible
+        # position of its new tokens (visible_lo), which only grows as positions do
+        p = add_pos.astype(np.int64)
+        lo = np.zeros_like(p)
+        if window >= 0:
+            lo = np.maximum(lo, p - window)
+        if chunk > 0:
+            lo = np.maximum(lo, p - p % chunk)
+        lo_b = np.minimum.reduceat(lo, qo_indptr[:-1].astype(np.int64))
+        if not prev.plans.get("contiguous", False):
+            return None             # where the front ends needs the list's positions
+        drop = np.clip(lo_b - prev_first, 0, prev_len)
     add_cells = (add_tok + np.int32(start)).astype(np.int32) if np.ndim(start) == 0 \
         else np.asarray(start, np.int32)[add_tok]
-    prev_indptr = np.asarray(prev.kv_indptr)
-    kv_indptr = (prev_indptr + qo_indptr).astype(np.int32)
+    new_len = prev_len - drop + n_new
+    kv_indptr = np.zeros(nb + 1, np.int32)
+    np.cumsum(new_len, out=kv_indptr[1:])
+    new_last = add_pos[qo_indptr[1:] - 1].astype(np.int64)
+    new_first = np.where(drop < prev_len, prev_first + drop,
+                         add_pos[qo_indptr[:-1]]).astype(np.int64)
     host = HostPages.__new__(HostPages)
     host.seq_ids = seq_ids
     host.qo_indptr = qo_indptr
@@ -968,23 +994,24 @@ def extend_pages(prev: HostPages, positions: np.ndarray, seqs: np.ndarray, causa
     host.kv_indptr = kv_indptr
     host.kv_last_page_len = np.ones(nb, np.int32)
     host.q_positions = bpos
-    host.rule = MaskRule(np.ascontiguousarray(causal, np.uint8), -1, 0)
+    host.rule = MaskRule(np.ascontiguousarray(causal, np.uint8), int(window), int(chunk))
     host.trailing = bool(host.rule.causal.all()) and bool(np.array_equal(grouped, add_pos))
-    host.plans = {"last-positions": add_pos[qo_indptr[1:] - 1].astype(np.int64)}
+    host.plans = {"last-positions": new_last, "first-positions": new_first,
+                  "contiguous": bool((new_last - new_first + 1 == new_len).all())}
     host._fill = fill
-    host.table = _extend_on_device(prev.table, host, add_cells, add_pos, device)
+    host.table = _extend_on_device(prev.table, host, add_cells, add_pos, drop, device)
     return host
 
 
 def _extend_on_device(prev: PageTable, host: HostPages, add_cells: np.ndarray,
-                      add_pos: np.ndarray, device: str) -> PageTable:
+                      add_pos: np.ndarray, drop: np.ndarray, device: str) -> PageTable:
     """The device :class:`PageTable` of :func:`extend_pages`: the small fields and the new
     cells in one staged copy (pinned, asynchronous, on the current stream), the lists merged
     by one kernel on the device."""
     from .kernels.launch import to_device as staged_copy
     from .kernels.decode import extend_lists
     small = [host.seq_ids, host.qo_indptr, host.token_order, host.kv_indptr,
-             host.kv_last_page_len, host.q_positions, add_cells, add_pos]
+             host.kv_last_page_len, host.q_positions, add_cells, add_pos, drop]
     small = [np.ascontiguousarray(a, np.int32) for a in small]
     nnz = int(host.kv_indptr[-1])
     if device == "cuda":
@@ -999,8 +1026,8 @@ def _extend_on_device(prev: PageTable, host: HostPages, add_cells: np.ndarray,
         small = list(small)
         kv_indices = np.empty(nnz, np.int32)
         kv_positions = np.empty(nnz, np.int32)
-    seq_ids, qo_indptr, token_order, kv_indptr, last_len, q_positions, cells, poss = small
-    extend_lists(device, prev.kv_indices, prev.kv_positions, prev.kv_indptr, kv_indptr,
+    seq_ids, qo_indptr, token_order, kv_indptr, last_len, q_positions, cells, poss, drop = small
+    extend_lists(device, prev.kv_indices, prev.kv_positions, prev.kv_indptr, drop, kv_indptr,
                  qo_indptr, cells, poss, kv_indices, kv_positions)
     return PageTable(seq_ids, qo_indptr, token_order, kv_indptr, kv_indices, kv_positions,
                      last_len, q_positions)
@@ -1009,13 +1036,38 @@ def _extend_on_device(prev: PageTable, host: HostPages, add_cells: np.ndarray,
 def last_positions(host: HostPages) -> np.ndarray:
     """int64 ``[n_b]``: the last position of each list (-1 for an empty one), from the host
     lists."""
+    return _end_positions(host, last=True)
+
+
+def _end_positions(host: HostPages, last: bool) -> np.ndarray:
     ends = np.asarray(host.kv_indptr[1:], np.int64)
     starts = np.asarray(host.kv_indptr[:-1], np.int64)
     pos = np.asarray(host.kv_positions)
     out = np.full(ends.shape[0], -1, np.int64)
     full = ends > starts
-    out[full] = pos[ends[full] - 1]
+    out[full] = pos[ends[full] - 1] if last else pos[starts[full]]
     return out
+
+
+def mark_extendable(host: HostPages, seq_pos_max: np.ndarray, windowed: bool) -> None:
+    """Record in ``host.plans`` what :func:`extend_pages` needs of a host-built table (each
+    list's first and last position, whether every list's positions are one run) when every
+    list holds every cell of its sequence from its first listed position on; else nothing.
+    Without a window or chunks that is: every list ends at its sequence's highest position
+    (``seq_pos_max``: int ``[max_seqs]``; a causal list is then all the sequence's cells).
+    With them (``windowed``) the tokens' visible intervals may leave holes, so each list's
+    positions must be one run as well."""
+    last = _end_positions(host, True)
+    if not np.array_equal(last, np.asarray(seq_pos_max)[host.seq_ids]) or (last < 0).any():
+        return
+    first = _end_positions(host, False)
+    lens = np.diff(np.asarray(host.kv_indptr, np.int64))
+    contiguous = bool((last - first + 1 == lens).all())
+    if windowed and not contiguous:
+        return
+    host.plans["first-positions"] = first
+    host.plans["contiguous"] = contiguous
+    host.plans["last-positions"] = last
 
 
 def to_device(host: HostPages, device: str) -> PageTable:
@@ -1197,7 +1249,7 @@ def reserve_pages_of_table(table, positions: np.ndarray, seqs: np.ndarray) -> Ho
 
 
 __all__ = ["PageTable", "MaskRule", "HostPages", "build_pages", "build_all_visible", "to_device",
-           "extend_pages", "last_positions", "INCREMENTAL_DEVICES", "LAZY_FIELDS",
+           "extend_pages", "last_positions", "mark_extendable", "INCREMENTAL_DEVICES", "LAZY_FIELDS",
            "visible_lo",
            "check_pages", "token_mask", "plan_parts", "columns_mask", "pages_of_table",
            "reserve_pages_of_table", "FIELDS"]

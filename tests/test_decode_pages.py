@@ -34,7 +34,9 @@ def _table_arrays(table):
 
 def _host_build(cache):
     fwd = cache._forward
-    return pages.pages_of_table(cache.cells, fwd.positions, fwd.seqs, fwd.causal)
+    window = cache.swa_window or -1
+    return pages.pages_of_table(cache.cells, fwd.positions, fwd.seqs, fwd.causal,
+                                window=window, chunk=cache.chunk_size or 0)
 
 
 def _assert_equal_to_host_build(cache):
@@ -56,12 +58,20 @@ def _next(cache, s):
     return cache.seq_pos_max(s) + 1
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_extended_table_equals_the_host_build_after_random_sequence_ops(incremental, page_size):
-    """Contiguous placement, and paged placement (each step's cells scattered over the
-    sequences' pages, copy-on-write of shared last pages after copy_prefix)."""
+LAYOUTS = {
+    "contiguous": dict(),
+    # each step's cells scattered over the sequences' pages; copy-on-write after copy_prefix
+    "paged": dict(page_size=4, n_cells=96),
+    # the lists' fronts move on with the window / the chunks (no memory limit: no pruning)
+    "window": dict(swa_window=3, swa_memory=10_000),
+    "chunk": dict(chunk_size=4),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_extended_table_equals_the_host_build_after_random_sequence_ops(incremental, layout):
     rng = np.random.default_rng(3)
-    cache = _cache(n_cells=96 if page_size > 1 else 64, page_size=page_size)
+    cache = _cache(**LAYOUTS[layout])
     seqs = [0, 1, 2]
     extended = full = 0
     for step in range(30):

@@ -241,16 +241,18 @@ def test_full_cache_evicts_store_entries_lru_and_never_pinned():
         (40 * per_cell, 20 * per_cell, 20 * per_cell)
     store.match(a)
     prefill(cache, 0, list(range(30)))               # needs 30 cells: only 24 free
-    assert store.match(a) == 0 and store.match(b) == 20   # a (LRU, unpinned) went, b stayed
+    # a (LRU, unpinned) gave its tail: 6 cells short, 20 - 6 -> whole blocks: 12 stay; b stayed
+    assert store.match(a) == 12 and store.match(b) == 20
     ev = store.take_events()
     assert [e["type"] for e in ev].count("BlockRemoved") == 1
     cache.seq_rm(0)
     with pytest.raises(KVCacheFullError):            # the pinned entry is never evicted
         prefill(cache, 0, list(range(50)), chunk=50)
     assert store.match(b) == 20 and cache.seq_pos_max(0) == -1
+    assert store.match(a) == 0                       # a went whole (its 12 were not enough)
     store.unpin(b)
     prefill(cache, 0, list(range(50)), chunk=50)
-    assert store.match(b) == 0
+    assert store.match(b) == 12                      # 6 short: b's tail went
 
 
 def test_extension_reuses_the_entry_one_per_conversation():
@@ -285,7 +287,7 @@ def test_lfu_policy_keeps_the_frequent_entry():
         store.load(1, a)
         cache.seq_rm(1)
     prefill(cache, 0, list(range(30)))
-    assert store.match(a) == 20 and store.match(b) == 0
+    assert store.match(a) == 20 and store.match(b) == 12   # b, the less used, gave its tail
 
 
 def test_store_clear_close_and_events():

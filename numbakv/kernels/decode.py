@@ -395,12 +395,13 @@ def paged_merge_kernel(part_acc, part_ml, out, lse):
 _I32 = _arr(types.int32, 1)
 
 
-@cuda_kernel("extend_page_lists", [(_I32,) * 9])
-def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr, add_cells,
-                        add_pos, out_idx, out_pos):
-    """A page table's lists grown at their ends (a decode step): entry ``j`` of the new CSR
+@cuda_kernel("extend_page_lists", [(_I32,) * 10])
+def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, drop, new_indptr, qo_indptr,
+                        add_cells, add_pos, out_idx, out_pos):
+    """A page table's lists grown at their ends (a decode step), each first losing its
+    ``drop[b]`` front entries (a sliding window or chunk moved on): entry ``j`` of the new CSR
     lists (one thread each, grid-striding) is entry ``k`` of its list ``b``: ``prev``'s entry
-    ``k`` while ``k`` is below the old list's length, else new cell ``k - old length`` of ``b``
+    ``drop[b] + k`` while that is in the old list, else new cell ``k - kept`` of ``b``
     (``add_cells`` / ``add_pos`` grouped by ``qo_indptr``, in position order). Every new list
     is non-empty, so ``new_indptr`` ascends strictly and ``b`` is found by binary search."""
     nb = new_indptr.shape[0] - 1
@@ -417,7 +418,7 @@ def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr, 
             else:
                 hi = m
         k = j - new_indptr[lo]
-        p0 = prev_indptr[lo]
+        p0 = prev_indptr[lo] + drop[lo]
         n_prev = prev_indptr[lo + 1] - p0
         if k < n_prev:
             out_idx[j] = prev_idx[p0 + k]
@@ -429,7 +430,7 @@ def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr, 
         j += stride
 
 
-def extend_lists(device: str, prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr,
+def extend_lists(device: str, prev_idx, prev_pos, prev_indptr, drop, new_indptr, qo_indptr,
                  add_cells, add_pos, out_idx, out_pos) -> None:
     """Launch :data:`extend_lists_kernel` (``device`` ``"cuda"``: CuPy arrays; ``"sim"``: numpy
     arrays through the simulator). All int32, 1-d; ``out_*`` ``[new_indptr[-1]]``."""
@@ -445,8 +446,8 @@ def extend_lists(device: str, prev_idx, prev_pos, prev_indptr, new_indptr, qo_in
         def arg(a):
             return a
     _launch(device, extend_lists_kernel, (grid,), nb,
-            tuple(arg(a) for a in (prev_idx, prev_pos, prev_indptr, new_indptr, qo_indptr,
-                                   add_cells, add_pos, out_idx, out_pos)))
+            tuple(arg(a) for a in (prev_idx, prev_pos, prev_indptr, drop, new_indptr,
+                                   qo_indptr, add_cells, add_pos, out_idx, out_pos)))
 
 
 def fits(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int, batch: int) -> bool:

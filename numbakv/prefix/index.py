@@ -497,7 +497,24 @@ class BlockIndex:
         another entry of the tier still covers."""
         if self.entries.pop(entry.id, None) is None:
             return []
-        path, eid = entry.path, entry.id
+        return self._uncover(entry, entry.path)
+
+    def truncate(self, entry: Entry, k: int) -> List[Node]:
+        """Shorten the registered ``entry`` to its first ``k`` nodes (``0 < k < len(path)``;
+        its length becomes their end): its tail's nodes no entry covers any more leave the
+        trie. Returns the nodes no longer covered in its tier (for events). The entry keeps
+        its id (and so its place in the eviction order)."""
+        tail = entry.path[k:]
+        entry.path = entry.path[:k]
+        entry.length = entry.path[-1].end
+        entry.buf = entry.buf[:_TOKEN * entry.length]
+        return self._uncover(entry, tail)
+
+    def _uncover(self, entry: Entry, path: List[Node]) -> List[Node]:
+        """``entry`` no longer covers ``path`` (the end of its path, or all of it): drop it
+        from those nodes and unlink the ones no entry covers; returns those its tier no longer
+        covers."""
+        eid = entry.id
         for node in path:
             del node.entries[eid]
         gone = path[self._uncovered_tail(path, entry.tier):]
