@@ -15,6 +15,7 @@ from .errors import (ConcurrentUseError, KVCacheError, KVCacheFullError,  # noqa
 from .device import resolve_device
 from .simple import RotatingCache, StepCache
 from .causal import CausalCache
+from .step import DecodeStep
 from .streams import StreamCache  # registers itself for CacheConfig(unified=False)
 from .wrappers import EncoderCache, WrapperCache
 from .paired import PairedCache
@@ -33,7 +34,7 @@ __all__ = ["CacheConfig", "RopeShift", "KVCacheError", "KVCacheFullError", "NotS
            "StateError", "resolve_device", "StepCache", "RotatingCache", "CausalCache", "StreamCache", "WrapperCache",
            "EncoderCache", "__version__"]
 __all__ += ["PromptCache", "NoSlotError", "ReprocessError"]
-__all__ += ["PairedCache"]
+__all__ += ["PairedCache", "DecodeStep"]
 __all__ += ["ConcurrentUseError"]
 __all__ += ["SeqSnapshot", "SnapshotPart"]
 __all__ += ["PrefixStore"]

@@ -29,6 +29,12 @@ Backends:
   after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
   16, group x head_dim <= 2048) and no sequence has more than 32 queries in the pass (long
   prefills go to PyTorch's flash kernel); else ``"torch"``.
+
+Quantized K/V (q8_0, q4_0, float8_e4m3; ``k_dtype``/``v_dtype``) are read as stored: on the CPU
+by numbakv's numba kernel, on CUDA by the batched paged kernel (every pass whose shape it takes,
+dequantizing in the kernel; rotated K/V (``kv_rotation``) with the query rotation and the
+output's turn back in the kernel too); a shape neither takes goes through ``get()``
+(``"dense"``).
 """
 
 from __future__ import annotations
@@ -192,11 +198,15 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         if not soft_cap > 0:
             raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
     permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
-    # quantized K/V: the cell pool holds raw blocks. On the CPU numbakv's kernel reads them as
-    # they are (dequantized per tile, never copied out); elsewhere get() dequantizes the range
+    # quantized K/V: the cell pool holds raw blocks. numbakv's kernels read them as they are
+    # (dequantized per tile, never copied out): on the CPU the numba kernel, on CUDA the batched
+    # paged kernel when the shape fits it; elsewhere get() dequantizes the range
     quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
     # (an MLA latent cache, whose V is a view of K, keeps get(): no V rows of its own)
-    formats = _pool_formats(src) if quantized and not on_cuda and not latent_v else None
+    formats = _pool_formats(src) if quantized and not latent_v else None
+    if formats is not None and on_cuda and (permuted or not _decode_kernel.fits(
+            q.shape[1], cfg.local_kv_heads, cfg.head_dim, cfg.v_head_dim, batch)):
+        formats = None                    # a shape the GPU kernel does not take: get()
     gpu_kernel = False
     if backend == "auto":
         backend = ("torch" if formats is not None else "dense") if quantized else \
@@ -208,10 +218,16 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
                          f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
                          "backend='dense' or 'auto'")
+    if on_cuda and not gpu_kernel:
+        _after_cache(torch, src, q)
     if getattr(cfg, "k_rotation", 0) or getattr(cfg, "v_rotation", 0):
         # llama.cpp's rotated quantized K/V: the cache holds H k and H v (get() hands them out
         # as stored), so the queries are rotated like the keys ((H q) . (H k) = q . k) and the
         # output, H times the true one, is turned back (H @ H = I); float32 in between
+        if formats is not None and on_cuda and backend != "dense":
+            # the GPU kernel rotates the queries and turns its output back itself
+            return _gpu_quantized(torch, q, host, src, scale, soft_cap, formats,
+                                  "cuda").to(q.dtype)
         qr = rotate_queries(q.float(), cfg) if cfg.k_rotation else q
         out = _quantized_paged(torch, qr, host, src, scale, soft_cap, formats) \
             if formats is not None and backend != "dense" else \
@@ -226,6 +242,9 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     if backend == "dense":
         return _dense(torch, q, cache, scale, soft_cap, permuted, latent_v)
     if formats is not None:
+        if on_cuda:
+            return _gpu_quantized(torch, q, host, src, scale, soft_cap, formats,
+                                  "cuda").to(q.dtype)
         return _quantized_paged(torch, q, host, src, scale, soft_cap, formats)
     pools = cache.layer_pool()
     if latent_v:   # the value is a view of the latent rows (llama.cpp: V is a view of K)
@@ -245,8 +264,19 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
             and _max_queries(host) <= _GPU_KERNEL_TOKENS:
         return _gpu_attend(torch, q, host, pools, scale, soft_cap, "cuda",
                            src.storage).to(q.dtype)
+    if gpu_kernel:      # the batched kernel does not fit: torch reads the pools on its stream
+        _after_cache(torch, src, q)
     return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
                         cfg.dtype == "bfloat16")
+
+
+def _after_cache(torch, src: Any, q: Any) -> None:
+    """Order torch's current stream (where the torch/FlashInfer paths read the pools and the
+    page table) after the cache's stream (its puts and uploads; CuPy's current stream when it
+    has none of its own): an event waited on, no host wait; nothing when they are one stream."""
+    storage = getattr(src, "storage", None)
+    if storage is not None:
+        storage.order_before(torch.cuda.current_stream(q.device))
 
 
 def _max_queries(host: HostPages) -> int:
@@ -262,13 +292,33 @@ def _value_dim(value_pool, permuted: bool) -> int:
     return int(value_pool.shape[1] if permuted else value_pool.shape[2])
 
 
+def _gpu_quantized(torch, q, host: HostPages, src, scale: float, soft_cap, formats: tuple,
+                   device: str):
+    """``attend`` over a quantized cache through the batched paged kernel (``device``
+    ``"cuda"``, or ``"sim"`` for the tests): the storage's byte rows read as stored, each
+    quantized side dequantized in the kernel, a float side as its raw bits; rotated K/V
+    (``kv_rotation``) rotated and turned back in the kernel. float32 ``[batch, H, Dv]``."""
+    cfg = src.config
+    st = src.storage
+    slot = src._storage_layers[src._layer]
+    kf, vf, ks, vs, _ = formats
+    pools = (st.key_view(slot, 0, src.n_cells), st.value_view(slot, 0, src.n_cells))
+    quant = dict(bf16=cfg.dtype == "bfloat16",
+                 kfmt=_decode_kernel.QUANT_FORMATS[kf] if kf else None,
+                 vfmt=_decode_kernel.QUANT_FORMATS[vf] if vf else None,
+                 kscale=ks, vscale=vs, k_rotation=int(cfg.k_rotation),
+                 v_rotation=int(cfg.v_rotation))
+    return _gpu_attend(torch, q, host, pools, scale, soft_cap, device, st, quant)
+
+
 def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device: str,
-                storage: Any = None):
+                storage: Any = None, quant: Optional[dict] = None):
     """float32 ``[batch, H, Dv]`` torch tensor on ``q``'s device: every token of the pass in one
     launch of :func:`numbakv.kernels.decode.paged_attention` (``device`` ``"cuda"``: CuPy pools
     and page table; ``"sim"``: numpy ones through the CUDA simulator, for the tests). Per pass,
     the token -> sequence map, the causal flags and the list lengths are planned once and kept
-    in ``host.plans`` (one upload per pass, read by every layer)."""
+    in ``host.plans`` (one upload per pass, read by every layer). ``quant``: the raw pools'
+    formats, scales and rotations (:func:`_gpu_quantized`)."""
     from .kernels.launch import to_device
     plan = host.plans.get("gpu-kernel")
     if plan is None:
@@ -279,13 +329,13 @@ def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device
         plan = host.plans["gpu-kernel"] = (tok_dev, causal_dev, keep,
                                            np.diff(host.kv_indptr).astype(np.int64))
     tok_dev, causal_dev, _, lens = plan
-    bf16 = isinstance(pools[0], BFloat16View)
+    kw = dict(quant) if quant is not None else {"bf16": isinstance(pools[0], BFloat16View)}
     kp, vp = (x.bits if isinstance(x, BFloat16View) else x for x in pools)
     args = (host.table, tok_dev, causal_dev, int(host.rule.window), int(host.rule.chunk), scale,
             soft_cap, lens)
     if device != "cuda":
         qd = np.ascontiguousarray(q.detach().float().numpy())
-        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, bf16=bf16)
+        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, **kw)
         return torch.from_numpy(out)
     import cupy
     qf = q.detach().float().contiguous()       # on torch's current stream (the producer's)
@@ -300,7 +350,7 @@ def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device
             ready.record(cupy.cuda.ExternalStream(producer))
             stream.wait_event(ready)
         qd = cupy.from_dlpack(qf)
-        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, bf16=bf16)
+        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, **kw)
         if stream.ptr != producer:
             # the consumer (torch's current stream) reads out only after the kernel
             done = cupy.cuda.Event(disable_timing=True)
@@ -878,17 +928,27 @@ def _pool_formats(src) -> Optional[tuple]:
     """``(kfmt, vfmt, kscale, vscale)`` of the current layer of a quantized cache whose pool the
     CPU kernel can read as stored, or None (then ``get()`` dequantizes). Rotated K/V
     (``kv_rotation``) are read as stored too: ``attend`` rotates the queries and turns the
-    output back around either path."""
-    cfg = src.config
+    output back around either path. Memoised per (storage, layer slot): a config and its
+    storage never change their formats or scales, and attend asks every layer of every step."""
     st = src.storage
-    for quantized, kind in ((st.k_quantized, cfg.k_dtype), (st.v_quantized, cfg.v_dtype)):
-        if quantized and kind not in _KERNEL_QUANT_TYPES:
-            return None                   # e.g. FlashMLA's fp8_ds_mla row: get() decodes it
     slot = src._storage_layers[src._layer]
-    kf = int(st._k_fmt) if st.k_quantized else 0
-    vf = int(st._v_fmt) if st.v_quantized else 0
-    return (kf, vf, float(cfg.layer_scales("k")[slot]), float(cfg.layer_scales("v")[slot]),
-            int(cfg.v_head_dim))
+    cfg = src.config
+    memo = getattr(src, "_kernel_formats", None)
+    if memo is None or memo[0] is not st or memo[1] is not cfg:
+        memo = (st, cfg, {})
+        src._kernel_formats = memo
+    if slot in memo[2]:
+        return memo[2][slot]
+    out = None
+    if all(not quantized or kind in _KERNEL_QUANT_TYPES    # e.g. fp8_ds_mla: get() decodes
+           for quantized, kind in ((st.k_quantized, cfg.k_dtype),
+                                   (st.v_quantized, cfg.v_dtype))):
+        kf = int(st._k_fmt) if st.k_quantized else 0
+        vf = int(st._v_fmt) if st.v_quantized else 0
+        out = (kf, vf, float(cfg.layer_scales("k")[slot]), float(cfg.layer_scales("v")[slot]),
+               int(cfg.v_head_dim))
+    memo[2][slot] = out
+    return out
 
 
 def _quantized_paged(torch, q, host: HostPages, src, scale, soft_cap, formats):

@@ -37,6 +37,7 @@ _I32 = np.dtype(np.int32)
 if TYPE_CHECKING:  # pragma: no cover
     from .pages import PageTable
     from .state.snapshot import SeqSnapshot
+    from .step import DecodeStep
 
 PathLike = Union[str, os.PathLike]   # a file path
 
@@ -63,6 +64,14 @@ class _Forward:
     causal: np.ndarray         # uint8 [batch]; 0 where set_causal dropped the future-position test
     mask: Any = None
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
+    #: the cell table's version before this pass placed its batch (-1: the placement pruned
+    #: or defragmented as well) and right after: equal to the previous page table's version
+    #: and to the table's now, the pass only appended its cells (page tables extend on the
+    #: device, numbakv.pages.extend_pages)
+    cells_v0: int = -1
+    cells_v1: int = -1
+    slots: Optional[np.ndarray] = None   # int32 [batch]: the batch's cells when not one run
+                                         # start .. start+batch-1 (paged placement)
 
 
 def no_put_error(config: CacheConfig, layer: int) -> ValueError:
@@ -100,6 +109,7 @@ class _Undo:
     defrag_meta: Optional[np.ndarray] = None    # the table's counters before that defrag
     evicted_kv: Optional[tuple] = None      # (cells, K, V) a defrag wrote over, as they were
     shifts: Optional[tuple] = None          # (cells, deltas, key rows before) of applied shifts
+    unshared: Optional[list] = None         # paged copy-on-write: [(leave journal, _Placed)]
 
 
 @dataclass
@@ -244,13 +254,20 @@ class CausalCache(StateMethods):
         #: moving sequence first gets its own copies of them)
         self.shared_shift = shared_shift
         self.n_cells = config.n_cells(self.swa_memory)
+        if self.n_cells % config.page_size:
+            sized = "max_seqs * window memory + max_batch" if self.swa_memory \
+                else "max_seqs * capacity"
+            raise ValueError(
+                f"page_size={config.page_size} must divide the cache's cell count "
+                f"{self.n_cells} ({sized}, rounded up to cache_padding={config.cache_padding}): "
+                f"set cache_padding to a multiple of {config.page_size}")
         if _storage_factory is None:
             _check_memory(config, self.n_cells, self.device)
 
         self._window = window
         self._memory = memory
         self._chunk = chunk
-        self.cells = CellTable(self.n_cells, config.max_seqs)
+        self.cells = CellTable(self.n_cells, config.max_seqs, page_size=config.page_size)
         # a stream of a per-sequence cache works on its slice of the streams' one allocation
         # owning layers only (layer_reuse): the storage's layer axis is config.storage_layers
         self.storage = KVStorage(config.storage_config(), self.n_cells, self.device) \
@@ -335,6 +352,7 @@ class CausalCache(StateMethods):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos, sq = self._check_batch(positions, seqs)
         batch = len(pos)
+        cells_v0 = self.cells.version
         undo = _Undo(self._forward, self.defrag_count)
         if not reserve:
             bad = self.cells.batch_conflict(pos, sq)
@@ -348,6 +366,10 @@ class CausalCache(StateMethods):
             if self._memory != UNLIMITED:
                 undo.pruned = self.cells.prune_window(pos, sq, self._memory)
             range_window = -1 if self._memory == UNLIMITED else self._window
+            if self.config.page_size > 1:
+                self._place_paged(pos, sq, range_window, undo, ask_room)
+                self._stamp_versions(undo, cells_v0)
+                return undo
             lo, hi, start, head = self.cells.place_contiguous(pos, sq, range_window)
             if start < 0:
                 if ask_room:
@@ -383,7 +405,84 @@ class CausalCache(StateMethods):
         pad = self.config.cache_padding
         lo, hi = (lo // pad) * pad, min(round_up(hi, pad), self.n_cells)
         self._forward = _Forward(pos, sq, False, start, lo, hi, self._all_causal(batch))
+        self._stamp_versions(undo, cells_v0)
         return undo
+
+    def _stamp_versions(self, undo: "_Undo", cells_v0: int) -> None:
+        """Record on the pass the cell table's version before its placement (-1 when window
+        pruning, a defrag or a copy-on-write of shared pages changed more than the pass's own
+        cells) and after it: page tables extend on the device only after a pure placement."""
+        fwd = self._forward
+        only_placed = (undo.pruned is None or not len(undo.pruned)) \
+            and undo.defrag_moves is None and not getattr(undo, "unshared", None)
+        fwd.cells_v0 = cells_v0 if only_placed else -1
+        fwd.cells_v1 = self.cells.version
+
+    def _place_paged(self, pos: np.ndarray, sq: np.ndarray, range_window: int, undo: "_Undo",
+                     ask_room: bool) -> "_Undo":
+        """``_place`` under paged placement (``CacheConfig(page_size > 1)``): each sequence's
+        tokens go on in its last page and open wholly free pages (``CellTable.place_paged``).
+        No defrag on a full cache: moving whole pages frees no page. The caller's ``try`` takes
+        back the window pruning when this raises."""
+        batch = len(pos)
+        page = self.config.page_size
+        lo, hi, slots, head, tails, run = self.cells.place_paged(pos, sq, range_window, True)
+        if len(tails):      # copy-on-write of shared last pages first, then place
+            self._unshare_tails(tails, undo)
+            lo, hi, slots, head, _, run = self.cells.place_paged(pos, sq, range_window)
+        if slots is None:
+            # pages a sequence starts, at most: one per page_size tokens, plus one
+            need = (batch // page + 1) * page
+            if ask_room:
+                raise _NeedRoom(f"no free pages for a batch of {batch} tokens", need)
+            raise KVCacheFullError(
+                f"no room for a batch of {batch} tokens in pages of {page} cells: "
+                f"{self.cells.n_free_pages} of {self.n_cells // page} pages are wholly free "
+                f"({self.cells.n_free} free cells, the rest inside partly used pages; cache full)")
+        undo.head = head
+        undo.slots = slots
+        if run:
+            first, last = int(slots[0]), int(slots[-1])
+        else:
+            first, last = int(slots.min()), int(slots.max())
+        if lo >= hi:
+            lo, hi = first, last + 1
+        lo, hi = min(lo, first), max(hi, last + 1)
+        pad = self.config.cache_padding
+        lo, hi = (lo // pad) * pad, min(round_up(hi, pad), self.n_cells)
+        self._forward = _Forward(pos, sq, False, first, lo, hi, self._all_causal(batch),
+                                 slots=None if run else slots)
+        return undo
+
+    def _unshare_tails(self, tails: np.ndarray, undo: "_Undo") -> None:
+        """Paged copy-on-write (vLLM's fork of a partial block): each row (seq, first cell,
+        cells) of ``CellTable.shared_tails`` gives ``seq`` its own copies of its cells on a
+        shared, partly filled last page (K/V copied in every layer, pending shifts carried,
+        ``seq``'s bit moved to the copies, which start a fresh page), so its next tokens can
+        follow them on one page. Recorded in ``undo.unshared``; a sequence whose copies find
+        no free page keeps the shared page (its page rule then breaks; page tables say so)."""
+        table = self.cells
+        undo.unshared = []
+        for seq, first, n in np.asarray(tails).tolist():
+            src = np.arange(first, first + n, dtype=np.int32)
+            positions = table._pos[src].astype(np.int32)
+            shifts = table._shift[src].astype(np.int32)
+            journal: list = []
+            entry = [journal, None]
+            undo.unshared.append(entry)
+            table.leave_cells(seq, src, journal=journal)
+            slots = table.find_paged(positions, np.full(n, seq, np.int32))
+            if slots is None:
+                undo.unshared.pop()
+                table.rollback(journal)
+                continue
+            placed = _Placed(slots, table.head, *self.storage.read_cells(slots))
+            table.apply_batch(slots, positions, np.full(n, seq, np.int32))
+            entry[1] = placed
+            moving = shifts != 0
+            if moving.any():
+                table.restore_shifts(slots[moving], shifts[moving])
+            self.storage.copy_cells(src, slots)
 
     def _finish_forward(self, undo: Optional["_Undo"] = None) -> None:
         """The data half of start_forward: pending key rotations (recorded in ``undo``), then
@@ -413,6 +512,12 @@ class CausalCache(StateMethods):
             undo.shifts = None
         if undo.slots is not None:
             self.cells.unapply_batch(undo.slots, undo.head)
+        for journal, placed in reversed(undo.unshared or []):
+            if placed is not None:
+                self.storage.write_cells(placed.slots, placed.keys, placed.values)
+                self.cells.unapply_batch(placed.slots, placed.head)
+            self.cells.rollback(journal)
+        undo.unshared = None
         if undo.defrag_moves is not None:
             self.cells.undo_defrag(undo.defrag_moves, undo.defrag_head)
             if undo.defrag_meta is not None:
@@ -539,7 +644,10 @@ class CausalCache(StateMethods):
             if self._put_layer < 0:
                 raise self._no_put()
             if not fwd.reserve:
-                self.storage.put_range_trusted(self._put_layer, fwd.start, key, value)
+                if fwd.slots is None:
+                    self.storage.put_range_trusted(self._put_layer, fwd.start, key, value)
+                else:   # paged placement: the batch's cells, placed (so checked) by the table
+                    self.storage.put_slots_trusted(self._put_layer, fwd.slots, key, value)
             self._put_in = fwd
             return
         fwd = self._require_forward("put")
@@ -552,7 +660,10 @@ class CausalCache(StateMethods):
         with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
             k, v = self._batch_kv(key, value, len(fwd.positions))
         if not fwd.reserve:
-            self.storage.put_range(self._put_layer, fwd.start, k, v)
+            if fwd.slots is None:
+                self.storage.put_range(self._put_layer, fwd.start, k, v)
+            else:
+                self.storage.put(self._put_layer, fwd.slots, k, v)
         self._put_in = fwd
 
     def _batch_kv(self, key, value, batch: int):
@@ -588,6 +699,8 @@ class CausalCache(StateMethods):
             key, value = self.storage.views_trusted(layer, fwd.lo, fwd.hi)
         if fwd.exported is None:
             self._build_mask()      # first get() of this pass (the CPU builds it lazily)
+        if self.storage._stream is not None:
+            self.storage.order_before()   # CuPy's current stream reads after the puts
         if self._bf16:
             return export_view(key, "bfloat16"), export_view(value, "bfloat16"), fwd.exported
         return key, value, fwd.exported
@@ -600,6 +713,8 @@ class CausalCache(StateMethods):
         fwd = self._require_forward("get_quantized")
         k, v = self.storage.quantized_views(self._read_layer_checked("get_quantized"), fwd.lo,
                                             fwd.hi)
+        if self.storage._stream is not None:
+            self.storage.order_before()
         return export_view(k, "uint8"), export_view(v, "uint8")
 
     def cell_range(self) -> Tuple[int, int]:
@@ -688,11 +803,77 @@ class CausalCache(StateMethods):
 
         Deliberate difference (docs/fidelity.md): the used cells keep their order; Ollama fills
         holes from the end, reversing it (attention is the same, later cell indices differ),
-        and its merged moves pair metadata with another cell's K/V, which numbakv never does."""
+        and its merged moves pair metadata with another cell's K/V, which numbakv never does.
+
+        Under paged placement (``CacheConfig(page_size > 1)``): whole pages move, then each
+        sequence that breaks the page rule and shares no cell is repacked into fresh pages
+        (docs/paged.md)."""
         self._check_open()
         forward = self._forward
-        self._defrag_plan_and_move(forward)
+        if self.config.page_size > 1:
+            self._defrag_pages(forward)
+        else:
+            self._defrag_plan_and_move(forward)
         self._forward = None
+
+    def _defrag_pages(self, forward: Any) -> None:
+        """``defrag`` under paged placement, all or nothing: whole pages move to the front
+        (every cell keeps its slot: a sequence that keeps the page rule keeps it), then every
+        sequence whose cells break the rule and are its own (none shared) is repacked into
+        fresh pages in position order (its K/V rows copied through the host), so a context
+        shift or a ``seq_rm`` of a middle range can be followed by ``defrag()`` before the
+        next paged table. A sequence the free pages cannot hold is left as it is."""
+        # an undo log of its own (handed on to an enclosing one, e.g. a WrapperCache's)
+        outer, self._outer_journal = self._outer_journal, []
+        try:
+            self._defrag_plan_and_move(forward)
+            self._repack_broken_sequences()
+        except BaseException:
+            self._journal_end(rollback=True)
+            self._outer_journal = outer
+            raise
+        entries, self._outer_journal = self._outer_journal, outer
+        if outer is not None:
+            outer += entries
+
+    def _repack_broken_sequences(self) -> None:
+        """Repack (see :meth:`_defrag_pages`) each sequence that breaks the page rule and
+        shares none of its cells; undo entries go to ``_outer_journal``."""
+        from .pages import page_rule_break
+        table, page = self.cells, self.config.page_size
+        for seq in range(self.config.max_seqs):
+            if table.seq_pos_max[seq] < 0:
+                continue
+            cells = np.asarray(table.seq_cells(seq), np.int64)
+            order = np.argsort(table._pos[cells], kind="stable")
+            cells = cells[order].astype(np.int32)
+            if page_rule_break(cells, page) < 0:
+                continue
+            bits = table._seqs[cells].copy()
+            bits[:, seq >> 6] &= ~np.uint64(1 << (seq & 63))
+            if bits.any():
+                continue            # shares cells: copies would break the sharer's rule
+            n = len(cells)
+            if -(-n // page) > table.n_free_pages + len(np.unique(cells // page)):
+                continue            # cannot hold it in fresh pages even after freeing its own
+            positions = table._pos[cells].astype(np.int32)
+            shifts = table._shift[cells].astype(np.int32)
+            rows = self.storage.read_cells(cells)
+            journal: list = []
+            table.seq_rm(seq, 0, None, journal=journal)
+            self._outer_journal.append((journal, self._forward))
+            slots = table.find_paged(positions, np.full(n, seq, np.int32))
+            if slots is None:       # free cells, not whole pages: give the sequence back
+                self._outer_journal.pop()
+                table.rollback(journal)
+                continue
+            placed = _Placed(slots, table.head, *self.storage.read_cells(slots))
+            table.apply_batch(slots, positions, np.full(n, seq, np.int32))
+            self._outer_journal.append(placed)
+            moving = shifts != 0
+            if moving.any():
+                table.restore_shifts(slots[moving], shifts[moving])
+            self.storage.write_cells(slots, *rows)
 
     def _defrag_plan_and_move(self, forward: Any = None) -> np.ndarray:
         """Plan and run a defrag, all or nothing; inside an enclosing undo log (a
@@ -898,9 +1079,11 @@ class CausalCache(StateMethods):
             # seq_add/seq_div a sequence may hold one position twice, once in a private cell)
             table.leave_cells(seq, src, journal=unshare)
             head = table.head
-            start = table.find_contiguous(n)
-            slots = (np.arange(start, start + n, dtype=np.int32) if start >= 0
-                     else table.find_scatter(n))
+            slots = table.find_cells(positions, np.full(n, seq, np.int32))
+            if slots is None:
+                raise KVCacheFullError(
+                    f"shared_shift='copy': no free pages of {self.config.page_size} cells for "
+                    f"sequence {seq}'s {n} copies (cache full); nothing changed")
             kept = self.storage.read_cells(slots)
             table.apply_batch(slots, positions, np.full(n, seq, np.int32))
             placed = _Placed(slots, head, *kept)
@@ -964,9 +1147,7 @@ class CausalCache(StateMethods):
         kept first, so that taking the copy back restores what it wrote over. Returns the cells
         (int32 ``[n]``)."""
         n = len(positions)
-        start = self.cells.find_contiguous(n)
-        slots = (np.arange(start, start + n, dtype=np.int32) if start >= 0
-                 else self.cells.find_scatter(n))
+        slots = self.cells.find_cells(positions, np.zeros(n, np.int32))
         if slots is None:
             raise KVCacheFullError(f"no room for {n} copied cells ({self.cells.n_free} free)")
         head = self.cells.head
@@ -1068,6 +1249,26 @@ class CausalCache(StateMethods):
         return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ misc
+    def capture_step(self, batch: int, *, attend: bool = False) -> "DecodeStep":
+        """A decode step of up to ``batch`` tokens whose inputs sit in fixed device buffers: on
+        ``cuda`` a CUDA graph of one put per stored layer reading its slots from a step
+        descriptor the host refreshes with one asynchronous copy per replay; on ``cpu``/``sim``
+        the same launches recorded and run by each replay (same results and errors, no graph).
+
+        ``step.replay(positions, seqs, q=None, k, v)`` then does ``start_forward`` and stores
+        ``k [n_stored_layers, n, n_kv_heads, head_dim]`` / ``v [n_stored_layers, n, n_kv_heads,
+        v_head_dim]`` in every stored layer; ``step.key`` / ``step.value`` are the fixed input
+        buffers a model may write into directly (pass ``k=None, v=None``). The graph runs on the
+        cache's stream (:meth:`use_stream`); the step keeps its buffers and graph alive as long as
+        it lives. See :mod:`numbakv.step`.
+
+        Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``) and ``NotSupportedError``
+        for what is not captured: ``attend=True``, quantized K/V, V-less (MLA) caches,
+        per-sequence streams. Changes nothing in the cache."""
+        self._check_open()
+        from .step import DecodeStep, check_capturable
+        return DecodeStep(self, check_capturable(self, batch, attend))
+
     def use_stream(self, stream: Any) -> None:
         """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a
         CuPy stream, a torch stream (``torch.cuda.current_stream()``) or a raw ``cudaStream_t``
@@ -1107,26 +1308,22 @@ class CausalCache(StateMethods):
 
         ``page_size > 1`` (FlashMLA's dense decode takes 64): a
         :class:`numbakv.pages.PagedTable` (``block_table``, ``cache_seqlens``, FlashInfer's
-        ``kv_indptr``/``kv_indices``/``kv_last_page_len``) over pages of ``page_size`` cells,
-        when every sequence of the batch sees one run of cells, in position order, starting on
-        a page boundary (e.g. sequences prefilled from page-aligned cells: ``cache_padding`` a
-        multiple of the page size keeps the pool whole pages); otherwise ``NotSupportedError``
-        saying which sequence. Pair it with :meth:`mla_views` ``(page_size=...)``."""
+        ``kv_indptr``/``kv_indices``/``kv_last_page_len``) over pages of ``page_size`` cells
+        (page ``p`` = cells ``[p * page_size, (p + 1) * page_size)``), when every sequence of
+        the batch's visible cells, in position order, fill pages: token ``i`` in slot ``i %
+        page_size`` of its page, pages anywhere in the pool and in any order, only the last
+        one partial. ``CacheConfig(page_size=...)`` places tokens so; a layout that breaks the
+        rule (contiguous placement across page boundaries, ``seq_rm`` of a middle range, a
+        sliding window, a context shift, a shared page another sequence wrote on) is refused
+        with ``NotSupportedError`` naming the sequence, token and cell, never described
+        wrongly. Pair it with :meth:`mla_views` ``(page_size=...)``."""
         page_size = _check_index("page_size", page_size, 1)
         host = self._host_pages()
+        if self.storage is not None and self.storage._stream is not None:
+            self.storage.order_before()   # the table's upload and the puts, before its reader
         if page_size == 1:
             return host.table
-        if self.n_cells % page_size:
-            raise ValueError(f"page_size={page_size} must divide the cache's {self.n_cells} "
-                             "cells (set cache_padding to a multiple of it)")
-        arrays = _pages.paged_arrays(host, page_size)
-        if isinstance(arrays, str):
-            raise NotSupportedError(f"page_table(page_size={page_size}): {arrays}")
-        xp = self._xp
-        dev = {k: xp.asarray(v) for k, v in arrays.items()}
-        table = host.table
-        return _pages.PagedTable(page_size, table.seq_ids, table.qo_indptr, table.token_order,
-                          table.q_positions, **dev)
+        return _pages.paged_table(host, page_size, self.n_cells, self._xp)
 
     def mla_views(self, layer: Optional[int] = None, *, page_size: int = 1) -> Tuple[Any, Any]:
         """An MLA latent pool split as FlashInfer's MLA kernels take it, zero-copy: ``ckv``
@@ -1173,6 +1370,8 @@ class CausalCache(StateMethods):
             raise ValueError(f"layer_pool(): layer {layer} has no K/V in this cache "
                              f"(layer_reuse[{layer}] = -1)")
         dtype = self.config.dtype
+        if self.storage._stream is not None:
+            self.storage.order_before()
         return (export_view(self.storage.key_view(slot, 0, self.n_cells), dtype),
                 export_view(self.storage.value_view(slot, 0, self.n_cells), dtype))
 
@@ -1190,16 +1389,50 @@ class CausalCache(StateMethods):
         if cached is not None and cached[0] is fwd and cached[1] is fwd.causal \
                 and cached[2] is self.cells:
             return cached[3]
-        if fwd.reserve:
-            host = pages.reserve_pages_of_table(self.cells, fwd.positions, fwd.seqs)
-        else:
-            host = pages.pages_of_table(
-                self.cells, fwd.positions, fwd.seqs, fwd.causal,
-                window=-1 if self._window == UNLIMITED else self._window, chunk=self._chunk)
+        cells = self.cells
+        window = -1 if self._window == UNLIMITED else self._window
+        # a decode step on a GPU: the previous pass's lists grown on the device by this pass's
+        # cells (O(batch) host work and upload) when the cell table changed only by this
+        # pass's placement and those lists held every cell of their sequences
+        appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve
+        host = None
         with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
-            pages.to_device(host, self.device)     # on the cache's stream
-        self._pages_cache = (fwd, fwd.causal, self.cells, host)
+            inc = getattr(self, "_pages_inc", None)
+            if appendable and inc is not None and inc[1] is cells \
+                    and inc[2] == fwd.cells_v0 and cells.version == fwd.cells_v1:
+                host = pages.extend_pages(inc[0], fwd.positions, fwd.seqs, fwd.causal,
+                                          fwd.start if fwd.slots is None else fwd.slots,
+                                          cells.max_seqs, self.device,
+                                          self._host_lists_of(fwd, cells.version, window),
+                                          window, self._chunk)
+            if host is None:
+                if fwd.reserve:
+                    host = pages.reserve_pages_of_table(cells, fwd.positions, fwd.seqs)
+                else:
+                    host = pages.pages_of_table(cells, fwd.positions, fwd.seqs, fwd.causal,
+                                                window=window, chunk=self._chunk)
+                pages.to_device(host, self.device)     # on the cache's stream
+                if appendable:
+                    pages.mark_extendable(host, cells.seq_pos_max,
+                                          window >= 0 or self._chunk > 0)
+        self._pages_inc = (host, cells, cells.version) \
+            if "last-positions" in host.plans else None
+        self._pages_cache = (fwd, fwd.causal, cells, host)
         return host
+
+    def _host_lists_of(self, fwd: _Forward, version: int, window: int):
+        """The host build of pass ``fwd``'s page table, for the host lists of a table extended
+        on the device (read only if a host-side backend asks, within the pass)."""
+        cells = self.cells
+
+        def fill():
+            if self.cells is not cells or cells.version != version:
+                raise RuntimeError("a page table's host lists were read after the cell table "
+                                   "changed (page tables are valid until the next "
+                                   "start_forward or sequence operation)")
+            return _pages.pages_of_table(cells, fwd.positions, fwd.seqs, fwd.causal,
+                                         window=window, chunk=self._chunk)
+        return fill
 
     def __repr__(self) -> str:
         cfg = self.config

@@ -45,6 +45,8 @@ pruning, the attended range) never scans the whole table:
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -956,6 +958,298 @@ def _place_contiguous(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positi
 
 
 # --------------------------------------------------------------------------------------------
+# paged placement (CacheConfig(page_size=P)): each sequence's tokens, in position order, fill
+# pages of P cells (page k = cells [k*P, (k+1)*P)); FlashMLA / FlashInfer / vLLM block tables
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _range_free(occ, lo, hi):
+    """Whether cells ``lo .. hi - 1`` (``lo < hi``) are all free: the bitmap words they span
+    only (``_next_used`` would run on through a free region to its end)."""
+    w0 = lo >> 6
+    w1 = (hi - 1) >> 6
+    for w in range(w0, w1 + 1):
+        x = occ[w]
+        if w == w0:
+            x &= _ALL << np.uint64(lo & 63)
+        if w == w1 and (hi & 63) != 0:
+            x &= (_ONE << np.uint64(hi & 63)) - _ONE
+        if x != 0:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _free_page(occ, n, page, from_page):
+    """The first page >= ``from_page`` whose ``page`` cells are all free, or -1. O(pages
+    skipped * words per page): a page with a used cell costs about one bitmap word read."""
+    n_pages = n // page
+    for p in range(from_page, n_pages):
+        if _range_free(occ, p * page, p * page + page):
+            return p
+    return -1
+
+
+@njit(cache=True)
+def _count_free_pages(occ, n, page):
+    k = 0
+    p = _free_page(occ, n, page, 0)
+    while p >= 0:
+        k += 1
+        p = _free_page(occ, n, page, p + 1)
+    return k
+
+
+@njit(cache=True)
+def _append_after(cpos, cseqs, stree, sidx, meta, positions, bseqs):
+    """Per sequence (int64 ``[max_seqs]``): the cell of its highest position when the batch
+    gives it tokens that all come after the positions it holds (its tokens go on from there),
+    else -1 (not in the batch, holds nothing, or goes below what it holds). O(batch) plus one
+    O(log n + block) search per appending sequence whose last cell is not its highest-numbered
+    cell (usually it is: pages open in increasing order)."""
+    nseq = sidx.shape[1]
+    lowest = np.full(nseq, -1, np.int64)
+    for i in range(positions.shape[0]):
+        s = bseqs[i]
+        p = np.int64(positions[i])
+        if lowest[s] < 0 or p < lowest[s]:
+            lowest[s] = p
+    bshift = meta[_M_BSHIFT]
+    for s in range(nseq):
+        low = lowest[s]
+        if low < 0:
+            continue
+        top = sidx[3, s]
+        lowest[s] = -1
+        if top < 0 or low <= top:
+            continue
+        c = sidx[1, s]
+        if cpos[c] != top:
+            c = _last_cell_ge(cpos, cseqs, stree, s, top, bshift)
+        lowest[s] = c
+    return lowest
+
+
+@njit(cache=True)
+def _find_paged(occ, ftree, n_cells, positions, bseqs, page, after):
+    """Cells (int32 ``[batch]``) for a batch under paged placement, or (empty, False) when the
+    pages it needs are not free; nothing is changed (the bitmap bits claimed while planning
+    are cleared again). Per sequence of the batch (ascending id), its tokens in position
+    order: when it appends (``after[s]``, see :func:`_append_after`) the first goes to the slot
+    after that cell if the slot is free and on the same page, then on up that page; each time
+    a page is full (or the sequence holds nothing, or the slot is taken), the first wholly free
+    page is opened. Tokens that go below positions the sequence holds start a fresh page (its
+    page rule is then broken; page tables say so). O(batch log batch + pages skipped)."""
+    b = positions.shape[0]
+    slots = np.empty(b, np.int32)
+    if b == 0:
+        return slots, True
+    key = np.empty(b, np.int64)
+    sorted_ = True
+    for i in range(b):
+        key[i] = (np.int64(bseqs[i]) << 32) | np.int64(positions[i])
+        if i > 0 and key[i] < key[i - 1]:
+            sorted_ = False
+    order = np.arange(b) if sorted_ else np.argsort(key, kind="mergesort")
+    # a free page needs a free run of `page`: none anywhere, no page (the tree is current)
+    no_page = ftree[2, 1] < page
+    next_page = 0          # pages below it were found not free during this plan
+    ok = True
+    done = 0
+    i = 0
+    while i < b and ok:
+        s = bseqs[order[i]]
+        j = i
+        while j < b and bseqs[order[j]] == s:
+            j += 1
+        cursor = np.int64(-1)
+        last = after[s]
+        if last >= 0:
+            nxt = last + 1
+            if nxt % page != 0 and not _occ_test(occ, nxt):
+                cursor = nxt
+        for t in range(i, j):
+            if cursor < 0 or cursor % page == 0 or _occ_test(occ, cursor):
+                pg = -1 if no_page else _free_page(occ, n_cells, page, next_page)
+                if pg < 0:
+                    ok = False
+                    break
+                next_page = pg + 1
+                cursor = np.int64(pg) * page
+            slots[order[t]] = cursor
+            _occ_set(occ, cursor)
+            done += 1
+            cursor += 1
+        i = j
+    # give the claimed bits back (tokens are planned in sorted order): planning changes nothing
+    for t in range(done):
+        _occ_clear(occ, slots[order[t]])
+    if not ok:
+        return slots[:0], False
+    return slots, True
+
+
+@njit(cache=True)
+def _shared_tails(cpos, cseqs, occ, page, after):
+    """Copy-on-write under paged placement: the batch's appending sequences (``after``, see
+    :func:`_append_after`) whose partly filled last page has its next slot taken -- by another
+    sequence already, or by one earlier in this batch (ascending id, :func:`_find_paged`'s
+    order) that appends after the same cell: two sequences sharing a page through ``seq_cp``
+    that both go on. Returns int64 ``[k, 3]`` rows (seq, first cell, cells): the sequence's
+    cells on that page, slots ``0 .. cells - 1`` of it, every one shared, which it needs its
+    own copies of before its tokens can follow them. O(max_seqs) plus O(page) per sharer;
+    changes nothing."""
+    out = np.empty((0, 3), np.int64)
+    claimed = np.empty(0, np.int64)     # next slots the sequences before took (bits set)
+    n = cpos.shape[0]
+    for s in range(after.shape[0]):
+        last = after[s]
+        if last < 0:
+            continue
+        off = last % page
+        nxt = last + 1
+        if off == page - 1 or nxt >= n or _has(cseqs, nxt, s):
+            continue
+        if not _occ_test(occ, nxt):
+            if not _has_others(cseqs, last, s):
+                continue                # its own last cell: nobody else appends after it
+            _occ_set(occ, nxt)          # this sequence writes it; a later sharer copies
+            grown_c = np.empty(claimed.shape[0] + 1, np.int64)
+            grown_c[:claimed.shape[0]] = claimed
+            grown_c[claimed.shape[0]] = nxt
+            claimed = grown_c
+            continue
+        first = last - off
+        # the tail page holds the sequence in slots 0 .. off, every cell shared (leaving them
+        # frees none); any other layout has broken the page rule already: nothing to save
+        mine = _has_others(cseqs, last, s)
+        for c in range(first, last):
+            if not mine:
+                break
+            if not _has(cseqs, c, s) or cpos[c] >= cpos[c + 1] or not _has_others(cseqs, c, s):
+                mine = False
+        if not mine:
+            continue
+        grown = np.empty((out.shape[0] + 1, 3), np.int64)
+        grown[:out.shape[0]] = out
+        grown[out.shape[0], 0] = s
+        grown[out.shape[0], 1] = first
+        grown[out.shape[0], 2] = off + 1
+        out = grown
+    for k in range(claimed.shape[0]):
+        _occ_clear(occ, claimed[k])
+    return out
+
+
+@njit(cache=True)
+def _place_paged(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positions, bseqs, window,
+                 page, cow):
+    """start_forward's paged placement in one call: the attended range, then (``cow``) the
+    sequences that need copy-on-write first (:func:`_shared_tails`; when there are any,
+    nothing is placed and they are returned), :func:`_find_paged` and applying the batch.
+    Returns (code, lo, hi, slots, head before, tails, contiguous); slots empty (nothing
+    applied) when the pages are not free or copies are needed; ``contiguous``: the slots are
+    one ascending run."""
+    code, lo, hi = _batch_range(cpos, cseqs, stree, sidx, meta, positions, bseqs, window)
+    head = meta[_M_HEAD]
+    none = np.empty(0, np.int32)
+    tails = np.empty((0, 3), np.int64)
+    if code != 0:
+        return code, lo, hi, none, head, tails, False
+    after = _append_after(cpos, cseqs, stree, sidx, meta, positions, bseqs)
+    if cow:
+        tails = _shared_tails(cpos, cseqs, occ, page, after)
+        if tails.shape[0] > 0:
+            return 0, lo, hi, none, head, tails, False
+    slots, ok = _find_paged(occ, ftree, cpos.shape[0], positions, bseqs, page, after)
+    if not ok:
+        return 0, lo, hi, none, head, tails, False
+    code = _apply_batch(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, slots, positions,
+                        bseqs)
+    if code != 0:
+        return code, lo, hi, none, head, tails, False
+    run = True
+    for i in range(1, slots.shape[0]):
+        if slots[i] != slots[i - 1] + 1:
+            run = False
+            break
+    return 0, lo, hi, slots, head, tails, run
+
+
+@njit(cache=True)
+def _plan_defrag_pages(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, page):
+    """Paged defrag: moves (src, dst, length) of whole pages that make the pages holding a used
+    cell the first ones, applied to the metadata. Each hole page below the used-page count is
+    filled with the last not-yet-moved used page (lowest first, as :func:`_plan_defrag`), so
+    sources all lie at or past the used-page count and destinations below it (any copy order
+    works) and every cell keeps its slot in its page: a sequence's page rule survives, its
+    pages renumbered. Adjacent page moves are merged."""
+    n = cpos.shape[0]
+    n_pages = n // page
+    used_pages = 0
+    for p in range(n_pages):
+        if not _range_free(occ, p * page, p * page + page):
+            used_pages += 1
+    moves = np.empty((16, 3), np.int64)
+    m = 0
+    top = n_pages - 1
+    srcbuf = np.empty(16, np.int64)
+    p = 0
+    while p < used_pages:
+        if not _range_free(occ, p * page, p * page + page):
+            p += 1
+            continue
+        h1 = p          # a run of hole pages [p, h1) below used_pages
+        while h1 < used_pages and _range_free(occ, h1 * page, h1 * page + page):
+            h1 += 1
+        nh = h1 - p
+        if srcbuf.shape[0] < nh:
+            srcbuf = np.empty(2 * nh, np.int64)
+        for k in range(nh):     # the last nh used pages not yet moved, descending
+            while _range_free(occ, top * page, top * page + page):
+                top -= 1
+            srcbuf[k] = top
+            top -= 1
+        k = nh - 1              # lowest source to the lowest hole; runs merged
+        dst = p
+        while k >= 0:
+            src = srcbuf[k]
+            length = 1
+            while k - length >= 0 and srcbuf[k - length] == src + length:
+                length += 1
+            if m == moves.shape[0]:
+                grown = np.empty((2 * m, 3), np.int64)
+                grown[:m] = moves
+                moves = grown
+            moves[m, 0] = src * page
+            moves[m, 1] = dst * page
+            moves[m, 2] = length * page
+            m += 1
+            dst += length
+            k -= length
+        p = h1
+    # apply to the metadata (sources are free pages afterwards), then rebuild the indexes
+    for r in range(m):
+        src = moves[r, 0]
+        dst = moves[r, 1]
+        for j in range(moves[r, 2]):
+            a = src + j
+            c = dst + j
+            cpos[c] = cpos[a]
+            cshift[c] = cshift[a]
+            for w in range(cseqs.shape[1]):
+                cseqs[c, w] = cseqs[a, w]
+                cseqs[a, w] = 0
+            cpos[a] = -1
+            cshift[a] = 0
+    if m > 0:
+        _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta)
+    upto = used_pages * page
+    meta[_M_HEAD] = upto if upto < n else 0
+    return moves[:m]
+
+
+# --------------------------------------------------------------------------------------------
 # sequence operations: each walks only the stree leaf blocks whose position range meets the
 # operation's range, so its cost is O(log n + cells touched) however long the cache is
 # --------------------------------------------------------------------------------------------
@@ -1207,14 +1501,22 @@ def _seq_rm(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, s, p0, p1):
         blocks = _st_blocks(stree, s, p0, p1)
         if blocks.shape[0] == 0:
             return
+        w = s >> 6
+        bit = _bit(s)
         for i in range(blocks.shape[0]):
             lo, hi = _block_cells(blocks[i], bshift, n)
             for c in range(lo, hi):
-                if _has(cseqs, c, s):
+                if cseqs[c, w] & bit:
                     p = cpos[c]
                     if p >= p0 and p < p1:
-                        if _drop_seq(cpos, cshift, cseqs, occ, meta, c, s) and new_head == n:
-                            new_head = c
+                        # _drop_seq written out: a call per cell (its array arguments'
+                        # reference counts) cost ~50 ns, 20x the work, when the cell stays
+                        # shared (a retained prefix's sequence leaving its cells)
+                        cseqs[c, w] &= ~bit
+                        if not _used(cseqs, c):
+                            _free_cell(cpos, cshift, cseqs, occ, meta, c)
+                            if new_head == n:
+                                new_head = c
         if new_head != n:
             _ft_blocks(ftree, occ, blocks, bshift)
         _st_refresh_blocks(stree, cpos, cseqs, s, blocks, bshift)
@@ -1764,6 +2066,16 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def _mutates(method):
+    """Count a call of a method that may change the table in :attr:`CellTable.version` (before
+    it runs: a call that fails having changed nothing only costs a page-table rebuild)."""
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        self.version += 1
+        return method(self, *args, **kwargs)
+    return counted
+
+
 class CellTable:
     """The cells of a cache and the indexes kept in step with them.
 
@@ -1787,16 +2099,28 @@ class CellTable:
       its free-run tree and the per-sequence position trees (see the module docstring).
 
     Every method validates its arguments before it writes; on any exception the table is
-    unchanged.
+    unchanged. ``version`` counts the calls of the methods that may change it: equal counts
+    mean an unchanged table (the page tables are extended on the device from it).
     """
 
-    def __init__(self, n_cells: int, max_seqs: int, *, block_size: Optional[int] = None) -> None:
+    #: calls of changing methods so far (a copy or an unpickled table starts again at 0; it is
+    #: another object, which is what the page-table cache compares first)
+    version = 0
+    #: the allocation policy (``CacheConfig.page_size``): 1 contiguous, > 1 paged placement
+    page_size = 1
+
+    def __init__(self, n_cells: int, max_seqs: int, *, block_size: Optional[int] = None,
+                 page_size: int = 1) -> None:
         n_cells = _int(n_cells, "n_cells")
         max_seqs = _int(max_seqs, "max_seqs")
+        page_size = _int(page_size, "page_size")
         if not 1 <= n_cells <= MAX_CELLS:
             raise ValueError(f"n_cells must be in [1, {MAX_CELLS}], got {n_cells}")
         if not 1 <= max_seqs <= MAX_SEQS:
             raise ValueError(f"max_seqs must be in [1, {MAX_SEQS}], got {max_seqs}")
+        if page_size < 1 or n_cells % page_size:
+            raise ValueError(f"page_size must be >= 1 and divide n_cells={n_cells} (whole pages), "
+                             f"got {page_size}")
         n_words = -(-n_cells // _WORD)
         if block_size is None:
             # 64-cell leaves, coarser when needed to keep the position trees within 8 MiB
@@ -1809,6 +2133,7 @@ class CellTable:
         self.n_cells = n_cells
         self.max_seqs = max_seqs
         self.block_size = block_size
+        self.page_size = page_size
         n_leaves = _next_pow2(-(-n_cells // block_size))
         self.words = seq_words(max_seqs)
         self._ps = np.zeros(n_cells, POS_SHIFT_DTYPE)
@@ -1869,6 +2194,7 @@ class CellTable:
         new.n_cells = self.n_cells
         new.max_seqs = self.max_seqs
         new.block_size = self.block_size
+        new.page_size = self.page_size
         new.words = self.words
         new._ps = self._ps.copy()
         new._seqs = self._seqs.copy()
@@ -1889,10 +2215,12 @@ class CellTable:
                 if k not in ("_pos", "_shift", "seq_cell_min", "seq_cell_max",
                              "seq_pos_min", "seq_pos_max")}
 
+    @_mutates
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
         self._bind()
 
+    @_mutates
     def load_cells(self, cells: np.ndarray) -> None:
         """Replace every cell record (e.g. from saved state) and rebuild the indexes; validated
         first, the table is unchanged on error. ``cells``: ``[n_cells]`` records with fields
@@ -1929,6 +2257,7 @@ class CellTable:
                              f"and sequence bits < max_seqs={self.max_seqs} "
                              f"(pos={int(pos[c])})")
 
+    @_mutates
     def rebuild_indexes(self) -> None:
         """Recompute every index from ``cells`` (free cells are normalised to pos -1, shift 0).
         Raises ValueError, indexes untouched, if a used cell has a negative position or a
@@ -2029,6 +2358,46 @@ class CellTable:
         out, ok = _find_scatter(self._occ, self._meta, self.n_cells, n)
         return out if ok else None
 
+    def find_paged(self, positions: np.ndarray, seqs: np.ndarray) -> Optional[np.ndarray]:
+        """Cells (int32 ``[batch]``) for a batch under paged placement (``page_size > 1``; see
+        the module's paged placement): each sequence's tokens go on from the slot after its
+        highest position, opening the first wholly free page whenever a page is full; None
+        when not enough whole pages are free. Changes nothing (:meth:`apply_batch` places)."""
+        positions = _index_array(positions, "positions")
+        seqs = _index_array(seqs, "seqs")
+        code = _check_batch(self.max_seqs, positions, seqs)
+        if code:
+            self._raise(code)
+        after = _append_after(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                              positions, seqs)
+        out, ok = _find_paged(self._occ, self._ftree, self.n_cells, positions, seqs,
+                              self.page_size, after)
+        return out if ok else None
+
+    def find_cells(self, positions: np.ndarray, seqs: np.ndarray) -> Optional[np.ndarray]:
+        """Free cells (int32 ``[batch]``) for tokens placed outside a forward pass (an imported
+        snapshot, copies, a stream's copy): paged placement (:meth:`find_paged`) when
+        ``page_size > 1``, else a contiguous run where one exists and scattered cells from the
+        head otherwise. None when there is no room. Changes nothing."""
+        if self.page_size > 1:
+            return self.find_paged(positions, seqs)
+        n = len(positions)
+        if n == 0:
+            return np.zeros(0, np.int32)
+        start = self.find_contiguous(n)
+        if start >= 0:
+            return np.arange(start, start + n, dtype=np.int32)
+        return self.find_scatter(n)
+
+    @property
+    def n_free_pages(self) -> int:
+        """Pages of ``page_size`` cells with no used cell (``n_free`` when ``page_size`` is
+        1). O(pages)."""
+        if self.page_size == 1:
+            return self.n_free
+        return int(_count_free_pages(self._occ, self.n_cells, self.page_size))
+
+    @_mutates
     def apply_batch(self, slots: np.ndarray, positions: np.ndarray, seqs: np.ndarray) -> None:
         """Token i of the batch goes to cell ``slots[i]`` (which must be free) with
         ``positions[i]``, no pending shift and only sequence ``seqs[i]``. All ``[batch]``."""
@@ -2038,6 +2407,7 @@ class CellTable:
         if code:
             self._raise(code)
 
+    @_mutates
     def unapply_batch(self, slots: np.ndarray, head: int) -> None:
         """Undo :meth:`apply_batch` right after it: free ``slots`` (int ``[batch]``, each in use)
         and set the scatter head back to ``head`` (read :attr:`head` before applying). With
@@ -2053,6 +2423,7 @@ class CellTable:
         if code:
             self._raise(code)
 
+    @_mutates
     def place_contiguous(self, positions: np.ndarray, seqs: np.ndarray,
                          window: int) -> Tuple[int, int, int, int]:
         """:meth:`batch_range` (``window``), :meth:`find_contiguous` and, when a run is free,
@@ -2067,8 +2438,44 @@ class CellTable:
             self._raise(code)
         return int(lo), int(hi), int(start), int(head)
 
+    def shared_tails(self, positions: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """Under paged placement: int64 ``[k, 3]`` rows (seq, first cell, cells) for the
+        batch's sequences whose partly filled last page they share with a sequence that has
+        taken (or in this batch takes) its next slot; each needs its own copy of those cells
+        (copy-on-write) for its tokens to follow them on one page. Empty when ``page_size`` is
+        1. Changes nothing."""
+        if self.page_size == 1:
+            return np.zeros((0, 3), np.int64)
+        positions = _index_array(positions, "positions")
+        seqs = _index_array(seqs, "seqs")
+        code = _check_batch(self.max_seqs, positions, seqs)
+        if code:
+            self._raise(code)
+        after = _append_after(self._pos, self._seqs, self._stree, self._sidx, self._meta,
+                              positions, seqs)
+        return _shared_tails(self._pos, self._seqs, self._occ, self.page_size, after)
+
+    @_mutates
+    def place_paged(self, positions: np.ndarray, seqs: np.ndarray, window: int,
+                    cow: bool = False) -> Tuple[int, int, Optional[np.ndarray], int, np.ndarray,
+                                                bool]:
+        """:meth:`place_contiguous` under paged placement (``page_size > 1``): returns ``(lo,
+        hi, slots, head, tails, contiguous)`` with ``slots`` the batch's cells (int32
+        ``[batch]``, batch order; ``contiguous``: one ascending run), or None (nothing applied)
+        when the pages it needs are not free or, with ``cow``, when sequences need copies of
+        a shared last page first: then ``tails`` lists them as :meth:`shared_tails` does."""
+        code, lo, hi, slots, head, tails, run = _place_paged(
+            self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree, self._sidx,
+            self._meta, _index_array(positions, "positions"), _index_array(seqs, "seqs"),
+            min(_int(window, "window"), _INF), self.page_size, bool(cow))
+        if code:
+            self._raise(code)
+        return (int(lo), int(hi), (slots if len(slots) == len(positions) else None), int(head),
+                tails, bool(run))
+
     # ---- sliding window -------------------------------------------------------------------
 
+    @_mutates
     def prune_window(self, positions: np.ndarray, seqs: np.ndarray, memory: int) -> np.ndarray:
         """Ollama's updateSlidingWindow eviction, before a batch is placed.
 
@@ -2096,6 +2503,7 @@ class CellTable:
             self._raise(code)
         return undo
 
+    @_mutates
     def undo_prune(self, records: np.ndarray) -> None:
         """Put back what :meth:`prune_window` dropped (records exactly as it returned them,
         before any other change)."""
@@ -2160,6 +2568,7 @@ class CellTable:
         return int(_batch_conflict(self._pos, self._seqs, self._stree, self._sidx, self._meta,
                                    positions, seqs))
 
+    @_mutates
     def remove(self, seq: int, begin: int, end: Optional[int],
                journal: Optional[list] = None) -> np.ndarray:
         """Ollama's Remove: cells of seq with begin <= pos < end drop it; with a finite end,
@@ -2184,6 +2593,7 @@ class CellTable:
             raise NotSupportedError(SHARED_SHIFT_MESSAGE)
         return moved
 
+    @_mutates
     def copy_prefix(self, src: int, dst: int, length: int, journal: Optional[list] = None) -> None:
         """Ollama's CopyPrefix: dst drops every cell, then joins src's cells with pos < length.
         src == dst does nothing."""
@@ -2199,6 +2609,7 @@ class CellTable:
         _copy_prefix(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                      self._sidx, self._meta, src, dst, length)
 
+    @_mutates
     def seq_rm(self, seq: int, p0: int = 0, p1: Optional[int] = None,
                journal: Optional[list] = None) -> bool:
         """llama.cpp's seq_rm: cells of seq with p0 <= pos < p1 drop it (seq = -1: every cell in
@@ -2211,6 +2622,7 @@ class CellTable:
                     self._sidx, self._meta, seq, p0, p1)
         return True
 
+    @_mutates
     def leave_cells(self, seq: int, cells: np.ndarray, journal: Optional[list] = None) -> None:
         """``seq`` leaves exactly ``cells`` (int ``[k]``), each of which it holds and another
         sequence holds too (so none is freed): unlike ``seq_rm`` over a position range, a
@@ -2228,6 +2640,7 @@ class CellTable:
         _st_refresh_blocks(self._stree, self._pos, self._seqs, seq, blocks, bshift)
         _sidx_refresh(self._sidx, self._stree, self._pos, self._seqs, seq, bshift)
 
+    @_mutates
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: Optional[int] = None,
                journal: Optional[list] = None) -> None:
         """llama.cpp's seq_cp: dst joins every cell of src with p0 <= pos < p1."""
@@ -2239,6 +2652,7 @@ class CellTable:
         self._record_join(journal, src, dst, p0, p1)
         _seq_cp(self._pos, self._seqs, self._stree, self._sidx, self._meta, src, dst, p0, p1)
 
+    @_mutates
     def seq_keep(self, seq: int, journal: Optional[list] = None) -> None:
         """llama.cpp's seq_keep: cells holding seq keep only seq; every other cell is freed."""
         seq = self._seq(seq)
@@ -2246,6 +2660,7 @@ class CellTable:
         _seq_keep(self._pos, self._shift, self._seqs, self._occ, self._ftree, self._stree,
                   self._sidx, self._meta, seq)
 
+    @_mutates
     def seq_add(self, seq: int, p0: int, p1: Optional[int], delta: int,
                 journal: Optional[list] = None) -> None:
         """llama.cpp's seq_add: cells of seq with p0 <= pos < p1 get pos += delta and
@@ -2268,6 +2683,7 @@ class CellTable:
         if code == _E_SHIFT_OVERFLOW:
             raise ValueError(f"delta {delta} would overflow a cell's pending int32 shift")
 
+    @_mutates
     def seq_div(self, seq: int, p0: int, p1: Optional[int], d: int,
                 journal: Optional[list] = None) -> None:
         """llama.cpp's seq_div: cells of seq with p0 <= pos < p1 get pos //= d and
@@ -2289,6 +2705,7 @@ class CellTable:
 
     # ---- shifts ---------------------------------------------------------------------------
 
+    @_mutates
     def restore_shifts(self, cells: np.ndarray, deltas: np.ndarray) -> None:
         """Undo :meth:`take_shifts` (exactly what it returned, before any other change)."""
         _restore_shifts(self._shift, self._meta, cells, deltas)
@@ -2296,6 +2713,7 @@ class CellTable:
     def has_pending_shifts(self) -> bool:
         return self._meta[_M_NSHIFT] > 0
 
+    @_mutates
     def take_shifts(self) -> Tuple[np.ndarray, np.ndarray]:
         """(cells int32 [k], deltas int32 [k]) of every cell with a pending shift, ascending;
         their shift is reset to 0 (the caller rotates those keys by the deltas)."""
@@ -2303,15 +2721,24 @@ class CellTable:
 
     # ---- defrag ---------------------------------------------------------------------------
 
+    @_mutates
     def plan_defrag(self) -> np.ndarray:
         """int64 ``[m, 3]`` block moves (src, dst, length), already applied to the metadata;
         the caller copies K/V ``[src, src+length) -> [dst, dst+length)`` for each (in any order:
         sources are all >= n_used, destinations all < n_used). Holes are filled from the end of
         the table in ascending order and contiguous runs merged, so every (sequence, position)
-        keeps its own K/V. Afterwards the used cells are exactly 0 .. n_used-1."""
+        keeps its own K/V. Afterwards the used cells are exactly 0 .. n_used-1.
+
+        With ``page_size > 1`` whole pages move instead (every cell keeps its slot in its page,
+        so page tables stay valid, renumbered): afterwards the pages holding a used cell are
+        the first ones (free cells inside partly used pages stay where they are)."""
+        if self.page_size > 1:
+            return _plan_defrag_pages(self._pos, self._shift, self._seqs, self._occ, self._ftree,
+                                      self._stree, self._sidx, self._meta, self.page_size)
         return _plan_defrag(self._pos, self._shift, self._seqs, self._occ, self._ftree,
                             self._stree, self._sidx, self._meta)
 
+    @_mutates
     def undo_defrag(self, moves: np.ndarray, head: int) -> None:
         """Undo :meth:`plan_defrag` (its moves, the :attr:`head` read before it) right after
         it, or after changes that were themselves undone: the cells go back where they were."""
@@ -2347,6 +2774,7 @@ class CellTable:
         else:
             self._record(journal, src, p0, p1)
 
+    @_mutates
     def rollback(self, journal: list) -> None:
         """Undo, newest first, the edits recorded in ``journal`` (by the ``journal=`` argument
         of the sequence operations) and empty it. Nothing else may have changed the table

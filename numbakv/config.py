@@ -187,6 +187,19 @@ class CacheConfig:
     #: a caller's own attention rotates Q with :func:`numbakv.rotate_queries` and turns the
     #: output back with :func:`numbakv.unrotate_output`; ``attend`` does both.
     kv_rotation: str = "auto"
+    #: the allocation policy. ``1`` (default): Ollama's contiguous first fit of a whole batch.
+    #: ``> 1``: paged placement (vLLM / FlashMLA / FlashInfer block tables): the pool is pages of
+    #: ``page_size`` cells; a sequence's next token goes to the next slot of its last page, and
+    #: a full page (or a sequence's first token) takes the first wholly free page, so each
+    #: sequence's tokens in position order fill whole pages and ``page_table(page_size)`` /
+    #: ``mla_views(page_size=...)`` describe it (FlashMLA's dense decode uses 64). A page
+    #: is free again when every cell in it is; a sequence that shares a partly filled last page
+    #: (``seq_cp``) gets its own copy of it when it goes on; ``defrag`` moves whole pages and
+    #: repacks a sequence that broke the rule (a context shift) when it shares no cell. The
+    #: contract is in docs/paged.md. The cache's cell
+    #: count must be a multiple of it (``cache_padding`` a multiple of it guarantees that).
+    #: Needs ``unified=True``.
+    page_size: int = 1
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -216,6 +229,10 @@ class CacheConfig:
         self._check_rotation()
         set_("layer_reuse", _check_layer_reuse(self.layer_reuse, self.n_layers))
         set_("head_shard", _check_head_shard(self.head_shard, self.n_kv_heads))
+        set_("page_size", _check_int("page_size", self.page_size, 1))
+        if self.page_size > 1 and not self.unified:
+            raise ValueError(f"page_size={self.page_size} needs unified=True (one shared cell "
+                             "pool); per-sequence streams (unified=False) place contiguously")
 
     @property
     def head_range(self) -> Tuple[int, int]:

@@ -23,8 +23,7 @@ two halves' minimums, the smaller of their maximums.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -39,7 +38,6 @@ from .state import files as _files
 from .state.snapshot import SeqSnapshot
 from .wrappers import WrapperCache
 
-PathLike = Union[str, "os.PathLike[str]"]
 KINDS = ("attention", "recurrent")
 
 
@@ -62,7 +60,7 @@ def _layer_map(kinds: Tuple[str, ...], kind: str, n_layers: int, what: str) -> L
 
 
 @one_thread_at_a_time
-class HybridCache:
+class HybridCache(_files.StateMethods):
     """Attention K/V + recurrent state of one hybrid model (see the module docstring).
 
     Args:
@@ -157,10 +155,12 @@ class HybridCache:
         until the next ``start_forward`` (see ``CausalCache.set_causal``)."""
         self.attn.set_causal(except_)
 
-    def page_table(self) -> Any:
-        """The current attention layer's page table (see ``CausalCache.page_table``)."""
+    def page_table(self, page_size: int = 1) -> Any:
+        """The current attention layer's page table (see ``CausalCache.page_table``;
+        ``page_size > 1``: in pages, e.g. over a ``CacheConfig(page_size=64)`` attention
+        half)."""
         self._attention_layer("page_table()")
-        return self.attn.page_table()
+        return self.attn.page_table(page_size)
 
     def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy K/V views of every cell of an attention ``layer`` (model numbering; the
@@ -414,33 +414,6 @@ class HybridCache:
         n = self.attn.import_seq(seq, cut.attention_only(), at=at)
         apply()
         return n
-
-    # ------------------------------------------------------------------ state files
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[Sequence[int]] = None,
-                   metadata: Optional[Mapping[str, str]] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save both halves, whole (``seq=None``) or one sequence, to one safetensors file,
-        atomically (kind ``hybrid`` / ``hybrid-seq``: tensor ``attn`` is the attention half's own
-        state, tensors ``rec.*`` the recurrent half's, ``layer_kinds`` in the config)."""
-        _files.save(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[Sequence[int]] = None,
-                    metadata: Optional[Mapping[str, str]] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What :meth:`save_state` writes, as bytes."""
-        return _files.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what :meth:`save_state` wrote into both halves, all or nothing."""
-        return load_hybrid(self, _st._check_path(path), seq, strict=strict)
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """:meth:`load_state` from bytes."""
-        _st._check_data(data)
-        return load_hybrid(self, data, seq, strict=strict)
 
     # ------------------------------------------------------------------ misc
     def _check_open(self) -> None:

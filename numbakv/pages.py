@@ -89,13 +89,23 @@ class MaskRule:
     chunk: int
 
 
+#: the host fields of size ``nnz`` (or built with them): a page table extended on the device
+#: (:func:`extend_pages`) fills them on the host only when a host-side reader asks
+LAZY_FIELDS = ("kv_indices", "kv_positions", "cell_lo", "cell_hi")
+
+
 class HostPages:
     """Host (numpy) copies of a page table plus its mask rule, for backends that loop over the
-    sequences on the host. ``table`` is the device-side :class:`PageTable`."""
+    sequences on the host. ``table`` is the device-side :class:`PageTable`.
 
-    __slots__ = FIELDS + ("rule", "table", "cell_lo", "cell_hi", "trailing", "plans")
+    The fields of :data:`LAZY_FIELDS` may be filled on first read (a table extended on the
+    device: its host lists are built only if a host-side backend reads them)."""
+
+    __slots__ = tuple(f for f in FIELDS if f not in LAZY_FIELDS) + (
+        "rule", "table", "trailing", "plans", "_fill") + tuple("_" + f for f in LAZY_FIELDS)
 
     def __init__(self, arrays: dict, rule: MaskRule, cell_lo, cell_hi, trailing) -> None:
+        self._fill = None
         for name in FIELDS:
             setattr(self, name, arrays[name])
         self.rule = rule
@@ -104,6 +114,29 @@ class HostPages:
         self.trailing = trailing        # bool: FlashInfer's causal convention holds everywhere
         self.table: Optional[PageTable] = None
         self.plans: dict = {}           # per-backend state planned once per forward pass
+
+    def _filled(self, name: str):
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            full = fill()               # the same pass's table built on the host
+            for f in LAZY_FIELDS:
+                setattr(self, "_" + f, getattr(full, f))
+        return getattr(self, "_" + name)
+
+    @property
+    def host_lists_built(self) -> bool:
+        """Whether the ``nnz``-sized host fields exist (False: extended on the device, not read
+        on the host yet)."""
+        return self._fill is None
+
+    kv_indices = property(lambda self: self._filled("kv_indices"),
+                          lambda self, v: setattr(self, "_kv_indices", v))
+    kv_positions = property(lambda self: self._filled("kv_positions"),
+                            lambda self, v: setattr(self, "_kv_positions", v))
+    cell_lo = property(lambda self: self._filled("cell_lo"),
+                       lambda self, v: setattr(self, "_cell_lo", v))
+    cell_hi = property(lambda self: self._filled("cell_hi"),
+                       lambda self, v: setattr(self, "_cell_hi", v))
 
 
 @dataclass(frozen=True)
@@ -114,7 +147,10 @@ class PagedTable:
     ``p * page_size .. (p + 1) * page_size - 1`` of the pool (:meth:`CausalCache.mla_views`
     shapes the latent pool ``[n_pages, page_size, ...]`` to match); token ``i`` of sequence
     ``b`` (in position order) is slot ``i % page_size`` of page ``block_table[b, i //
-    page_size]``.
+    page_size]``. A sequence's pages may lie anywhere in the pool, in any order, and be shared
+    with other sequences; only its last page may be partial (``kv_last_page_len``). A cache
+    built with ``CacheConfig(page_size=...)`` places tokens so that this holds by
+    construction (see :func:`paged_arrays` for the rule and what breaks it).
 
     Attributes: ``page_size``; ``seq_ids``, ``qo_indptr``, ``token_order``, ``q_positions`` as
     in :class:`PageTable`; ``cache_seqlens [n_b]`` (tokens each sequence attends to);
@@ -134,35 +170,83 @@ class PagedTable:
     kv_last_page_len: Any
 
 
+def page_rule_break(cells: np.ndarray, page_size: int) -> int:
+    """The first index ``i`` of a sequence's cells in position order (``cells`` int ``[n]``)
+    that breaks the page rule of :func:`paged_arrays` (``cells[i]`` is not slot ``i %
+    page_size`` of the page ``cells[i - i % page_size]`` opened), or -1 when none does."""
+    cells = np.asarray(cells, np.int64)
+    i = np.arange(cells.shape[0])
+    slot = i % page_size
+    bad = (cells % page_size != slot) | (cells // page_size != cells[i - slot] // page_size)
+    return int(np.argmax(bad)) if bad.any() else -1
+
+
 def paged_arrays(host: "HostPages", page_size: int) -> dict:
     """Host arrays of a :class:`PagedTable` from a pass's page-size-1 table, or a ``str``
-    saying why the layout has no page form: each sequence's visible cells must be one run
-    ``c0, c0 + 1, ...`` in position order starting on a page boundary (``c0 % page_size ==
-    0``), so that whole pages hold only its tokens, in order."""
+    saying why the layout has no page form.
+
+    The rule (FlashMLA's ``block_table``, FlashInfer's paged KV): a sequence's visible cells,
+    in position order ``c_0, c_1, ...``, fill pages of ``page_size`` cells, so that ``c_i``
+    is slot ``i % page_size`` of its page (``c_i % page_size == i % page_size``) and the
+    cells ``c_{k*page_size} .. c_{k*page_size + page_size - 1}`` are one page. Pages need not
+    be contiguous nor ordered in the pool (a sequence's page list can run 7, 2, 9), sequences
+    may share pages (a ``seq_cp`` prefix), and only the last page may be partial. The
+    message names the first sequence and cell that breaks it. O(nnz), vectorised."""
     n_b = host.seq_ids.shape[0]
-    seqlens = np.diff(host.kv_indptr).astype(np.int32)
-    counts = -(-seqlens // page_size)
+    indptr = np.asarray(host.kv_indptr, np.int64)
+    cells = np.asarray(host.kv_indices, np.int64)
+    seqlens = np.diff(indptr).astype(np.int32)
+    counts = -(-seqlens.astype(np.int64) // page_size)
+    # rank of each visible cell inside its sequence's list (position order)
+    owner = np.repeat(np.arange(n_b, dtype=np.int64), np.diff(indptr))
+    rank = np.arange(cells.shape[0], dtype=np.int64) - indptr[owner]
+    slot = rank % page_size
+    page = cells // page_size
+    # the page each cell must share with the first cell of its group of page_size
+    head = np.arange(cells.shape[0], dtype=np.int64) - slot
+    bad = (cells % page_size != slot) | (page != page[head])
+    if bad.any():
+        i = int(np.argmax(bad))
+        b = int(owner[i])
+        r = int(rank[i])
+        c = int(cells[i])
+        want = (f"slot {r % page_size} of a page" if r % page_size == 0
+                else f"cell {int(cells[i - 1]) + 1} (slot {r % page_size} of page "
+                     f"{int(page[head[i]])})")
+        return (f"sequence {int(host.seq_ids[b])}'s visible token {r} (position "
+                f"{int(host.kv_positions[i])}) is in cell {c}, not {want}: its cells do not "
+                f"fill pages of {page_size} in position order (use CacheConfig(page_size="
+                f"{page_size}) and avoid seq_rm of a middle range, windows and context shifts, "
+                f"or defrag() after them)")
     max_pages = int(counts.max()) if n_b else 0
     block = np.full((n_b, max(max_pages, 1)), -1, np.int32)
-    indices = []
-    for b in range(n_b):
-        cells = host.kv_indices[host.kv_indptr[b]:host.kv_indptr[b + 1]]
-        n = cells.shape[0]
-        if n == 0:
-            continue
-        c0 = int(cells[0])
-        if c0 % page_size or not np.array_equal(cells, np.arange(c0, c0 + n)):
-            return (f"sequence {int(host.seq_ids[b])}'s visible cells are not one run starting "
-                    f"on a page boundary (first cell {c0}, {n} cells): pages of {page_size} "
-                    "cells cannot describe them")
-        pages = np.arange(c0 // page_size, c0 // page_size + counts[b], dtype=np.int32)
-        block[b, :pages.shape[0]] = pages
-        indices.append(pages)
+    firsts = head[slot == 0] if cells.shape[0] else head[:0]
+    pages = page[firsts].astype(np.int32)          # every sequence's pages, in order
+    page_owner = owner[firsts]
+    page_rank = rank[firsts] // page_size
+    block[page_owner, page_rank] = pages
     last = np.where(seqlens > 0, seqlens - (counts - 1) * page_size, 0).astype(np.int32)
     return {"cache_seqlens": seqlens, "block_table": block,
             "kv_indptr": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-            "kv_indices": (np.concatenate(indices) if indices else np.zeros(0)).astype(np.int32),
-            "kv_last_page_len": last}
+            "kv_indices": pages, "kv_last_page_len": last}
+
+
+def paged_table(host: "HostPages", page_size: int, n_cells: int, xp: Any) -> PagedTable:
+    """The :class:`PagedTable` of a pass (``host``: its page-size-1 tables) over a pool of
+    ``n_cells`` cells, arrays made by ``xp`` (numpy or CuPy). ``ValueError`` when
+    ``page_size`` does not divide the pool, ``NotSupportedError`` (naming the sequence and
+    cell) when the layout breaks the page rule of :func:`paged_arrays`."""
+    from .errors import NotSupportedError
+    if n_cells % page_size:
+        raise ValueError(f"page_size={page_size} must divide the cache's {n_cells} cells (set "
+                         "cache_padding to a multiple of it)")
+    arrays = paged_arrays(host, page_size)
+    if isinstance(arrays, str):
+        raise NotSupportedError(f"page_table(page_size={page_size}): {arrays}")
+    dev = {k: xp.asarray(v) for k, v in arrays.items()}
+    table = host.table
+    return PagedTable(page_size, table.seq_ids, table.qo_indptr, table.token_order,
+                      table.q_positions, **dev)
 
 
 # --------------------------------------------------------------------------------------------
@@ -739,6 +823,7 @@ def _unpack(buf: np.ndarray, nb: int, batch: int, nnz: int, rule: "MaskRule",
     """The :class:`HostPages` of a :func:`_build_packed` buffer (views of it, in its order),
     written out field by field: it runs every forward pass."""
     host = HostPages.__new__(HostPages)
+    host._fill = None
     a = nb
     host.seq_ids = buf[:a]
     host.qo_indptr = buf[a:a + nb + 1]
@@ -832,6 +917,159 @@ def build_all_visible(cell_pos: np.ndarray, n_cells: int, max_seqs: int, positio
     return _host_pages(result, bpos, rule, False)
 
 
+#: devices whose decode steps extend the previous pass's page table on the device
+#: (:func:`extend_pages`) instead of building it on the host and uploading all of it
+INCREMENTAL_DEVICES = ("cuda",)
+
+
+def extend_pages(prev: HostPages, positions: np.ndarray, seqs: np.ndarray, causal: np.ndarray,
+                 start: Any, max_seqs: int, device: str, fill, window: int = -1,
+                 chunk: int = 0) -> Optional[HostPages]:
+    """This pass's page table as ``prev``'s lists, each followed by its sequence's new cells,
+    built on the device from ``prev.table``: O(batch) host work and an O(batch) upload,
+    whatever the lists' lengths. None (build it the usual way) unless every list just grows
+    at its end: the same batch sequences in the same order, each one's new positions above
+    every position its list holds.
+
+    The caller vouches for the rest (:meth:`numbakv.causal.CausalCache._host_pages`): the cell
+    table changed since ``prev`` only by this pass's placement at cells ``start .. start +
+    batch - 1`` (``start`` an int) or ``start[i]`` (int32 ``[batch]``: paged placement),
+    ``prev``'s lists held every cell of their sequences from their first listed position on,
+    ``prev`` was built under the same ``window`` / ``chunk``. With a window or chunks each list
+    also loses its front up to the new tokens' lowest visible position: counted on the host
+    when the list's positions are one run (``prev.plans["contiguous"]``), else None.
+    ``fill()`` builds the same table on the host: the host lists (:data:`LAZY_FIELDS`) come
+    from it on first read.
+
+    Args:
+        positions, seqs: int32 ``[batch]`` the batch; causal: uint8 ``[batch]``.
+    """
+    bpos = np.ascontiguousarray(positions, dtype=np.int32)
+    bseq = np.ascontiguousarray(seqs, dtype=np.int32)
+    seq_ids, qo_indptr, token_order = _group_tokens(bseq, max_seqs)
+    nb = seq_ids.shape[0]
+    if nb != prev.seq_ids.shape[0] or not np.array_equal(seq_ids, prev.seq_ids):
+        return None
+    # each sequence's tokens by position (its new cells, in list order)
+    grouped = bpos[token_order]
+    seq_of = np.repeat(np.arange(nb), np.diff(qo_indptr))
+    order = np.lexsort((grouped, seq_of))
+    add_tok = token_order[order]
+    add_pos = bpos[add_tok]
+    prev_last = prev.plans.get("last-positions")
+    prev_first = prev.plans.get("first-positions")
+    if prev_last is None or prev_first is None:
+        return None
+    if not (add_pos[qo_indptr[:-1]] > prev_last).all():
+        return None
+    prev_indptr = np.asarray(prev.kv_indptr, np.int64)
+    prev_len = np.diff(prev_indptr)
+    n_new = np.diff(qo_indptr).astype(np.int64)
+    drop = np.zeros(nb, np.int64)
+    if window >= 0 or chunk > 0:
+        # each list keeps the positions its tokens can still see: from the lowest visible
+        # position of its new tokens (visible_lo), which only grows as positions do
+        p = add_pos.astype(np.int64)
+        lo = np.zeros_like(p)
+        if window >= 0:
+            lo = np.maximum(lo, p - window)
+        if chunk > 0:
+            lo = np.maximum(lo, p - p % chunk)
+        lo_b = np.minimum.reduceat(lo, qo_indptr[:-1].astype(np.int64))
+        if not prev.plans.get("contiguous", False):
+            return None             # where the front ends needs the list's positions
+        drop = np.clip(lo_b - prev_first, 0, prev_len)
+    add_cells = (add_tok + np.int32(start)).astype(np.int32) if np.ndim(start) == 0 \
+        else np.asarray(start, np.int32)[add_tok]
+    new_len = prev_len - drop + n_new
+    kv_indptr = np.zeros(nb + 1, np.int32)
+    np.cumsum(new_len, out=kv_indptr[1:])
+    new_last = add_pos[qo_indptr[1:] - 1].astype(np.int64)
+    new_first = np.where(drop < prev_len, prev_first + drop,
+                         add_pos[qo_indptr[:-1]]).astype(np.int64)
+    host = HostPages.__new__(HostPages)
+    host.seq_ids = seq_ids
+    host.qo_indptr = qo_indptr
+    host.token_order = token_order
+    host.kv_indptr = kv_indptr
+    host.kv_last_page_len = np.ones(nb, np.int32)
+    host.q_positions = bpos
+    host.rule = MaskRule(np.ascontiguousarray(causal, np.uint8), int(window), int(chunk))
+    host.trailing = bool(host.rule.causal.all()) and bool(np.array_equal(grouped, add_pos))
+    host.plans = {"last-positions": new_last, "first-positions": new_first,
+                  "contiguous": bool((new_last - new_first + 1 == new_len).all())}
+    host._fill = fill
+    host.table = _extend_on_device(prev.table, host, add_cells, add_pos, drop, device)
+    return host
+
+
+def _extend_on_device(prev: PageTable, host: HostPages, add_cells: np.ndarray,
+                      add_pos: np.ndarray, drop: np.ndarray, device: str) -> PageTable:
+    """The device :class:`PageTable` of :func:`extend_pages`: the small fields and the new
+    cells in one staged copy (pinned, asynchronous, on the current stream), the lists merged
+    by one kernel on the device."""
+    from .kernels.launch import to_device as staged_copy
+    from .kernels.decode import extend_lists
+    small = [host.seq_ids, host.qo_indptr, host.token_order, host.kv_indptr,
+             host.kv_last_page_len, host.q_positions, add_cells, add_pos, drop]
+    small = [np.ascontiguousarray(a, np.int32) for a in small]
+    nnz = int(host.kv_indptr[-1])
+    if device == "cuda":
+        import cupy
+        descs, dev = staged_copy("cuda", *small)
+        base = int(dev.data.ptr)
+        small = [dev[d.ptr - base:d.ptr - base + 4 * d.shape[0]].view(np.int32) for d in descs]
+        kv_indices = cupy.empty(nnz, np.int32)
+        kv_positions = cupy.empty(nnz, np.int32)
+    else:
+        small, _ = staged_copy(device, *small)     # counted as the CUDA copy would be
+        small = list(small)
+        kv_indices = np.empty(nnz, np.int32)
+        kv_positions = np.empty(nnz, np.int32)
+    seq_ids, qo_indptr, token_order, kv_indptr, last_len, q_positions, cells, poss, drop = small
+    extend_lists(device, prev.kv_indices, prev.kv_positions, prev.kv_indptr, drop, kv_indptr,
+                 qo_indptr, cells, poss, kv_indices, kv_positions)
+    return PageTable(seq_ids, qo_indptr, token_order, kv_indptr, kv_indices, kv_positions,
+                     last_len, q_positions)
+
+
+def last_positions(host: HostPages) -> np.ndarray:
+    """int64 ``[n_b]``: the last position of each list (-1 for an empty one), from the host
+    lists."""
+    return _end_positions(host, last=True)
+
+
+def _end_positions(host: HostPages, last: bool) -> np.ndarray:
+    ends = np.asarray(host.kv_indptr[1:], np.int64)
+    starts = np.asarray(host.kv_indptr[:-1], np.int64)
+    pos = np.asarray(host.kv_positions)
+    out = np.full(ends.shape[0], -1, np.int64)
+    full = ends > starts
+    out[full] = pos[ends[full] - 1] if last else pos[starts[full]]
+    return out
+
+
+def mark_extendable(host: HostPages, seq_pos_max: np.ndarray, windowed: bool) -> None:
+    """Record in ``host.plans`` what :func:`extend_pages` needs of a host-built table (each
+    list's first and last position, whether every list's positions are one run) when every
+    list holds every cell of its sequence from its first listed position on; else nothing.
+    Without a window or chunks that is: every list ends at its sequence's highest position
+    (``seq_pos_max``: int ``[max_seqs]``; a causal list is then all the sequence's cells).
+    With them (``windowed``) the tokens' visible intervals may leave holes, so each list's
+    positions must be one run as well."""
+    last = _end_positions(host, True)
+    if not np.array_equal(last, np.asarray(seq_pos_max)[host.seq_ids]) or (last < 0).any():
+        return
+    first = _end_positions(host, False)
+    lens = np.diff(np.asarray(host.kv_indptr, np.int64))
+    contiguous = bool((last - first + 1 == lens).all())
+    if windowed and not contiguous:
+        return
+    host.plans["first-positions"] = first
+    host.plans["contiguous"] = contiguous
+    host.plans["last-positions"] = last
+
+
 def to_device(host: HostPages, device: str) -> PageTable:
     """The :class:`PageTable` of ``host`` on ``device``: the host arrays themselves on ``cpu`` and
     ``sim``; on ``cuda`` one asynchronous copy of all of them on the current stream, packed in
@@ -840,6 +1078,9 @@ def to_device(host: HostPages, device: str) -> PageTable:
     CUDA graph is captured)."""
     arrays = [getattr(host, name) for name in FIELDS]
     if device != "cuda":
+        if device != "cpu":          # counted as the CUDA copy would be
+            from .kernels.launch import count_upload
+            count_upload(sum(np.asarray(a).nbytes for a in arrays))
         table = PageTable(*arrays)
     else:
         from .kernels.launch import to_device as staged_copy
@@ -1008,6 +1249,7 @@ def reserve_pages_of_table(table, positions: np.ndarray, seqs: np.ndarray) -> Ho
 
 
 __all__ = ["PageTable", "MaskRule", "HostPages", "build_pages", "build_all_visible", "to_device",
+           "extend_pages", "last_positions", "mark_extendable", "INCREMENTAL_DEVICES", "LAZY_FIELDS",
            "visible_lo",
            "check_pages", "token_mask", "plan_parts", "columns_mask", "pages_of_table",
            "reserve_pages_of_table", "FIELDS"]

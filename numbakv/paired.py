@@ -24,7 +24,7 @@ from .wrappers import WrapperCache
 
 #: config fields that size and place cells: equal in both halves so placement is identical
 _SIZING = ("n_layers", "capacity", "max_seqs", "max_batch", "cache_padding",
-           "mask_batch_padding", "unified", "device", "head_shard", "layer_reuse")
+           "mask_batch_padding", "unified", "device", "head_shard", "layer_reuse", "page_size")
 
 _Shift = Union[None, RopeShift, ShiftFn]
 
@@ -38,7 +38,8 @@ class PairedCache(WrapperCache):
         indexer_cfg: the indexer's rows, e.g. ``CacheConfig(n_layers, 1, 128, v_head_dim=0)``;
             the fields that size and place cells (``n_layers``, ``capacity``, ``max_seqs``,
             ``max_batch``, ``cache_padding``, ``mask_batch_padding``, ``unified``, ``device``,
-            ``head_shard``, ``layer_reuse``) must equal ``main_cfg``'s.
+            ``head_shard``, ``layer_reuse``, ``page_size``) must equal ``main_cfg``'s (paged
+            placement is deterministic too: both halves get the same pages).
         shift: the main rows' RoPE re-rotation (``RopeShift(dim=64, offset=512)`` for a
             latent); ``indexer_shift``: the indexer keys' (both or neither: a context shift must
             move both halves).

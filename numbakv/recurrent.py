@@ -47,9 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,7 +64,6 @@ from .state import codec as _st
 from .state import files as _files
 from .state.snapshot import EXPLICIT, KEPT, RecurrentPart, recurrent_expect, recurrent_part_of
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 # ============================================================================== configuration
@@ -186,7 +184,7 @@ def _layout_diff(saved: Any, current: Dict[str, Any]) -> Optional[str]:
 
 # ============================================================================== the cache
 @one_thread_at_a_time
-class RecurrentCache:
+class RecurrentCache(_files.StateMethods):
     """Recurrent state of ``config.max_seqs`` sequences (see the module docstring)."""
 
     _STATE_IO = "recurrent"
@@ -977,36 +975,6 @@ class RecurrentCache:
         self.check_part(part)
         delta = 0 if at is None else _check_index("at", at, 0, UNLIMITED) - part.first
         self._plan_import(seq, part, delta)()
-
-    # ------------------------------------------------------------------ state files
-    def save_state(self, path: PathLike, seq: Optional[int] = None, *,
-                   tokens: Optional[Sequence[int]] = None,
-                   metadata: Optional[Mapping[str, str]] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save every sequence (``seq=None``) or one to the safetensors file ``path``,
-        atomically (kinds ``recurrent`` / ``recurrent-seq``: per sequence its live state and
-        restore points, :class:`RecurrentPart` tensors under ``s<id>.``)."""
-        _files.save(self, path, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[Sequence[int]] = None,
-                    metadata: Optional[Mapping[str, str]] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What :meth:`save_state` writes, as bytes."""
-        return _files.to_bytes(self, seq, tokens=tokens, metadata=metadata, progress=progress)
-
-    def load_state(self, path: PathLike, seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what :meth:`save_state` wrote: every sequence (``seq=None``), or a saved
-        sequence as ``seq``; all or nothing. A state of another layout raises ``StateError``
-        naming the field (``strict`` has no looser mode here: states of another layout mean
-        nothing). Returns ``{"tokens", "metadata"}``."""
-        return load_recurrent(self, _st._check_path(path), seq, strict=strict)
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """:meth:`load_state` from bytes."""
-        _st._check_data(data)
-        return load_recurrent(self, data, seq, strict=strict)
 
     # ------------------------------------------------------------------ misc
     def close(self) -> None:

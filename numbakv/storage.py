@@ -78,6 +78,16 @@ def _slots_problem(slots, n_cells):
     return 0
 
 
+@njit(cache=True)
+def _all_in(values, lo, hi):
+    """Whether every entry is in ``[lo, hi)``: one compiled pass (two numpy reductions cost
+    about 6 us on the rotation's host path)."""
+    for i in range(values.shape[0]):
+        if values[i] < lo or values[i] >= hi:
+            return False
+    return True
+
+
 #: host storage alignment: JAX's CPU DLPack import copies unless data is 64-byte aligned, and
 #: numpy's allocator only guarantees 16
 HOST_ALIGN = 64
@@ -194,6 +204,11 @@ class KVStorage:
         self._bind_layers()
         # the stream contract (cuda only; see use_stream): None = CuPy's current stream
         self._stream = None
+        self._mover = None            # kernels.move.RunMover, built at the first move
+        self._roper = None            # kernels.rope.RopeLauncher, built at the first rotation
+        self._rope_memo = (None, None, 0)   # (RopeShift, inv_freq, rotary dim) of the last one
+        self._order_event = None      # order_before / order_after: one reused event each
+        self._after_event = None
         self._pending: list = []      # inputs of queued launches not yet covered by an event
         self._retired: list = []      # [(event, objects)], oldest first
         self._last_mask = None
@@ -234,6 +249,7 @@ class KVStorage:
         # its own in-flight bookkeeping (the stream handle itself is shared: use_stream on the
         # parent's owner sets every slice)
         part._pending, part._retired, part._last_mask = [], [], None
+        part._mover = part._roper = None      # its own storage views
         return part
 
     # ---------------------------------------------------------------- basics
@@ -266,8 +282,14 @@ class KVStorage:
           attention that read them must be queued on this stream (or ordered before it) by then.
         - Host-to-device inputs travel through pinned, reused buffers (asynchronous copies).
         - While the stream captures a CUDA graph, nothing synchronises or queries events.
-        - Outputs (``get()`` views) are ready in this stream's order: consumers on another stream
-          must wait on it (``torch.cuda.current_stream().wait_stream(...)``) or share it.
+        - Outputs are ready in this stream's order. ``get()``, ``layer_pool()``,
+          ``page_table()`` and ``get_quantized()`` make CuPy's current stream wait for it (an
+          event, :meth:`order_before`), so CuPy work and DLPack exports (which order their
+          consumer after CuPy's current stream) read after the puts; ``attend`` makes torch's
+          current stream wait. Other consumers call :meth:`order_before` with their stream.
+        - Inputs imported through DLPack are imported on this stream (the producer orders it
+          after its own work); plain CuPy arrays made on another stream need
+          :meth:`order_after` with that stream first.
         """
         if self.device != "cuda":
             if stream is None:
@@ -280,6 +302,54 @@ class KVStorage:
     def stream(self):
         """The CuPy stream launches go on (None: CuPy's current stream at each call)."""
         return self._stream
+
+    def order_before(self, consumer=None) -> None:
+        """Make ``consumer`` wait for the work queued so far on this storage's stream: an event
+        recorded here, waited on there (``cudaStreamWaitEvent``; the host never waits).
+        ``consumer``: a stream as :meth:`use_stream` takes it, or None for CuPy's current
+        stream. What hands out views of the storage calls it (``get()``, ``layer_pool()``,
+        ``page_table()``, ``attend`` for torch's stream), so a consumer on another stream never
+        reads K/V before the puts that wrote them. Without a stream of its own the storage's
+        work is on CuPy's current stream, which then stands for it. A no-op on cpu/sim, on the
+        same stream, and while either stream captures a graph (an event crossing a capture
+        boundary is illegal)."""
+        if self.device != "cuda":
+            return
+        import cupy
+        from .device import capturing
+        current = cupy.cuda.get_current_stream()
+        own = self._stream if self._stream is not None else current
+        cons = current if consumer is None else _as_cupy_stream(consumer, self._device_id)
+        if cons.ptr == own.ptr or capturing(own) or capturing(cons):
+            return
+        ev = self._order_event
+        if ev is None:
+            ev = self._order_event = cupy.cuda.Event(block=False, disable_timing=True,
+                                                     interprocess=False)
+        ev.record(own)      # a later record does not move waits already queued
+        cons.wait_event(ev)
+
+    def order_after(self, producer) -> None:
+        """Make this storage's stream wait for the work queued so far on ``producer`` (a stream
+        as :meth:`use_stream` takes it; None: CuPy's current stream): what an engine whose K/V
+        come from another stream as plain CuPy arrays calls before ``put`` (DLPack inputs are
+        ordered by the protocol itself: they are imported on this stream). Same no-op cases as
+        :meth:`order_before`."""
+        if self.device != "cuda":
+            return
+        import cupy
+        from .device import capturing
+        current = cupy.cuda.get_current_stream()
+        own = self._stream if self._stream is not None else current
+        prod = current if producer is None else _as_cupy_stream(producer, self._device_id)
+        if prod.ptr == own.ptr or capturing(own) or capturing(prod):
+            return
+        ev = self._after_event
+        if ev is None:
+            ev = self._after_event = cupy.cuda.Event(block=False, disable_timing=True,
+                                                     interprocess=False)
+        ev.record(prod)
+        own.wait_event(ev)
 
     def retire(self, *objects) -> None:
         """Keep ``objects`` (device buffers a launch or a consumer may still read) referenced until
@@ -332,6 +402,7 @@ class KVStorage:
             i32 = _common.Desc(0, (1,), (4,), np.dtype(np.int32))
             i64 = _common.Desc(0, (1, 3), (24, 8), np.dtype(np.int64))
             sigs = [(_move.move_cells_kernel, (k, v, i32, i32, 0, 0)),
+                    (_move.move_runs_kernel, (k, v, i64, 0, 0, 0)),
                     (_move.move_lanes_kernel, (k, v, i64, 0))]
             view_dtype, _ = _rope.storage_kind("cuda", self.dtype)
             f32 = _common.Desc(0, (1, 1), (4, 4), np.dtype(np.float32))
@@ -456,6 +527,23 @@ class KVStorage:
             if self.device == "cuda":
                 self._keep_inputs(key, value)
 
+    def put_slots_trusted(self, layer: int, slots: np.ndarray, key, value) -> None:
+        """:meth:`put` without its checks, for a caller that made them all (CausalCache's
+        per-layer hot path under paged placement): ``slots`` int32 host ``[batch]`` of distinct
+        cells in range (the cell table placed them), ``key``/``value`` as for
+        :meth:`put_range_trusted`."""
+        if self.quantized:
+            self._put_quantized(layer, slots, -1, key, value)
+            return
+        if self.device == "cpu":
+            _put.launch_cpu(self._k_layers[layer], self._v_layers[layer], slots, key, value)
+            return
+        with self._on_device():
+            _put.launch(self.device, self._k_layers[layer], self._v_layers[layer], slots, key,
+                        value, self.permuted)
+            if self.device == "cuda":
+                self._keep_inputs(key, value)
+
     def fill_mask_trusted(self, out, cell_pos, cell_seqs, batch_pos, batch_seq, causal,
                           window: int, chunk: int) -> None:
         """:meth:`fill_mask` without its checks (CausalCache's start_forward made them)."""
@@ -566,11 +654,15 @@ class KVStorage:
     def move_blocks(self, moves) -> None:
         """Apply a defrag plan ``moves`` (int ``[m, 3]``: src, dst, length) to every layer of K
         and V in one launch: in order, each move as a memmove (overlaps are safe)."""
-        moves = _host_ints(moves, "moves", np.int64, ndim=2) if np.asarray(moves).size \
-            else np.zeros((0, 3), dtype=np.int64)
+        if not (type(moves) is np.ndarray and moves.dtype == np.int64 and moves.ndim == 2):
+            moves = _host_ints(moves, "moves", np.int64, ndim=2) if np.asarray(moves).size \
+                else np.zeros((0, 3), dtype=np.int64)
         if moves.shape[1:] != (3,):
             raise ValueError(f"moves must have shape [m, 3] (src, dst, length), got {moves.shape}")
         if moves.shape[0] == 0:
+            return
+        if self.device != "cpu" and not self.quantized:
+            self._move_runs(moves)
             return
         src, dst, ln = moves[:, 0], moves[:, 1], moves[:, 2]
         if ln.min() < 0:
@@ -582,6 +674,21 @@ class KVStorage:
             return
         with self._on_device():
             _move.launch(self.device, self.keys, self.values, moves, self.permuted)
+
+    def _move_runs(self, moves: np.ndarray) -> None:
+        """A plan on the GPU (or the simulator) through :class:`kernels.move.RunMover`: checked,
+        normalised and sent in one compiled pass over the moves, expanded into cells on the
+        device (host time independent of the cells moved)."""
+        mover = self._mover
+        if mover is None:
+            mover = self._mover = _move.RunMover(self.device, self.keys, self.values,
+                                                 self.permuted)
+        with self._on_device():
+            problem = mover.launch(moves)
+        if problem == 1:
+            raise ValueError("moves' lengths must be >= 0")
+        if problem == 2:
+            raise ValueError(f"moves must stay inside the {self.n_cells} cells")
 
     def copy_cells(self, src, dst) -> None:
         """Copy cell ``src[i]`` to cell ``dst[i]`` (int32 host ``[k]`` each) in every layer, K and
@@ -599,6 +706,9 @@ class KVStorage:
         if self.quantized:  # in order, as one-cell moves (what move.copy_launch does)
             self._move_quantized(np.stack([src, dst, np.ones_like(src)], axis=1).astype(np.int64))
             return
+        if self.device != "cpu":   # in order, as one-cell moves
+            self._move_runs(np.stack([src, dst, np.ones_like(src)], axis=1).astype(np.int64))
+            return
         with self._on_device():
             _move.copy_launch(self.device, self.keys, self.values, src, dst, self.permuted)
 
@@ -609,13 +719,19 @@ class KVStorage:
         cell listed twice turns by the sum of its deltas."""
         if not isinstance(rope, RopeShift):
             raise ValueError(f"rope must be a RopeShift, got {type(rope).__name__}")
-        inv_freq = rope.inv_freq(self.config.head_dim)  # checks the rotary dim fits
+        memo = self._rope_memo
+        if memo[0] is rope:    # a cache shifts with one RopeShift: its tables, once
+            inv_freq, dim = memo[1], memo[2]
+        else:
+            inv_freq = rope.inv_freq(self.config.head_dim)  # checks the rotary dim fits
+            dim = check_rope_layout(self.config, rope)
+            self._rope_memo = (rope, inv_freq, dim)
         cells = _host_ints(cells, "cells")
         deltas = _host_ints(deltas, "deltas", np.int64)
         if cells.shape != deltas.shape:
             raise ValueError(f"deltas must have one entry per cell ({cells.shape[0]}), "
                              f"got {deltas.shape[0]}")
-        if cells.size and (cells.min() < 0 or cells.max() >= self.n_cells):
+        if cells.size and not _all_in(cells, 0, self.n_cells):
             raise ValueError(f"cells must be in [0, {self.n_cells})")
         if layers is not None:
             layers = _host_ints(layers, "layers")
@@ -623,8 +739,14 @@ class KVStorage:
                 raise ValueError(f"layers must be in [0, {self.config.n_layers})")
             if np.unique(layers).size != layers.size:
                 raise ValueError("layers must not repeat")
-        dim = check_rope_layout(self.config, rope)
         if cells.size == 0:
+            return
+        if not self.k_quantized and self.device != "cpu":
+            launcher = self._roper
+            if launcher is None:
+                launcher = self._roper = _rope.RopeLauncher(self.device, self.keys, self.dtype)
+            with self._on_device():
+                launcher.launch(cells, deltas, inv_freq, rope.neox, layers, rope.offset)
             return
         if not self.k_quantized:   # the kernel indexes the rope dims of the contiguous rows
             with self._on_device():

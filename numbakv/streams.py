@@ -362,6 +362,8 @@ class StreamCache(CausalCache):
             raise ValueError(f"get(): layer {self._layer} has no K/V in this cache "
                              f"(layer_reuse[{self._layer}] = -1)")
         k5, v5 = self._k5[layer], self._v5[layer]
+        if self.storage._stream is not None:
+            self.storage.order_before()   # views and gathers on CuPy's current stream: after puts
         if fwd.consecutive:
             s0, s1 = int(ids[0]), int(ids[0]) + len(ids)
             key = k5[s0:s1, :n_kv]
@@ -382,11 +384,21 @@ class StreamCache(CausalCache):
 
     # ------------------------------------------------------------------ attention-ready outputs
     # layer_pool() is CausalCache's: every cell of the pool, so page_table().kv_indices index it
-    def page_table(self) -> "PageTable":
+    def page_table(self, page_size: int = 1) -> Any:
         """This forward pass's page table over the flattened pool: each stream's cells as
         ``stream * cells_per_stream + cell`` (so ``layer_pool()`` rows), grouped as ``get()``
-        groups (see ``CausalCache.page_table``)."""
-        return self._host_pages().table
+        groups (see ``CausalCache.page_table``). ``page_size > 1``: the pool in pages of that
+        many cells (a stream's contiguous placement fills whole pages from its first cell when
+        ``cells_per_stream`` is a multiple of it), or ``NotSupportedError`` naming the
+        sequence whose cells do not fill pages."""
+        from . import pages
+        page_size = _check_index("page_size", page_size, 1)
+        host = self._host_pages()
+        if self.storage._stream is not None:
+            self.storage.order_before()   # the table's upload and the puts, before its reader
+        if page_size == 1:
+            return host.table
+        return pages.paged_table(host, page_size, self.n_cells, self._xp)
 
     def _host_pages(self):
         """Every batch stream's own page table, its cells offset into the pool, joined in
@@ -571,6 +583,13 @@ class StreamCache(CausalCache):
         self._check_open()
         for stream in self.streams:
             stream.apply_pending_shifts()
+
+    def capture_step(self, batch: int, *, attend: bool = False) -> Any:
+        """Not captured for per-sequence streams (each stream places its tokens in its own
+        slice): ``NotSupportedError``, nothing changed."""
+        self._check_open()
+        raise NotSupportedError("capture_step: per-sequence streams (unified=False) are not "
+                                "captured; use a unified cache")
 
     def use_stream(self, stream: Any) -> None:
         """Queue every stream's GPU work on ``stream`` (see ``CausalCache.use_stream``): the

@@ -232,9 +232,10 @@ class WrapperCache(StateMethods):
         return any(cache.closed for cache in self.caches)
 
     # -- attention-ready outputs (the current layer's cache)
-    def page_table(self) -> "PageTable":
-        """The page table of the current layer's cache (see ``CausalCache.page_table``)."""
-        return self.caches[self._current].page_table()
+    def page_table(self, page_size: int = 1) -> Any:
+        """The page table of the current layer's cache (see ``CausalCache.page_table``;
+        ``page_size > 1``: in pages)."""
+        return self.caches[self._current].page_table(page_size)
 
     def layer_pool(self, layer: Optional[int] = None) -> Tuple[Any, Any]:
         """Zero-copy views of every cell of a model layer (the current one when None), from the

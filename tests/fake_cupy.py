@@ -58,12 +58,45 @@ class FakeStream:
         self.synchronized += 1
         self._m.log.append(("stream_sync", self.ptr))
 
+    def wait_event(self, event):
+        """``cudaStreamWaitEvent``: logged with the stream the event was recorded on."""
+        self._m.log.append(("wait", self.ptr, getattr(event.recorded_on, "ptr", None)))
+
+    def begin_capture(self, mode=None):
+        """Start capturing: launches made while this stream is current are kept (see
+        tests/helpers.emulate_cuda), not run, until :meth:`end_capture` hands them out as a
+        graph."""
+        self.capturing = True
+        self.graph_nodes = []
+        self._m.log.append(("begin_capture", self.ptr))
+
+    def end_capture(self):
+        nodes, self.graph_nodes = self.graph_nodes, None
+        self.capturing = False
+        self._m.log.append(("end_capture", self.ptr))
+        return FakeGraph(self._m, nodes)
+
+    graph_nodes = None
+
     def __enter__(self):
         self._m._stack.append(self)
         return self
 
     def __exit__(self, *exc):
         self._m._stack.pop()
+
+
+class FakeGraph:
+    """A captured graph: the launches kept during capture, run again by every :meth:`launch`."""
+
+    def __init__(self, module, nodes):
+        self._m = module
+        self.nodes = nodes
+
+    def launch(self, stream=None):
+        self._m.log.append(("graph_launch", getattr(stream, "ptr", None), len(self.nodes)))
+        for node in self.nodes:
+            node()
 
 
 class FakeDeviceArray:
@@ -106,8 +139,19 @@ class FakeDeviceArray:
     def __getitem__(self, idx):
         return FakeDeviceArray(self._a[idx], self._m)
 
+    def __setitem__(self, idx, value):
+        """An element-wise copy kernel on the current stream."""
+        if self._m is not None:
+            self._m.log.append(("copy_kernel", self._m.cuda.get_current_stream().ptr))
+        self._a[idx] = value._a if isinstance(value, FakeDeviceArray) else value
+
+    flags = property(lambda self: self._a.flags)
+
     def view(self, dtype):
         return FakeDeviceArray(self._a.view(dtype), self._m)
+
+    def reshape(self, *shape):
+        return FakeDeviceArray(self._a.reshape(*shape), self._m)
 
     def transpose(self, *axes):
         return FakeDeviceArray(self._a.transpose(*axes), self._m)
@@ -181,6 +225,7 @@ def fake_cupy(device_cc: str = "80"):
 
     def from_dlpack(obj):
         m.log.append(("from_dlpack", current().ptr))
+        obj = getattr(obj, "source", obj)   # numbakv's bfloat16 re-tagging proxy
         return wrap(obj.to_host_array())
 
     def asnumpy(a, stream=None):
@@ -193,9 +238,9 @@ def fake_cupy(device_cc: str = "80"):
     def memcpy_async(dst, src, nbytes, kind, stream_ptr):
         """cudaMemcpyAsync over host memory; logged as MemoryPointer's copies are."""
         import ctypes
-        assert kind == 1, "only host-to-device copies are expected here"
+        assert kind in (1, 3), "only host-to-device and device-to-device copies are expected"
         ctypes.memmove(int(dst), int(src), int(nbytes))
-        m.log.append(("h2d", int(stream_ptr), int(nbytes), int(src)))
+        m.log.append(("h2d" if kind == 1 else "d2d", int(stream_ptr), int(nbytes), int(src)))
 
     m.cuda = _t.SimpleNamespace(
         runtime=_t.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,

@@ -68,8 +68,13 @@ def emulate_cuda(monkeypatch, record):
     def fake_launch(device, kernel, grid, block, args):
         assert device == "cuda"
         record(kernel, args)
-        launch.launch("sim", kernel, grid, block,
-                      [desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args])
+        host_args = [desc_to_numpy(a) if isinstance(a, _common.Desc) else a for a in args]
+        stream = cp.cuda.get_current_stream()
+        if stream.graph_nodes is not None:   # capturing (begin_capture): a node of the graph
+            stream.graph_nodes.append(lambda: launch.launch("sim", kernel, grid, block,
+                                                            host_args))
+            return
+        launch.launch("sim", kernel, grid, block, host_args)
 
     for mod in (put, mask, move, rope, rows):
         monkeypatch.setattr(mod, "_launch", fake_launch)
@@ -179,3 +184,27 @@ def gpu_compiler_missing() -> str:
         return (f"the GPU compiler is not installed ({', '.join(missing)} not found): "
                 "pip install -e '.[ptx]' (or '.[gpu]') to compile the kernels to PTX")
     return ""
+
+
+def fake_cuda_cache(cp, cfg, stream_ptr=None, **kwargs):
+    """A ``CausalCache`` whose storage is a ``cuda`` storage over the stand-in CuPy (``cfg``'s
+    device is ``cpu``; no warm-up, which preloads through the driver); with ``stream_ptr`` its
+    own stream (``use_stream``). Install the stand-in first (:func:`emulate_cuda`)."""
+    import os
+
+    import numbakv as nkv
+    from numbakv.storage import KVStorage
+    old = os.environ.get("NUMBAKV_WARM_UP")
+    os.environ["NUMBAKV_WARM_UP"] = "0"
+    try:
+        cache = nkv.CausalCache(cfg, _storage_factory=lambda n, device: KVStorage(cfg, n, "cuda"),
+                                **kwargs)
+    finally:
+        if old is None:
+            del os.environ["NUMBAKV_WARM_UP"]
+        else:
+            os.environ["NUMBAKV_WARM_UP"] = old
+    cache.device = "cuda"
+    if stream_ptr is not None:
+        cache.use_stream(cp.cuda.ExternalStream(stream_ptr))
+    return cache

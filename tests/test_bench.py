@@ -343,6 +343,26 @@ def test_agents_replay_counts_hits_edits_and_orphans():
     assert "orphaned" in text and "LRU" in text
 
 
+def test_agents_ceilings_bound_the_policies():
+    """bench_agents.ceilings: an unbounded store's hit rates on the trace (no model run); edit
+    reuse adds only at stripped-reasoning turns, and a trace without strips has none to add."""
+    from numbakv.tools import bench_agents as ba
+    shape = ba.Shape(sessions=2, turns=6, system=64, task=16, tool=32, reasoning=16, call=2,
+                     one_off=48, strip_share=0.5, seed=3)
+    c = ba.ceilings(shape, ba.make_trace(shape))
+    assert 0 < c["exact"] < c["edit"] < 100 and c["exact_sessions"] < c["edit_sessions"] < 100
+    flat = ba.Shape(**{**shape.__dict__, "strip_share": 0.0})
+    c = ba.ceilings(flat, ba.make_trace(flat))
+    assert c["exact"] == c["edit"] and c["exact_sessions"] == c["edit_sessions"]
+    # one session, no one-offs, no strips: each turn reuses all but its new tokens
+    one = ba.Shape(sessions=1, turns=3, system=8, task=4, tool=5, reasoning=3, call=2,
+                   one_off_every=1000, strip_share=0.0, cancel_share=0.0)
+    c = ba.ceilings(one, ba.make_trace(one))
+    # prompts 12, 12+3+2+5=22 (the client's reasoning comes before the call: reuses 12),
+    # 22+10=32 (reuses 22)
+    assert c["exact"] == pytest.approx(100.0 * (0 + 12 + 22) / (12 + 22 + 32))
+
+
 def test_agents_orphan_count_follows_the_events():
     from numbakv.tools.bench_agents import _orphans
     live = {}
@@ -367,5 +387,6 @@ def test_prefix_save_bench_and_its_peers():
     assert 5 not in trie.root[1][2][3][4] and 9 in trie.root[1][2][3][4] and 7 in trie.root
     res = bp.bench_save(256, (4, 8), reps=5)
     assert [r["entries"] for r in res["runs"]] == [4, 8]
-    assert all(r["save_us"] > 0 and r["hash_chain_us"] > 0 for r in res["runs"])
+    assert all(r["save_us"] > 0 and r["hash_chain_us"] > 0 and r["save_events_us"] > 0
+               for r in res["runs"])
     assert "save growth" in bp.format_prefix({"save": res})

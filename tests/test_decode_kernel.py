@@ -133,6 +133,30 @@ def test_flashinfer_probe_is_memoised(monkeypatch):
     assert len(calls) == 1
 
 
+def test_flashinfer_probe_with_an_installed_module_runs_once(monkeypatch):
+    """With flashinfer importable (a stand-in module in sys.modules), the probe answers True
+    and imports it once per process: later calls (and a module that went away) get the
+    remembered answer."""
+    import builtins
+    import sys
+    import types
+    calls = []
+    real = builtins.__import__
+
+    def spy(name, *a, **k):
+        if name == "flashinfer":
+            calls.append(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(attention, "_FLASHINFER", None)
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setattr(builtins, "__import__", spy)
+    assert attention.flashinfer_available() is True
+    monkeypatch.delitem(sys.modules, "flashinfer")
+    for _ in range(5):
+        assert attention.flashinfer_available() is True
+    assert calls == ["flashinfer"]
+
+
 def _slow_stream_setup():
     import cupy
     import numbakv as nkv
@@ -192,3 +216,83 @@ def test_kernel_serves_passes_of_few_queries_per_sequence():
     host = cache._host_pages()
     assert attention._max_queries(host) == 5 and host.plans["max-queries"] == 5
     assert attention._GPU_KERNEL_TOKENS >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# quantized K/V read in the kernel (dequantized per value with kernels.quant's element math),
+# rotated ones rotated and turned back in the kernel
+
+QUANT_CONFIGS = {
+    "q8_0": dict(k_dtype="q8_0", v_dtype="q8_0", head_dim=32, kv_rotation="off"),
+    "q4_0-window": dict(k_dtype="q4_0", v_dtype="q4_0", head_dim=32, kv_rotation="off",
+                        swa_window=3),
+    "q4_0-k-f16-v": dict(dtype="float16", k_dtype="q4_0", head_dim=32, kv_rotation="off"),
+    "f32-k-q8_0-v-chunk": dict(v_dtype="q8_0", head_dim=32, kv_rotation="off", chunk=4),
+    "float8-bf16": dict(dtype="bfloat16", k_dtype="float8_e4m3", v_dtype="float8_e4m3",
+                        head_dim=32),
+    "q8_0-rotated": dict(k_dtype="q8_0", v_dtype="q8_0", head_dim=64),
+    "q4_0-rotated-window": dict(dtype="float16", k_dtype="q4_0", v_dtype="q4_0", head_dim=64,
+                                swa_window=4),
+}
+
+
+def _quant_cache(kw):
+    import numbakv as nkv
+    kw = dict(kw)
+    window, chunk, dim = kw.pop("swa_window", None), kw.pop("chunk", None), kw.pop("head_dim")
+    cfg = nkv.CacheConfig(2, 2, dim, capacity=40, max_seqs=4, max_batch=16,
+                          device=KERNEL_DEVICE, **kw)
+    return nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=dim), swa_window=window,
+                           chunk_size=chunk)
+
+
+@pytest.mark.parametrize("name", list(QUANT_CONFIGS))
+def test_paged_kernel_reads_quantized_pools_like_the_cpu_attend(name):
+    """The kernel over q8_0 / q4_0 / float8 pools (one side float, or both quantized; rotated
+    K/V with the query rotation and the output's turn back in the kernel; GQA; windows and
+    chunks) equals the CPU attend over the same stored blocks, one part and split-K."""
+    cache = _quant_cache(QUANT_CONFIGS[name])
+    cfg = cache.config
+    if "rotated" in name:
+        assert cfg.k_rotation and cfg.v_rotation          # the test covers what it says
+    rng = np.random.default_rng(17)
+    torch.manual_seed(17)
+    dtype = cfg.dtype
+    checked = 0
+    for pos, _ in random_forwards(cache, rng, 3, torch=torch):
+        cache.set_layer(int(rng.integers(cfg.n_layers)))
+        q = torch.randn(len(pos), 4, cfg.head_dim)          # GQA 2
+        if KERNEL_DEVICE == "cuda":
+            q = q.cuda()
+        scale = 1 / math.sqrt(cfg.head_dim)
+        soft_cap = 2.0 if checked % 2 else None
+        cpu = attention.attend(q, cache, scale=scale, soft_cap=soft_cap).float().cpu().numpy()
+        dense = attention.attend(q, cache, scale=scale, soft_cap=soft_cap,
+                                 backend="dense").float().cpu().numpy()
+        formats = attention._pool_formats(cache)
+        assert formats is not None
+        host = cache._host_pages()
+        got = attention._gpu_quantized(torch, q, host, cache, scale, soft_cap, formats,
+                                       KERNEL_DEVICE).cpu().numpy()
+        tol = 2e-5 if dtype == "float32" else 3e-3 if dtype == "float16" else 2e-2
+        np.testing.assert_allclose(got, cpu, atol=tol, rtol=tol)
+        np.testing.assert_allclose(got, dense, atol=max(tol, 1e-4), rtol=max(tol, 1e-4))
+        # split-K: the parts' rotated-back accumulators merged by their LSE
+        st = cache.storage
+        slot = cache._storage_layers[cache._layer]
+        tok, causal, _, lens = host.plans["gpu-kernel"]
+        kf, vf, ks, vs, _ = formats
+        qd = q.float().numpy() if KERNEL_DEVICE == "sim" else \
+            __import__("cupy").from_dlpack(q.float().contiguous())
+        out, _ = decode.paged_attention(
+            KERNEL_DEVICE, qd, st.key_view(slot, 0, cache.n_cells),
+            st.value_view(slot, 0, cache.n_cells), host.table, tok, causal,
+            int(host.rule.window), int(host.rule.chunk), scale, soft_cap, lens,
+            bf16=dtype == "bfloat16", part_len=3,
+            kfmt=decode.QUANT_FORMATS[kf] if kf else None,
+            vfmt=decode.QUANT_FORMATS[vf] if vf else None, kscale=ks, vscale=vs,
+            k_rotation=cfg.k_rotation, v_rotation=cfg.v_rotation)
+        split = torch.from_dlpack(out).cpu().numpy()
+        np.testing.assert_allclose(split, cpu, atol=tol, rtol=tol)
+        checked += 1
+    assert checked >= 2

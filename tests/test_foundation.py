@@ -455,3 +455,33 @@ def test_one_line_while_compiling_and_none_on_a_cache_hit(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
     assert runs[0].stderr.count(MESSAGE) == 1, runs[0].stderr
     assert MESSAGE not in runs[1].stderr
+
+
+def test_the_cpu_path_never_imports_numba_cuda():
+    """numba.cuda (and the CUDA dispatchers of numbakv's kernels) cost ~55 MiB of resident memory
+    and ~0.2 s: importing numbakv and running a CPU cache leaves it unimported; the first use of
+    a kernel's CUDA form (the simulator here) imports it, and the kernel modules' globals then
+    hold real CUDA objects, not stand-ins."""
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "import numbakv as nkv\n"
+        "cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=8, capacity=16,\n"
+        "                      device='cpu', dtype='float32')\n"
+        "c = nkv.CausalCache(cfg)\n"
+        "c.start_forward(np.arange(3), np.zeros(3, np.int64))\n"
+        "c.put(np.ones((3, 2, 8), np.float32), np.ones((3, 2, 8), np.float32))\n"
+        "k, v, m = c.get()\n"
+        "assert 'numba.cuda' not in sys.modules, 'the CPU path imported numba.cuda'\n"
+        "from numbakv.kernels import _registry, put\n"
+        "assert type(put.put_kv_kernel) is _registry.Deferred\n"
+        "put.put_kv_kernel.py_func\n"
+        "assert 'numba.cuda' in sys.modules\n"
+        "from numba import cuda\n"
+        "assert put.cuda is cuda and type(put.put_kv_kernel) is not _registry.Deferred\n"
+        "assert not [k for k, v in vars(put).items() if type(v) is _registry.Deferred]\n"
+        "print('ok')\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

@@ -16,6 +16,7 @@ import numbakv as nkv  # noqa: E402
 from numbakv import hf  # noqa: E402
 
 from helpers import random_weight_model  # noqa: E402
+from hf_helpers import assert_logits, full_logits, run_batch  # noqa: E402
 
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4,
@@ -84,40 +85,6 @@ def tiny_model(name: str, n_layers: int = 2):
     RoPE or soft-cap changes the logits well beyond the tolerance."""
     return random_weight_model(_family_config(name, n_layers),
                                model_class=transformers.GPTJForCausalLM if name == "gptj" else None)
-
-
-def full_logits(model, tokens, start: int = 0) -> torch.Tensor:
-    """The model's own forward over one whole sequence (no numbakv): logits ``[len, vocab]``."""
-    assert hf.attached_cache(model) is None
-    ids = torch.as_tensor(tokens)[None]
-    pos = torch.arange(start, start + ids.shape[1])[None]
-    with torch.no_grad():
-        return model(input_ids=ids, position_ids=pos).logits[0]
-
-
-def run_batch(model, cache, parts):
-    """One packed forward pass: ``parts`` = [(seq, tokens, first_position)]; returns each part's
-    logits."""
-    tokens, positions, seqs = [], [], []
-    for seq, toks, first in parts:
-        tokens += list(toks)
-        positions += range(first, first + len(toks))
-        seqs += [seq] * len(toks)
-    tokens, positions = torch.tensor(tokens), torch.tensor(positions)
-    cache.start_forward(positions, seqs)
-    with torch.no_grad():
-        logits = model(input_ids=tokens[None], position_ids=positions[None]).logits[0]
-    out, i = [], 0
-    for _, toks, _ in parts:
-        out.append(logits[i:i + len(toks)])
-        i += len(toks)
-    return out
-
-
-def assert_logits(got, want, what):
-    scale = max(1.0, float(want.abs().max()))
-    err = float((got - want).abs().max())
-    assert err <= 2e-5 * scale, f"{what}: max |logit diff| {err:.3g} (scale {scale:.3g})"
 
 
 # ------------------------------------------------------------------------------ families

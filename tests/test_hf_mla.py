@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import numbakv as nkv  # noqa: E402
 from numbakv import hf  # noqa: E402
 from helpers import random_weight_model  # noqa: E402
+from hf_helpers import assert_logits, full_logits, run_batch  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -94,37 +95,6 @@ def test_generate_equals_dynamic_cache(name, padded):
     assert held.config.v_less and held.config.head_dim == RANK + ROPE
 
 
-def full_logits(model, tokens, start: int = 0):
-    ids = torch.as_tensor(tokens)[None]
-    pos = torch.arange(start, start + ids.shape[1])[None]
-    with torch.no_grad():
-        return model(input_ids=ids, position_ids=pos).logits[0]
-
-
-def run_batch(model, cache, parts):
-    """One packed forward pass: ``parts`` = [(seq, tokens, first_position)] -> logits each."""
-    tokens, positions, seqs = [], [], []
-    for seq, toks, first in parts:
-        tokens += list(toks)
-        positions += range(first, first + len(toks))
-        seqs += [seq] * len(toks)
-    tokens, positions = torch.tensor(tokens), torch.tensor(positions)
-    cache.start_forward(positions, seqs)
-    with torch.no_grad():
-        logits = model(input_ids=tokens[None], position_ids=positions[None]).logits[0]
-    out, i = [], 0
-    for _, toks, _ in parts:
-        out.append(logits[i:i + len(toks)])
-        i += len(toks)
-    return out
-
-
-def close(got, want, what, tol=2e-5):
-    scale = max(1.0, float(want.abs().max()))
-    err = float((got - want).abs().max())
-    assert err <= tol * scale, f"{what}: max |logit diff| {err:.3g} (scale {scale:.3g})"
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_packed_batches_equal_the_models_own_forward(name):
     model = mla_model(name)
@@ -138,8 +108,8 @@ def test_packed_batches_equal_the_models_own_forward(name):
         lb2, la2 = run_batch(model, cache, [(1, b[4:], 4), (0, a[6:], 6)])
     finally:
         hf.detach(model)
-    close(torch.cat([la, la2]), full_logits(model, a), "sequence 0")
-    close(torch.cat([lb, lb2]), full_logits(model, b), "sequence 1")
+    assert_logits(torch.cat([la, la2]), full_logits(model, a), "sequence 0")
+    assert_logits(torch.cat([lb, lb2]), full_logits(model, b), "sequence 1")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -166,7 +136,7 @@ def test_context_shift_equals_a_fresh_prefill_at_the_new_positions(name):
     assert np.array_equal(shifted[..., :RANK], stored[..., :RANK])
     kept = toks[:2] + toks[6:12] + toks[12:]
     want = full_logits(model, kept)[8:]
-    close(got, want, "after the shift", tol=2e-4)
+    assert_logits(got, want, "after the shift", tol=2e-4)
 
 
 def test_server_equals_greedy_generate():

@@ -28,7 +28,7 @@ LAYERS: List[List[str]] = [
     ["kernels."],
     ["storage", "pages", "rotation"],
     ["state."],
-    ["causal", "streams", "wrappers", "simple", "recurrent", "hybrid", "paired"],
+    ["causal", "streams", "wrappers", "simple", "recurrent", "hybrid", "paired", "step"],
     ["attention", "prompt", "hf."],
     ["prefix."],
     ["dist."],

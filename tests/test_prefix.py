@@ -98,6 +98,44 @@ def test_index_token_granular_match_and_removal():
     assert idx.match(root, token_bytes([1, 2, 3])).n == 0 and not idx.roots
 
 
+def test_index_keys_made_lazily_equal_the_chained_keys_even_after_removal():
+    """A save no longer hashes its blocks: a node's key is made on first use (events, lower
+    tiers), and a removed node keeps what it needs to make it; the events name the same keys
+    ``block_keys`` gives, and the many children of a root find a partial match's candidates."""
+    from numbakv.prefix import events as ev
+    from numbakv.prefix.index import hex_keys
+    idx = BlockIndex(4)
+    root = b"r" * 16
+    toks = list(range(1, 12))                                    # 2 full blocks + tail of 3
+    keys = block_keys(toks, 4, root)
+    a = _entry(idx, root, toks)
+    short = _entry(idx, root, toks[:5])                          # 1 full block + tail of 1
+    assert all(n._digest is None for n in a.path)                # nothing hashed yet
+    later = ev.block_removed_later(idx.remove(a), "cells")      # its blocks 2.. leave the trie
+    assert later[0]()["block_hashes"] == keys[1:] == hex_keys(a.path[1:])
+    assert [n.key for n in a.path] == keys
+    stored = ev.block_stored(short.path, 4, "cells")
+    assert stored["block_hashes"] == block_keys(toks[:5], 4, root)
+    assert stored["parent_block_hash"] is None and stored["token_ids"] == toks[:5]
+    for first in range(20, 40):                                  # > 8 children: a first-token map
+        _entry(idx, root, [first, 1, 2, 3, 4])
+    assert idx.match(root, token_bytes([1, 2, 3, 4, 5, 6])).n == 5
+    assert idx.match(root, token_bytes([33, 1, 2, 9])).n == 3
+
+
+def test_index_paths_of_equal_rolling_hashes_stay_apart():
+    """Blocks of zero tokens hash to 0 at every depth: the fast walk's keys carry the depth,
+    so a prompt of zeros matches whole (a sliding-window model check found it matched a block
+    short)."""
+    idx = BlockIndex(4)
+    root = b"r" * 16
+    _entry(idx, root, [0] * 9)
+    assert idx.match(root, token_bytes([0] * 9)).n == 9
+    assert idx.match(root, token_bytes([0] * 12)).n == 9
+    _entry(idx, root, [0] * 16)
+    assert idx.match(root, token_bytes([0] * 20)).n == 16
+
+
 def test_index_window_floor():
     idx = BlockIndex(4)
     root = b"r" * 16
@@ -203,16 +241,18 @@ def test_full_cache_evicts_store_entries_lru_and_never_pinned():
         (40 * per_cell, 20 * per_cell, 20 * per_cell)
     store.match(a)
     prefill(cache, 0, list(range(30)))               # needs 30 cells: only 24 free
-    assert store.match(a) == 0 and store.match(b) == 20   # a (LRU, unpinned) went, b stayed
+    # a (LRU, unpinned) gave its tail: 6 cells short, 20 - 6 -> whole blocks: 12 stay; b stayed
+    assert store.match(a) == 12 and store.match(b) == 20
     ev = store.take_events()
     assert [e["type"] for e in ev].count("BlockRemoved") == 1
     cache.seq_rm(0)
     with pytest.raises(KVCacheFullError):            # the pinned entry is never evicted
         prefill(cache, 0, list(range(50)), chunk=50)
     assert store.match(b) == 20 and cache.seq_pos_max(0) == -1
+    assert store.match(a) == 0                       # a went whole (its 12 were not enough)
     store.unpin(b)
     prefill(cache, 0, list(range(50)), chunk=50)
-    assert store.match(b) == 0
+    assert store.match(b) == 12                      # 6 short: b's tail went
 
 
 def test_extension_reuses_the_entry_one_per_conversation():
@@ -247,7 +287,7 @@ def test_lfu_policy_keeps_the_frequent_entry():
         store.load(1, a)
         cache.seq_rm(1)
     prefill(cache, 0, list(range(30)))
-    assert store.match(a) == 20 and store.match(b) == 0
+    assert store.match(a) == 20 and store.match(b) == 12   # b, the less used, gave its tail
 
 
 def test_store_clear_close_and_events():

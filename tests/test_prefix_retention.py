@@ -372,3 +372,28 @@ def test_save_priority_reaches_the_exact_entry_beside_a_longer_one():
     [e] = [e for e in store.entries() if e["tokens"] == [0]]
     assert e["priority"] == 0
     store.close()
+
+
+def test_room_is_made_from_an_entrys_tail_before_the_whole_entry():
+    """Without a host tier an evicted tier-0 entry is lost: when a request needs room, the
+    store first drops the end of the first entry in eviction order, whole blocks only, and
+    keeps its head servable (the tail before its parent, at token granularity); the removed
+    blocks are announced in the KV events."""
+    cache = small_cache(max_seqs=4, capacity=16)                  # 64 cells
+    store = PrefixStore(cache, retain_seqs=[3], block_tokens=4, clock=FakeClock())
+    s = session(40)
+    prefill(cache, 0, s)
+    store.save(0, s)
+    cache.seq_rm(0)
+    store.take_events()
+    prefill(cache, 1, one_off(0, 34))        # needs 34 of the 24 free cells: 10 from s's tail
+    [e] = store.entries()
+    assert e["length"] == 28 and e["tokens"] == s[:28]           # 40 - 10 -> 30 -> a block: 28
+    assert store.match(s) == 28
+    removed = [ev for ev in store.take_events() if ev["type"] == "BlockRemoved"]
+    assert [h for ev in removed for h in ev["block_hashes"]] == \
+        block_keys(s, 4, store._root(None))[7:]
+    cache.seq_rm(1)
+    assert store.load(1, s) == 28
+    check_holds(cache, 1, s, 28)
+    store.close()

@@ -68,7 +68,7 @@ def test_every_launch_and_copy_goes_on_the_chosen_stream(fake_gpu, make):
     cp.log.clear()
     key, _ = _every_operation(st, cp, np.random.default_rng(0))
     names = {name for name, _ in launches}
-    assert {"put_kv_kernel", "mask_fill_kernel", "move_cells_kernel",
+    assert {"put_kv_kernel", "mask_fill_kernel", "move_runs_kernel",
             "rope_shift_kernel"} <= names
     assert {ptr for _, ptr in launches} == {handle}
     copies = [e for e in cp.log if e[0] == "h2d"]
@@ -162,6 +162,8 @@ def test_no_implicit_synchronisation_while_capturing_a_graph(fake_gpu):
     assert not kinds & {"record", "event_sync", "stream_sync"}, kinds
     staged = launch._STAGING[(0, 0x45)]
     assert staged.captured and not staged._free and not staged._busy   # kept for replays
+    # the device buffers the captured kernels read are kept too, beside their pinned sources
+    assert any(isinstance(x, FakeDeviceArray) for x in staged.captured)
     stream.capturing = False
     st.new_mask(1, 1)                                        # after capture: covered by an event
     assert ("record", 0x45) in cp.log

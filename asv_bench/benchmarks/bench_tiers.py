@@ -81,3 +81,66 @@ class RedisTier:
 
     def time_client_get_baseline(self, data):
         self.raw.get(self.value_key)
+
+
+class TierMoves:
+    """Every tier's store and load *into the cache* against its floor (issue 36 item 6; the
+    ratios, interleaved, are ``numbakv.tools.bench_tiers.bench_moves``): a 4k-token prompt (16
+    layers x 8 x 64, float16: 128 MiB) saved by a ``PrefixStore`` whose only tier is host RAM
+    or a disk directory (+ ``flush``), and loaded into an empty sequence. Floors: ``np.copyto``
+    of the same bytes (host), write + fsync / ``np.fromfile`` (disk)."""
+
+    params = ["host", "disk"]
+    param_names = ["tier"]
+    timeout = 300
+
+    def setup(self, tier):
+        import numbakv as nkv
+        self.cache, self.prompt = bt._moves_cache(TOKENS, 16, 8, 64)
+        n = self.cache.config.nbytes(TOKENS)
+        self.root = tempfile.mkdtemp(prefix="nkv-asv-moves-")
+        kw = dict(host_bytes=n + (1 << 20)) if tier == "host" else dict(
+            disk_dir=self.root, disk_bytes=4 * n, model_id="asv/moves")
+        self.store = nkv.PrefixStore(self.cache, **kw)
+        self.salt = 0
+        self.store.save(0, self.prompt, salt=b"load")
+        self.store.flush()
+        src = [self.cache.storage.keys[:, :TOKENS], self.cache.storage.values[:, :TOKENS]]
+        self.src, self.dst = src, [np.ones_like(a) for a in src]
+        self.blob = b"".join(bytes(a) for a in src)
+        self.plain = os.path.join(self.root, "plain.bin")
+        with open(self.plain, "wb") as f:
+            f.write(self.blob)
+
+    def teardown(self, tier):
+        self.store.close()
+        self.cache.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def time_store(self, tier):
+        self.salt += 1
+        self.store.save(0, self.prompt, salt=b"%d" % self.salt)
+        self.store.flush()
+
+    def time_load_into_cache(self, tier):
+        self.store.load(1, self.prompt, salt=b"load")
+        self.cache.seq_rm(1)
+
+    def time_store_floor(self, tier):
+        if tier == "host":
+            for a, b in zip(self.src, self.dst):
+                np.copyto(b, a)
+            return
+        fd = os.open(self.plain + ".w", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, self.blob)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def time_load_floor(self, tier):
+        if tier == "host":
+            for a, b in zip(self.src, self.dst):
+                np.copyto(b, a)
+            return
+        np.fromfile(self.plain, dtype=np.uint8)

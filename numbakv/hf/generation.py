@@ -26,7 +26,9 @@ import weakref
 from dataclasses import fields
 from typing import Any, Dict, List, Optional
 
+import numba
 import numpy as np
+from numba.np.ufunc import parallel as _numba_parallel
 
 from ..config import CacheConfig
 from ..errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -125,6 +127,28 @@ def _switch_model(model) -> None:
         cfg._attn_implementation_internal = GENERATE_ATTENTION_NAME
 
 
+def _host_view(torch, t) -> np.ndarray:
+    """A contiguous CPU tensor as the numpy array a CPU cache stores (bfloat16 as its uint16
+    bit patterns), sharing its memory."""
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _share_torch_threads(torch) -> None:
+    """Run numbakv's CPU kernels on at most as many threads as torch uses (transformers users
+    size the CPU parallelism of a model with ``torch.set_num_threads``). numba's default is one
+    thread per core: measured on a 2-core machine with torch at 1 thread, numba's idle second
+    OpenMP thread made torch's own attention in the same process 40-70x slower per step (two
+    OpenMP runtimes contending for the cores). Asked once per forward pass; nothing to do (and
+    nothing started) while numba has no thread pool yet."""
+    if not getattr(_numba_parallel, "_is_initialized", True):
+        return
+    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+
+
 class _GenState:
     """What the layers of one generation cache share: the numbakv cache (built at the first
     forward pass, when the batch size and prompt length are known, unless a prefix store
@@ -150,6 +174,7 @@ class _GenState:
         self.prompt_columns = 0     # columns after the prompt's pass
         self.padded = None          # per row: whether the prompt had pad columns
         self.storage_dtype = None
+        self.host_puts = False      # a CPU cache: puts hand numpy views (put's trusted path)
         self.quantized = False
         self.layer_caches: List[Any] = []
         #: an MLA model: its layers cache latent rows and attend themselves (see store_latent)
@@ -172,6 +197,7 @@ class _GenState:
         self.layer_caches = _layer_caches(self.cache)   # None: a hybrid's recurrent layers
         attending = [c for c in self.layer_caches if c is not None]
         self.storage_dtype = getattr(torch, attending[0].config.dtype)
+        self.host_puts = all(c.device == "cpu" for c in attending)
         self.quantized = any(getattr(getattr(c, "storage", None), "quantized", False)
                              for c in attending)
         cfg = attending[0].config
@@ -223,6 +249,8 @@ class _GenState:
         update): place the non-pad tokens, decide who attends."""
         torch, _ = _transformers()
         self.pending = None
+        if self.host_puts:
+            _share_torch_threads(torch)
         padding = getattr(_local, "padding", None)
         _local.padding = None
         if self.seqs is None or self.cache is None:
@@ -287,7 +315,12 @@ class _GenState:
         if self.keep is not None:
             k, v = k.index_select(0, self.keep), v.index_select(0, self.keep)
         want = self.storage_dtype
-        cache.put(k.to(want).contiguous(), v.to(want).contiguous())
+        k, v = k.to(want).contiguous(), v.to(want).contiguous()
+        if self.host_puts:
+            # numpy views of the tensors: put's trusted path (no import, no second validation)
+            torch, _ = _transformers()
+            k, v = _host_view(torch, k), _host_view(torch, v)
+        cache.put(k, v)
 
     def store_latent(self, layer: int, kv_nope, k_rot):
         """An MLA layer's pass: put the latent rows ``[kv_nope | k_rot]`` (``[batch, 1, new,

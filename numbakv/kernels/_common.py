@@ -18,7 +18,7 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 from numba import types
 
-from ._registry import element
+from ._registry import element, on_cuda_import
 
 #: threads per block: the simulator runs one Python thread per CUDA thread, so keep it small there
 BLOCK_CUDA = 256
@@ -404,9 +404,13 @@ def _simulator_on() -> bool:
     return bool(nb_config.ENABLE_CUDASIM)
 
 
-if not _simulator_on():
-    _register_cuda_copy_raw()
-    _register_cuda_mul_rn()
+@on_cuda_import
+def _register_cuda_overloads() -> None:
+    """The CUDA forms of :func:`copy_raw` / :func:`copy_raw4` / :func:`mul_rn` (the simulator
+    runs their Python)."""
+    if not _simulator_on():
+        _register_cuda_copy_raw()
+        _register_cuda_mul_rn()
 
 
 class Desc(NamedTuple):

@@ -13,7 +13,15 @@ Per tile of :data:`TILE` cells the block computes the group's scores (one thread
 cell)), then each head's running maximum and sum (online softmax), then the accumulators (one
 thread per (head, value dim): consecutive threads read consecutive values of a V row). Pools are
 read as raw bits (float16/bfloat16 as ``uint16``, float32 as ``uint32``) and converted with the
-shared float conversions of :mod:`._common`, so one body serves every storage dtype.
+shared float conversions of :mod:`._common`, so one body serves every storage dtype. Quantized
+sides (``uint8`` rows of ggml q8_0 / q4_0 blocks, or float8_e4m3 with a per-layer scale; see
+:mod:`.quant`) are dequantized value by value as they are read, with :mod:`.quant`'s element math
+(``block_scale``, ``q8_0_int``, ``q4_0_int``, ``e4m3_to_f32``): K and V may differ in format.
+
+llama.cpp's rotated quantized K/V (``kv_rotation``): the block rotates its queries in shared
+memory (Walsh-Hadamard blocks of ``krot``, :func:`.quant.wht_shared`, ggml's order and scale)
+before the scores, and turns its accumulators back (blocks of ``vrot``) before they are written;
+the rotation is linear, so split-K parts are turned back each on its own and merged as usual.
 
 With one part per token the kernel writes normalised rows and their LSE itself; with several it
 writes each part's unnormalised accumulator, maximum and sum, and :data:`paged_merge_kernel`
@@ -27,12 +35,14 @@ import math
 from typing import Optional, Tuple
 
 import numpy as np
-from numba import cuda, float32, types
+from numba import float32, types
 
 from . import _common
 from ._common import block_size, cdiv, sig_array as _arr
-from .launch import launch as _launch, to_device
-from ._registry import cuda_device, cuda_kernel
+from .hadamard import rotation_scale
+from .launch import launch as _launch
+from . import quant as _quant
+from ._registry import cuda, cuda_device, cuda_kernel, on_cuda_import
 
 #: cells per tile: the group's scores of a tile sit in shared memory between the passes
 TILE = 32
@@ -52,21 +62,140 @@ BLOCKS_PER_SM = 4
 MIN_PART = 256
 #: exp(x) below this is a float32 denormal: flushed to 0, as the CPU kernel does
 _EXP_FLUSH = -87.0
-#: storage formats of the pools (``fmt``): float16 bits, bfloat16 bits, float32 bits
-FMT_F16, FMT_BF16, FMT_F32 = 0, 1, 2
+#: storage formats of the pools (``kfmt`` / ``vfmt``): float16 bits, bfloat16 bits, float32
+#: bits (elements), then the quantized byte rows of :mod:`.quant` (ggml q8_0 blocks, q4_0
+#: blocks, float8_e4m3 values times a per-layer scale)
+FMT_F16, FMT_BF16, FMT_F32, FMT_Q8_0, FMT_Q4_0, FMT_F8 = 0, 1, 2, 3, 4, 5
+#: the decode format of each :mod:`.quant` format code
+QUANT_FORMATS = {_quant.FMT_Q8_0: FMT_Q8_0, _quant.FMT_Q4_0: FMT_Q4_0, _quant.FMT_F8: FMT_F8}
 
 _f16 = _common.f16_bits_to_f32.cuda
 _bf16 = _common.bf16_bits_to_f32.cuda
+_block_scale = _quant.block_scale.cuda
+_q8_int = _quant.q8_0_int.cuda
+_q4_int = _quant.q4_0_int.cuda
+_e4m3 = _quant.e4m3_to_f32.cuda
+_wht_shared = _quant.wht_shared
 
 
 @cuda_device
 def kv_to_f32(x, fmt):
-    """One stored K/V element (raw bits) as float32, by storage format ``fmt``."""
+    """One stored K/V element (raw bits) as float32, by float storage format ``fmt``."""
     if fmt == FMT_F16:
         return _f16(x)
     if fmt == FMT_BF16:
         return _bf16(x)
     return np.uint32(x).view(np.float32)
+
+
+@cuda_device
+def quant_value(pool, c, kh, d, fmt, fscale):
+    """Value ``d`` of the quantized byte row ``(c, kh)`` (format ``fmt``) as float32: ``d * q``
+    of its ggml block, or a float8 byte times ``fscale``."""
+    if fmt == FMT_F8:
+        return _e4m3(pool[c, kh, d]) * fscale
+    i = d & 31
+    if fmt == FMT_Q8_0:
+        b0 = (d >> 5) * 34
+        return _block_scale(pool[c, kh, b0], pool[c, kh, b0 + 1]) * \
+            float32(_q8_int(pool[c, kh, b0 + 2 + i]))
+    b0 = (d >> 5) * 18
+    return _block_scale(pool[c, kh, b0], pool[c, kh, b0 + 1]) * \
+        float32(_q4_int(pool[c, kh, b0 + 2 + (i & 15)], i >> 4))
+
+
+@cuda_device
+def quant_key_dot(qs, q0, kpool, c, kh, dim, kfmt, kscale):
+    """``sum_d qs[q0 + d] * k[d]`` over the quantized key row ``(c, kh)``: a ggml block's scale
+    is read once per 32 values (each value still ``d * q`` in float32, as the dequantizer
+    forms it)."""
+    x = float32(0.0)
+    if kfmt == FMT_F8:
+        for d in range(dim):
+            x += qs[q0 + d] * (_e4m3(kpool[c, kh, d]) * kscale)
+        return x
+    # one loop over the row (a loop of 32 per block is unrolled whole by LLVM: ~20 registers
+    # more, measured with ptxas); the block's scale is read at its first value
+    nbytes = 34 if kfmt == FMT_Q8_0 else 18
+    dd = float32(0.0)
+    b0 = 0
+    for d in range(dim):
+        i = d & 31
+        if i == 0:
+            b0 = (d >> 5) * nbytes
+            dd = _block_scale(kpool[c, kh, b0], kpool[c, kh, b0 + 1])
+        if kfmt == FMT_Q8_0:
+            qv = _q8_int(kpool[c, kh, b0 + 2 + i])
+        else:
+            qv = _q4_int(kpool[c, kh, b0 + 2 + (i & 15)], i >> 4)
+        x += qs[q0 + d] * (dd * float32(qv))
+    return x
+
+
+@cuda_device
+def float_key_dot(qs, q0, kpool, c, kh, dim, kfmt):
+    """``sum_d qs[q0 + d] * k[d]`` over the float key row ``(c, kh)`` (raw bits, ``kfmt``)."""
+    x = float32(0.0)
+    for d in range(dim):
+        x += qs[q0 + d] * kv_to_f32(kpool[c, kh, d], kfmt)
+    return x
+
+
+# The kernel calls these two; which form runs depends on the pool's word type, fixed per
+# compiled signature (uint8: quantized rows; uint16/uint32: float elements). On CUDA an overload
+# picks the form at compile time, so a float signature carries no dequantizing code (its
+# register use stays that of the float kernel); the simulator runs the Python below.
+
+def kv_value(pool, c, kh, d, fmt, fscale):
+    """Value ``d`` of row ``(c, kh)`` of a pool in format ``fmt`` as float32."""
+    if fmt >= FMT_Q8_0:
+        return quant_value(pool, c, kh, d, fmt, fscale)
+    return kv_to_f32(pool[c, kh, d], fmt)
+
+
+def key_dot(qs, q0, kpool, c, kh, dim, kfmt, kscale):
+    """``sum_d qs[q0 + d] * k[d]`` over key row ``(c, kh)`` of a pool in format ``kfmt``."""
+    if kfmt >= FMT_Q8_0:
+        return quant_key_dot(qs, q0, kpool, c, kh, dim, kfmt, kscale)
+    return float_key_dot(qs, q0, kpool, c, kh, dim, kfmt)
+
+
+def _register_cuda_forms() -> None:
+    """The CUDA target's :func:`kv_value` and :func:`key_dot` (not while the simulator is on)."""
+    from numba.cuda.extending import overload as cuda_overload
+
+    @cuda_overload(kv_value, target="cuda", inline="always")
+    def _kv_value_cuda(pool, c, kh, d, fmt, fscale):
+        if pool.dtype.bitwidth == 8:
+            def quant(pool, c, kh, d, fmt, fscale):
+                return quant_value(pool, c, kh, d, fmt, fscale)
+            return quant
+
+        def elements(pool, c, kh, d, fmt, fscale):
+            return kv_to_f32(pool[c, kh, d], fmt)
+        return elements
+
+    @cuda_overload(key_dot, target="cuda", inline="always")
+    def _key_dot_cuda(qs, q0, kpool, c, kh, dim, kfmt, kscale):
+        if kpool.dtype.bitwidth == 8:
+            def quant(qs, q0, kpool, c, kh, dim, kfmt, kscale):
+                return quant_key_dot(qs, q0, kpool, c, kh, dim, kfmt, kscale)
+            return quant
+
+        def elements(qs, q0, kpool, c, kh, dim, kfmt, kscale):
+            return float_key_dot(qs, q0, kpool, c, kh, dim, kfmt)
+        return elements
+
+
+@on_cuda_import
+def _register_cuda_forms_unless_simulated() -> None:
+    if not _common._simulator_on():
+        _register_cuda_forms()
+
+
+def f32_bits(x: float) -> int:
+    """The float32 bits of ``x`` as an int (the fast launch path passes 64-bit words only)."""
+    return int(np.float32(x).view(np.uint32))
 
 
 @cuda_device
@@ -97,25 +226,38 @@ def visible_run(kv_pos, c0, c1, p, causal, window, chunk):
     return jlo, jhi
 
 
+#: (K word, V word) pairs the kernel is compiled for: float16/bfloat16 (uint16) and float32
+#: (uint32) elements alike on both sides, quantized byte rows (uint8) on either or both
+WORD_PAIRS = ((types.uint16, types.uint16), (types.uint32, types.uint32),
+              (types.uint8, types.uint8), (types.uint8, types.uint16),
+              (types.uint16, types.uint8), (types.uint8, types.uint32),
+              (types.uint32, types.uint8))
+
+
 def _sigs():
     i32 = _arr(types.int32, 1)
+    i64 = types.int64
     out = []
-    for word in (types.uint16, types.uint32):
-        out.append((_arr(types.float32, 3), _arr(word, 3), _arr(word, 3), types.int64, i32, i32,
-                    i32, i32, i32, _arr(types.uint8, 1), types.int64, types.int64,
-                    _arr(types.float32, 1), types.int64, _arr(types.float32, 3),
-                    _arr(types.float32, 2), _arr(types.float32, 4), _arr(types.float32, 4)))
+    for kw, vw in WORD_PAIRS:
+        out.append((_arr(types.float32, 3), _arr(kw, 3), _arr(vw, 3), i64, i64, i32, i32,
+                    i32, i32, i32, _arr(types.uint8, 1), i64, i64, i64, i64, i64, i64, i64,
+                    i64, i64, i64, i64, _arr(types.float32, 3), _arr(types.float32, 2),
+                    _arr(types.float32, 4), _arr(types.float32, 4)))
     return out
 
 
 @cuda_kernel("paged_attention", _sigs())
-def paged_attention_kernel(q, kpool, vpool, fmt, kv_indices, kv_pos, kv_indptr, tok_seq, q_pos,
-                           causal, window, chunk, scal, part_len, out, lse, part_acc, part_ml):
-    """q float32 ``[T, H, D]`` (the scale folded in here); kpool ``[n_cells, Hkv, D]``, vpool
-    ``[n_cells, Hkv, Dv]`` raw bits; page table int32; tok_seq ``[T]`` each token's sequence;
-    causal uint8 ``[T]``; scal float32 ``[scale, soft_cap (<= 0: none)]``; out float32 ``[T, H,
-    Dv]`` and lse ``[T, H]`` (one part), else part_acc ``[P, T, H, Dv]`` and part_ml ``[2, P, T,
-    H]`` (maximum, sum)."""
+def paged_attention_kernel(q, kpool, vpool, kfmt, vfmt, kv_indices, kv_pos, kv_indptr, tok_seq,
+                           q_pos, causal, window, chunk, scale_bits, cap_bits, kscale_bits,
+                           vscale_bits, krot, krscale_bits, vrot, vrscale_bits, part_len, out,
+                           lse, part_acc, part_ml):
+    """q float32 ``[T, H, D]`` (rotated and scaled here); kpool ``[n_cells, Hkv, D]`` raw bits
+    or ``[n_cells, Hkv, row_bytes]`` quantized rows (``kfmt``), vpool likewise (``vfmt``); page
+    table int32; tok_seq ``[T]`` each token's sequence; causal uint8 ``[T]``; ``*_bits``: the
+    float32 bits of the scale, the soft cap (<= 0: none), float8's K and V scales and the
+    Walsh-Hadamard scales of the K / V rotation blocks ``krot`` / ``vrot`` (0: not rotated);
+    out float32 ``[T, H, Dv]`` and lse ``[T, H]`` (one part), else part_acc ``[P, T, H, Dv]``
+    and part_ml ``[2, P, T, H]`` (maximum, sum)."""
     qs = cuda.shared.array(MAX_GROUP_DIM, float32)
     acc = cuda.shared.array(MAX_GROUP_DIM, float32)
     sc = cuda.shared.array(_SCORE_SLOTS, float32)
@@ -132,8 +274,10 @@ def paged_attention_kernel(q, kpool, vpool, fmt, kv_indices, kv_pos, kv_indptr, 
     dv = out.shape[2]
     g = n_heads // kpool.shape[1]
     h0 = kh * g
-    scale = scal[0]
-    soft_cap = scal[1]
+    scale = np.uint32(scale_bits).view(np.float32)
+    soft_cap = np.uint32(cap_bits).view(np.float32)
+    kscale = np.uint32(kscale_bits).view(np.float32)
+    vscale = np.uint32(vscale_bits).view(np.float32)
     b = tok_seq[t]
     c0 = np.int64(kv_indptr[b])
     c1 = np.int64(kv_indptr[b + 1])
@@ -142,12 +286,17 @@ def paged_attention_kernel(q, kpool, vpool, fmt, kv_indices, kv_pos, kv_indptr, 
     e = min(jhi, c0 + (part + 1) * part_len)
     for i in range(tid, g * dim, nt):
         gi = i // dim
-        qs[i] = q[t, h0 + gi, i - gi * dim] * scale
+        qs[i] = q[t, h0 + gi, i - gi * dim]
     for i in range(tid, g * dv, nt):
         acc[i] = 0.0
     for i in range(tid, g, nt):
         mx[i] = -math.inf
         tot[i] = 0.0
+    cuda.syncthreads()
+    if krot > 0:     # keys stored as H k: the scores read (H q) . (H k) = q . k
+        _wht_shared(qs, g * dim, krot, np.uint32(krscale_bits).view(np.float32), tid, nt)
+    for i in range(tid, g * dim, nt):
+        qs[i] = qs[i] * scale       # the same thread wrote qs[i] (or a barrier came between)
     cuda.syncthreads()
     for j0 in range(a, e, TILE):
         n = min(TILE, e - j0)
@@ -157,10 +306,7 @@ def paged_attention_kernel(q, kpool, vpool, fmt, kv_indices, kv_pos, kv_indptr, 
             jj = i - gi * TILE
             x = float32(-math.inf)
             if jj < n:
-                c = kv_indices[j0 + jj]
-                x = float32(0.0)
-                for d in range(dim):
-                    x += qs[gi * dim + d] * kv_to_f32(kpool[c, kh, d], fmt)
+                x = key_dot(qs, gi * dim, kpool, kv_indices[j0 + jj], kh, dim, kfmt, kscale)
                 if soft_cap > 0:
                     x = soft_cap * math.tanh(x / soft_cap)
             sc[i] = x
@@ -191,9 +337,11 @@ def paged_attention_kernel(q, kpool, vpool, fmt, kv_indices, kv_pos, kv_indptr, 
             for jj in range(n):
                 w = sc[gi * TILE + jj]
                 if w != 0:
-                    v += w * kv_to_f32(vpool[kv_indices[j0 + jj], kh, d], fmt)
+                    v += w * kv_value(vpool, kv_indices[j0 + jj], kh, d, vfmt, vscale)
             acc[i] = v
         cuda.syncthreads()
+    if vrot > 0:     # values stored as H v: the weighted sum is H out, and H H = I
+        _wht_shared(acc, g * dv, vrot, np.uint32(vrscale_bits).view(np.float32), tid, nt)
     if cuda.gridDim.x == 1:
         for i in range(tid, g * dv, nt):
             gi = i // dv
@@ -244,6 +392,64 @@ def paged_merge_kernel(part_acc, part_ml, out, lse):
         lse[t, h] = m + math.log(s) if s > 0 else float32(-math.inf)
 
 
+_I32 = _arr(types.int32, 1)
+
+
+@cuda_kernel("extend_page_lists", [(_I32,) * 10])
+def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, drop, new_indptr, qo_indptr,
+                        add_cells, add_pos, out_idx, out_pos):
+    """A page table's lists grown at their ends (a decode step), each first losing its
+    ``drop[b]`` front entries (a sliding window or chunk moved on): entry ``j`` of the new CSR
+    lists (one thread each, grid-striding) is entry ``k`` of its list ``b``: ``prev``'s entry
+    ``drop[b] + k`` while that is in the old list, else new cell ``k - kept`` of ``b``
+    (``add_cells`` / ``add_pos`` grouped by ``qo_indptr``, in position order). Every new list
+    is non-empty, so ``new_indptr`` ascends strictly and ``b`` is found by binary search."""
+    nb = new_indptr.shape[0] - 1
+    nnz = out_idx.shape[0]
+    j = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while j < nnz:
+        lo = 0
+        hi = nb
+        while hi - lo > 1:                  # the last b with new_indptr[b] <= j
+            m = (lo + hi) >> 1
+            if new_indptr[m] <= j:
+                lo = m
+            else:
+                hi = m
+        k = j - new_indptr[lo]
+        p0 = prev_indptr[lo] + drop[lo]
+        n_prev = prev_indptr[lo + 1] - p0
+        if k < n_prev:
+            out_idx[j] = prev_idx[p0 + k]
+            out_pos[j] = prev_pos[p0 + k]
+        else:
+            a = qo_indptr[lo] + k - n_prev
+            out_idx[j] = add_cells[a]
+            out_pos[j] = add_pos[a]
+        j += stride
+
+
+def extend_lists(device: str, prev_idx, prev_pos, prev_indptr, drop, new_indptr, qo_indptr,
+                 add_cells, add_pos, out_idx, out_pos) -> None:
+    """Launch :data:`extend_lists_kernel` (``device`` ``"cuda"``: CuPy arrays; ``"sim"``: numpy
+    arrays through the simulator). All int32, 1-d; ``out_*`` ``[new_indptr[-1]]``."""
+    nnz = int(out_idx.shape[0])
+    if nnz == 0:
+        return
+    nb = block_size(device)
+    grid = _common.flat_blocks(nnz, nb, _common.max_blocks(device))
+    if device == "cuda":
+        def arg(a):
+            return a if isinstance(a, _common.Desc) else _common.desc_of(a)
+    else:
+        def arg(a):
+            return a
+    _launch(device, extend_lists_kernel, (grid,), nb,
+            tuple(arg(a) for a in (prev_idx, prev_pos, prev_indptr, drop, new_indptr,
+                                   qo_indptr, add_cells, add_pos, out_idx, out_pos)))
+
+
 def fits(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int, batch: int) -> bool:
     """Whether the kernel takes this shape (group and group x dims within the shared-memory
     tiles, tokens within the grid's y extent)."""
@@ -274,10 +480,15 @@ def _device_id() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
-def _raw(pool, device: str):
-    """A pool as the kernel reads it: raw bits and the storage format."""
+def _raw(pool, device: str, fmt: Optional[int] = None):
+    """A pool as the kernel reads it: raw bits and the storage format. ``fmt`` given (a
+    quantized format): the pool is its uint8 byte rows."""
     dt = np.dtype(pool.dtype)
-    if dt == np.float32:
+    if fmt is not None and fmt >= FMT_Q8_0:
+        if dt != np.uint8:
+            raise ValueError(f"a quantized pool holds uint8 byte rows, got {dt}")
+        word = np.uint8
+    elif dt == np.float32:
         word, fmt = np.uint32, FMT_F32
     elif dt == np.float16:
         word, fmt = np.uint16, FMT_F16
@@ -285,10 +496,21 @@ def _raw(pool, device: str):
         word, fmt = np.uint16, FMT_BF16
     else:
         raise ValueError(f"paged attention reads float16, bfloat16 (uint16 bits) or float32 "
-                         f"pools, got {dt}")
+                         f"pools, or quantized uint8 rows, got {dt}")
     if device == "cuda":
         return _common.desc_of(pool, word), fmt
     return pool.view(word), fmt
+
+
+def row_values(pool, fmt: int) -> int:
+    """Values per stored row of a pool in format ``fmt`` (a quantized row's bytes: 32 values
+    per 34-byte q8_0 / 18-byte q4_0 block, one per float8 byte)."""
+    n = int(pool.shape[2])
+    if fmt == FMT_Q8_0:
+        return n // 34 * 32
+    if fmt == FMT_Q4_0:
+        return n // 18 * 32
+    return n
 
 
 def token_sequences(qo_indptr: np.ndarray, token_order: np.ndarray, batch: int) -> np.ndarray:
@@ -302,32 +524,55 @@ def token_sequences(qo_indptr: np.ndarray, token_order: np.ndarray, batch: int) 
 
 def paged_attention(device: str, q, kpool, vpool, table, tok_seq, causal, window: int,
                     chunk: int, scale: float, soft_cap: Optional[float], list_lens: np.ndarray,
-                    *, bf16: bool = False, part_len: Optional[int] = None):
+                    *, bf16: bool = False, part_len: Optional[int] = None,
+                    kfmt: Optional[int] = None, vfmt: Optional[int] = None,
+                    kscale: float = 1.0, vscale: float = 1.0, k_rotation: int = 0,
+                    v_rotation: int = 0):
     """Attention of every query token over its sequence's listed cells, one launch (two when
     lists are split).
 
     Args:
         device: ``"cuda"`` (CuPy arrays) or ``"sim"`` (numpy arrays).
         q: float32 ``[T, H, D]`` contiguous on the device.
-        kpool: ``[n_cells, Hkv, D]`` float16/float32, or uint16 bfloat16 bits (``bf16``);
-            vpool ``[n_cells, Hkv, Dv]`` likewise.
+        kpool: ``[n_cells, Hkv, D]`` float16/float32, or uint16 bfloat16 bits (``bf16``), or
+            uint8 ``[n_cells, Hkv, row_bytes]`` quantized rows (``kfmt``); vpool ``[n_cells,
+            Hkv, Dv]`` likewise (``vfmt``).
         table: the pass's :class:`numbakv.pages.PageTable` (device arrays).
         tok_seq: int32 ``[T]`` device array (:func:`token_sequences`); causal uint8 ``[T]``.
         window, chunk: the mask rule (-1 / 0: none); scale; soft_cap (None: none).
         list_lens: host int ``[n_b]`` list lengths (plans the split).
         part_len: force the split-K part length (tests).
+        kfmt, vfmt: a quantized side's format (:data:`FMT_Q8_0`, :data:`FMT_Q4_0`,
+            :data:`FMT_F8`; None: a float pool, its format from its dtype and ``bf16``);
+            kscale / vscale: float8's per-layer scales.
+        k_rotation, v_rotation: Walsh-Hadamard blocks of rotated keys / values (0: none):
+            the queries are rotated and the output turned back inside the kernel.
 
     Returns:
-        ``(out, lse)``: float32 ``[T, H, Dv]`` and ``[T, H]`` on the device.
+        ``(out, lse)``: float32 ``[T, H, Dv]`` and ``[T, H]`` on the device (``out`` in the
+        model's basis, turned back from rotated values).
     """
     T, H, D = q.shape
     hkv = kpool.shape[1]
-    dv = vpool.shape[2]
     if bf16 and np.dtype(kpool.dtype) == np.float16:
         raise ValueError("bf16=True needs the pools as uint16 bit patterns")
+    kr, kf = _raw(kpool.view(np.uint16) if bf16 and kfmt is None else kpool, device, kfmt)
+    vr, vf = _raw(vpool.view(np.uint16) if bf16 and vfmt is None else vpool, device, vfmt)
+    if bf16:
+        kf = FMT_BF16 if kf < FMT_Q8_0 else kf
+        vf = FMT_BF16 if vf < FMT_Q8_0 else vf
+    dk = row_values(kpool, kf)
+    dv = row_values(vpool, vf)
+    if dk != D:
+        raise ValueError(f"q's head_dim ({D}) must match the key rows' ({dk})")
+    if kfmt is None and vfmt is None and kf != vf:
+        raise ValueError("K and V pools must share their storage dtype")
     if not fits(H, hkv, D, dv, T):
         raise ValueError(f"paged attention kernel does not take n_heads={H}, n_kv_heads={hkv}, "
                          f"head_dim={D}, v_dim={dv}, batch={T}")
+    for name, rot, n in (("k_rotation", k_rotation, D), ("v_rotation", v_rotation, dv)):
+        if rot and (rot & (rot - 1) or n % rot):
+            raise ValueError(f"{name}={rot} must be a power of two dividing the row ({n})")
     xp = _xp(device)
     pl, n_parts = plan_part_len(np.asarray(list_lens), T * hkv, device, part_len)
     out = xp.empty((T, H, dv), np.float32)
@@ -338,16 +583,6 @@ def paged_attention(device: str, q, kpool, vpool, table, tok_seq, causal, window
     else:   # unused by the one-part kernel: a minimal placeholder of the right rank
         part_acc = xp.empty((1, 1, 1, 1), np.float32)
         part_ml = xp.empty((2, 1, 1, 1), np.float32)
-    if bf16:
-        kpool = kpool.view(np.uint16)
-        vpool = vpool.view(np.uint16)
-    kr, fmt = _raw(kpool, device)
-    vr, vfmt = _raw(vpool, device)
-    if fmt != vfmt:
-        raise ValueError("K and V pools must share their storage dtype")
-    if bf16:
-        fmt = FMT_BF16
-    (scal,), keep = to_device(device, np.array([scale, soft_cap or 0.0], np.float32))
     if device == "cuda":
         def arg(a):
             return a if isinstance(a, _common.Desc) else _common.desc_of(a)
@@ -355,15 +590,17 @@ def paged_attention(device: str, q, kpool, vpool, table, tok_seq, causal, window
         def arg(a):
             return a
     nb = block_size(device) if device == "sim" else 128
+    krs = f32_bits(rotation_scale(k_rotation)) if k_rotation else 0
+    vrs = f32_bits(rotation_scale(v_rotation)) if v_rotation else 0
     _launch(device, paged_attention_kernel, (n_parts, T, hkv), nb,
-            (arg(q), kr, vr, fmt, arg(table.kv_indices), arg(table.kv_positions),
+            (arg(q), kr, vr, kf, vf, arg(table.kv_indices), arg(table.kv_positions),
              arg(table.kv_indptr), arg(tok_seq), arg(table.q_positions), arg(causal),
-             int(window), int(chunk), scal, pl, arg(out), arg(lse), arg(part_acc),
-             arg(part_ml)))
+             int(window), int(chunk), f32_bits(scale), f32_bits(soft_cap or 0.0),
+             f32_bits(kscale), f32_bits(vscale), int(k_rotation), krs, int(v_rotation), vrs,
+             pl, arg(out), arg(lse), arg(part_acc), arg(part_ml)))
     if n_parts > 1:
         _launch(device, paged_merge_kernel, (T, H), min(nb, max(32, dv)),
                 (arg(part_acc), arg(part_ml), arg(out), arg(lse)))
-    del keep
     return out, lse
 
 
@@ -374,6 +611,7 @@ def _xp(device: str):
     return np
 
 
-__all__ = ["FMT_BF16", "FMT_F16", "FMT_F32", "MAX_GROUP", "MAX_GROUP_DIM", "TILE", "fits",
-           "kv_to_f32", "lower_bound", "paged_attention", "paged_attention_kernel",
+__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "MAX_GROUP",
+           "MAX_GROUP_DIM", "QUANT_FORMATS", "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot",
+           "float_key_dot", "kv_to_f32", "kv_value", "quant_key_dot", "quant_value", "row_values", "lower_bound", "paged_attention", "paged_attention_kernel",
            "paged_merge_kernel", "plan_part_len", "token_sequences", "visible_run"]

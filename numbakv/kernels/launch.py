@@ -95,6 +95,8 @@ def ptx_entry(py_func, sig: Tuple[types.Type, ...], cc: Tuple[int, int]):
     unless the entry takes exactly the 64-bit parameters :func:`_flatten` produces (so the fast
     path can never pass a kernel a misaligned argument list)."""
     from numba import cuda
+    from ._registry import ensure_cuda
+    ensure_cuda()                 # the kernel modules' globals: real CUDA objects, not stand-ins
     ptx, _ = cuda.compile_ptx(py_func, sig, cc=cc)
     m = _ENTRY.search(ptx)
     if m is None:
@@ -405,6 +407,18 @@ def staging_for(stream, device_id: int) -> HostStaging:
 _H2D = 1
 
 
+#: host -> device copies made through :func:`to_device` (and the page tables' copies), counted on
+#: every device but the CPU (the simulator counts what CUDA would copy): what a decode step
+#: uploads must not grow with the cache (tests, benchmarks). ``calls``: copies; ``bytes``.
+UPLOADS = {"calls": 0, "bytes": 0}
+
+
+def count_upload(nbytes: int) -> None:
+    """Count one host -> device copy of ``nbytes`` in :data:`UPLOADS`."""
+    UPLOADS["calls"] += 1
+    UPLOADS["bytes"] += int(nbytes)
+
+
 def to_device(device: str, *arrays: np.ndarray):
     """Host arrays for a kernel: as they are on ``cpu``/``sim``; on ``cuda`` packed into one
     pinned, reused host buffer (:class:`HostStaging`) and copied asynchronously, with a single
@@ -412,9 +426,12 @@ def to_device(device: str, *arrays: np.ndarray):
     device buffer is returned too: keep it alive until the kernel that reads it is queued (CuPy's
     pool orders its reuse on the stream)."""
     if device != "cuda":
+        if device != "cpu":
+            count_upload(sum(np.asarray(a).nbytes for a in arrays))
         return arrays, None
     import cupy
     parts = [np.ascontiguousarray(a) for a in arrays]
+    count_upload(sum(p.nbytes for p in parts))
     offsets = []
     total = 0
     for p in parts:
@@ -429,6 +446,12 @@ def to_device(device: str, *arrays: np.ndarray):
     # a fresh device buffer per call (CuPy's pool: no cudaMalloc): callers may keep it past the
     # next call (put's slot cache does)
     dev = cupy.empty(total, dtype=np.uint8)
+    if staging.captured and staging.captured[-1] is slot:
+        # the stream is capturing a graph (take() kept the pinned buffer): every replay reads
+        # this device buffer too, so it must outlive the caller's reference (issue 35: a
+        # captured launch's buffer was freed at once, and a replay read memory another array
+        # had been given)
+        staging.captured.append(dev)
     # cudaMemcpyAsync itself, not MemoryPointer.copy_from_host_async: CuPy refuses host-to-device
     # transfers on a capturing stream (seen on an H100: "the current stream is capturing, so H2D
     # transfers are disallowed"), while a copy from pinned memory is a legal graph node; the
@@ -455,7 +478,7 @@ def device_arg(device: str, arr, dtype=None):
     return arr if dtype is None else arr.view(dtype)
 
 
-__all__ = ["link_cubin", "FastKernel", "HostStaging", "Prepared", "device_cc", "load_image",
+__all__ = ["UPLOADS", "count_upload", "link_cubin", "FastKernel", "HostStaging", "Prepared", "device_cc", "load_image",
            "preload", "staging_for", "ptx_entry", "device_arg", "fast_launch_enabled", "launch",
            "set_fast_launch", "numba_type", "to_device", "device_to_host", "capturing",
            "cached_image", "image_cache_dir"]

@@ -17,12 +17,12 @@ Each row's rule reduces to an int32 interval of visible positions plus the seque
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 
 from .._jit import njit
 from ._common import MAX_GRID_YZ, block_size, cdiv
 from .launch import device_arg, launch as _launch, to_device
-from ._registry import cuda_kernel, element
+from ._registry import cuda, cuda_kernel, element
 
 #: raw bit patterns written for a masked entry, by mask dtype
 MASKED_BITS = {"float32": 0xFF800000, "float16": 0xFC00, "bfloat16": 0xFF80}

@@ -23,12 +23,12 @@ propagates the NaN through ``max`` the same way); an infinity gives an infinite 
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 
 from .._jit import njit
 from ._common import (STORAGE_VIEW_TYPES, bf16_bits_to_f32, block_size, cdiv, f32_to_bf16_bits,
                       f32_to_f16_bits, sig_array as _arr)
-from ._registry import cuda_kernel
+from ._registry import cuda, cuda_kernel
 from .launch import device_arg, launch as _launch, to_device
 from .quant import _bound_element, _cpu_twin, _kind, e4m3_to_f32, f32_to_e4m3
 from .rope import KIND_F16_BITS, KIND_FLOAT, load_f32

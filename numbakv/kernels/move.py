@@ -18,15 +18,15 @@ Defrag plans (holes filled from the end) never overlap, so they take the fast ke
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 
 from .._jit import njit
 
 from . import _common
 from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
 from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, head_word, word_size
-from .launch import Prepared, launch as _launch, to_device
-from ._registry import cuda_device, cuda_kernel, element
+from .launch import Prepared, capturing, launch as _launch, staging_for, to_device
+from ._registry import cuda, cuda_device, cuda_kernel, element
 
 
 @element
@@ -148,6 +148,226 @@ def move_lanes_kernel(k, v, moves, nbk):
         run_plan_lane(k, moves, bx * nb + cuda.threadIdx.x, nbk * nb)
     else:
         run_plan_lane(v, moves, (bx - nbk) * nb + cuda.threadIdx.x, (cuda.gridDim.x - nbk) * nb)
+
+
+@cuda_device
+def run_of(runs, c):
+    """The run holding pair ``c`` of a plan ``runs [m, 4]`` (src, dst, length, first pair;
+    first pairs ascending from 0): the last run whose first pair is <= ``c`` (binary search)."""
+    lo = 0
+    hi = runs.shape[0] - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if runs[mid, 3] <= c:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@cuda_device
+def copy_runs(arr, runs, total, i, step):
+    """:func:`copy_flat` over a plan of runs instead of expanded cell pairs: item ``i`` of the
+    ``(layer, pair, row word)`` space (``total`` pairs, row word fastest) finds its run on the
+    device, so the host sends the plan's runs, not one entry per cell."""
+    nh = arr.shape[2]
+    nw = arr.shape[3]
+    row = nh * nw
+    per_layer = total * row
+    n = arr.shape[0] * per_layer
+    while i < n:
+        layer = i // per_layer
+        rest = i - layer * per_layer
+        c = rest // row
+        r = rest - c * row
+        j = run_of(runs, c)
+        o = c - runs[j, 3]
+        h, w = _head_word_cuda(r, nh, nw)
+        _copy_word_cuda(arr, layer, runs[j, 0] + o, runs[j, 1] + o, h, w)
+        i += step
+
+
+@cuda_device
+def copy_runs_cells(arr, runs, total, i, step):
+    """:func:`copy_runs` pair fastest (permuted V: a warp walks adjacent cells of a run)."""
+    nh = arr.shape[2]
+    nw = arr.shape[3]
+    per_layer = total * nh * nw
+    n = arr.shape[0] * per_layer
+    while i < n:
+        layer = i // per_layer
+        rest = i - layer * per_layer
+        r = rest // total
+        c = rest - r * total
+        j = run_of(runs, c)
+        o = c - runs[j, 3]
+        h, w = _head_word_cuda(r, nh, nw)
+        _copy_word_cuda(arr, layer, runs[j, 0] + o, runs[j, 1] + o, h, w)
+        i += step
+
+
+_RUN_SIGS = [(_arr(kw, 4), _arr(vw, 4), _arr(types.int64, 2), types.int64, types.int64,
+              types.int64) for kw, vw in _PAIRS]
+
+
+@cuda_kernel("move_runs", _RUN_SIGS)
+def move_runs_kernel(k, v, runs, total, v_cell_fast, nbk):
+    """The cells kernel (:func:`move_cells_kernel`) reading the plan as runs ``[m, 4]`` (src,
+    dst, length, first pair) of ``total`` cell pairs: independent moves, every layer, K over the
+    first ``nbk`` blocks and V over the rest."""
+    bx = cuda.blockIdx.x
+    nb = cuda.blockDim.x
+    if bx < nbk:
+        copy_runs(k, runs, total, bx * nb + cuda.threadIdx.x, nbk * nb)
+        return
+    nbv = cuda.gridDim.x - nbk
+    i = (bx - nbk) * nb + cuda.threadIdx.x
+    if v_cell_fast == 0:
+        copy_runs(v, runs, total, i, nbv * nb)
+    else:
+        copy_runs_cells(v, runs, total, i, nbv * nb)
+
+
+@njit(cache=True)
+def plan_runs(moves, n_cells, out):
+    """Check and normalise a plan ``moves [m, 3]`` (src, dst, length) into ``out [>= m, 4]``
+    (src, dst, length, first pair) in one compiled pass, O(m) plus a sort of the live moves
+    for the independence test, whatever the number of cells moved.
+
+    Returns ``(problem, live, total, independent)``: ``problem`` 0 (fine), 1 (a negative
+    length), 2 (a range outside ``[0, n_cells)``); ``live`` moves written (length > 0 and src
+    != dst); ``total`` cell pairs; ``independent`` when no destination cell is written twice
+    or also read (then the cells may be copied all at once)."""
+    m = moves.shape[0]
+    for i in range(m):
+        if moves[i, 2] < 0:
+            return 1, 0, 0, False
+    for i in range(m):
+        s, d, n = moves[i, 0], moves[i, 1], moves[i, 2]
+        if s < 0 or d < 0 or s + n > n_cells or d + n > n_cells:
+            return 2, 0, 0, False
+    live = 0
+    total = 0
+    for i in range(m):
+        s, d, n = moves[i, 0], moves[i, 1], moves[i, 2]
+        if n > 0 and s != d:
+            out[live, 0] = s
+            out[live, 1] = d
+            out[live, 2] = n
+            out[live, 3] = total
+            total += n
+            live += 1
+    if live <= 1:
+        ok = live == 0 or out[0, 1] + out[0, 2] <= out[0, 0] or out[0, 0] + out[0, 2] <= out[0, 1]
+        return 0, live, total, ok
+    order = np.argsort(out[:live, 1])
+    prev_hi = -1
+    for j in range(live):   # destinations disjoint?
+        r = order[j]
+        if out[r, 1] < prev_hi:
+            return 0, live, total, False
+        prev_hi = out[r, 1] + out[r, 2]
+    for i in range(live):   # no source overlaps a destination (binary search, sorted by dst)
+        s, n = out[i, 0], out[i, 2]
+        lo, hi = 0, live
+        while lo < hi:     # first destination ending after s
+            mid = (lo + hi) >> 1
+            r = order[mid]
+            if out[r, 1] + out[r, 2] <= s:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < live and out[order[lo], 1] < s + n:
+            return 0, live, total, False
+    return 0, live, total, True
+
+
+class RunMover:
+    """Block moves of one storage (``sim``/``cuda``) with host work O(moves), not O(cells):
+    the plan is checked and normalised by :func:`plan_runs` straight into a pinned host buffer
+    (``cuda``; a reused host array on ``sim``), sent by one ``cudaMemcpyAsync`` into a device
+    buffer reused per stream (copies and kernels on one stream are ordered), and applied by
+    :func:`move_runs_kernel` (independent moves: the device expands runs into cells) or
+    :func:`move_lanes_kernel` (any plan, in order). The storage's K/V descriptors and the
+    launch geometry's constants are worked out once."""
+
+    def __init__(self, device: str, keys, values, permuted: bool) -> None:
+        self.device = device
+        self.permuted = bool(permuted)
+        self.n_cells = int(keys.shape[1])
+        self.k, self.v = storage_args(device, keys, values, permuted)
+        self.block = block_size(device)
+        self.cap = _common.max_blocks(device)
+        self.k_items = self.k.shape[0] * self.k.shape[2] * self.k.shape[3]
+        self.v_items = self.v.shape[0] * self.v.shape[2] * self.v.shape[3]
+        self._host = np.zeros((16, 4), np.int64)
+        self._staging = None
+        self._dev: dict = {}      # stream handle -> (device buffer, rows)
+        self._kept: list = []     # outgrown buffers and those a captured graph reads
+
+    def _geometry(self, total: int, independent: bool):
+        if independent:
+            nbk = _common.flat_blocks(self.k_items * total, self.block, self.cap)
+            nbv = _common.flat_blocks(self.v_items * total, self.block, self.cap)
+        else:
+            nbk = _common.flat_blocks(self.k_items, self.block, self.cap)
+            nbv = _common.flat_blocks(self.v_items, self.block, self.cap)
+        return (nbk + nbv,), nbk
+
+    def launch(self, moves: np.ndarray) -> int:
+        """Apply ``moves`` (int64 ``[m, 3]``, host); returns :func:`plan_runs`'s problem code
+        (0: applied; otherwise nothing was done)."""
+        m = moves.shape[0]
+        if self.device != "cuda":
+            if self._host.shape[0] < m:
+                self._host = np.zeros((max(m, 2 * self._host.shape[0]), 4), np.int64)
+            problem, live, total, indep = plan_runs(moves, self.n_cells, self._host)
+            if problem or not live:
+                return problem
+            runs = self._host[:live]
+            self._run(indep, runs, live, total)
+            return 0
+        return self._launch_cuda(moves, m)
+
+    def _run(self, indep: bool, runs, live: int, total: int) -> None:
+        grid, nbk = self._geometry(total, indep)
+        if indep:
+            _launch(self.device, move_runs_kernel, grid, self.block,
+                    (self.k, self.v, runs, total, int(self.permuted), nbk))
+        else:
+            _launch(self.device, move_lanes_kernel, grid, self.block,
+                    (self.k, self.v, runs[:, :3] if isinstance(runs, np.ndarray) else
+                     Desc(runs.ptr, (live, 3), runs.strides, runs.dtype), nbk))
+
+    def _launch_cuda(self, moves: np.ndarray, m: int) -> int:
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        staging = staging_for(stream, cupy.cuda.runtime.getDevice())
+        nbytes = max(m, 1) * 32
+        slot = staging.take(nbytes, stream)
+        host = slot[2][:nbytes].view(np.int64).reshape(-1, 4)
+        problem, live, total, indep = plan_runs(moves, self.n_cells, host)
+        if problem or not live:
+            staging.give_back(slot, stream)
+            return problem
+        dev = self._dev.get(stream.ptr)
+        if capturing(stream):
+            # a graph reads the buffer at every replay: a fresh one, kept as long as the mover
+            buf = cupy.empty((live, 4), dtype=np.int64)
+            self._kept.append(buf)
+        else:
+            if dev is None or dev[1] < live:
+                if dev is not None:
+                    self._kept.append(dev[0])   # a queued kernel may still read it
+                rows = max(live, 16, 2 * (dev[1] if dev is not None else 0))
+                dev = (cupy.empty((rows, 4), dtype=np.int64), rows)
+                self._dev[stream.ptr] = dev
+            buf = dev[0]
+        cupy.cuda.runtime.memcpyAsync(int(buf.data.ptr), slot[4], live * 32, 1, stream.ptr)
+        staging.give_back(slot, stream)
+        runs = Desc(int(buf.data.ptr), (live, 4), (32, 8), np.dtype(np.int64))
+        self._run(indep, runs, live, total)
+        return 0
 
 
 @njit(cache=True, inline="always")
@@ -347,10 +567,10 @@ def launch(device: str, keys, values, moves, permuted: bool) -> None:
     K storage ``[n_layers, n_cells, n_kv_heads, head_dim]`` and V storage (same layout, or
     ``[n_layers, n_kv_heads, v_head_dim, n_cells]`` when ``permuted``), in order, each as a
     memmove."""
-    if device != "cpu":
-        p = prepare(device, keys, values, moves, permuted)
-        if p is not None:
-            _launch(device, p.kernel, p.grid, p.block, p.args)
+    if device != "cpu":   # the runs path (KVStorage keeps one RunMover; this builds one)
+        moves = np.ascontiguousarray(moves, dtype=np.int64).reshape(-1, 3)
+        if moves.shape[0] and RunMover(device, keys, values, permuted).launch(moves):
+            raise ValueError("moves must have lengths >= 0 and stay inside the cells")
         return
     moves = normalize(moves)
     if moves.shape[0] == 0:
@@ -374,7 +594,8 @@ def copy_launch(device: str, keys, values, src, dst, permuted: bool) -> None:
     launch(device, keys, values, moves, permuted)
 
 
-__all__ = ["copy_launch", "copy_word", "expand", "independent", "launch", "move_cells_kernel",
+__all__ = ["RunMover", "copy_launch", "copy_word", "expand", "independent", "launch",
+           "move_cells_kernel", "move_runs_kernel", "plan_runs",
            "move_cpu", "move_cpu_parallel", "move_lanes_kernel", "move_step", "normalize",
            "prepare",
            "storage_args"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 
 from .._jit import njit
 
@@ -26,7 +26,7 @@ from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
 from ._common import (DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, copy_raw4, desc_of,
                       head_word, word_size)
 from .launch import launch as _launch
-from ._registry import cuda_device, cuda_kernel, element
+from ._registry import cuda, cuda_device, cuda_kernel, element, on_cuda_import
 
 
 @element
@@ -203,8 +203,10 @@ def _register_cuda_tiles() -> None:
         return never_tiled
 
 
-if not _common._simulator_on():
-    _register_cuda_tiles()
+@on_cuda_import
+def _register_cuda_tiles_unless_simulated() -> None:
+    if not _common._simulator_on():
+        _register_cuda_tiles()
 
 
 _SIGS = [(_arr(kw, 3), _arr(vw, 3), _arr(types.int32, 1), _arr(kw, 3), _arr(vw, 3), types.int64,

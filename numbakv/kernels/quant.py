@@ -30,7 +30,7 @@ import types as pytypes
 
 import numpy as np
 import numba
-from numba import cuda, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
 
 from .._jit import njit
@@ -39,7 +39,7 @@ from ._common import (MAX_GRID_YZ, STORAGE_VIEW_TYPES, UINT, _hw_float_to_half, 
                       f32_to_f16_bits, mul_rn, sig_array as _arr)
 from .hadamard import _vector_ptr, rotation_scale, wht_pair_index, wht_row_cpu, wht_sum_diff
 from .launch import device_arg, launch as _launch, to_device
-from ._registry import cuda_device, cuda_kernel, element
+from ._registry import cuda, cuda_device, cuda_jit_from, cuda_kernel, element, resolved
 from .move import move_step, normalize
 from .rope import (F16_HW, KIND_F16_BITS, KIND_F16_HW, KIND_FLOAT, load_f32, pair_index,
                    rotate_pair, shift_plan, storage_kind)
@@ -63,12 +63,17 @@ def _bound_element(names: dict):
     to its :class:`Element`; the CPU form sees each ``.cpu``, the CUDA form each ``.cuda``."""
     def wrap(fn):
         def bound(form):
+            # the module's globals as they are now: for the CUDA form (made once numba.cuda is
+            # imported, see _registry.Deferred) every stand-in already replaced by its object
             g = dict(fn.__globals__)
             g.update({k: getattr(v, form) for k, v in names.items()})
+            if form == "cuda":     # the globals fn reads, real (not its module's own alias)
+                g.update({k: resolved(g[k]) for k in fn.__code__.co_names if k in g})
             return pytypes.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__,
                                         fn.__closure__)
         e = element(bound("cpu"))
-        e.cuda = element(bound("cuda")).cuda  # compiled lazily: only the used forms build
+        # the CUDA form is made (and compiled) only when a CUDA kernel first needs it
+        e.cuda = cuda_jit_from(lambda: bound("cuda"), device=True)
         e.py_func = fn
         return e
     return wrap
@@ -123,10 +128,34 @@ def e4m3_to_f32(v):
     return -y if (v & 0x80) != 0 else y
 
 
+# --------------------------------------------------------------------------------------------
+# one stored ggml value (scalars only: the dequantizer below and the GPU decode kernel, which
+# reads single values of a row straight from the pool, share them)
+
+@element
+def q8_0_int(byte):
+    """The signed quant of one q8_0 byte: the value is ``d * q`` (``d`` the block's scale)."""
+    return np.int32(np.int8(byte))
+
+
+@element
+def q4_0_int(byte, high):
+    """The signed quant of one q4_0 nibble (``high`` 0: the low nibble, element ``j``; 1: the
+    high nibble, element ``j + 16``): the value is ``d * q``."""
+    return np.int32((np.int64(byte) >> (4 * np.int64(high))) & 0xF) - 8
+
+
+@_bound_element({"_f16_to_f32": f16_bits_to_f32})
+def block_scale(lo, hi):
+    """A ggml block's float16 scale ``d`` from its two little-endian bytes, as float32."""
+    return _f16_to_f32(np.int64(lo) | (np.int64(hi) << 8))
+
+
 #: the helpers of the block math (bound per target by _bound_element)
 _BLOCK_HELPERS = {"_f16_to_f32": f16_bits_to_f32, "_f32_to_f16": f32_to_f16_bits,
                   "_f32_to_bf16": f32_to_bf16_bits, "_to_e4m3": f32_to_e4m3,
-                  "_from_e4m3": e4m3_to_f32, "_load": load_f32}
+                  "_from_e4m3": e4m3_to_f32, "_load": load_f32, "_q8_int": q8_0_int,
+                  "_q4_int": q4_0_int, "_block_scale": block_scale}
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,14 +227,13 @@ def dequantize_block(q, b0, n, fmt, scale, out, j0, kind):
             else:
                 out[j0 + i] = y
         return
-    d = _f16_to_f32(np.int64(q[b0]) | (np.int64(q[b0 + 1]) << 8))
+    d = _block_scale(q[b0], q[b0 + 1])
     for half in range(1 if fmt == 1 else 2):
-        shift = 4 * half
         for i in range(32 if fmt == 1 else 16):
             if fmt == 1:
-                y = d * np.float32(np.int8(q[b0 + 2 + i]))
+                y = d * np.float32(_q8_int(q[b0 + 2 + i]))
             else:
-                y = d * np.float32(((np.int64(q[b0 + 2 + i]) >> shift) & 0xF) - 8)
+                y = d * np.float32(_q4_int(q[b0 + 2 + i], half))
             j = j0 + 16 * half + i
             if kind == 1:
                 out[j] = _f32_to_f16(y)
@@ -526,7 +554,7 @@ def _cpu_twin(single, threaded, values: int, items: int):
 # put with llama.cpp's Walsh-Hadamard rotation (kernels/hadamard.py): rotate, then quantize
 
 @cuda_device
-def _wht_shared(work, dim, rot, rscale, t, nt):
+def wht_shared(work, dim, rot, rscale, t, nt):
     """The block's threads rotate the row ``work[:dim]`` (shared memory, all of it written
     and synchronised) in Walsh-Hadamard blocks of ``rot``: scale (a thread per value), then
     each stage a thread per butterfly, a barrier after each. Every thread must call it."""
@@ -577,7 +605,7 @@ def quant_put_rot_kernel(q, x, slots, start, layer, fmt, kind, rot, rscale_bits)
                 work[j] = _load_cuda(x[tok, h, j], kind)
                 j += nt
             cuda.syncthreads()
-            _wht_shared(work, dim, rot, rscale, t, nt)
+            wht_shared(work, dim, rot, rscale, t, nt)
             b = t
             while b < dim // 32:
                 _quantize_cuda(work, b * 32, 32, 0, q[layer, cell, h], b * nbytes, fmt,
@@ -757,7 +785,7 @@ def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fm
                 b += nt
             cuda.syncthreads()
             if rot > 0:
-                _wht_shared(work, dim, rot, rscale, t, nt)
+                wht_shared(work, dim, rot, rscale, t, nt)
             p = t
             while p < half:
                 i0, i1 = _pair_cuda(p, half, neox)
@@ -767,7 +795,7 @@ def quant_rope_kernel(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fm
                 p += nt
             cuda.syncthreads()
             if rot > 0:
-                _wht_shared(work, dim, rot, rscale, t, nt)
+                wht_shared(work, dim, rot, rscale, t, nt)
             b = t
             while b < nblk:
                 _quantize_cuda(work, b * per, per, 0, row, b * nbytes, fmt, scale)
@@ -1003,6 +1031,7 @@ def move_launch(device: str, arr, moves, cell_axis: int = 1) -> None:
 
 
 __all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "FORMATS",
+           "block_scale", "q4_0_int", "q8_0_int", "wht_shared",
            "MAX_ROTATE_DIM", "PUT_ROW_THREADS", "dequantize_block", "e4m3_to_f32", "f32_to_e4m3", "get_launch",
            "move_launch", "put_launch", "quant_get_kernel", "quant_put_kernel", "quant_put_rot_kernel",
            "quant_rope_kernel", "quantize_block", "raw_move_kernel", "raw_words", "rope_launch",

@@ -18,7 +18,7 @@ cos/sin.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
 
 from .._jit import njit
@@ -26,8 +26,9 @@ from .._jit import njit
 from . import _common
 from ._common import (bf16_bits_to_f32, block_size, cdiv, f16_bits_to_f32, f32_to_bf16_bits,
                       f32_to_f16_bits)
-from .launch import Prepared, device_arg, launch as _launch, to_device
-from ._registry import cuda_kernel, element
+from ._common import Desc
+from .launch import Prepared, capturing, device_arg, launch as _launch, staging_for, to_device
+from ._registry import cuda, cuda_kernel, element
 
 #: how the kernel reads the storage: native floats, float16 bit patterns, bfloat16 bit patterns;
 #: on the CPU also float16 bit patterns converted by the hardware (F16C), the default there
@@ -544,6 +545,186 @@ def prepare(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool, 
     return Prepared(rope_shift_kernel, grid, nb, args, keep)
 
 
+@njit(cache=True)
+def merge_sorted(cells, deltas, out_cells, out_deltas):
+    """The fast half of :func:`_merge` in one compiled pass: cells with a non-zero delta,
+    copied with their deltas into ``out_*``, when the listed cells ascend strictly (every shift
+    numbakv makes lists them so). Returns how many were kept, or -1 when the cells do not
+    ascend (then the caller merges repeats the general way)."""
+    live = 0
+    prev = -1
+    for i in range(cells.shape[0]):
+        c = cells[i]
+        if c <= prev:
+            return -1
+        prev = c
+        if deltas[i] != 0:
+            out_cells[live] = c
+            out_deltas[live] = deltas[i]
+            live += 1
+    return live
+
+
+@njit(cache=True)
+def distinct_deltas(deltas, tab, uniq):
+    """``tab[i]`` = the index in ``uniq`` of ``deltas[i]``, ``uniq`` the distinct deltas (first
+    seen first); returns how many. A shift moves many cells by the same few deltas: a short
+    linear search per cell, falling back to a sort past 8 distinct values."""
+    n = deltas.shape[0]
+    u = 0
+    for i in range(n):
+        d = deltas[i]
+        j = 0
+        while j < u and uniq[j] != d:
+            j += 1
+        if j == u:
+            if u == 8:
+                return -1
+            uniq[u] = d
+            u += 1
+        tab[i] = j
+    return u
+
+
+@njit(cache=True)
+def pack_rotation(buf, cells, tab, layers, cos_t, sin_t, offsets):
+    """Write a rotation's inputs into one byte buffer at ``offsets`` (cells, tab, layers: int32;
+    cos, sin: float32), the layout one host-to-device copy sends."""
+    buf[offsets[0]:offsets[0] + 4 * cells.shape[0]].view(np.int32)[:] = cells
+    buf[offsets[1]:offsets[1] + 4 * tab.shape[0]].view(np.int32)[:] = tab
+    buf[offsets[2]:offsets[2] + 4 * layers.shape[0]].view(np.int32)[:] = layers
+    n = cos_t.size
+    cv = buf[offsets[3]:offsets[3] + 4 * n].view(np.float32)
+    sv = buf[offsets[4]:offsets[4] + 4 * n].view(np.float32)
+    k = 0
+    for a in range(cos_t.shape[0]):
+        for b in range(cos_t.shape[1]):
+            cv[k] = cos_t[a, b]
+            sv[k] = sin_t[a, b]
+            k += 1
+
+
+class RopeLauncher:
+    """The rotary shift of one storage's keys on ``sim``/``cuda`` with little host work per
+    call: the storage view and the all-layers list built once; the cells merged, their deltas
+    made distinct and everything packed by compiled passes (no numpy temporaries per call);
+    cos/sin formed in float64 by numpy for the distinct deltas only (:func:`tables`' rounding,
+    so every device turns alike); on ``cuda`` one pinned staging buffer and one asynchronous
+    copy into a device buffer reused per stream."""
+
+    def __init__(self, device: str, keys, dtype: str) -> None:
+        self.device = device
+        self.view_dtype, self.kind = storage_kind(device, dtype)
+        self.keys = device_arg(device, keys, self.view_dtype)
+        self.n_layers = int(keys.shape[0])
+        self.n_heads = int(keys.shape[2])
+        self.all_layers = np.arange(self.n_layers, dtype=np.int32)
+        self.block = block_size(device)
+        self.cap = _common.max_blocks(device)
+        self._cells = np.zeros(64, np.int32)
+        self._deltas = np.zeros(64, np.int64)
+        self._tab = np.zeros(64, np.int32)
+        self._uniq = np.zeros(8, np.int64)
+        self._tables = (None, b"", None, None)   # (inv_freq, distinct deltas, cos, sin)
+        self._dev: dict = {}
+        self._kept: list = []
+
+    def _scratch(self, k: int) -> None:
+        if self._cells.shape[0] < k:
+            size = max(k, 2 * self._cells.shape[0])
+            self._cells = np.zeros(size, np.int32)
+            self._deltas = np.zeros(size, np.int64)
+            self._tab = np.zeros(size, np.int32)
+
+    def launch(self, cells: np.ndarray, deltas: np.ndarray, inv_freq: np.ndarray, neox: bool,
+               layers=None, col: int = 0) -> None:
+        """As :func:`launch` (inputs validated by the caller: ``cells`` int32, ``deltas``
+        int64, ``inv_freq`` float32)."""
+        self._scratch(cells.shape[0])
+        live = merge_sorted(cells, deltas, self._cells, self._deltas)
+        if live < 0:     # unsorted or repeated cells: the general merge
+            mc, md = _merge(cells, deltas)
+            live = mc.shape[0]
+            self._scratch(live)
+            self._cells[:live] = mc
+            self._deltas[:live] = md
+        if live == 0 or inv_freq.size == 0:
+            return
+        layers = self.all_layers if layers is None else np.asarray(layers, np.int32)
+        if layers.size == 0:
+            return
+        cells_l, deltas_l, tab = self._cells[:live], self._deltas[:live], self._tab[:live]
+        u = distinct_deltas(deltas_l, tab, self._uniq)
+        if u < 0:
+            uniq, inv = np.unique(deltas_l, return_inverse=True)
+            tab[:] = inv.reshape(-1)
+        else:
+            uniq = self._uniq[:u]
+        key = uniq.tobytes()
+        memo = self._tables
+        if memo[0] is inv_freq and memo[1] == key:   # the same shift again: same tables
+            cos_t, sin_t = memo[2], memo[3]
+        else:
+            ang = uniq.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
+            cos_t = np.cos(ang).astype(np.float32)
+            sin_t = np.sin(ang).astype(np.float32)
+            self._tables = (inv_freq, key, cos_t, sin_t)
+        half = inv_freq.size
+        n_tab = 4 * cos_t.size
+        sizes = (4 * live, 4 * live, 4 * layers.size, n_tab, n_tab)
+        o1 = -(-sizes[0] // 16) * 16
+        o2 = 2 * o1
+        o3 = o2 + -(-sizes[2] // 16) * 16
+        o4 = o3 + -(-n_tab // 16) * 16
+        total = o4 + -(-n_tab // 16) * 16
+        offsets = np.array((0, o1, o2, o3, o4), np.int64)
+        grid = geometry(live, layers.size, self.n_heads, half, self.block, self.cap)
+        tail = (int(bool(neox)), self.kind, int(col))
+        if self.device != "cuda":
+            buf = np.zeros(total, np.uint8)
+            pack_rotation(buf, cells_l, tab, layers, cos_t, sin_t, offsets)
+            parts = [buf[o:o + n].view(dt) for o, n, dt in zip(
+                offsets, sizes, (np.int32, np.int32, np.int32, np.float32, np.float32))]
+            parts[3] = parts[3].reshape(-1, half)
+            parts[4] = parts[4].reshape(-1, half)
+            _launch(self.device, rope_shift_kernel, grid, self.block,
+                    (self.keys, *parts) + tail)
+            return
+        self._launch_cuda(total, offsets, sizes, half, cells_l, tab, layers, cos_t, sin_t,
+                          grid, tail)
+
+    def _launch_cuda(self, total, offsets, sizes, half, cells, tab, layers, cos_t, sin_t,
+                     grid, tail) -> None:
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        staging = staging_for(stream, cupy.cuda.runtime.getDevice())
+        slot = staging.take(total, stream)
+        pack_rotation(slot[2], cells, tab, layers, cos_t, sin_t, offsets)
+        if capturing(stream):   # a graph reads it at every replay: kept as long as we live
+            buf = cupy.empty(total, dtype=np.uint8)
+            self._kept.append(buf)
+        else:
+            dev = self._dev.get(stream.ptr)
+            if dev is None or dev.nbytes < total:
+                if dev is not None:
+                    self._kept.append(dev)     # a queued kernel may still read it
+                dev = self._dev[stream.ptr] = cupy.empty(
+                    max(total, 4096, 2 * (0 if dev is None else dev.nbytes)), dtype=np.uint8)
+            buf = dev
+        base = int(buf.data.ptr)
+        cupy.cuda.runtime.memcpyAsync(base, slot[4], total, 1, stream.ptr)
+        staging.give_back(slot, stream)
+        i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+        n_c, n_l, n_u = sizes[0] // 4, sizes[2] // 4, sizes[3] // (4 * half)
+        args = (self.keys,
+                Desc(base + int(offsets[0]), (n_c,), (4,), i32),
+                Desc(base + int(offsets[1]), (n_c,), (4,), i32),
+                Desc(base + int(offsets[2]), (n_l,), (4,), i32),
+                Desc(base + int(offsets[3]), (n_u, half), (4 * half, 4), f32),
+                Desc(base + int(offsets[4]), (n_u, half), (4 * half, 4), f32)) + tail
+        _launch("cuda", rope_shift_kernel, grid, self.block, args)
+
+
 def geometry(n_cells: int, n_layers: int, n_heads: int, half: int, block: int, cap: int):
     """The grid of a rotation: one thread per (cell, layer, head, pair) item, at most ``cap``
     blocks (grid-striding beyond)."""
@@ -558,10 +739,11 @@ def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
     when None), the rotary dims starting at dim ``col`` of each row (an MLA latent's trailing
     rope dims: ``col = kv_lora_rank``; the rest of the row is not touched). Cells whose delta is
     0 are left alone. Inputs validated by the caller."""
-    if device != "cpu":
-        p = prepare(device, keys, dtype, cells, deltas, inv_freq, neox, layers, col)
-        if p is not None:
-            _launch(device, p.kernel, p.grid, p.block, p.args)
+    if device != "cpu":   # KVStorage keeps one RopeLauncher; this builds one
+        RopeLauncher(device, keys, dtype).launch(
+            np.ascontiguousarray(cells, dtype=np.int32).reshape(-1),
+            np.ascontiguousarray(deltas, dtype=np.int64).reshape(-1),
+            np.ascontiguousarray(inv_freq, dtype=np.float32).reshape(-1), neox, layers, col)
         return
     plan = shift_plan(cells, deltas, inv_freq, keys.shape[0], layers)
     if plan is None:
@@ -573,7 +755,7 @@ def launch(device: str, keys, dtype: str, cells, deltas, inv_freq, neox: bool,
                    parallel=n_pairs >= PARALLEL_MIN_PAIRS and cells.size > 1, col=int(col))
 
 
-__all__ = ["F16_HW", "KIND_BF16_BITS", "KIND_F16_BITS", "KIND_F16_HW", "KIND_FLOAT", "launch", "load_f32", "pair_index",
+__all__ = ["RopeLauncher", "distinct_deltas", "merge_sorted", "pack_rotation", "F16_HW", "KIND_BF16_BITS", "KIND_F16_BITS", "KIND_F16_HW", "KIND_FLOAT", "launch", "load_f32", "pair_index",
            "prepare",
            "rope_shift_cpu", "rope_shift_kernel", "rotate_pair", "shift_plan",
            "storage_kind", "store_f32", "tables"]

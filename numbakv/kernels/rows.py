@@ -17,13 +17,13 @@ on the GPU, up to 8 on the CPU, whose twin is a plain loop LLVM vectorises.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, types
+from numba import types
 
 from .._jit import njit
 from . import _common
 from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, copy_raw, sig_array, word_size
 from .launch import launch as _launch, to_device
-from ._registry import cuda_kernel, element
+from ._registry import cuda, cuda_kernel, element
 
 
 @element

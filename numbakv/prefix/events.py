@@ -24,9 +24,11 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .index import hex_keys
 
 
 def block_stored(nodes: Sequence[Any], block_size: int, medium: str, *,
@@ -34,16 +36,46 @@ def block_stored(nodes: Sequence[Any], block_size: int, medium: str, *,
     """A ``BlockStored`` event for consecutive index nodes of one prompt; ``priority`` and
     ``ttl`` (seconds left, None: no expiry) are the entry's retention (extra fields beside
     vLLM's; None in the lower tiers, which keep no retention)."""
-    parent = nodes[0].parent
-    toks = np.frombuffer(b"".join(n.tok for n in nodes), dtype="<i8")
-    return {"type": "BlockStored", "block_hashes": [n.key for n in nodes],
-            "parent_block_hash": None if parent is None or parent.parent is None else parent.key,
-            "token_ids": toks.tolist(), "block_size": block_size, "lora_id": None,
-            "medium": medium, "priority": priority, "ttl": ttl}
+    return block_stored_later(nodes, block_size, medium, priority=priority, ttl=ttl)[0]()
 
 
 def block_removed(nodes: Sequence[Any], medium: str) -> Dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": [n.key for n in nodes], "medium": medium}
+    return block_removed_later(nodes, medium)[0]()
+
+
+#: an event not formatted yet, and its size estimate (:func:`event_nbytes` of the event)
+Later = Tuple[Callable[[], Dict[str, Any]], int]
+
+
+def block_stored_later(nodes: Sequence[Any], block_size: int, medium: str, *,
+                       priority: Optional[int] = None, ttl: Optional[float] = None) -> Later:
+    """:func:`block_stored`, formatted when read (:meth:`EventLog.emit_later`): the hex block
+    hashes and the token id list of a 2k-token prompt were a tenth of a ``save``, and a store
+    nobody reads events from never needs them. What the event says is fixed now (the nodes'
+    digests and tokens never change; their parent's digest is taken now)."""
+    nodes = list(nodes)
+    parent = nodes[0].parent      # (a node's parent and key never change: read them later)
+    if parent is not None and parent.parent is None:
+        parent = None             # a root: the first block has no parent block
+
+    def make() -> Dict[str, Any]:
+        toks = np.frombuffer(b"".join(n.tok for n in nodes), dtype="<i8")
+        return {"type": "BlockStored", "block_hashes": hex_keys(nodes),
+                "parent_block_hash": None if parent is None else parent.digest.hex(),
+                "token_ids": toks.tolist(), "block_size": block_size, "lora_id": None,
+                "medium": medium, "priority": priority, "ttl": ttl}
+    n_tokens = sum(len(n.tok) for n in nodes) // 8
+    return make, 400 + 40 * n_tokens + 100 * len(nodes)
+
+
+def block_removed_later(nodes: Sequence[Any], medium: str) -> Later:
+    """:func:`block_removed`, formatted when read."""
+    nodes = list(nodes)
+
+    def make() -> Dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": hex_keys(nodes),
+                "medium": medium}
+    return make, 400 + 100 * len(nodes)
 
 
 def all_cleared() -> Dict[str, Any]:
@@ -71,7 +103,7 @@ class EventLog:
                  max_bytes: int = DEFAULT_MAX_BYTES):
         self.limit = limit
         self.max_bytes = int(max_bytes)
-        self.events: Deque[Dict[str, Any]] = deque()
+        self.events: Deque[Any] = deque()   # dicts, or the makers of events not formatted yet
         self._sizes: Deque[int] = deque()
         self.nbytes = 0
         self.dropped = 0
@@ -80,7 +112,19 @@ class EventLog:
     def emit(self, event: Dict[str, Any]) -> None:
         if self.publisher is not None:
             self.publisher.publish([event])
-        size = event_nbytes(event)
+        self._keep(event, event_nbytes(event))
+
+    def emit_later(self, later: Later) -> None:
+        """Keep an event formatted only when :meth:`take` reads it (``later``: ``(make,
+        size)``, e.g. :func:`block_stored_later`); with a publisher it is formatted and
+        published now."""
+        make, size = later
+        if self.publisher is not None:
+            self.emit(make())
+            return
+        self._keep(make, size)
+
+    def _keep(self, event: Any, size: int) -> None:
         if size > self.max_bytes:
             self.dropped += 1
             return
@@ -93,7 +137,7 @@ class EventLog:
             self.dropped += 1
 
     def take(self) -> List[Dict[str, Any]]:
-        out = list(self.events)
+        out = [e if isinstance(e, dict) else e() for e in self.events]
         self.events.clear()
         self._sizes.clear()
         self.nbytes = 0
@@ -147,5 +191,5 @@ class ZmqPublisher:
         self._sock.close(0)
 
 
-__all__ = ["block_stored", "block_removed", "all_cleared", "EventLog", "ZmqPublisher",
+__all__ = ["block_stored", "block_removed", "block_stored_later", "block_removed_later", "all_cleared", "EventLog", "ZmqPublisher",
            "event_nbytes", "DEFAULT_MAX_BYTES"]

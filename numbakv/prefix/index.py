@@ -22,40 +22,107 @@ their ``restore`` points (``Entry.servable``).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .keys import block_digest
+from .keys import DIGEST_BYTES, FULL_MARK, TAIL_MARK
 
 _TOKEN = 8   # bytes per token id (int64)
 
 
+#: the children of a node that has none: one shared read-only mapping (a save makes 128 nodes
+#: for a 2k-token prompt, most of them leaves: an empty dict each was a fifth of a save)
+NO_CHILDREN: Mapping[bytes, "Node"] = MappingProxyType({})
+#: nodes with at most this many children find a partial match's candidates by scanning them;
+#: more (a root under many prompts) build their ``by_first`` map once and keep it up to date
+_SCAN_CHILDREN = 8
+
+
 class Node:
-    """One block of a prompt (see the module docstring)."""
+    """One block of a prompt (see the module docstring). ``children`` is the shared read-only
+    :data:`NO_CHILDREN` until the node gets its first child; ``by_first`` (first token's bytes
+    -> children) is built on first use by a node with many children."""
 
-    __slots__ = ("parent", "tok", "start", "end", "digest", "children", "by_first", "entries",
-                 "tier_count", "fp", "fast", "h", "__weakref__")
+    __slots__ = ("parent", "tok", "start", "end", "full", "_digest", "children", "by_first",
+                 "entries", "h", "__weakref__")
 
-    def __init__(self, parent: Optional["Node"], tok: bytes, start: int, digest: bytes) -> None:
+    def __init__(self, parent: Optional["Node"], tok: bytes, start: int,
+                 digest: Optional[bytes] = None, h: int = 0, full: bool = True) -> None:
         self.parent = parent
         self.tok = tok                      # int64-LE token bytes of this block
         self.start = start                  # position of its first token
         self.end = start + len(tok) // _TOKEN
-        self.digest = digest
-        self.children: Dict[bytes, "Node"] = {}          # token bytes -> child (full or tail)
-        self.by_first: Dict[bytes, List["Node"]] = {}    # first token's bytes -> children
+        self.full = full                    # a whole block (else a prompt's shorter last one)
+        self._digest = digest               # made on first use (see ``digest``)
+        self.children: Mapping[bytes, "Node"] = NO_CHILDREN   # token bytes -> child
+        self.by_first: Optional[Dict[bytes, List["Node"]]] = None
         self.entries: Dict[int, "Entry"] = {}            # entries covering this node
-        self.tier_count: Dict[str, int] = {}             # tier -> entries of it covering this
-        self.fp = None                                   # fingerprint of a full block
-        self.fast: Dict[int, "Node"] = {}                # full children by fingerprint
-        self.h = 0                                       # prefix hash of full-block paths
+        self.h = h                                       # prefix hash of full-block paths
+
+    def starting_with(self, first: bytes):
+        """The children whose first token's bytes are ``first``."""
+        children = self.children
+        if len(children) <= _SCAN_CHILDREN:
+            return [c for c in children.values() if c.tok.startswith(first)]
+        by_first = self.by_first
+        if by_first is None:
+            by_first = self.by_first = {}
+            for c in children.values():
+                by_first.setdefault(c.tok[:_TOKEN], []).append(c)
+        return by_first.get(first, ())
+
+    @property
+    def digest(self) -> bytes:
+        """The block's chained key (``keys.block_digest`` of its parent's and its tokens), made
+        on first use: matching walks token bytes, so only the KV events and the lower tiers
+        need it, and a save no longer hashes every block of its prompt. A node keeps its
+        parent link after it leaves the trie, so its key can still be made then."""
+        digest = self._digest
+        if digest is None:
+            todo = []
+            node = self
+            while node._digest is None:
+                todo.append(node)
+                node = node.parent
+            digest = node._digest
+            blake2b = hashlib.blake2b
+            for node in reversed(todo):     # keys.block_digest, written out
+                h = blake2b(digest_size=DIGEST_BYTES)
+                h.update(digest)
+                h.update(FULL_MARK if node.full else TAIL_MARK)
+                h.update(node.tok)
+                digest = node._digest = h.digest()
+        return digest
 
     @property
     def key(self) -> str:
         """The block's content key (hex)."""
         return self.digest.hex()
+
+
+def hex_keys(nodes: List[Node]) -> List[str]:
+    """The hex keys of ``nodes`` (``Node.key`` each), making the missing ones in one pass: a
+    run of consecutive nodes of one prompt (each the parent of the next), as the KV events
+    name them, costs one hash per node not made yet and no property call."""
+    out: List[str] = []
+    blake2b = hashlib.blake2b
+    prev: Optional[Node] = None
+    for node in nodes:
+        digest = node._digest
+        if digest is None:
+            parent = node.parent
+            h = blake2b(digest_size=DIGEST_BYTES)
+            h.update(parent._digest if parent is prev else parent.digest)
+            h.update(FULL_MARK if node.full else TAIL_MARK)
+            h.update(node.tok)
+            digest = node._digest = h.digest()
+        out.append(digest.hex())
+        prev = node
+    return out
 
 
 class Entry:
@@ -72,7 +139,7 @@ class Entry:
 
     def __init__(self, tier: str, root: bytes, path: List[Node], *, floor: int = 0,
                  seq: Optional[int] = None, payload: Any = None, nbytes: int = 0,
-                 restore: Optional[Tuple[int, ...]] = None) -> None:
+                 restore: Optional[Tuple[int, ...]] = None, buf: Optional[bytes] = None) -> None:
         self.id = next(Entry._ids)
         self.tier = tier
         self.root = root
@@ -84,7 +151,8 @@ class Entry:
         self.nbytes = nbytes
         self.pins = 0
         self.hits = 0
-        self.buf = b"".join(n.tok for n in path)   # its tokens (int64 LE): one compare checks a walk
+        # its tokens (int64 LE; ``buf``: the caller's bytes of them): one compare checks a walk
+        self.buf = b"".join(n.tok for n in path) if buf is None else buf
         self.restore = None if restore is None else tuple(sorted(int(r) for r in restore))
 
     def tokens_bytes(self) -> bytes:
@@ -216,8 +284,10 @@ class BlockIndex:
         self.width = _TOKEN * block_tokens
         self.roots: Dict[bytes, Node] = {}
         self.entries: Dict[int, Entry] = {}
-        #: (root, depth in full blocks, rolling prefix hash) -> node: the walk's binary search
-        self.deep: Dict[Tuple[bytes, int, int], Node] = {}
+        #: root -> {depth in full blocks << 64 | rolling prefix hash of the path -> its last
+        #: node} (one int key: the depth keeps paths of equal hashes apart, e.g. every path of
+        #: zero tokens hashes to 0): the walk's binary search
+        self.deep: Dict[bytes, Dict[int, Node]] = {}
         self.tier_rank = tier_rank or {"cells": 0, "host": 1}
 
     # ------------------------------------------------------------------ matching
@@ -251,7 +321,7 @@ class BlockIndex:
         best: List[Node] = []
         best_n = 0
         if rest:
-            for cand in node.by_first.get(rest[:_TOKEN], ()):
+            for cand in node.starting_with(rest[:_TOKEN]):
                 k = _common_tokens(cand.tok, rest)
                 if k > best_n:
                     best, best_n = [cand], k
@@ -266,12 +336,14 @@ class BlockIndex:
         matches; False: the check failed (a collision), use the exact walk."""
         # the array, not a list: the search reads O(log blocks) of them (int(): exact keys)
         hashes = _prefix_hashes(_fingerprints(buf, self.block_tokens))
-        deep = self.deep
+        deep = self.deep.get(root)
+        if deep is None:
+            return None
         lo, hi = 0, len(hashes)        # depths 1..lo exist; find the largest
         node = None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            found = deep.get((root, mid, int(hashes[mid - 1])))
+            found = deep.get(mid << 64 | int(hashes[mid - 1]))
             if found is not None:
                 lo, node = mid, found
             else:
@@ -334,7 +406,7 @@ class BlockIndex:
             # (a shorter tail, or a block sharing fewer tokens than the partial match) is
             # judged here, by what its first block shares with the query
             rnode = self.roots.get(root)
-            for first in (rnode.by_first.get(buf[:_TOKEN], ()) if rnode is not None else ()):
+            for first in (rnode.starting_with(buf[:_TOKEN]) if rnode is not None else ()):
                 k = _common_tokens(first.tok, buf)
                 for e in first.entries.values():
                     if e.id in seen:
@@ -352,81 +424,130 @@ class BlockIndex:
         if node is None:
             node = self.roots[root] = Node(None, b"", 0, root)
         path: List[Node] = []
-        width = self.width
-        fps = pows = None      # every block's fingerprint and weight: one vectorised pass,
-        # made on the first new node (per-block numpy calls were most of a save's cost)
-        for pos in range(0, len(buf), width):
-            chunk = buf[pos:pos + width]
-            child = node.children.get(chunk)
+        width, size = self.width, len(buf)
+        pos = 0
+        while pos < size:                       # the blocks the trie holds already
+            child = node.children.get(buf[pos:pos + width])
             if child is None:
-                child = Node(node, chunk, pos // _TOKEN,
-                             block_digest(node.digest, chunk, len(chunk) == width))
-                node.children[chunk] = child
-                node.by_first.setdefault(chunk[:_TOKEN], []).append(child)
-                if len(chunk) == width:
-                    if fps is None:
-                        fps = block_fingerprints(buf, self.block_tokens)
-                        pows = _powers(len(fps)).tolist()
-                    depth = child.end // self.block_tokens
-                    child.fp = fps[depth - 1]
-                    node.fast.setdefault(child.fp, child)   # a collision keeps the first
-                    child.h = (node.h + child.fp * pows[depth - 1]) & 0xFFFFFFFFFFFFFFFF
-                    self.deep.setdefault((root, depth, child.h), child)
+                break
             path.append(child)
             node = child
-        return path
+            pos += width
+        if pos >= size:
+            return path
+        # the rest is new: a chain of fresh nodes (keys made lazily, see Node.digest). Every
+        # full block's rolling prefix hash comes from one vectorised pass (per-block numpy
+        # calls were most of a save's cost)
+        deep = self.deep.get(root)
+        if deep is None:
+            deep = self.deep[root] = {}
+        bt = self.block_tokens
+        hashes = _prefix_hashes(_fingerprints(buf, bt)).tolist()
+        chunk = buf[pos:pos + width]
+        full = len(chunk) == width
+        child = Node(node, chunk, pos // _TOKEN, None, hashes[pos // width] if full else 0, full)
+        if node.children is NO_CHILDREN:
+            node.children = {chunk: child}
+        else:
+            node.children[chunk] = child
+        if node.by_first is not None:
+            node.by_first.setdefault(chunk[:_TOKEN], []).append(child)
+        while True:
+            if full:
+                deep.setdefault(child.end // bt << 64 | child.h, child)   # a collision: the first
+            path.append(child)
+            node = child
+            pos += width
+            if pos >= size:
+                return path
+            chunk = buf[pos:pos + width]
+            full = len(chunk) == width
+            child = Node(node, chunk, pos // _TOKEN, None, hashes[pos // width] if full else 0,
+                         full)
+            node.children = {chunk: child}      # a fresh node: its first child
+
+    @staticmethod
+    def _uncovered_tail(path: List[Node], tier: str) -> int:
+        """The index in ``path`` from which no node is covered by an entry of ``tier`` (the
+        nodes a tier covers are closed under parents: a suffix of any path is uncovered)."""
+        i = len(path)
+        while i > 0:
+            entries = path[i - 1].entries
+            if entries:     # (new or no longer covered nodes have none: the common case)
+                for e in entries.values():
+                    if e.tier == tier:
+                        return i
+            i -= 1
+        return 0
 
     def add(self, entry: Entry) -> List[Node]:
-        """Register ``entry``; returns the nodes newly covered in its tier (for events)."""
+        """Register ``entry``; returns the nodes newly covered in its tier (for events). The
+        nodes a tier covers are closed under parents (an entry covers its whole path), so
+        they are the end of the path below the deepest node already covered in the tier."""
         self.entries[entry.id] = entry
-        fresh = []
-        for node in entry.path:
-            node.entries[entry.id] = entry
-            c = node.tier_count.get(entry.tier, 0)
-            node.tier_count[entry.tier] = c + 1
-            if c == 0:
-                fresh.append(node)
+        path, eid = entry.path, entry.id
+        fresh = path[self._uncovered_tail(path, entry.tier):]
+        for node in path:
+            node.entries[eid] = entry
         return fresh
 
     def remove(self, entry: Entry) -> List[Node]:
         """Drop ``entry``; nodes no entry covers any more leave the trie. Returns the nodes no
-        longer covered in its tier (for events)."""
-        self.entries.pop(entry.id, None)
-        gone = []
-        for node in entry.path:
-            if node.entries.pop(entry.id, None) is None:
-                continue
-            c = node.tier_count.get(entry.tier, 0) - 1
-            if c <= 0:
-                node.tier_count.pop(entry.tier, None)
-                gone.append(node)
-            else:
-                node.tier_count[entry.tier] = c
+        longer covered in its tier (for events): the end of its path below the deepest node
+        another entry of the tier still covers."""
+        if self.entries.pop(entry.id, None) is None:
+            return []
+        return self._uncover(entry, entry.path)
+
+    def truncate(self, entry: Entry, k: int) -> List[Node]:
+        """Shorten the registered ``entry`` to its first ``k`` nodes (``0 < k < len(path)``;
+        its length becomes their end): its tail's nodes no entry covers any more leave the
+        trie. Returns the nodes no longer covered in its tier (for events). The entry keeps
+        its id (and so its place in the eviction order)."""
+        tail = entry.path[k:]
+        entry.path = entry.path[:k]
+        entry.length = entry.path[-1].end
+        entry.buf = entry.buf[:_TOKEN * entry.length]
+        return self._uncover(entry, tail)
+
+    def _uncover(self, entry: Entry, path: List[Node]) -> List[Node]:
+        """``entry`` no longer covers ``path`` (the end of its path, or all of it): drop it
+        from those nodes and unlink the ones no entry covers; returns those its tier no longer
+        covers."""
+        eid = entry.id
+        for node in path:
+            del node.entries[eid]
+        gone = path[self._uncovered_tail(path, entry.tier):]
         # the nodes no entry covers any more: the tail of the path that holds no entries and
         # only the next such node as a child. Only the top one is unlinked from its parent
-        # (the rest go with it); the deeper ones only leave ``deep`` and drop their parent
-        # link (no reference cycle left for the garbage collector). One dict operation per
-        # node instead of a full unlink each: most of an evicting save's index work.
-        chain: List[Node] = []
-        below: Optional[Node] = None
-        for node in reversed(entry.path):
-            if node.entries or len(node.children) > (below is not None) or (
-                    below is not None and node.children.get(below.tok) is not below):
+        # (the rest go with it); the deeper ones only leave ``deep`` and drop their children
+        # (no reference cycle left for the garbage collector; the parent link stays, so a
+        # removed node's lazily made key can still be made). One dict operation per node
+        # instead of a full unlink each: most of an evicting save's index work.
+        deep, bt = self.deep.get(entry.root, {}), self.block_tokens
+        top = None                      # the chain's top node so far (None: no chain)
+        i = len(path)
+        while i > 0:
+            node = path[i - 1]
+            if node.entries:
                 break
-            chain.append(node)
-            below = node
-        if chain:
-            bt, deep = self.block_tokens, self.deep
-            for node in chain[:-1]:
-                if node.fp is not None:
-                    key = (entry.root, node.end // bt, node.h)
-                    if deep.get(key) is node:
-                        del deep[key]
-                node.parent = None
-                node.children = {}
-            chain[-1].children = {}
-            self._unlink(chain[-1], entry.root)
-        for node in entry.path[:len(entry.path) - len(chain)]:
+            children = node.children
+            if top is None:
+                if children:
+                    break
+            elif len(children) != 1 or children.get(top.tok) is not top:
+                break
+            if top is not None:         # top is below node: it leaves ``deep`` here (the
+                key = top.end // bt << 64 | top.h     # chain's top leaves it in _unlink)
+                if top.full and deep.get(key) is top:
+                    del deep[key]
+            node.children = NO_CHILDREN
+            node.by_first = None
+            top = node
+            i -= 1
+        if top is not None:
+            self._unlink(top, entry.root)
+        for node in path[:i]:
             if not node.entries and not node.children:   # (not expected: kept for safety)
                 self._unlink(node, entry.root)
         return gone
@@ -447,24 +568,20 @@ class BlockIndex:
             return
         if parent.children.get(node.tok) is node:
             del parent.children[node.tok]
-            if node.fp is not None:
-                key = (root if root is not None else self._root_of(node),
-                       node.end // self.block_tokens, node.h)
-                if self.deep.get(key) is node:
-                    del self.deep[key]
-            if node.fp is not None and parent.fast.get(node.fp) is node:
-                del parent.fast[node.fp]
-                for other in parent.children.values():   # a colliding sibling takes its place
-                    if other.fp == node.fp:
-                        parent.fast[node.fp] = other
-                        break
-            lst = parent.by_first.get(node.tok[:_TOKEN])
+            if node.full:
+                deep = self.deep.get(root if root is not None else self._root_of(node), {})
+                key = node.end // self.block_tokens << 64 | node.h
+                if deep.get(key) is node:
+                    del deep[key]
+            lst = parent.by_first.get(node.tok[:_TOKEN]) if parent.by_first is not None \
+                else None
             if lst is not None:
                 lst.remove(node)
                 if not lst:
                     del parent.by_first[node.tok[:_TOKEN]]
         if parent.parent is None and not parent.children:
             self.roots.pop(parent.digest, None)
+            self.deep.pop(parent.digest, None)
 
     def _root_of(self, node: Node) -> bytes:
         while node.parent is not None:
@@ -482,4 +599,4 @@ class BlockIndex:
         return [e for e in self.entries.values() if e.tier == tier]
 
 
-__all__ = ["BlockIndex", "Entry", "Match", "Node"]
+__all__ = ["BlockIndex", "Entry", "Match", "Node", "hex_keys"]

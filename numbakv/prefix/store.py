@@ -40,9 +40,12 @@ budget`` for every tier.
 
 from __future__ import annotations
 
+import array
 import atexit
+import bisect
 import math
 import os
+import sys
 import time
 import weakref
 from collections import OrderedDict, defaultdict
@@ -57,8 +60,8 @@ from .edit import EditMatch
 from .index import BlockIndex, Entry, Match
 from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
 from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
-from .tiers.base import BIND_RUN, is_bound
-from .tiers.host import HostTier
+from .tiers.base import BIND_FIRST, BIND_RUN, is_bound
+from .tiers.host import BufferPool, HostTier, owned_copy
 from .writer import Job, TierWriter
 
 CELLS, HOST = "cells", "host"
@@ -70,6 +73,10 @@ _MAX_PENDING = 4   # checkpoints per sequence waiting for its save()
 #: the floor of an entry that can serve no length at all (its window pruned the whole prefix)
 _NEVER = 1 << 62
 _MAX_DISTRUST = 4096
+
+#: int64 in the machine's order is int64 little-endian (the keys' byte order): lists of token
+#: ids are packed by the array module
+_NATIVE_LE = sys.byteorder == "little" and array.array("q").itemsize == 8
 
 #: stores still open, closed at interpreter exit (weak: the registry keeps none alive)
 _LIVE: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
@@ -105,6 +112,19 @@ def token_buffer(tokens, name: str = "tokens") -> bytes:
     elif isinstance(tokens, (list, tuple, range)):
         if tokens and isinstance(tokens[0], (bool, np.bool_)):
             raise ValueError(f"{name} must hold integer token ids, got a bool")
+        if _NATIVE_LE:
+            # Python ints straight into int64 (a 4k-token list: ~2/3 of np.asarray's time,
+            # which infers a dtype first; most of a tier-0 hit from a list). Anything that
+            # is not an integer in int64's range takes the checked path below
+            try:
+                packed = array.array("q", tokens)
+            except (TypeError, OverflowError):
+                packed = None
+            if packed is not None:
+                low = int(np.frombuffer(packed, np.int64).min()) if packed else 0
+                if low < 0:
+                    raise ValueError(f"{name} must hold non-negative token ids, got {low}")
+                return packed.tobytes()
         try:
             arr = np.asarray(tokens)
         except (ValueError, TypeError) as exc:
@@ -406,6 +426,14 @@ class PrefixStore:
         self.layout = {"kind": type(cache).__name__, "block_tokens": block_tokens,
                        "layer_groups": getattr(cache, "layer_groups", None),
                        "head_range": list(heads)}
+        #: lower-tier runs are chained (a run holds only the blocks the tier lacked, its
+        #: parents the rest: a growing conversation writes each block once), except where
+        #: windows prune old positions or a recurrent state must go with each run. In the
+        #: namespace: a reader that does not know chained runs never sees one.
+        self._chained = not any(g.swa_memory is not None for g in groups) \
+            and _recurrent(cache) is None
+        if self._chained:
+            self.layout["runs"] = "chained"
         self.namespace = namespace(self.fingerprint, self.layout)
         self._roots: Dict[bytes, bytes] = {}
         #: sliding groups: (cache, window, memory) of those that drop old positions
@@ -419,6 +447,9 @@ class PrefixStore:
         self._pending: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
         self._pins: Dict[Tuple[bytes, bytes], List[Entry]] = defaultdict(list)
         self.host = HostTier(host_bytes)
+        #: recycled buffers of owned rows (host entries, write-through jobs): see BufferPool
+        self._pool = BufferPool(host_bytes + (write_queue_bytes if self._has_lower(
+            disk_dir, remote) else 0))
         self._counts = {t: {"hits": 0, "misses": 0} for t in (CELLS, HOST)}
         self.tokens_reused = 0
         #: after ``load_edit``: what it placed (an ``EditMatch``) and the position ranges the
@@ -440,7 +471,9 @@ class PrefixStore:
         if self._lower_specs:
             self._open_lower()
             self._writer = TierWriter(self._lower, max_bytes=write_queue_bytes,
-                                      metadata={"model_id": model_id} if model_id else None)
+                                      metadata={"model_id": model_id} if model_id else None,
+                                      pool=self._pool,
+                                      chain_tokens=block_tokens if self._chained else 0)
             # a store collected without close(): its writer still drains and stops (not at
             # exit: _close_live_stores closes the store, writer included, then)
             weakref.finalize(self, self._writer.close).atexit = False
@@ -459,6 +492,22 @@ class PrefixStore:
                                          self.namespace, budget, timeout))
         for tier in self._lower:
             self._counts.setdefault(tier.name, {"hits": 0, "misses": 0})
+
+    @staticmethod
+    def _has_lower(disk_dir, remote) -> bool:
+        return disk_dir is not None or remote is not None
+
+    def _own_export(self, seq: int, p0: int, p1: int):
+        """Positions ``[p0, p1)`` of ``seq`` as a snapshot with rows of its own, in one recycled
+        buffer of the store's pool: gathered there when the cells are scattered (one
+        ``take`` per layer and side), else copied there from the export's views of a run of
+        cells (``tiers.host.owned_copy``: one copy per layer and side)."""
+        if self._rc is None and callable(getattr(self.cache, "export_seq", None)):
+            from ..state.snapshot import export_seq   # the snapshot module (state layer)
+            snap = export_seq(self.cache, seq, p0, p1, alloc=self._pool.take)
+        else:
+            snap = self.cache.export_seq(seq, p0, p1)
+        return owned_copy(snap, self._pool)
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -800,8 +849,10 @@ class PrefixStore:
                         for e in self._exact(root, buf):
                             self._policy[e.tier].set(e.id, *retention)
                     return length
+                if not self.host_bytes and self._write_through(root, buf, seq=seq, count=True):
+                    return length   # lower tiers only: the writer has it (new blocks only)
                 # no tier 0: straight to host RAM (or the next tier down)
-                snap = _owned(self.cache.export_seq(seq, 0, length))
+                snap = self._own_export(seq, 0, length)
                 self.bytes_moved += snap.nbytes
                 if self._admit_host(root, buf, snap, retention):
                     self._write_through(root, buf, snap)
@@ -828,7 +879,7 @@ class PrefixStore:
             if self._exact(root, buf) or self._serves(root, buf) >= length:
                 held_locally = True   # host RAM (or a longer entry) holds it already
             elif self.host_bytes and callable(getattr(self.cache, "export_seq", None)):
-                snap = _owned(self.cache.export_seq(seq, 0, length))
+                snap = self._own_export(seq, 0, length)
                 self.bytes_moved += snap.nbytes
                 held_locally = self._admit_host(root, buf, snap, retention, write_lower=False)
         queued = self._write_through(root, buf, seq=seq)
@@ -1033,6 +1084,9 @@ class PrefixStore:
         for e in self.index.clear():
             if e.tier == CELLS:
                 self._release_seq(e.seq)
+            elif e.tier == HOST:
+                self._pool.give(e.payload)
+                e.payload = None
         for seq in list(self._pending):
             self._drop_pending(seq)
         for p in self._policy.values():
@@ -1155,7 +1209,7 @@ class PrefixStore:
         n = len(buf) // 8
         path = self.index.insert_path(root, buf)
         e = Entry(CELLS, root, path, floor=self._floor_of_seq(r, n), seq=r,
-                  restore=self._restore_of_seq(r, n))
+                  restore=self._restore_of_seq(r, n), buf=buf)
         self._register(e, retention)
         return e
 
@@ -1164,8 +1218,9 @@ class PrefixStore:
         priority, expires = retention or (DEFAULT_PRIORITY, None)
         self._policy[e.tier].add(e.id, priority, expires)
         if fresh:
-            self.events.emit(ev.block_stored(fresh, self.block_tokens, e.tier,
-                                             priority=priority, ttl=self._ttl_left(expires)))
+            self.events.emit_later(ev.block_stored_later(
+                fresh, self.block_tokens, e.tier, priority=priority,
+                ttl=self._ttl_left(expires)))
 
     def _ttl_left(self, expires: Optional[float]) -> Optional[float]:
         return None if expires is None else max(0.0, expires - self._clock())
@@ -1206,7 +1261,7 @@ class PrefixStore:
         gone = self.index.remove(e)
         self._policy[e.tier].remove(e.id)
         if gone:
-            self.events.emit(ev.block_removed(gone, e.tier))
+            self.events.emit_later(ev.block_removed_later(gone, e.tier))
 
     def _release_seq(self, r: int) -> None:
         self.cache.seq_rm(r)
@@ -1245,7 +1300,7 @@ class PrefixStore:
         if not others and (self.host_bytes or self._lower) \
                 and callable(getattr(self.cache, "export_seq", None)):
             try:
-                snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
+                snap = self._own_export(e.seq, 0, e.length)
             except (KVCacheError, ValueError):
                 snap = None   # cannot export (e.g. an unsupported cache): dropped instead
         retention = self._policy[CELLS].get(e.id)
@@ -1254,6 +1309,29 @@ class PrefixStore:
         if snap is not None:
             self.bytes_moved += snap.nbytes
             self._admit_host(e.root, e.tokens_bytes(), snap, retention)
+
+    def _trim_cells(self, e: Entry, n_cells: int) -> bool:
+        """Make room by dropping the end of the tier-0 entry ``e`` rather than all of it (the
+        tail before its parent, at token granularity as the peers' block-level eviction): its
+        sequence leaves the positions past the last whole block that keeps the free cells
+        short of ``n_cells`` by what its own tail holds; the entry keeps the rest, its id and
+        its place in the eviction order. Only where the tail would be lost anyway (no host RAM
+        or lower tier to demote it to) and where any prefix of an entry can serve (no sliding
+        windows, no recurrent state). Returns whether it trimmed (its tail's cells that another
+        sequence shares are not freed: the caller goes on evicting if short)."""
+        if self._sliding or self._rc is not None or self.host_bytes or self._lower or e.pins \
+                or len(e.path) < 2:
+            return False
+        deficit = max(n_cells - g.cells.n_free for g in self._groups)
+        keep = e.length - deficit          # the tail's cells are its own in the common case
+        k = bisect.bisect_right([node.end for node in e.path], keep)
+        if k < 1 or k >= len(e.path):
+            return False                   # not one whole node would stay / need all of it
+        self.cache.seq_rm(e.seq, e.path[k - 1].end, None)
+        gone = self.index.truncate(e, k)
+        if gone:
+            self.events.emit_later(ev.block_removed_later(gone, CELLS))
+        return True
 
     def _cells_bytes(self) -> Tuple[int, int]:
         """(bytes of the cells retained sequences hold, of those pinned entries hold)."""
@@ -1282,8 +1360,11 @@ class PrefixStore:
         for e in self._victims(CELLS):
             if e.id not in self.index.entries:
                 continue
-            self._evict_cells(e)
             evicted = True
+            if self._trim_cells(e, n_cells) and roomy():
+                break
+            if e.id in self.index.entries:
+                self._evict_cells(e)
             if roomy():
                 break
         if not roomy():
@@ -1314,10 +1395,12 @@ class PrefixStore:
                     if self.host.fits(nbytes):
                         break
             if self.host.fits(nbytes):
+                # idle buffers and entries together stay within the host budget + write queue
+                self._pool.trim(self._pool.max_idle_bytes - self.host.used - nbytes)
                 path = self.index.insert_path(root, buf)
                 e = Entry(HOST, root, path, floor=self._floor_of_snapshot(snap), payload=snap,
                           restore=self._restore_of_snapshot(snap),
-                          nbytes=nbytes)
+                          nbytes=nbytes, buf=buf)
                 self.host.add(nbytes)
                 self._register(e, retention)
                 return True
@@ -1333,6 +1416,8 @@ class PrefixStore:
         self._drop_entry(e)
         self.host.remove(e.nbytes)
         self._write_lower(e.path, e.payload)
+        self._pool.give(e.payload)   # reused once the writer is done with it
+        e.payload = None             # (entries and index nodes form cycles: free the rows now)
 
     def _import(self, seq: int, snap) -> int:
         """``cache.import_seq`` with one retry after the store made room; raises
@@ -1358,6 +1443,8 @@ class PrefixStore:
                 and source.id in self.index.entries:
             self._drop_entry(source)
             self.host.remove(source.nbytes)
+            self._pool.give(source.payload)
+            source.payload = None
 
     # ------------------------------------------------------------------ disk / redis
     def _flush_down(self, skip_known: bool = False) -> None:
@@ -1371,7 +1458,7 @@ class PrefixStore:
                 continue
             if e.tier == CELLS:
                 try:   # owned rows: the writer encodes them later
-                    snap = _owned(self.cache.export_seq(e.seq, 0, e.length))
+                    snap = self._own_export(e.seq, 0, e.length)
                 except (KVCacheError, ValueError):
                     continue
             else:
@@ -1411,8 +1498,8 @@ class PrefixStore:
         return Job([node.key for node in path], snap, int(snap.nbytes), tag=path,
                    first=first)
 
-    def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None
-                       ) -> bool:
+    def _write_through(self, root: bytes, buf: bytes, snap=None, seq: Optional[int] = None,
+                       count: bool = False) -> bool:
         """A save reaches the lower tiers as it happens: queue the prompt's rows (``snap``, or
         a copy of ``seq``'s first ``len(buf)/8`` positions) for the background writer, unless
         it already wrote or queued that run; returns whether it is written or queued. A full
@@ -1425,10 +1512,19 @@ class PrefixStore:
             if self._writer.known(path[-1].key):
                 return True
             if snap is None:
+                # chained runs: only the blocks past those this process's writer already wrote
+                # or queued (the previous turn of a conversation) are copied here; the writer
+                # writes them as a run chained to the earlier ones
+                start = 0
+                if self._chained:
+                    start = self._writer.known_prefix([node.key for node in path[:-1]]) \
+                        * self.block_tokens
                 try:
-                    snap = _owned(self.cache.export_seq(seq, 0, len(buf) // 8))
+                    snap = self._own_export(seq, start, len(buf) // 8)
                 except (KVCacheError, ValueError):
                     return False   # a cache that cannot export: written only if demoted
+                if count:
+                    self.bytes_moved += snap.nbytes
             job = self._job(path, snap)
             return job is not None and self._writer.submit(job)
         finally:
@@ -1476,9 +1572,132 @@ class PrefixStore:
         if self._writer is not None:
             self._writer.forget(run_key)
 
-    def _load_lower(self, seq: int, root: bytes, buf: bytes, hit) -> int:
+    def _reads_into_cells(self) -> bool:
+        """Whether a lower-tier hit can be read straight into the cells (``import_run``): one
+        group of K/V in host memory (cpu/sim), no recurrent half, a little-endian host (the
+        codec's byte order is the storage's)."""
+        return self._rc is None and len(self._groups) == 1 and sys.byteorder == "little" \
+            and isinstance(self._groups[0].storage.keys, np.ndarray)
+
+    def _chain_start(self, snap, n: int) -> Optional[int]:
+        """Where the rows of the lower-tier run ``snap`` start: 0 for a whole prompt's run, the
+        first block's position for a chained run (``tiers.base.BIND_FIRST``: written when the
+        tier held the prompt's first blocks already); None when the run cannot be right (its
+        rows do not start there, or start at or past the match ``n``)."""
+        first = snap.metadata.get(BIND_FIRST)
+        if first is None or first == "0":
+            return 0
+        try:
+            p0 = int(first) * self.block_tokens
+        except ValueError:
+            return None
+        pos = snap.parts[0].positions
+        if p0 <= 0 or p0 >= n or not len(pos) or int(pos[0]) != p0:
+            return None
+        return p0
+
+    def _load_parent(self, seq: int, root: bytes, buf: bytes, p0: int) -> int:
+        """Load the first ``p0`` tokens of ``buf`` (the blocks a chained run's parents hold)
+        into the empty ``seq`` from the lower tiers; returns the tokens loaded (``p0``, or
+        fewer when a parent is gone: a valid shorter prefix)."""
+        hit = self._lower_probe(root, buf[:8 * p0], 0)
+        if hit[0] != p0:
+            return 0
+        return self._load_lower(seq, root, buf[:8 * p0], hit, promote=False)
+
+    def _broken_chain(self, seq: int, tier, run_key: str) -> int:
+        """A chained run whose parents cannot be loaded (evicted, damaged): a miss with
+        nothing changed (what the parents placed goes), the run dropped (``match`` stops
+        promising it) and every run forgotten as written, so the next save of the prompt
+        hands the writer every block again."""
+        self.cache.seq_rm(seq)
+        try:
+            tier.remove_run(run_key)
+        except Exception:  # noqa: BLE001 - tiers never raise on I/O
+            pass
+        self._forget_written(None)
+        self._counts[tier.name]["misses"] += 1
+        return 0
+
+    def _lower_done(self, seq: int, root: bytes, buf: bytes, tier, n: int,
+                    promote: bool) -> int:
+        """Book a lower-tier load of ``n`` tokens (0: a miss) and promote it (outermost
+        load of a chain only)."""
+        if n <= 0:
+            self._counts[tier.name]["misses"] += 1
+            return 0
+        self._counts[tier.name]["hits"] += 1
+        if promote:
+            self.tokens_reused += n
+            self._promote(seq, root, buf[:8 * n], source=None)
+        return n
+
+    def _load_lower_direct(self, seq: int, root: bytes, buf: bytes, hit,
+                           promote: bool = True) -> int:
+        """``_load_lower`` with the run's rows read from the tier straight into the cells they
+        land in (``RunReader`` + ``state.snapshot.import_run``): header, positions and binding
+        checked first, the rows' crc32 while they arrive; a bad run is a miss, rolled back."""
+        from ..state.snapshot import import_run, open_run
+        n, (tier, run_key, block, block_key) = hit
+        try:
+            reader = tier.open_run(run_key)
+        except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss
+            reader = None
+        if reader is None:
+            self._forget_written(run_key)
+            self._counts[tier.name]["misses"] += 1
+            return 0
+        try:
+            run = open_run(reader, f"the {tier.name} tier's run {run_key}")
+            if run.snap.metadata.get(BIND_RUN) != run_key:
+                raise StateError(f"the {tier.name} tier's run {run_key} holds another run's "
+                                 "bytes")
+            if not self._bound(run.snap, run_key, block, block_key):
+                self._distrust[(tier.name, block_key)] = run_key
+                while len(self._distrust) > _MAX_DISTRUST:
+                    self._distrust.popitem(last=False)
+                tier._count("invalid")
+                self._forget_written(None)
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            snap = _slice_snapshot(run.snap, n)
+            if self._sliding and self._floor_of_snapshot(snap) > n:
+                self._counts[tier.name]["misses"] += 1
+                return 0
+            p0 = self._chain_start(run.snap, n)
+            if p0 is None:
+                raise StateError(f"the {tier.name} tier's chained run {run_key} does not start "
+                                 "at its first block")
+            if p0:   # a chained run: its parents' blocks first
+                if self._load_parent(seq, root, buf, p0) < p0:
+                    return self._broken_chain(seq, tier, run_key)
+            try:
+                try:
+                    import_run(self.cache, seq, run, upto=n)
+                except KVCacheFullError:
+                    self._make_room(max(len(p.positions) for p in snap.parts))
+                    import_run(self.cache, seq, run, upto=n)
+            except KVCacheFullError:
+                if p0:
+                    self.cache.seq_rm(seq)   # nothing changed: the parents go too
+                raise
+        except (StateError, ValueError, NotSupportedError) as exc:
+            if isinstance(exc, KVCacheFullError):
+                raise
+            tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
+            self._forget_written(run_key)
+            self.cache.seq_rm(seq)         # a chained run's parents go too: nothing changed
+            return self._lower_done(seq, root, buf, tier, 0, promote)
+        finally:
+            reader.close()
+        self.bytes_moved += snap.nbytes
+        return self._lower_done(seq, root, buf, tier, n, promote)
+
+    def _load_lower(self, seq: int, root: bytes, buf: bytes, hit, promote: bool = True) -> int:
         from ..state.snapshot import SeqSnapshot   # the snapshot codec
         n, (tier, run_key, block, block_key) = hit
+        if self._reads_into_cells() and callable(getattr(tier, "open_run", None)):
+            return self._load_lower_direct(seq, root, buf, hit, promote)
         try:
             data = tier.read_runs([run_key])[0]
         except Exception:  # noqa: BLE001 - tiers never raise on I/O; any failure is a miss
@@ -1504,6 +1723,7 @@ class PrefixStore:
                 self._forget_written(None)   # a re-save of the prompt re-points its blocks
                 self._counts[tier.name]["misses"] += 1
                 return 0
+            p0 = self._chain_start(snap, n)      # (the metadata: before slicing drops it)
             snap = _slice_snapshot(snap, n)
             if self._rc is not None:
                 # hybrid: the run serves up to its deepest restore point at or below the match
@@ -1516,19 +1736,27 @@ class PrefixStore:
             if self._sliding and self._floor_of_snapshot(snap) > n:
                 self._counts[tier.name]["misses"] += 1
                 return 0
-            self._import(seq, snap)    # checks the fingerprint, shapes and formats first
+            if p0 is None or (p0 and self._rc is not None):
+                raise StateError(f"the {tier.name} tier's chained run {run_key} does not start "
+                                 "at its first block")
+            if p0:   # a chained run: its parents' blocks first
+                if self._load_parent(seq, root, buf, p0) < p0:
+                    return self._broken_chain(seq, tier, run_key)
+            try:
+                self._import(seq, snap)    # checks the fingerprint, shapes and formats first
+            except KVCacheFullError:
+                if p0:
+                    self.cache.seq_rm(seq)   # nothing changed: the parents go too
+                raise
         except (StateError, ValueError) as exc:
             if isinstance(exc, KVCacheFullError):
                 raise
             tier.report_invalid(run_key)   # corrupt or another model's bytes: a miss
             self._forget_written(run_key)
-            self._counts[tier.name]["misses"] += 1
-            return 0
+            self.cache.seq_rm(seq)         # a chained run's parents go too: nothing changed
+            return self._lower_done(seq, root, buf, tier, 0, promote)
         self.bytes_moved += snap.nbytes
-        self._counts[tier.name]["hits"] += 1
-        self.tokens_reused += n
-        self._promote(seq, root, buf[:8 * n], source=None)
-        return n
+        return self._lower_done(seq, root, buf, tier, n, promote)
 
     # ------------------------------------------------------------------ misc
     def entries(self) -> List[Dict[str, Any]]:

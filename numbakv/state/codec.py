@@ -310,6 +310,36 @@ def _os_reason(exc: OSError) -> str:
     return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
+def _to_chunks(build: Callable[[], Tuple[Dict[str, str], List[_Spec]]]) -> List[memoryview]:
+    """The bytes ``_to_bytes`` would return, as a list of flat byte views: the 8-byte length
+    and the header first, then each tensor's bytes in file order, where possible views of the
+    arrays themselves (a C-contiguous little-endian host array is not copied). What a byte tier
+    writes with one ``writev`` (or sends as one value) without joining them first: the only
+    pass over the data here is the crc32."""
+    meta, specs = build()
+    header: Dict[str, Any] = {"__metadata__": dict(meta, checksum="crc32:00000000")}
+    offset = 0
+    for spec in specs:
+        end = offset + spec.nbytes
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                             "data_offsets": [offset, end]}
+        offset = end
+    crc = zlib.crc32(_canonical(header))
+    chunks: List[memoryview] = []
+    for spec in specs:
+        arr = spec.produce()
+        data = memoryview(arr).cast("B") if arr.size else memoryview(b"")
+        if len(data) != spec.nbytes:  # a bug here, never the caller's input
+            raise KVCacheError(f"tensor {spec.name} produced {len(data)} bytes, expected "
+                               f"{spec.nbytes}")
+        crc = zlib.crc32(data, crc)
+        if len(data):
+            chunks.append(data)
+    header["__metadata__"]["checksum"] = f"crc32:{crc:08x}"
+    head = _header_bytes(header)
+    return [memoryview(len(head).to_bytes(8, "little") + head)] + chunks
+
+
 def _to_bytes(build: Callable[[], Tuple[Dict[str, str], List[_Spec]]],
               progress: Optional[bool]) -> bytes:
     _check_progress(progress)
@@ -460,15 +490,17 @@ def _parse(buf: memoryview, what: str) -> _State:
         return _parse_checked(buf, what)
 
 
-def _parse_checked(buf: memoryview, what: str) -> _State:
-    size = len(buf)
+def _parse_checked(buf: memoryview, what: str, size: Optional[int] = None) -> _State:
+    """(``size``: the input's length when ``buf`` holds only its beginning, at least the
+    header: a run read straight into a cache's rows parses its header first.)"""
+    size = len(buf) if size is None else size
     if size < 8:
         raise StateError(f"{what}: truncated: {size} bytes, not even the 8-byte header length")
     n = int.from_bytes(buf[:8], "little")
     if n == 0 or n > MAX_HEADER_BYTES:
         raise StateError(f"{what}: header length {n} is not in [1, {MAX_HEADER_BYTES}]: not a "
                          "safetensors file, or corrupted")
-    if 8 + n > size:
+    if 8 + n > size or 8 + n > len(buf):
         raise StateError(f"{what}: truncated: the header needs {8 + n} bytes, the input has "
                          f"{size}")
     try:

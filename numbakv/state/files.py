@@ -953,8 +953,10 @@ _FAMILIES: Dict[str, Tuple[type, Any, Any]] = {}
 
 def register_family(name: str, cls: type, builder, loader) -> None:
     """Register a cache class whose state files its own module writes and reads, so
-    :func:`save` / :func:`to_bytes` / :func:`load` accept it like the built-in families."""
+    :func:`save` / :func:`to_bytes` / :func:`load` accept it like the built-in families, and
+    a class with :class:`StateMethods` and ``_STATE_IO = name`` gets the four state methods."""
     _FAMILIES[name] = (cls, builder, loader)
+    _STATE_IO[name] = (save, to_bytes, load_registered, registered_from_bytes)
 
 
 def _cache_family(cache) -> str:
@@ -1066,6 +1068,20 @@ def wrapper_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool =
 
 
 # ============================================================================ the cache methods
+def load_registered(cache, path, seq: Optional[int] = None, *, strict: bool = True,
+                    progress: Optional[bool] = None) -> dict:
+    """Load the file ``path`` into a cache of a family its own module registered
+    (:func:`register_family`: ``RecurrentCache``, ``HybridCache``), through that loader."""
+    return _FAMILIES[_cache_family(cache)][2](cache, _check_path(path), seq, strict=strict)
+
+
+def registered_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool = True,
+                          progress: Optional[bool] = None) -> dict:
+    """``load_registered`` from bytes in memory."""
+    _check_data(data)
+    return _FAMILIES[_cache_family(cache)][2](cache, data, seq, strict=strict)
+
+
 #: (save, to bytes, load, from bytes) of each family of caches that hold sequences
 _STATE_IO = {"causal": (save_cache, cache_to_bytes, load_cache, cache_from_bytes),
              "streams": (save_streams, streams_to_bytes, load_streams, streams_from_bytes),
@@ -1077,9 +1093,10 @@ PathLike = Union[str, "os.PathLike[str]"]   # a file path
 
 class StateMethods:
     """``save_state`` / ``load_state`` / ``state_bytes`` / ``load_state_bytes``, written once for
-    the caches that hold sequences (``CausalCache``, ``StreamCache``, ``WrapperCache``). A class
-    names its family of this module's functions in ``_STATE_IO`` and says what a load ends in
-    ``_after_state_load``."""
+    the caches that hold sequences (``CausalCache``, ``StreamCache``, ``WrapperCache``, and the
+    families whose own module reads and writes their files, :func:`register_family`'s:
+    ``RecurrentCache``, ``HybridCache``). A class names its family of this module's functions
+    in ``_STATE_IO`` and says what a load ends in ``_after_state_load``."""
 
     _STATE_IO = "causal"
 
@@ -1090,10 +1107,12 @@ class StateMethods:
                    tokens: Optional[Sequence[int]] = None,
                    metadata: Optional[Mapping[str, str]] = None,
                    progress: Optional[bool] = None) -> None:
-        """Save the whole cache (``seq=None``; every stream / group cache) or one sequence to the
-        safetensors file ``path``, atomically (``numbakv.state``: a sequence's file loads into
-        any cache of the same model, unified or streams). ``tokens`` (integers ``[t]``) and
-        str -> str ``metadata`` travel with it."""
+        """Save the whole cache (``seq=None``; every stream / group cache / half) or one
+        sequence to the safetensors file ``path``, atomically (``numbakv.state``: a sequence's
+        attention K/V file loads into any cache of the same model, unified or streams; a
+        recurrent cache's holds per sequence its live state and restore points, tensors
+        ``s<id>.*``; a hybrid's the attention half as tensor ``attn`` and the recurrent half as
+        ``rec.*``). ``tokens`` (integers ``[t]``) and str -> str ``metadata`` travel with it."""
         _STATE_IO[self._STATE_IO][0](self, path, seq, tokens=tokens, metadata=metadata,
                                      progress=progress)
 
@@ -1110,7 +1129,8 @@ class StateMethods:
         (replacing what ``seq`` held), all or nothing; ends the forward pass in progress.
         Returns ``{"tokens": list[int] | None, "metadata": dict[str, str]}``. ``strict``: a
         state saved by a cache with another model fingerprint (shift, window, memory, chunk,
-        dtypes, head shapes) raises ``StateError`` naming the field."""
+        dtypes, head shapes) raises ``StateError`` naming the field (recurrent states of another
+        layout raise it whatever ``strict`` says: they mean nothing here)."""
         out = _STATE_IO[self._STATE_IO][2](self, path, seq, strict=strict, progress=progress)
         self._after_state_load()
         return out
@@ -1126,4 +1146,4 @@ __all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache",
            "cache_to_bytes", "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes",
            "save_streams", "load_streams", "streams_to_bytes", "streams_from_bytes",
            "load_wrapper", "wrapper_from_bytes", "register_simple_class", "StateMethods",
-           "register_family"]
+           "register_family", "load_registered", "registered_from_bytes"]

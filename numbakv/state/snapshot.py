@@ -370,6 +370,17 @@ class SeqSnapshot:
         """The snapshot in the state codec (safetensors with a checksum; kind
         ``seq-snapshot``), with ``self.metadata`` updated by ``metadata`` (str -> str; read back
         as ``from_bytes(...).metadata``)."""
+        return _st._to_bytes(self._build(metadata), False)
+
+    def to_chunks(self, metadata: Optional[Dict[str, str]] = None) -> List[memoryview]:
+        """``to_bytes(metadata)`` as a list of flat byte views (header, then every tensor in
+        file order) whose concatenation is exactly those bytes; the rows' views are not copied
+        (a host snapshot's C-contiguous rows: what a byte tier writes with one ``writev``).
+        Valid while the snapshot's rows are unchanged."""
+        return _st._to_chunks(self._build(metadata))
+
+    def _build(self, metadata: Optional[Dict[str, str]]):
+        """The codec's ``build()`` (metadata, tensor specs) of ``to_bytes``; checks first."""
         meta = dict(self.metadata)
         meta.update(_st._check_metadata(metadata))
         config = {"head_range": list(self.head_range), "fingerprint": self.fingerprint,
@@ -390,7 +401,7 @@ class SeqSnapshot:
             if self.recurrent is not None:
                 specs += recurrent_specs(self.recurrent, "r.")
             return _st._base_metadata(KIND, config, meta), specs
-        return _st._to_bytes(build, False)
+        return build
 
     @staticmethod
     def from_bytes(data: "Union[bytes, bytearray, memoryview]") -> "SeqSnapshot":
@@ -711,7 +722,26 @@ def _read_only(a):
     return a
 
 
-def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
+def _gather_rows(arrays: list, idx: np.ndarray, alloc: Optional[Callable[[int], np.ndarray]]
+                 ) -> list:
+    """``[a.take(idx, axis=0) for a in arrays]`` (host arrays ``[n_cells, heads, row]``), all
+    gathered into one flat buffer (``alloc(nbytes)``, default ``np.empty``): one allocation and
+    one ``take(out=)`` per layer and side, straight into the snapshot's rows."""
+    n = len(idx)
+    sizes = [n * (a.nbytes // a.shape[0]) if a.shape[0] else 0 for a in arrays]
+    step = [-(-b // 64) * 64 for b in sizes]
+    flat = alloc(sum(step)) if alloc is not None else np.empty(sum(step), np.uint8)
+    out, at = [], 0
+    for a, b, st in zip(arrays, sizes, step):
+        dst = flat[at:at + b].view(a.dtype).reshape((n,) + a.shape[1:])
+        a.take(idx, axis=0, out=dst)
+        out.append(dst)
+        at += st
+    return out
+
+
+def _export_unit(unit, s: int, p0: int, p1: int, device: bool,
+                 alloc: Optional[Callable[[int], np.ndarray]] = None) -> SnapshotPart:
     unit.apply_pending_shifts()  # the keys must match the positions saved beside them
     cfg = unit.config
     storage = unit.storage
@@ -728,6 +758,13 @@ def _export_unit(unit, s: int, p0: int, p1: int, device: bool) -> SnapshotPart:
         idx = None
         if start < 0 and n:
             idx = cells if not on_gpu else storage.xp.asarray(cells)
+        if idx is not None and not on_gpu and not permuted:
+            # scattered cells on the host: every layer's K and V gathered into one buffer
+            L = cfg.n_stored_layers
+            rows = _gather_rows([keys_all[layer] for layer in range(L)]
+                                + [values_all[layer] for layer in range(L)], idx, alloc)
+            return SnapshotPart(positions=positions, keys=rows[:L], values=rows[L:],
+                                k_format=cfg.k_dtype, v_format=cfg.v_dtype)
         for layer in range(cfg.n_stored_layers):    # owning layers only (layer_reuse)
             k_all, v_all = keys_all[layer], values_all[layer]
             if n == 0:
@@ -818,17 +855,22 @@ def _is_pinned(a: np.ndarray) -> bool:
 
 
 def export_seq(cache, seq: int, p0: int = 0, p1: Optional[int] = None, *,
-               device: bool = False) -> SeqSnapshot:
+               device: bool = False,
+               alloc: Optional[Callable[[int], np.ndarray]] = None) -> SeqSnapshot:
     """A :class:`SeqSnapshot` of positions ``[p0, p1)`` of ``seq`` (``p1=None``: to the end)
     of a CausalCache, stream cache or WrapperCache; see the module docstring. ``device=True``
-    keeps the rows of a cuda cache as CuPy arrays (ignored on cpu/sim)."""
+    keeps the rows of a cuda cache as CuPy arrays (ignored on cpu/sim). ``alloc(nbytes)``: a
+    flat uint8 host buffer the gathered rows of scattered cells go into (one per group; the
+    prefix store passes its recycling pool), default ``np.empty``."""
     _check_open(cache)
     seq = _check_seq_arg(cache, seq)
     p0, p1 = _check_span(p0, p1)
     if not isinstance(device, (bool, np.bool_)):
         raise ValueError(f"device must be a bool, got {device!r}")
     units = _units(cache, seq)
-    parts = tuple(_export_unit(u, s, p0, p1, bool(device)) for u, s in units)
+    if alloc is not None and not callable(alloc):
+        raise ValueError(f"alloc must be None or a callable nbytes -> uint8 array, got {alloc!r}")
+    parts = tuple(_export_unit(u, s, p0, p1, bool(device), alloc) for u, s in units)
     return SeqSnapshot(parts=parts, fingerprint=cache_fingerprint(cache),
                        head_range=_head_range(units[0][0]))
 
@@ -855,6 +897,8 @@ class _Placement:
         self.backup = None
         self.applied = False
         self.old_forward = None
+        #: None: write the part's rows; else ``fill(unit, slots)`` writes them (a run's reader)
+        self.fill: Optional[Callable[[Any, np.ndarray], None]] = None
 
     # -------------------------------------------------------------- checks (no change)
     def check(self) -> None:
@@ -883,7 +927,8 @@ class _Placement:
         self.head = table.head
         try:
             slots = None
-            if k:
+            paged = table.page_size > 1
+            if k and not paged:
                 # prefer cells free before a replaced sequence is dropped: its rows stay intact
                 start = table.find_contiguous(k)
                 if start >= 0:
@@ -892,18 +937,24 @@ class _Placement:
                 table.seq_rm(s, 0, None, journal=self.journal)
             if k:
                 if slots is None:
-                    start = table.find_contiguous(k)
-                    slots = (np.arange(start, start + k, dtype=np.int32) if start >= 0
-                             else table.find_scatter(k))
-                    if slots is None:  # cannot happen: room was counted
-                        raise KVCacheFullError(f"no {k} free cells{self.where}")
+                    # paged placement (CacheConfig(page_size)): the tokens go on in the
+                    # sequence's last page, else fill wholly free pages
+                    slots = table.find_cells(self.positions, np.full(k, s, np.int32))
+                    if slots is None:  # paged: free cells, but not enough whole pages
+                        raise KVCacheFullError(
+                            f"no room for {k} tokens in pages of {table.page_size} cells"
+                            f"{self.where}: {table.n_free_pages} pages are wholly free "
+                            "(cache full)")
                     slots = np.asarray(slots, dtype=np.int32)
                     if self.replace:   # cells the dropped sequence held: keep their rows
                         self.backup = (slots, *unit.storage.read_cells(slots))
                 table.apply_batch(slots, self.positions, np.full(k, s, np.int32))
                 self.slots = slots
                 self.applied = True
-                _write_part(unit, slots, self.part, self.rows, self.heads)
+                if self.fill is not None:    # rows read straight from a run (import_run)
+                    self.fill(unit, slots)
+                else:
+                    _write_part(unit, slots, self.part, self.rows, self.heads)
                 if self.delta:
                     _rotate(unit, slots, self.delta)
             unit._forward = None
@@ -1139,6 +1190,211 @@ def import_seq(cache, seq: int, snap: SeqSnapshot, *, at: Optional[int] = None) 
     return n
 
 
+# ------------------------------------------------------------------ a run read into the cells
+class _LazyState(_st._State):
+    """A parsed state whose tensor bytes are still in a run (``RunReader``): positions are read
+    (small), rows are zero-stride placeholders of the right shape (never read: ``import_run``
+    reads the real rows straight into the cells), and the checksum is checked by the fill."""
+
+    def __init__(self, state: "_st._State", positions: Dict[str, bytes]) -> None:
+        self.__dict__.update(state.__dict__)
+        self.positions_raw = positions
+
+    def tensor(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        dtype = _st._ST_DTYPES[t.dtype]
+        if name in self.positions_raw:
+            return np.frombuffer(self.positions_raw[name], dtype)
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=t.shape,
+                                               strides=(0,) * len(t.shape), writeable=False)
+
+    def verify_checksum(self, bar=None) -> None:
+        """Deferred: the fill computes the crc32 over the rows it reads (``_fill_from_run``)."""
+
+    def data_bytes_total(self) -> int:
+        return max((t.end for t in self.tensors.values()), default=0)
+
+
+class OpenedRun:
+    """A run (``SeqSnapshot.to_bytes`` bytes behind a ``RunReader``) whose header and positions
+    are read and checked (``open_run``), rows not yet: ``snap`` is the snapshot with
+    placeholder rows (shapes, formats, positions, fingerprint and metadata are real), for the
+    caller's checks; ``import_run`` places it."""
+
+    def __init__(self, reader, state: _LazyState, snap: SeqSnapshot) -> None:
+        self.reader, self.state, self.snap = reader, state, snap
+
+
+def open_run(reader, what: str = "run") -> OpenedRun:
+    """Read and check the header and the positions of the run behind ``reader`` (an object
+    with ``size``, ``read(offset, n)`` and ``read_into(offset, buffers)``: the prefix tiers'
+    ``RunReader``). Raises ``StateError`` for anything that is not a one-group ``seq-snapshot``
+    of K/V rows (a hybrid's recurrent state and multi-group runs go through ``from_bytes``)."""
+    size = int(reader.size)
+    with _st._untrusted(what):
+        head = reader.read(0, 8)
+        if len(head) < 8:
+            raise StateError(f"{what}: truncated: {size} bytes")
+        n = int.from_bytes(head, "little")
+        if n == 0 or n > _st.MAX_HEADER_BYTES or 8 + n > size:
+            raise StateError(f"{what}: header length {n} does not fit the run's {size} bytes")
+        head += reader.read(8, n)
+        state = _st._parse_checked(memoryview(head), what, size=size)
+        if state.kind != KIND or "recurrent" in state.config or \
+                len(state.config.get("parts") or ()) != 1:
+            raise NotSupportedError(f"{what}: not a one-group seq-snapshot of K/V rows")
+        positions = {}
+        for name, t in state.tensors.items():
+            if name.endswith("positions"):
+                raw = reader.read(state.data_start + t.begin, t.end - t.begin)
+                if len(raw) != t.end - t.begin:
+                    raise StateError(f"{what}: truncated in tensor {name}")
+                positions[name] = raw
+        lazy = _LazyState(state, positions)
+        snap = _snapshot_of_state(lazy)
+    return OpenedRun(reader, lazy, snap)
+
+
+#: (pid, executor): the one helper thread computing a run's crc32 while its next rows are read
+_CRC_WORKER: list = [None, None]
+#: runs at least this large overlap their checksum with their reads
+_PIPELINE_BYTES = 8 << 20
+
+
+class _Crc:
+    """A crc32 over buffers handed in file order, optionally computed on a helper thread while
+    the caller reads the next ones (``zlib.crc32`` and ``preadv`` both release the GIL). One
+    worker thread per process serves every run in submission order, so each run's checksum
+    runs in its own order; ``value()`` waits for it."""
+
+    def __init__(self, crc: int, background: bool) -> None:
+        import zlib
+        self._zlib = zlib
+        self.crc = crc
+        self._last = None
+        self._pool = None
+        if background:
+            import concurrent.futures
+            import os
+            if _CRC_WORKER[0] != os.getpid():   # first use, or a forked child: a new thread
+                _CRC_WORKER[:] = [os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="numbakv-crc")]
+            self._pool = _CRC_WORKER[1]
+
+    def add(self, views: Sequence[memoryview]) -> None:
+        """Checksum ``views`` after everything added before; with a helper thread the views
+        must stay unchanged until :meth:`value` (rows in the cells, not a reused scratch)."""
+        def step() -> None:
+            for v in views:
+                self.crc = self._zlib.crc32(v, self.crc)
+        if self._pool is None:
+            step()
+        else:
+            self._last = self._pool.submit(step)
+
+    def value(self) -> int:
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+        return self.crc
+
+
+def _fill_from_run(unit, slots: np.ndarray, plan: "_Placement", run: OpenedRun) -> None:
+    """Write the rows of ``run`` into ``slots`` of ``unit``: per tensor, one ``read_into`` of the
+    rows that land straight in the cells' storage (a run of cells, all heads, K or unpermuted
+    V: the destination *is* the read buffer) and of the rows past the match into a scratch
+    buffer (the checksum covers them); other layouts read into scratch and copy once. The
+    crc32 of everything read, in file order, must match the run's, else ``StateError`` (the
+    placement is then rolled back: the cells were free)."""
+    import zlib
+    state, reader = run.state, run.reader
+    storage = unit.storage
+    k = len(slots)
+    start = _run_start(slots)
+    permuted = unit.config.permuted_v
+    heads = plan.heads
+    crc = _Crc(zlib.crc32(_st._canonical(state.header)), background=False)
+    scratch = np.empty(0, np.uint8)
+    tensors = sorted(state.tensors.items(), key=lambda item: item[1].begin)
+    for name, t in tensors:
+        if name in state.positions_raw:
+            crc.add([memoryview(state.positions_raw[name])])
+    if start >= 0 and state.data_bytes_total() >= _PIPELINE_BYTES:
+        # large runs: the checksum of each tensor's rows runs beside the read of the next
+        crc = _Crc(crc.value(), background=True)
+    for name, t in tensors:
+        if name in state.positions_raw:
+            continue
+        which, layer = name.rsplit(".", 2)[-2:]
+        side = storage.keys if which == "k" else storage.values
+        layer = int(layer)
+        n_all, n_heads = t.shape[0], t.shape[1]
+        nbytes = t.end - t.begin
+        row_nbytes = nbytes // n_all if n_all else 0
+        direct = start >= 0 and heads == slice(0, n_heads) and side.shape[2] == n_heads \
+            and not (which == "v" and permuted)
+        dst = side[layer][start:start + k] if direct else None
+        direct = direct and dst.flags.c_contiguous
+        if direct:
+            head_view = memoryview(dst).cast("B") if k else memoryview(b"")
+            need = nbytes - k * row_nbytes
+        else:
+            need = nbytes
+        if need and crc._pool is not None:   # the worker may still read the last scratch
+            crc.value()
+        if scratch.size < need:
+            scratch = np.empty(need, np.uint8)
+        buf = memoryview(scratch)[:need]
+        views = [head_view, buf] if direct else [buf]
+        if not reader.read_into(state.data_start + t.begin, views):
+            crc.value()
+            raise StateError(f"{state.what}: truncated while read (tensor {name})")
+        crc.add(views)
+        if not direct and k:
+            rows = np.frombuffer(scratch, side.dtype, k * row_nbytes // side.itemsize)
+            rows = rows.reshape(k, n_heads, t.shape[2])[:, heads]
+            idx = slice(start, start + k) if start >= 0 else slots.astype(np.int64)
+            if which == "k":
+                side[layer][idx] = rows
+            elif permuted:
+                side[layer][:, :, idx] = rows.transpose(1, 2, 0)
+            else:
+                side[layer][idx] = rows
+    value = crc.value()
+    want = state.metadata.get("checksum", "")
+    if want != f"crc32:{value:08x}":
+        raise StateError(f"{state.what}: checksum mismatch (stored {want!r}, computed "
+                         f"crc32:{value:08x}): the data is corrupted")
+
+
+def import_run(cache, seq: int, run: OpenedRun, *, upto: Optional[int] = None) -> int:
+    """``import_seq(cache, seq, run.snap)`` (positions below ``upto`` only, when given) with
+    the rows read straight from the run into the cells they land in (see
+    :func:`_fill_from_run`): no whole-run buffer, one pass over the bytes besides the crc32.
+    Checks as ``import_seq`` does first; a checksum mismatch or a short read raises
+    ``StateError`` with nothing changed. Host-memory caches (cpu/sim) only:
+    ``NotSupportedError`` otherwise."""
+    _check_open(cache)
+    seq = _check_seq_arg(cache, seq)
+    snap = run.snap
+    if upto is not None and len(snap.parts[0].positions) and \
+            int(snap.parts[0].positions[-1]) >= upto:
+        p = snap.parts[0]
+        k = int(np.searchsorted(p.positions, upto))
+        snap = snap._with(parts=(SnapshotPart(positions=p.positions[:k],
+                                              keys=tuple(a[:k] for a in p.keys),
+                                              values=tuple(a[:k] for a in p.values),
+                                              k_format=p.k_format, v_format=p.v_format),))
+    plans = _plan_import(cache, seq, snap, None, replace=False)
+    if len(plans) != 1 or not isinstance(plans[0].unit.storage.keys, np.ndarray):
+        raise NotSupportedError("import_run reads into host-memory caches of one group")
+    plan = plans[0]
+    plan.fill = lambda unit, slots: _fill_from_run(unit, slots, plan, run)
+    n = _commit(plans)
+    _end_forward(cache)
+    return n
+
+
 def replace_seq(cache, seq: int, snap: SeqSnapshot, *, strict: bool = True) -> int:
     """``seq`` drops everything it holds and holds ``snap``'s tokens instead, all or nothing
     (what a state load of one sequence does). ``strict=False`` skips the fingerprint check."""
@@ -1150,7 +1406,8 @@ def replace_seq(cache, seq: int, snap: SeqSnapshot, *, strict: bool = True) -> i
     return n
 
 
-__all__ = ["SeqSnapshot", "SnapshotPart", "RecurrentPart", "export_seq", "import_seq", "KIND"]
+__all__ = ["SeqSnapshot", "SnapshotPart", "RecurrentPart", "export_seq", "import_seq", "KIND",
+           "open_run", "import_run", "OpenedRun"]
 
 
 # ====================================================================================== recurrent state

@@ -151,7 +151,6 @@ def generate_fns(model, context: int, new: int) -> Dict[str, Callable[[int], Any
     """``{contender: f(n_new)}`` running one greedy generate() of ``n_new`` tokens."""
     import torch
     import warnings
-    from numbakv import hf
     ids = torch.randint(3, 256, (1, context), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
 
@@ -161,8 +160,11 @@ def generate_fns(model, context: int, new: int) -> Dict[str, Callable[[int], Any
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, pad_token_id=0, **kw)
 
-    return {"numbakv": lambda n: run(n, past_key_values=hf.generation_cache(
-                model, max_new_tokens=n)),
+    def numbakv(n):
+        from numbakv import hf       # here: the baselines' peak-RSS children never import it
+        return run(n, past_key_values=hf.generation_cache(model, max_new_tokens=n))
+
+    return {"numbakv": numbakv,
             "static": lambda n: run(n, cache_implementation="static"),
             "dynamic": lambda n: run(n)}
 
@@ -182,12 +184,17 @@ def _peak_rss_mib() -> float:
 
 
 def _rss_child(contender: str, layers: int, context: int, new: int) -> float:
-    """Peak RSS (MiB) of a child process that runs one generate() through ``contender``."""
-    code = ("import json, torch\n"
-            "from numbakv.tools.bench_generate import _peak_rss_mib, _tiny_model, generate_fns\n"
-            f"torch.set_num_threads(1)\nm = _tiny_model({layers}, {context})\n"
-            f"generate_fns(m, {context}, {new})[{contender!r}]({new})\n"
-            "print(json.dumps(_peak_rss_mib()))\n")
+    """Peak RSS (MiB) of a child process that runs one generate() through ``contender``. The
+    child loads this file by path, not as ``numbakv.tools.bench_generate``: importing the
+    package would load numbakv and numba into the StaticCache / DynamicCache children too,
+    which a user of those never has (it hid ~70 MiB of numbakv's cost in the first figures)."""
+    code = ("import importlib.util, json, sys, torch\n"
+            f"spec = importlib.util.spec_from_file_location('_bench_generate', {__file__!r})\n"
+            "b = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(b)\n"
+            f"torch.set_num_threads(1)\nm = b._tiny_model({layers}, {context})\n"
+            f"b.generate_fns(m, {context}, {new})[{contender!r}]({new})\n"
+            f"assert ('numbakv' in sys.modules) == ({contender!r} == 'numbakv')\n"
+            "print(json.dumps(b._peak_rss_mib()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=900, env=dict(os.environ))
     if out.returncode != 0:

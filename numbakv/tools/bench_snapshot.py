@@ -15,6 +15,11 @@ snapshot through host memory must do at least). Cases:
   per layer and side) and the import copies again;
 * ``bytes``: ``to_bytes`` + ``from_bytes`` + import (the state codec's checksum and framing on
   top: what a disk or network tier pays).
+* ``export_gather``: ``export_seq`` alone of the interleaved sequence (one ``take(out=)`` per
+  layer and side into one fresh buffer: page faults of fresh memory included);
+  ``export_gather_pooled``: the same into a recycled buffer (``alloc=`` a
+  ``numbakv.prefix.tiers.host.BufferPool``'s ``take``, what the prefix store does), the
+  snapshot dropped after each round (issue 36 item 6: >= 50% of ``np.copyto``).
 
 Target (CPU): ``views`` at >= 50% of the copy's bandwidth; on a GPU >= 80% of the pinned
 device<->host copy.
@@ -93,10 +98,21 @@ def run(device: str = "cpu", dtype: str = "float16", *, layers: int = LAYERS,
     rows = []
     for case in cases:
         log(f"snapshot {case} ...")
-        src, dst = _caches(device, dtype, layers, heads, dim, tokens, case == "gather")
+        src, dst = _caches(device, dtype, layers, heads, dim, tokens,
+                           case in ("gather", "export_gather", "export_gather_pooled"))
         nbytes = src.export_seq(0).nbytes
 
-        if case == "bytes":
+        if case == "export_gather":
+            def move():
+                src.export_seq(0)
+        elif case == "export_gather_pooled":
+            from ..prefix.tiers.host import BufferPool
+            from ..state.snapshot import export_seq
+            pool = BufferPool(2 * nbytes + (1 << 20))
+
+            def move():
+                pool.give(export_seq(src, 0, alloc=pool.take))
+        elif case == "bytes":
             def move():
                 dst.import_seq(0, SeqSnapshot.from_bytes(src.export_seq(0).to_bytes()))
         else:

@@ -287,10 +287,214 @@ def bench_ttft(prefix_len: int = 1900, prompt_len: int = 2000, rounds: int = 3) 
         shutil.rmtree(root, ignore_errors=True)
 
 
+# -- every tier's store and load INTO THE CACHE against its floor (issue 36 item 6) ------------
+def _moves_cache(tokens: int, layers: int, kv_heads: int, head_dim: int):
+    """A CPU cache of ``2 * tokens + 64`` cells (seq 0: the source prompt, filled with random
+    rows; seq 1: where loads land), every page touched, and the prompt's token ids."""
+    import numbakv as nkv
+    cfg = nkv.CacheConfig(layers, kv_heads, head_dim, dtype="float16",
+                          capacity=2 * tokens + 64, max_seqs=4, max_batch=1024, device="cpu")
+    cache = nkv.CausalCache(cfg)
+    cache.storage.keys.fill(1)        # fresh zeroed memory reads as free pages: touch it all
+    cache.storage.values.fill(2)
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal((1024, kv_heads, head_dim)).astype("float16")
+    for start in range(0, tokens, 1024):
+        n = min(1024, tokens - start)
+        cache.start_forward(np.arange(start, start + n), np.zeros(n, np.int32))
+        for layer in range(layers):
+            cache.set_layer(layer)
+            cache.put(block[:n], block[:n])
+    return cache, rng.integers(0, 32000, tokens)
+
+
+def _timed_rounds(fns: Dict[str, Callable[[], object]], reset: Callable[[], object],
+                  reps: int) -> Dict[str, float]:
+    """Median seconds of each of ``fns``, called in turn (interleaved, so the machine's load
+    moves them together), ``reset()`` after each round, untimed."""
+    import gc
+    for fn in fns.values():
+        fn()
+    reset()
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    gc.collect()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        reset()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_moves(tiers=("host", "disk", "redis"), tokens: int = 8192, layers: int = 16,
+                kv_heads: int = 8, head_dim: int = 64, reps: int = 7,
+                directory: Optional[str] = None, url: Optional[str] = None,
+                log: Callable[[str], None] = lambda _: None) -> Dict[str, dict]:
+    """Per tier, ``{"bytes", "store_s", "store_floor_s", "store_ratio", "load_s",
+    "load_floor_s", "load_ratio"}``: a ``PrefixStore`` over a CPU cache (``tokens`` tokens of
+    K/V, default 8192 x 16 layers x 8 x 64 float16 = 256 MiB) whose only tier is the one
+    measured. *store*: ``store.save`` of a prompt seq 0 holds (disk/redis: + ``flush()``, the
+    bytes durable in the tier); *load*: ``store.load`` of it into an empty sequence (the rows
+    land in the cache's cells; the sequence is dropped after each round, untimed). Floors, timed
+    in the same loop: host ``np.copyto`` of the same bytes between two preallocated arrays;
+    disk write + fsync of the same bytes to a new file / ``np.fromfile`` of it; Redis a plain
+    ``SET`` / ``GET`` of the same bytes. Ratios are floor time / tier time (1.0: as fast as the
+    floor)."""
+    import numbakv as nkv
+    cache, prompt = _moves_cache(tokens, layers, kv_heads, head_dim)
+    keys_all, values_all = cache.storage.keys, cache.storage.values
+    nbytes = int(keys_all[:, :tokens].nbytes + values_all[:, :tokens].nbytes)
+    out: Dict[str, dict] = {}
+    server = None
+    try:
+        for tier in tiers:
+            log(f"moves {tier} ...")
+            root = None
+            kw: Dict[str, object] = {}
+            if tier == "host":
+                kw = dict(host_bytes=nbytes + (1 << 20))
+            elif tier == "disk":
+                root = tempfile.mkdtemp(prefix="nkv-bench-moves-", dir=directory)
+                kw = dict(disk_dir=root, disk_bytes=4 * nbytes, model_id="bench/moves")
+            elif tier == "redis":
+                import redis
+                if url is None:
+                    server, url = _start_server()
+                raw = redis.Redis.from_url(url, socket_timeout=30.0)
+                raw.flushall()
+                kw = dict(remote=url + ("&" if "?" in url else "?") + "socket_timeout=30"
+                          + f"&budget_bytes={4 * nbytes}", model_id="bench/moves")
+            store = nkv.PrefixStore(cache, **kw)
+            salt = [0]
+
+            def save():   # a fresh salt each time: a new entry, nothing written before
+                salt[0] += 1
+                assert store.save(0, prompt, salt=b"%d" % salt[0]) == tokens
+                store.flush()
+
+            def load():
+                assert store.load(1, prompt, salt=b"%d" % salt[0]) == tokens
+
+            def reset_store():
+                cache.seq_rm(1)
+                store.clear()
+
+            src_k, src_v = keys_all[:, :tokens], values_all[:, :tokens]
+            if tier == "host":
+                dst_k, dst_v = np.ones_like(src_k), np.ones_like(src_v)
+
+                def store_floor():
+                    np.copyto(dst_k, src_k)
+                    np.copyto(dst_v, src_v)
+                load_floor = store_floor
+            elif tier == "disk":
+                blob = bytes(src_k) + bytes(src_v)
+                plain = os.path.join(root, "plain.bin")
+
+                def store_floor():
+                    fd = os.open(plain + ".w", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    try:
+                        view, pos = memoryview(blob), 0
+                        while pos < len(view):
+                            pos += os.write(fd, view[pos:])
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.unlink(plain + ".w")
+                with open(plain, "wb") as f:
+                    f.write(blob)
+
+                def load_floor():
+                    assert np.fromfile(plain, dtype=np.uint8).size == len(blob)
+            else:
+                blob = bytes(src_k) + bytes(src_v)
+
+                def store_floor():
+                    raw.set("nkv-bench-plain", blob)
+
+                raw.set("nkv-bench-plain", blob)
+
+                def load_floor():
+                    assert len(raw.get("nkv-bench-plain")) == len(blob)
+
+            # save then load in the same round: the load reads what this round's save stored
+            def reset():
+                reset_store()
+
+            t = _timed_rounds({"store": save, "store_floor": store_floor, "load": load,
+                               "load_floor": load_floor}, reset, reps)
+            store.close()
+            if tier == "redis":
+                raw.delete("nkv-bench-plain")
+                raw.close()
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
+            out[tier] = {"bytes": nbytes, "store_s": t["store"], "store_floor_s": t["store_floor"],
+                         "store_ratio": t["store_floor"] / t["store"], "load_s": t["load"],
+                         "load_floor_s": t["load_floor"], "load_ratio": t["load_floor"] / t["load"]}
+    finally:
+        cache.close()
+        if server is not None:
+            server.close()
+    return out
+
+
+def bench_write_through(tokens: int = 2048, layers: int = 16, kv_heads: int = 8,
+                        head_dim: int = 64, reps: int = 10, turns: int = 8,
+                        directory: Optional[str] = None) -> Dict[str, float]:
+    """Write-through to a disk tier (issue 36 item 6): ``save_s``, the request thread's part of
+    a save of a fresh ``tokens``-token prompt (median; the writer's encode + write + fsync
+    waits in an untimed ``flush``), beside ``copyto_s``, ``np.copyto`` of the same K/V bytes
+    between preallocated arrays, timed in the same loop; and ``chat_bytes``, what the disk tier
+    holds after a conversation grew over ``turns`` saves to ``tokens`` tokens, against
+    ``prompt_bytes`` (the final prompt's K/V: each block written once) and ``quadratic_bytes``
+    (every turn's whole prompt written again)."""
+    import numbakv as nkv
+    cache, prompt = _moves_cache(tokens, layers, kv_heads, head_dim)
+    src = (cache.storage.keys[:, :tokens], cache.storage.values[:, :tokens])
+    dst = tuple(np.ones_like(a) for a in src)
+    root = tempfile.mkdtemp(prefix="nkv-bench-wt-", dir=directory)
+    try:
+        store = nkv.PrefixStore(cache, disk_dir=root, disk_bytes=64 * cache.config.nbytes(tokens),
+                                model_id="bench/write-through")
+        saves, copies = [], []
+        for i in range(reps + 2):
+            t0 = time.perf_counter()
+            store.save(0, prompt, salt=b"%d" % i)
+            t1 = time.perf_counter()
+            store.flush()
+            t2 = time.perf_counter()
+            for a, b in zip(src, dst):
+                np.copyto(b, a)
+            t3 = time.perf_counter()
+            if i >= 2:
+                saves.append(t1 - t0)
+                copies.append(t3 - t2)
+        store.clear()
+        step = -(-tokens // turns)
+        for turn in range(1, turns + 1):
+            store.save(0, prompt[:min(tokens, step * turn)], salt=b"chat")
+            store.flush()
+        held = store.stats()["tiers"]["disk"]["bytes_used"]
+        store.close()
+        per_token = cache.config.nbytes(1)
+        return {"save_s": statistics.median(saves), "copyto_s": statistics.median(copies),
+                "chat_bytes": held, "prompt_bytes": tokens * per_token,
+                "quadratic_bytes": sum(min(tokens, step * t) for t in range(1, turns + 1))
+                * per_token}
+    finally:
+        cache.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m numbakv.tools.bench_tiers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="disk,redis,ttft")
+    p.add_argument("--sections", default="disk,redis,ttft",
+                   help="disk, redis, ttft, moves (every tier's store/load into the cache vs "
+                        "its floor, 256 MiB), writethrough (a save's request-thread cost, a "
+                        "growing chat's bytes)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -311,6 +515,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         results["redis"] = bench_redis(data, args.tokens, url=args.redis, repeats=args.repeats)
     if "ttft" in sections:
         results["ttft"] = bench_ttft()
+    if "moves" in sections:
+        moves = bench_moves(directory=args.dir, url=args.redis)
+        for tier, r in moves.items():
+            results[f"moves-{tier}"] = r
+    if "writethrough" in sections:
+        results["writethrough"] = bench_write_through(directory=args.dir)
     for name, r in results.items():
         if "ratio" in r:
             r["target"] = TARGETS[name]
@@ -319,6 +529,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(results, indent=2))
         return 0
     for name, r in results.items():
+        if name.startswith("moves-"):
+            print(f"{name[6:]:<5}: {r['bytes'] / 2**20:.0f} MiB store "
+                  f"{r['store_s'] * 1e3:.1f} ms vs floor {r['store_floor_s'] * 1e3:.1f} ms -> {r['store_ratio']:.2f}; load into "
+                  f"the cache {r['load_s'] * 1e3:.1f} ms vs floor {r['load_floor_s'] * 1e3:.1f} ms"
+                  f" -> {r['load_ratio']:.2f} (target >= 0.6 each)")
+            continue
+        if name == "writethrough":
+            print(f"write-through: save (request thread) {r['save_s'] * 1e3:.1f} ms vs np.copyto "
+                  f"of the same bytes {r['copyto_s'] * 1e3:.1f} ms; a growing chat leaves "
+                  f"{r['chat_bytes'] / 2**20:.1f} MiB on disk (final prompt "
+                  f"{r['prompt_bytes'] / 2**20:.1f} MiB, whole prompt every turn "
+                  f"{r['quadratic_bytes'] / 2**20:.1f} MiB)")
+            continue
         if "skipped" in r:
             print(f"{name}: skipped ({r['skipped']})")
             continue

@@ -104,6 +104,36 @@ def _attend(attend, cache, batch: int, rng: np.random.Generator) -> None:
         attention._PARALLEL_WORK = saved
 
 
+def _step_and_pages(device: str = "cpu") -> None:
+    """A captured decode step replayed (``capture_step``) and paged placement
+    (``CacheConfig(page_size=...)``) with its page table, shared-page copy and defrag."""
+    import numbakv as nkv
+
+    cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=16, dtype="float16", capacity=64,
+                          max_seqs=2, max_batch=8, device=device)
+    cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+    step = cache.capture_step(batch=2)
+    kv = np.ones((cfg.n_layers, 2, 2, 16), np.float16)
+    for pos in range(3):
+        step.replay([pos, pos], [0, 1], k=kv, v=kv)
+    cache.close()
+    cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=16, dtype="float16", capacity=64,
+                          max_seqs=3, max_batch=16, device=device, page_size=8)
+    cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+    kv = np.ones((6, 2, 16), np.float16)
+    cache.start_forward([0, 1, 2, 0, 1, 2], [0, 0, 0, 1, 1, 1])
+    cache.set_layer(0)
+    cache.put(kv, kv)
+    cache.seq_cp(0, 2, 0, None)            # a shared, partly filled last page
+    cache.start_forward([3, 3], [0, 2])    # copy-on-write of that page
+    cache.set_layer(0)
+    cache.put(kv[:2], kv[:2])
+    cache.page_table(page_size=8)
+    cache.seq_rm(1, 1, 2)
+    cache.defrag()
+    cache.close()
+
+
 def _windows_and_chunks(dtype: str, device: str = "cpu") -> None:
     """Sliding-window and chunked-attention caches over several forward passes."""
     import numbakv as nkv
@@ -308,6 +338,7 @@ def common_path(verbose: bool = False) -> Dict[str, float]:
         "tour bfloat16": lambda tmp: _tour("bfloat16", tmp),
         "windows and chunks": lambda tmp: [_windows_and_chunks(d)
                                              for d in ("float32", "float16")],
+        "step and pages": lambda tmp: _step_and_pages(),
         "quantized": lambda tmp: _quantized(),
         "README quantized": lambda tmp: _readme_quantized(),
         "strided inputs": lambda tmp: _strided_inputs(),
@@ -367,6 +398,7 @@ def cuda_host_path(verbose: bool = False) -> Dict[str, float]:
         "cuda host: tour bfloat16": lambda tmp: _tour("bfloat16", tmp, device="sim"),
         "cuda host: windows/chunks": lambda tmp: [_windows_and_chunks(d, device="sim")
                                                   for d in ("float32", "float16")],
+        "cuda host: step/pages": lambda tmp: _step_and_pages(device="sim"),
     }
     times: Dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="numbakv-precompile-") as tmp:

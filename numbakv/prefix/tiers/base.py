@@ -36,7 +36,9 @@ import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["ByteTier", "FORMAT_VERSION", "check_key", "check_keys", "check_namespace",
-           "check_budget", "BIND_RUN", "BIND_BLOCKS", "binding", "is_bound"]
+           "check_budget", "BIND_FIRST", "check_data", "check_chunks", "BIND_RUN",
+           "BIND_BLOCKS", "binding",
+           "is_bound", "RunReader"]
 
 #: Version of the tiers' on-disk / in-server layout; part of every path and key, so a future
 #: layout never reads this one's entries (it misses instead).
@@ -100,6 +102,9 @@ def check_budget(budget_bytes) -> int:
 #: (``SeqSnapshot.to_bytes(binding(keys))``, covered by its checksum) and checks them on every
 #: read (:func:`is_bound`), whichever tier the bytes came from.
 BIND_RUN, BIND_BLOCKS = "prefix.run", "prefix.blocks"
+#: snapshot metadata of a *chained* run (written when the tier held the prompt's first blocks
+#: already): the index of the first block whose rows it holds (absent: 0, the whole prompt)
+BIND_FIRST = "prefix.first"
 
 
 def binding(block_keys: Sequence[str]) -> Dict[str, str]:
@@ -137,6 +142,57 @@ def check_data(data) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def check_chunks(data) -> List[memoryview]:
+    """``data`` (one bytes-like object, or a list/tuple of them: a run's bytes in pieces, e.g.
+    ``SeqSnapshot.to_chunks()``, written as if joined) as a list of flat byte memoryviews;
+    else ``ValueError``."""
+    if isinstance(data, (list, tuple)):
+        out = []
+        for i, chunk in enumerate(data):
+            try:
+                out.append(check_data(chunk))
+            except ValueError as exc:
+                raise ValueError(f"data[{i}]: {exc}") from None
+        return out
+    return [check_data(data)]
+
+
+class RunReader:
+    """A run's bytes opened for reading in pieces (``ByteTier.open_run``): ``size`` bytes;
+    :meth:`read_into` fills caller buffers (a cache's rows) from an offset, so a hit lands in
+    the cells without a whole-run buffer. This one serves bytes already in memory (a Redis
+    reply, one ``MGET``): the rows are copied once, from the reply into the cells."""
+
+    def __init__(self, data) -> None:
+        self._data = check_data(data)
+        self.size = len(self._data)
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> bool:
+        """Fill ``buffers`` (flat writable byte views) in order with the bytes from
+        ``offset`` on; False when the run ends first (nothing else is promised then)."""
+        data = self._data
+        for buf in buffers:
+            n = len(buf)
+            if offset + n > self.size:
+                return False
+            buf[:] = data[offset:offset + n]
+            offset += n
+        return True
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes from ``offset`` (fewer at the end of the run)."""
+        return bytes(self._data[offset:offset + n])
+
+    def close(self) -> None:
+        self._data = memoryview(b"")
+
+    def __enter__(self) -> "RunReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class ByteTier(abc.ABC):
     """A store of runs below host RAM: see the module docstring for the rules.
 
@@ -153,6 +209,9 @@ class ByteTier(abc.ABC):
 
     #: "disk" or "redis"
     name: str = ""
+    #: whether :meth:`write_run` takes ``data`` as a list of pieces (``SeqSnapshot.to_chunks``);
+    #: the store's writer joins them for a tier that does not say so
+    accepts_chunks: bool = True
 
     def __init__(self, namespace: str, budget_bytes: int) -> None:
         self.namespace = check_namespace(namespace)
@@ -178,11 +237,20 @@ class ByteTier(abc.ABC):
         with one request (Redis ``MGET``) / one read per file. Marks each run read as recently
         used (LRU)."""
 
+    def open_run(self, run_key: str) -> Optional[RunReader]:
+        """``run_key``'s bytes as a :class:`RunReader` (counted as :meth:`read_runs` counts a
+        read), or ``None`` (missing, I/O error, timeout). The disk tier's reads straight from
+        the file (``preadv`` into the caller's buffers); the default reads the run whole."""
+        data = self.read_runs([run_key])[0]
+        return None if data is None else RunReader(data)
+
     @abc.abstractmethod
-    def write_run(self, run_key: str, block_keys: Sequence[str], data: bytes) -> bool:
-        """Store ``data`` (a run's snapshot bytes) under ``run_key`` with a pointer from
-        ``block_keys[i]`` to ``(run_key, i)``, atomically (readers see all or nothing), evicting
-        least-recently-used runs of this namespace so the total stays within ``budget_bytes``.
+    def write_run(self, run_key: str, block_keys: Sequence[str], data) -> bool:
+        """Store ``data`` (a run's snapshot bytes: one bytes-like object or a list of them, the
+        pieces of one run in order, e.g. ``SeqSnapshot.to_chunks()``) under ``run_key`` with a
+        pointer from ``block_keys[i]`` to ``(run_key, i)``, atomically (readers see all or
+        nothing), evicting least-recently-used runs of this namespace so the total stays within
+        ``budget_bytes``.
         ``True`` when stored (or already there); ``False`` when it cannot (larger than the
         budget, disk full, read-only, server down or slow). Never raises on I/O."""
 

@@ -63,8 +63,8 @@ import zlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ...state.codec import fsync_dir
-from .base import (FORMAT_VERSION, ByteTier, check_budget, check_data, check_key, check_keys,
-                   check_namespace)
+from .base import (FORMAT_VERSION, ByteTier, RunReader, check_budget, check_chunks, check_key,
+                   check_keys, check_namespace)
 
 __all__ = ["DiskTier", "scan_directory", "clear_directory"]
 
@@ -91,6 +91,34 @@ def _line(text: str) -> bytes:
     """One index line: ``text``, a space, the crc32 of ``text`` in hex, a newline."""
     raw = text.encode("ascii")
     return raw + b" %08x\n" % zlib.crc32(raw)
+
+
+#: buffers one ``writev`` call takes at most (POSIX IOV_MAX is at least 16; Linux's 1024)
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024) \
+    if hasattr(os, "writev") else 0
+
+
+def _writev_all(fd: int, chunks: Sequence[memoryview]) -> None:
+    """Write every byte of ``chunks`` in order, as few ``writev`` calls as the OS allows (the
+    rows of a run's layers go to the file straight from the snapshot's arrays, never joined
+    into one buffer first); short writes are resumed."""
+    if _IOV_MAX <= 0:
+        for chunk in chunks:
+            _write_all(fd, chunk)
+        return
+    pending = [c for c in chunks if len(c)]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        n = os.writev(fd, batch)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done = 0
+        while done < len(batch) and n >= len(batch[done]):
+            n -= len(batch[done])
+            done += 1
+        pending = pending[done:]
+        if n:
+            pending[0] = pending[0][n:]
 
 
 def _write_all(fd: int, data) -> None:
@@ -232,6 +260,57 @@ def _open_run(path: str, namespace: str, run: str) -> Tuple[int, int, int]:
     except BaseException:
         os.close(fd)
         raise
+
+
+class _FileRun(RunReader):
+    """A run file opened by :meth:`DiskTier.open_run`: reads are ``preadv`` calls from the
+    payload's offset straight into the caller's buffers (a cache's rows: no page of the run is
+    copied twice). The descriptor stays on the file opened, whatever is renamed over it."""
+
+    def __init__(self, fd: int, base: int, size: int) -> None:
+        self._fd, self._base, self.size = fd, base, size
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> bool:
+        if self._fd < 0 or offset + sum(len(b) for b in buffers) > self.size:
+            return False
+        pending = [b for b in buffers if len(b)]
+        pos = self._base + offset
+        try:
+            while pending:
+                if hasattr(os, "preadv"):
+                    n = os.preadv(self._fd, pending[:_IOV_MAX or 16], pos)
+                else:                # no preadv on this platform: one buffer at a time
+                    data = os.pread(self._fd, len(pending[0]), pos)
+                    n = len(data)
+                    pending[0][:n] = data
+                if n <= 0:
+                    return False     # the file shrank under us: the caller's checksum fails
+                pos += n
+                while pending and n >= len(pending[0]):
+                    n -= len(pending[0])
+                    pending.pop(0)
+                if n:
+                    pending[0] = pending[0][n:]
+        except OSError:
+            return False
+        return True
+
+    def read(self, offset: int, n: int) -> bytes:
+        if self._fd < 0:
+            return b""
+        n = max(0, min(n, self.size - offset))
+        try:
+            return os.pread(self._fd, n, self._base + offset)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class _Index:
@@ -642,9 +721,11 @@ class DiskTier(ByteTier):
             # only runs the index lists: a file under a run's name that no writer of this
             # namespace logged (copied in, another model's) is never served
             known = [not closed and run in self._ix.runs for run in runs]
-        bad = []
+        bad, gone = [], []
         for run, listed in zip(runs, known):
             data = self._read_one(run) if listed else None
+            if data is None and listed:
+                gone.append(run)
             if data is False:
                 errors += 1
                 bad.append(run)
@@ -652,6 +733,8 @@ class DiskTier(ByteTier):
             out.append(data)
         for run in bad:   # not a whole run of ours: drop it, so neither a lookup nor a
             self.report_invalid(run)   # rewrite of the same key trusts it again
+        for run in gone:  # listed but its file is gone (deleted by hand): unlist it, so
+            self.remove_run(run)       # lookups stop promising it
         hits = sum(1 for x in out if x is not None)
         with self._lock:
             self._counts["hits"] += hits
@@ -662,6 +745,43 @@ class DiskTier(ByteTier):
                 self._pending[1] += len(runs) - hits
                 self._flush_counts()
         return out
+
+    def open_run(self, run_key: str) -> Optional[RunReader]:
+        """The run's file opened for reads straight into the caller's buffers (see
+        :class:`_FileRun`), its header checked as :meth:`read_runs` checks it (a file that is
+        not a whole run of ours is dropped); counted as a read."""
+        run = check_key(run_key, "run_key")
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._ix.refresh()
+            listed = not closed and run in self._ix.runs
+        reader: Optional[RunReader] = None
+        bad = False
+        if listed:
+            try:
+                fd, plen, offset = _open_run(self._path(run), self.namespace, run)
+                reader = _FileRun(fd, offset, plen)
+                try:
+                    os.utime(fd)  # least recently *used*: a read makes the run young again
+                except OSError:
+                    pass
+            except FileNotFoundError:   # listed, file gone (deleted by hand): unlist it
+                self.remove_run(run)
+            except (OSError, ValueError):
+                bad = True
+        if bad:
+            self.report_invalid(run)
+        hit = reader is not None
+        with self._lock:
+            self._counts["hits"] += hit
+            self._counts["misses"] += not hit
+            self._counts["errors"] += bad
+            if not closed:
+                self._pending[0] += hit
+                self._pending[1] += not hit
+                self._flush_counts()
+        return reader
 
     def _read_one(self, run: str):
         """The payload of ``run``'s file; ``None`` when absent, ``False`` on an I/O error or a
@@ -689,10 +809,11 @@ class DiskTier(ByteTier):
     def write_run(self, run_key: str, block_keys: Sequence[str], data: bytes) -> bool:
         run = check_key(run_key, "run_key")
         keys = check_keys(block_keys, "block_keys")
-        view = check_data(data)
+        chunks = check_chunks(data)
         header = json.dumps({"namespace": self.namespace, "run": run, "blocks": keys},
                             separators=(",", ":")).encode()
-        size = _FIXED.size + len(header) + len(view)
+        payload = sum(len(c) for c in chunks)
+        size = _FIXED.size + len(header) + payload
         if self._closed or size > self.budget_bytes:
             return False
         with self._lock:
@@ -702,7 +823,7 @@ class DiskTier(ByteTier):
         tmp = os.path.join(self._runs_dir,
                            f"{_TMP_PREFIX}{_HOST}.{os.getpid()}.{os.urandom(6).hex()}")
         try:
-            self._write_tmp(tmp, header, view)
+            self._write_tmp(tmp, header, chunks, payload)
             with self._locked():
                 self._ix.refresh()
                 if self._stored(run, keys):
@@ -726,11 +847,13 @@ class DiskTier(ByteTier):
         self._count("writes")
         return True
 
-    def _write_tmp(self, tmp: str, header: bytes, view: memoryview) -> None:
+    def _write_tmp(self, tmp: str, header: bytes, chunks: List[memoryview],
+                   payload: int) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            _write_all(fd, _FIXED.pack(_MAGIC, len(header), len(view)) + header)
-            _write_all(fd, view)
+            # one writev: the fixed header, the JSON header and the payload's pieces as given
+            _writev_all(fd, [memoryview(_FIXED.pack(_MAGIC, len(header), payload) + header),
+                             *chunks])
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -7,6 +7,8 @@ namespace digests model fingerprint, storage layout and head range; the braces a
 hash tag, so one namespace lives in one slot)::
 
     r:<run key>     string   the run's bytes as given (a SeqSnapshot.to_bytes() file)
+    w:<run>.<rand>  string   a value being written (plain SET, expires in 2 minutes), renamed
+                             to r:<run key> by the write script in the same round trip
     b:<block key>   string   "<run key>:<index of the block in the run>"  (pointer)
     meta            hash     run key -> "<accounted bytes>|<block key>,<block key>,..."
     lru             zset     run key -> time of last write or read (seconds, the writer's clock)
@@ -17,7 +19,8 @@ Block and run keys already hash the salt (tenant), so tenants never share a key.
 
 **Round trips.** ``find_blocks`` is one ``MGET`` of the pointers; ``read_runs`` is one pipeline
 (``MGET`` of the values + ``ZADD XX`` of their LRU times + the counters this process has not
-sent yet); ``write_run`` / ``remove_run`` / ``clear`` are one ``EVALSHA`` of a Lua script, so the
+sent yet); ``write_run`` is one pipeline of a plain ``SET`` of the value under a staged key and
+an ``EVALSHA`` that renames it into place; ``remove_run`` / ``clear`` are one ``EVALSHA``; the
 value, its pointers and the books change atomically (other clients see all or nothing).
 
 **Budget.** A shared server's ``maxmemory`` is not a per-model budget, so the tier keeps its own
@@ -39,11 +42,12 @@ verifies them (``SeqSnapshot.from_bytes``: header, crc32, fingerprint) and calls
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.parse
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .base import (FORMAT_VERSION, ByteTier, check_budget, check_data, check_key, check_keys,
+from .base import (FORMAT_VERSION, ByteTier, check_budget, check_chunks, check_key, check_keys,
                    check_namespace)
 
 __all__ = ["RedisTier", "KEY_PREFIX", "DEFAULT_BUDGET_BYTES", "scan_server", "clear_server",
@@ -55,6 +59,9 @@ _SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
 #: bytes a pointer costs in the books beyond its key and value text
 _POINTER_OVERHEAD = 16
 _PAUSE_FIRST, _PAUSE_MAX = 1.0, 30.0
+#: milliseconds a staged value (``w:<run>.<random>``, set just before the write script renames
+#: it into place) lives if its writer never gets to the script
+_STAGED_MS = 120_000
 
 # Lua helpers shared by the scripts. KEYS: meta, lru, bytes, stats; ARGV[1]: the key prefix.
 # ``books()`` first: books that are not numbers (another client wrote them, a partial restore)
@@ -101,10 +108,15 @@ local function drop(prefix, run, meta)
 end
 """
 
-# ARGV: prefix, run, data, accounted size, budget, now, blocks csv
+# ARGV: prefix, run, staged value key, accounted size, budget, now, blocks csv. The value was
+# SET under the staged key (same hash slot, with an expiry) in the same pipeline: the script
+# renames it into place instead of receiving the bytes as an argument (which would copy the
+# whole run twice more inside the server: into a Lua string, then into the value).
 _LUA_WRITE = _LUA_DROP + """
 local prefix, run, size, budget = ARGV[1], ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[5])
+local staged = ARGV[3]
 books()
+if redis.call('EXISTS', staged) == 0 then return -2 end
 local meta = redis.call('HGET', KEYS[1], run)
 if meta then
   local sep = string.find(meta, '|', 1, true)
@@ -117,11 +129,15 @@ if meta then
       i = i + 1
     end
     redis.call('ZADD', KEYS[2], ARGV[6], run)
+    redis.call('DEL', staged)
     return 0
   end
   drop(prefix, run, meta)
 end
-if size > budget then return -1 end
+if size > budget then
+  redis.call('DEL', staged)
+  return -1
+end
 local used = tonumber(redis.call('GET', KEYS[3]) or '0')
 local evicted = 0
 while used + size > budget do
@@ -136,7 +152,8 @@ while used + size > budget do
     evicted = evicted + 1
   end
 end
-redis.call('SET', prefix .. 'r:' .. run, ARGV[3])
+redis.call('RENAME', staged, prefix .. 'r:' .. run)
+redis.call('PERSIST', prefix .. 'r:' .. run)
 local i = 0
 for bk in string.gmatch(ARGV[7], '[^,]+') do
   redis.call('SET', prefix .. 'b:' .. bk, run .. ':' .. i)
@@ -353,14 +370,22 @@ class RedisTier(ByteTier):
     def write_run(self, run_key: str, block_keys: Sequence[str], data: bytes) -> bool:
         run = check_key(run_key, "run_key")
         keys = check_keys(block_keys, "block_keys")
-        view = check_data(data)
+        chunks = check_chunks(data)
+        view = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         size = len(view) + sum(len(k) + len(run) + _POINTER_OVERHEAD for k in keys)
         if size > self.budget_bytes or not self._available():
             return False
+        # the value goes up with a plain SET under a staged key that expires (a writer that
+        # dies mid-way leaves nothing behind); the script then renames it into place with its
+        # pointers and books, atomically, in the same round trip
+        staged = f"{self._prefix}w:{run}.{os.urandom(6).hex()}"
         try:
-            result = self._write(keys=self._books,
-                                 args=[self._prefix, run, view, size, self.budget_bytes,
-                                       repr(time.time()), ",".join(keys)])
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(staged, view, px=_STAGED_MS)
+            self._write(keys=self._books,
+                        args=[self._prefix, run, staged, size, self.budget_bytes,
+                              repr(time.time()), ",".join(keys)], client=pipe)
+            result = pipe.execute()[1]
             self._ok()
         except self._errors_caught as exc:
             self._failed(exc)

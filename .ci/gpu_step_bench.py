@@ -1,0 +1,149 @@
+"""Host time of a decode step replayed as a CUDA graph, and of block moves and rotations
+(issue 35, items 3 and the move/rotate part; targets: a replayed 32-layer step <= 100 us of
+host time, move and rotate <= 15 us each).
+
+Host time = wall time of the call itself (the GPU works asynchronously; the stream is
+synchronised every ``--sync-every`` calls, outside the timed region, so the launch queue never
+fills and blocks the host). Median over the calls; baseline interleaved in the same run: the
+same step done eagerly (start_forward + a put per layer). Also checks that both caches end up
+holding the same K/V, and reports the device time per step from CUDA events.
+
+Usage: python .ci/gpu_step_bench.py [--device cuda|cpu] [--steps N] [--json PATH]
+(``--device cpu`` is a smoke run of this script on a machine without a GPU: the figures then
+measure the CPU twins and mean nothing for the targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numbakv as nkv  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM, BATCH, PER_SEQ = 32, 8, 128, 8, 1024
+
+
+def _sync(device):
+    if device == "cuda":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+        cupy.cuda.Device().synchronize()
+
+
+def _timed(fn, calls, device, sync_every):
+    """Median host microseconds of ``fn(i)`` over ``calls`` calls."""
+    out = []
+    for i in range(calls):
+        if i % sync_every == 0:
+            _sync(device)
+        t = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t)
+    _sync(device)
+    return float(np.median(out) * 1e6)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--sync-every", type=int, default=16)
+    ap.add_argument("--per-seq", type=int, default=PER_SEQ, help="cells per sequence")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    dev = a.device
+    xp = np
+    if dev == "cuda":
+        import cupy as xp  # noqa: F811
+    per_seq = a.per_seq
+    cfg = nkv.CacheConfig(LAYERS, KV_HEADS, HEAD_DIM, dtype="float16", capacity=per_seq,
+                          max_seqs=BATCH, max_batch=BATCH, device=dev)
+    stream = None
+    if dev == "cuda":
+        import cupy
+        stream = cupy.cuda.Stream(non_blocking=True)
+    eager = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+    replayed = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+    for c in (eager, replayed):
+        if stream is not None:
+            c.use_stream(stream)
+    step = replayed.capture_step(batch=BATCH)
+    rng = np.random.default_rng(0)
+    k_all = xp.asarray(rng.standard_normal((LAYERS, BATCH, KV_HEADS, HEAD_DIM)).astype(
+        np.float16))
+    v_all = xp.asarray(rng.standard_normal((LAYERS, BATCH, KV_HEADS, HEAD_DIM)).astype(
+        np.float16))
+    seqs = np.arange(BATCH, dtype=np.int32)
+    k_layers = [k_all[i] for i in range(LAYERS)]
+    v_layers = [v_all[i] for i in range(LAYERS)]
+
+    def eager_step(i):
+        eager.start_forward(np.full(BATCH, i, np.int32), seqs)
+        for layer in range(LAYERS):
+            eager.set_layer(layer)
+            eager.put(k_layers[layer], v_layers[layer])
+
+    def replay_step(i):
+        step.replay(np.full(BATCH, i, np.int32), seqs, None, k_all, v_all)
+
+    def replay_in_place(i):
+        step.replay(np.full(BATCH, i, np.int32), seqs)   # K/V already in step.key / value
+
+    results = {"device": dev, "layers": LAYERS, "batch": BATCH}
+    n = min(a.steps, per_seq // 3 - 2)
+    # interleaved in blocks: eager, replay, eager, replay (positions keep growing)
+    half = n // 2
+    e1 = _timed(lambda i: eager_step(i), half, dev, a.sync_every)
+    r1 = _timed(lambda i: replay_step(i), half, dev, a.sync_every)
+    e2 = _timed(lambda i: eager_step(half + i), half, dev, a.sync_every)
+    r2 = _timed(lambda i: replay_step(half + i), half, dev, a.sync_every)
+    step.key[...] = k_all
+    step.value[...] = v_all
+    _sync(dev)
+    rin = _timed(lambda i: replay_in_place(2 * half + i), half, dev, a.sync_every)
+    for i in range(2 * half, 3 * half):   # the eager cache catches up, then both must agree
+        eager_step(i)
+    _sync(dev)
+    same = bool((eager.storage.keys == replayed.storage.keys).all()) and \
+        bool((eager.storage.values == replayed.storage.values).all())
+    results.update(eager_step_host_us=(e1 + e2) / 2, replay_host_us=(r1 + r2) / 2,
+                   replay_in_place_host_us=rin, replay_equals_eager=same)
+    if dev == "cuda":
+        import cupy
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for i in range(20):   # the graph alone: 32 puts of the step, back to back
+            step.graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        results["replay_device_us"] = cupy.cuda.get_elapsed_time(start, end) * 1e3 / 20
+    # moves and rotations on the replayed cache's storage (any data: the timing is the point)
+    st = replayed.storage
+    rs = nkv.RopeShift()
+    for cells in (64, min(4096, st.n_cells // 2)):
+        moves = np.array([[st.n_cells - cells, 0, cells]], np.int64)
+        results[f"move_{cells}_host_us"] = _timed(lambda i: st.move_blocks(moves), 200, dev,
+                                                  a.sync_every)
+        cl = np.arange(cells, dtype=np.int32)
+        deltas = np.full(cells, -3, np.int64)
+        results[f"rotate_{cells}_host_us"] = _timed(lambda i: st.rotate(cl, deltas, rs), 200,
+                                                    dev, a.sync_every)
+    for key, value in results.items():
+        print(f"{key}: {value:.1f}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"targets: replay <= 100 us host ({'met' if results['replay_host_us'] <= 100 else 'MISSED'}"
+          f"), move/rotate <= 15 us host ("
+          f"{'met' if max(v for k, v in results.items() if k.startswith(('move', 'rotate'))) <= 15 else 'MISSED'})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+"""cache.capture_step / DecodeStep.replay (numbakv/step.py): a decode step whose kernels read
+their slots from a fixed step descriptor, replayed with new tokens every time.
+
+On cpu/sim the recorded launches run at each replay (the put kernel in the simulator reading the
+descriptor); the ``cuda`` path -- one pinned descriptor copy, the inputs copied into fixed
+buffers and one graph launch per replay -- runs against the stand-in CuPy (tests/fake_cupy.py),
+whose captured graph replays the real kernels in the simulator. Real capture on a GPU:
+``test_captured_graph_replays_on_a_gpu`` (marked gpu, run by ``.ci/gpu``)."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import numbakv as nkv
+from numbakv.errors import KVCacheFullError, NotSupportedError
+from numbakv.step import HEADER
+from fake_cupy import FakeDeviceArray
+from helpers import clear_launch_caches, dev, emulate_cuda, fake_cuda_cache, host
+
+SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
+
+
+def _cfg(device, *, permuted=False, dtype="float16", capacity=8, max_seqs=3, **kw):
+    return nkv.CacheConfig(**SHAPE, dtype=dtype, capacity=capacity, max_seqs=max_seqs,
+                           max_batch=4, permuted_v=permuted, device=device, **kw)
+
+
+def _kv(rng, n, dtype="float16"):
+    k = rng.standard_normal((SHAPE["n_layers"], n, 2, 8)).astype(dtype)
+    v = rng.standard_normal((SHAPE["n_layers"], n, 2, 4)).astype(dtype)
+    return k, v
+
+
+#: decode steps of three sequences: (positions, seqs), 2 or 3 tokens each
+def _steps():
+    pos = [0, 0, 0]
+    out = []
+    for i in range(14):
+        active = [s for s in range(3) if (i + s) % 4 != 3]
+        out.append((np.array([pos[s] for s in active], np.int32), np.array(active, np.int32)))
+        for s in active:
+            pos[s] += 1
+    return out
+
+
+#: sequence removals before some steps: holes, so placement differs from a plain append and the
+#: cache defragments
+EDITS = {4: (1, 0, 2), 8: (0, 0, 4), 11: (2, 0, 4)}
+
+
+def _edit(cache, i):
+    if i in EDITS:
+        cache.seq_rm(*EDITS[i])
+
+
+def _snapshot(cache):
+    st = cache.storage
+    return host(st.keys).copy(), host(st.values).copy(), cache.cells.cells.copy()
+
+
+def _drive(cache, rng_seed, use_step):
+    """Run :func:`_steps` through ``cache``: by replays of a captured step, or by start_forward
+    and a put per layer. Returns the storage and cell table afterwards."""
+    rng = np.random.default_rng(rng_seed)
+    step = cache.capture_step(batch=4) if use_step else None
+    for i, (pos, seqs) in enumerate(_steps()):
+        _edit(cache, i)
+        k, v = _kv(rng, len(pos))
+        k, v = dev(k, cache.device), dev(v, cache.device)
+        if use_step:
+            step.replay(pos, seqs, None, k, v)
+        else:
+            cache.start_forward(pos, seqs)
+            for layer in range(SHAPE["n_layers"]):
+                cache.set_layer(layer)
+                cache.put(k[layer], v[layer])
+    return _snapshot(cache) + (cache.defrag_count,)
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_replays_store_what_direct_puts_store(device, permuted):
+    """Many replays with different slots, positions and token counts (1 to 3 of a 4-token
+    step, holes, a defrag) leave the storage and cell table exactly as start_forward + put."""
+    direct = _drive(nkv.CausalCache(_cfg(device, permuted=permuted)), 7, False)
+    replayed = _drive(nkv.CausalCache(_cfg(device, permuted=permuted)), 7, True)
+    reference = _drive(nkv.CausalCache(_cfg("cpu", permuted=permuted)), 7, False)
+    assert replayed[3] >= 1, "the steps were meant to defragment at least once"
+    for a, b, c in zip(replayed, direct, reference):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+def test_replay_reads_slots_from_the_descriptor(device):
+    cache = nkv.CausalCache(_cfg(device))
+    step = cache.capture_step(batch=4)
+    rng = np.random.default_rng(1)
+    k, v = _kv(rng, 2)
+    step.replay(np.array([0, 0], np.int32), np.array([0, 1], np.int32), None, dev(k, device),
+                dev(v, device))
+    k2, v2 = _kv(rng, 3)
+    step.replay(np.array([1, 1, 0], np.int32), np.array([0, 1, 2], np.int32), None,
+                dev(k2, device), dev(v2, device))
+    d = host(step.descriptor)
+    start = cache._forward.start
+    np.testing.assert_array_equal(d[:HEADER], [3, start, 4, 0])
+    np.testing.assert_array_equal(d[HEADER:HEADER + 4], [start, start + 1, start + 2, -1])
+    np.testing.assert_array_equal(d[HEADER + 4:HEADER + 8], [1, 1, 0, -1])
+    np.testing.assert_array_equal(d[HEADER + 8:HEADER + 12], [0, 1, 2, -1])
+    # the pass is the cache's: get() sees what the step stored
+    cache.set_layer(1)
+    key, value, mask = cache.get()
+    lo = cache.cell_range()[0]
+    np.testing.assert_array_equal(host(key)[start - lo:start - lo + 3], k2[1])
+    assert step.replays == 2
+
+
+def test_inputs_written_in_place(device):
+    """A model that writes its K/V into step.key / step.value passes k=None, v=None."""
+    cache = nkv.CausalCache(_cfg(device))
+    step = cache.capture_step(batch=2)
+    k, v = _kv(np.random.default_rng(3), 2)
+    step.key[...] = dev(k, device)
+    step.value[...] = dev(v, device)
+    step.replay(np.array([0, 0], np.int32), np.array([0, 2], np.int32))
+    start = cache._forward.start
+    np.testing.assert_array_equal(host(cache.storage.keys)[:, start:start + 2], k)
+    np.testing.assert_array_equal(host(cache.storage.values)[:, start:start + 2], v)
+
+
+def test_prepare_and_put_for_an_engine_own_graph(device):
+    """prepare() + put() per layer (what an engine calls inside its own captured graph) store
+    the first n rows of each [batch, H, D] input where start_forward placed them; the rows past
+    n are padding and never stored."""
+    cfg = _cfg(device)
+    cache, direct = nkv.CausalCache(cfg), nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    rng = np.random.default_rng(12)
+    for i, (pos, seqs) in enumerate(_steps()):
+        _edit(cache, i)
+        _edit(direct, i)
+        k, v = _kv(rng, 4)              # a full step's rows: only the first len(pos) count
+        step.prepare(pos, seqs)
+        direct.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            step.put(layer, dev(k[layer], device), dev(v[layer], device))
+            direct.set_layer(layer)
+            direct.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    for a, b in zip(_snapshot(cache), _snapshot(direct)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_put_checks(device):
+    cache = nkv.CausalCache(_cfg(device))
+    step = cache.capture_step(batch=2)
+    k, v = (dev(x, device) for x in _kv(np.random.default_rng(0), 2))
+    step.prepare(np.array([0, 0], np.int32), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="layer"):
+        step.put(2, k[0], v[0])
+    with pytest.raises(ValueError, match="key"):
+        step.put(0, k[0, :1], v[0, :1])         # the step's batch rows, always
+    with pytest.raises(ValueError, match="batch=2"):
+        step.prepare(np.arange(3, dtype=np.int32), np.zeros(3, np.int32))
+
+
+def test_capture_checks(device):
+    cache = nkv.CausalCache(_cfg(device))
+    for bad in (0, 5, -1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="batch"):
+            cache.capture_step(batch=bad)
+    with pytest.raises(NotSupportedError, match="attend"):
+        cache.capture_step(batch=2, attend=True)
+    with pytest.raises(ValueError, match="attend"):
+        cache.capture_step(batch=2, attend="yes")
+    streams = nkv.CausalCache(_cfg(device, unified=False))
+    with pytest.raises(NotSupportedError, match="streams"):
+        streams.capture_step(batch=2)
+    quant = nkv.CausalCache(nkv.CacheConfig(1, 1, 32, capacity=8, max_batch=4, k_dtype="q8_0",
+                                            device=device))
+    with pytest.raises(NotSupportedError, match="quantized"):
+        quant.capture_step(batch=2)
+    cache.close()
+    with pytest.raises(nkv.KVCacheError, match="closed"):
+        cache.capture_step(batch=2)
+
+
+def test_a_bad_replay_changes_nothing(device):
+    cache = nkv.CausalCache(_cfg(device, capacity=2, max_seqs=1))
+    step = cache.capture_step(batch=2)
+    rng = np.random.default_rng(4)
+
+    def kv(n):
+        return tuple(dev(x, device) for x in _kv(rng, n))
+    k, v = kv(2)
+    step.replay(np.array([0, 1], np.int32), np.array([0, 0], np.int32), None, k, v)
+    before = _snapshot(cache)
+    fwd = cache._forward
+    pos, seqs = np.array([2], np.int32), np.array([0], np.int32)
+    k1, v1 = kv(1)
+    cases = [
+        (dict(q=np.zeros((1, 4, 8), np.float16), k=k1, v=v1), ValueError, "q must be None"),
+        (dict(k=k, v=v1), ValueError, "k must have shape"),
+        (dict(k=k1, v=v1[:, :, :1]), ValueError, "v must have shape"),
+        (dict(k=k1.astype(np.float32), v=v1), ValueError, "dtype"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            step.replay(pos, seqs, **kw)
+    with pytest.raises(ValueError, match="1 to batch=2"):
+        step.replay(np.arange(3, dtype=np.int32), np.zeros(3, np.int32), None, *kv(3))
+    with pytest.raises(KVCacheFullError):      # 2 cells, both used
+        step.replay(pos, seqs, None, k1, v1)
+    with pytest.raises(ValueError, match="positions"):
+        step.replay(np.array([-3], np.int32), seqs, None, k1, v1)
+    after = _snapshot(cache)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert cache._forward is fwd and step.replays == 1
+
+
+# ------------------------------------------------------------------ the cuda path (stand-in)
+
+@pytest.fixture
+def fake_gpu(kernel_device, monkeypatch):
+    if kernel_device != "sim":
+        pytest.skip("a real GPU runs the cuda path itself")
+    launches = []
+    cp = emulate_cuda(monkeypatch, lambda kernel, args: launches.append(
+        (kernel.py_func.__name__, sys.modules["cupy"].cuda.get_current_stream().ptr)))
+    yield cp, launches
+    clear_launch_caches()
+
+
+def _cuda_cache(cp, stream_ptr=0x61):
+    cache = fake_cuda_cache(cp, _cfg("cpu"), stream_ptr)
+    return cache, cache.storage.stream
+
+
+def test_cuda_step_is_one_graph_replayed_with_new_slots(fake_gpu):
+    """The graph is captured once; each replay is a descriptor copy and the graph's launch on
+    the cache's stream, no kernel launched from the host, and the tokens land where the cell
+    table put them (several replays, different slots and counts)."""
+    cp, launches = fake_gpu
+    cache, stream = _cuda_cache(cp)
+    step = cache.capture_step(batch=4)
+    assert step.graph is not None and len(step.graph.nodes) == SHAPE["n_layers"]
+    kinds = [e[0] for e in cp.log]
+    assert kinds.index("begin_capture") < kinds.index("end_capture")
+    captured = len(launches)
+    reference = nkv.CausalCache(_cfg("cpu"))
+    rng = np.random.default_rng(5)
+    for pos, seqs in _steps()[:6]:
+        k, v = _kv(rng, len(pos))
+        cp.log.clear()
+        step.replay(pos, seqs, None, FakeDeviceArray(k, cp), FakeDeviceArray(v, cp))
+        reference.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            reference.set_layer(layer)
+            reference.put(k[layer], v[layer])
+        work = [e for e in cp.log if e[0] in ("h2d", "d2d", "copy_kernel", "graph_launch")]
+        assert work[0][:2] == ("h2d", 0x61)                     # the descriptor first
+        assert work[-1] == ("graph_launch", 0x61, SHAPE["n_layers"])
+        assert all(e[1] == 0x61 for e in work), work            # all on the cache's stream
+        assert sum(e[0] == "h2d" for e in work) == 1
+    assert len(launches) == captured                            # replays launch no kernel
+    np.testing.assert_array_equal(host(cache.storage.keys), reference.storage.keys)
+    np.testing.assert_array_equal(host(cache.storage.values), reference.storage.values)
+
+
+def test_cuda_puts_captured_in_an_engine_graph_follow_each_prepare(fake_gpu):
+    """An engine captures its own graph on the cache's stream with step.put per layer (fixed
+    input buffers); each replay of that graph after step.prepare stores the new tokens where
+    the cell table placed them."""
+    cp, launches = fake_gpu
+    cache, stream = _cuda_cache(cp)
+    step = cache.capture_step(batch=4)
+    k_buf = np.zeros((SHAPE["n_layers"], 4, 2, 8), np.float16)
+    v_buf = np.zeros((SHAPE["n_layers"], 4, 2, 4), np.float16)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))   # a first pass
+    stream.begin_capture()
+    for layer in range(SHAPE["n_layers"]):
+        step.put(layer, FakeDeviceArray(k_buf[layer], cp), FakeDeviceArray(v_buf[layer], cp))
+    graph = stream.end_capture()
+    assert len(graph.nodes) == SHAPE["n_layers"]
+    reference = nkv.CausalCache(_cfg("cpu"))
+    reference.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    rng = np.random.default_rng(13)
+    for pos, seqs in _steps()[1:7]:
+        k, v = _kv(rng, 4)
+        k_buf[...], v_buf[...] = k, v          # the engine's graph writes its K/V here
+        step.prepare(pos, seqs)
+        graph.launch(stream)
+        reference.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            reference.set_layer(layer)
+            reference.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    # the first pass's token was never put on either side: compare the cells both wrote
+    np.testing.assert_array_equal(host(cache.storage.keys), reference.storage.keys)
+    np.testing.assert_array_equal(host(cache.storage.values), reference.storage.values)
+
+
+def test_cuda_full_batch_inputs_are_one_device_copy_each(fake_gpu):
+    cp, _ = fake_gpu
+    cache, _ = _cuda_cache(cp)
+    step = cache.capture_step(batch=2)
+    k, v = _kv(np.random.default_rng(6), 2)
+    cp.log.clear()
+    step.replay(np.array([0, 0], np.int32), np.array([0, 1], np.int32), None,
+                FakeDeviceArray(k, cp), FakeDeviceArray(v, cp))
+    assert [e[0] for e in cp.log if e[0] in ("d2d", "copy_kernel")] == ["d2d", "d2d"]
+    np.testing.assert_array_equal(host(step.key), k)
+
+
+def test_cuda_pinned_descriptors_are_reused_after_their_copy(fake_gpu):
+    """The host descriptor is a ring of pinned buffers: no allocation per replay, and a buffer
+    is refilled only once the copy that read it has passed (its event)."""
+    cp, _ = fake_gpu
+    cache, stream = _cuda_cache(cp)
+    step = cache.capture_step(batch=1)
+    rng = np.random.default_rng(8)
+    for i in range(10):
+        k, v = _kv(rng, 1)
+        step.replay(np.array([i], np.int32), np.array([0], np.int32), None,
+                    FakeDeviceArray(k, cp), FakeDeviceArray(v, cp))
+    assert sum(e[0] == "pinned_alloc" for e in cp.log) <= 4
+    stream.hold_events = True                  # the GPU falls behind: the ring waits for it
+    cp.log.clear()
+    for i in range(10, 15):
+        k, v = _kv(rng, 1)
+        step.replay(np.array([i], np.int32), np.array([0], np.int32), None,
+                    FakeDeviceArray(k, cp), FakeDeviceArray(v, cp))
+    assert ("event_sync", 0x61) in cp.log
+
+
+@pytest.mark.gpu
+def test_captured_graph_replays_on_a_gpu():
+    """Real capture (cupy Stream.begin_capture / Graph.launch) on a GPU: replays with new
+    tokens equal start_forward + put on a twin cache, on a side stream."""
+    cupy = pytest.importorskip("cupy")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cache = nkv.CausalCache(_cfg("cuda"))
+    cache.use_stream(stream)
+    twin = nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    rng = np.random.default_rng(9)
+    for i, (pos, seqs) in enumerate(_steps()):
+        _edit(cache, i)
+        _edit(twin, i)
+        k, v = _kv(rng, len(pos))
+        with stream:
+            kd, vd = cupy.asarray(k), cupy.asarray(v)
+        step.replay(pos, seqs, None, kd, vd)
+        twin.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            twin.set_layer(layer)
+            twin.put(k[layer], v[layer])
+    stream.synchronize()
+    np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
+    np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
+
+
+@pytest.mark.gpu
+def test_engine_graph_with_step_puts_on_a_gpu():
+    """An engine's own graph (captured with cupy on the cache's stream) calling step.put per
+    layer; each replay after step.prepare stores that step's tokens."""
+    cupy = pytest.importorskip("cupy")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cache = nkv.CausalCache(_cfg("cuda"))
+    cache.use_stream(stream)
+    twin = nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    with stream:
+        k_buf = cupy.zeros((SHAPE["n_layers"], 4, 2, 8), np.float16)
+        v_buf = cupy.zeros((SHAPE["n_layers"], 4, 2, 4), np.float16)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(SHAPE["n_layers"]):      # loads the kernels outside the capture
+        step.put(layer, k_buf[layer], v_buf[layer])
+    twin.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(SHAPE["n_layers"]):
+        twin.set_layer(layer)
+        twin.put(np.zeros((1, 2, 8), np.float16), np.zeros((1, 2, 4), np.float16))
+    stream.synchronize()
+    stream.begin_capture()
+    for layer in range(SHAPE["n_layers"]):
+        step.put(layer, k_buf[layer], v_buf[layer])
+    graph = stream.end_capture()
+    rng = np.random.default_rng(14)
+    for pos, seqs in _steps()[1:8]:
+        k, v = _kv(rng, 4)
+        with stream:
+            k_buf.set(k, stream=stream)
+            v_buf.set(v, stream=stream)
+        step.prepare(pos, seqs)
+        graph.launch(stream)
+        twin.start_forward(pos, seqs)
+        for layer in range(SHAPE["n_layers"]):
+            twin.set_layer(layer)
+            twin.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    stream.synchronize()
+    np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
+    np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_torch_cuda_graph_with_step_puts_on_a_gpu():
+    """What a torch engine does: step.put per layer inside torch.cuda.graph (captured on the
+    cache's stream, inputs in static torch buffers), then step.prepare + g.replay() per step."""
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    side = torch.cuda.Stream()
+    cache = nkv.CausalCache(_cfg("cuda"))
+    cache.use_stream(side)
+    twin = nkv.CausalCache(_cfg("cpu"))
+    step = cache.capture_step(batch=4)
+    L = SHAPE["n_layers"]
+    with torch.cuda.stream(side):
+        k_buf = torch.zeros((L, 4, 2, 8), device="cuda", dtype=torch.float16)
+        v_buf = torch.zeros((L, 4, 2, 4), device="cuda", dtype=torch.float16)
+    kc, vc = cupy.from_dlpack(k_buf), cupy.from_dlpack(v_buf)
+    step.prepare(np.array([0], np.int32), np.array([0], np.int32))   # warm: plans, kernels
+    for layer in range(L):
+        step.put(layer, kc[layer], vc[layer])
+    twin.start_forward(np.array([0], np.int32), np.array([0], np.int32))
+    for layer in range(L):
+        twin.set_layer(layer)
+        twin.put(np.zeros((1, 2, 8), np.float16), np.zeros((1, 2, 4), np.float16))
+    side.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        for layer in range(L):
+            step.put(layer, kc[layer], vc[layer])
+    rng = np.random.default_rng(15)
+    for pos, seqs in _steps()[1:8]:
+        k, v = _kv(rng, 4)
+        with torch.cuda.stream(side):
+            k_buf.copy_(torch.from_numpy(k))
+            v_buf.copy_(torch.from_numpy(v))
+            step.prepare(pos, seqs)
+            g.replay()
+        twin.start_forward(pos, seqs)
+        for layer in range(L):
+            twin.set_layer(layer)
+            twin.put(k[layer, :len(pos)], v[layer, :len(pos)])
+    side.synchronize()
+    np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
+    np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
