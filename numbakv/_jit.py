@@ -94,7 +94,8 @@ def shipped_cache_usable() -> bool:
 COMPILED_SOURCES = ("attention.py", "cells.py", "pages.py", "storage.py", "kernels/_common.py",
                     "kernels/_registry.py", "kernels/decode.py", "kernels/hadamard.py",
                     "kernels/mask.py", "kernels/mla.py", "kernels/move.py",
-                    "kernels/put.py", "kernels/quant.py", "kernels/rope.py", "kernels/rows.py")
+                    "kernels/put.py", "kernels/quant.py", "kernels/rope.py", "kernels/rows.py",
+                    "step.py")
 
 _SOURCE_HASHES: Dict[str, str] = {}
 
