@@ -1336,7 +1336,7 @@ def _fill_from_run(unit, slots: np.ndarray, plan: "_Placement", run: OpenedRun) 
         dst = side[layer][start:start + k] if direct else None
         direct = direct and dst.flags.c_contiguous
         if direct:
-            head_view = memoryview(dst).cast("B") if k else memoryview(b"")
+            head_view = memoryview(dst).cast("B") if dst.size else memoryview(b"")
             need = nbytes - k * row_nbytes
         else:
             need = nbytes
