@@ -43,6 +43,8 @@ _CHILD_FLAG = "--child"
 def _tour(dtype: str, tmp: str, device: str = "cpu") -> None:
     """One of every public operation of :class:`~numbakv.CausalCache` (and the stream and
     wrapper caches) on a tiny ``dtype`` cache on ``device``."""
+    import ml_dtypes  # noqa: F401 -- numpy's "bfloat16" dtype (numba-cuda's dependency)
+
     import numbakv as nkv
     from ..attention import attend
 
