@@ -368,7 +368,12 @@ class _CompileCounter:
 
         class Listener(event.Listener):
             def on_start(inner, ev) -> None:  # noqa: N805 - numba's listener protocol
-                fn = getattr(ev.data.get("dispatcher"), "py_func", None)
+                dispatcher = ev.data.get("dispatcher")
+                if type(getattr(dispatcher, "_cache", None)).__name__ == "NullCache":
+                    # cache=False by design (inline="always" element math: compiled into its
+                    # callers; the simulator calls it from Python): nothing to ship
+                    return
+                fn = getattr(dispatcher, "py_func", None)
                 if getattr(fn, "__module__", "").startswith(prefix):
                     self.names.append(f"{fn.__module__}.{fn.__qualname__}")
 
