@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import numpy as np
 
@@ -323,6 +323,20 @@ def _bench_quick() -> None:
         args.func(args)
 
 
+def _run_parts(parts: Dict[str, Callable[[str], object]], verbose: bool) -> Dict[str, float]:
+    """Run each of ``parts`` (name -> callable taking a scratch folder) in order, in one
+    temporary folder; returns seconds per part (printed as they finish when ``verbose``)."""
+    times: Dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="numbakv-precompile-") as tmp:
+        for name, part in parts.items():
+            t0 = time.perf_counter()
+            part(tmp)
+            times[name] = time.perf_counter() - t0
+            if verbose:
+                print(f"  {name:<22} {times[name]:6.1f} s", flush=True)
+    return times
+
+
 def common_path(verbose: bool = False) -> Dict[str, float]:
     """Run the common path (module docstring) once on the CPU; returns seconds per part."""
     from .demo import run_demo
@@ -348,15 +362,7 @@ def common_path(verbose: bool = False) -> Dict[str, float]:
         "prompt cache": _prompt_cache,
         "bench --quick": lambda tmp: _bench_quick(),
     }
-    times: Dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="numbakv-precompile-") as tmp:
-        for name, part in parts.items():
-            t0 = time.perf_counter()
-            part(tmp)
-            times[name] = time.perf_counter() - t0
-            if verbose:
-                print(f"  {name:<22} {times[name]:6.1f} s", flush=True)
-    return times
+    return _run_parts(parts, verbose)
 
 
 class _CompileCounter:
@@ -407,15 +413,7 @@ def cuda_host_path(verbose: bool = False) -> Dict[str, float]:
                                                   for d in ("float32", "float16")],
         "cuda host: step/pages": lambda tmp: _step_and_pages(device="sim"),
     }
-    times: Dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="numbakv-precompile-") as tmp:
-        for name, part in parts.items():
-            t0 = time.perf_counter()
-            part(tmp)
-            times[name] = time.perf_counter() - t0
-            if verbose:
-                print(f"  {name:<22} {times[name]:6.1f} s", flush=True)
-    return times
+    return _run_parts(parts, verbose)
 
 
 #: the child modes that run the CUDA host path under the simulator instead of the common path
