@@ -61,7 +61,7 @@ from .index import BlockIndex, Entry, Match
 from .keys import KEYED_BIT, block_keys, fold_extra_keys, namespace, root_digest
 from .policy import DEFAULT_PRIORITY, PRIORITY_RANGE, Retention, make_policy
 from .tiers.base import BIND_FIRST, BIND_RUN, is_bound
-from .tiers.host import BufferPool, HostTier, owned_copy
+from .tiers.host import BufferPool, HostTier, owned_copy, with_rows
 from .writer import Job, TierWriter
 
 CELLS, HOST = "cells", "host"
@@ -280,13 +280,7 @@ def _owned(snap):
     if all(isinstance(a, np.ndarray) and a.flags.owndata
            for p in snap.parts for a in (*p.keys, *p.values)):
         return snap
-    parts = tuple(type(p)(positions=np.array(p.positions, copy=True),
-                          keys=tuple(own(a) for a in p.keys),
-                          values=tuple(own(a) for a in p.values), k_format=p.k_format,
-                          v_format=p.v_format) for p in snap.parts)
-    if getattr(snap, "recurrent", None) is not None:
-        return snap._with(parts=parts)      # the recurrent part owns its arrays (an export)
-    return type(snap)(parts=parts, fingerprint=snap.fingerprint, head_range=snap.head_range)
+    return with_rows(snap, own)
 
 
 class PrefixStore:

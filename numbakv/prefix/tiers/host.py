@@ -122,6 +122,12 @@ def owned_copy(snap, pool: Optional[BufferPool] = None):
         np.copyto(out, a)
         at += -(-a.nbytes // 64) * 64
         return out
+    return with_rows(snap, own)
+
+
+def with_rows(snap, own):
+    """``snap`` with every K/V row array ``a`` of its parts replaced by ``own(a)`` and its
+    positions copied (the recurrent part, when there is one, is kept: an export owns it)."""
     parts = tuple(type(p)(positions=np.array(p.positions, copy=True),
                           keys=tuple(own(a) for a in p.keys),
                           values=tuple(own(a) for a in p.values), k_format=p.k_format,
@@ -165,4 +171,4 @@ class HostTier:
                 "bytes_free": self.budget - used, "entries": self.entries}
 
 
-__all__ = ["HostTier", "BufferPool", "owned_copy"]
+__all__ = ["HostTier", "BufferPool", "owned_copy", "with_rows"]
