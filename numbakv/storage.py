@@ -758,14 +758,19 @@ class KVStorage:
                 _rope.launch(self.device, self.keys.view(np.uint16), "bfloat16", cells, deltas,
                              inv_freq, rope.neox, layers, col=_mla.ROPE_AT // 2)
             return
-        keys, dim = self.rope_keys(rope)
         if self.k_quantized:
+            dim = self.rope_keys(rope)[1]   # values a row the kernel turns (pairs: the rope's)
             if dim > _quant.MAX_ROTATE_DIM:
                 raise ValueError(f"the rotary shift on quantized keys takes head_dim <= "
                                  f"{_quant.MAX_ROTATE_DIM}, got {dim}")
+            # the whole storage and the byte where the rotated blocks start (an MLA latent's
+            # rope blocks; check_rope_layout made sure they are whole blocks)
+            per_block, block_bytes = QUANT_TYPES[self.config.k_dtype]
+            col = rope.offset // per_block * block_bytes
             with self._on_device():   # rotated keys: whole blocks, turned back around the RoPE
-                _quant.rope_launch(self.device, keys, dim, cells, deltas, inv_freq, rope.neox,
-                                   self._k_fmt, self._k_scales, layers, self.config.k_rotation)
+                _quant.rope_launch(self.device, self.keys, dim, cells, deltas, inv_freq,
+                                   rope.neox, self._k_fmt, self._k_scales, layers,
+                                   self.config.k_rotation, col=col)
             return
 
     def rope_keys(self, rope: RopeShift) -> Tuple[Any, int]:

@@ -666,3 +666,40 @@ def test_large_cpu_puts_gets_and_shifts_thread_without_changing_a_bit(kind):
     tab, cos_t, sin_t = tables(d2, inv_freq)
     Q.quant_rope_cpu(slow, c2, tab, np.zeros(1, np.int32), cos_t, sin_t, 1, dim, scales, fmt)
     np.testing.assert_array_equal(fast, slow)
+
+
+def test_cpu_fused_rope_rows_match_the_work_row_form():
+    """The CPU's in-register quantized shift (rows of 64 values: an MLA latent's rope blocks
+    after two latent blocks, Walsh-Hadamard-rotated or not, NeoX or interleaved pairs) writes
+    the bytes the work-row form (quant_rope_cpu on a view of the same blocks) writes, a row
+    with an infinity (redone by the work-row form) and a zero row included; the latent blocks
+    before them are untouched."""
+    from numbakv.kernels import quant as Q
+    from numbakv.kernels.hadamard import rotation_scale
+    from numbakv.kernels.rope import shift_plan
+    rng = np.random.default_rng(13)
+    layers, n_cells, heads, dim, lead = 2, 12, 2, 64, 64
+    for fmt in (Q.FMT_Q8_0, Q.FMT_Q4_0):
+        nbytes = Q.BLOCK_BYTES[fmt]
+        col = lead // 32 * nbytes
+        x = (rng.standard_normal((layers, n_cells, heads, lead + dim)) * 3).astype(np.float16)
+        x[1, 3, 0, -5] = np.inf
+        x[0, 5, 1, :] = 0
+        scales = np.ones(layers, np.float32)
+        for rot in (0, dim):
+            q = np.zeros((layers, n_cells, heads, (lead + dim) // 32 * nbytes), np.uint8)
+            for layer in range(layers):
+                Q.put_launch("cpu", q, layer, x[layer], None, 0, fmt, scales, "float16", rot)
+            cells = np.arange(0, n_cells, 2, dtype=np.int32)
+            deltas = rng.integers(-40, 40, cells.size)
+            inv_freq = 1e4 ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
+            rscale = rotation_scale(rot) if rot else np.float32(1.0)
+            for neox in (0, 1):
+                fast, slow = q.copy(), q.copy()
+                Q.rope_launch("cpu", fast, dim, cells, deltas, inv_freq, bool(neox), fmt,
+                              scales, None, rot, col=col)
+                c2, layer_list, tab, cos_t, sin_t = shift_plan(cells, deltas, inv_freq, layers)
+                Q.quant_rope_cpu(slow[..., col:], c2, tab, layer_list, cos_t, sin_t, neox, dim,
+                                 scales, fmt, rot, rscale)
+                np.testing.assert_array_equal(fast, slow)
+                assert (fast[..., :col] == q[..., :col]).all() and (fast != q).any()

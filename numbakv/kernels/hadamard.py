@@ -68,26 +68,37 @@ def _wht_block_intrinsic(n: int):
 
     def wht(typingctx, work, off):
         def codegen(context, builder, sig, args):
-            f32, i32 = ir.FloatType(), ir.IntType(32)
+            f32 = ir.FloatType()
             ptr = _vector_ptr(context, builder, sig.args[0], args[0], args[1], f32, n)
-            x = builder.load(ptr, align=4)
-            half = ir.VectorType(i32, n // 2)
-            step = 1
-            while step < n:
-                lo = [i for i in range(n) if not i & step]
-                u = builder.shuffle_vector(x, x, ir.Constant(half, lo))
-                v = builder.shuffle_vector(x, x, ir.Constant(half, [i + step for i in lo]))
-                s, d = builder.fadd(u, v), builder.fsub(u, v)
-                back = [0] * n   # lane i <- s[k] (i = lo[k]), lane i + step <- d[k]
-                for k, i in enumerate(lo):
-                    back[i], back[i + step] = k, k + n // 2
-                x = builder.shuffle_vector(s, d, ir.Constant(ir.VectorType(i32, n), back))
-                step *= 2
-            builder.store(x, ptr, align=4)
+            builder.store(wht_stages(builder, builder.load(ptr, align=4), n), ptr, align=4)
             return context.get_dummy_value()
         return types.void(work, off), codegen
     wht.__name__ = f"wht{n}_block"
     return intrinsic(wht)
+
+
+def wht_stages(builder, x, n: int):
+    """The Walsh-Hadamard stages of ``x`` (an LLVM ``<m x float>`` value, already scaled) in
+    blocks of ``n`` lanes (``n`` a power of two dividing ``m``), as a new value: each stage two
+    shuffles (the ``i & step == 0`` lanes and their partners), one vector add and one subtract,
+    and a shuffle back -- ggml's IEEE operations in ggml's stage order (used inside the fused
+    CPU put of kernels/quant.py, which keeps the row in registers)."""
+    from llvmlite import ir
+    i32 = ir.IntType(32)
+    m = x.type.count
+    half = ir.VectorType(i32, m // 2)
+    step = 1
+    while step < n:
+        lo = [i for i in range(m) if not i & step]
+        u = builder.shuffle_vector(x, x, ir.Constant(half, lo))
+        v = builder.shuffle_vector(x, x, ir.Constant(half, [i + step for i in lo]))
+        s, d = builder.fadd(u, v), builder.fsub(u, v)
+        back = [0] * m   # lane i <- s[k] (i = lo[k]), lane i + step <- d[k]
+        for k, i in enumerate(lo):
+            back[i], back[i + step] = k, k + m // 2
+        x = builder.shuffle_vector(s, d, ir.Constant(ir.VectorType(i32, m), back))
+        step *= 2
+    return x
 
 
 _wht64 = _wht_block_intrinsic(64)

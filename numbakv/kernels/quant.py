@@ -37,7 +37,8 @@ from .._jit import njit
 from ._common import (MAX_GRID_YZ, STORAGE_VIEW_TYPES, UINT, _hw_float_to_half, block_size,
                       cdiv, f16_bits_to_f32, f16_bits_to_f32_hw, f32_to_bf16_bits,
                       f32_to_f16_bits, mul_rn, sig_array as _arr)
-from .hadamard import _vector_ptr, rotation_scale, wht_pair_index, wht_row_cpu, wht_sum_diff
+from .hadamard import (_vector_ptr, rotation_scale, wht_pair_index, wht_row_cpu, wht_stages,
+                       wht_sum_diff)
 from .launch import device_arg, launch as _launch, to_device
 from ._registry import cuda, cuda_device, cuda_jit_from, cuda_kernel, element, resolved
 from .move import move_step, normalize
@@ -319,27 +320,35 @@ def _first_of_bits32(typingctx, work, off, bits):
     return types.int64(work, off, bits), codegen
 
 
+#: the float32 just below 0.5 (0x3EFFFFFF)
+_PRED_HALF_BITS = 0x3EFFFFFF
+
+
+def _llvm_roundf32(builder, y):
+    """``roundf`` (half away from zero) of the ``<32 x float>`` ``y`` (``|y| <= 128``) as
+    ``<32 x i32>``: ``trunc(y + copysign(0.49999997f, y))``. The one float add rounds to the
+    right side in every case (checked against ``floor(|y|) + int(2 (|y| - floor|y|))``, the
+    scalar form, for every float32 in [0, 128]: 0 differences; with 0.5 itself 0.49999997
+    would round to 1), in 3 vector operations instead of that form's 9."""
+    from llvmlite import ir
+    vf, vi = y.type, ir.VectorType(ir.IntType(32), y.type.count)
+    n = y.type.count
+    sign = builder.and_(builder.bitcast(y, vi), ir.Constant(vi, [0x80000000] * n))
+    h = builder.bitcast(builder.or_(sign, ir.Constant(vi, [_PRED_HALF_BITS] * n)), vf)
+    return builder.fptosi(builder.fadd(y, h), vi)
+
+
 @intrinsic
 def _q8_0_quants32(typingctx, work, off, inv, q, qoff):
     """``q[qoff : qoff + 32]`` = the int8 of ``roundf(work[off + i] * inv)`` (half away from
-    zero: ``floor(|y|) + int(2 * (|y| - floor(|y|)))`` with the sign of ``y``, as
-    :func:`quantize_block`)."""
+    zero, as :func:`quantize_block`; :func:`_llvm_roundf32`)."""
     from llvmlite import ir
 
     def codegen(context, builder, sig, args):
         n = 32
-        vf, vi = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
         x = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], args[1],
                                      ir.FloatType(), n), align=4)
-        y = builder.fmul(x, _llvm_splat(builder, args[2], n))
-        a = builder.bitcast(builder.and_(builder.bitcast(y, vi),
-                                         ir.Constant(vi, [0x7FFFFFFF] * n)), vf)
-        fl = builder.fptosi(a, vi)
-        up = builder.fptosi(builder.fmul(ir.Constant(vf, [2.0] * n),
-                                         builder.fsub(a, builder.sitofp(fl, vf))), vi)
-        r = builder.add(fl, up)
-        neg = builder.fcmp_ordered("<", y, ir.Constant(vf, [0.0] * n))
-        r = builder.select(neg, builder.sub(ir.Constant(vi, [0] * n), r), r)
+        r = _llvm_roundf32(builder, builder.fmul(x, _llvm_splat(builder, args[2], n)))
         builder.store(builder.trunc(r, ir.VectorType(ir.IntType(8), n)),
                       _vector_ptr(context, builder, sig.args[3], args[3], args[4],
                                   ir.IntType(8), n), align=1)
@@ -409,6 +418,311 @@ def quantize_row_cpu(work, dim, q_row, fmt):
             _q4_0_quants32(work, j0, inv, q_row, b0 + 2)
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# the CPU put's fused form: a chunk of a row from the input straight to its quantized bytes,
+# all in registers (no float32 work row, no per-row array views). Same IEEE operations in the
+# same order as the work-row form above (widen exactly, scale, ggml's stages, quantize_block's
+# block math), so the same bytes.
+
+def _elem_ptr(context, builder, aryty, ary, off, elem):
+    """A pointer to one ``elem`` at element ``off`` of ``ary``'s data."""
+    arr = context.make_array(aryty)(context, builder, value=ary)
+    return builder.bitcast(builder.gep(arr.data, [off]), elem.as_pointer())
+
+
+def _int_const(value, c):
+    from llvmlite import ir
+    return ir.Constant(value.type, c)
+
+
+def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, fmt_v):
+    """Store the ggml blocks (``fmt_v`` 1: q8_0, 2: q4_0) of the finite ``<32 x float>``
+    values ``blocks`` (their magnitudes' bits ``mags``, largest ``amax``) at byte ``qoff`` of
+    ``q``'s data: :func:`quantize_block`'s math (scales and reciprocals of all blocks as one
+    vector divide, the scales' float16 by ``fptrunc``, the quants as :func:`_q8_0_quants32` /
+    :func:`_q4_0_quants32`)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    f32, i32, i16, i8, i1 = (ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8),
+                             ir.IntType(1))
+    nb = len(blocks)
+    v32f, v32i = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
+    vb_i, vb_f = ir.VectorType(i32, nb), ir.VectorType(f32, nb)
+    m_v = ir.Constant(vb_i, ir.Undefined)
+    for k in range(nb):
+        mk = amax[k]
+        if fmt_v == 2:   # m: the first value of the largest magnitude, with its sign
+            cttz = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i32, [i32, i1]), "llvm.cttz.i32")
+            eq = builder.icmp_unsigned("==", mags[k], _llvm_splat(builder, amax[k], 32))
+            first = builder.call(cttz, [builder.bitcast(eq, i32), ir.Constant(i1, 0)])
+            neg = builder.icmp_signed("<", builder.bitcast(blocks[k], v32i),
+                                      ir.Constant(v32i, [0] * 32))
+            sign = builder.and_(builder.lshr(builder.bitcast(neg, i32), first),
+                                ir.Constant(i32, 1))
+            mk = builder.or_(mk, builder.shl(sign, ir.Constant(i32, 31)))
+        m_v = builder.insert_element(m_v, mk, ir.Constant(i32, k))
+    # q8_0: d = amax / 127; q4_0: d = m / -8
+    d = builder.fdiv(builder.bitcast(m_v, vb_f),
+                     ir.Constant(vb_f, [127.0 if fmt_v == 1 else -8.0] * nb))
+    nonzero = builder.fcmp_ordered("!=", d, ir.Constant(vb_f, [0.0] * nb))
+    inv = builder.select(nonzero, builder.fdiv(ir.Constant(vb_f, [1.0] * nb), d),
+                         ir.Constant(vb_f, [0.0] * nb))
+    d_half = builder.bitcast(builder.fptrunc(d, ir.VectorType(ir.HalfType(), nb)),
+                             ir.VectorType(i16, nb))
+    nbytes = 34 if fmt_v == 1 else 18
+    for k in range(nb):
+        kk = ir.Constant(i32, k)
+        b0 = builder.add(qoff, _int_const(qoff, k * nbytes))
+        builder.store(builder.extract_element(d_half, kk),
+                      _elem_ptr(context, builder, q_ty, qa, b0, i16), align=1)
+        inv_k = _llvm_splat(builder, builder.extract_element(inv, kk), 32)
+        qat = builder.add(qoff, _int_const(qoff, k * nbytes + 2))
+        if fmt_v == 1:   # roundf(x * inv)
+            r = _llvm_roundf32(builder, builder.fmul(blocks[k], inv_k))
+            builder.store(builder.trunc(r, ir.VectorType(i8, 32)),
+                          _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1)
+        else:            # min(15, int(x * inv + 8.5)), the product rounded before the add
+            y = builder.fadd(builder.fmul(blocks[k], inv_k), ir.Constant(v32f, [8.5] * 32))
+            r = builder.fptosi(y, v32i)
+            c15 = ir.Constant(v32i, [15] * 32)
+            r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
+            h16 = ir.VectorType(i32, 16)
+            lo = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16))))
+            hi = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16, 32))))
+            packed = builder.or_(lo, builder.shl(hi, ir.Constant(h16, [4] * 16)))
+            builder.store(builder.trunc(packed, ir.VectorType(i8, 16)),
+                          _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
+
+
+def _umax(builder, a, b):
+    return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+
+
+def _llvm_block_maxima(builder, mags):
+    """The unsigned maximum of each ``<32 x i32>`` in ``mags`` (1, 2, 4 or 8 of them) as one
+    ``<len x i32>``: each folded to 16 lanes, then pairs merged (half the lanes of each into one
+    vector, a max of the two halves) until one vector holds every block's lanes, then each
+    block's lanes reduced in place -- a shared shuffle tree (~4 operations a block) rather than
+    a horizontal reduction per block (~10 each, a long dependency chain)."""
+    from llvmlite import ir
+    i32 = ir.IntType(32)
+
+    def shuffle(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
+    vs = [_umax(builder, shuffle(m, m, list(range(16))), shuffle(m, m, list(range(16, 32))))
+          for m in mags]
+    group = 16   # lanes per block in each vector
+    while len(vs) > 1:
+        half = group // 2
+        lo = [g * group + j for g in range(16 // group) for j in range(half)]
+        hi = [i + half for i in lo]
+        merged = []
+        for a, b in zip(vs[0::2], vs[1::2]):
+            # lanes of a's blocks first, then b's: block order kept
+            first = shuffle(a, b, lo + [16 + i for i in lo])
+            second = shuffle(a, b, hi + [16 + i for i in hi])
+            merged.append(_umax(builder, first, second))
+        vs, group = merged, half
+    v = vs[0]
+    while group > 1:   # within each block's lanes: fold the top half onto the bottom
+        half = group // 2
+        idx = [(i + half) if (i % group) < half else i for i in range(16)]
+        v = _umax(builder, v, shuffle(v, v, idx))
+        group = half
+    return shuffle(v, v, [k * (16 // len(mags)) for k in range(len(mags))])
+
+
+@intrinsic(prefer_literal=True)
+def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
+    """Quantize the ``n`` (32, 64, 128 or 256: a literal) input values at element ``xoff`` of
+    ``x``'s data into ``n / 32`` ggml blocks at byte ``qoff`` of ``q``'s data (``fmt`` 1: q8_0,
+    2: q4_0), rotated first when ``rotate`` (a literal: one Walsh-Hadamard block of ``n``,
+    scaled by ``rscale``): the values widened as one ``<n x float>`` (``kind`` 3: float16 bits
+    by F16C's ``fpext``; 2: bfloat16 bits by a shift; a float32 ``x``: as they are), the stages
+    of :func:`.hadamard.wht_stages`, each block's largest magnitude by
+    ``llvm.vector.reduce.umax`` over the bits, then :func:`_llvm_quantize_blocks`. ``fmt`` and
+    ``kind`` are run-time values (a branch each per chunk, always predicted; a specialisation
+    per value made the put take minutes to compile). Returns 0, or 1 (and stores nothing) when
+    a block holds an infinity or NaN: the caller then takes the work-row path, which stores
+    ggml's NaN block. The CPU must have F16C (``_F16C``)."""
+    if not (isinstance(n, types.IntegerLiteral) and isinstance(rotate, types.IntegerLiteral)):
+        return None
+    n_v, rot_v = n.literal_value, rotate.literal_value
+    from llvmlite import ir
+
+    def codegen(context, builder, sig, args):
+        f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+        x_ty, q_ty = sig.args[0], sig.args[2]
+        xa, xoff_v, qa, qoff_v, rs, fmt_a, kind_a = args[:7]
+        nb = n_v // 32
+        vf, vi = ir.VectorType(f32, n_v), ir.VectorType(i32, n_v)
+        if x_ty.dtype == types.float32:
+            v = builder.load(_vector_ptr(context, builder, x_ty, xa, xoff_v, f32, n_v), align=4)
+        else:
+            raw = builder.load(_vector_ptr(context, builder, x_ty, xa, xoff_v, i16, n_v),
+                               align=2)
+            as_f16 = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), n_v)), vf)
+            as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, vi),
+                                                  ir.Constant(vi, [16] * n_v)), vf)
+            is_f16 = builder.icmp_signed("==", kind_a, _int_const(kind_a, 3))
+            v = builder.select(is_f16, as_f16, as_bf16)
+        if rot_v:
+            v = wht_stages(builder, builder.fmul(v, _llvm_splat(builder, rs, n_v)), n_v)
+        v32i = ir.VectorType(i32, 32)
+        blocks, mags = [], []
+        for k in range(nb):
+            blk = (v if nb == 1 else builder.shuffle_vector(
+                v, v, ir.Constant(v32i, list(range(32 * k, 32 * k + 32)))))
+            blocks.append(blk)
+            mags.append(builder.and_(builder.bitcast(blk, v32i),
+                                     ir.Constant(v32i, [0x7FFFFFFF] * 32)))
+        amax_v = _llvm_block_maxima(builder, mags)
+        amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
+        bad = builder.icmp_unsigned(">=", amax_v, ir.Constant(amax_v.type, [0x7F800000] * nb))
+        bad = builder.icmp_unsigned("!=", builder.bitcast(bad, ir.IntType(nb)),
+                                    ir.Constant(ir.IntType(nb), 0))
+        entry = builder.block
+        finite = builder.append_basic_block("fused_finite")
+        q8 = builder.append_basic_block("fused_q8_0")
+        q4 = builder.append_basic_block("fused_q4_0")
+        done = builder.append_basic_block("fused_done")
+        builder.cbranch(bad, done, finite)
+        builder.position_at_end(finite)
+        builder.cbranch(builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1)), q8, q4)
+        for block, fmt_v in ((q8, 1), (q4, 2)):
+            builder.position_at_end(block)
+            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, fmt_v)
+            builder.branch(done)
+        builder.position_at_end(done)
+        flag = builder.phi(ir.IntType(64))
+        flag.add_incoming(ir.Constant(ir.IntType(64), 1), entry)
+        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q8)
+        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q4)
+        return flag
+    return types.int64(x, xoff, q, qoff, rscale, fmt, kind, n, rotate), codegen
+
+
+@intrinsic(prefer_literal=True)
+def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot, neox):
+    """The rotary shift of one q8_0/q4_0 (``fmt`` 1/2) key row of ``n`` values (64 or 128, a
+    literal) at byte ``qoff`` of ``q``'s data, in registers: the blocks dequantized
+    (:func:`dequantize_block`'s ``d * q``, the scale widened by ``fpext``), turned back from
+    the Walsh-Hadamard basis when ``rot`` (a literal: 0 or ``n``; scaled by ``rscale``), the
+    RoPE pairs (``neox`` a literal; :func:`.rope.rotate_pair`'s float32 math with the cos/sin
+    table row at element ``toff``), forward again, requantized by
+    :func:`_llvm_quantize_blocks` -- :func:`rotate_row_cpu`'s operations in its order. Returns
+    0, or 1 (the row left as it was) when a value is not finite: the caller then runs
+    :func:`rotate_row_cpu`."""
+    lits = (n, rot, neox)
+    if not all(isinstance(a, types.IntegerLiteral) for a in lits):
+        return None
+    n_v, rot_v, neox_v = (a.literal_value for a in lits)
+    from llvmlite import ir
+
+    def codegen(context, builder, sig, args):
+        f32, i32, i16, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8)
+        q_ty = sig.args[0]
+        qa, qoff_v, cos_a, sin_a, toff_v, rs, fmt_a = args[:7]
+        nb = n_v // 32
+        v32f, v32i = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
+
+        def shuffle(a, b, idx):
+            return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
+
+        def dequantized(fmt_v):
+            nbytes = 34 if fmt_v == 1 else 18
+            parts = []
+            for k in range(nb):
+                at = builder.add(qoff_v, _int_const(qoff_v, k * nbytes))
+                d = builder.fpext(builder.bitcast(builder.load(
+                    _elem_ptr(context, builder, q_ty, qa, at, i16), align=1), ir.HalfType()), f32)
+                qat = builder.add(qoff_v, _int_const(qoff_v, k * nbytes + 2))
+                if fmt_v == 1:
+                    ints = builder.sext(builder.load(
+                        _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1), v32i)
+                else:   # element j: low nibble of byte j, element j + 16: its high nibble
+                    b = builder.zext(builder.load(
+                        _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1),
+                        ir.VectorType(i32, 16))
+                    h16 = ir.VectorType(i32, 16)
+                    lo = builder.and_(b, ir.Constant(h16, [15] * 16))
+                    hi = builder.lshr(b, ir.Constant(h16, [4] * 16))
+                    ints = builder.sub(shuffle(lo, hi, list(range(32))),
+                                       ir.Constant(v32i, [8] * 32))
+                parts.append(builder.fmul(_llvm_splat(builder, d, 32),
+                                          builder.sitofp(ints, v32f)))
+            while len(parts) > 1:   # joined pairwise (shuffles take equal types)
+                w = parts[0].type.count
+                parts = [shuffle(a, b, list(range(2 * w)))
+                         for a, b in zip(parts[0::2], parts[1::2])]
+            return parts[0]
+
+        is_q8 = builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1))
+        deq8 = builder.append_basic_block("rope_deq_q8_0")
+        deq4 = builder.append_basic_block("rope_deq_q4_0")
+        merged = builder.append_basic_block("rope_dequantized")
+        builder.cbranch(is_q8, deq8, deq4)   # (each reads only its own format's bytes)
+        ends = []
+        for block, fmt_v in ((deq8, 1), (deq4, 2)):
+            builder.position_at_end(block)
+            ends.append((dequantized(fmt_v), builder.block))
+            builder.branch(merged)
+        builder.position_at_end(merged)
+        v = builder.phi(ir.VectorType(f32, n_v))
+        for value, block in ends:
+            v.add_incoming(value, block)
+        if rot_v:
+            v = wht_stages(builder, builder.fmul(v, _llvm_splat(builder, rs, n_v)), n_v)
+        half = n_v // 2
+        first, second = ((list(range(half)), list(range(half, n_v))) if neox_v else
+                         (list(range(0, n_v, 2)), list(range(1, n_v, 2))))
+        a = shuffle(v, v, first)
+        b = shuffle(v, v, second)
+        cs = builder.load(_vector_ptr(context, builder, sig.args[2], cos_a, toff_v, f32, half),
+                          align=4)
+        sn = builder.load(_vector_ptr(context, builder, sig.args[3], sin_a, toff_v, f32, half),
+                          align=4)
+        a2 = builder.fsub(builder.fmul(a, cs), builder.fmul(b, sn))
+        b2 = builder.fadd(builder.fmul(a, sn), builder.fmul(b, cs))
+        back = [0] * n_v
+        for k in range(half):
+            back[first[k]], back[second[k]] = k, k + half
+        v = shuffle(a2, b2, back)
+        if rot_v:
+            v = wht_stages(builder, builder.fmul(v, _llvm_splat(builder, rs, n_v)), n_v)
+        blocks, mags = [], []
+        for k in range(nb):
+            blk = v if nb == 1 else shuffle(v, v, list(range(32 * k, 32 * k + 32)))
+            blocks.append(blk)
+            mags.append(builder.and_(builder.bitcast(blk, v32i),
+                                     ir.Constant(v32i, [0x7FFFFFFF] * 32)))
+        amax_v = _llvm_block_maxima(builder, mags)
+        amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
+        bad = builder.icmp_unsigned(">=", amax_v, ir.Constant(amax_v.type, [0x7F800000] * nb))
+        bad = builder.icmp_unsigned("!=", builder.bitcast(bad, ir.IntType(nb)),
+                                    ir.Constant(ir.IntType(nb), 0))
+        entry = builder.block
+        q8 = builder.append_basic_block("rope_q8_0")
+        q4 = builder.append_basic_block("rope_q4_0")
+        done = builder.append_basic_block("rope_done")
+        finite = builder.append_basic_block("rope_finite")
+        builder.cbranch(bad, done, finite)
+        builder.position_at_end(finite)
+        builder.cbranch(is_q8, q8, q4)
+        for block, fmt_v in ((q8, 1), (q4, 2)):
+            builder.position_at_end(block)
+            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, fmt_v)
+            builder.branch(done)
+        builder.position_at_end(done)
+        flag = builder.phi(ir.IntType(64))
+        flag.add_incoming(ir.Constant(ir.IntType(64), 1), entry)
+        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q8)
+        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q4)
+        return flag
+    return types.int64(q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot, neox), codegen
 
 @njit(inline="always")
 def rotate_row_cpu(q, work, dim, fmt, scale, cos_t, sin_t, u, neox, rot, rscale):
@@ -645,6 +959,94 @@ def _put_rows_rot_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale):
         _put_token_rows_cpu(q, x, slots, start, layer, fmt, kind, rot, rscale, t)
 
 
+@njit(cache=True)
+def _put_chunk_work_row(q, x, t, h, j0, cell, layer, b0, fmt, kind, n, rotate, rscale):
+    """The work-row form of one fused chunk (``n`` values of row (t, h) from ``j0``, to bytes
+    ``b0``): for a chunk holding an infinity or NaN, which the fused form leaves to it. A call,
+    not inlined: it is rare, and a copy per chunk shape made compiling the put take minutes."""
+    work = np.empty(n, np.float32)
+    x_row = x[t, h]
+    for j in range(n):
+        if kind == 3:
+            y = _f16_hw(np.uint16(x_row[j0 + j]))
+        else:
+            y = _load_cpu(x_row[j0 + j], kind)
+        work[j] = y * rscale if rotate else y
+    if rotate:
+        wht_row_cpu(work, n, n)
+    nbytes = 34 if fmt == 1 else 18
+    quantize_row_cpu(work, n, q[layer, cell, h, b0:b0 + n // 32 * nbytes], fmt)
+
+
+@njit(inline="always")
+def _put_rows_fused_cpu(q, x, slots, start, layer, fmt, kind, rscale, n, rotate):
+    """Rows of a q8_0/q4_0 put in the fused form, chunks of ``n`` values (one Walsh-Hadamard
+    block each when ``rotate``), addressed by element offsets from the arrays' strides (no row
+    views, no work row)."""
+    dim = x.shape[2]
+    xs0 = x.strides[0] // x.itemsize
+    xs1 = x.strides[1] // x.itemsize
+    nbytes = n // 32 * (34 if fmt == 1 else 18)
+    for t in prange(x.shape[0]):   # threads in the _par twin only; distinct cells
+        cell = start + t if start >= 0 else np.int64(slots[t])
+        if cell < 0:
+            continue
+        q_base = layer * q.strides[0] + cell * q.strides[1]
+        for h in range(x.shape[1]):
+            xo = t * xs0 + h * xs1
+            qo = q_base + h * q.strides[2]
+            for c in range(dim // n):
+                # the chunk's vector shape is compiled in: one call per shape, picked by a
+                # branch that goes the same way for the whole put
+                at, qat = xo + c * n, qo + c * nbytes
+                if rotate:
+                    if n == 128:
+                        bad = _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 128, 1)
+                    elif n == 64:
+                        bad = _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 64, 1)
+                    else:
+                        bad = _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 256, 1)
+                elif n == 128:
+                    bad = _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 128, 0)
+                elif n == 64:
+                    bad = _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 64, 0)
+                else:
+                    bad = _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 32, 0)
+                if bad != 0:
+                    _put_chunk_work_row(q, x, t, h, c * n, cell, layer, c * nbytes, fmt, kind,
+                                        n, rotate, rscale)
+
+
+@njit(cache=True)
+def quant_put_fused_cpu(q, x, slots, start, layer, rscale, n, fmt, kind, rotate):
+    """The CPU's q8_0/q4_0 put (``fmt`` 1/2) in the fused form (see :func:`_fused_put_chunk`):
+    ``x [batch, heads, dim]`` (last axis contiguous; ``kind`` 3: float16 bits, 2: bfloat16
+    bits, or float32) in chunks of ``n`` (``rotate``: 64, 128 or 256, one Walsh-Hadamard block
+    each, scaled by ``rscale``; else 32, 64 or 128), dividing dim, into layer ``layer`` of
+    ``q`` at ``slots`` / from ``start`` (as :func:`quant_put_rot_cpu`)."""
+    _put_rows_fused_cpu(q, x, slots, start, layer, fmt, kind, rscale, n, rotate)
+
+
+@njit(cache=True, parallel=True)
+def quant_put_fused_cpu_par(q, x, slots, start, layer, rscale, n, fmt, kind, rotate):
+    """:func:`quant_put_fused_cpu` with its tokens spread over numba's threads."""
+    _put_rows_fused_cpu(q, x, slots, start, layer, fmt, kind, rscale, n, rotate)
+
+
+def _fused_chunk(dim: int, rot: int, kind: int, last_stride: int, itemsize: int):
+    """``(n, rotate)`` of the fused CPU put for rows of ``dim`` values rotated in blocks of
+    ``rot`` (0: none), or None where it does not serve (no F16C, another rotation block, an
+    input kind it does not read, a strided last axis)."""
+    if not _F16C or kind not in (0, 2, 3) or last_stride != itemsize:
+        return None
+    if rot:
+        return (rot, 1) if rot in (64, 128, 256) and dim % rot == 0 else None
+    for n in (128, 64, 32):
+        if dim % n == 0:
+            return n, 0
+    return None
+
+
 @njit(inline="always")
 def _put_rot_by_format(q, x, slots, start, layer, fmt, kind, rot, rscale):
     # the format and the two common input kinds as literals: their per-value branches fold away
@@ -827,6 +1229,76 @@ def _rope_by_format(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt,
 
 
 @njit(cache=True)
+def _rope_row_work(q, layer, cell, h, col, dim, fmt, scale, cos_t, sin_t, u, neox, rot,
+                   rscale):
+    """:func:`rotate_row_cpu` on the row at byte ``col`` of ``q[layer, cell, h]``: the fused
+    form's fallback for a row holding a value that is not finite (a call: rare)."""
+    nbytes = dim // 32 * (34 if fmt == 1 else 18)
+    work = np.empty(dim, np.float32)
+    rotate_row_cpu(q[layer, cell, h, col:col + nbytes], work, dim, fmt, scale, cos_t, sin_t, u,
+                   neox, rot, rscale)
+
+
+@njit(inline="always")
+def _rope_rows_fused(q, col, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot,
+                     rscale):
+    """Layers outside, listed cells inside (consecutive cells of a layer lie together), each
+    row by :func:`_fused_rope_row`, addressed by byte offsets from ``q``'s strides (``col``:
+    the byte where the rotated dims' blocks start: an MLA latent's rope blocks)."""
+    t_row = cos_t.strides[0] // 4
+    for z in range(layers.shape[0]):
+        layer = layers[z]
+        for c in prange(cells.shape[0]):   # threads in the _par twin only; distinct cells
+            cell = cells[c]
+            base = layer * q.strides[0] + cell * q.strides[1] + col
+            toff = tab[c] * t_row
+            for h in range(q.shape[2]):
+                qo = base + h * q.strides[2]
+                # one call per compiled shape; the branches go one way for the whole launch
+                if dim == 64:
+                    if rot:
+                        if neox:
+                            bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 64, 1)
+                        else:
+                            bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 64, 0)
+                    elif neox:
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 0, 1)
+                    else:
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 0, 0)
+                elif rot:
+                    if neox:
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 128, 1)
+                    else:
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 128, 0)
+                elif neox:
+                    bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 0, 1)
+                else:
+                    bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 0, 0)
+                if bad != 0:
+                    _rope_row_work(q, layer, cell, h, col, dim, fmt, scales[layer], cos_t,
+                                   sin_t, tab[c], neox, rot, rscale)
+
+
+@njit(cache=True)
+def quant_rope_fused_cpu(q, col, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt,
+                         rot, rscale):
+    """The CPU's rotary shift of q8_0/q4_0 key rows of 64 or 128 values (a whole head, or an
+    MLA latent's rope blocks at byte ``col`` of each row of ``q [layers, cells, heads,
+    row_bytes]``), rotation block ``rot`` 0 or ``dim``, each row in registers
+    (:func:`_fused_rope_row`); the same bytes as :func:`quant_rope_cpu`."""
+    _rope_rows_fused(q, col, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot,
+                     rscale)
+
+
+@njit(cache=True, parallel=True)
+def quant_rope_fused_cpu_par(q, col, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt,
+                             rot, rscale):
+    """:func:`quant_rope_fused_cpu` with each layer's cells spread over numba's threads."""
+    _rope_rows_fused(q, col, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot,
+                     rscale)
+
+
+@njit(cache=True)
 def quant_rope_cpu(q, cells, tab, layers, cos_t, sin_t, neox, dim, scales, fmt, rot=0,
                    rscale=np.float32(1.0)):
     """CPU twin of :func:`quant_rope_kernel` (one inlined body per format, see put)."""
@@ -929,16 +1401,22 @@ def _put_rows_launch(device: str, q, layer: int, x, slots, start: int, fmt: int,
     view_dtype, kind = storage_kind(device, dtype)   # the CPU reads float16 through F16C
     rscale = rotation_scale(rot) if rot > 0 else np.float32(1.0)
     if device == "cpu":
-        launch = _cpu_twin(quant_put_rot_cpu, quant_put_rot_cpu_par, x.size, x.shape[0])
-        if launch is quant_put_rot_cpu:
-            launch(q, x.view(view_dtype), slots, int(start), int(layer), fmt, kind, int(rot),
-                   rscale)
+        x = x.view(view_dtype)
+        chunk = _fused_chunk(x.shape[2], int(rot), kind, x.strides[2], x.itemsize)
+        if chunk is not None:   # the row from the input to its bytes in registers
+            single, threaded = quant_put_fused_cpu, quant_put_fused_cpu_par
+            args = (q, x, slots, int(start), int(layer), rscale, chunk[0], fmt, kind, chunk[1])
+        else:                   # through a float32 work row
+            single, threaded = quant_put_rot_cpu, quant_put_rot_cpu_par
+            args = (q, x, slots, int(start), int(layer), fmt, kind, int(rot), rscale)
+        launch = _cpu_twin(single, threaded, x.size, x.shape[0])
+        if launch is single:
+            launch(*args)
             return
         # tokens handed out in chunks as threads come free (not one static half each): on a
         # shared machine a thread the OS parks would otherwise hold the whole put back
         with numba.parallel_chunksize(PARALLEL_CHUNK_TOKENS):
-            launch(q, x.view(view_dtype), slots, int(start), int(layer), fmt, kind, int(rot),
-                   rscale)
+            launch(*args)
         return
     if x.shape[2] > MAX_ROTATE_DIM:
         raise ValueError(f"the rotated put takes head dims <= {MAX_ROTATE_DIM}, got {x.shape[2]}")
@@ -971,16 +1449,27 @@ def get_launch(device: str, q, layer: int, lo: int, out, fmt: int, scales, dtype
 
 
 def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, fmt: int,
-                scales, layers=None, rot: int = 0) -> None:
+                scales, layers=None, rot: int = 0, col: int = 0) -> None:
     """Rotate quantized keys ``q [n_layers, n_cells, n_kv_heads, row_bytes]`` (``dim`` values a
-    row) of ``cells`` by ``deltas`` (a cell listed twice turns by the sum; zero deltas are
-    skipped), in ``layers`` (all when None): dequantize, rotate in float32, requantize; rows
-    stored Walsh-Hadamard-rotated in blocks of ``rot`` (> 0) are turned back around the RoPE."""
+    row from byte ``col``: the rows' first bytes unless an MLA latent's rope blocks) of
+    ``cells`` by ``deltas`` (a cell listed twice turns by the sum; zero deltas are skipped), in
+    ``layers`` (all when None): dequantize, rotate in float32, requantize; rows stored
+    Walsh-Hadamard-rotated in blocks of ``rot`` (> 0) are turned back around the RoPE."""
     rscale = rotation_scale(rot) if rot > 0 else np.float32(1.0)
     plan = shift_plan(cells, deltas, inv_freq, q.shape[0], layers)
     if plan is None:
         return
     cells, layers, tab, cos_t, sin_t = plan
+    if (device == "cpu" and _F16C and fmt != FMT_F8 and dim in (64, 128)
+            and rot in (0, dim) and cos_t.shape[1] * 2 == dim and q.strides[3] == 1):
+        # each row in registers, addressed in the whole storage (no strided views)
+        launch = _cpu_twin(quant_rope_fused_cpu, quant_rope_fused_cpu_par,
+                           cells.size * layers.size * q.shape[2] * int(dim), cells.size)
+        launch(q, int(col), cells, tab, layers, cos_t, sin_t, int(bool(neox)), int(dim),
+               scales, fmt, int(rot), rscale)
+        return
+    per, nbytes = (1, 1) if fmt == FMT_F8 else (32, BLOCK_BYTES[fmt])
+    q = q[..., col:col + dim // per * nbytes]   # the row's rotated dims as a (strided) view
     if device == "cpu":
         launch = _cpu_twin(quant_rope_cpu, quant_rope_cpu_par,
                            cells.size * layers.size * q.shape[2] * int(dim), cells.size)
