@@ -288,8 +288,13 @@ def test_generate_section_quick(capsys):
         assert r["max_abs_diff_vs_static"] < (1e-4 if r["dtype"] == "float32" else 3e-2)
         assert all(r[k]["median"] > 0 for k in bench_generate.STEP_CONTENDERS)
     assert [r["threads"] for r in res["generate"]] == [1, 2]
+    for r in res["generate"]:     # each run's decode steps timed forward to forward
+        for k in bench_generate.CONTENDERS:
+            step = r[f"{k}_step"]
+            assert 0 < step["wall_ms_min"] <= step["wall_ms"] <= step["wall_ms_max"]
+            assert 0 < step["cpu_ms"] <= step["cpu_ms_max"]
     text = "\n".join(bench_generate.format_generate(res))
-    assert "StaticCache" in text and "tok/s" in text
+    assert "StaticCache" in text and "tok/s" in text and "decode step" in text
 
 
 def test_states_section_quick(capsys):
