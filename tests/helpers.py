@@ -86,6 +86,20 @@ def emulate_cuda(monkeypatch, record):
     return cp
 
 
+def reference_moves(keys, values, moves, permuted):
+    """The sequential meaning of a move plan ``[(src, dst, length), ...]`` on host copies of
+    ``keys [layers, cells, ...]`` and ``values`` (cells last when ``permuted``): each move a
+    memmove, in order."""
+    keys, values = keys.copy(), values.copy()
+    for s, d, ln in moves:
+        keys[:, d:d + ln] = keys[:, s:s + ln].copy()
+        if permuted:
+            values[..., d:d + ln] = values[..., s:s + ln].copy()
+        else:
+            values[:, d:d + ln] = values[:, s:s + ln].copy()
+    return keys, values
+
+
 def host(x) -> np.ndarray:
     """A host numpy copy/view of a cache array (numpy, CuPy, or a bfloat16 view's bits)."""
     if isinstance(x, np.ndarray):

@@ -7,7 +7,6 @@ buffers and one graph launch per replay -- runs against the stand-in CuPy (tests
 whose captured graph replays the real kernels in the simulator. Real capture on a GPU:
 ``test_captured_graph_replays_on_a_gpu`` (marked gpu, run by ``.ci/gpu``)."""
 
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 from numbakv.step import HEADER
 from fake_cupy import FakeDeviceArray
-from helpers import clear_launch_caches, dev, emulate_cuda, fake_cuda_cache, host
+from helpers import dev, fake_cuda_cache, host
 
 SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
 
@@ -231,17 +230,6 @@ def test_a_bad_replay_changes_nothing(device):
 
 
 # ------------------------------------------------------------------ the cuda path (stand-in)
-
-@pytest.fixture
-def fake_gpu(kernel_device, monkeypatch):
-    if kernel_device != "sim":
-        pytest.skip("a real GPU runs the cuda path itself")
-    launches = []
-    cp = emulate_cuda(monkeypatch, lambda kernel, args: launches.append(
-        (kernel.py_func.__name__, sys.modules["cupy"].cuda.get_current_stream().ptr)))
-    yield cp, launches
-    clear_launch_caches()
-
 
 def _cuda_cache(cp, stream_ptr=0x61):
     cache = fake_cuda_cache(cp, _cfg("cpu"), stream_ptr)
