@@ -1275,8 +1275,9 @@ class CausalCache(StateMethods):
         (on ``cpu`` computed by :func:`numbakv.attention.attend`).
 
         Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``, a bad ``n_heads`` /
-        ``scale`` / ``soft_cap``) and ``NotSupportedError`` for what is not captured: quantized
-        K/V, V-less (MLA) caches, per-sequence streams; with ``attend=True`` also
+        ``scale`` / ``soft_cap``) and ``NotSupportedError`` for what is not captured: one
+        quantized side with a float one (both quantized, q8_0 / q4_0 / float8_e4m3, are
+        captured), V-less (MLA) caches, per-sequence streams; with ``attend=True`` also
         ``permuted_v`` and shapes the attention kernel does not take. Changes nothing in the
         cache."""
         self._check_open()

@@ -54,10 +54,14 @@ CPU twin, or the real kernel in the simulator) reading the same descriptor array
 those of the GPU path, so code written against a step runs unchanged on every device (the
 attention on ``cpu`` is :func:`numbakv.attention.attend`'s CPU kernel).
 
-Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): quantized
-K/V (their put kernel, ``quant_put``, takes its slots and start as launch arguments and keeps
-per-call staging; the attention kernel reads quantized pools, but the put side is not
-descriptor-driven yet), V-less (MLA) caches and per-sequence streams (``unified=False``); with
+Quantized K/V (both sides among :data:`CAPTURED_QUANT_TYPES`, formats may differ; rotated
+``kv_rotation`` included): each side's put is its quantize kernel (``quant_put``, or the
+row-per-thread rotating form) reading the descriptor's slots, and the attention dequantizes as
+it reads (per-layer float8 scales and the rotations fixed at capture).
+
+Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): a cache with
+only one quantized side (its float side is stored by an indexed array copy, not by a kernel
+reading the slots), V-less (MLA) caches and per-sequence streams (``unified=False``); with
 attention also ``permuted_v`` and shapes the kernel does not take (more than 16 query heads per
 KV head, group x head_dim > 2048).
 """
@@ -73,6 +77,7 @@ from .device import as_array, host_wait
 from .errors import KVCacheError, NotSupportedError
 from .kernels import decode as _decode
 from .kernels import put as _put
+from .kernels import quant as _quant
 from .kernels._common import Desc
 
 #: int32 entries before the slots: n_tokens, start, batch, 0 (16 bytes: the slots start aligned)
@@ -80,6 +85,9 @@ HEADER = 4
 #: pinned host descriptors in flight: a replay refills the one whose copy ran longest ago, and
 #: waits for that copy only when the GPU is this many replays behind
 PINNED_RING = 4
+#: quantized K/V formats a step captures (both sides quantized): their quantize kernels take a
+#: slot list with -1 skipped, and the paged attention kernel reads them as stored
+CAPTURED_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3")
 #: cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 _H2D, _D2D = 1, 3
 
@@ -249,11 +257,19 @@ class DecodeStep:
             return Desc(desc_ptr + 4 * at, (n,), (np.dtype(dtype).itemsize,), np.dtype(dtype))
 
         kp, vp = storage.keys[i], storage.values[i]
-        kr, kf = _decode.raw_pool(kp.view(np.uint16) if bf16 else kp, self.device)
-        vr, vf = _decode.raw_pool(vp.view(np.uint16) if bf16 else vp, self.device)
+        # a quantized side's uint8 rows in its format; a float side's raw bits
+        kq = _decode.QUANT_FORMATS[storage._k_fmt] if storage.k_quantized else None
+        vq = _decode.QUANT_FORMATS[storage._v_fmt] if storage.v_quantized else None
+        kr, kf = _decode.raw_pool(kp.view(np.uint16) if bf16 and kq is None else kp,
+                                  self.device, kq)
+        vr, vf = _decode.raw_pool(vp.view(np.uint16) if bf16 and vq is None else vp,
+                                  self.device, vq)
         if bf16:
-            kf = vf = _decode.FMT_BF16
-        return (self.device, self.query[i] if q is None else q, kr, vr, kf, vf,
+            kf = _decode.FMT_BF16 if kq is None else kf
+            vf = _decode.FMT_BF16 if vq is None else vf
+        kw = dict(kscale=float(cfg.layer_scales("k")[i]), vscale=float(cfg.layer_scales("v")[i]),
+                  k_rotation=int(cfg.k_rotation), v_rotation=int(cfg.v_rotation))
+        return kw, (self.device, self.query[i] if q is None else q, kr, vr, kf, vf,
                 self.kv_indices, self.kv_positions, field(self._indptr_at, T + 2),
                 field(self._tok_at, T), field(self._pos_at, T),
                 field(self._causal_at, T, np.uint8),
@@ -263,6 +279,19 @@ class DecodeStep:
                 self.output[i] if out is None else out, self.lse[i] if lse is None else lse,
                 self._part_acc, self._part_ml)
 
+    def _quant_put(self, i: int, key, value, slots) -> None:
+        """Stored layer ``i`` of a quantized cache: each side quantized into its rows by the
+        quantize kernel (:func:`numbakv.kernels.quant.put_launch`) at ``slots`` (the
+        descriptor's: a numpy view on cpu/sim, a :class:`Desc` on cuda; -1 skipped), read
+        when the kernel runs."""
+        st = self._storage
+        on_device = self.device != "cpu"
+        for store, x, fmt, scales, rot in (
+                (st.keys, key, st._k_fmt, st._k_scales, self.cache.config.k_rotation),
+                (st.values, value, st._v_fmt, st._v_scales, self.cache.config.v_rotation)):
+            _quant.put_launch(self.device, store, i, x, slots, -1, fmt, scales, st.dtype, rot,
+                              slots_on_device=on_device)
+
     # ------------------------------------------------------------------ building
     def _record(self) -> List[Any]:
         """cpu/sim: one put per stored layer, each reading ``descriptor``'s slots when called."""
@@ -271,7 +300,10 @@ class DecodeStep:
         out = []
         for i in range(len(self.layers)):
             k_in, v_in = self.key[i], self.value[i]
-            if self.device == "cpu":
+            if storage.quantized:
+                out.append(lambda i=i, k_in=k_in, v_in=v_in:
+                           self._quant_put(i, k_in, v_in, slots))
+            elif self.device == "cpu":
                 k_l, v_l = storage._k_layers[i], storage._v_layers[i]
                 out.append(lambda k_l=k_l, v_l=v_l, k_in=k_in, v_in=v_in:
                            _put.launch_cpu(k_l, v_l, slots, k_in, v_in))
@@ -281,8 +313,8 @@ class DecodeStep:
                            _put.launch("sim", k_l, v_l, slots, k_in, v_in, storage.permuted))
             if self.attention is not None:
                 out.append(self._cpu_attention(i) if self.device == "cpu" else
-                           (lambda args=self._attention_args(i, None):
-                            _decode.launch_paged(*args)))
+                           (lambda a=self._attention_args(i, None):
+                            _decode.launch_paged(*a[1], **a[0])))
         return out
 
     def _cpu_attention(self, i: int):
@@ -317,6 +349,9 @@ class DecodeStep:
         for i in range(len(self.layers)):
             k_l, v_l = storage._k_layers[i], storage._v_layers[i]
             k_in, v_in = self.key[i], self.value[i]
+            if storage.quantized:     # the quantize kernels, reading the descriptor's slots
+                self._plans.append((None, (i, k_in, v_in, slots)))
+                continue
             plan = _put._CudaPut(k_l, v_l, k_in, v_in, slots, storage.permuted, device_id)
             ptrs = (int(k_l.data.ptr), int(v_l.data.ptr), slots.ptr, int(k_in.data.ptr),
                     int(v_in.data.ptr))
@@ -340,10 +375,15 @@ class DecodeStep:
 
     def _launch_all(self, stream) -> None:
         for i, (plan, ptrs) in enumerate(self._plans):
-            plan.launch(ptrs, -1, stream.ptr)
+            if plan is None:
+                with stream:
+                    self._quant_put(*ptrs)
+            else:
+                plan.launch(ptrs, -1, stream.ptr)
             if self.attention is not None:
                 with stream:      # the launcher queues on CuPy's current stream
-                    _decode.launch_paged(*self._attention_args(i, int(self.descriptor.data.ptr)))
+                    kw, args = self._attention_args(i, int(self.descriptor.data.ptr))
+                    _decode.launch_paged(*args, **kw)
 
     # ------------------------------------------------------------------ replay
     def _pinned(self, stream) -> list:
@@ -518,6 +558,15 @@ class DecodeStep:
         storage._check_kv(key, value, self.batch)
         k_l, v_l = storage._k_layers[slot], storage._v_layers[slot]
         slots = self.descriptor[self._slots_at:self._slots_at + self.batch]
+        if storage.quantized:
+            if self.device == "cuda":
+                slots = Desc(int(self.descriptor.data.ptr) + 4 * self._slots_at,
+                             (self.batch,), (4,), np.dtype(np.int32))
+            with self._scope():
+                self._quant_put(slot, key, value, slots)
+                if self.device == "cuda":
+                    storage._keep_inputs(key, value)
+            return
         if self.device == "cpu":
             _put.launch_cpu(k_l, v_l, slots, key, value)
             return
@@ -583,8 +632,9 @@ class DecodeStep:
             out[n:] = 0
             return
         ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
+        kw, args = self._attention_args(slot, ptr, q, out, self._lse_scratch)
         with self._scope():
-            _decode.launch_paged(*self._attention_args(slot, ptr, q, out, self._lse_scratch))
+            _decode.launch_paged(*args, **kw)
 
     def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
                v: Any = None) -> Any:
@@ -716,15 +766,23 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
                 f"head, group x head_dim <= {_decode.MAX_GROUP_DIM})")
         att = Attention(int(n_heads), float(scale),
                         None if soft_cap is None else float(soft_cap))
-    if cfg.k_quantized or cfg.v_quantized:
-        raise NotSupportedError("capture_step: quantized K/V are not captured (their put "
-                                "kernel takes host slots)")
     if cfg.v_less:
         raise NotSupportedError("capture_step: a V-less (MLA) cache is not captured")
+    if cfg.k_quantized != cfg.v_quantized:
+        raise NotSupportedError(
+            f"capture_step: a cache with one quantized side (k_dtype={cfg.k_dtype!r}, "
+            f"v_dtype={cfg.v_dtype!r}) is not captured: its float side is stored by an indexed "
+            "array copy, not by a kernel reading the step's slots; quantize both or neither")
+    if cfg.k_quantized and not all(t in CAPTURED_QUANT_TYPES for t in (cfg.k_dtype,
+                                                                       cfg.v_dtype)):
+        raise NotSupportedError(f"capture_step: k_dtype/v_dtype must be among "
+                                f"{CAPTURED_QUANT_TYPES} to be captured, got "
+                                f"{cfg.k_dtype!r}/{cfg.v_dtype!r}")
     if cache.storage is None:
         raise NotSupportedError("capture_step needs a cache with its own K/V storage")
     return int(batch), att
 
 
-__all__ = ["Attention", "DecodeStep", "HEADER", "check_capturable", "fill_attention",
+__all__ = ["Attention", "CAPTURED_QUANT_TYPES", "DecodeStep", "HEADER", "check_capturable",
+           "fill_attention",
            "fill_descriptor"]

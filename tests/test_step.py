@@ -473,27 +473,28 @@ def _att_steps():
             (np.array([4], np.int32), np.array([0], np.int32))]
 
 
-def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol):
+def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
     """Replay :func:`_att_steps` through ``make_step(cache)`` with random q/K/V and compare
     each replay's output with start_forward + put + ``attention.attend`` per layer on a CPU
     cache; padding rows (past the replay's tokens) stay zero."""
     torch = pytest.importorskip("torch")
     from numbakv.attention import attend
     cache, step = make_step()
-    reference = nkv.CausalCache(nkv.CacheConfig(**ATT, dtype=dtype, device="cpu", **cfg_kw),
+    reference = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype=dtype, device="cpu"),
                                 **cache_kw)
     tdt = getattr(torch, dtype)
+    D, Dv = reference.config.head_dim, reference.config.v_head_dim
     gen = torch.Generator().manual_seed(3)
-    for pos, seqs in _att_steps():
+    for pos, seqs in steps or _att_steps():
         n = len(pos)
-        k = torch.randn(2, n, 1, 8, generator=gen).to(tdt)
-        v = torch.randn(2, n, 1, 4, generator=gen).to(tdt)
-        q = torch.randn(2, n, 2, 8, generator=gen).to(tdt)
+        k = torch.randn(2, n, 1, D, generator=gen).to(tdt)
+        v = torch.randn(2, n, 1, Dv, generator=gen).to(tdt)
+        q = torch.randn(2, n, 2, D, generator=gen).to(tdt)
         bits = (lambda x: x.view(torch.uint16).numpy()) if dtype == "bfloat16" else \
             (lambda x: x.numpy())
         out = step.replay(pos, seqs, wrap(q), wrap(bits(k)), wrap(bits(v)))
         out = host(out)
-        assert out.shape == (2, n, 2, 4) and out.dtype == np.float32
+        assert out.shape == (2, n, 2, Dv) and out.dtype == np.float32
         assert not host(step.output)[:, n:].any()
         reference.start_forward(pos, seqs)
         for layer in range(2):
@@ -526,6 +527,31 @@ def test_captured_attention_equals_the_cpu_attend(device, variant, small_blocks)
             return x
         return dev(x, device) if isinstance(x, np.ndarray) else x.cuda()
     _check_attention(make_step, {}, cache_kw, dtype, wrap, 2e-6 if device == "cpu" else 1e-5)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("variant", ["q8_0-q4_0-rotated", "float8-layer-scales"])
+def test_captured_quantized_step_equals_the_cpu_attend(device, variant, small_blocks):
+    """Quantized K/V captured: the quantize kernels read the descriptor's slots (-1 skipped)
+    and the attention dequantizes as it reads (rotated q8_0 K / q4_0 V: queries rotated and
+    the output turned back in the kernel; float8 with a different scale per layer); replays
+    store the bytes and return the attention a CPU cache gives."""
+    cfg_kw = {"q8_0-q4_0-rotated": dict(head_dim=64, v_head_dim=64, k_dtype="q8_0",
+                                        v_dtype="q4_0", kv_rotation="on"),
+              "float8-layer-scales": dict(head_dim=32, v_head_dim=32, k_dtype="float8_e4m3",
+                                          v_dtype="float8_e4m3", k_scale=[0.5, 2.0],
+                                          v_scale=[1.5, 0.25])}[variant]
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float16",
+                                                device=device))
+        return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
+                                         soft_cap=3.0)
+    _check_attention(make_step, cfg_kw, {}, "float16", lambda x: x if device != "cuda" else
+                     (dev(x, device) if isinstance(x, np.ndarray) else x.cuda()),
+                     2e-6 if device == "cpu" else 2e-5,
+                     steps=_att_steps()[:2 if "rotated" in variant else 3])
+
 
 
 def test_cuda_step_with_attention_is_one_graph_without_host_waits(fake_gpu, monkeypatch):
