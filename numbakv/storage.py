@@ -18,6 +18,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 from ._jit import njit
+from .device import count_host_wait
 
 from .config import (CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, QUANT_TYPES, RopeShift,
                      check_rope_layout)
@@ -887,6 +888,7 @@ class KVStorage:
     def _to_host(self, x) -> np.ndarray:
         if self.device == "cuda":
             with self._on_device():  # in this stream's order (get() waits for it)
+                count_host_wait(copy=True)
                 return x.get()
         return np.array(x, copy=True)
 

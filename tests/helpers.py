@@ -53,13 +53,14 @@ def clear_launch_caches() -> None:
 
 def emulate_cuda(monkeypatch, record):
     """Install the ``cupy`` stand-in and run every ``cuda`` launch of the put, mask, move,
-    rope and state-row kernels in the simulator on the memory its descriptors name (dispatcher path: the fast
+    rope, state-row and paged attention kernels in the simulator on the memory its
+    descriptors name (dispatcher path: the fast
     launch is off), calling ``record(kernel, args)`` first. Returns the stand-in; the caller
     calls :func:`clear_launch_caches` at teardown."""
     import sys
 
     from fake_cupy import fake_cupy
-    from numbakv.kernels import _common, launch, mask, move, put, rope, rows
+    from numbakv.kernels import _common, decode, launch, mask, move, put, rope, rows
     cp = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(launch, "_FAST_ENABLED", False)
@@ -79,6 +80,9 @@ def emulate_cuda(monkeypatch, record):
     for mod in (put, mask, move, rope, rows):
         monkeypatch.setattr(mod, "_launch", fake_launch)
         monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    monkeypatch.setattr(decode, "_launch", fake_launch)      # the simulator's block size
+    monkeypatch.setattr(decode, "BLOCK_CUDA", _common.BLOCK_SIM)
+    monkeypatch.setattr(decode, "block_size", lambda device: _common.BLOCK_SIM)
     return cp
 
 

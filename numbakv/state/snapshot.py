@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ..device import host_wait
 from ..config import KV_TYPES, QUANT_TYPES, STORAGE_DTYPES, RopeShift, row_bytes
 from ..errors import KVCacheError, KVCacheFullError, NotSupportedError, StateError
 from ..kernels import rows as _rows
@@ -818,7 +819,7 @@ def _to_host_pinned(storage, keys: list, values: list) -> Tuple[list, list]:
             keep.append(dev)
             out.append(view)
             off += -(-nbytes // 64) * 64
-    stream.synchronize()
+    host_wait(stream)
     del keep
     return out[:len(keys)], out[len(keys):]
 
@@ -1038,7 +1039,7 @@ def _write_part(unit, slots: np.ndarray, part: SnapshotPart, rows: slice, heads:
                 else cupy.cuda.get_current_stream()
             # the host rows (a staging buffer, or the caller's pinned rows copied in place)
             # must outlive the copies reading them
-            stream.synchronize()
+            host_wait(stream)
 
 
 def _write_rows(cache, layer: int, idx, k, v) -> None:
