@@ -21,9 +21,14 @@ Backends:
   ``window_left`` where they express the mask and a custom mask where they cannot (chunks,
   ``set_causal``, queries that are not the sequence's last positions, position gaps). CUDA only;
   planned once per forward pass and reused by every layer.
+* ``"flash_attn"``: FlashAttention's ``flash_attn_with_kvcache`` with ``block_table`` over the
+  pool in pages (:func:`flash_attn_unfit` says when it computes the pass exactly: float16 /
+  bfloat16, ``CacheConfig(page_size)`` a multiple of 256 -- its paged block size --, a decode
+  pass without window or chunks). CUDA only.
 * ``"dense"``: ``get()`` and its mask, in float32 (the reference; pays for the union).
 * ``"auto"``: ``"flashinfer"`` when it can run (importable - probed once per process -, cache
-  and ``q`` on CUDA, V not permuted); else on CUDA numbakv's batched paged kernel
+  and ``q`` on CUDA, V not permuted); else ``"flash_attn"`` when importable (probed once) and
+  the pass fits it; else on CUDA numbakv's batched paged kernel
   (:mod:`numbakv.kernels.decode`: one launch per layer for every token of the pass, reading the
   pool through the device page table, split-K with a log-sum-exp merge, on the cache's stream
   after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
@@ -57,7 +62,7 @@ from .kernels.quant import dequantize_block as _dequantize_block
 from .pages import HostPages, columns_mask, plan_parts, token_mask, visible_lo
 from .rotation import hadamard_blocks, rotate_queries, unrotate_output
 
-BACKENDS = ("auto", "torch", "flashinfer", "dense")
+BACKENDS = ("auto", "torch", "flashinfer", "flash_attn", "dense")
 
 #: A sequence's run of the pool is read as a view when it holds at most this many cells that the
 #: sequence does not see (relative to its visible count) - masking them is cheaper than a gather.
@@ -128,6 +133,27 @@ def flashinfer_available() -> bool:
     return _FLASHINFER
 
 
+#: memoised answer of flash_attn_available() (probed once per process, as FlashInfer's)
+_FLASH_ATTN: Optional[bool] = None
+#: flash_attn_with_kvcache's paged KV cache takes blocks of a multiple of this many tokens
+#: (flash-attn 2.x: "Paged KV cache block size must be divisible by 256")
+FLASH_ATTN_PAGE = 256
+
+
+def flash_attn_available() -> bool:
+    """Whether FlashAttention's ``flash_attn_with_kvcache`` can be imported (probed once per
+    process)."""
+    global _FLASH_ATTN
+    if _FLASH_ATTN is None:
+        try:
+            from flash_attn import flash_attn_with_kvcache  # noqa: F401
+        except Exception:  # noqa: BLE001 - any import failure means "not available"
+            _FLASH_ATTN = False
+        else:
+            _FLASH_ATTN = True
+    return _FLASH_ATTN
+
+
 def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
            soft_cap: Optional[float] = None, backend: str = "auto",
            v_dim: Optional[int] = None) -> Any:
@@ -151,7 +177,7 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         scale: factor on ``q . k`` (default ``1 / sqrt(head_dim)``).
         soft_cap: if given, scores become ``soft_cap * tanh(score / soft_cap)`` (after scaling,
             before the mask).
-        backend: ``"auto"``, ``"torch"``, ``"flashinfer"`` or ``"dense"``.
+        backend: ``"auto"``, ``"torch"``, ``"flashinfer"``, ``"flash_attn"`` or ``"dense"``.
 
         v_dim: V-less caches only: how many leading values of each latent row are the value
             (default: the cache's ``RopeShift`` offset).
@@ -251,6 +277,21 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         kp = pools[0]
         pools = (kp, BFloat16View(kp.bits[..., :latent_v]) if isinstance(kp, BFloat16View)
                  else kp[..., :latent_v])
+    if backend == "flash_attn" or (gpu_kernel and flash_attn_available()):
+        why = "flash_attn is not installed" if not flash_attn_available() else \
+            flash_attn_unfit(cfg, host, str(q.dtype).replace("torch.", ""), on_cuda=on_cuda,
+                             permuted=permuted, quantized=quantized, latent=bool(latent_v))
+        out = None
+        if why is None:
+            _after_cache(torch, src, q)
+            key_pool, value_pool = (torch.from_dlpack(x) for x in pools)
+            out = _flash_attn(torch, q, src, host, key_pool, value_pool, scale, soft_cap)
+            if out is None:
+                why = "the pass's cells do not fill pages in position order"
+        if out is not None:
+            return out
+        if backend == "flash_attn":
+            raise ValueError(f"backend='flash_attn' cannot compute this pass: {why}")
     if backend == "flashinfer":
         if not on_cuda or not flashinfer_available():
             raise ValueError("backend='flashinfer' needs flashinfer installed and a cache on CUDA")
@@ -1511,4 +1552,83 @@ def _flashinfer(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap
     return out
 
 
-__all__ = ["attend", "flashinfer_available", "BACKENDS"]
+# --------------------------------------------------------------------------------------------
+# FlashAttention (CUDA): flash_attn_with_kvcache over the pool in pages
+# --------------------------------------------------------------------------------------------
+
+def flash_attn_unfit(cfg: Any, host: HostPages, q_dtype: str, *, on_cuda: bool, permuted: bool,
+                     quantized: bool, latent: bool) -> Optional[str]:
+    """None when FlashAttention's paged decode (``flash_attn_with_kvcache`` with
+    ``block_table``) computes exactly this pass's attention over the cache, else why not (the
+    reason ``backend="flash_attn"`` names). It needs: CUDA, float16/bfloat16 K/V not quantized,
+    not permuted, not a latent (MLA) cache, ``q`` in the storage dtype, one head dim for K and V
+    (<= 256, a multiple of 8), pages of a multiple of :data:`FLASH_ATTN_PAGE` cells
+    (``CacheConfig(page_size)``, placed so that a sequence fills its pages in position order),
+    no window or chunks, and a decode pass: one query per sequence, causal, at the sequence's
+    last position."""
+    if not on_cuda:
+        return "the cache is not on CUDA"
+    if quantized or latent:
+        return "quantized K/V or a V-less (MLA) cache"
+    if permuted:
+        return "V is permuted (permuted_v=True)"
+    if cfg.dtype not in ("float16", "bfloat16"):
+        return f"storage dtype {cfg.dtype} (FlashAttention takes float16 / bfloat16)"
+    if q_dtype != cfg.dtype:
+        return f"q is {q_dtype}, the cache stores {cfg.dtype} (FlashAttention takes one dtype)"
+    if cfg.v_head_dim != cfg.head_dim or cfg.head_dim > 256 or cfg.head_dim % 8:
+        return (f"head_dim={cfg.head_dim}, v_head_dim={cfg.v_head_dim} (one head dim, <= 256, "
+                "a multiple of 8)")
+    if cfg.page_size % FLASH_ATTN_PAGE:
+        return (f"page_size={cfg.page_size} is not a multiple of {FLASH_ATTN_PAGE} (the paged "
+                "KV block size flash_attn_with_kvcache takes)")
+    if host.rule.window >= 0 or host.rule.chunk > 0:
+        return "a sliding window or chunks"
+    if _max_queries(host) != 1 or not host.trailing:
+        return ("not a decode pass (one causal query per sequence, at its last position, "
+                "every sequence)")
+    return None
+
+
+def _flash_attn(torch, q, src: Any, host: HostPages, key_pool, value_pool, scale: float,
+                soft_cap: Optional[float]):
+    """``flash_attn_with_kvcache`` over the pool as ``[n_pages, page_size, Hkv, D]`` pages:
+    the pass's :func:`numbakv.pages.paged_table` (planned once per pass, kept in
+    ``host.plans``), one query per sequence (grouped by :attr:`PageTable.token_order`), rows
+    returned in batch order. None when the pass's layout does not fill pages (a ``seq_rm`` of a
+    middle range, a shared page written by another sequence...): the caller falls back."""
+    from .errors import NotSupportedError
+    from .pages import paged_table
+    cfg = src.config
+    plan = host.plans.get("flash_attn")
+    if plan is None:
+        try:
+            pt = paged_table(host, cfg.page_size, src.n_cells, np)
+        except NotSupportedError:
+            plan = host.plans["flash_attn"] = False
+        else:
+            dev = q.device
+            table = torch.as_tensor(np.maximum(pt.block_table, 0), dtype=torch.int32,
+                                    device=dev)   # entries past a sequence's pages: never read
+            lens = torch.as_tensor(pt.cache_seqlens, dtype=torch.int32, device=dev)
+            order = torch.as_tensor(pt.token_order, dtype=torch.int64, device=dev)
+            plan = host.plans["flash_attn"] = (table, lens, order)
+    if plan is False:
+        return None
+    table, lens, order = plan
+    from flash_attn import flash_attn_with_kvcache
+    n_cells, hkv, d = key_pool.shape
+    pages = (n_cells // cfg.page_size, cfg.page_size, hkv)
+    res = flash_attn_with_kvcache(
+        q.index_select(0, order)[:, None], key_pool.reshape(pages + (d,)),
+        value_pool.reshape(pages + (value_pool.shape[2],)), cache_seqlens=lens,
+        block_table=table, softmax_scale=scale, causal=True,
+        softcap=float(soft_cap or 0.0))
+    out = torch.empty((q.shape[0], q.shape[1], value_pool.shape[2]), dtype=q.dtype,
+                      device=q.device)
+    out[order] = res[:, 0].to(q.dtype)
+    return out
+
+
+__all__ = ["attend", "flash_attn_available", "flash_attn_unfit", "flashinfer_available",
+           "BACKENDS", "FLASH_ATTN_PAGE"]

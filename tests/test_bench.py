@@ -344,6 +344,9 @@ def test_agents_replay_counts_hits_edits_and_orphans():
     assert a["orphans"] == 0 and b["orphans"] == 0
     assert a["strip_prefill_pct_mean"] < b["strip_prefill_pct_mean"]
     assert 0 < b["hit_rate"] <= a["hit_rate"] <= 100
+    # the ceilings bound what was measured (cancelled prefills' saves included)
+    c = res["ceilings"]
+    assert b["hit_rate"] <= c["exact"] + 1e-9 and a["hit_rate"] <= c["edit_k0"] + 1e-9
     text = "\n".join(ba.format_agents(res, with_targets=True))
     assert "orphaned" in text and "LRU" in text
 
@@ -366,6 +369,16 @@ def test_agents_ceilings_bound_the_policies():
     # prompts 12, 12+3+2+5=22 (the client's reasoning comes before the call: reuses 12),
     # 22+10=32 (reuses 22)
     assert c["exact"] == pytest.approx(100.0 * (0 + 12 + 22) / (12 + 22 + 32))
+    assert c["edit"] == c["edit_k0"] == c["exact"]
+    # every later turn cancelled once: the retry loads what the cancelled attempt prefilled
+    # (one chunk past the loaded prefix covers the turn), all but the last token
+    cancels = ba.Shape(**{**one.__dict__, "cancel_share": 1.0})
+    c = ba.ceilings(cancels, ba.make_trace(cancels))
+    assert c["exact"] == pytest.approx(100.0 * (0 + 21 + 31) / (12 + 22 + 32))
+    # nothing recomputed after an edit reuses at least as much as recompute_after=16
+    strips = ba.Shape(**{**shape.__dict__, "cancel_share": 0.0})
+    c = ba.ceilings(strips, ba.make_trace(strips))
+    assert c["edit"] < c["edit_k0"] < 100
 
 
 def test_agents_orphan_count_follows_the_events():

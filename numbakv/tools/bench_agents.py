@@ -188,19 +188,26 @@ def ceilings(shape: Shape, trace: List[Dict[str, Any]], recompute_after: int = 1
     size that keeps every prompt a request computed (with its generated call), loading the
     longest stored prefix of each prompt (``exact``) and, at stripped-reasoning turns, also the
     session's previous prompt after the stripped block minus ``recompute_after`` tokens
-    (``edit``: what ``load_edit`` can place); ``exact_sessions``, ``edit_sessions``: the same
-    over session turns only. Each call's tokens are stand-ins that match nothing else (the model generates them
-    at replay). No model is run: it says how close each policy's figure is to its bound."""
+    (``edit``: what ``load_edit`` can place; ``edit_k0``: the same with nothing recomputed
+    after the edit, the knob's limit); ``exact_sessions``, ``edit_sessions``: the same over
+    session turns only. A cancelled turn's retry may also load what the cancelled attempt
+    prefilled (one ``prefill_chunk`` past what it loaded; the store keeps it, issue 36 item 2),
+    counted for every variant. A prompt's last token is always computed (its logits). Each
+    call's tokens are stand-ins that match nothing else (the model generates them at replay;
+    the client's reasoning tokens in the history were never computed). No model is run: it says
+    how close each policy's figure is to its bound, so ``edit_k0`` minus a policy's measured
+    hit rate is the most any policy could gain over it on this trace."""
     saved: List[List[int]] = []
     sessions: Dict[int, Session] = {}
     previous: Dict[int, List[int]] = {}
     fresh = iter(range(VOCAB, 1 << 40))       # stand-in ids of generated calls
-    total = exact = edit = s_total = s_exact = s_edit = 0
+    total = exact = edit = edit0 = s_total = s_exact = s_edit = 0
     for r in trace:
         if r["kind"] == "one_off":
             prompt = r["prompt"]
             best = min(max((_lcp(prompt, x) for x in saved), default=0), len(prompt) - 1)
-            total, exact, edit = total + len(prompt), exact + best, edit + best
+            total, exact, edit, edit0 = (total + len(prompt), exact + best, edit + best,
+                                         edit0 + best)
             saved.append(prompt)
             continue
         s = r["session"]
@@ -210,19 +217,26 @@ def ceilings(shape: Shape, trace: List[Dict[str, Any]], recompute_after: int = 1
         sess.segments.append(["text", r["append"]])
         stripped = sess.strip_oldest_reasoning() if r["strip"] else 0
         prompt = sess.prompt()
-        best = min(max((_lcp(prompt, x) for x in saved), default=0), len(prompt) - 1)
-        moved = 0
+        last = len(prompt) - 1
+        best = min(max((_lcp(prompt, x) for x in saved), default=0), last)
+        moved0 = 0
         if stripped and s in previous:          # the suffix after the edit, shifted back
             old = previous[s][best + stripped:]
-            moved = max(0, _lcp(prompt[best:len(prompt) - 1], old) - recompute_after)
-        total, exact, edit = total + len(prompt), exact + best, edit + best + moved
-        s_total, s_exact, s_edit = s_total + len(prompt), s_exact + best, s_edit + best + moved
+            moved0 = _lcp(prompt[best:last], old)
+        moved = max(0, moved0 - recompute_after)
+        got = [best, best + moved, best + moved0]
+        if r["cancel"]:     # the retry also loads what the cancelled attempt prefilled
+            got = [min(last, g + shape.prefill_chunk) for g in got]
+        total, exact, edit, edit0 = (total + len(prompt), exact + got[0], edit + got[1],
+                                     edit0 + got[2])
+        s_total, s_exact, s_edit = s_total + len(prompt), s_exact + got[0], s_edit + got[1]
         call = [next(fresh) for _ in range(shape.call)]
         previous[s] = prompt + call[:-1]        # what the server saves: prompt + computed call
         saved.append(previous[s])
         sess.segments.append(["reasoning", r["reasoning"]])
         sess.segments.append(["text", call])
     return {"exact": 100.0 * exact / max(total, 1), "edit": 100.0 * edit / max(total, 1),
+            "edit_k0": 100.0 * edit0 / max(total, 1),
             "exact_sessions": 100.0 * s_exact / max(s_total, 1),
             "edit_sessions": 100.0 * s_edit / max(s_total, 1)}
 
@@ -366,8 +380,10 @@ def targets(res: Dict[str, Any]) -> List[Dict[str, str]]:
          "status": "met" if lead >= 15 else "missed",
          "detail": f"{a['hit_rate']:.1f}% vs LRU {b['hit_rate']:.1f}% ({lead:+.1f} points)"
                    + (f"; unbounded-store ceilings on this trace: exact prefix "
-                      f"{ceil['exact']:.1f}%, with edit reuse {ceil['edit']:.1f}% (the most "
-                      f"any pair can differ by: {ceil['edit'] - ceil['exact']:+.1f})"
+                      f"{ceil['exact']:.1f}%, with edit reuse {ceil['edit']:.1f}% "
+                      f"({ceil.get('edit_k0', ceil['edit']):.1f}% recomputing nothing after "
+                      f"the edit): the most any policy could lead this LRU run by is "
+                      f"{ceil.get('edit_k0', ceil['edit']) - b['hit_rate']:+.1f} points"
                       if ceil else "")},
         {"target": "agents: 0 orphaned descendants (KV events, after every request)",
          "status": "met" if a["orphans"] == 0 and b["orphans"] == 0 else "missed",
@@ -402,7 +418,8 @@ def format_agents(res: Dict[str, Any], with_targets: bool = False) -> List[str]:
     ceil = res.get("ceilings")
     if ceil:
         lines.append(f"  ceiling (unbounded store, same trace): exact prefix {ceil['exact']:.1f}%,"
-                     f" with edit reuse {ceil['edit']:.1f}%; sessions only "
+                     f" with edit reuse {ceil['edit']:.1f}% (recomputing nothing after the "
+                     f"edit: {ceil.get('edit_k0', ceil['edit']):.1f}%); sessions only "
                      f"{ceil['exact_sessions']:.1f}% / {ceil['edit_sessions']:.1f}%")
     return lines + (target_lines(targets(res)) if with_targets else [])
 
