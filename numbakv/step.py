@@ -33,9 +33,15 @@ v_head_dim]``) and ``lse``. Every per-pass input of the kernel sits at a fixed a
 descriptor grows by the split-K part length, each token's batch sequence, the CSR list pointers
 (``kv_indptr``, two spare entries so that tokens past ``n`` read an empty list and write zeros)
 and the causal flags; the page lists live in ``kv_indices`` / ``kv_positions``, room for
-``n_cells x min(batch, max_seqs)`` entries (the most a pass can list), refreshed per replay by
-two device-to-device copies from the pass's page table (built, or extended on the device, by
-``page_table()``'s machinery on the cache's stream). The grid cannot follow the lengths, so it
+``n_cells x min(batch, max_seqs)`` entries (the most a pass can list). A decode replay whose
+lists just grow (the same batch sequences in the same order, new positions above each list's
+last one, the cell table changed only by the replays' placements since the lists were built)
+sends the new cells, the front drops of a window or chunks and the new list pointers in its
+descriptor, and two launches at the head of the graph grow the lists on the device (into
+scratch lists, then back): no page table of the pass is built on the host. Otherwise (first
+replay, a sequence operation, a defrag, a shift, window pruning, other batch sequences) the
+pass's page table is built (or extended on the device) by ``page_table()``'s machinery on the
+cache's stream and copied into the fixed lists by two device-to-device copies. The grid cannot follow the lengths, so it
 is sized once for a fixed number of split-K parts (what the kernel's planner gives the batch on
 this GPU); the part length is read on the device (the longest list cut in that many parts), the
 parts past a token's run exit at once, and the merge kernel is part of the graph. Window,
