@@ -584,7 +584,11 @@ def test_cuda_step_with_attention_is_one_graph_without_host_waits(fake_gpu, monk
         cp.log.clear()
         launches.clear()
         waits.update(HOST_WAITS)     # capturing waits once (the buffers' initialisation)
+        pages_of = cache._host_pages
+        cache._host_pages = lambda: built.append(1) or pages_of()
         return cache, step
+
+    built = []
 
     _, step = _check_attention(make_step, {}, {}, "float32",
                                lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5)
@@ -593,6 +597,8 @@ def test_cuda_step_with_attention_is_one_graph_without_host_waits(fake_gpu, monk
     for sync in ("stream_sync", "event_sync", "device_sync", "asnumpy"):
         assert sync not in kinds, (sync, cp.log)
     assert kinds.count("graph_launch") == step.replays == 4
+    # replay 3 (the same two sequences, grown) appended on the device: no table built
+    assert len(built) == 3
     assert all(e[1] == 0x61 for e in cp.log if e[0] in ("h2d", "d2d", "graph_launch"))
     assert not [n for n, _ in launches if n.startswith("paged")]   # only the graph's
 
