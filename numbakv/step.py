@@ -75,7 +75,7 @@ KV head, group x head_dim > 2048).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -121,6 +121,29 @@ def fill_descriptor(host, pos, seqs, start, batch):
             host[HEADER + t] = -1
             host[HEADER + batch + t] = -1
             host[HEADER + 2 * batch + t] = -1
+
+
+#: The attention a captured step runs on ``cpu``, where there is no CUDA kernel to launch:
+#: :func:`numbakv.attention.attend`, registered by the package facade (``numbakv/__init__``),
+#: which imports it on first use: the attention layer sits above the caches and this module
+#: (DESIGN.md's layer table), so this module never imports it.
+_CPU_ATTEND: Optional[Callable[..., Any]] = None
+
+
+def register_cpu_attend(fn: Callable[..., Any]) -> None:
+    """Set the function a ``cpu`` step's attention runs (``attend(q, cache, scale=, soft_cap=)``
+    returning ``[n, n_heads, v_head_dim]``); ``import numbakv`` registers
+    :func:`numbakv.attention.attend`."""
+    global _CPU_ATTEND
+    _CPU_ATTEND = fn
+
+
+def cpu_attend() -> Callable[..., Any]:
+    """The registered CPU attention (importing :mod:`numbakv` registers it)."""
+    if _CPU_ATTEND is None:
+        raise KVCacheError("a cpu decode step with attention needs numbakv.attention imported "
+                           "(`import numbakv` does it)")
+    return _CPU_ATTEND
 
 
 @njit(cache=True)
@@ -493,7 +516,7 @@ class DecodeStep:
         kernels; there is no CUDA kernel to run), into the same fixed output."""
         def run():
             import torch
-            from .attention import attend
+            attend = cpu_attend()
             cache = self.cache
             n = int(self.descriptor[0])
             layer = cache._layer
@@ -872,7 +895,7 @@ class DecodeStep:
                                  f"{list(getattr(x, 'shape', ()))}")
         if self.device == "cpu":
             import torch
-            from .attention import attend
+            attend = cpu_attend()
             cache = self.cache
             n = int(self.descriptor[0])
             current = cache._layer
