@@ -33,9 +33,15 @@ v_head_dim]``) and ``lse``. Every per-pass input of the kernel sits at a fixed a
 descriptor grows by the split-K part length, each token's batch sequence, the CSR list pointers
 (``kv_indptr``, two spare entries so that tokens past ``n`` read an empty list and write zeros)
 and the causal flags; the page lists live in ``kv_indices`` / ``kv_positions``, room for
-``n_cells x min(batch, max_seqs)`` entries (the most a pass can list), refreshed per replay by
-two device-to-device copies from the pass's page table (built, or extended on the device, by
-``page_table()``'s machinery on the cache's stream). The grid cannot follow the lengths, so it
+``n_cells x min(batch, max_seqs)`` entries (the most a pass can list). A decode replay whose
+lists just grow (the same batch sequences in the same order, new positions above each list's
+last one, the cell table changed only by the replays' placements since the lists were built)
+sends the new cells, the front drops of a window or chunks and the new list pointers in its
+descriptor, and two launches at the head of the graph grow the lists on the device (into
+scratch lists, then back): no page table of the pass is built on the host. Otherwise (first
+replay, a sequence operation, a defrag, a shift, window pruning, other batch sequences) the
+pass's page table is built (or extended on the device) by ``page_table()``'s machinery on the
+cache's stream and copied into the fixed lists by two device-to-device copies. The grid cannot follow the lengths, so it
 is sized once for a fixed number of split-K parts (what the kernel's planner gives the batch on
 this GPU); the part length is read on the device (the longest list cut in that many parts), the
 parts past a token's run exit at once, and the merge kernel is part of the graph. Window,
@@ -68,13 +74,16 @@ KV head, group x head_dim > 2048).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
 from ._jit import njit
 from .device import as_array, host_wait
+from ._inputs import UNLIMITED
 from .errors import KVCacheError, NotSupportedError
+from . import pages as _pages
 from .kernels import decode as _decode
 from .kernels import put as _put
 from .kernels import quant as _quant
@@ -90,6 +99,7 @@ PINNED_RING = 4
 CAPTURED_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3")
 #: cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 _H2D, _D2D = 1, 3
+_NO_SCOPE = contextlib.nullcontext()
 
 
 @njit(cache=True)
@@ -166,6 +176,118 @@ def fill_attention(host, kv_indptr, qo_indptr, token_order, causal_in, causal_ou
     host[plen_at] = max(min_part, plen)
 
 
+@njit(cache=True)
+def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk, state_seq,
+                 state_indptr, state_first, state_last, meta, at, parts, min_part, unit):
+    """A decode step's page lists as the previous replay's, each grown by its sequence's new
+    cells (and, with a window or chunks, cut at the front): the attention fields of the
+    descriptor ``host`` for the captured list extension (see :meth:`DecodeStep._send`), in one
+    compiled O(batch) pass. The tokens' cells are the descriptor's slots (already written);
+    ``at`` int64 ``[8]``: where the token -> sequence, ``kv_indptr``, part length, previous
+    ``kv_indptr``, front drops, token groups, new cells and new positions go.
+
+    The state (``state_*`` ``[batch + 2]``: the previous lists' sequence ids, CSR pointers,
+    first and last positions; ``meta`` ``[n_lists, contiguous]``) is updated only on success.
+    Returns False, with the state untouched, where the lists do not just grow: other batch
+    sequences or another order, a new position not above its list's last one, or a window /
+    chunk over a list whose positions are not one run (where its front ends is unknown)."""
+    tok_at, ip_at, plen_at, prev_at, drop_at, qo_at, addc_at, addp_at = \
+        at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]
+    pos_at = HEADER + batch
+    seq_at = HEADER + 2 * batch
+    nbp = meta[0]
+    # group the tokens by sequence, in order of first appearance (as the page table does)
+    slot = np.full(max_seqs, -1, np.int64)
+    group = np.empty(n, np.int64)
+    counts = np.zeros(n + 1, np.int64)
+    nb = 0
+    for t in range(n):
+        s = host[seq_at + t]
+        if slot[s] < 0:
+            if nb >= nbp or state_seq[nb] != s:
+                return False
+            slot[s] = nb
+            nb += 1
+        group[t] = slot[s]
+        counts[slot[s] + 1] += 1
+    if nb != nbp:
+        return False
+    qo = np.zeros(nb + 1, np.int64)
+    for b in range(nb):
+        qo[b + 1] = qo[b] + counts[b + 1]
+    order = np.empty(n, np.int64)       # tokens grouped, each group by position
+    fill = qo[:nb].copy()
+    for t in range(n):
+        b = group[t]
+        k = fill[b]
+        fill[b] += 1
+        p = host[pos_at + t]
+        while k > qo[b] and host[pos_at + order[k - 1]] > p:     # insertion: groups are tiny
+            order[k] = order[k - 1]
+            k -= 1
+        order[k] = t
+    windowed = window >= 0 or chunk > 0
+    if windowed and meta[1] == 0:
+        return False
+    drop = np.zeros(nb, np.int64)
+    for b in range(nb):
+        if host[pos_at + order[qo[b]]] <= state_last[b]:
+            return False
+        if windowed:
+            lo = np.int64(1) << 62
+            for k in range(qo[b], qo[b + 1]):
+                p = np.int64(host[pos_at + order[k]])
+                v = np.int64(0)
+                if window >= 0:
+                    v = max(v, p - window)
+                if chunk > 0:
+                    v = max(v, p - p % chunk)
+                lo = min(lo, v)
+            prev_len = state_indptr[b + 1] - state_indptr[b]
+            drop[b] = min(max(lo - state_first[b], 0), prev_len)
+    # the descriptor: previous pointers, drops, groups, new cells / positions, new pointers
+    nnz_prev = state_indptr[nb]
+    for b in range(batch + 2):
+        host[prev_at + b] = state_indptr[b] if b <= nb else nnz_prev
+        host[drop_at + b] = drop[b] if b < nb else 0
+        host[qo_at + b] = qo[b] if b <= nb else n
+    for k in range(batch):
+        if k < n:
+            host[addc_at + k] = host[HEADER + order[k]]
+            host[addp_at + k] = host[pos_at + order[k]]
+        else:
+            host[addc_at + k] = -1
+            host[addp_at + k] = -1
+    contiguous = 1
+    longest = 0
+    total = 0
+    for b in range(nb):
+        prev_len = state_indptr[b + 1] - state_indptr[b]
+        new_len = prev_len - drop[b] + (qo[b + 1] - qo[b])
+        first = state_first[b] + drop[b] if drop[b] < prev_len \
+            else np.int64(host[pos_at + order[qo[b]]])
+        last = np.int64(host[pos_at + order[qo[b + 1] - 1]])
+        if last - first + 1 != new_len:
+            contiguous = 0
+        state_first[b] = first
+        state_last[b] = last
+        state_indptr[b] = total
+        total += new_len
+        longest = max(longest, new_len)
+        host[ip_at + b] = state_indptr[b]
+    state_indptr[nb] = total
+    for b in range(nb, batch + 2):
+        host[ip_at + b] = total
+    meta[1] = contiguous
+    for t in range(batch):
+        host[tok_at + t] = group[t] if t < n else nb
+        causal_out[t] = causal_in[t] if t < n else 1
+    plen = (longest + parts - 1) // parts
+    plen = (plen + unit - 1) // unit * unit
+    host[plen_at] = max(min_part, plen)
+    return True
+
+
 class Attention:
     """What a step captured with attention computes (fixed at capture): ``n_heads`` query
     heads, ``scale`` on ``q . k``, ``soft_cap`` (None: none)."""
@@ -219,7 +341,18 @@ class DecodeStep:
             self._tok_at = size + 1
             self._indptr_at = self._tok_at + self.batch
             self._causal_at = self._indptr_at + self.batch + 2
-            size = self._causal_at + (self.batch + 3) // 4
+            # the list extension's inputs (:func:`append_lists`): previous pointers, front
+            # drops, token groups (batch + 2 each), new cells and positions, zero drops
+            self._prev_at = self._causal_at + (self.batch + 3) // 4
+            self._drop_at = self._prev_at + self.batch + 2
+            self._qo_at = self._drop_at + self.batch + 2
+            self._addc_at = self._qo_at + self.batch + 2
+            self._addp_at = self._addc_at + self.batch
+            self._zero_at = self._addp_at + self.batch
+            size = self._zero_at + self.batch + 2
+            self._append_at = np.array([self._tok_at, self._indptr_at, self._plen_at,
+                                        self._prev_at, self._drop_at, self._qo_at,
+                                        self._addc_at, self._addp_at], np.int64)
         self._nbytes = size * 4
         with self._scope():
             self.key = xp.zeros((n_layers, self.batch, H, cfg.head_dim), dtype=sdt)
@@ -228,6 +361,7 @@ class DecodeStep:
                 if self.device != "cuda" else xp.zeros(size, dtype=np.int32)
             if attention is not None:
                 self._alloc_attention(xp, attention, split)
+                self.descriptor[self._zero_at:] = 0
         if self.device == "cuda":
             self._ring: List[list] = []
             self._ring_next = 0
@@ -249,6 +383,18 @@ class DecodeStep:
         room = self.cache.n_cells * max(1, min(T, self.cache.cells.max_seqs))
         self.kv_indices = xp.zeros(room, np.int32)
         self.kv_positions = xp.zeros(room, np.int32)
+        # the extension's output, copied back into the fixed lists by the same kernel
+        self._next_indices = xp.zeros(room, np.int32)
+        self._next_positions = xp.zeros(room, np.int32)
+        # the lists the fixed buffers hold (see _remember_lists): None until a replay built
+        # them, or after one that may have stopped half-way
+        self._lists_of = None
+        T2 = self.batch + 2
+        self._st_seq = np.zeros(T2, np.int64)
+        self._st_indptr = np.zeros(T2, np.int64)
+        self._st_first = np.zeros(T2, np.int64)
+        self._st_last = np.zeros(T2, np.int64)
+        self._st_meta = np.zeros(2, np.int64)
         if split is None:
             parts = _decode.max_parts(self.device, T * cfg.local_kv_heads)
             min_part, unit = _decode.MIN_PART, _decode.TILE
@@ -302,6 +448,29 @@ class DecodeStep:
                 self.output[i] if out is None else out, self.lse[i] if lse is None else lse,
                 self._part_acc, self._part_ml)
 
+    def _list_launches(self, desc_ptr: Optional[int]) -> List[Any]:
+        """The two launches of :func:`numbakv.kernels.decode.extend_lists` that bring the fixed
+        lists to this pass (both read every input from the descriptor, the entry count
+        included): the previous lists grown by the new cells into the scratch lists, then
+        copied back (the same kernel with the new pointers on both sides, no drops). A replay
+        that rebuilt the table put the whole lists in place with previous pointers = new
+        ones, so both launches copy them unchanged."""
+        T = self.batch
+
+        def field(at, n):
+            if desc_ptr is None:
+                return self.descriptor[at:at + n]
+            return Desc(desc_ptr + 4 * at, (n,), (4,), np.dtype(np.int32))
+
+        indptr, qo = field(self._indptr_at, T + 2), field(self._qo_at, T + 2)
+        cells, poss = field(self._addc_at, T), field(self._addp_at, T)
+        grow = (self.kv_indices, self.kv_positions, field(self._prev_at, T + 2),
+                field(self._drop_at, T + 2), indptr, qo, cells, poss, self._next_indices,
+                self._next_positions)
+        back = (self._next_indices, self._next_positions, indptr, field(self._zero_at, T + 2),
+                indptr, qo, cells, poss, self.kv_indices, self.kv_positions)
+        return [lambda a=a: _decode.extend_lists(self.device, *a) for a in (grow, back)]
+
     def _quant_put(self, i: int, key, value, slots) -> None:
         """Stored layer ``i`` of a quantized cache: each side quantized into its rows by the
         quantize kernel (:func:`numbakv.kernels.quant.put_launch`) at ``slots`` (the
@@ -321,6 +490,8 @@ class DecodeStep:
         storage = self._storage
         slots = self.descriptor[self._slots_at:self._slots_at + self.batch]
         out = []
+        if self.attention is not None and self.device != "cpu":
+            out.extend(self._list_launches(None))
         for i in range(len(self.layers)):
             k_in, v_in = self.key[i], self.value[i]
             if storage.quantized:
@@ -397,6 +568,10 @@ class DecodeStep:
         self._capture_stream = capture
 
     def _launch_all(self, stream) -> None:
+        if self.attention is not None:
+            with stream:
+                for launch in self._list_launches(int(self.descriptor.data.ptr)):
+                    launch()
         for i, (plan, ptrs) in enumerate(self._plans):
             if plan is None:
                 with stream:
@@ -434,6 +609,9 @@ class DecodeStep:
         T = self.batch
         ip = self._indptr_at
         causal = host[self._causal_at:self._causal_at + (T + 3) // 4].view(np.uint8)
+        # the captured list extension copies the lists in place unchanged (previous pointers
+        # = new ones, no drops, no new cells)
+        host[self._prev_at:] = 0
         if pages is None:
             host[ip:ip + T + 2] = 0
             host[self._tok_at:self._tok_at + T] = 0
@@ -443,6 +621,7 @@ class DecodeStep:
         fill_attention(host, pages.kv_indptr, pages.qo_indptr, pages.token_order,
                        pages.rule.causal, causal, n, T, self._tok_at, ip, self._plen_at,
                        self._parts, self._min_part, self._part_unit)
+        host[self._prev_at:self._prev_at + T + 2] = host[ip:ip + T + 2]
 
     def _copy_lists(self, pages: Any, stream) -> None:
         """This pass's page lists into the fixed :attr:`kv_indices` / :attr:`kv_positions` (on
@@ -465,7 +644,12 @@ class DecodeStep:
                                               _D2D, stream.ptr)
 
     def _write_descriptor(self, pos: np.ndarray, seqs: np.ndarray, start: int, stream,
-                          slots: Optional[np.ndarray] = None, pages: Any = None) -> None:
+                          slots: Optional[np.ndarray] = None, pages: Any = None,
+                          fwd: Any = None) -> Any:
+        """The step descriptor of the pass into a host buffer, then (cuda) one copy to the
+        device. With attention and ``fwd`` (the cache's pass) the page lists come from
+        :meth:`_append_lists` when they just grow, else from the pass's page table (returned:
+        the caller copies its lists into the fixed ones)."""
         n = pos.shape[0]
         if self.device == "cuda":
             slot = self._pinned(stream)
@@ -476,7 +660,12 @@ class DecodeStep:
         if slots is not None:       # paged placement (CacheConfig(page_size)): scattered cells
             host[HEADER:HEADER + n] = slots
         if self.attention is not None:
-            self._fill_attention(host, pages, n)
+            if fwd is None:                        # capture: no pass, every list empty
+                self._fill_attention(host, pages, n)
+            elif not self._append_lists(host, fwd):
+                pages = self.cache._host_pages()   # built or extended on the cache's stream
+                self._fill_attention(host, pages, n)
+                self._remember_lists(pages, fwd)
         if self.device == "cuda":
             import cupy
             cupy.cuda.runtime.memcpyAsync(int(self.descriptor.data.ptr), slot[3], self._nbytes,
@@ -484,6 +673,7 @@ class DecodeStep:
             if slot[2] is None:
                 slot[2] = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
             slot[2].record(stream)
+        return pages
 
     def _check_input(self, x, name: str, n: int, dim: int):
         """``x`` as an array of the cache's device and storage dtype ``[n_layers, n, H, dim]``
@@ -535,16 +725,69 @@ class DecodeStep:
 
     def _send(self, stream) -> None:
         """After ``start_forward``: the step descriptor of the pass sent to the device and, with
-        attention, the pass's page lists copied into the fixed lists (all on ``stream``, the
-        cache's; no host wait)."""
+        attention, the pass's page lists brought into the fixed lists (all on ``stream``, the
+        cache's; no host wait). A decode step whose lists just grow (the cell table changed
+        only by the previous replay's and this pass's placements) sends the new cells in the
+        descriptor and the captured extension (:meth:`_list_launches`) appends them on the
+        device: O(batch) host work. Anything else (a sequence operation, a defrag, a shift,
+        window pruning, other batch sequences) builds the pass's page table
+        (``_host_pages``) and copies its lists into the fixed ones."""
         fwd = self.cache._forward
-        pages = None
-        if self.attention is not None:
-            pages = self.cache._host_pages()   # built or extended on the cache's stream
-        self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream, fwd.slots,
-                               pages)
+        pages = self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream,
+                                       fwd.slots, None, fwd)
         if pages is not None:
             self._copy_lists(pages, stream)
+
+    def _append_lists(self, host: np.ndarray, fwd: Any) -> bool:
+        """The attention fields of pass ``fwd`` by :func:`append_lists` when the fixed lists
+        hold the previous replay's lists and the cell table changed since only by this pass's
+        placement; False (nothing usable written) otherwise."""
+        held = self._lists_of
+        cells = self.cache.cells
+        if held is None or self.device == "cpu" or fwd.reserve or held[0] is not cells \
+                or fwd.cells_v0 != held[1] or cells.version != fwd.cells_v1:
+            return False
+        self._lists_of = None       # until the lists are known to be this pass's
+        T = self.batch
+        n = fwd.positions.shape[0]
+        causal = host[self._causal_at:self._causal_at + (T + 3) // 4].view(np.uint8)
+        window = self.cache._window
+        if not append_lists(host, n, fwd.causal, causal, T, cells.max_seqs,
+                            -1 if window == UNLIMITED else int(window),
+                            int(self.cache._chunk), self._st_seq, self._st_indptr,
+                            self._st_first, self._st_last, self._st_meta, self._append_at,
+                            self._parts, self._min_part, self._part_unit):
+            return False
+        host[self._zero_at:self._zero_at + T + 2] = 0
+        self._lists_of = (cells, cells.version)
+        return True
+
+    def _remember_lists(self, pages: Any, fwd: Any) -> None:
+        """After the fixed lists were filled from ``pages`` (this pass's page table): what
+        :meth:`_append_lists` needs to grow them next replay (each list's sequence, pointers,
+        first and last positions), when every list holds all its sequence's cells from its
+        first listed position on (:func:`numbakv.pages.mark_extendable`); else nothing."""
+        self._lists_of = None
+        if self.device == "cpu" or fwd.reserve:
+            return
+        cells = self.cache.cells
+        plans = pages.plans
+        if "last-positions" not in plans:
+            window = self.cache._window
+            _pages.mark_extendable(pages, cells.seq_pos_max,
+                                   window != UNLIMITED or self.cache._chunk > 0)
+            if "last-positions" not in plans:
+                return
+        nb = pages.seq_ids.shape[0]
+        if nb > self.batch:
+            return
+        self._st_seq[:nb] = pages.seq_ids
+        self._st_indptr[:nb + 1] = pages.kv_indptr
+        self._st_first[:nb] = plans["first-positions"]
+        self._st_last[:nb] = plans["last-positions"]
+        self._st_meta[0] = nb
+        self._st_meta[1] = 1 if plans["contiguous"] else 0
+        self._lists_of = (cells, cells.version)
 
     def prepare(self, positions: Any, seqs: Any) -> None:
         """The host half of a step without the graph, for an engine that captures its own
@@ -558,8 +801,19 @@ class DecodeStep:
             raise KVCacheError("the cache is closed")
         self._count(positions)
         cache.start_forward(positions, seqs)
-        with self._scope():
-            self._send(self._stream())
+        try:
+            with self._scope():
+                stream = self._stream()
+                self._send(stream)
+                if self.attention is not None and self.device != "cpu":
+                    # the engine's graph holds only put/attend: the lists grow here
+                    ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
+                    with (stream if stream is not None else _NO_SCOPE):
+                        for launch in self._list_launches(ptr):
+                            launch()
+        except BaseException:
+            self._lists_of = None     # the fixed lists may not be this pass's
+            raise
 
     def put(self, layer: int, key: Any, value: Any) -> None:
         """Store ``key [batch, n_kv_heads, head_dim]`` and ``value [batch, n_kv_heads,
@@ -689,20 +943,25 @@ class DecodeStep:
         k_arr = self._check_input(k, "k", n, cfg.head_dim)
         v_arr = self._check_input(v, "v", n, cfg.v_head_dim)
         cache.start_forward(positions, seqs)      # validates; all or nothing
-        with self._scope():
-            stream = self._stream()
-            self._send(stream)
-            if k_arr is not None:
-                self._copy_in(self.key, k_arr, n, stream)
-            if v_arr is not None:
-                self._copy_in(self.value, v_arr, n, stream)
-            if q_arr is not None:
-                self._copy_query(q_arr, n)
-            if self.device == "cuda":
-                self.graph.launch(stream)
-            else:
-                for launch in self._launches:
-                    launch()
+        try:
+            with self._scope():
+                stream = self._stream()
+                self._send(stream)
+                if k_arr is not None:
+                    self._copy_in(self.key, k_arr, n, stream)
+                if v_arr is not None:
+                    self._copy_in(self.value, v_arr, n, stream)
+                if q_arr is not None:
+                    self._copy_query(q_arr, n)
+                if self.device == "cuda":
+                    self.graph.launch(stream)
+                else:
+                    for launch in self._launches:
+                        launch()
+        except BaseException:
+            # the fixed lists may not be this pass's: the next replay rebuilds them
+            self._lists_of = None
+            raise
         self.replays += 1
         if self.attention is not None:
             return self.output[:, :n]

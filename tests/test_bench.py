@@ -381,6 +381,45 @@ def test_agents_ceilings_bound_the_policies():
     assert c["edit"] < c["edit_k0"] < 100
 
 
+def test_agents_window_working_set_on_a_hand_made_trace():
+    """bench_agents.window_working_set: the peak over the replay of the distinct token prefixes
+    of the requests since the oldest of the sessions' latest turns (one round)."""
+    from numbakv.tools import bench_agents as ba
+    shape = ba.Shape(sessions=2, call=1)
+
+    def turn(s, t, start=None, append=(), strip=False):
+        return {"kind": "turn", "session": s, "turn": t, "start": start, "append": list(append),
+                "reasoning": [9], "strip": strip, "cancel": False, "last": False}
+
+    trace = [turn(0, 0, start=[1, 2, 3]),          # W = 3
+             turn(1, 0, start=[1, 2, 4, 5]),       # + 4, sharing [1, 2]: 5
+             {"kind": "one_off", "prompt": [7, 7]},  # 7
+             # s0: [1, 2, 3, 9, call, 6]; the window starts at s1's turn (index 1): 4 + 2 + 6
+             # minus the shared [1, 2] = 10
+             turn(0, 1, append=[6]),
+             {"kind": "one_off", "prompt": [1, 2, 8]},  # + 3 - 2 shared = 11
+             # s1: [1, 2, 4, 5, 9, call, 6]; the window starts at s0's turn (index 3), [7, 7]
+             # has left it: 6 + 3 + 7 - 2 - 2 = 12 (14 if the one-off had stayed)
+             turn(1, 1, append=[6])]
+    assert ba.window_working_set(shape, trace) == 12
+    assert ba.window_working_set(shape, trace[:5]) == 11
+    # a stripped reasoning block leaves the prompt, so it leaves the window
+    stripped = trace[:5] + [turn(1, 1, append=[6], strip=True)]   # s1: [1, 2, 4, 5, call, 6]
+    assert ba.window_working_set(shape, stripped) == 11
+    assert ba.Shape().working_set == "footprint"
+    tiny = ba.QUICK
+    t = ba.make_trace(tiny)
+    assert ba.working_set_tokens(tiny, t) == ba.working_set(tiny, t)
+    window = ba.Shape(**{**tiny.__dict__, "working_set": "window"})
+    assert 0 < ba.working_set_tokens(window, t) == ba.window_working_set(tiny, t) \
+        < ba.working_set(tiny, t)
+    bad = ba.Shape(**{**tiny.__dict__, "working_set": "recent"})
+    with pytest.raises(ValueError, match="working_set"):
+        ba.working_set_tokens(bad, t)
+    with pytest.raises(ValueError, match="working_set"):
+        ba.run_agents(shape=bad)
+
+
 def test_agents_orphan_count_follows_the_events():
     from numbakv.tools.bench_agents import _orphans
     live = {}

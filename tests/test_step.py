@@ -578,11 +578,17 @@ def test_cuda_step_with_attention_is_one_graph_without_host_waits(fake_gpu, monk
         names = [n for n, _ in launches]
         assert names.count("paged_attention_kernel") == 2 * 2      # eager + captured
         assert names.count("paged_merge_kernel") == 2 * 2
-        assert len(step.graph.nodes) == 3 * 2                      # put, attention, merge
+        # the two list-extension launches, then per layer put, attention, merge
+        assert names.count("extend_lists_kernel") == 2 * 2
+        assert len(step.graph.nodes) == 2 + 3 * 2
         cp.log.clear()
         launches.clear()
         waits.update(HOST_WAITS)     # capturing waits once (the buffers' initialisation)
+        pages_of = cache._host_pages
+        cache._host_pages = lambda: built.append(1) or pages_of()
         return cache, step
+
+    built = []
 
     _, step = _check_attention(make_step, {}, {}, "float32",
                                lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5)
@@ -591,8 +597,65 @@ def test_cuda_step_with_attention_is_one_graph_without_host_waits(fake_gpu, monk
     for sync in ("stream_sync", "event_sync", "device_sync", "asnumpy"):
         assert sync not in kinds, (sync, cp.log)
     assert kinds.count("graph_launch") == step.replays == 4
+    # replay 3 (the same two sequences, grown) appended on the device: no table built
+    assert len(built) == 3
     assert all(e[1] == 0x61 for e in cp.log if e[0] in ("h2d", "d2d", "graph_launch"))
     assert not [n for n, _ in launches if n.startswith("paged")]   # only the graph's
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("window", [None, 3])
+def test_captured_lists_grow_on_the_device_and_rebuild_after_table_changes(window,
+                                                                          small_blocks):
+    """The simulator (the real kernels): a replay whose lists just grow appends its cells on
+    the device (no page table of the pass built on the host); a replay after a sequence
+    operation or a defrag -- which move or drop cells whose positions still pass the growth
+    test -- rebuilds the lists (so does one whose window pruning dropped cells); every replay equals start_forward + put + attend on a CPU
+    cache, with and without a sliding window (lists cut at the front)."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    cfg = dict(ATT, capacity=16, dtype="float32")
+    kw = {} if window is None else dict(swa_window=window)
+    cache = nkv.CausalCache(nkv.CacheConfig(**cfg, device="sim"), **kw)
+    reference = nkv.CausalCache(nkv.CacheConfig(**cfg, device="cpu"), **kw)
+    step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5)
+    built = []
+    pages_of = cache._host_pages
+    cache._host_pages = lambda: built.append(1) or pages_of()
+    gen = torch.Generator().manual_seed(21)
+    grown = 0
+    plan = [((0, 1), (0, 0), True), ((2, 0), (0, 1), True), ((3, 1), (0, 1), False),
+            ((4, 2), (0, 1), False), ("seq_rm", None, None), ((5, 3), (0, 1), True),
+            ((6, 4), (0, 1), False), ("defrag", None, None), ((7, 5), (0, 1), True),
+            ((8, 6), (0, 1), False)]
+    for pos, seqs, rebuilds in plan:
+        if pos == "seq_rm":         # sequence 1 loses its front: its later positions stay
+            for c in (cache, reference):
+                assert c.seq_rm(1, 0, 2)
+            continue
+        if pos == "defrag":         # cells move, positions stay
+            for c in (cache, reference):
+                c.defrag()
+            continue
+        pos, seqs = np.array(pos, np.int32), np.array(seqs, np.int32)
+        n = len(pos)
+        k = torch.randn(2, n, 1, 8, generator=gen)
+        v = torch.randn(2, n, 1, 4, generator=gen)
+        q = torch.randn(2, n, 2, 8, generator=gen)
+        before = len(built)
+        out = step.replay(pos, seqs, q.numpy(), k.numpy(), v.numpy())
+        # window pruning (the window's memory dropping old cells) changes the table too
+        rebuilds = rebuilds or cache._forward.cells_v0 < 0
+        assert (len(built) > before) == rebuilds, (pos, seqs)
+        grown += not rebuilds
+        reference.start_forward(pos, seqs)
+        for layer in range(2):
+            reference.set_layer(layer)
+            reference.put(k[layer], v[layer])
+            want = attend(q[layer], reference, scale=0.5).numpy()
+            np.testing.assert_allclose(out[layer], want, rtol=1e-5, atol=1e-5)
+    assert cache.defrag_count == reference.defrag_count >= 1
+    assert grown >= 2
 
 
 @pytest.mark.torch

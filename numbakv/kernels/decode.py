@@ -417,9 +417,12 @@ def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, drop, new_indptr, qo_in
     lists (one thread each, grid-striding) is entry ``k`` of its list ``b``: ``prev``'s entry
     ``drop[b] + k`` while that is in the old list, else new cell ``k - kept`` of ``b``
     (``add_cells`` / ``add_pos`` grouped by ``qo_indptr``, in position order). Every new list
-    is non-empty, so ``new_indptr`` ascends strictly and ``b`` is found by binary search."""
+    is non-empty, so ``new_indptr`` ascends strictly and ``b`` is found by binary search.
+    The entry count is read on the device (``new_indptr[-1]``), so ``out_*`` may be longer than
+    the lists and ``new_indptr`` may end in empty lists: a captured decode step
+    (:class:`numbakv.step.DecodeStep`) launches it with a fixed grid over fixed buffers."""
     nb = new_indptr.shape[0] - 1
-    nnz = out_idx.shape[0]
+    nnz = new_indptr[nb]
     j = cuda.grid(1)
     stride = cuda.gridsize(1)
     while j < nnz:

@@ -10,7 +10,9 @@ run interleaved with one-off requests (some sharing the system prompt) between t
 Served one request at a time by ``hf.Server`` on a tiny random-weight Llama (CPU), with the
 store's cells capped at 50% of the working set (every session's final prompt plus the one-off
 prompts): the cache holds that many cells plus room for the running request, and the store
-keeps its entries in those cells (tier 0).
+keeps its entries in those cells (tier 0). ``Shape(working_set="window")`` reads "working set"
+as Denning's W(t, tau) instead (the peak of one round of turns' distinct tokens,
+``window_working_set``): an alternative reading with a cap that binds, not the section's figures.
 
 Two policies replay the same trace in the same run:
 
@@ -66,6 +68,11 @@ class Shape:
     #: the store's cells as a share of the working set (the issue's shape: 0.5; smaller values
     #: are diagnostics of a cap that binds, not the section's figures)
     store_share: float = 0.5
+    #: what "the working set" the cap is a share of means (``working_set_tokens``):
+    #: ``"footprint"`` (the section's figures: every session's final prompt plus every one-off
+    #: prompt over the whole trace) or ``"window"`` (Denning's W(t, tau) with tau one round of
+    #: turns, peaked over the replay: an alternative reading of the issue's words)
+    working_set: str = "footprint"
 
 
 QUICK = Shape(sessions=2, turns=8, system=128, task=32, tool=48, reasoning=16, call=2,
@@ -174,6 +181,61 @@ def working_set(shape: Shape, trace: List[Dict[str, Any]]) -> int:
                                           if r["kind"] == "one_off")
 
 
+def window_working_set(shape: Shape, trace: List[Dict[str, Any]]) -> int:
+    """Denning's working set W(t, tau) with tau = one round of turns, peaked over the replay.
+
+    After each request ``i`` (in arrival order), the window is the requests ``j`` with
+    ``start(i) <= j <= i``, where ``start(i)`` is the index of the *oldest* of the started
+    sessions' latest turns (so it holds every live session's current prompt and the one-off
+    requests since the least recently served session came back). W(i) is the number of distinct
+    token prefixes among the prompts of the window's requests: a token counts once however many
+    of those prompts share it *and everything before it* (what a prefix store holds once; the
+    system prompt shared by the sessions counts once, a token equal by chance at a different
+    prefix counts again), i.e. the nodes of a trie of those prompts, computed as the sum of the
+    prompts' lengths minus the longest common prefixes of neighbours in sorted order. Prompts
+    are what each request asks the server to load (the replay's session prompts, the generated
+    calls in the history stood in by ids that match nothing, as in ``ceilings``); the calls a
+    request generates past its prompt are not counted. Returns ``max_i W(i)``. No model is run.
+    """
+    sessions: Dict[int, Session] = {}
+    latest: Dict[int, int] = {}              # session -> index of its latest turn
+    prompts: List[List[int]] = []            # every request's prompt, by index
+    fresh = iter(range(VOCAB, 1 << 40))      # stand-in ids of generated calls
+    peak = 0
+    for i, r in enumerate(trace):
+        if r["kind"] == "one_off":
+            prompts.append(list(r["prompt"]))
+        else:
+            s = r["session"]
+            if r["start"] is not None:
+                sessions[s] = Session(r["start"])
+            sess = sessions[s]
+            sess.segments.append(["text", r["append"]])
+            if r["strip"]:
+                sess.strip_oldest_reasoning()
+            prompts.append(sess.prompt())
+            latest[s] = i
+            sess.segments.append(["reasoning", r["reasoning"]])
+            sess.segments.append(["text", [next(fresh) for _ in range(shape.call)]])
+        window = sorted(prompts[min(latest.values(), default=i):i + 1])
+        distinct = sum(len(p) for p in window) - sum(
+            _lcp(a, b) for a, b in zip(window, window[1:]))
+        peak = max(peak, distinct)
+    return peak
+
+
+def working_set_tokens(shape: Shape, trace: List[Dict[str, Any]]) -> int:
+    """The working set the store's cap is ``shape.store_share`` of, as ``shape.working_set``
+    reads it: ``"footprint"`` -> ``working_set`` (the whole trace's footprint), ``"window"`` ->
+    ``window_working_set`` (the peak of one round's distinct tokens)."""
+    if shape.working_set == "footprint":
+        return working_set(shape, trace)
+    if shape.working_set == "window":
+        return window_working_set(shape, trace)
+    raise ValueError(f"Shape.working_set: expected 'footprint' or 'window', got "
+                     f"{shape.working_set!r}")
+
+
 def _lcp(a: List[int], b: List[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -246,7 +308,7 @@ def replay(model, cold_model, shape: Shape, trace: List[Dict[str, Any]], *, poli
     """Replay ``trace`` with ``policy`` (``"retained"`` or ``"lru"``); the cold TTFT of each
     session's last turn on ``cold_model`` (a store-less server) is measured beside it."""
     from numbakv import PrefixStore, hf
-    ws = working_set(shape, trace)
+    ws = working_set_tokens(shape, trace)
     longest = shape.system + shape.task + shape.turns * (shape.tool + shape.reasoning
                                                          + shape.call) + shape.one_off
     budget = int(ws * shape.store_share)
@@ -350,6 +412,9 @@ def run_agents(quick: bool = False, log: Callable[[str], None] = lambda _: None,
     torch.set_num_threads(1)      # stable timings on a shared machine; restored below
     try:
         shape = shape or (QUICK if quick else Shape())
+        if shape.working_set not in ("footprint", "window"):    # before any model is built
+            raise ValueError(f"Shape.working_set: expected 'footprint' or 'window', got "
+                             f"{shape.working_set!r}")
         trace = make_trace(shape)
         out: Dict[str, Any] = {"shape": dict(shape.__dict__),
                                "ceilings": ceilings(shape, trace)}
@@ -405,7 +470,9 @@ def format_agents(res: Dict[str, Any], with_targets: bool = False) -> List[str]:
     sh = res["shape"]
     lines = ["", f"Agent sessions through hf.Server (tiny Llama): {sh['sessions']} sessions x "
              f"{sh['turns']} turns + one-offs, input:output {res['input_output_ratio']:.0f}:1, "
-             f"store cells capped at {100 * sh.get('store_share', 0.5):.0f}% of the working set"]
+             f"store cells capped at {100 * sh.get('store_share', 0.5):.0f}% of the working set "
+             f"({sh.get('working_set', 'footprint')}: {res['retained']['working_set']} tokens, "
+             f"{res['retained']['store_budget']} cells)"]
     lines.append("  policy    requests  prompt tok  hit%   sessions hit%  orphans  strip "
                  "re-prefill% max/mean  TTFT vs cold")
     for name in ("retained", "lru"):
