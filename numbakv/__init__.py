@@ -27,6 +27,17 @@ from .rotation import rotate_queries, unrotate_output
 from .recurrent import RecurrentCache, RecurrentConfig, StateSpec  # registers its state files
 from .hybrid import HybridCache  # registers its state files
 from .state.snapshot import RecurrentPart
+from .step import register_cpu_attend as _register_cpu_attend
+
+
+def _attend_on_first_use(*args, **kwargs):
+    """:func:`numbakv.attention.attend`, imported at the first cpu captured step with attention
+    (``import numbakv`` stays free of the attention module)."""
+    from .attention import attend
+    return attend(*args, **kwargs)
+
+
+_register_cpu_attend(_attend_on_first_use)
 
 __version__ = "0.1.0"
 

@@ -21,9 +21,14 @@ Backends:
   ``window_left`` where they express the mask and a custom mask where they cannot (chunks,
   ``set_causal``, queries that are not the sequence's last positions, position gaps). CUDA only;
   planned once per forward pass and reused by every layer.
+* ``"flash_attn"``: FlashAttention's ``flash_attn_with_kvcache`` with ``block_table`` over the
+  pool in pages (:func:`flash_attn_unfit` says when it computes the pass exactly: float16 /
+  bfloat16, ``CacheConfig(page_size)`` a multiple of 256 -- its paged block size --, a decode
+  pass without window or chunks). CUDA only.
 * ``"dense"``: ``get()`` and its mask, in float32 (the reference; pays for the union).
 * ``"auto"``: ``"flashinfer"`` when it can run (importable - probed once per process -, cache
-  and ``q`` on CUDA, V not permuted); else on CUDA numbakv's batched paged kernel
+  and ``q`` on CUDA, V not permuted); else ``"flash_attn"`` when importable (probed once) and
+  the pass fits it; else on CUDA numbakv's batched paged kernel
   (:mod:`numbakv.kernels.decode`: one launch per layer for every token of the pass, reading the
   pool through the device page table, split-K with a log-sum-exp merge, on the cache's stream
   after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
@@ -57,7 +62,7 @@ from .kernels.quant import dequantize_block as _dequantize_block
 from .pages import HostPages, columns_mask, plan_parts, token_mask, visible_lo
 from .rotation import hadamard_blocks, rotate_queries, unrotate_output
 
-BACKENDS = ("auto", "torch", "flashinfer", "dense")
+BACKENDS = ("auto", "torch", "flashinfer", "flash_attn", "dense")
 
 #: A sequence's run of the pool is read as a view when it holds at most this many cells that the
 #: sequence does not see (relative to its visible count) - masking them is cheaper than a gather.
@@ -128,6 +133,27 @@ def flashinfer_available() -> bool:
     return _FLASHINFER
 
 
+#: memoised answer of flash_attn_available() (probed once per process, as FlashInfer's)
+_FLASH_ATTN: Optional[bool] = None
+#: flash_attn_with_kvcache's paged KV cache takes blocks of a multiple of this many tokens
+#: (flash-attn 2.x: "Paged KV cache block size must be divisible by 256")
+FLASH_ATTN_PAGE = 256
+
+
+def flash_attn_available() -> bool:
+    """Whether FlashAttention's ``flash_attn_with_kvcache`` can be imported (probed once per
+    process)."""
+    global _FLASH_ATTN
+    if _FLASH_ATTN is None:
+        try:
+            from flash_attn import flash_attn_with_kvcache  # noqa: F401
+        except Exception:  # noqa: BLE001 - any import failure means "not available"
+            _FLASH_ATTN = False
+        else:
+            _FLASH_ATTN = True
+    return _FLASH_ATTN
+
+
 def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
            soft_cap: Optional[float] = None, backend: str = "auto",
            v_dim: Optional[int] = None) -> Any:
@@ -151,7 +177,7 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         scale: factor on ``q . k`` (default ``1 / sqrt(head_dim)``).
         soft_cap: if given, scores become ``soft_cap * tanh(score / soft_cap)`` (after scaling,
             before the mask).
-        backend: ``"auto"``, ``"torch"``, ``"flashinfer"`` or ``"dense"``.
+        backend: ``"auto"``, ``"torch"``, ``"flashinfer"``, ``"flash_attn"`` or ``"dense"``.
 
         v_dim: V-less caches only: how many leading values of each latent row are the value
             (default: the cache's ``RopeShift`` offset).
@@ -251,6 +277,21 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         kp = pools[0]
         pools = (kp, BFloat16View(kp.bits[..., :latent_v]) if isinstance(kp, BFloat16View)
                  else kp[..., :latent_v])
+    if backend == "flash_attn" or (gpu_kernel and flash_attn_available()):
+        why = "flash_attn is not installed" if not flash_attn_available() else \
+            flash_attn_unfit(cfg, host, str(q.dtype).replace("torch.", ""), on_cuda=on_cuda,
+                             permuted=permuted, quantized=quantized, latent=bool(latent_v))
+        out = None
+        if why is None:
+            _after_cache(torch, src, q)
+            key_pool, value_pool = (torch.from_dlpack(x) for x in pools)
+            out = _flash_attn(torch, q, src, host, key_pool, value_pool, scale, soft_cap)
+            if out is None:
+                why = "the pass's cells do not fill pages in position order"
+        if out is not None:
+            return out
+        if backend == "flash_attn":
+            raise ValueError(f"backend='flash_attn' cannot compute this pass: {why}")
     if backend == "flashinfer":
         if not on_cuda or not flashinfer_available():
             raise ValueError("backend='flashinfer' needs flashinfer installed and a cache on CUDA")
@@ -633,6 +674,296 @@ def _load_value_row_impl(pool, c, kh, dst, vperm, fmt, scale, bf16):
     return from_elements
 
 
+# --------------------------------------------------------------------------------------------
+# the CPU kernel's decode form: one query token per work item
+# --------------------------------------------------------------------------------------------
+
+#: cells per tile of the decode form: the group's scores of a tile (g x 64 float32) stay in L1
+#: between the score, softmax and value passes
+_DECODE_TILE = 64
+# float32 constants of :func:`_exp_f32` (module globals of numpy float32 type stay float32 in
+# compiled code; Python floats would widen the arithmetic to float64 and stop vectorisation)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_P0 = np.float32(1.9875691500e-4)
+_EXP_P1 = np.float32(1.3981999507e-3)
+_EXP_P2 = np.float32(8.3334519073e-3)
+_EXP_P3 = np.float32(4.1665795894e-2)
+_EXP_P4 = np.float32(1.6666665459e-1)
+_EXP_P5 = np.float32(5.0000001201e-1)
+_F32_FLUSH = np.float32(_EXP_FLUSH)
+_F32_ONE = np.float32(1.0)
+_F32_HALF = np.float32(0.5)
+
+
+@njit(inline="always")
+def _exp_f32(x):
+    """``exp(x)`` for float32 ``x`` in ``(_EXP_FLUSH, 0]`` (a softmax weight against the running
+    maximum), within 2 ulp of libm's: Cephes' ``expf`` (``x = n ln 2 + r``, a degree-5
+    polynomial in ``r``, ``2**n`` put into the exponent bits). Plain arithmetic and a bit
+    cast, so LLVM vectorises a loop of them (numba calls libm's scalar ``expf`` per value
+    otherwise: ~8k calls per layer of a 2k-token decode)."""
+    n = np.floor(x * _LOG2E + _F32_HALF)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = _EXP_P0 * r + _EXP_P1
+    p = p * r + _EXP_P2
+    p = p * r + _EXP_P3
+    p = p * r + _EXP_P4
+    p = p * r + _EXP_P5
+    y = p * (r * r) + r + _F32_ONE
+    return y * np.int32((np.int32(n) + 127) << 23).view(np.float32)
+
+
+def _key_row_scores(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+    """``s[gi, jj] = qs[h0 + gi] . k`` for the ``g`` query heads of KV head ``kh``, ``k`` the
+    key row ``(c, kh)`` read once (numba overload below: float rows converted as they are read,
+    quantized rows dequantized into ``kbuf`` first)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+def _value_row_accumulate(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
+    """``acc[h0 + gi] += s[gi, jj] * v`` for the group's heads with a nonzero weight, ``v`` the
+    value row ``(c, kh)`` (numba overload below)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+def _key_scores4(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+    """:func:`_key_row_scores` for the four key rows ``ca .. cd`` into ``s[:, jj:jj + 4]``: four
+    independent sums per pass over ``qs``'s row (each query value loaded once for four cells)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+def _value_accumulate4(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
+    """:func:`_value_row_accumulate` for the four value rows ``ca .. cd`` (weights ``s[:,
+    jj:jj + 4]``): each accumulator value is loaded and stored once for four cells."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+# Quantized rows go through these two functions, compiled on their own: inlined at numba's IR
+# level into every kernel signature (each format pair, float or quantized on either side), the
+# dequantizers made the kernel take minutes longer to compile.
+
+@njit(fastmath={"reassoc", "contract"})
+def _key_scores_blocks(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale):
+    """:func:`_key_row_scores` of a quantized key row."""
+    _blocks_to_f32(kpool[c, kh], kbuf, fmt, kscale)
+    for gi in range(g):
+        x = np.float32(0.0)
+        for d in range(kbuf.shape[0]):
+            x += qs[h0 + gi, d] * kbuf[d]
+        s[gi, jj] = x
+
+
+@njit(fastmath={"reassoc", "contract"})
+def _value_accumulate_blocks(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale):
+    """:func:`_value_row_accumulate` of a quantized value row (dequantized only when a weight
+    of the group needs it)."""
+    for gi in range(g):
+        if s[gi, jj] != 0:
+            _blocks_to_f32(vpool[c, kh], vbuf, fmt, vscale)
+            for gj in range(gi, g):
+                w = s[gj, jj]
+                if w != 0:
+                    for d in range(vbuf.shape[0]):
+                        acc[h0 + gj, d] += w * vbuf[d]
+            return
+
+
+def _is_byte_pool(pool) -> bool:
+    return isinstance(pool.dtype, types.Integer) and pool.dtype.bitwidth == 8
+
+
+@overload(_key_row_scores, inline="always")
+def _key_row_scores_impl(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+    if _is_byte_pool(kpool):
+        def from_blocks(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+            _key_scores_blocks(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale)
+        return from_blocks
+
+    def from_elements(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+        for gi in range(g):
+            x = np.float32(0.0)
+            for d in range(kbuf.shape[0]):
+                x += qs[h0 + gi, d] * _to_f32(kpool[c, kh, d], bf16)
+            s[gi, jj] = x
+    return from_elements
+
+
+@overload(_value_row_accumulate, inline="always")
+def _value_row_accumulate_impl(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
+    if _is_byte_pool(vpool):
+        def from_blocks(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
+            _value_accumulate_blocks(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale)
+        return from_blocks
+
+    def from_elements(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
+        for gi in range(g):
+            w = s[gi, jj]
+            if w != 0:
+                for d in range(vbuf.shape[0]):
+                    acc[h0 + gi, d] += w * _to_f32(vpool[c, kh, d], bf16)
+    return from_elements
+
+
+@overload(_key_scores4, inline="always")
+def _key_scores4_impl(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+    if _is_byte_pool(kpool):
+        def from_blocks(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+            _key_scores_blocks(kpool, ca, kh, qs, h0, g, s, jj, kbuf, fmt, kscale)
+            _key_scores_blocks(kpool, cb, kh, qs, h0, g, s, jj + 1, kbuf, fmt, kscale)
+            _key_scores_blocks(kpool, cc, kh, qs, h0, g, s, jj + 2, kbuf, fmt, kscale)
+            _key_scores_blocks(kpool, cd, kh, qs, h0, g, s, jj + 3, kbuf, fmt, kscale)
+        return from_blocks
+
+    def from_elements(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
+        for gi in range(g):
+            xa = np.float32(0.0)
+            xb = np.float32(0.0)
+            xc = np.float32(0.0)
+            xd = np.float32(0.0)
+            for d in range(kbuf.shape[0]):
+                qd = qs[h0 + gi, d]
+                xa += qd * _to_f32(kpool[ca, kh, d], bf16)
+                xb += qd * _to_f32(kpool[cb, kh, d], bf16)
+                xc += qd * _to_f32(kpool[cc, kh, d], bf16)
+                xd += qd * _to_f32(kpool[cd, kh, d], bf16)
+            s[gi, jj] = xa
+            s[gi, jj + 1] = xb
+            s[gi, jj + 2] = xc
+            s[gi, jj + 3] = xd
+    return from_elements
+
+
+@overload(_value_accumulate4, inline="always")
+def _value_accumulate4_impl(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, fmt, vscale,
+                            bf16):
+    if _is_byte_pool(vpool):
+        def from_blocks(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
+            _value_accumulate_blocks(vpool, ca, kh, acc, h0, g, s, jj, vbuf, fmt, vscale)
+            _value_accumulate_blocks(vpool, cb, kh, acc, h0, g, s, jj + 1, vbuf, fmt, vscale)
+            _value_accumulate_blocks(vpool, cc, kh, acc, h0, g, s, jj + 2, vbuf, fmt, vscale)
+            _value_accumulate_blocks(vpool, cd, kh, acc, h0, g, s, jj + 3, vbuf, fmt, vscale)
+        return from_blocks
+
+    def from_elements(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
+        for gi in range(g):
+            wa = s[gi, jj]
+            wb = s[gi, jj + 1]
+            wc = s[gi, jj + 2]
+            wd = s[gi, jj + 3]
+            for d in range(vbuf.shape[0]):
+                acc[h0 + gi, d] += (wa * _to_f32(vpool[ca, kh, d], bf16)
+                                    + wb * _to_f32(vpool[cb, kh, d], bf16)) \
+                    + (wc * _to_f32(vpool[cc, kh, d], bf16) + wd * _to_f32(vpool[cd, kh, d], bf16))
+    return from_elements
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})   # no nnan/ninf: -inf marks an empty max
+def _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vscale,
+                        kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window,
+                        chunk, scale, soft_cap, out, part_acc, part_m, part_l):
+    """:func:`_attend_item` for an item whose sequence has one query token (a decode step), V
+    not permuted: the same arguments and results. Per tile of :data:`_DECODE_TILE` cells and
+    per KV head, each K row is read once for the whole grouped-query group (its scores), the
+    tile's weights come from one vectorised pass (:func:`_exp_f32`), and each V row is read once
+    and added to the group's accumulators; nothing is copied out of the pool (quantized rows
+    are dequantized one row at a time)."""
+    T, H, dim = q.shape
+    hkv = kpool.shape[1]
+    dv = out.shape[2]
+    g = H // hkv
+    b = items[it, 0]
+    c0 = items[it, 1]
+    c1 = items[it, 2]
+    row0 = items[it, 3]
+    t = token_order[qo_indptr[b]]
+    p = np.int64(q_pos[t])
+    lo = visible_lo(p, window, chunk)
+    a = c0
+    e = c1
+    while a < e:                              # first j with kv_pos[j] >= lo
+        m = (a + e) >> 1
+        if kv_pos[m] < lo:
+            a = m + 1
+        else:
+            e = m
+    jlo = a
+    e = c1
+    if causal[t] != 0:
+        while a < e:                          # first j with kv_pos[j] > p
+            m = (a + e) >> 1
+            if kv_pos[m] <= p:
+                a = m + 1
+            else:
+                e = m
+    jhi = e
+    qs = np.empty((H, dim), np.float32)       # scale folded in
+    for h in range(H):
+        for d in range(dim):
+            qs[h, d] = q[t, h, d] * scale
+    acc = np.zeros((H, dv), np.float32)
+    mx = np.full(H, -np.inf, np.float32)
+    tot = np.zeros(H, np.float32)
+    s = np.empty((g, _DECODE_TILE), np.float32)
+    kbuf = np.empty(dim, np.float32)
+    vbuf = np.empty(dv, np.float32)
+    for j0 in range(jlo, jhi, _DECODE_TILE):
+        n = min(_DECODE_TILE, jhi - j0)
+        for kh in range(hkv):
+            h0 = kh * g
+            n4 = n - n % 4
+            for jj in range(0, n4, 4):
+                _key_scores4(kpool, kv_indices[j0 + jj], kv_indices[j0 + jj + 1],
+                             kv_indices[j0 + jj + 2], kv_indices[j0 + jj + 3], kh, qs, h0, g, s,
+                             jj, kbuf, kfmt, kscale, bf16)
+            for jj in range(n4, n):
+                _key_row_scores(kpool, kv_indices[j0 + jj], kh, qs, h0, g, s, jj, kbuf, kfmt,
+                                kscale, bf16)
+            for gi in range(g):
+                if soft_cap > 0:
+                    for jj in range(n):
+                        s[gi, jj] = soft_cap * math.tanh(s[gi, jj] / soft_cap)
+                h = h0 + gi
+                m = mx[h]
+                for jj in range(n):
+                    m = max(m, s[gi, jj])
+                # online softmax: rescale what was summed so far to the new maximum; weights
+                # below exp(_EXP_FLUSH) are flushed to 0 (no denormal arithmetic)
+                y = mx[h] - m
+                corr = _exp_f32(max(y, _F32_FLUSH)) if y > _F32_FLUSH else np.float32(0.0)
+                if corr != 1.0:
+                    for d in range(dv):
+                        acc[h, d] *= corr
+                sm = np.float32(0.0)
+                for jj in range(n):
+                    y = s[gi, jj] - m
+                    w = _exp_f32(max(y, _F32_FLUSH))
+                    w = w if y > _F32_FLUSH else np.float32(0.0)
+                    s[gi, jj] = w
+                    sm += w
+                mx[h] = m
+                tot[h] = tot[h] * corr + sm
+            for jj in range(0, n4, 4):
+                _value_accumulate4(vpool, kv_indices[j0 + jj], kv_indices[j0 + jj + 1],
+                                   kv_indices[j0 + jj + 2], kv_indices[j0 + jj + 3], kh, acc, h0,
+                                   g, s, jj, vbuf, vfmt, vscale, bf16)
+            for jj in range(n4, n):
+                _value_row_accumulate(vpool, kv_indices[j0 + jj], kh, acc, h0, g, s, jj, vbuf,
+                                      vfmt, vscale, bf16)
+    if row0 >= 0:
+        for h in range(H):
+            part_m[row0 + h] = mx[h]
+            part_l[row0 + h] = tot[h]
+            for d in range(dv):
+                part_acc[row0 + h, d] = acc[h, d]
+        return
+    for h in range(H):
+        inv = np.float32(1.0) / tot[h] if tot[h] > 0 else np.float32(0.0)
+        for d in range(dv):
+            out[t, h, d] = acc[h, d] * inv
+
+
 #: cells per tile of the kernel: the tile's K and V rows of every KV head (8 x 128 float32 each
 #: at 16 cells: 64 KiB apiece) stay in L2 while every query row uses them
 _TILE = 16
@@ -660,6 +991,11 @@ def _attend_item(it, items, q, kpool, vpool, bf16, vperm, kfmt, vfmt, kscale, vs
     row0 = items[it, 3]
     q0 = qo_indptr[b]
     L = qo_indptr[b + 1] - q0
+    if L == 1 and not vperm:                  # a decode step: the one-query form
+        _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vscale,
+                            kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window,
+                            chunk, scale, soft_cap, out, part_acc, part_m, part_l)
+        return
     R = L * H
     # per token, the visible run [jlo, jhi) of the list: positions ascend along it, and a token
     # sees exactly the positions in [lo, hi] (window / chunk below, causal above)
@@ -1216,4 +1552,83 @@ def _flashinfer(torch, q, host: HostPages, key_pool, value_pool, scale, soft_cap
     return out
 
 
-__all__ = ["attend", "flashinfer_available", "BACKENDS"]
+# --------------------------------------------------------------------------------------------
+# FlashAttention (CUDA): flash_attn_with_kvcache over the pool in pages
+# --------------------------------------------------------------------------------------------
+
+def flash_attn_unfit(cfg: Any, host: HostPages, q_dtype: str, *, on_cuda: bool, permuted: bool,
+                     quantized: bool, latent: bool) -> Optional[str]:
+    """None when FlashAttention's paged decode (``flash_attn_with_kvcache`` with
+    ``block_table``) computes exactly this pass's attention over the cache, else why not (the
+    reason ``backend="flash_attn"`` names). It needs: CUDA, float16/bfloat16 K/V not quantized,
+    not permuted, not a latent (MLA) cache, ``q`` in the storage dtype, one head dim for K and V
+    (<= 256, a multiple of 8), pages of a multiple of :data:`FLASH_ATTN_PAGE` cells
+    (``CacheConfig(page_size)``, placed so that a sequence fills its pages in position order),
+    no window or chunks, and a decode pass: one query per sequence, causal, at the sequence's
+    last position."""
+    if not on_cuda:
+        return "the cache is not on CUDA"
+    if quantized or latent:
+        return "quantized K/V or a V-less (MLA) cache"
+    if permuted:
+        return "V is permuted (permuted_v=True)"
+    if cfg.dtype not in ("float16", "bfloat16"):
+        return f"storage dtype {cfg.dtype} (FlashAttention takes float16 / bfloat16)"
+    if q_dtype != cfg.dtype:
+        return f"q is {q_dtype}, the cache stores {cfg.dtype} (FlashAttention takes one dtype)"
+    if cfg.v_head_dim != cfg.head_dim or cfg.head_dim > 256 or cfg.head_dim % 8:
+        return (f"head_dim={cfg.head_dim}, v_head_dim={cfg.v_head_dim} (one head dim, <= 256, "
+                "a multiple of 8)")
+    if cfg.page_size % FLASH_ATTN_PAGE:
+        return (f"page_size={cfg.page_size} is not a multiple of {FLASH_ATTN_PAGE} (the paged "
+                "KV block size flash_attn_with_kvcache takes)")
+    if host.rule.window >= 0 or host.rule.chunk > 0:
+        return "a sliding window or chunks"
+    if _max_queries(host) != 1 or not host.trailing:
+        return ("not a decode pass (one causal query per sequence, at its last position, "
+                "every sequence)")
+    return None
+
+
+def _flash_attn(torch, q, src: Any, host: HostPages, key_pool, value_pool, scale: float,
+                soft_cap: Optional[float]):
+    """``flash_attn_with_kvcache`` over the pool as ``[n_pages, page_size, Hkv, D]`` pages:
+    the pass's :func:`numbakv.pages.paged_table` (planned once per pass, kept in
+    ``host.plans``), one query per sequence (grouped by :attr:`PageTable.token_order`), rows
+    returned in batch order. None when the pass's layout does not fill pages (a ``seq_rm`` of a
+    middle range, a shared page written by another sequence...): the caller falls back."""
+    from .errors import NotSupportedError
+    from .pages import paged_table
+    cfg = src.config
+    plan = host.plans.get("flash_attn")
+    if plan is None:
+        try:
+            pt = paged_table(host, cfg.page_size, src.n_cells, np)
+        except NotSupportedError:
+            plan = host.plans["flash_attn"] = False
+        else:
+            dev = q.device
+            table = torch.as_tensor(np.maximum(pt.block_table, 0), dtype=torch.int32,
+                                    device=dev)   # entries past a sequence's pages: never read
+            lens = torch.as_tensor(pt.cache_seqlens, dtype=torch.int32, device=dev)
+            order = torch.as_tensor(pt.token_order, dtype=torch.int64, device=dev)
+            plan = host.plans["flash_attn"] = (table, lens, order)
+    if plan is False:
+        return None
+    table, lens, order = plan
+    from flash_attn import flash_attn_with_kvcache
+    n_cells, hkv, d = key_pool.shape
+    pages = (n_cells // cfg.page_size, cfg.page_size, hkv)
+    res = flash_attn_with_kvcache(
+        q.index_select(0, order)[:, None], key_pool.reshape(pages + (d,)),
+        value_pool.reshape(pages + (value_pool.shape[2],)), cache_seqlens=lens,
+        block_table=table, softmax_scale=scale, causal=True,
+        softcap=float(soft_cap or 0.0))
+    out = torch.empty((q.shape[0], q.shape[1], value_pool.shape[2]), dtype=q.dtype,
+                      device=q.device)
+    out[order] = res[:, 0].to(q.dtype)
+    return out
+
+
+__all__ = ["attend", "flash_attn_available", "flash_attn_unfit", "flashinfer_available",
+           "BACKENDS", "FLASH_ATTN_PAGE"]

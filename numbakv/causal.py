@@ -1249,7 +1249,9 @@ class CausalCache(StateMethods):
         return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ misc
-    def capture_step(self, batch: int, *, attend: bool = False) -> "DecodeStep":
+    def capture_step(self, batch: int, *, attend: bool = False, n_heads: Optional[int] = None,
+                     scale: Optional[float] = None,
+                     soft_cap: Optional[float] = None) -> "DecodeStep":
         """A decode step of up to ``batch`` tokens whose inputs sit in fixed device buffers: on
         ``cuda`` a CUDA graph of one put per stored layer reading its slots from a step
         descriptor the host refreshes with one asynchronous copy per replay; on ``cpu``/``sim``
@@ -1262,12 +1264,26 @@ class CausalCache(StateMethods):
         cache's stream (:meth:`use_stream`); the step keeps its buffers and graph alive as long as
         it lives. See :mod:`numbakv.step`.
 
-        Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``) and ``NotSupportedError``
-        for what is not captured: ``attend=True``, quantized K/V, V-less (MLA) caches,
-        per-sequence streams. Changes nothing in the cache."""
+        With ``attend=True`` each stored layer's put is followed by numbakv's batched paged
+        attention (:mod:`numbakv.kernels.decode`) of ``n_heads`` query heads (default
+        ``n_kv_heads``; grouped-query attention) with ``scale`` (default ``1 / sqrt(head_dim)``)
+        and ``soft_cap`` over that layer after the put, under the cache's mask rule (causal,
+        ``swa_window``, ``chunk_size``): its page lists, sequence lengths and positions sit in
+        fixed device buffers the replay refreshes, split-K over a fixed number of parts (the
+        empty ones exit at once) merged in the graph. ``step.replay(positions, seqs, q, k, v)``
+        then returns the attention, float32 ``[n_stored_layers, n, n_heads, v_head_dim]``
+        (on ``cpu`` computed by :func:`numbakv.attention.attend`).
+
+        Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``, a bad ``n_heads`` /
+        ``scale`` / ``soft_cap``) and ``NotSupportedError`` for what is not captured: one
+        quantized side with a float one (both quantized, q8_0 / q4_0 / float8_e4m3, are
+        captured), V-less (MLA) caches, per-sequence streams; with ``attend=True`` also
+        ``permuted_v`` and shapes the attention kernel does not take. Changes nothing in the
+        cache."""
         self._check_open()
         from .step import DecodeStep, check_capturable
-        return DecodeStep(self, check_capturable(self, batch, attend))
+        batch, attention = check_capturable(self, batch, attend, n_heads, scale, soft_cap)
+        return DecodeStep(self, batch, attention)
 
     def use_stream(self, stream: Any) -> None:
         """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a

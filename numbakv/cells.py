@@ -1177,6 +1177,46 @@ def _place_paged(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positions, 
 
 
 @njit(cache=True)
+def _fill_hole_runs(moves, m, srcbuf, nh, hole, unit):
+    """Append to the plan ``moves [>= m, 3]`` (src, dst, length; grown when full) the moves that
+    fill the hole run starting at ``hole`` with the sources ``srcbuf[:nh]`` (descending: the
+    lowest source, ``srcbuf[nh - 1]``, goes to ``hole``), adjacent sources merged into one
+    move. Units are ``unit`` cells (1 for cells, the page size for pages). Returns
+    ``(moves, m)``."""
+    k = nh - 1
+    dst = hole
+    while k >= 0:
+        src = srcbuf[k]
+        length = 1
+        while k - length >= 0 and srcbuf[k - length] == src + length:
+            length += 1
+        if m == moves.shape[0]:
+            grown = np.empty((2 * m, 3), np.int64)
+            grown[:m] = moves
+            moves = grown
+        moves[m, 0] = src * unit
+        moves[m, 1] = dst * unit
+        moves[m, 2] = length * unit
+        m += 1
+        dst += length
+        k -= length
+    return moves, m
+
+
+@njit(cache=True)
+def _move_cell_meta(cpos, cshift, cseqs, a, b):
+    """Cell ``a``'s position, shift and sequence bits to cell ``b``; ``a`` left free. The indexes
+    (occupancy, trees) are the caller's to rebuild."""
+    cpos[b] = cpos[a]
+    cshift[b] = cshift[a]
+    for w in range(cseqs.shape[1]):
+        cseqs[b, w] = cseqs[a, w]
+        cseqs[a, w] = 0
+    cpos[a] = -1
+    cshift[a] = 0
+
+
+@njit(cache=True)
 def _plan_defrag_pages(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, page):
     """Paged defrag: moves (src, dst, length) of whole pages that make the pages holding a used
     cell the first ones, applied to the metadata. Each hole page below the used-page count is
@@ -1210,38 +1250,12 @@ def _plan_defrag_pages(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, page)
                 top -= 1
             srcbuf[k] = top
             top -= 1
-        k = nh - 1              # lowest source to the lowest hole; runs merged
-        dst = p
-        while k >= 0:
-            src = srcbuf[k]
-            length = 1
-            while k - length >= 0 and srcbuf[k - length] == src + length:
-                length += 1
-            if m == moves.shape[0]:
-                grown = np.empty((2 * m, 3), np.int64)
-                grown[:m] = moves
-                moves = grown
-            moves[m, 0] = src * page
-            moves[m, 1] = dst * page
-            moves[m, 2] = length * page
-            m += 1
-            dst += length
-            k -= length
+        moves, m = _fill_hole_runs(moves, m, srcbuf, nh, p, page)
         p = h1
     # apply to the metadata (sources are free pages afterwards), then rebuild the indexes
     for r in range(m):
-        src = moves[r, 0]
-        dst = moves[r, 1]
         for j in range(moves[r, 2]):
-            a = src + j
-            c = dst + j
-            cpos[c] = cpos[a]
-            cshift[c] = cshift[a]
-            for w in range(cseqs.shape[1]):
-                cseqs[c, w] = cseqs[a, w]
-                cseqs[a, w] = 0
-            cpos[a] = -1
-            cshift[a] = 0
+            _move_cell_meta(cpos, cshift, cseqs, moves[r, 0] + j, moves[r, 1] + j)
     if m > 0:
         _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta)
     upto = used_pages * page
@@ -1782,18 +1796,8 @@ def _undo_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, moves, head
     moves copy, so the source rows still hold their data) and rebuild the indexes (a defrag is
     O(n_cells) anyway)."""
     for r in range(moves.shape[0] - 1, -1, -1):
-        src = moves[r, 0]
-        dst = moves[r, 1]
         for j in range(moves[r, 2]):
-            a = src + j
-            b = dst + j
-            cpos[a] = cpos[b]
-            cshift[a] = cshift[b]
-            for w in range(cseqs.shape[1]):
-                cseqs[a, w] = cseqs[b, w]
-                cseqs[b, w] = 0
-            cpos[b] = -1
-            cshift[b] = 0
+            _move_cell_meta(cpos, cshift, cseqs, moves[r, 1] + j, moves[r, 0] + j)
     _rebuild_all(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta)
     meta[_M_HEAD] = head
 
@@ -1830,24 +1834,7 @@ def _plan_defrag(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta):
             top = _prev_used(occ, top)
             srcbuf[j] = top
             top -= 1
-        # srcbuf[nh-1] is the lowest source: it goes to i0
-        j = nh - 1
-        dst = i0
-        while j >= 0:
-            src = srcbuf[j]
-            length = 1
-            while j - length >= 0 and srcbuf[j - length] == src + length:
-                length += 1
-            if m == moves.shape[0]:
-                grown = np.empty((2 * m, 3), np.int64)
-                grown[:m] = moves
-                moves = grown
-            moves[m, 0] = src
-            moves[m, 1] = dst
-            moves[m, 2] = length
-            m += 1
-            dst += length
-            j -= length
+        moves, m = _fill_hole_runs(moves, m, srcbuf, nh, i0, 1)
         i0 = _next_free(occ, i1, n)
     # apply to the metadata; destination leaves only widen (their ancestors are recomputed
     # below, once, for every sequence)

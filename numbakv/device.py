@@ -185,11 +185,33 @@ def array_module(device: str):
     return np
 
 
+#: host waits for the GPU made by numbakv: a stream, event or the device synchronised, or a
+#: device -> host copy (which waits for its stream). ``calls``: all of them; ``device_to_host``:
+#: the copies among them. Every such wait in the library goes through :func:`host_wait` /
+#: :func:`count_host_wait`, so a test or benchmark can check that a path makes none (a decode
+#: step replayed as a graph: tests/test_step.py; ``.ci/gpu_step_bench.py`` on a GPU).
+HOST_WAITS = {"calls": 0, "device_to_host": 0}
+
+
+def count_host_wait(copy: bool = False) -> None:
+    """Count one host wait for the GPU in :data:`HOST_WAITS` (``copy``: a device -> host
+    copy)."""
+    HOST_WAITS["calls"] += 1
+    if copy:
+        HOST_WAITS["device_to_host"] += 1
+
+
+def host_wait(waitable: Any) -> None:
+    """``waitable.synchronize()`` (a CuPy stream or event), counted in :data:`HOST_WAITS`."""
+    count_host_wait()
+    waitable.synchronize()
+
+
 def synchronize(device: str) -> None:
     """Wait for queued GPU work (a no-op on cpu and sim)."""
     if device == "cuda":
         import cupy
-        cupy.cuda.get_current_stream().synchronize()
+        host_wait(cupy.cuda.get_current_stream())
 
 
 def _is_cupy(x: Any) -> bool:
@@ -421,10 +443,11 @@ def device_to_host(arr, stream) -> np.ndarray:
             _READBACK[:] = [cap, mem, np.frombuffer(mem, np.uint8, cap)]
         host = _READBACK[2]
         dev.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, stream)
+        count_host_wait(copy=True)
         stream.synchronize()
         return host[:nbytes].view(dev.dtype).reshape(dev.shape).copy()
 
 
 __all__ = ["simulator_enabled", "cuda_usable", "cuda_status", "GPU_EXTRA", "resolve_device", "array_module", "synchronize",
            "as_array", "export_view", "dtype_name", "input_device", "DEVICE_NAMES",
-           "capturing", "device_to_host"]
+           "capturing", "device_to_host", "HOST_WAITS", "count_host_wait", "host_wait"]

@@ -57,7 +57,8 @@ from ._inputs import UNLIMITED, host_int_array
 from ._inputs import check_index as _check_index
 from ._memory import check_memory
 from .config import MAX_SEQS_LIMIT, STORAGE_DTYPES, normalize_dtype
-from .device import array_module, as_array, export_view, resolve_device, synchronize
+from .device import (array_module, as_array, count_host_wait, export_view, host_wait,
+                     resolve_device, synchronize)
 from .errors import KVCacheError, StateError
 from .kernels import rows as _rows
 from .state import codec as _st
@@ -900,7 +901,10 @@ class RecurrentCache(_files.StateMethods):
         states = {}
         for name in self._specs:
             arr = self._gather(name, None, rows)
-            states[name] = arr if isinstance(arr, np.ndarray) else arr.get(stream=self._stream)
+            if not isinstance(arr, np.ndarray):
+                count_host_wait(copy=True)
+                arr = arr.get(stream=self._stream)
+            states[name] = arr
         return RecurrentPart(first=max(lo, 0), positions=np.array([e[0] for e in entries],
                                                                   dtype=np.int32),
                              flags=np.array([e[2] for e in entries], dtype=np.uint8),
@@ -991,7 +995,7 @@ class RecurrentCache(_files.StateMethods):
     def synchronize(self) -> None:
         """Wait for this cache's queued GPU work (no-op on cpu/sim)."""
         if self._stream is not None:
-            self._stream.synchronize()
+            host_wait(self._stream)
         else:
             synchronize(self.device)
 

@@ -31,7 +31,8 @@ import numpy as np
 from ._guard import one_thread_at_a_time
 from ._memory import check_memory
 from .config import STORAGE_DTYPES, normalize_dtype, round_up
-from .device import array_module, as_array, dtype_name, export_view, input_device, resolve_device
+from .device import (array_module, as_array, count_host_wait, dtype_name, export_view,
+                     input_device, resolve_device)
 from .state.files import register_simple_class as _register_simple_class
 
 __all__ = ["StepCache", "RotatingCache"]
@@ -74,6 +75,7 @@ def _state_array(x: Any, device: str, dtype: str, name: str):
         import cupy
         return cupy.asarray(as_array(x, "cpu", dtype, name=name))
     if target == "cpu" and where == "cuda":
+        count_host_wait(copy=True)
         return as_array(x, "cuda", dtype, name=name).get()
     raise ValueError(f"{name} lives on {where}, which the cache cannot read")
 

@@ -25,26 +25,68 @@ An engine that captures its own graph (the whole model) instead calls :meth:`Dec
 per layer inside its capture, on the cache's stream, and :meth:`DecodeStep.prepare` before each
 replay of its graph: the same descriptor-reading put, launched where the engine wants it.
 
+**Attention in the step** (``capture_step(attend=True, n_heads=..., scale=..., soft_cap=...)``):
+each stored layer's put is followed by numbakv's batched paged decode attention
+(:mod:`numbakv.kernels.decode`) of the fixed queries ``query`` (float32 ``[n_stored_layers,
+batch, n_heads, head_dim]``) over that layer, written into ``output`` (float32 ``[...,
+v_head_dim]``) and ``lse``. Every per-pass input of the kernel sits at a fixed address: the
+descriptor grows by the split-K part length, each token's batch sequence, the CSR list pointers
+(``kv_indptr``, two spare entries so that tokens past ``n`` read an empty list and write zeros)
+and the causal flags; the page lists live in ``kv_indices`` / ``kv_positions``, room for
+``n_cells x min(batch, max_seqs)`` entries (the most a pass can list). A decode replay whose
+lists just grow (the same batch sequences in the same order, new positions above each list's
+last one, the cell table changed only by the replays' placements since the lists were built)
+sends the new cells, the front drops of a window or chunks and the new list pointers in its
+descriptor, and two launches at the head of the graph grow the lists on the device (into
+scratch lists, then back): no page table of the pass is built on the host. Otherwise (first
+replay, a sequence operation, a defrag, a shift, window pruning, other batch sequences) the
+pass's page table is built (or extended on the device) by ``page_table()``'s machinery on the
+cache's stream and copied into the fixed lists by two device-to-device copies. The grid cannot follow the lengths, so it
+is sized once for a fixed number of split-K parts (what the kernel's planner gives the batch on
+this GPU); the part length is read on the device (the longest list cut in that many parts), the
+parts past a token's run exit at once, and the merge kernel is part of the graph. Window,
+chunks, GQA, float16 / bfloat16 / float32 are those of the kernel; ``scale`` and ``soft_cap``
+are fixed at capture. An engine capturing its own graph calls :meth:`DecodeStep.attend` per
+layer after :meth:`DecodeStep.put`.
+
+No host waits: a replay (or ``prepare``) makes no stream, event or device synchronisation and no
+device-to-host copy; numbakv counts every host wait it makes in
+:data:`numbakv.device.HOST_WAITS` (the one a step may make: the pinned descriptor ring waiting
+for a GPU :data:`PINNED_RING` replays behind), and the tests check that replays add none.
+
 On ``cpu`` and ``sim`` there is no graph to capture; the step records the same launches (the
 CPU twin, or the real kernel in the simulator) reading the same descriptor array, and
 :meth:`DecodeStep.replay` runs them: the results, the validation and the error behaviour are
-those of the GPU path, so code written against a step runs unchanged on every device.
+those of the GPU path, so code written against a step runs unchanged on every device (the
+attention on ``cpu`` is :func:`numbakv.attention.attend`'s CPU kernel).
 
-Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): attention
-(``attend=True``; its paged kernel's table is rebuilt per pass, so it does not sit at a fixed
-address yet), quantized K/V, V-less (MLA) caches and per-sequence streams (``unified=False``).
+Quantized K/V (both sides among :data:`CAPTURED_QUANT_TYPES`, formats may differ; rotated
+``kv_rotation`` included): each side's put is its quantize kernel (``quant_put``, or the
+row-per-thread rotating form) reading the descriptor's slots, and the attention dequantizes as
+it reads (per-layer float8 scales and the rotations fixed at capture).
+
+Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): a cache with
+only one quantized side (its float side is stored by an indexed array copy, not by a kernel
+reading the slots), V-less (MLA) caches and per-sequence streams (``unified=False``); with
+attention also ``permuted_v`` and shapes the kernel does not take (more than 16 query heads per
+KV head, group x head_dim > 2048).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
 from ._jit import njit
-from .device import as_array
+from .device import as_array, host_wait
+from ._inputs import UNLIMITED
 from .errors import KVCacheError, NotSupportedError
+from . import pages as _pages
+from .kernels import decode as _decode
 from .kernels import put as _put
+from .kernels import quant as _quant
 from .kernels._common import Desc
 
 #: int32 entries before the slots: n_tokens, start, batch, 0 (16 bytes: the slots start aligned)
@@ -52,8 +94,12 @@ HEADER = 4
 #: pinned host descriptors in flight: a replay refills the one whose copy ran longest ago, and
 #: waits for that copy only when the GPU is this many replays behind
 PINNED_RING = 4
+#: quantized K/V formats a step captures (both sides quantized): their quantize kernels take a
+#: slot list with -1 skipped, and the paged attention kernel reads them as stored
+CAPTURED_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3")
 #: cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 _H2D, _D2D = 1, 3
+_NO_SCOPE = contextlib.nullcontext()
 
 
 @njit(cache=True)
@@ -77,6 +123,186 @@ def fill_descriptor(host, pos, seqs, start, batch):
             host[HEADER + 2 * batch + t] = -1
 
 
+#: The attention a captured step runs on ``cpu``, where there is no CUDA kernel to launch:
+#: :func:`numbakv.attention.attend`, registered by the package facade (``numbakv/__init__``),
+#: which imports it on first use: the attention layer sits above the caches and this module
+#: (DESIGN.md's layer table), so this module never imports it.
+_CPU_ATTEND: Optional[Callable[..., Any]] = None
+
+
+def register_cpu_attend(fn: Callable[..., Any]) -> None:
+    """Set the function a ``cpu`` step's attention runs (``attend(q, cache, scale=, soft_cap=)``
+    returning ``[n, n_heads, v_head_dim]``); ``import numbakv`` registers
+    :func:`numbakv.attention.attend`."""
+    global _CPU_ATTEND
+    _CPU_ATTEND = fn
+
+
+def cpu_attend() -> Callable[..., Any]:
+    """The registered CPU attention (importing :mod:`numbakv` registers it)."""
+    if _CPU_ATTEND is None:
+        raise KVCacheError("a cpu decode step with attention needs numbakv.attention imported "
+                           "(`import numbakv` does it)")
+    return _CPU_ATTEND
+
+
+@njit(cache=True)
+def fill_attention(host, kv_indptr, qo_indptr, token_order, causal_in, causal_out, n, batch,
+                   tok_at, indptr_at, plen_at, parts, min_part, unit):
+    """The attention fields of the step descriptor (see :meth:`DecodeStep._fill_attention`):
+    ``kv_indptr`` int32 ``[n_b + 1]`` then ``n_b`` again up to ``batch + 2`` entries (empty
+    lists), token ``t``'s batch sequence (``n_b`` -- an empty list -- past ``n``), the causal
+    flags (1 past ``n``) and the part length: the longest list cut in ``parts``, rounded up to
+    ``unit`` cells, at least ``min_part``."""
+    nb = kv_indptr.shape[0] - 1
+    nnz = kv_indptr[nb]
+    longest = 0
+    for b in range(nb + 1):
+        host[indptr_at + b] = kv_indptr[b]
+        if b < nb:
+            longest = max(longest, kv_indptr[b + 1] - kv_indptr[b])
+    for b in range(nb + 1, batch + 2):
+        host[indptr_at + b] = nnz
+    for t in range(batch):
+        host[tok_at + t] = nb
+        causal_out[t] = 1
+    for b in range(nb):
+        for k in range(qo_indptr[b], qo_indptr[b + 1]):
+            host[tok_at + token_order[k]] = b
+    for t in range(n):
+        causal_out[t] = causal_in[t]
+    plen = (longest + parts - 1) // parts
+    plen = (plen + unit - 1) // unit * unit
+    host[plen_at] = max(min_part, plen)
+
+
+@njit(cache=True)
+def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk, state_seq,
+                 state_indptr, state_first, state_last, meta, at, parts, min_part, unit):
+    """A decode step's page lists as the previous replay's, each grown by its sequence's new
+    cells (and, with a window or chunks, cut at the front): the attention fields of the
+    descriptor ``host`` for the captured list extension (see :meth:`DecodeStep._send`), in one
+    compiled O(batch) pass. The tokens' cells are the descriptor's slots (already written);
+    ``at`` int64 ``[8]``: where the token -> sequence, ``kv_indptr``, part length, previous
+    ``kv_indptr``, front drops, token groups, new cells and new positions go.
+
+    The state (``state_*`` ``[batch + 2]``: the previous lists' sequence ids, CSR pointers,
+    first and last positions; ``meta`` ``[n_lists, contiguous]``) is updated only on success.
+    Returns False, with the state untouched, where the lists do not just grow: other batch
+    sequences or another order, a new position not above its list's last one, or a window /
+    chunk over a list whose positions are not one run (where its front ends is unknown)."""
+    tok_at, ip_at, plen_at, prev_at, drop_at, qo_at, addc_at, addp_at = \
+        at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]
+    pos_at = HEADER + batch
+    seq_at = HEADER + 2 * batch
+    nbp = meta[0]
+    # group the tokens by sequence, in order of first appearance (as the page table does)
+    slot = np.full(max_seqs, -1, np.int64)
+    group = np.empty(n, np.int64)
+    counts = np.zeros(n + 1, np.int64)
+    nb = 0
+    for t in range(n):
+        s = host[seq_at + t]
+        if slot[s] < 0:
+            if nb >= nbp or state_seq[nb] != s:
+                return False
+            slot[s] = nb
+            nb += 1
+        group[t] = slot[s]
+        counts[slot[s] + 1] += 1
+    if nb != nbp:
+        return False
+    qo = np.zeros(nb + 1, np.int64)
+    for b in range(nb):
+        qo[b + 1] = qo[b] + counts[b + 1]
+    order = np.empty(n, np.int64)       # tokens grouped, each group by position
+    fill = qo[:nb].copy()
+    for t in range(n):
+        b = group[t]
+        k = fill[b]
+        fill[b] += 1
+        p = host[pos_at + t]
+        while k > qo[b] and host[pos_at + order[k - 1]] > p:     # insertion: groups are tiny
+            order[k] = order[k - 1]
+            k -= 1
+        order[k] = t
+    windowed = window >= 0 or chunk > 0
+    if windowed and meta[1] == 0:
+        return False
+    drop = np.zeros(nb, np.int64)
+    for b in range(nb):
+        if host[pos_at + order[qo[b]]] <= state_last[b]:
+            return False
+        if windowed:
+            lo = np.int64(1) << 62
+            for k in range(qo[b], qo[b + 1]):
+                p = np.int64(host[pos_at + order[k]])
+                v = np.int64(0)
+                if window >= 0:
+                    v = max(v, p - window)
+                if chunk > 0:
+                    v = max(v, p - p % chunk)
+                lo = min(lo, v)
+            prev_len = state_indptr[b + 1] - state_indptr[b]
+            drop[b] = min(max(lo - state_first[b], 0), prev_len)
+    # the descriptor: previous pointers, drops, groups, new cells / positions, new pointers
+    nnz_prev = state_indptr[nb]
+    for b in range(batch + 2):
+        host[prev_at + b] = state_indptr[b] if b <= nb else nnz_prev
+        host[drop_at + b] = drop[b] if b < nb else 0
+        host[qo_at + b] = qo[b] if b <= nb else n
+    for k in range(batch):
+        if k < n:
+            host[addc_at + k] = host[HEADER + order[k]]
+            host[addp_at + k] = host[pos_at + order[k]]
+        else:
+            host[addc_at + k] = -1
+            host[addp_at + k] = -1
+    contiguous = 1
+    longest = 0
+    total = 0
+    for b in range(nb):
+        prev_len = state_indptr[b + 1] - state_indptr[b]
+        new_len = prev_len - drop[b] + (qo[b + 1] - qo[b])
+        first = state_first[b] + drop[b] if drop[b] < prev_len \
+            else np.int64(host[pos_at + order[qo[b]]])
+        last = np.int64(host[pos_at + order[qo[b + 1] - 1]])
+        if last - first + 1 != new_len:
+            contiguous = 0
+        state_first[b] = first
+        state_last[b] = last
+        state_indptr[b] = total
+        total += new_len
+        longest = max(longest, new_len)
+        host[ip_at + b] = state_indptr[b]
+    state_indptr[nb] = total
+    for b in range(nb, batch + 2):
+        host[ip_at + b] = total
+    meta[1] = contiguous
+    for t in range(batch):
+        host[tok_at + t] = group[t] if t < n else nb
+        causal_out[t] = causal_in[t] if t < n else 1
+    plen = (longest + parts - 1) // parts
+    plen = (plen + unit - 1) // unit * unit
+    host[plen_at] = max(min_part, plen)
+    return True
+
+
+class Attention:
+    """What a step captured with attention computes (fixed at capture): ``n_heads`` query
+    heads, ``scale`` on ``q . k``, ``soft_cap`` (None: none)."""
+
+    __slots__ = ("n_heads", "scale", "soft_cap")
+
+    def __init__(self, n_heads: int, scale: float, soft_cap: Optional[float]) -> None:
+        self.n_heads = n_heads
+        self.scale = scale
+        self.soft_cap = soft_cap
+
+    def __repr__(self) -> str:
+        return f"Attention(n_heads={self.n_heads}, scale={self.scale}, soft_cap={self.soft_cap})"
+
+
 class DecodeStep:
     """A captured decode step of a :class:`~numbakv.CausalCache` (see the module docstring).
 
@@ -87,7 +313,8 @@ class DecodeStep:
     memory on ``cuda``), ``graph`` (the CuPy graph on ``cuda``, None elsewhere), ``replays``.
     """
 
-    def __init__(self, cache: Any, batch: int) -> None:
+    def __init__(self, cache: Any, batch: int, attention: Optional["Attention"] = None,
+                 split: Optional[Tuple[int, int]] = None) -> None:
         storage = cache.storage
         cfg = cache.config
         self.cache = cache
@@ -96,6 +323,7 @@ class DecodeStep:
         self.layers: Tuple[int, ...] = tuple(cfg.owner_layers)
         self.replays = 0
         self.graph = None
+        self.attention = attention
         self._user_plans: dict = {}   # put(): one launch plan per (layer, input addresses)
         xp = storage.xp
         n_layers = len(self.layers)
@@ -103,15 +331,37 @@ class DecodeStep:
         H = cfg.local_kv_heads
         self._storage = storage
         self._scope = storage._on_device
-        with self._scope():
-            self.key = xp.zeros((n_layers, self.batch, H, cfg.head_dim), dtype=sdt)
-            self.value = xp.zeros((n_layers, self.batch, H, cfg.v_head_dim), dtype=sdt)
-            self.descriptor = xp.full(HEADER + 3 * self.batch, -1, dtype=np.int32) \
-                if self.device != "cuda" else xp.zeros(HEADER + 3 * self.batch, dtype=np.int32)
-        self._nbytes = (HEADER + 3 * self.batch) * 4
         self._slots_at = HEADER
         self._pos_at = HEADER + self.batch
         self._seq_at = HEADER + 2 * self.batch
+        size = HEADER + 3 * self.batch
+        if attention is not None:
+            # the attention's per-pass fields travel in the same descriptor (one copy a replay)
+            self._plen_at = size
+            self._tok_at = size + 1
+            self._indptr_at = self._tok_at + self.batch
+            self._causal_at = self._indptr_at + self.batch + 2
+            # the list extension's inputs (:func:`append_lists`): previous pointers, front
+            # drops, token groups (batch + 2 each), new cells and positions, zero drops
+            self._prev_at = self._causal_at + (self.batch + 3) // 4
+            self._drop_at = self._prev_at + self.batch + 2
+            self._qo_at = self._drop_at + self.batch + 2
+            self._addc_at = self._qo_at + self.batch + 2
+            self._addp_at = self._addc_at + self.batch
+            self._zero_at = self._addp_at + self.batch
+            size = self._zero_at + self.batch + 2
+            self._append_at = np.array([self._tok_at, self._indptr_at, self._plen_at,
+                                        self._prev_at, self._drop_at, self._qo_at,
+                                        self._addc_at, self._addp_at], np.int64)
+        self._nbytes = size * 4
+        with self._scope():
+            self.key = xp.zeros((n_layers, self.batch, H, cfg.head_dim), dtype=sdt)
+            self.value = xp.zeros((n_layers, self.batch, H, cfg.v_head_dim), dtype=sdt)
+            self.descriptor = xp.full(size, -1, dtype=np.int32) \
+                if self.device != "cuda" else xp.zeros(size, dtype=np.int32)
+            if attention is not None:
+                self._alloc_attention(xp, attention, split)
+                self.descriptor[self._zero_at:] = 0
         if self.device == "cuda":
             self._ring: List[list] = []
             self._ring_next = 0
@@ -120,15 +370,134 @@ class DecodeStep:
             self._host = self.descriptor   # the kernels' descriptor is host memory here
             self._launches = self._record()
 
+    def _alloc_attention(self, xp, att: "Attention", split: Optional[Tuple[int, int]]) -> None:
+        """The attention's fixed buffers: queries, outputs and LSE per stored layer, the page
+        lists (room for every cell in every batch sequence's list: ``n_cells x
+        min(batch, max_seqs)`` entries, the most a pass can list) and the split-K scratch."""
+        cfg = self.cache.config
+        n_layers, T, H = len(self.layers), self.batch, att.n_heads
+        self.query = xp.zeros((n_layers, T, H, cfg.head_dim), np.float32)
+        self._lse_scratch = xp.zeros((T, H), np.float32)     # attend(): LSE not returned
+        self.output = xp.zeros((n_layers, T, H, cfg.v_head_dim), np.float32)
+        self.lse = xp.zeros((n_layers, T, H), np.float32)
+        room = self.cache.n_cells * max(1, min(T, self.cache.cells.max_seqs))
+        self.kv_indices = xp.zeros(room, np.int32)
+        self.kv_positions = xp.zeros(room, np.int32)
+        # the extension's output, copied back into the fixed lists by the same kernel
+        self._next_indices = xp.zeros(room, np.int32)
+        self._next_positions = xp.zeros(room, np.int32)
+        # the lists the fixed buffers hold (see _remember_lists): None until a replay built
+        # them, or after one that may have stopped half-way
+        self._lists_of = None
+        T2 = self.batch + 2
+        self._st_seq = np.zeros(T2, np.int64)
+        self._st_indptr = np.zeros(T2, np.int64)
+        self._st_first = np.zeros(T2, np.int64)
+        self._st_last = np.zeros(T2, np.int64)
+        self._st_meta = np.zeros(2, np.int64)
+        if split is None:
+            parts = _decode.max_parts(self.device, T * cfg.local_kv_heads)
+            min_part, unit = _decode.MIN_PART, _decode.TILE
+        else:      # tests: a forced split-K of small lists
+            parts, min_part = (int(x) for x in split)
+            unit = min(_decode.TILE, min_part)
+        parts = max(1, min(parts, -(-self.cache.n_cells // min_part)))
+        self._parts, self._min_part, self._part_unit = parts, min_part, unit
+        shape = (parts, T, H, cfg.v_head_dim) if parts > 1 else (1, 1, 1, 1)
+        self._part_acc = xp.zeros(shape, np.float32)
+        self._part_ml = xp.zeros((2,) + shape[:1] + ((T, H) if parts > 1 else (1, 1)),
+                                 np.float32)
+
+    def _attention_args(self, i: int, desc_ptr: Optional[int], q: Any = None, out: Any = None,
+                        lse: Any = None):
+        """The launch arguments of stored layer ``i``'s attention (:func:`numbakv.kernels.decode.
+        launch_paged`), every per-pass input read from the descriptor and the fixed lists;
+        queries, outputs and LSE from the fixed buffers unless given (:meth:`attend`)."""
+        storage = self._storage
+        att = self.attention
+        cfg = self.cache.config
+        bf16 = cfg.dtype == "bfloat16"
+        T = self.batch
+
+        def field(at, n, dtype=np.int32):
+            if desc_ptr is None:
+                view = self.descriptor[at:at + (n if dtype == np.int32 else (n + 3) // 4)]
+                return view if dtype == np.int32 else view.view(np.uint8)[:n]
+            return Desc(desc_ptr + 4 * at, (n,), (np.dtype(dtype).itemsize,), np.dtype(dtype))
+
+        kp, vp = storage.keys[i], storage.values[i]
+        # a quantized side's uint8 rows in its format; a float side's raw bits
+        kq = _decode.QUANT_FORMATS[storage._k_fmt] if storage.k_quantized else None
+        vq = _decode.QUANT_FORMATS[storage._v_fmt] if storage.v_quantized else None
+        kr, kf = _decode.raw_pool(kp.view(np.uint16) if bf16 and kq is None else kp,
+                                  self.device, kq)
+        vr, vf = _decode.raw_pool(vp.view(np.uint16) if bf16 and vq is None else vp,
+                                  self.device, vq)
+        if bf16:
+            kf = _decode.FMT_BF16 if kq is None else kf
+            vf = _decode.FMT_BF16 if vq is None else vf
+        kw = dict(kscale=float(cfg.layer_scales("k")[i]), vscale=float(cfg.layer_scales("v")[i]),
+                  k_rotation=int(cfg.k_rotation), v_rotation=int(cfg.v_rotation))
+        return kw, (self.device, self.query[i] if q is None else q, kr, vr, kf, vf,
+                self.kv_indices, self.kv_positions, field(self._indptr_at, T + 2),
+                field(self._tok_at, T), field(self._pos_at, T),
+                field(self._causal_at, T, np.uint8),
+                -1 if self.cache.swa_window is None else int(self.cache.swa_window),
+                int(self.cache.chunk_size or 0), att.scale, att.soft_cap,
+                self._parts, 0, field(self._plen_at, 1),
+                self.output[i] if out is None else out, self.lse[i] if lse is None else lse,
+                self._part_acc, self._part_ml)
+
+    def _list_launches(self, desc_ptr: Optional[int]) -> List[Any]:
+        """The two launches of :func:`numbakv.kernels.decode.extend_lists` that bring the fixed
+        lists to this pass (both read every input from the descriptor, the entry count
+        included): the previous lists grown by the new cells into the scratch lists, then
+        copied back (the same kernel with the new pointers on both sides, no drops). A replay
+        that rebuilt the table put the whole lists in place with previous pointers = new
+        ones, so both launches copy them unchanged."""
+        T = self.batch
+
+        def field(at, n):
+            if desc_ptr is None:
+                return self.descriptor[at:at + n]
+            return Desc(desc_ptr + 4 * at, (n,), (4,), np.dtype(np.int32))
+
+        indptr, qo = field(self._indptr_at, T + 2), field(self._qo_at, T + 2)
+        cells, poss = field(self._addc_at, T), field(self._addp_at, T)
+        grow = (self.kv_indices, self.kv_positions, field(self._prev_at, T + 2),
+                field(self._drop_at, T + 2), indptr, qo, cells, poss, self._next_indices,
+                self._next_positions)
+        back = (self._next_indices, self._next_positions, indptr, field(self._zero_at, T + 2),
+                indptr, qo, cells, poss, self.kv_indices, self.kv_positions)
+        return [lambda a=a: _decode.extend_lists(self.device, *a) for a in (grow, back)]
+
+    def _quant_put(self, i: int, key, value, slots) -> None:
+        """Stored layer ``i`` of a quantized cache: each side quantized into its rows by the
+        quantize kernel (:func:`numbakv.kernels.quant.put_launch`) at ``slots`` (the
+        descriptor's: a numpy view on cpu/sim, a :class:`Desc` on cuda; -1 skipped), read
+        when the kernel runs."""
+        st = self._storage
+        on_device = self.device != "cpu"
+        for store, x, fmt, scales, rot in (
+                (st.keys, key, st._k_fmt, st._k_scales, self.cache.config.k_rotation),
+                (st.values, value, st._v_fmt, st._v_scales, self.cache.config.v_rotation)):
+            _quant.put_launch(self.device, store, i, x, slots, -1, fmt, scales, st.dtype, rot,
+                              slots_on_device=on_device)
+
     # ------------------------------------------------------------------ building
     def _record(self) -> List[Any]:
         """cpu/sim: one put per stored layer, each reading ``descriptor``'s slots when called."""
         storage = self._storage
         slots = self.descriptor[self._slots_at:self._slots_at + self.batch]
         out = []
+        if self.attention is not None and self.device != "cpu":
+            out.extend(self._list_launches(None))
         for i in range(len(self.layers)):
             k_in, v_in = self.key[i], self.value[i]
-            if self.device == "cpu":
+            if storage.quantized:
+                out.append(lambda i=i, k_in=k_in, v_in=v_in:
+                           self._quant_put(i, k_in, v_in, slots))
+            elif self.device == "cpu":
                 k_l, v_l = storage._k_layers[i], storage._v_layers[i]
                 out.append(lambda k_l=k_l, v_l=v_l, k_in=k_in, v_in=v_in:
                            _put.launch_cpu(k_l, v_l, slots, k_in, v_in))
@@ -136,7 +505,30 @@ class DecodeStep:
                 k_l, v_l = storage._k_layers[i], storage._v_layers[i]
                 out.append(lambda k_l=k_l, v_l=v_l, k_in=k_in, v_in=v_in:
                            _put.launch("sim", k_l, v_l, slots, k_in, v_in, storage.permuted))
+            if self.attention is not None:
+                out.append(self._cpu_attention(i) if self.device == "cpu" else
+                           (lambda a=self._attention_args(i, None):
+                            _decode.launch_paged(*a[1], **a[0])))
         return out
+
+    def _cpu_attention(self, i: int):
+        """cpu: stored layer ``i``'s attention by :func:`numbakv.attention.attend` (the CPU
+        kernels; there is no CUDA kernel to run), into the same fixed output."""
+        def run():
+            import torch
+            attend = cpu_attend()
+            cache = self.cache
+            n = int(self.descriptor[0])
+            layer = cache._layer
+            cache.set_layer(self.layers[i])
+            try:
+                out = attend(torch.from_numpy(self.query[i, :n]), cache,
+                             scale=self.attention.scale, soft_cap=self.attention.soft_cap)
+            finally:
+                cache.set_layer(layer)
+            self.output[i, :n] = out.numpy()
+            self.output[i, n:] = 0
+        return run
 
     def _capture(self) -> None:
         """cuda: per stored layer a put plan whose slot array is the descriptor's, launched once
@@ -151,6 +543,9 @@ class DecodeStep:
         for i in range(len(self.layers)):
             k_l, v_l = storage._k_layers[i], storage._v_layers[i]
             k_in, v_in = self.key[i], self.value[i]
+            if storage.quantized:     # the quantize kernels, reading the descriptor's slots
+                self._plans.append((None, (i, k_in, v_in, slots)))
+                continue
             plan = _put._CudaPut(k_l, v_l, k_in, v_in, slots, storage.permuted, device_id)
             ptrs = (int(k_l.data.ptr), int(v_l.data.ptr), slots.ptr, int(k_in.data.ptr),
                     int(v_in.data.ptr))
@@ -162,7 +557,7 @@ class DecodeStep:
             capture = cupy.cuda.Stream(non_blocking=True)
             # the capture stream must not run ahead of the buffers' initialisation: graphs
             # record no cross-stream order, so finish it first (once, at capture time)
-            stream.synchronize()
+            host_wait(stream)
             with capture:   # current too: Numba's dispatcher (the fallback) launches there
                 capture.begin_capture()
                 try:
@@ -173,8 +568,20 @@ class DecodeStep:
         self._capture_stream = capture
 
     def _launch_all(self, stream) -> None:
-        for plan, ptrs in self._plans:
-            plan.launch(ptrs, -1, stream.ptr)
+        if self.attention is not None:
+            with stream:
+                for launch in self._list_launches(int(self.descriptor.data.ptr)):
+                    launch()
+        for i, (plan, ptrs) in enumerate(self._plans):
+            if plan is None:
+                with stream:
+                    self._quant_put(*ptrs)
+            else:
+                plan.launch(ptrs, -1, stream.ptr)
+            if self.attention is not None:
+                with stream:      # the launcher queues on CuPy's current stream
+                    kw, args = self._attention_args(i, int(self.descriptor.data.ptr))
+                    _decode.launch_paged(*args, **kw)
 
     # ------------------------------------------------------------------ replay
     def _pinned(self, stream) -> list:
@@ -191,11 +598,58 @@ class DecodeStep:
         slot = ring[self._ring_next]
         self._ring_next = (self._ring_next + 1) % PINNED_RING
         if slot[2] is not None and not slot[2].done:
-            slot[2].synchronize()   # the GPU is PINNED_RING replays behind
+            host_wait(slot[2])   # the GPU is PINNED_RING replays behind
         return slot
 
+    def _fill_attention(self, host: np.ndarray, pages: Any, n: int) -> None:
+        """The attention's fields of the descriptor for this pass's page table ``pages`` (a
+        :class:`numbakv.pages.HostPages`; None: every list empty): the CSR list pointers (two
+        spare entries: the tokens past ``n`` read an empty list), each token's batch sequence,
+        its causal flag and the split-K part length for the longest list."""
+        T = self.batch
+        ip = self._indptr_at
+        causal = host[self._causal_at:self._causal_at + (T + 3) // 4].view(np.uint8)
+        # the captured list extension copies the lists in place unchanged (previous pointers
+        # = new ones, no drops, no new cells)
+        host[self._prev_at:] = 0
+        if pages is None:
+            host[ip:ip + T + 2] = 0
+            host[self._tok_at:self._tok_at + T] = 0
+            causal[:] = 1
+            host[self._plen_at] = 1
+            return
+        fill_attention(host, pages.kv_indptr, pages.qo_indptr, pages.token_order,
+                       pages.rule.causal, causal, n, T, self._tok_at, ip, self._plen_at,
+                       self._parts, self._min_part, self._part_unit)
+        host[self._prev_at:self._prev_at + T + 2] = host[ip:ip + T + 2]
+
+    def _copy_lists(self, pages: Any, stream) -> None:
+        """This pass's page lists into the fixed :attr:`kv_indices` / :attr:`kv_positions` (on
+        the cache's stream: two device copies on ``cuda``, from where the page table was
+        built or extended on the device)."""
+        table = pages.table
+        nnz = int(pages.kv_indptr[-1])
+        if nnz > self.kv_indices.shape[0]:   # cannot happen while n_cells is fixed
+            raise KVCacheError(f"the pass lists {nnz} cells, more than the step's room "
+                               f"({self.kv_indices.shape[0]})")
+        if self.device != "cuda":
+            self.kv_indices[:nnz] = table.kv_indices
+            self.kv_positions[:nnz] = table.kv_positions
+            return
+        if nnz:
+            import cupy
+            for dst, src in ((self.kv_indices, table.kv_indices),
+                             (self.kv_positions, table.kv_positions)):
+                cupy.cuda.runtime.memcpyAsync(int(dst.data.ptr), int(src.data.ptr), 4 * nnz,
+                                              _D2D, stream.ptr)
+
     def _write_descriptor(self, pos: np.ndarray, seqs: np.ndarray, start: int, stream,
-                          slots: Optional[np.ndarray] = None) -> None:
+                          slots: Optional[np.ndarray] = None, pages: Any = None,
+                          fwd: Any = None) -> Any:
+        """The step descriptor of the pass into a host buffer, then (cuda) one copy to the
+        device. With attention and ``fwd`` (the cache's pass) the page lists come from
+        :meth:`_append_lists` when they just grow, else from the pass's page table (returned:
+        the caller copies its lists into the fixed ones)."""
         n = pos.shape[0]
         if self.device == "cuda":
             slot = self._pinned(stream)
@@ -205,6 +659,13 @@ class DecodeStep:
         fill_descriptor(host, pos, seqs, start, self.batch)
         if slots is not None:       # paged placement (CacheConfig(page_size)): scattered cells
             host[HEADER:HEADER + n] = slots
+        if self.attention is not None:
+            if fwd is None:                        # capture: no pass, every list empty
+                self._fill_attention(host, pages, n)
+            elif not self._append_lists(host, fwd):
+                pages = self.cache._host_pages()   # built or extended on the cache's stream
+                self._fill_attention(host, pages, n)
+                self._remember_lists(pages, fwd)
         if self.device == "cuda":
             import cupy
             cupy.cuda.runtime.memcpyAsync(int(self.descriptor.data.ptr), slot[3], self._nbytes,
@@ -212,6 +673,7 @@ class DecodeStep:
             if slot[2] is None:
                 slot[2] = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
             slot[2].record(stream)
+        return pages
 
     def _check_input(self, x, name: str, n: int, dim: int):
         """``x`` as an array of the cache's device and storage dtype ``[n_layers, n, H, dim]``
@@ -255,6 +717,78 @@ class DecodeStep:
                              f"captured size), got {n}")
         return n
 
+    def _stream(self):
+        if self.device != "cuda":
+            return None
+        import cupy
+        return cupy.cuda.get_current_stream()
+
+    def _send(self, stream) -> None:
+        """After ``start_forward``: the step descriptor of the pass sent to the device and, with
+        attention, the pass's page lists brought into the fixed lists (all on ``stream``, the
+        cache's; no host wait). A decode step whose lists just grow (the cell table changed
+        only by the previous replay's and this pass's placements) sends the new cells in the
+        descriptor and the captured extension (:meth:`_list_launches`) appends them on the
+        device: O(batch) host work. Anything else (a sequence operation, a defrag, a shift,
+        window pruning, other batch sequences) builds the pass's page table
+        (``_host_pages``) and copies its lists into the fixed ones."""
+        fwd = self.cache._forward
+        pages = self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream,
+                                       fwd.slots, None, fwd)
+        if pages is not None:
+            self._copy_lists(pages, stream)
+
+    def _append_lists(self, host: np.ndarray, fwd: Any) -> bool:
+        """The attention fields of pass ``fwd`` by :func:`append_lists` when the fixed lists
+        hold the previous replay's lists and the cell table changed since only by this pass's
+        placement; False (nothing usable written) otherwise."""
+        held = self._lists_of
+        cells = self.cache.cells
+        if held is None or self.device == "cpu" or fwd.reserve or held[0] is not cells \
+                or fwd.cells_v0 != held[1] or cells.version != fwd.cells_v1:
+            return False
+        self._lists_of = None       # until the lists are known to be this pass's
+        T = self.batch
+        n = fwd.positions.shape[0]
+        causal = host[self._causal_at:self._causal_at + (T + 3) // 4].view(np.uint8)
+        window = self.cache._window
+        if not append_lists(host, n, fwd.causal, causal, T, cells.max_seqs,
+                            -1 if window == UNLIMITED else int(window),
+                            int(self.cache._chunk), self._st_seq, self._st_indptr,
+                            self._st_first, self._st_last, self._st_meta, self._append_at,
+                            self._parts, self._min_part, self._part_unit):
+            return False
+        host[self._zero_at:self._zero_at + T + 2] = 0
+        self._lists_of = (cells, cells.version)
+        return True
+
+    def _remember_lists(self, pages: Any, fwd: Any) -> None:
+        """After the fixed lists were filled from ``pages`` (this pass's page table): what
+        :meth:`_append_lists` needs to grow them next replay (each list's sequence, pointers,
+        first and last positions), when every list holds all its sequence's cells from its
+        first listed position on (:func:`numbakv.pages.mark_extendable`); else nothing."""
+        self._lists_of = None
+        if self.device == "cpu" or fwd.reserve:
+            return
+        cells = self.cache.cells
+        plans = pages.plans
+        if "last-positions" not in plans:
+            window = self.cache._window
+            _pages.mark_extendable(pages, cells.seq_pos_max,
+                                   window != UNLIMITED or self.cache._chunk > 0)
+            if "last-positions" not in plans:
+                return
+        nb = pages.seq_ids.shape[0]
+        if nb > self.batch:
+            return
+        self._st_seq[:nb] = pages.seq_ids
+        self._st_indptr[:nb + 1] = pages.kv_indptr
+        self._st_first[:nb] = plans["first-positions"]
+        self._st_last[:nb] = plans["last-positions"]
+        self._st_meta[0] = nb
+        self._st_meta[1] = 1 if plans["contiguous"] else 0
+        self._lists_of = (cells, cells.version)
+
     def prepare(self, positions: Any, seqs: Any) -> None:
         """The host half of a step without the graph, for an engine that captures its own
         (the whole model, say) with :meth:`put` inside it: ``start_forward(positions, seqs)``
@@ -267,13 +801,19 @@ class DecodeStep:
             raise KVCacheError("the cache is closed")
         self._count(positions)
         cache.start_forward(positions, seqs)
-        fwd = cache._forward
-        with self._scope():
-            stream = None
-            if self.device == "cuda":
-                import cupy
-                stream = cupy.cuda.get_current_stream()
-            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream, fwd.slots)
+        try:
+            with self._scope():
+                stream = self._stream()
+                self._send(stream)
+                if self.attention is not None and self.device != "cpu":
+                    # the engine's graph holds only put/attend: the lists grow here
+                    ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
+                    with (stream if stream is not None else _NO_SCOPE):
+                        for launch in self._list_launches(ptr):
+                            launch()
+        except BaseException:
+            self._lists_of = None     # the fixed lists may not be this pass's
+            raise
 
     def put(self, layer: int, key: Any, value: Any) -> None:
         """Store ``key [batch, n_kv_heads, head_dim]`` and ``value [batch, n_kv_heads,
@@ -295,6 +835,15 @@ class DecodeStep:
         storage._check_kv(key, value, self.batch)
         k_l, v_l = storage._k_layers[slot], storage._v_layers[slot]
         slots = self.descriptor[self._slots_at:self._slots_at + self.batch]
+        if storage.quantized:
+            if self.device == "cuda":
+                slots = Desc(int(self.descriptor.data.ptr) + 4 * self._slots_at,
+                             (self.batch,), (4,), np.dtype(np.int32))
+            with self._scope():
+                self._quant_put(slot, key, value, slots)
+                if self.device == "cuda":
+                    storage._keep_inputs(key, value)
+            return
         if self.device == "cpu":
             _put.launch_cpu(k_l, v_l, slots, key, value)
             return
@@ -315,45 +864,137 @@ class DecodeStep:
             plan.launch(ptrs, -1, cupy.cuda.get_current_stream().ptr)
             storage._keep_inputs(key, value)
 
+    def attend(self, layer: int, q: Any, out: Any) -> None:
+        """Attention of ``q`` (float32 ``[batch, n_heads, head_dim]``, contiguous, on the
+        cache's device) over model ``layer`` of the pass of the last :meth:`prepare` (or
+        :meth:`replay`), written into ``out`` (float32 ``[batch, n_heads, v_head_dim]``,
+        contiguous; rows past the pass's ``n`` tokens get zeros): for an engine that captures
+        its own graph, after :meth:`put` of that layer (or of the layer it reuses). The kernel
+        reads the pass's page lists, lengths and positions from the step's fixed buffers when
+        it runs, so a call made while the engine captures a CUDA graph (on the cache's stream)
+        attends over each later replay's pass. On cpu/sim it runs at once. Needs a step
+        captured with ``attend=True``."""
+        att = self.attention
+        if att is None:
+            raise ValueError("attend() needs a step captured with capture_step(attend=True)")
+        cfg = self.cache.config
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < cfg.n_layers:
+            raise ValueError(f"layer must be an integer in [0, {cfg.n_layers}), got {layer!r}")
+        slot = cfg.storage_layers[int(layer)]
+        if slot < 0:
+            raise ValueError(f"layer {layer} has no K/V in this cache (layer_reuse)")
+        xp = self._storage.xp
+        for name, x, dim in (("q", q, cfg.head_dim), ("out", out, cfg.v_head_dim)):
+            want = (self.batch, att.n_heads, dim)
+            if not isinstance(x, xp.ndarray) or np.dtype(x.dtype) != np.float32 or \
+                    tuple(x.shape) != want or not x.flags.c_contiguous:
+                raise ValueError(f"{name} must be a contiguous float32 array of the cache's "
+                                 f"device with shape {list(want)}, got "
+                                 f"{type(x).__name__} {getattr(x, 'dtype', None)} "
+                                 f"{list(getattr(x, 'shape', ()))}")
+        if self.device == "cpu":
+            import torch
+            attend = cpu_attend()
+            cache = self.cache
+            n = int(self.descriptor[0])
+            current = cache._layer
+            cache.set_layer(int(layer))
+            try:
+                got = attend(torch.from_numpy(q[:n]), cache, scale=att.scale,
+                             soft_cap=att.soft_cap)
+            finally:
+                cache.set_layer(current)
+            out[:n] = got.numpy()
+            out[n:] = 0
+            return
+        ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
+        kw, args = self._attention_args(slot, ptr, q, out, self._lse_scratch)
+        with self._scope():
+            _decode.launch_paged(*args, **kw)
+
     def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
-               v: Any = None) -> None:
+               v: Any = None) -> Any:
         """Run the captured step for a batch of ``n <= batch`` tokens: ``positions`` and
         ``seqs`` ``[n]`` (as :meth:`~numbakv.CausalCache.start_forward` takes them),
         ``k [n_stored_layers, n, n_kv_heads, head_dim]`` and ``v [n_stored_layers, n,
         n_kv_heads, v_head_dim]`` (arrays of the cache's device and dtype, or DLPack tensors;
         None when the caller wrote them into :attr:`key` / :attr:`value`, which then hold
-        ``batch`` tokens of which the first ``n`` are stored). ``q`` must be None (attention is
-        not captured). Afterwards the cache is in that forward pass: ``get()``, ``attend`` and
-        ``page_table()`` see the tokens. Raises like ``start_forward`` (``KVCacheFullError``,
-        ``ValueError``) with nothing changed."""
+        ``batch`` tokens of which the first ``n`` are stored). Afterwards the cache is in that
+        forward pass: ``get()``, ``attend`` and ``page_table()`` see the tokens. Raises like
+        ``start_forward`` (``KVCacheFullError``, ``ValueError``) with nothing changed.
+
+        A step captured with ``attend=True`` also takes ``q [n_stored_layers, n, n_heads,
+        head_dim]`` (float16, bfloat16 or float32 on the cache's device, or DLPack; None when
+        written into :attr:`query`) and returns the attention of each stored layer's queries
+        over the cache after that layer's put: float32 ``[n_stored_layers, n, n_heads,
+        v_head_dim]``, a view of :attr:`output` (overwritten by the next replay; :attr:`lse`
+        ``[n_stored_layers, batch, n_heads]`` holds the log-sum-exp). Without attention it
+        returns None and ``q`` must be None."""
         cache = self.cache
         if cache.closed:
             raise KVCacheError("the cache is closed")
-        if q is not None:
+        if q is not None and self.attention is None:
             raise ValueError("q must be None: this step was captured without attention "
                              "(capture_step(attend=False))")
         n = self._count(positions)
         cfg = cache.config
+        q_arr = self._check_query(q, n) if self.attention is not None else None
         k_arr = self._check_input(k, "k", n, cfg.head_dim)
         v_arr = self._check_input(v, "v", n, cfg.v_head_dim)
         cache.start_forward(positions, seqs)      # validates; all or nothing
-        fwd = cache._forward
-        with self._scope():
-            stream = None
-            if self.device == "cuda":
-                import cupy
-                stream = cupy.cuda.get_current_stream()
-            self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream, fwd.slots)
-            if k_arr is not None:
-                self._copy_in(self.key, k_arr, n, stream)
-            if v_arr is not None:
-                self._copy_in(self.value, v_arr, n, stream)
-            if self.device == "cuda":
-                self.graph.launch(stream)
-            else:
-                for launch in self._launches:
-                    launch()
+        try:
+            with self._scope():
+                stream = self._stream()
+                self._send(stream)
+                if k_arr is not None:
+                    self._copy_in(self.key, k_arr, n, stream)
+                if v_arr is not None:
+                    self._copy_in(self.value, v_arr, n, stream)
+                if q_arr is not None:
+                    self._copy_query(q_arr, n)
+                if self.device == "cuda":
+                    self.graph.launch(stream)
+                else:
+                    for launch in self._launches:
+                        launch()
+        except BaseException:
+            # the fixed lists may not be this pass's: the next replay rebuilds them
+            self._lists_of = None
+            raise
         self.replays += 1
+        if self.attention is not None:
+            return self.output[:, :n]
+        return None
+
+    def _check_query(self, q, n: int):
+        """``q`` as an array of the cache's device ``[n_stored_layers, n, n_heads, head_dim]``
+        (float16, bfloat16 -- then its uint16 bits -- or float32), with its dtype name; None
+        when the caller wrote the queries into :attr:`query` (which it then passes)."""
+        if q is None or q is self.query:
+            return None
+        name = str(getattr(q, "dtype", "")).replace("torch.", "")
+        if name not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"q must be a float16, bfloat16 or float32 array or tensor, got "
+                             f"{type(q).__name__} of dtype {name or None}")
+        with self._scope():
+            arr = as_array(q, self.device, name, name="q")
+        cfg = self.cache.config
+        want = (len(self.layers), n, self.attention.n_heads, cfg.head_dim)
+        if tuple(arr.shape) != want:
+            raise ValueError(f"q must have shape [n_stored_layers={want[0]}, tokens={n}, "
+                             f"n_heads={want[2]}, head_dim={want[3]}], got {list(arr.shape)}")
+        return arr, name
+
+    def _copy_query(self, q, n: int) -> None:
+        """The queries into the fixed float32 :attr:`query` (on the cache's stream: one
+        elementwise kernel on ``cuda``)."""
+        arr, name = q
+        if name == "bfloat16":    # uint16 bit patterns: the float32 with those high bits
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        self.query[:, :n] = arr
+        if self.device == "cuda":
+            self._storage._keep_inputs(q[0], q[0])
 
     def __repr__(self) -> str:
         return (f"DecodeStep(batch={self.batch}, layers={len(self.layers)}, device="
@@ -361,8 +1002,11 @@ class DecodeStep:
                 f"replays={self.replays})")
 
 
-def check_capturable(cache: Any, batch: Any, attend: bool) -> int:
-    """The checks of :meth:`~numbakv.CausalCache.capture_step` (``batch`` as an int)."""
+def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
+                     scale: Any = None, soft_cap: Any = None,
+                     ) -> Tuple[int, Optional[Attention]]:
+    """The checks of :meth:`~numbakv.CausalCache.capture_step`: ``(batch, attention)``
+    (``attention`` None unless ``attend``)."""
     cfg = cache.config
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or \
             not 1 <= batch <= cfg.max_batch:
@@ -370,19 +1014,57 @@ def check_capturable(cache: Any, batch: Any, attend: bool) -> int:
                          f"got {batch!r}")
     if not isinstance(attend, (bool, np.bool_)):
         raise ValueError(f"attend must be a bool, got {attend!r}")
+    if not attend and (n_heads is not None or scale is not None or soft_cap is not None):
+        raise ValueError("n_heads, scale and soft_cap describe the captured attention: pass "
+                         "them with attend=True")
+    att = None
     if attend:
-        raise NotSupportedError(
-            "capture_step(attend=True): attention is not captured yet (the paged attention "
-            "kernel's page table is rebuilt every pass, not kept at a fixed device address); "
-            "capture the put step and call numbakv.attention.attend after replay()")
-    if cfg.k_quantized or cfg.v_quantized:
-        raise NotSupportedError("capture_step: quantized K/V are not captured (their put "
-                                "kernel takes host slots)")
+        hkv = cfg.local_kv_heads
+        if n_heads is None:
+            n_heads = hkv
+        if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or \
+                n_heads < 1 or n_heads % hkv:
+            raise ValueError(f"n_heads must be a positive multiple of the cache's n_kv_heads "
+                             f"({hkv}), got {n_heads!r}")
+        if scale is None:
+            scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating,
+                                                             np.integer)) \
+                or not np.isfinite(scale):
+            raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+        if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(
+                soft_cap, (int, float, np.floating, np.integer)) or not soft_cap > 0
+                or not np.isfinite(soft_cap)):
+            raise ValueError(f"soft_cap must be a finite number > 0 or None, got {soft_cap!r}")
+        if cfg.permuted_v:
+            raise NotSupportedError("capture_step(attend=True): the paged attention kernel "
+                                    "reads V as [n_cells, n_kv_heads, v_head_dim] "
+                                    "(permuted_v=False)")
+        if not _decode.fits(int(n_heads), hkv, cfg.head_dim, cfg.v_head_dim, int(batch)):
+            raise NotSupportedError(
+                f"capture_step(attend=True): the paged attention kernel does not take "
+                f"n_heads={n_heads}, n_kv_heads={hkv}, head_dim={cfg.head_dim}, "
+                f"v_head_dim={cfg.v_head_dim} (at most {_decode.MAX_GROUP} query heads per KV "
+                f"head, group x head_dim <= {_decode.MAX_GROUP_DIM})")
+        att = Attention(int(n_heads), float(scale),
+                        None if soft_cap is None else float(soft_cap))
     if cfg.v_less:
         raise NotSupportedError("capture_step: a V-less (MLA) cache is not captured")
+    if cfg.k_quantized != cfg.v_quantized:
+        raise NotSupportedError(
+            f"capture_step: a cache with one quantized side (k_dtype={cfg.k_dtype!r}, "
+            f"v_dtype={cfg.v_dtype!r}) is not captured: its float side is stored by an indexed "
+            "array copy, not by a kernel reading the step's slots; quantize both or neither")
+    if cfg.k_quantized and not all(t in CAPTURED_QUANT_TYPES for t in (cfg.k_dtype,
+                                                                       cfg.v_dtype)):
+        raise NotSupportedError(f"capture_step: k_dtype/v_dtype must be among "
+                                f"{CAPTURED_QUANT_TYPES} to be captured, got "
+                                f"{cfg.k_dtype!r}/{cfg.v_dtype!r}")
     if cache.storage is None:
         raise NotSupportedError("capture_step needs a cache with its own K/V storage")
-    return int(batch)
+    return int(batch), att
 
 
-__all__ = ["DecodeStep", "HEADER", "check_capturable", "fill_descriptor"]
+__all__ = ["Attention", "CAPTURED_QUANT_TYPES", "DecodeStep", "HEADER", "check_capturable",
+           "fill_attention",
+           "fill_descriptor"]

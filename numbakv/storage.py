@@ -18,6 +18,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 from ._jit import njit
+from .device import count_host_wait
 
 from .config import (CacheConfig, MASK_DTYPES, MAX_SEQS_LIMIT, QUANT_TYPES, RopeShift,
                      check_rope_layout)
@@ -313,21 +314,7 @@ class KVStorage:
         work is on CuPy's current stream, which then stands for it. A no-op on cpu/sim, on the
         same stream, and while either stream captures a graph (an event crossing a capture
         boundary is illegal)."""
-        if self.device != "cuda":
-            return
-        import cupy
-        from .device import capturing
-        current = cupy.cuda.get_current_stream()
-        own = self._stream if self._stream is not None else current
-        cons = current if consumer is None else _as_cupy_stream(consumer, self._device_id)
-        if cons.ptr == own.ptr or capturing(own) or capturing(cons):
-            return
-        ev = self._order_event
-        if ev is None:
-            ev = self._order_event = cupy.cuda.Event(block=False, disable_timing=True,
-                                                     interprocess=False)
-        ev.record(own)      # a later record does not move waits already queued
-        cons.wait_event(ev)
+        self._order_streams(consumer, waits_on_own=True)
 
     def order_after(self, producer) -> None:
         """Make this storage's stream wait for the work queued so far on ``producer`` (a stream
@@ -335,21 +322,31 @@ class KVStorage:
         come from another stream as plain CuPy arrays calls before ``put`` (DLPack inputs are
         ordered by the protocol itself: they are imported on this stream). Same no-op cases as
         :meth:`order_before`."""
+        self._order_streams(producer, waits_on_own=False)
+
+    def _order_streams(self, other, waits_on_own: bool) -> None:
+        """One event between this storage's stream and ``other`` (a stream as :meth:`use_stream`
+        takes it; None: CuPy's current stream): recorded on ours and waited on by ``other`` when
+        ``waits_on_own`` (:meth:`order_before`), else recorded on ``other`` and waited on by
+        ours (:meth:`order_after`). Each direction keeps its own event: a later record does not
+        move waits already queued, but the two directions must not share one."""
         if self.device != "cuda":
             return
         import cupy
         from .device import capturing
         current = cupy.cuda.get_current_stream()
         own = self._stream if self._stream is not None else current
-        prod = current if producer is None else _as_cupy_stream(producer, self._device_id)
-        if prod.ptr == own.ptr or capturing(own) or capturing(prod):
+        other = current if other is None else _as_cupy_stream(other, self._device_id)
+        if other.ptr == own.ptr or capturing(own) or capturing(other):
             return
-        ev = self._after_event
+        attr = "_order_event" if waits_on_own else "_after_event"
+        ev = getattr(self, attr)
         if ev is None:
-            ev = self._after_event = cupy.cuda.Event(block=False, disable_timing=True,
-                                                     interprocess=False)
-        ev.record(prod)
-        own.wait_event(ev)
+            ev = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+            setattr(self, attr, ev)
+        first, then = (own, other) if waits_on_own else (other, own)
+        ev.record(first)
+        then.wait_event(ev)
 
     def retire(self, *objects) -> None:
         """Keep ``objects`` (device buffers a launch or a consumer may still read) referenced until
@@ -896,6 +893,7 @@ class KVStorage:
     def _to_host(self, x) -> np.ndarray:
         if self.device == "cuda":
             with self._on_device():  # in this stream's order (get() waits for it)
+                count_host_wait(copy=True)
                 return x.get()
         return np.array(x, copy=True)
 

@@ -44,6 +44,21 @@ def kernel_device():
     return KERNEL_DEVICE
 
 
+@pytest.fixture
+def fake_gpu(kernel_device, monkeypatch):
+    """``(cupy stand-in, launches)`` for the cuda path without a GPU: every kernel launch
+    recorded as (kernel name, stream handle). Skipped on a GPU machine (the real path runs)."""
+    if kernel_device != "sim":
+        pytest.skip("a real GPU runs the cuda path itself")
+    import sys
+    from helpers import clear_launch_caches, emulate_cuda
+    launches = []
+    cp = emulate_cuda(monkeypatch, lambda kernel, args: launches.append(
+        (kernel.py_func.__name__, sys.modules["cupy"].cuda.get_current_stream().ptr)))
+    yield cp, launches
+    clear_launch_caches()
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch  # noqa: F401

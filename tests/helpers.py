@@ -53,13 +53,14 @@ def clear_launch_caches() -> None:
 
 def emulate_cuda(monkeypatch, record):
     """Install the ``cupy`` stand-in and run every ``cuda`` launch of the put, mask, move,
-    rope and state-row kernels in the simulator on the memory its descriptors name (dispatcher path: the fast
+    rope, state-row and paged attention kernels in the simulator on the memory its
+    descriptors name (dispatcher path: the fast
     launch is off), calling ``record(kernel, args)`` first. Returns the stand-in; the caller
     calls :func:`clear_launch_caches` at teardown."""
     import sys
 
     from fake_cupy import fake_cupy
-    from numbakv.kernels import _common, launch, mask, move, put, rope, rows
+    from numbakv.kernels import _common, decode, launch, mask, move, put, rope, rows
     cp = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(launch, "_FAST_ENABLED", False)
@@ -79,7 +80,24 @@ def emulate_cuda(monkeypatch, record):
     for mod in (put, mask, move, rope, rows):
         monkeypatch.setattr(mod, "_launch", fake_launch)
         monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
+    monkeypatch.setattr(decode, "_launch", fake_launch)      # the simulator's block size
+    monkeypatch.setattr(decode, "BLOCK_CUDA", _common.BLOCK_SIM)
+    monkeypatch.setattr(decode, "block_size", lambda device: _common.BLOCK_SIM)
     return cp
+
+
+def reference_moves(keys, values, moves, permuted):
+    """The sequential meaning of a move plan ``[(src, dst, length), ...]`` on host copies of
+    ``keys [layers, cells, ...]`` and ``values`` (cells last when ``permuted``): each move a
+    memmove, in order."""
+    keys, values = keys.copy(), values.copy()
+    for s, d, ln in moves:
+        keys[:, d:d + ln] = keys[:, s:s + ln].copy()
+        if permuted:
+            values[..., d:d + ln] = values[..., s:s + ln].copy()
+        else:
+            values[:, d:d + ln] = values[:, s:s + ln].copy()
+    return keys, values
 
 
 def host(x) -> np.ndarray:

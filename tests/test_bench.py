@@ -288,8 +288,13 @@ def test_generate_section_quick(capsys):
         assert r["max_abs_diff_vs_static"] < (1e-4 if r["dtype"] == "float32" else 3e-2)
         assert all(r[k]["median"] > 0 for k in bench_generate.STEP_CONTENDERS)
     assert [r["threads"] for r in res["generate"]] == [1, 2]
+    for r in res["generate"]:     # each run's decode steps timed forward to forward
+        for k in bench_generate.CONTENDERS:
+            step = r[f"{k}_step"]
+            assert 0 < step["wall_ms_min"] <= step["wall_ms"] <= step["wall_ms_max"]
+            assert 0 < step["cpu_ms"] <= step["cpu_ms_max"]
     text = "\n".join(bench_generate.format_generate(res))
-    assert "StaticCache" in text and "tok/s" in text
+    assert "StaticCache" in text and "tok/s" in text and "decode step" in text
 
 
 def test_states_section_quick(capsys):
@@ -339,6 +344,9 @@ def test_agents_replay_counts_hits_edits_and_orphans():
     assert a["orphans"] == 0 and b["orphans"] == 0
     assert a["strip_prefill_pct_mean"] < b["strip_prefill_pct_mean"]
     assert 0 < b["hit_rate"] <= a["hit_rate"] <= 100
+    # the ceilings bound what was measured (cancelled prefills' saves included)
+    c = res["ceilings"]
+    assert b["hit_rate"] <= c["exact"] + 1e-9 and a["hit_rate"] <= c["edit_k0"] + 1e-9
     text = "\n".join(ba.format_agents(res, with_targets=True))
     assert "orphaned" in text and "LRU" in text
 
@@ -361,6 +369,55 @@ def test_agents_ceilings_bound_the_policies():
     # prompts 12, 12+3+2+5=22 (the client's reasoning comes before the call: reuses 12),
     # 22+10=32 (reuses 22)
     assert c["exact"] == pytest.approx(100.0 * (0 + 12 + 22) / (12 + 22 + 32))
+    assert c["edit"] == c["edit_k0"] == c["exact"]
+    # every later turn cancelled once: the retry loads what the cancelled attempt prefilled
+    # (one chunk past the loaded prefix covers the turn), all but the last token
+    cancels = ba.Shape(**{**one.__dict__, "cancel_share": 1.0})
+    c = ba.ceilings(cancels, ba.make_trace(cancels))
+    assert c["exact"] == pytest.approx(100.0 * (0 + 21 + 31) / (12 + 22 + 32))
+    # nothing recomputed after an edit reuses at least as much as recompute_after=16
+    strips = ba.Shape(**{**shape.__dict__, "cancel_share": 0.0})
+    c = ba.ceilings(strips, ba.make_trace(strips))
+    assert c["edit"] < c["edit_k0"] < 100
+
+
+def test_agents_window_working_set_on_a_hand_made_trace():
+    """bench_agents.window_working_set: the peak over the replay of the distinct token prefixes
+    of the requests since the oldest of the sessions' latest turns (one round)."""
+    from numbakv.tools import bench_agents as ba
+    shape = ba.Shape(sessions=2, call=1)
+
+    def turn(s, t, start=None, append=(), strip=False):
+        return {"kind": "turn", "session": s, "turn": t, "start": start, "append": list(append),
+                "reasoning": [9], "strip": strip, "cancel": False, "last": False}
+
+    trace = [turn(0, 0, start=[1, 2, 3]),          # W = 3
+             turn(1, 0, start=[1, 2, 4, 5]),       # + 4, sharing [1, 2]: 5
+             {"kind": "one_off", "prompt": [7, 7]},  # 7
+             # s0: [1, 2, 3, 9, call, 6]; the window starts at s1's turn (index 1): 4 + 2 + 6
+             # minus the shared [1, 2] = 10
+             turn(0, 1, append=[6]),
+             {"kind": "one_off", "prompt": [1, 2, 8]},  # + 3 - 2 shared = 11
+             # s1: [1, 2, 4, 5, 9, call, 6]; the window starts at s0's turn (index 3), [7, 7]
+             # has left it: 6 + 3 + 7 - 2 - 2 = 12 (14 if the one-off had stayed)
+             turn(1, 1, append=[6])]
+    assert ba.window_working_set(shape, trace) == 12
+    assert ba.window_working_set(shape, trace[:5]) == 11
+    # a stripped reasoning block leaves the prompt, so it leaves the window
+    stripped = trace[:5] + [turn(1, 1, append=[6], strip=True)]   # s1: [1, 2, 4, 5, call, 6]
+    assert ba.window_working_set(shape, stripped) == 11
+    assert ba.Shape().working_set == "footprint"
+    tiny = ba.QUICK
+    t = ba.make_trace(tiny)
+    assert ba.working_set_tokens(tiny, t) == ba.working_set(tiny, t)
+    window = ba.Shape(**{**tiny.__dict__, "working_set": "window"})
+    assert 0 < ba.working_set_tokens(window, t) == ba.window_working_set(tiny, t) \
+        < ba.working_set(tiny, t)
+    bad = ba.Shape(**{**tiny.__dict__, "working_set": "recent"})
+    with pytest.raises(ValueError, match="working_set"):
+        ba.working_set_tokens(bad, t)
+    with pytest.raises(ValueError, match="working_set"):
+        ba.run_agents(shape=bad)
 
 
 def test_agents_orphan_count_follows_the_events():

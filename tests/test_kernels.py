@@ -6,7 +6,8 @@ import pytest
 from numba import njit
 
 from numbakv.kernels import _common, launch, mask, move, put, rope
-from helpers import as_f32, bf16_bits_to_f32, f32_to_bf16_bits, gpu_compiler_missing, random_storage
+from helpers import (as_f32, bf16_bits_to_f32, f32_to_bf16_bits, gpu_compiler_missing, random_storage,
+                     reference_moves)
 
 DTYPES = ["float16", "float32", "bfloat16"]
 STORAGE = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
@@ -326,17 +327,6 @@ def test_mask_packs_only_used_words():
 
 # ------------------------------------------------------------------ move / copy
 
-def _ref_moves(keys, values, moves, permuted):
-    keys, values = keys.copy(), values.copy()
-    for s, d, ln in moves:
-        keys[:, d:d + ln] = keys[:, s:s + ln].copy()
-        if permuted:
-            values[..., d:d + ln] = values[..., s:s + ln].copy()
-        else:
-            values[:, d:d + ln] = values[:, s:s + ln].copy()
-    return keys, values
-
-
 PLANS = {
     "defrag": (np.array([[20, 2, 2], [17, 5, 3], [12, 9, 1]]), True),
     "overlap_down": (np.array([[4, 1, 9]]), False),
@@ -358,7 +348,7 @@ def test_move_matches_sequential_reference(device, dtype, permuted, plan):
     values = random_storage(rng, (2, 2, 4, n) if permuted else (2, n, 2, 4), dtype)
     kd, vd = to_dev(device, keys.copy()), to_dev(device, values.copy())
     move.launch(device, kd, vd, moves, permuted)
-    rk, rv = _ref_moves(keys, values, moves, permuted)
+    rk, rv = reference_moves(keys, values, moves, permuted)
     assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
 
 
@@ -372,7 +362,7 @@ def test_copy_cells_in_order(device, permuted):
                      (np.array([1, 2]), np.array([2, 3]))):            # a chain: in order
         kd, vd = to_dev(device, keys.copy()), to_dev(device, values.copy())
         move.copy_launch(device, kd, vd, src, dst, permuted)
-        rk, rv = _ref_moves(keys, values, [(s, d, 1) for s, d in zip(src, dst)], permuted)
+        rk, rv = reference_moves(keys, values, [(s, d, 1) for s, d in zip(src, dst)], permuted)
         assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
 
 
@@ -387,7 +377,7 @@ def test_move_cpu_large(permuted, parallel, monkeypatch):
     moves = np.array([[300, 0, 50], [100, 60, 120], [390, 380, 10], [0, 350, 40]])
     kd, vd = keys.copy(), values.copy()
     move.launch("cpu", kd, vd, moves, permuted)
-    rk, rv = _ref_moves(keys, values, moves, permuted)
+    rk, rv = reference_moves(keys, values, moves, permuted)
     assert np.array_equal(kd, rk) and np.array_equal(vd, rv)
 
 
@@ -666,7 +656,7 @@ def test_emulated_cuda_move(emulated_cuda, permuted, plan):
     values = random_storage(rng, (2, 2, 4, 22) if permuted else (2, 22, 2, 4), "float32")
     kd, vd = keys.copy(), values.copy()
     move.launch("cuda", _FakeDeviceArray(kd), _FakeDeviceArray(vd), moves, permuted)
-    rk, rv = _ref_moves(keys, values, moves, permuted)
+    rk, rv = reference_moves(keys, values, moves, permuted)
     assert np.array_equal(kd, rk) and np.array_equal(vd, rv)
 
 
@@ -1153,7 +1143,7 @@ def test_move_takes_16_byte_words_when_aligned(kernel_device, dtype, plan, offse
     kd = _placed(kernel_device, keys, offset)
     vd = _placed(kernel_device, values, offset)
     move.launch(kernel_device, kd, vd, moves, False)
-    rk, rv = _ref_moves(keys, values, moves, False)
+    rk, rv = reference_moves(keys, values, moves, False)
     assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
     k, v = seen[-1][3][:2]
     assert k.dtype.itemsize == v.dtype.itemsize == want
@@ -1210,7 +1200,7 @@ def test_emulated_cuda_put_and_move_choose_16_byte_words(emulated_cuda, permuted
     kd, vd = keys.copy(), values.copy()
     move.launch("cuda", _FakeDeviceArray(kd), _FakeDeviceArray(vd), PLANS["defrag"][0],
                 permuted)
-    rk, rv = _ref_moves(keys, values, PLANS["defrag"][0], permuted)
+    rk, rv = reference_moves(keys, values, PLANS["defrag"][0], permuted)
     assert np.array_equal(bits(kd), bits(rk)) and np.array_equal(bits(vd), bits(rv))
 
 
@@ -1311,7 +1301,7 @@ def test_emulated_cuda_move_on_a_cell_slice(emulated_cuda, permuted):
     ref_k, ref_v = keys.copy(), values.copy()
     moves = np.array([[15, 0, 3], [12, 4, 2]])
     sk, sv = ref_k[:, 5:25], (ref_v[..., 5:25] if permuted else ref_v[:, 5:25])
-    rk, rv = _ref_moves(sk, sv, moves, permuted)
+    rk, rv = reference_moves(sk, sv, moves, permuted)
     sk[...], sv[...] = rk, rv
     k_slice = keys[:, 5:25]
     v_slice = values[..., 5:25] if permuted else values[:, 5:25]

@@ -9,23 +9,12 @@ import pytest
 from numbakv.config import CacheConfig
 from numbakv.kernels import move
 from numbakv.storage import KVStorage
-from helpers import host, random_storage
+from helpers import host, random_storage, reference_moves
 
 
 def bits(x):
     x = host(x)
     return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
-
-
-def _reference(keys, values, moves, permuted):
-    keys, values = keys.copy(), values.copy()
-    for s, d, ln in moves:
-        keys[:, d:d + ln] = keys[:, s:s + ln].copy()
-        if permuted:
-            values[..., d:d + ln] = values[..., s:s + ln].copy()
-        else:
-            values[:, d:d + ln] = values[:, s:s + ln].copy()
-    return keys, values
 
 
 def _random_plan(rng, n, m, disjoint):
@@ -82,7 +71,7 @@ def test_storage_moves_equal_the_sequential_reference(device, permuted):
     for trial in range(12):
         moves = _random_plan(rng, n, int(rng.integers(1, 5)), disjoint=bool(trial % 2))
         seen.add(move.independent(move.normalize(moves), n))
-        want = _reference(host(st.keys), host(st.values), moves, permuted)
+        want = reference_moves(host(st.keys), host(st.values), moves, permuted)
         st.move_blocks(moves)
         assert np.array_equal(bits(st.keys), bits(want[0]))
         assert np.array_equal(bits(st.values), bits(want[1]))

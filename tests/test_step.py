@@ -7,7 +7,6 @@ buffers and one graph launch per replay -- runs against the stand-in CuPy (tests
 whose captured graph replays the real kernels in the simulator. Real capture on a GPU:
 ``test_captured_graph_replays_on_a_gpu`` (marked gpu, run by ``.ci/gpu``)."""
 
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 from numbakv.step import HEADER
 from fake_cupy import FakeDeviceArray
-from helpers import clear_launch_caches, dev, emulate_cuda, fake_cuda_cache, host
+from helpers import dev, fake_cuda_cache, host
 
 SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
 
@@ -168,10 +167,22 @@ def test_capture_checks(device):
     for bad in (0, 5, -1, 2.0, True, "4"):
         with pytest.raises(ValueError, match="batch"):
             cache.capture_step(batch=bad)
-    with pytest.raises(NotSupportedError, match="attend"):
-        cache.capture_step(batch=2, attend=True)
     with pytest.raises(ValueError, match="attend"):
         cache.capture_step(batch=2, attend="yes")
+    with pytest.raises(ValueError, match="attend=True"):
+        cache.capture_step(batch=2, n_heads=4)
+    for bad in (3, 0, -2, 2.0, True):     # a multiple of n_kv_heads=2
+        with pytest.raises(ValueError, match="n_heads"):
+            cache.capture_step(batch=2, attend=True, n_heads=bad)
+    with pytest.raises(ValueError, match="scale"):
+        cache.capture_step(batch=2, attend=True, scale=float("nan"))
+    for bad in (0.0, -1.0, "2"):
+        with pytest.raises(ValueError, match="soft_cap"):
+            cache.capture_step(batch=2, attend=True, soft_cap=bad)
+    with pytest.raises(NotSupportedError, match="does not take"):
+        cache.capture_step(batch=2, attend=True, n_heads=2 * 17)     # a group of 17
+    with pytest.raises(NotSupportedError, match="permuted_v"):
+        nkv.CausalCache(_cfg(device, permuted=True)).capture_step(batch=2, attend=True)
     streams = nkv.CausalCache(_cfg(device, unified=False))
     with pytest.raises(NotSupportedError, match="streams"):
         streams.capture_step(batch=2)
@@ -219,17 +230,6 @@ def test_a_bad_replay_changes_nothing(device):
 
 
 # ------------------------------------------------------------------ the cuda path (stand-in)
-
-@pytest.fixture
-def fake_gpu(kernel_device, monkeypatch):
-    if kernel_device != "sim":
-        pytest.skip("a real GPU runs the cuda path itself")
-    launches = []
-    cp = emulate_cuda(monkeypatch, lambda kernel, args: launches.append(
-        (kernel.py_func.__name__, sys.modules["cupy"].cuda.get_current_stream().ptr)))
-    yield cp, launches
-    clear_launch_caches()
-
 
 def _cuda_cache(cp, stream_ptr=0x61):
     cache = fake_cuda_cache(cp, _cfg("cpu"), stream_ptr)
@@ -445,3 +445,257 @@ def test_torch_cuda_graph_with_step_puts_on_a_gpu():
     side.synchronize()
     np.testing.assert_array_equal(cache.storage.keys.get(), twin.storage.keys)
     np.testing.assert_array_equal(cache.storage.values.get(), twin.storage.values)
+
+
+# ------------------------------------------------------------------ attention in the step
+
+#: the attention steps: 2 layers, one KV head read by 2 query heads (GQA), v_head_dim 4, pages
+#: of 2 cells; 2 sequences of a 3-token step, so replays carry 1-3 tokens (the rest padding)
+ATT = dict(n_layers=2, n_kv_heads=1, head_dim=8, v_head_dim=4, capacity=12, max_seqs=2,
+           max_batch=3, page_size=2, cache_padding=2)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """The paged attention kernel in blocks of 8 threads (the simulator runs a Python thread
+    per CUDA thread: 4x faster than its usual 32, and every strided loop of the kernel then
+    takes several turns)."""
+    from numbakv.kernels import decode
+    monkeypatch.setattr(decode, "block_size", lambda device: 8)
+
+
+def _att_steps():
+    """(positions, seqs) of 4 decode steps: sequence 0 from a 2-token start, sequence 1 joining
+    later; both lists cross page boundaries (pages of 2)."""
+    return [(np.array([0, 1], np.int32), np.array([0, 0], np.int32)),
+            (np.array([2, 0], np.int32), np.array([0, 1], np.int32)),
+            (np.array([3, 1, 2], np.int32), np.array([0, 1, 1], np.int32)),
+            (np.array([4], np.int32), np.array([0], np.int32))]
+
+
+def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
+    """Replay :func:`_att_steps` through ``make_step(cache)`` with random q/K/V and compare
+    each replay's output with start_forward + put + ``attention.attend`` per layer on a CPU
+    cache; padding rows (past the replay's tokens) stay zero."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    cache, step = make_step()
+    reference = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype=dtype, device="cpu"),
+                                **cache_kw)
+    tdt = getattr(torch, dtype)
+    D, Dv = reference.config.head_dim, reference.config.v_head_dim
+    gen = torch.Generator().manual_seed(3)
+    for pos, seqs in steps or _att_steps():
+        n = len(pos)
+        k = torch.randn(2, n, 1, D, generator=gen).to(tdt)
+        v = torch.randn(2, n, 1, Dv, generator=gen).to(tdt)
+        q = torch.randn(2, n, 2, D, generator=gen).to(tdt)
+        bits = (lambda x: x.view(torch.uint16).numpy()) if dtype == "bfloat16" else \
+            (lambda x: x.numpy())
+        out = step.replay(pos, seqs, wrap(q), wrap(bits(k)), wrap(bits(v)))
+        out = host(out)
+        assert out.shape == (2, n, 2, Dv) and out.dtype == np.float32
+        assert not host(step.output)[:, n:].any()
+        reference.start_forward(pos, seqs)
+        for layer in range(2):
+            reference.set_layer(layer)
+            reference.put(k[layer], v[layer])
+            want = attend(q[layer].float(), reference, scale=0.5, soft_cap=3.0).numpy()
+            np.testing.assert_allclose(out[layer], want, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(host(cache.storage.keys), np.asarray(reference.storage.keys))
+    return cache, step
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("variant", ["f16-window", "bf16-chunk"])
+def test_captured_attention_equals_the_cpu_attend(device, variant, small_blocks):
+    """A step captured with attention, replayed over growing sequences (past page
+    boundaries, 1-3 tokens a replay), returns per stored layer what start_forward, a put and
+    attend return on a CPU cache: float16 with a sliding window, bfloat16 with chunks (one
+    part each: the split-K runs in the cuda test below, whose graph holds the merge)."""
+    dtype, cache_kw = {"f16-window": ("float16", dict(swa_window=3)),
+                       "bf16-chunk": ("bfloat16", dict(chunk_size=3))}[variant]
+    from numbakv.step import DecodeStep, check_capturable
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**ATT, dtype=dtype, device=device), **cache_kw)
+        batch, att = check_capturable(cache, 3, True, 2, 0.5, 3.0)
+        return cache, DecodeStep(cache, batch, att)
+
+    def wrap(x):     # on a GPU: the inputs on it (numpy -> CuPy, torch -> its cuda tensor)
+        if device != "cuda":
+            return x
+        return dev(x, device) if isinstance(x, np.ndarray) else x.cuda()
+    _check_attention(make_step, {}, cache_kw, dtype, wrap, 2e-6 if device == "cpu" else 1e-5)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("variant", ["q8_0-q4_0-rotated", "float8-layer-scales"])
+def test_captured_quantized_step_equals_the_cpu_attend(device, variant, small_blocks):
+    """Quantized K/V captured: the quantize kernels read the descriptor's slots (-1 skipped)
+    and the attention dequantizes as it reads (rotated q8_0 K / q4_0 V: queries rotated and
+    the output turned back in the kernel; float8 with a different scale per layer); replays
+    store the bytes and return the attention a CPU cache gives."""
+    cfg_kw = {"q8_0-q4_0-rotated": dict(head_dim=64, v_head_dim=64, k_dtype="q8_0",
+                                        v_dtype="q4_0", kv_rotation="on"),
+              "float8-layer-scales": dict(head_dim=32, v_head_dim=32, k_dtype="float8_e4m3",
+                                          v_dtype="float8_e4m3", k_scale=[0.5, 2.0],
+                                          v_scale=[1.5, 0.25])}[variant]
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float16",
+                                                device=device))
+        return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
+                                         soft_cap=3.0)
+    _check_attention(make_step, cfg_kw, {}, "float16", lambda x: x if device != "cuda" else
+                     (dev(x, device) if isinstance(x, np.ndarray) else x.cuda()),
+                     2e-6 if device == "cpu" else 2e-5,
+                     steps=_att_steps()[:2 if "rotated" in variant else 3])
+
+
+
+def test_cuda_step_with_attention_is_one_graph_without_host_waits(fake_gpu, monkeypatch):
+    """cuda (stand-in CuPy, kernels in the simulator): the graph holds a put and the attention
+    (kernel and split-K merge) per layer; each replay is one descriptor copy, the page lists'
+    device copies, the input copies and the graph launch, all on the cache's stream, with no
+    host wait of any kind (numbakv's HOST_WAITS and the stand-in's own log of stream / event
+    / device synchronisations and device -> host copies), and the outputs equal the CPU
+    attend."""
+    from numbakv.device import HOST_WAITS
+    from numbakv.kernels import decode
+    from numbakv.step import DecodeStep, check_capturable
+    cp, launches = fake_gpu
+    monkeypatch.setattr(decode, "BLOCK_CUDA", 8)      # as small_blocks
+    waits = {}
+
+    def make_step():
+        cache = fake_cuda_cache(cp, nkv.CacheConfig(**ATT, dtype="float32", device="cpu"),
+                                0x61)
+        # split-K: 2 parts of at least 2 cells (lists of up to 6: the second part empty in the
+        # first replays, exiting early)
+        step = DecodeStep(cache, *check_capturable(cache, 3, True, 2, 0.5, 3.0), split=(2, 2))
+        assert step._parts == 2
+        names = [n for n, _ in launches]
+        assert names.count("paged_attention_kernel") == 2 * 2      # eager + captured
+        assert names.count("paged_merge_kernel") == 2 * 2
+        # the two list-extension launches, then per layer put, attention, merge
+        assert names.count("extend_lists_kernel") == 2 * 2
+        assert len(step.graph.nodes) == 2 + 3 * 2
+        cp.log.clear()
+        launches.clear()
+        waits.update(HOST_WAITS)     # capturing waits once (the buffers' initialisation)
+        pages_of = cache._host_pages
+        cache._host_pages = lambda: built.append(1) or pages_of()
+        return cache, step
+
+    built = []
+
+    _, step = _check_attention(make_step, {}, {}, "float32",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5)
+    assert HOST_WAITS == waits
+    kinds = [e[0] for e in cp.log]
+    for sync in ("stream_sync", "event_sync", "device_sync", "asnumpy"):
+        assert sync not in kinds, (sync, cp.log)
+    assert kinds.count("graph_launch") == step.replays == 4
+    # replay 3 (the same two sequences, grown) appended on the device: no table built
+    assert len(built) == 3
+    assert all(e[1] == 0x61 for e in cp.log if e[0] in ("h2d", "d2d", "graph_launch"))
+    assert not [n for n, _ in launches if n.startswith("paged")]   # only the graph's
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("window", [None, 3])
+def test_captured_lists_grow_on_the_device_and_rebuild_after_table_changes(window,
+                                                                          small_blocks):
+    """The simulator (the real kernels): a replay whose lists just grow appends its cells on
+    the device (no page table of the pass built on the host); a replay after a sequence
+    operation or a defrag -- which move or drop cells whose positions still pass the growth
+    test -- rebuilds the lists (so does one whose window pruning dropped cells); every replay equals start_forward + put + attend on a CPU
+    cache, with and without a sliding window (lists cut at the front)."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    cfg = dict(ATT, capacity=16, dtype="float32")
+    kw = {} if window is None else dict(swa_window=window)
+    cache = nkv.CausalCache(nkv.CacheConfig(**cfg, device="sim"), **kw)
+    reference = nkv.CausalCache(nkv.CacheConfig(**cfg, device="cpu"), **kw)
+    step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5)
+    built = []
+    pages_of = cache._host_pages
+    cache._host_pages = lambda: built.append(1) or pages_of()
+    gen = torch.Generator().manual_seed(21)
+    grown = 0
+    plan = [((0, 1), (0, 0), True), ((2, 0), (0, 1), True), ((3, 1), (0, 1), False),
+            ((4, 2), (0, 1), False), ("seq_rm", None, None), ((5, 3), (0, 1), True),
+            ((6, 4), (0, 1), False), ("defrag", None, None), ((7, 5), (0, 1), True),
+            ((8, 6), (0, 1), False)]
+    for pos, seqs, rebuilds in plan:
+        if pos == "seq_rm":         # sequence 1 loses its front: its later positions stay
+            for c in (cache, reference):
+                assert c.seq_rm(1, 0, 2)
+            continue
+        if pos == "defrag":         # cells move, positions stay
+            for c in (cache, reference):
+                c.defrag()
+            continue
+        pos, seqs = np.array(pos, np.int32), np.array(seqs, np.int32)
+        n = len(pos)
+        k = torch.randn(2, n, 1, 8, generator=gen)
+        v = torch.randn(2, n, 1, 4, generator=gen)
+        q = torch.randn(2, n, 2, 8, generator=gen)
+        before = len(built)
+        out = step.replay(pos, seqs, q.numpy(), k.numpy(), v.numpy())
+        # window pruning (the window's memory dropping old cells) changes the table too
+        rebuilds = rebuilds or cache._forward.cells_v0 < 0
+        assert (len(built) > before) == rebuilds, (pos, seqs)
+        grown += not rebuilds
+        reference.start_forward(pos, seqs)
+        for layer in range(2):
+            reference.set_layer(layer)
+            reference.put(k[layer], v[layer])
+            want = attend(q[layer], reference, scale=0.5).numpy()
+            np.testing.assert_allclose(out[layer], want, rtol=1e-5, atol=1e-5)
+    assert cache.defrag_count == reference.defrag_count >= 1
+    assert grown >= 2
+
+
+@pytest.mark.torch
+def test_engine_attend_after_prepare_and_put(device, small_blocks):
+    """An engine's own loop (its graph on a GPU): step.prepare, then per layer step.put and
+    step.attend into its own buffers, equals the CPU attend; checks name the bad argument."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    cfg = dict(ATT, dtype="float32")
+    cache = nkv.CausalCache(nkv.CacheConfig(**cfg, device=device))
+    reference = nkv.CausalCache(nkv.CacheConfig(**cfg, device="cpu"))
+    step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5)
+    gen = torch.Generator().manual_seed(9)
+    q_buf = np.zeros((3, 2, 8), np.float32)
+    out = dev(np.zeros((3, 2, 4), np.float32), device)
+    for pos, seqs in _att_steps()[:3]:
+        n = len(pos)
+        step.prepare(pos, seqs)
+        reference.start_forward(pos, seqs)
+        for layer in range(2):
+            k = torch.randn(3, 1, 8, generator=gen)
+            v = torch.randn(3, 1, 4, generator=gen)
+            q_buf[...] = torch.randn(3, 2, 8, generator=gen).numpy()
+            step.put(layer, dev(k.numpy(), device), dev(v.numpy(), device))
+            step.attend(layer, dev(q_buf, device), out)
+            reference.set_layer(layer)
+            reference.put(k[:n], v[:n])
+            want = attend(torch.from_numpy(q_buf[:n]), reference, scale=0.5).numpy()
+            got = host(out)
+            np.testing.assert_allclose(got[:n], want, rtol=1e-5, atol=1e-5)
+            assert not got[n:].any()
+    q_dev = dev(q_buf, device)
+    with pytest.raises(ValueError, match="out must"):
+        step.attend(0, q_dev, out[:2])
+    with pytest.raises(ValueError, match="q must"):
+        step.attend(0, q_dev.astype(np.float16), out)
+    with pytest.raises(ValueError, match="q must"):
+        step.attend(0, q_dev[:, :, :4], out)
+    with pytest.raises(ValueError, match="layer"):
+        step.attend(2, q_dev, out)
+    with pytest.raises(ValueError, match="attend=True"):
+        nkv.CausalCache(nkv.CacheConfig(**cfg, device=device)).capture_step(
+            batch=3).attend(0, q_dev, out)

@@ -3,30 +3,16 @@
 Numba's simulator on the memory the descriptors point to."""
 
 import gc
-import sys
-import types
 import weakref
 
 import numpy as np
 import pytest
 
 from numbakv.config import CacheConfig, RopeShift
-from numbakv.kernels import _common, launch, mask, move, put, rope
+from numbakv.kernels import launch, mask, move, put, rope
 from numbakv.storage import KVStorage
 from fake_cupy import FakeDeviceArray
-from helpers import clear_launch_caches, emulate_cuda, random_storage
-
-
-@pytest.fixture
-def fake_gpu(kernel_device, monkeypatch):
-    """``(cupy stand-in, launches)``: every launch recorded as (kernel name, stream handle)."""
-    if kernel_device != "sim":
-        pytest.skip("a real GPU runs the cuda path itself")
-    launches = []
-    cp = emulate_cuda(monkeypatch, lambda kernel, args: launches.append(
-        (kernel.py_func.__name__, sys.modules["cupy"].cuda.get_current_stream().ptr)))
-    yield cp, launches
-    clear_launch_caches()
+from helpers import random_storage
 
 
 def _storage(dtype="float16", permuted=False):

@@ -59,6 +59,38 @@ def test_round_trip_one_request_each(redis_url, redis_server):
     raw.close()
 
 
+def big_pieces(i, n=3, piece=600_000):
+    """A run of ``n`` pieces (>= 1 MiB in all: sent unjoined), and the bytes they join to."""
+    import numpy as np
+    rng = np.random.default_rng(i)
+    arrays = [rng.integers(0, 256, piece, dtype=np.uint8) for _ in range(n)]
+    pieces = [memoryview(tw.run_key(i).encode())] + [memoryview(a) for a in arrays]
+    return pieces, b"".join(bytes(p) for p in pieces)
+
+
+def test_a_large_run_in_pieces_goes_up_unjoined(redis_url, redis_server, monkeypatch):
+    from numbakv.prefix.tiers import redis as redis_tier
+    sent = []
+    real = redis_tier.RedisTier._set_pieces
+    monkeypatch.setattr(redis_tier.RedisTier, "_set_pieces",
+                        lambda self, key, chunks, nbytes: (sent.append(len(chunks)),
+                                                           real(self, key, chunks, nbytes)))
+    raw = redis_server.client()
+    with open_tier(redis_url, NS, 8 << 20) as tier:
+        pieces, joined = big_pieces(1)
+        assert tier.write_run(tw.run_key(1), tw.block_keys(1, 2), pieces)
+        assert sent == [4]                               # the pieces as they were
+        assert tier.read_runs([tw.run_key(1)]) == [joined]
+        assert tier.find_blocks(tw.block_keys(1, 2)) == [(tw.run_key(1), 0), (tw.run_key(1), 1)]
+        assert tier.stats()["bytes_used"] >= len(joined)
+        assert not raw.keys(f"nkv:t1:{{{NS}}}:w:*")       # the staged key was renamed
+        assert put(tier, 2) and sent == [4]               # small runs: one pipeline, joined
+        # over the budget: refused before anything is sent
+        assert tier.write_run(tw.run_key(3), tw.block_keys(3), big_pieces(3, 16)[0]) is False
+        assert sent == [4] and tier.clear() == 2
+    raw.close()
+
+
 def test_budget_and_lru_across_clients(redis_url, redis_server):
     budget = 12_000
     a = open_tier(redis_url, NS, budget)
@@ -131,6 +163,7 @@ def test_server_killed_mid_run_is_a_miss(own_redis_server):
         assert tier.find_blocks(tw.block_keys(1)) == [None] * 4
         assert tier.read_runs([tw.run_key(1)]) == [None]
         assert put(tier, 2) is False
+        assert tier.write_run(tw.run_key(4), tw.block_keys(4), big_pieces(4)[0]) is False
         tier.remove_run(tw.run_key(1))
         tier.report_invalid(tw.run_key(1))
         assert tier.clear() == 0

@@ -39,3 +39,38 @@ class GenerateDecodeStep:
         return t["numbakv"] / t["static"]
 
     track_numbakv_over_static.unit = "ratio"
+
+
+class GenerateDecodeRate:
+    """generate()'s decode step through numbakv against DynamicCache: the random-weight Llama
+    of ``numbakv bench --sections generate`` (4 layers, 4 heads / 2 KV heads of 64, float32),
+    a 2,048-token prompt, 32 new tokens, 1 torch thread; each step timed forward to forward in
+    this thread's CPU time (``bench_generate._stepped``), the two contenders interleaved run by
+    run (target: numbakv / DynamicCache <= 1)."""
+    number = 1
+    repeat = (1, 3, 300.0)
+    timeout = 900
+
+    def setup(self):
+        import torch
+        from numbakv.tools.bench_generate import _tiny_model, generate_fns
+        torch.set_num_threads(1)
+        if "model" not in _MEMO:
+            model = _tiny_model(4, 2048)
+            _MEMO.update(model=model, gen=generate_fns(model, 2048, 32))
+        self.model, self.fns = _MEMO["model"], _MEMO["gen"]
+
+    def track_numbakv_step_over_dynamic(self):
+        import numpy as np
+        import torch
+        from numbakv.tools.bench_generate import _stepped
+        steps = {"numbakv": [], "dynamic": []}
+        runs = {k: _stepped(self.model, self.fns[k], 32, v) for k, v in steps.items()}
+        with torch.no_grad():
+            for _ in range(4):
+                for run in runs.values():
+                    run()
+        cpu = {k: float(np.median([s[1] for s in v[1:]])) for k, v in steps.items()}
+        return cpu["numbakv"] / cpu["dynamic"]
+
+    track_numbakv_step_over_dynamic.unit = "ratio"

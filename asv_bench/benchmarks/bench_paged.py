@@ -44,7 +44,23 @@ def steady_table(n_cells, page_size, n_seq=N_SEQ, fill=0.75):
     return t, memory
 
 
-class PagedFindSlot:
+class _PagedVsContiguous:
+    """The same work placed paged and contiguous: subclasses' ``setup`` fills ``self.steps``
+    (page size -> a call doing the work once: ``PAGE`` paged, 1 contiguous). asv skips this
+    base (its name starts with ``_``) and times each subclass with its own params."""
+
+    def time_paged(self, *params):
+        self.steps[PAGE]()
+
+    def time_contiguous(self, *params):
+        self.steps[1]()
+
+    def track_paged_vs_contiguous(self, *params):
+        return _best_ratio(self.steps[1], self.steps[PAGE])
+    track_paged_vs_contiguous.unit = "time ratio (paged / contiguous)"
+
+
+class PagedFindSlot(_PagedVsContiguous):
     params = [4096, 32768]
     param_names = ["n_cells"]
 
@@ -58,16 +74,6 @@ class PagedFindSlot:
                 else (lambda t=table: t.find_contiguous(N_SEQ))
             self.steps[page]()
 
-    def time_paged(self, n_cells):
-        self.steps[PAGE]()
-
-    def time_contiguous(self, n_cells):
-        self.steps[1]()
-
-    def track_paged_vs_contiguous(self, n_cells):
-        return _best_ratio(self.steps[1], self.steps[PAGE])
-    track_paged_vs_contiguous.unit = "time ratio (paged / contiguous)"
-
 
 def latent_cache(page_size, n_cells):
     cfg = CacheConfig(1, 1, ROW, v_head_dim=0, dtype="float16", capacity=n_cells // N_SEQ,
@@ -75,7 +81,7 @@ def latent_cache(page_size, n_cells):
     return CausalCache(cfg)
 
 
-class PagedDecodeRun:
+class PagedDecodeRun(_PagedVsContiguous):
     """64 sequences decode in lock step from an empty cache until full, then are removed; a
     call is one whole run (``capacity - 1`` steps): divide by the steps for the per-step time."""
     params = [4096, 32768]
@@ -102,18 +108,8 @@ class PagedDecodeRun:
             cache.seq_rm(-1)
         return run
 
-    def time_paged(self, n_cells):
-        self.steps[PAGE]()
 
-    def time_contiguous(self, n_cells):
-        self.steps[1]()
-
-    def track_paged_vs_contiguous(self, n_cells):
-        return _best_ratio(self.steps[1], self.steps[PAGE])
-    track_paged_vs_contiguous.unit = "time ratio (paged / contiguous)"
-
-
-class PagedPrefill:
+class PagedPrefill(_PagedVsContiguous):
     """A 512-token prefill of one sequence into an empty cache of 32768 cells, then removed."""
 
     def setup(self):
@@ -132,10 +128,3 @@ class PagedPrefill:
                 cache.seq_rm(0)
             run()
             self.steps[page] = run
-
-    def time_paged(self):
-        self.steps[PAGE]()
-
-    def track_paged_vs_contiguous(self):
-        return _best_ratio(self.steps[1], self.steps[PAGE])
-    track_paged_vs_contiguous.unit = "time ratio (paged / contiguous)"

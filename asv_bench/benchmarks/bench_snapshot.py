@@ -3,7 +3,9 @@
 CPU, a pinned device -> host -> device copy on a GPU), timed interleaved in the same process
 (see ``numbakv/tools/bench_snapshot.py``). ``track_fraction`` is the share of the copy's
 bandwidth the snapshot reaches (issue 24's target: >= 50% on the CPU, >= 80% on a GPU, for
-``views``: a sequence prefilled into one run of cells)."""
+``views``: a sequence prefilled into one run of cells; issue 36's: >= 50% on the CPU for
+``export_gather_pooled``, a snapshot of interleaved cells into recycled memory). CPU cases are
+timed in thread CPU time."""
 
 from numbakv.device import cuda_usable
 from numbakv.tools import bench_snapshot
@@ -19,7 +21,8 @@ def _rows(device):
 
 
 class Snapshot:
-    params = [["cpu", "cuda"], ["views", "gather", "bytes"]]
+    params = [["cpu", "cuda"], ["views", "gather", "export_gather", "export_gather_pooled",
+                                "bytes"]]
     param_names = ["device", "case"]
     timeout = 900
     number = 1

@@ -57,6 +57,8 @@ assert _SCORE_SLOTS == TILE * MAX_GROUP
 #: blocks per launch the split-K plan aims for (per SM on a GPU): with fewer (token, KV head)
 #: pairs than this, long lists are cut into parts so every SM has work
 BLOCKS_PER_SM = 4
+#: threads per block on a GPU (four warps: a group's scores of a tile, one thread per cell)
+BLOCK_CUDA = 128
 #: the shortest part a list is cut into (cells): shorter parts cost more in the merge than they
 #: gain in parallelism
 MIN_PART = 256
@@ -241,7 +243,7 @@ def _sigs():
     for kw, vw in WORD_PAIRS:
         out.append((_arr(types.float32, 3), _arr(kw, 3), _arr(vw, 3), i64, i64, i32, i32,
                     i32, i32, i32, _arr(types.uint8, 1), i64, i64, i64, i64, i64, i64, i64,
-                    i64, i64, i64, i64, _arr(types.float32, 3), _arr(types.float32, 2),
+                    i64, i64, i64, i64, i32, _arr(types.float32, 3), _arr(types.float32, 2),
                     _arr(types.float32, 4), _arr(types.float32, 4)))
     return out
 
@@ -249,14 +251,18 @@ def _sigs():
 @cuda_kernel("paged_attention", _sigs())
 def paged_attention_kernel(q, kpool, vpool, kfmt, vfmt, kv_indices, kv_pos, kv_indptr, tok_seq,
                            q_pos, causal, window, chunk, scale_bits, cap_bits, kscale_bits,
-                           vscale_bits, krot, krscale_bits, vrot, vrscale_bits, part_len, out,
-                           lse, part_acc, part_ml):
+                           vscale_bits, krot, krscale_bits, vrot, vrscale_bits, part_len,
+                           part_len_dev, out, lse, part_acc, part_ml):
     """q float32 ``[T, H, D]`` (rotated and scaled here); kpool ``[n_cells, Hkv, D]`` raw bits
     or ``[n_cells, Hkv, row_bytes]`` quantized rows (``kfmt``), vpool likewise (``vfmt``); page
     table int32; tok_seq ``[T]`` each token's sequence; causal uint8 ``[T]``; ``*_bits``: the
     float32 bits of the scale, the soft cap (<= 0: none), float8's K and V scales and the
     Walsh-Hadamard scales of the K / V rotation blocks ``krot`` / ``vrot`` (0: not rotated);
-    out float32 ``[T, H, Dv]`` and lse ``[T, H]`` (one part), else part_acc ``[P, T, H, Dv]``
+    ``part_len`` the split-K part length, or 0: read it from ``part_len_dev[0]`` (int32 ``[1]``,
+    device memory a captured step refreshes; otherwise any int32 array, never read), where
+    parts past a token's run exit at once (a graph's grid is sized for the longest list the
+    step can meet, not this pass's); out float32 ``[T, H, Dv]`` and lse ``[T, H]`` (one
+    part), else part_acc ``[P, T, H, Dv]``
     and part_ml ``[2, P, T, H]`` (maximum, sum)."""
     qs = cuda.shared.array(MAX_GROUP_DIM, float32)
     acc = cuda.shared.array(MAX_GROUP_DIM, float32)
@@ -282,8 +288,16 @@ def paged_attention_kernel(q, kpool, vpool, kfmt, vfmt, kv_indices, kv_pos, kv_i
     c0 = np.int64(kv_indptr[b])
     c1 = np.int64(kv_indptr[b + 1])
     jlo, jhi = visible_run(kv_pos, c0, c1, np.int64(q_pos[t]), causal[t], window, chunk)
-    a = max(jlo, c0 + part * part_len)
-    e = min(jhi, c0 + (part + 1) * part_len)
+    plen = part_len if part_len > 0 else np.int64(part_len_dev[0])
+    a = max(jlo, c0 + part * plen)
+    e = min(jhi, c0 + (part + 1) * plen)
+    if a >= e and part > 0:
+        # an empty part of a split (the whole block alike: no barrier is skipped by some
+        # threads only): nothing to sum, the merge skips it by its maximum
+        for gi in range(tid, g, nt):
+            part_ml[0, part, t, h0 + gi] = -math.inf
+            part_ml[1, part, t, h0 + gi] = 0.0
+        return
     for i in range(tid, g * dim, nt):
         gi = i // dim
         qs[i] = q[t, h0 + gi, i - gi * dim]
@@ -403,9 +417,12 @@ def extend_lists_kernel(prev_idx, prev_pos, prev_indptr, drop, new_indptr, qo_in
     lists (one thread each, grid-striding) is entry ``k`` of its list ``b``: ``prev``'s entry
     ``drop[b] + k`` while that is in the old list, else new cell ``k - kept`` of ``b``
     (``add_cells`` / ``add_pos`` grouped by ``qo_indptr``, in position order). Every new list
-    is non-empty, so ``new_indptr`` ascends strictly and ``b`` is found by binary search."""
+    is non-empty, so ``new_indptr`` ascends strictly and ``b`` is found by binary search.
+    The entry count is read on the device (``new_indptr[-1]``), so ``out_*`` may be longer than
+    the lists and ``new_indptr`` may end in empty lists: a captured decode step
+    (:class:`numbakv.step.DecodeStep`) launches it with a fixed grid over fixed buffers."""
     nb = new_indptr.shape[0] - 1
-    nnz = out_idx.shape[0]
+    nnz = new_indptr[nb]
     j = cuda.grid(1)
     stride = cuda.gridsize(1)
     while j < nnz:
@@ -475,12 +492,21 @@ def plan_part_len(list_lens: np.ndarray, blocks_per_part: int, device: str,
     return part_len, cdiv(longest, part_len)
 
 
+def max_parts(device: str, blocks_per_part: int) -> int:
+    """The split-K parts a captured step's grid is sized for (:class:`numbakv.step.DecodeStep`):
+    as many as :func:`plan_part_len` would cut the longest list into, whatever its length, so
+    every replay fills the GPU; a replay's part length (read on the device) then covers its
+    longest list with at most this many parts, and the rest exit at once."""
+    want = BLOCKS_PER_SM * (_common.sm_count(_device_id()) if device == "cuda" else 4)
+    return max(1, want // max(1, blocks_per_part))
+
+
 def _device_id() -> int:
     import cupy
     return cupy.cuda.runtime.getDevice()
 
 
-def _raw(pool, device: str, fmt: Optional[int] = None):
+def raw_pool(pool, device: str, fmt: Optional[int] = None):
     """A pool as the kernel reads it: raw bits and the storage format. ``fmt`` given (a
     quantized format): the pool is its uint8 byte rows."""
     dt = np.dtype(pool.dtype)
@@ -556,8 +582,8 @@ def paged_attention(device: str, q, kpool, vpool, table, tok_seq, causal, window
     hkv = kpool.shape[1]
     if bf16 and np.dtype(kpool.dtype) == np.float16:
         raise ValueError("bf16=True needs the pools as uint16 bit patterns")
-    kr, kf = _raw(kpool.view(np.uint16) if bf16 and kfmt is None else kpool, device, kfmt)
-    vr, vf = _raw(vpool.view(np.uint16) if bf16 and vfmt is None else vpool, device, vfmt)
+    kr, kf = raw_pool(kpool.view(np.uint16) if bf16 and kfmt is None else kpool, device, kfmt)
+    vr, vf = raw_pool(vpool.view(np.uint16) if bf16 and vfmt is None else vpool, device, vfmt)
     if bf16:
         kf = FMT_BF16 if kf < FMT_Q8_0 else kf
         vf = FMT_BF16 if vf < FMT_Q8_0 else vf
@@ -583,25 +609,47 @@ def paged_attention(device: str, q, kpool, vpool, table, tok_seq, causal, window
     else:   # unused by the one-part kernel: a minimal placeholder of the right rank
         part_acc = xp.empty((1, 1, 1, 1), np.float32)
         part_ml = xp.empty((2, 1, 1, 1), np.float32)
+    launch_paged(device, q, kr, vr, kf, vf, table.kv_indices, table.kv_positions,
+                 table.kv_indptr, tok_seq, table.q_positions, causal, window, chunk, scale,
+                 soft_cap, n_parts, pl, tok_seq, out, lse, part_acc, part_ml, kscale=kscale,
+                 vscale=vscale, k_rotation=k_rotation, v_rotation=v_rotation)
+    return out, lse
+
+
+def launch_paged(device: str, q, kpool, vpool, kfmt: int, vfmt: int, kv_indices, kv_positions,
+                 kv_indptr, tok_seq, q_pos, causal, window: int, chunk: int, scale: float,
+                 soft_cap: Optional[float], n_parts: int, part_len: int, part_len_dev, out, lse,
+                 part_acc, part_ml, *, kscale: float = 1.0, vscale: float = 1.0,
+                 k_rotation: int = 0, v_rotation: int = 0) -> None:
+    """The launches of :func:`paged_attention` on arrays the caller owns: the kernel over grid
+    ``(n_parts, T, n_kv_heads)``, then the merge when ``n_parts > 1``. ``kpool`` / ``vpool``
+    are raw (:func:`raw_pool`: words and formats ``kfmt`` / ``vfmt``); every array is a CuPy array
+    or a :class:`._common.Desc` (``cuda``) or a numpy array (``sim``). ``part_len`` 0 makes
+    the kernel read the part length from ``part_len_dev`` (int32 ``[1]``) when it runs: a
+    captured step's grid is fixed at ``n_parts`` for every replay, and the parts past a
+    token's run exit at once (:class:`numbakv.step.DecodeStep`)."""
     if device == "cuda":
         def arg(a):
             return a if isinstance(a, _common.Desc) else _common.desc_of(a)
     else:
         def arg(a):
             return a
-    nb = block_size(device) if device == "sim" else 128
+    T = q.shape[0]
+    hkv = kpool.shape[1]
+    dv = out.shape[2]
+    nb = block_size(device) if device == "sim" else BLOCK_CUDA
     krs = f32_bits(rotation_scale(k_rotation)) if k_rotation else 0
     vrs = f32_bits(rotation_scale(v_rotation)) if v_rotation else 0
     _launch(device, paged_attention_kernel, (n_parts, T, hkv), nb,
-            (arg(q), kr, vr, kf, vf, arg(table.kv_indices), arg(table.kv_positions),
-             arg(table.kv_indptr), arg(tok_seq), arg(table.q_positions), arg(causal),
+            (arg(q), kpool, vpool, kfmt, vfmt, arg(kv_indices), arg(kv_positions),
+             arg(kv_indptr), arg(tok_seq), arg(q_pos), arg(causal),
              int(window), int(chunk), f32_bits(scale), f32_bits(soft_cap or 0.0),
              f32_bits(kscale), f32_bits(vscale), int(k_rotation), krs, int(v_rotation), vrs,
-             pl, arg(out), arg(lse), arg(part_acc), arg(part_ml)))
+             int(part_len), arg(part_len_dev), arg(out), arg(lse), arg(part_acc),
+             arg(part_ml)))
     if n_parts > 1:
-        _launch(device, paged_merge_kernel, (T, H), min(nb, max(32, dv)),
+        _launch(device, paged_merge_kernel, (T, out.shape[1]), min(nb, max(32, dv)),
                 (arg(part_acc), arg(part_ml), arg(out), arg(lse)))
-    return out, lse
 
 
 def _xp(device: str):
@@ -613,5 +661,6 @@ def _xp(device: str):
 
 __all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "MAX_GROUP",
            "MAX_GROUP_DIM", "QUANT_FORMATS", "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot",
-           "float_key_dot", "kv_to_f32", "kv_value", "quant_key_dot", "quant_value", "row_values", "lower_bound", "paged_attention", "paged_attention_kernel",
+           "float_key_dot", "kv_to_f32", "kv_value", "launch_paged", "max_parts", "raw_pool",
+           "quant_key_dot", "quant_value", "row_values", "lower_bound", "paged_attention", "paged_attention_kernel",
            "paged_merge_kernel", "plan_part_len", "token_sequences", "visible_run"]

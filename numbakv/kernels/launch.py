@@ -27,7 +27,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 from numba import types
 
-from ..device import capturing, device_to_host  # noqa: F401 - re-exported
+from ..device import HOST_WAITS, capturing, device_to_host, host_wait  # noqa: F401 - re-exported
 from ._common import Desc, _DeviceView, desc_of
 
 def link_cubin(ptx: str, cc: Tuple[int, int]) -> Tuple[bytes, str]:
@@ -377,7 +377,7 @@ class HostStaging:
                 self._free.pop(0)  # too small: make room for a bigger one
             else:
                 oldest = self._busy.pop(0)
-                oldest[3].synchronize()  # the GPU is MAX_BUFFERS launches behind: wait
+                host_wait(oldest[3])  # the GPU is MAX_BUFFERS launches behind: wait
         return self._new(nbytes)
 
     def give_back(self, slot: list, stream) -> None:
@@ -478,7 +478,8 @@ def device_arg(device: str, arr, dtype=None):
     return arr if dtype is None else arr.view(dtype)
 
 
-__all__ = ["UPLOADS", "count_upload", "link_cubin", "FastKernel", "HostStaging", "Prepared", "device_cc", "load_image",
+__all__ = ["HOST_WAITS", "UPLOADS",
+           "count_upload", "link_cubin", "FastKernel", "HostStaging", "Prepared", "device_cc", "load_image",
            "preload", "staging_for", "ptx_entry", "device_arg", "fast_launch_enabled", "launch",
            "set_fast_launch", "numba_type", "to_device", "device_to_host", "capturing",
            "cached_image", "image_cache_dir"]

@@ -24,7 +24,7 @@ from .._jit import njit
 
 from . import _common
 from ._common import WORD_PAIRS as _PAIRS, sig_array as _arr
-from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, cdiv, copy_raw, head_word, word_size
+from ._common import DEVICE_WORD, UINT, WORD, Desc, block_size, copy_raw, head_word, word_size
 from .launch import Prepared, capturing, launch as _launch, staging_for, to_device
 from ._registry import cuda, cuda_device, cuda_kernel, element
 
@@ -55,10 +55,22 @@ _head_word_cuda = head_word.cuda
 
 
 @cuda_device
-def copy_flat(arr, src, dst, i, step):
-    """Items ``i``, ``i + step``, ... of the flattened ``(layer, pair, row word)`` space, row word
-    fastest (a warp copies adjacent words of one cell row): word ``r`` of cell ``src[c]`` to cell
-    ``dst[c]`` in layer ``l``. One GPU thread's share of K, or of V in the row layout."""
+def pair_and_word(rest, npairs, row, cell_fast):
+    """Item ``rest`` of one layer's ``(pair, row word)`` space as ``(pair, row word)``: row word
+    fastest (a warp copies adjacent words of one cell row), or pair fastest when ``cell_fast``
+    (permuted V, whose cells are its fastest axis: a warp reads and writes adjacent cells)."""
+    if cell_fast == 0:
+        c = rest // row
+        return c, rest - c * row
+    r = rest // npairs
+    return rest - r * npairs, r
+
+
+@cuda_device
+def copy_flat(arr, src, dst, i, step, cell_fast):
+    """Items ``i``, ``i + step``, ... of the flattened ``(layer, pair, row word)`` space (order
+    within a layer: :func:`pair_and_word`): word ``r`` of cell ``src[c]`` to cell ``dst[c]`` in
+    layer ``l``. One GPU thread's share of K or of V."""
     nh = arr.shape[2]
     nw = arr.shape[3]
     row = nh * nw
@@ -67,28 +79,7 @@ def copy_flat(arr, src, dst, i, step):
     total = arr.shape[0] * per_layer
     while i < total:
         layer = i // per_layer
-        rest = i - layer * per_layer
-        c = rest // row
-        r = rest - c * row
-        h, w = _head_word_cuda(r, nh, nw)
-        _copy_word_cuda(arr, layer, src[c], dst[c], h, w)
-        i += step
-
-
-@cuda_device
-def copy_flat_cells(arr, src, dst, i, step):
-    """Like :func:`copy_flat` over ``(layer, row element, pair)``, pair fastest: for permuted V,
-    whose cells are its fastest axis, a warp reads and writes adjacent cells (the plans' runs)."""
-    nh = arr.shape[2]
-    nw = arr.shape[3]
-    npairs = src.shape[0]
-    per_layer = npairs * nh * nw
-    total = arr.shape[0] * per_layer
-    while i < total:
-        layer = i // per_layer
-        rest = i - layer * per_layer
-        r = rest // npairs
-        c = rest - r * npairs
+        c, r = pair_and_word(i - layer * per_layer, npairs, row, cell_fast)
         h, w = _head_word_cuda(r, nh, nw)
         _copy_word_cuda(arr, layer, src[c], dst[c], h, w)
         i += step
@@ -108,14 +99,10 @@ def move_cells_kernel(k, v, src, dst, v_cell_fast, nbk):
     bx = cuda.blockIdx.x
     nb = cuda.blockDim.x
     if bx < nbk:
-        copy_flat(k, src, dst, bx * nb + cuda.threadIdx.x, nbk * nb)
-        return
-    nbv = cuda.gridDim.x - nbk
-    i = (bx - nbk) * nb + cuda.threadIdx.x
-    if v_cell_fast == 0:
-        copy_flat(v, src, dst, i, nbv * nb)
+        copy_flat(k, src, dst, bx * nb + cuda.threadIdx.x, nbk * nb, 0)
     else:
-        copy_flat_cells(v, src, dst, i, nbv * nb)
+        copy_flat(v, src, dst, (bx - nbk) * nb + cuda.threadIdx.x, (cuda.gridDim.x - nbk) * nb,
+                  v_cell_fast)
 
 
 @cuda_device
@@ -166,10 +153,10 @@ def run_of(runs, c):
 
 
 @cuda_device
-def copy_runs(arr, runs, total, i, step):
+def copy_runs(arr, runs, total, i, step, cell_fast):
     """:func:`copy_flat` over a plan of runs instead of expanded cell pairs: item ``i`` of the
-    ``(layer, pair, row word)`` space (``total`` pairs, row word fastest) finds its run on the
-    device, so the host sends the plan's runs, not one entry per cell."""
+    ``(layer, pair, row word)`` space (``total`` pairs) finds its run on the device, so the host
+    sends the plan's runs, not one entry per cell."""
     nh = arr.shape[2]
     nw = arr.shape[3]
     row = nh * nw
@@ -177,28 +164,7 @@ def copy_runs(arr, runs, total, i, step):
     n = arr.shape[0] * per_layer
     while i < n:
         layer = i // per_layer
-        rest = i - layer * per_layer
-        c = rest // row
-        r = rest - c * row
-        j = run_of(runs, c)
-        o = c - runs[j, 3]
-        h, w = _head_word_cuda(r, nh, nw)
-        _copy_word_cuda(arr, layer, runs[j, 0] + o, runs[j, 1] + o, h, w)
-        i += step
-
-
-@cuda_device
-def copy_runs_cells(arr, runs, total, i, step):
-    """:func:`copy_runs` pair fastest (permuted V: a warp walks adjacent cells of a run)."""
-    nh = arr.shape[2]
-    nw = arr.shape[3]
-    per_layer = total * nh * nw
-    n = arr.shape[0] * per_layer
-    while i < n:
-        layer = i // per_layer
-        rest = i - layer * per_layer
-        r = rest // total
-        c = rest - r * total
+        c, r = pair_and_word(i - layer * per_layer, total, row, cell_fast)
         j = run_of(runs, c)
         o = c - runs[j, 3]
         h, w = _head_word_cuda(r, nh, nw)
@@ -218,14 +184,10 @@ def move_runs_kernel(k, v, runs, total, v_cell_fast, nbk):
     bx = cuda.blockIdx.x
     nb = cuda.blockDim.x
     if bx < nbk:
-        copy_runs(k, runs, total, bx * nb + cuda.threadIdx.x, nbk * nb)
-        return
-    nbv = cuda.gridDim.x - nbk
-    i = (bx - nbk) * nb + cuda.threadIdx.x
-    if v_cell_fast == 0:
-        copy_runs(v, runs, total, i, nbv * nb)
+        copy_runs(k, runs, total, bx * nb + cuda.threadIdx.x, nbk * nb, 0)
     else:
-        copy_runs_cells(v, runs, total, i, nbv * nb)
+        copy_runs(v, runs, total, (bx - nbk) * nb + cuda.threadIdx.x,
+                  (cuda.gridDim.x - nbk) * nb, v_cell_fast)
 
 
 @njit(cache=True)

@@ -1360,19 +1360,21 @@ def _kind(device: str, dtype: str):
 
 
 def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scales,
-               dtype: str, rot: int = 0) -> None:
+               dtype: str, rot: int = 0, slots_on_device: bool = False) -> None:
     """Quantize ``x [batch, n_kv_heads, dim]`` (the cache's ``dtype``) into layer ``layer`` of
     ``q [n_layers, n_cells, n_kv_heads, row_bytes]`` (uint8) at ``slots`` (int32 host; negative
     skips) or, when ``start >= 0``, at ``start + t``; ``scales`` float32 ``[n_layers]``.
     ``rot`` > 0 (q8_0/q4_0 only): rotate each row in Walsh-Hadamard blocks of ``rot`` values
-    first (llama.cpp's rotated cache)."""
+    first (llama.cpp's rotated cache). ``slots_on_device``: ``slots`` is already where the
+    kernel reads it (a :class:`._common.Desc` on ``cuda``, the array itself on ``sim``: a
+    captured step's descriptor, read when the kernel runs), not uploaded."""
     batch = x.shape[0]
     if batch == 0:
         return
     if slots is None:
         slots = np.zeros(1, np.int32)
     if fmt != FMT_F8 and (rot > 0 or device == "cpu"):
-        _put_rows_launch(device, q, layer, x, slots, start, fmt, dtype, rot)
+        _put_rows_launch(device, q, layer, x, slots, start, fmt, dtype, rot, slots_on_device)
         return
     view_dtype, kind = _kind(device, dtype)
     if device == "cpu":
@@ -1384,7 +1386,10 @@ def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scale
         launch = _cpu_twin(quant_put_cpu, quant_put_cpu_par, x.size, batch)
         launch(q, x, slots, int(start), int(layer), fmt, scales, kind)
         return
-    (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
+    if slots_on_device:
+        slots_d, keep = slots, None
+    else:
+        (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
     nb = block_size(device)
     nblk = x.shape[2] // BLOCK_VALUES[fmt]
     grid = (cdiv(x.shape[1] * nblk, nb), min(batch, MAX_GRID_YZ))
@@ -1395,7 +1400,7 @@ def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scale
 
 
 def _put_rows_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, dtype: str,
-                     rot: int) -> None:
+                     rot: int, slots_on_device: bool = False) -> None:
     """A q8_0/q4_0 put a row at a time (rotated when ``rot`` > 0): the CPU's form for every
     ggml block put, the GPU's for rotated ones."""
     view_dtype, kind = storage_kind(device, dtype)   # the CPU reads float16 through F16C
@@ -1420,7 +1425,10 @@ def _put_rows_launch(device: str, q, layer: int, x, slots, start: int, fmt: int,
         return
     if x.shape[2] > MAX_ROTATE_DIM:
         raise ValueError(f"the rotated put takes head dims <= {MAX_ROTATE_DIM}, got {x.shape[2]}")
-    (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
+    if slots_on_device:
+        slots_d, keep = slots, None
+    else:
+        (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
     nb = min(block_size(device), PUT_ROW_THREADS)
     grid = (min(x.shape[0] * x.shape[1], _MAX_GRID_X),)
     _launch(device, quant_put_rot_kernel, grid, nb,

@@ -21,13 +21,21 @@ import math
 import os
 import stat
 import tempfile
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..errors import KVCacheError, StateError
+
+try:
+    # ISA-L's crc32 (python-isal): the same CRC-32 values as zlib's, computed with SIMD carry-less
+    # multiplication at ~4x zlib's speed on x86-64 and arm64. The checksum is the only pass over
+    # the rows when a run is read straight into the cells, so it bounds a tier's load; the file
+    # format is unchanged (old files read, new files read without it).
+    from isal.isal_zlib import crc32
+except ImportError:  # optional (the `fast` and `test` extras): zlib's computes the same values
+    from zlib import crc32
 
 #: ``format`` metadata value of every numbakv state.
 FORMAT = "numbakv.state"
@@ -142,7 +150,7 @@ def _write(out, metadata: Dict[str, str], specs: Sequence[_Spec],
         out.seek(start)
     out.write(len(head).to_bytes(8, "little"))
     out.write(head)
-    crc = zlib.crc32(_canonical(header))
+    crc = crc32(_canonical(header))
     bar = _progress_bar(total, progress, "saving state")
     try:
         for spec in specs:
@@ -151,7 +159,7 @@ def _write(out, metadata: Dict[str, str], specs: Sequence[_Spec],
             if len(data) != spec.nbytes:  # a bug here, never the caller's input
                 raise KVCacheError(f"tensor {spec.name} produced {len(data)} bytes, expected "
                                    f"{spec.nbytes}")
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             out.write(data)
             del data, arr
             if bar is not None:
@@ -324,7 +332,7 @@ def _to_chunks(build: Callable[[], Tuple[Dict[str, str], List[_Spec]]]) -> List[
         header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
                              "data_offsets": [offset, end]}
         offset = end
-    crc = zlib.crc32(_canonical(header))
+    crc = crc32(_canonical(header))
     chunks: List[memoryview] = []
     for spec in specs:
         arr = spec.produce()
@@ -332,7 +340,7 @@ def _to_chunks(build: Callable[[], Tuple[Dict[str, str], List[_Spec]]]) -> List[
         if len(data) != spec.nbytes:  # a bug here, never the caller's input
             raise KVCacheError(f"tensor {spec.name} produced {len(data)} bytes, expected "
                                f"{spec.nbytes}")
-        crc = zlib.crc32(data, crc)
+        crc = crc32(data, crc)
         if len(data):
             chunks.append(data)
     header["__metadata__"]["checksum"] = f"crc32:{crc:08x}"
@@ -427,11 +435,11 @@ class _State:
 
     def verify_checksum(self, bar=None) -> None:
         """Recompute the checksum over the canonical header and all tensor bytes."""
-        crc = zlib.crc32(_canonical(self.header))
+        crc = crc32(_canonical(self.header))
         pos, end = self.data_start, len(self.buf)
         while pos < end:
             stop = min(pos + _CHUNK, end)
-            crc = zlib.crc32(self.buf[pos:stop], crc)
+            crc = crc32(self.buf[pos:stop], crc)
             if bar is not None:
                 bar.update(stop - pos)
             pos = stop

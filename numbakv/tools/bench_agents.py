@@ -10,7 +10,9 @@ run interleaved with one-off requests (some sharing the system prompt) between t
 Served one request at a time by ``hf.Server`` on a tiny random-weight Llama (CPU), with the
 store's cells capped at 50% of the working set (every session's final prompt plus the one-off
 prompts): the cache holds that many cells plus room for the running request, and the store
-keeps its entries in those cells (tier 0).
+keeps its entries in those cells (tier 0). ``Shape(working_set="window")`` reads "working set"
+as Denning's W(t, tau) instead (the peak of one round of turns' distinct tokens,
+``window_working_set``): an alternative reading with a cap that binds, not the section's figures.
 
 Two policies replay the same trace in the same run:
 
@@ -66,6 +68,11 @@ class Shape:
     #: the store's cells as a share of the working set (the issue's shape: 0.5; smaller values
     #: are diagnostics of a cap that binds, not the section's figures)
     store_share: float = 0.5
+    #: what "the working set" the cap is a share of means (``working_set_tokens``):
+    #: ``"footprint"`` (the section's figures: every session's final prompt plus every one-off
+    #: prompt over the whole trace) or ``"window"`` (Denning's W(t, tau) with tau one round of
+    #: turns, peaked over the replay: an alternative reading of the issue's words)
+    working_set: str = "footprint"
 
 
 QUICK = Shape(sessions=2, turns=8, system=128, task=32, tool=48, reasoning=16, call=2,
@@ -174,6 +181,61 @@ def working_set(shape: Shape, trace: List[Dict[str, Any]]) -> int:
                                           if r["kind"] == "one_off")
 
 
+def window_working_set(shape: Shape, trace: List[Dict[str, Any]]) -> int:
+    """Denning's working set W(t, tau) with tau = one round of turns, peaked over the replay.
+
+    After each request ``i`` (in arrival order), the window is the requests ``j`` with
+    ``start(i) <= j <= i``, where ``start(i)`` is the index of the *oldest* of the started
+    sessions' latest turns (so it holds every live session's current prompt and the one-off
+    requests since the least recently served session came back). W(i) is the number of distinct
+    token prefixes among the prompts of the window's requests: a token counts once however many
+    of those prompts share it *and everything before it* (what a prefix store holds once; the
+    system prompt shared by the sessions counts once, a token equal by chance at a different
+    prefix counts again), i.e. the nodes of a trie of those prompts, computed as the sum of the
+    prompts' lengths minus the longest common prefixes of neighbours in sorted order. Prompts
+    are what each request asks the server to load (the replay's session prompts, the generated
+    calls in the history stood in by ids that match nothing, as in ``ceilings``); the calls a
+    request generates past its prompt are not counted. Returns ``max_i W(i)``. No model is run.
+    """
+    sessions: Dict[int, Session] = {}
+    latest: Dict[int, int] = {}              # session -> index of its latest turn
+    prompts: List[List[int]] = []            # every request's prompt, by index
+    fresh = iter(range(VOCAB, 1 << 40))      # stand-in ids of generated calls
+    peak = 0
+    for i, r in enumerate(trace):
+        if r["kind"] == "one_off":
+            prompts.append(list(r["prompt"]))
+        else:
+            s = r["session"]
+            if r["start"] is not None:
+                sessions[s] = Session(r["start"])
+            sess = sessions[s]
+            sess.segments.append(["text", r["append"]])
+            if r["strip"]:
+                sess.strip_oldest_reasoning()
+            prompts.append(sess.prompt())
+            latest[s] = i
+            sess.segments.append(["reasoning", r["reasoning"]])
+            sess.segments.append(["text", [next(fresh) for _ in range(shape.call)]])
+        window = sorted(prompts[min(latest.values(), default=i):i + 1])
+        distinct = sum(len(p) for p in window) - sum(
+            _lcp(a, b) for a, b in zip(window, window[1:]))
+        peak = max(peak, distinct)
+    return peak
+
+
+def working_set_tokens(shape: Shape, trace: List[Dict[str, Any]]) -> int:
+    """The working set the store's cap is ``shape.store_share`` of, as ``shape.working_set``
+    reads it: ``"footprint"`` -> ``working_set`` (the whole trace's footprint), ``"window"`` ->
+    ``window_working_set`` (the peak of one round's distinct tokens)."""
+    if shape.working_set == "footprint":
+        return working_set(shape, trace)
+    if shape.working_set == "window":
+        return window_working_set(shape, trace)
+    raise ValueError(f"Shape.working_set: expected 'footprint' or 'window', got "
+                     f"{shape.working_set!r}")
+
+
 def _lcp(a: List[int], b: List[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -188,19 +250,26 @@ def ceilings(shape: Shape, trace: List[Dict[str, Any]], recompute_after: int = 1
     size that keeps every prompt a request computed (with its generated call), loading the
     longest stored prefix of each prompt (``exact``) and, at stripped-reasoning turns, also the
     session's previous prompt after the stripped block minus ``recompute_after`` tokens
-    (``edit``: what ``load_edit`` can place); ``exact_sessions``, ``edit_sessions``: the same
-    over session turns only. Each call's tokens are stand-ins that match nothing else (the model generates them
-    at replay). No model is run: it says how close each policy's figure is to its bound."""
+    (``edit``: what ``load_edit`` can place; ``edit_k0``: the same with nothing recomputed
+    after the edit, the knob's limit); ``exact_sessions``, ``edit_sessions``: the same over
+    session turns only. A cancelled turn's retry may also load what the cancelled attempt
+    prefilled (one ``prefill_chunk`` past what it loaded; the store keeps it, issue 36 item 2),
+    counted for every variant. A prompt's last token is always computed (its logits). Each
+    call's tokens are stand-ins that match nothing else (the model generates them at replay;
+    the client's reasoning tokens in the history were never computed). No model is run: it says
+    how close each policy's figure is to its bound, so ``edit_k0`` minus a policy's measured
+    hit rate is the most any policy could gain over it on this trace."""
     saved: List[List[int]] = []
     sessions: Dict[int, Session] = {}
     previous: Dict[int, List[int]] = {}
     fresh = iter(range(VOCAB, 1 << 40))       # stand-in ids of generated calls
-    total = exact = edit = s_total = s_exact = s_edit = 0
+    total = exact = edit = edit0 = s_total = s_exact = s_edit = 0
     for r in trace:
         if r["kind"] == "one_off":
             prompt = r["prompt"]
             best = min(max((_lcp(prompt, x) for x in saved), default=0), len(prompt) - 1)
-            total, exact, edit = total + len(prompt), exact + best, edit + best
+            total, exact, edit, edit0 = (total + len(prompt), exact + best, edit + best,
+                                         edit0 + best)
             saved.append(prompt)
             continue
         s = r["session"]
@@ -210,19 +279,26 @@ def ceilings(shape: Shape, trace: List[Dict[str, Any]], recompute_after: int = 1
         sess.segments.append(["text", r["append"]])
         stripped = sess.strip_oldest_reasoning() if r["strip"] else 0
         prompt = sess.prompt()
-        best = min(max((_lcp(prompt, x) for x in saved), default=0), len(prompt) - 1)
-        moved = 0
+        last = len(prompt) - 1
+        best = min(max((_lcp(prompt, x) for x in saved), default=0), last)
+        moved0 = 0
         if stripped and s in previous:          # the suffix after the edit, shifted back
             old = previous[s][best + stripped:]
-            moved = max(0, _lcp(prompt[best:len(prompt) - 1], old) - recompute_after)
-        total, exact, edit = total + len(prompt), exact + best, edit + best + moved
-        s_total, s_exact, s_edit = s_total + len(prompt), s_exact + best, s_edit + best + moved
+            moved0 = _lcp(prompt[best:last], old)
+        moved = max(0, moved0 - recompute_after)
+        got = [best, best + moved, best + moved0]
+        if r["cancel"]:     # the retry also loads what the cancelled attempt prefilled
+            got = [min(last, g + shape.prefill_chunk) for g in got]
+        total, exact, edit, edit0 = (total + len(prompt), exact + got[0], edit + got[1],
+                                     edit0 + got[2])
+        s_total, s_exact, s_edit = s_total + len(prompt), s_exact + got[0], s_edit + got[1]
         call = [next(fresh) for _ in range(shape.call)]
         previous[s] = prompt + call[:-1]        # what the server saves: prompt + computed call
         saved.append(previous[s])
         sess.segments.append(["reasoning", r["reasoning"]])
         sess.segments.append(["text", call])
     return {"exact": 100.0 * exact / max(total, 1), "edit": 100.0 * edit / max(total, 1),
+            "edit_k0": 100.0 * edit0 / max(total, 1),
             "exact_sessions": 100.0 * s_exact / max(s_total, 1),
             "edit_sessions": 100.0 * s_edit / max(s_total, 1)}
 
@@ -232,7 +308,7 @@ def replay(model, cold_model, shape: Shape, trace: List[Dict[str, Any]], *, poli
     """Replay ``trace`` with ``policy`` (``"retained"`` or ``"lru"``); the cold TTFT of each
     session's last turn on ``cold_model`` (a store-less server) is measured beside it."""
     from numbakv import PrefixStore, hf
-    ws = working_set(shape, trace)
+    ws = working_set_tokens(shape, trace)
     longest = shape.system + shape.task + shape.turns * (shape.tool + shape.reasoning
                                                          + shape.call) + shape.one_off
     budget = int(ws * shape.store_share)
@@ -336,6 +412,9 @@ def run_agents(quick: bool = False, log: Callable[[str], None] = lambda _: None,
     torch.set_num_threads(1)      # stable timings on a shared machine; restored below
     try:
         shape = shape or (QUICK if quick else Shape())
+        if shape.working_set not in ("footprint", "window"):    # before any model is built
+            raise ValueError(f"Shape.working_set: expected 'footprint' or 'window', got "
+                             f"{shape.working_set!r}")
         trace = make_trace(shape)
         out: Dict[str, Any] = {"shape": dict(shape.__dict__),
                                "ceilings": ceilings(shape, trace)}
@@ -366,8 +445,10 @@ def targets(res: Dict[str, Any]) -> List[Dict[str, str]]:
          "status": "met" if lead >= 15 else "missed",
          "detail": f"{a['hit_rate']:.1f}% vs LRU {b['hit_rate']:.1f}% ({lead:+.1f} points)"
                    + (f"; unbounded-store ceilings on this trace: exact prefix "
-                      f"{ceil['exact']:.1f}%, with edit reuse {ceil['edit']:.1f}% (the most "
-                      f"any pair can differ by: {ceil['edit'] - ceil['exact']:+.1f})"
+                      f"{ceil['exact']:.1f}%, with edit reuse {ceil['edit']:.1f}% "
+                      f"({ceil.get('edit_k0', ceil['edit']):.1f}% recomputing nothing after "
+                      f"the edit): the most any policy could lead this LRU run by is "
+                      f"{ceil.get('edit_k0', ceil['edit']) - b['hit_rate']:+.1f} points"
                       if ceil else "")},
         {"target": "agents: 0 orphaned descendants (KV events, after every request)",
          "status": "met" if a["orphans"] == 0 and b["orphans"] == 0 else "missed",
@@ -389,7 +470,9 @@ def format_agents(res: Dict[str, Any], with_targets: bool = False) -> List[str]:
     sh = res["shape"]
     lines = ["", f"Agent sessions through hf.Server (tiny Llama): {sh['sessions']} sessions x "
              f"{sh['turns']} turns + one-offs, input:output {res['input_output_ratio']:.0f}:1, "
-             f"store cells capped at {100 * sh.get('store_share', 0.5):.0f}% of the working set"]
+             f"store cells capped at {100 * sh.get('store_share', 0.5):.0f}% of the working set "
+             f"({sh.get('working_set', 'footprint')}: {res['retained']['working_set']} tokens, "
+             f"{res['retained']['store_budget']} cells)"]
     lines.append("  policy    requests  prompt tok  hit%   sessions hit%  orphans  strip "
                  "re-prefill% max/mean  TTFT vs cold")
     for name in ("retained", "lru"):
@@ -402,7 +485,8 @@ def format_agents(res: Dict[str, Any], with_targets: bool = False) -> List[str]:
     ceil = res.get("ceilings")
     if ceil:
         lines.append(f"  ceiling (unbounded store, same trace): exact prefix {ceil['exact']:.1f}%,"
-                     f" with edit reuse {ceil['edit']:.1f}%; sessions only "
+                     f" with edit reuse {ceil['edit']:.1f}% (recomputing nothing after the "
+                     f"edit: {ceil.get('edit_k0', ceil['edit']):.1f}%); sessions only "
                      f"{ceil['exact_sessions']:.1f}% / {ceil['edit_sessions']:.1f}%")
     return lines + (target_lines(targets(res)) if with_targets else [])
 

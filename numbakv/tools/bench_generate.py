@@ -11,7 +11,9 @@ machine slows them together), median and spread (min-max) reported:
   through the dispatcher ``generate()`` uses: ``attend`` over the cell pool), then rolled back;
   no model weights (a meta-device model gives the shapes).
 * **generate() tok/s**: a small random-weight Llama, a ``context``-token prompt, greedy;
-  the decode rate is ``(new - 1) / (t(new tokens) - t(1 token))`` so the prompt's pass cancels.
+  the decode rate is ``(new - 1) / (t(new tokens) - t(1 token))`` so the prompt's pass cancels;
+  and the **decode step** itself, timed forward to forward inside the same runs (wall and CPU
+  time): the prompt's pass is most of a run and most of the rate's noise, the step is not.
 * **peak RSS** of one ``generate()`` per contender, each in its own child process.
 """
 
@@ -169,6 +171,29 @@ def generate_fns(model, context: int, new: int) -> Dict[str, Callable[[int], Any
             "dynamic": lambda n: run(n)}
 
 
+def _stepped(model, fn: Callable[[int], Any], new: int,
+             out: List[np.ndarray]) -> Callable[[], Any]:
+    """``fn(new)`` that also appends to ``out`` the median decode step of the run, ``[wall,
+    CPU]`` seconds: the time from one forward pass of ``model`` to the next (and from the last
+    one to the end of generate()), the prompt's pass left out. Each step is timed on its own,
+    so the prompt's pass - ~90% of a 2k-token generate() of 32 tokens on the CPU, and most of
+    the noise of the ``t(new) - t(1)`` rate - does not enter it. CPU time is this thread's
+    (``time.thread_time``: torch at 1 thread computes on it), which preemption by other
+    processes does not inflate."""
+    def run():
+        stamps: List[tuple] = []
+        hook = model.register_forward_pre_hook(
+            lambda *_: stamps.append((time.perf_counter(), time.thread_time())))
+        try:
+            result = fn(new)
+        finally:
+            hook.remove()
+        stamps.append((time.perf_counter(), time.thread_time()))
+        out.append(np.median(np.diff(np.array(stamps[1:]), axis=0), axis=0))
+        return result
+    return run
+
+
 def _peak_rss_mib() -> float:
     """This process's peak resident set (MiB): ``VmHWM`` (getrusage's ru_maxrss is inherited
     from the parent across fork and exec on Linux, so a child would report the parent's)."""
@@ -232,14 +257,23 @@ def run_generate(quick: bool, log: Callable[[str], None] = lambda _: None) -> di
         for threads in (1, 2):
             torch.set_num_threads(threads)
             log(f"generate: generate() tok/s, {threads} thread(s) ...")
+            steps: Dict[str, List[np.ndarray]] = {name: [] for name in fns}
             with torch.no_grad():
                 pairs = {}
                 for name, fn in fns.items():
-                    pairs[f"{name}:n"] = (lambda f=fn: f(gen["new"]))
+                    pairs[f"{name}:n"] = _stepped(model, fn, gen["new"], steps[name])
                     pairs[f"{name}:1"] = (lambda f=fn: f(1))
                 t = _spread_timer(pairs, gen_reps)
             row = {"threads": threads}
             for name in fns:
+                per_rep = np.array(steps[name][1:]) * 1e3     # the warm-up call left out
+                row[f"{name}_step"] = {
+                    "wall_ms": float(np.median(per_rep[:, 0])),
+                    "wall_ms_min": float(per_rep[:, 0].min()),
+                    "wall_ms_max": float(per_rep[:, 0].max()),
+                    "cpu_ms": float(np.median(per_rep[:, 1])),
+                    "cpu_ms_min": float(per_rep[:, 1].min()),
+                    "cpu_ms_max": float(per_rep[:, 1].max())}
                 dt = t[f"{name}:n"]["median"] - t[f"{name}:1"]["median"]
                 lo = t[f"{name}:n"]["min"] - t[f"{name}:1"]["max"]
                 hi = t[f"{name}:n"]["max"] - t[f"{name}:1"]["min"]
@@ -284,6 +318,20 @@ def format_generate(res: dict) -> List[str]:
         cells = [f"{r[k]['tok_s']:.1f} [{r[k]['tok_s_min']:.1f}-{r[k]['tok_s_max']:.1f}]"
                  for k in CONTENDERS]
         lines.append(f"{r['threads']:>3} {cells[0]:>22} {cells[1]:>22} {cells[2]:>22}")
+    lines += ["", "generate() decode step, timed forward to forward inside the runs above (ms, "
+              "median [range] of the runs' medians; wall, and this thread's CPU time: all of a step's "
+              "CPU at 1 torch thread, not torch's workers at 2)"]
+    lines.append(f"{'thr':>3} {'clock':>5} {'numbakv':>22} {'StaticCache':>22} "
+                 f"{'DynamicCache':>22} {'numbakv/dyn':>11}")
+    for r in res["generate"]:
+        if "numbakv_step" not in r:
+            continue
+        for clock in ("wall", "cpu"):
+            cells = [f"{r[k + '_step'][clock + '_ms']:.3f} [{r[k + '_step'][clock + '_ms_min']:.3f}-"
+                     f"{r[k + '_step'][clock + '_ms_max']:.3f}]" for k in CONTENDERS]
+            ratio = r["numbakv_step"][clock + "_ms"] / r["dynamic_step"][clock + "_ms"]
+            lines.append(f"{r['threads']:>3} {clock:>5} {cells[0]:>22} {cells[1]:>22} "
+                         f"{cells[2]:>22} {ratio:>11.2f}")
     if res.get("rss_mib"):
         lines.append("peak RSS of one generate() (own process, MiB): " + ", ".join(
             f"{k} {v:.0f}" for k, v in res["rss_mib"].items()))

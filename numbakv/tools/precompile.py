@@ -119,6 +119,15 @@ def _step_and_pages(device: str = "cpu") -> None:
     for pos in range(3):
         step.replay([pos, pos], [0, 1], k=kv, v=kv)
     cache.close()
+    if device == "sim":     # the CUDA host half of a step with attention: lists grown in place
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=1, head_dim=8, dtype="float16",
+                              capacity=16, max_seqs=2, max_batch=2, device=device)
+        cache = nkv.CausalCache(cfg)
+        step = cache.capture_step(batch=2, attend=True)
+        kv1 = np.ones((1, 2, 1, 8), np.float16)
+        for pos in range(3):
+            step.replay([pos, pos], [0, 1], np.ones((1, 2, 1, 8), np.float32), kv1, kv1)
+        cache.close()
     cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=16, dtype="float16", capacity=64,
                           max_seqs=3, max_batch=16, device=device, page_size=8)
     cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
