@@ -311,6 +311,39 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
                         cfg.dtype == "bfloat16")
 
 
+def _cpu_pass_route(cache: Any, n_heads: int) -> Optional[tuple]:
+    """Trusted (numbakv.hf's dispatcher, once per forward pass and attention cache): when
+    ``attend(q, cache)`` on a CPU cache of plain K/V (not quantized, rotated or latent) would run
+    the CPU kernel over every sequence of the pass, ``(host, plan, permuted, bf16)`` for
+    :func:`_attend_cpu_routed`; else None (the caller uses ``attend``). The page table and
+    plan are the pass's, shared by every layer of the cache; only the pool and ``q`` differ."""
+    src = getattr(cache, "_attention_cache", None)
+    if src is None or src.device != "cpu" or _KERNEL_TOKENS < 1:
+        return None
+    cfg = src.config
+    if getattr(getattr(src, "storage", None), "quantized", False) \
+            or getattr(cfg, "k_rotation", 0) or getattr(cfg, "v_rotation", 0) \
+            or not getattr(cfg, "v_head_dim", 0) or n_heads % cfg.local_kv_heads:
+        return None
+    host = cache._host_pages()
+    plan = _kernel_plan(host, n_heads, cfg.dtype != "float32")
+    if not plan["any"] or plan["rest"]:
+        return None
+    permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
+    return host, plan, permuted, cfg.dtype == "bfloat16"
+
+
+def _attend_cpu_routed(q: Any, cache: Any, route: tuple, scale: float,
+                       soft_cap: Optional[float]) -> Any:
+    """``attend(q, cache, scale=scale, soft_cap=soft_cap)`` along a :func:`_cpu_pass_route`
+    (trusted: ``q [batch, n_heads, head_dim]`` on the CPU in the cache's dtype, the current
+    layer's cache the one the route was made for) -> ``[batch, n_heads, v_head_dim]``."""
+    torch = _torch()
+    host, plan, permuted, bf16 = route
+    res = _cpu_kernel(q, host, plan, cache.layer_pool(), scale, soft_cap, permuted, bf16)
+    return torch.from_numpy(res).to(q.dtype)
+
+
 def _after_cache(torch, src: Any, q: Any) -> None:
     """Order torch's current stream (where the torch/FlashInfer paths read the pools and the
     page table) after the cache's stream (its puts and uploads; CuPy's current stream when it

@@ -167,6 +167,7 @@ class _GenState:
         self.columns = 0            # columns (positions) of every row the numbakv cache holds
         self.seqs: Optional[np.ndarray] = None    # numbakv sequence of each row
         self.keep = None            # this pass: torch index of the stored (non-pad) tokens
+        self.routes: dict = {}      # this pass: attend's CPU-kernel route per attention cache
         self.fallback_pass = False  # this pass runs the model's own attention (nothing cached)
         self.prompt: Optional[np.ndarray] = None  # [batch, n] token ids, when known (store)
         self.fed: List[np.ndarray] = []           # token ids fed after the prompt (store)
@@ -290,6 +291,7 @@ class _GenState:
                 f"max_new_tokens=) at least generate()'s max_new_tokens (or a larger "
                 f"capacity=)") from None
         self.keep = keep
+        self.routes = {}            # this pass: attend's CPU-kernel route per attention cache
         # the prompt's pass over an empty cache: the model's own attention over the prompt's
         # K/V (what DynamicCache runs); quantized K/V are attended as stored, in every pass
         self.fallback_pass = self.columns == 0 and not self.quantized
@@ -365,7 +367,7 @@ class _GenState:
     def attend(self, layer: int, query, scaling, softcap):
         """query ``[batch, H, new, D]`` -> ``[batch, new, H, Dv]``: numbakv attention over the
         cell pool (the pass's page table)."""
-        from ..attention import attend
+        from ..attention import _attend_cpu_routed, _cpu_pass_route, attend
         batch, heads, new, dim = query.shape
         q = query.detach().transpose(1, 2).reshape(batch * new, heads, dim)
         keep = self.keep
@@ -375,8 +377,22 @@ class _GenState:
             q = q.index_select(0, keep)
         want = self.storage_dtype
         self.cache.set_layer(layer)
-        out = attend(q if q.dtype == want else q.to(want), self.cache, scale=scaling,
-                     soft_cap=softcap)
+        if q.dtype != want:
+            q = q.to(want)
+        route = None
+        if self.host_puts and scaling is not None and (softcap is None or softcap > 0):
+            # the pass's page table and kernel plan are every layer's (of one attention
+            # cache): validated and planned by the first layer, then the kernel directly
+            src = self.cache._attention_cache
+            key = (id(src), heads)
+            route = self.routes.get(key, False)
+            if route is False:
+                route = self.routes[key] = _cpu_pass_route(self.cache, heads)
+        if route is not None:
+            out = _attend_cpu_routed(q, self.cache, route, float(scaling),
+                                     None if softcap is None else float(softcap))
+        else:
+            out = attend(q, self.cache, scale=scaling, soft_cap=softcap)
         if keep is not None:
             full = out.new_zeros((batch * new, heads, out.shape[-1]))
             full[keep] = out
