@@ -535,6 +535,47 @@ def _llvm_block_maxima(builder, mags):
     return shuffle(v, v, [k * (16 // len(mags)) for k in range(len(mags))])
 
 
+def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name):
+    """IR: quantize the float32 vector ``v`` (``nb`` blocks of 32 values) into q8_0 (``is_q8``)
+    or q4_0 blocks at byte ``qoff_v`` of ``qa`` (:func:`_llvm_quantize_blocks`, ggml's block
+    maxima and rounding). A block holding an infinity or NaN stores nothing: the returned i64 is
+    1 then (the caller redoes the chunk by the work-row path, whose non-finite handling is
+    ggml's), else 0. Shared by the fused put and the fused shift."""
+    from llvmlite import ir
+    i32 = ir.IntType(32)
+    v32i = ir.VectorType(i32, 32)
+    blocks, mags = [], []
+    for k in range(nb):
+        blk = v if nb == 1 else builder.shuffle_vector(
+            v, v, ir.Constant(v32i, list(range(32 * k, 32 * k + 32))))
+        blocks.append(blk)
+        mags.append(builder.and_(builder.bitcast(blk, v32i),
+                                 ir.Constant(v32i, [0x7FFFFFFF] * 32)))
+    amax_v = _llvm_block_maxima(builder, mags)
+    amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
+    bad = builder.icmp_unsigned(">=", amax_v, ir.Constant(amax_v.type, [0x7F800000] * nb))
+    bad = builder.icmp_unsigned("!=", builder.bitcast(bad, ir.IntType(nb)),
+                                ir.Constant(ir.IntType(nb), 0))
+    entry = builder.block
+    finite = builder.append_basic_block(f"{name}_finite")
+    q8 = builder.append_basic_block(f"{name}_q8_0")
+    q4 = builder.append_basic_block(f"{name}_q4_0")
+    done = builder.append_basic_block(f"{name}_done")
+    builder.cbranch(bad, done, finite)
+    builder.position_at_end(finite)
+    builder.cbranch(is_q8, q8, q4)
+    for block, fmt_v in ((q8, 1), (q4, 2)):
+        builder.position_at_end(block)
+        _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, fmt_v)
+        builder.branch(done)
+    builder.position_at_end(done)
+    flag = builder.phi(ir.IntType(64))
+    flag.add_incoming(ir.Constant(ir.IntType(64), 1), entry)
+    flag.add_incoming(ir.Constant(ir.IntType(64), 0), q8)
+    flag.add_incoming(ir.Constant(ir.IntType(64), 0), q4)
+    return flag
+
+
 @intrinsic(prefer_literal=True)
 def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
     """Quantize the ``n`` (32, 64, 128 or 256: a literal) input values at element ``xoff`` of
@@ -571,37 +612,8 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
             v = builder.select(is_f16, as_f16, as_bf16)
         if rot_v:
             v = wht_stages(builder, builder.fmul(v, _llvm_splat(builder, rs, n_v)), n_v)
-        v32i = ir.VectorType(i32, 32)
-        blocks, mags = [], []
-        for k in range(nb):
-            blk = (v if nb == 1 else builder.shuffle_vector(
-                v, v, ir.Constant(v32i, list(range(32 * k, 32 * k + 32)))))
-            blocks.append(blk)
-            mags.append(builder.and_(builder.bitcast(blk, v32i),
-                                     ir.Constant(v32i, [0x7FFFFFFF] * 32)))
-        amax_v = _llvm_block_maxima(builder, mags)
-        amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
-        bad = builder.icmp_unsigned(">=", amax_v, ir.Constant(amax_v.type, [0x7F800000] * nb))
-        bad = builder.icmp_unsigned("!=", builder.bitcast(bad, ir.IntType(nb)),
-                                    ir.Constant(ir.IntType(nb), 0))
-        entry = builder.block
-        finite = builder.append_basic_block("fused_finite")
-        q8 = builder.append_basic_block("fused_q8_0")
-        q4 = builder.append_basic_block("fused_q4_0")
-        done = builder.append_basic_block("fused_done")
-        builder.cbranch(bad, done, finite)
-        builder.position_at_end(finite)
-        builder.cbranch(builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1)), q8, q4)
-        for block, fmt_v in ((q8, 1), (q4, 2)):
-            builder.position_at_end(block)
-            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, fmt_v)
-            builder.branch(done)
-        builder.position_at_end(done)
-        flag = builder.phi(ir.IntType(64))
-        flag.add_incoming(ir.Constant(ir.IntType(64), 1), entry)
-        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q8)
-        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q4)
-        return flag
+        is_q8 = builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1))
+        return _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, "fused")
     return types.int64(x, xoff, q, qoff, rscale, fmt, kind, n, rotate), codegen
 
 
@@ -693,35 +705,7 @@ def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot,
         v = shuffle(a2, b2, back)
         if rot_v:
             v = wht_stages(builder, builder.fmul(v, _llvm_splat(builder, rs, n_v)), n_v)
-        blocks, mags = [], []
-        for k in range(nb):
-            blk = v if nb == 1 else shuffle(v, v, list(range(32 * k, 32 * k + 32)))
-            blocks.append(blk)
-            mags.append(builder.and_(builder.bitcast(blk, v32i),
-                                     ir.Constant(v32i, [0x7FFFFFFF] * 32)))
-        amax_v = _llvm_block_maxima(builder, mags)
-        amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
-        bad = builder.icmp_unsigned(">=", amax_v, ir.Constant(amax_v.type, [0x7F800000] * nb))
-        bad = builder.icmp_unsigned("!=", builder.bitcast(bad, ir.IntType(nb)),
-                                    ir.Constant(ir.IntType(nb), 0))
-        entry = builder.block
-        q8 = builder.append_basic_block("rope_q8_0")
-        q4 = builder.append_basic_block("rope_q4_0")
-        done = builder.append_basic_block("rope_done")
-        finite = builder.append_basic_block("rope_finite")
-        builder.cbranch(bad, done, finite)
-        builder.position_at_end(finite)
-        builder.cbranch(is_q8, q8, q4)
-        for block, fmt_v in ((q8, 1), (q4, 2)):
-            builder.position_at_end(block)
-            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, fmt_v)
-            builder.branch(done)
-        builder.position_at_end(done)
-        flag = builder.phi(ir.IntType(64))
-        flag.add_incoming(ir.Constant(ir.IntType(64), 1), entry)
-        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q8)
-        flag.add_incoming(ir.Constant(ir.IntType(64), 0), q4)
-        return flag
+        return _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, "rope")
     return types.int64(q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot, neox), codegen
 
 @njit(inline="always")
