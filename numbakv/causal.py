@@ -744,7 +744,8 @@ class CausalCache(StateMethods):
         copied first with ``shared_shift="copy"``; a failure changes nothing (Ollama keeps the
         edits made before it)."""
         seq, begin, end = self._check_remove(seq, begin, end)
-        if end is not None and self.shared_shift == "copy":
+        # an empty range moves nothing: no copies to make, so no room to ask for
+        if end is not None and end > begin and self.shared_shift == "copy":
             self._edit_unshared(self.cells.remove, (seq, begin, end), seq, end, None, True)
             return
         self._edit(self.cells.remove, (seq, begin, end), apply_shifts=True)

@@ -43,16 +43,24 @@ def held(cache, seq):
 
 
 class Model:
-    """Per sequence, a list of entries ``[position, constant]``."""
+    """Per sequence, a list of entries ``[position, constant, cell id]``. The id stands for the
+    cell holding the entry: ``seq_cp`` adds a cell to a sequence once (a sequence that already
+    holds that cell gains nothing), and an entry that moves gets a new id (in copy mode a shared
+    cell that moves is copied for the moving sequence; an unshared one has no other holder)."""
 
     def __init__(self):
         self.seqs = {s: [] for s in range(SEQS)}
         self.next = 1
+        self.ids = 0
+
+    def new_id(self):
+        self.ids += 1
+        return self.ids
 
     def rows(self, s):
         return sorted((p, tuple(float(c + 0.25 * l) for l in range(LAYERS)),
                        tuple(float(c + 0.25 * l + 0.5) for l in range(LAYERS)))
-                      for p, c in self.seqs[s])
+                      for p, c, _ in self.seqs[s])
 
 
 def copies_needed(cache, kind, s, a, stop, k) -> int:
@@ -90,6 +98,11 @@ ops = st.lists(st.tuples(kinds,
 # item 14: seq_div keeps position 0 in place; with room for exactly the moving copies
 @example(ops=[("fill", 0, 0, 2, 0, 0), ("fill", 2, 0, 0, 0, 0), ("cp", 0, 1, 0, -1, 0),
               ("div", 0, 0, 0, -1, 1)], capacity=2)
+# a cell already held by the destination is not copied to it twice; an empty remove is a no-op
+@example(ops=[("fill", 0, 0, 0, 0, 0)] + [("fill", 1, 0, 0, 0, 0)] * 7
+         + [("cp", 1, 0, 1, -1, 0), ("fill", 0, 0, 0, 0, 0), ("cp", 0, 1, 1, -1, 0)], capacity=3)
+@example(ops=[("fill", 0, 0, 0, 0, 0)] + [("fill", 1, 0, 0, 0, 0)] * 7
+         + [("cp", 1, 0, 1, -1, 0), ("remove", 0, 0, 0, 0, 0)], capacity=3)
 def test_copy_mode_moves_every_entry_of_the_moving_sequence_only(ops, capacity):
     cache, model = new_cache(capacity), Model()
     for kind, s, t, a, b, k in ops:
@@ -99,7 +112,7 @@ def test_copy_mode_moves_every_entry_of_the_moving_sequence_only(ops, capacity):
         try:
             if kind == "fill":
                 n = a % 3 + 1
-                start = max((p for p, _ in model.seqs[s]), default=-1) + 1
+                start = max((e[0] for e in model.seqs[s]), default=-1) + 1
                 pos = list(range(start, start + n))
                 cache.start_forward(pos, [s] * n)
                 consts = list(range(model.next, model.next + n))
@@ -110,12 +123,14 @@ def test_copy_mode_moves_every_entry_of_the_moving_sequence_only(ops, capacity):
                     kk = np.broadcast_to(kk, (n, H, D)).copy()
                     vv = kk - np.array(pos, np.float32)[:, None, None] + 0.5
                     cache.put(kk, vv)
-                model.seqs[s] += [[p, c] for p, c in zip(pos, consts)]
+                model.seqs[s] += [[p, c, model.new_id()] for p, c in zip(pos, consts)]
                 model.next += n
             elif kind == "cp":
                 cache.seq_cp(s, t, a, p1)
                 if s != t:
-                    model.seqs[t] += [list(e) for e in model.seqs[s] if a <= e[0] < stop]
+                    have = {e[2] for e in model.seqs[t]}
+                    model.seqs[t] += [list(e) for e in model.seqs[s]
+                                      if a <= e[0] < stop and e[2] not in have]
             elif kind == "add":
                 cache.seq_add(s, a, p1, k)
                 if k:
@@ -123,7 +138,7 @@ def test_copy_mode_moves_every_entry_of_the_moving_sequence_only(ops, capacity):
                     for e in model.seqs[s]:
                         if a <= e[0] < stop:
                             if e[0] + k >= 0:
-                                moved.append([e[0] + k, e[1]])
+                                moved.append([e[0] + k, e[1], model.new_id()])
                         else:
                             moved.append(e)
                     model.seqs[s] = moved
@@ -131,8 +146,9 @@ def test_copy_mode_moves_every_entry_of_the_moving_sequence_only(ops, capacity):
                 d = abs(k) + 1
                 cache.seq_div(s, a, p1, d)
                 for e in model.seqs[s]:
-                    if a <= e[0] < stop:
+                    if a <= e[0] < stop and e[0] // d != e[0]:
                         e[0] //= d
+                        e[2] = model.new_id()
             elif kind == "rm":
                 cache.seq_rm(s, a, p1)
                 model.seqs[s] = [e for e in model.seqs[s] if not a <= e[0] < stop]
@@ -140,8 +156,8 @@ def test_copy_mode_moves_every_entry_of_the_moving_sequence_only(ops, capacity):
                 end = a + abs(k)
                 cache.remove(s, a, end)
                 gap = end - a
-                model.seqs[s] = [[e[0] - gap if e[0] >= end else e[0], e[1]]
-                                 for e in model.seqs[s] if not a <= e[0] < end]
+                model.seqs[s] = [[e[0] - gap, e[1], model.new_id()] if e[0] >= end and gap
+                                 else e for e in model.seqs[s] if not a <= e[0] < end]
         except nkv.KVCacheFullError:
             # refused for want of room: a batch that does not fit, or a move whose shared
             # cells that MOVE do not fit
