@@ -271,6 +271,15 @@ def input_device(x: Any) -> str:
         return "cuda"
 
 
+def torch_host_view(torch, t) -> np.ndarray:
+    """A contiguous CPU torch tensor (float16, float32 or bfloat16) as the numpy array a CPU
+    cache stores, sharing its memory: bfloat16 as its uint16 bit patterns (numpy has no
+    bfloat16). ``torch``: the torch module (passed in: this module never imports it)."""
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
 def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
     """``x`` as the array type of ``device`` holding ``dtype`` (its storage dtype: uint16 bit
     patterns for ``bfloat16``), without copying when the memory is already there.
@@ -298,10 +307,9 @@ def as_array(x: Any, device: str, dtype: str, *, name: str = "array"):
                 and x.device.type == "cpu":
             tdt = x.dtype
             if (tdt is torch.float16 and dtype == "float16") or \
-                    (tdt is torch.float32 and dtype == "float32"):
-                return x.numpy()
-            if tdt is torch.bfloat16 and dtype == "bfloat16":
-                return x.view(torch.int16).numpy().view(np.uint16)
+                    (tdt is torch.float32 and dtype == "float32") or \
+                    (tdt is torch.bfloat16 and dtype == "bfloat16"):
+                return torch_host_view(torch, x)
     try:
         return _as_array(x, device, dtype, name)
     except ValueError as exc:

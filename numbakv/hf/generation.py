@@ -31,6 +31,7 @@ import numpy as np
 from numba.np.ufunc import parallel as _numba_parallel
 
 from ..config import CacheConfig
+from ..device import torch_host_view
 from ..errors import KVCacheError, KVCacheFullError, NotSupportedError
 from ._deps import _transformers
 from .attach import (_attention_modules, _layer_caches, _uses_attention_interface,
@@ -125,14 +126,6 @@ def _switch_model(model) -> None:
                                     "models loaded with attn_implementation 'sdpa' or 'eager'")
         _FALLBACK[id(cfg)] = (weakref.ref(cfg), current or "sdpa")
         cfg._attn_implementation_internal = GENERATE_ATTENTION_NAME
-
-
-def _host_view(torch, t) -> np.ndarray:
-    """A contiguous CPU tensor as the numpy array a CPU cache stores (bfloat16 as its uint16
-    bit patterns), sharing its memory."""
-    if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
 
 
 def _share_torch_threads(torch) -> None:
@@ -321,7 +314,7 @@ class _GenState:
         if self.host_puts:
             # numpy views of the tensors: put's trusted path (no import, no second validation)
             torch, _ = _transformers()
-            k, v = _host_view(torch, k), _host_view(torch, v)
+            k, v = torch_host_view(torch, k), torch_host_view(torch, v)
         cache.put(k, v)
 
     def store_latent(self, layer: int, kv_nope, k_rot):
