@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -133,6 +133,21 @@ class Session:
         return 0
 
 
+def open_turn(sessions: Dict[int, Session], r: Dict[str, Any]) -> Tuple[Session, int]:
+    """A turn request ``r`` of ``make_trace`` applied to its session (made at its first turn):
+    the tool output appended (counted in ``new``), the oldest reasoning block dropped when the
+    turn strips. Returns the session and the tokens stripped. The turn's prompt is then
+    ``session.prompt()``."""
+    s = r["session"]
+    if r["start"] is not None:
+        sessions[s] = Session(r["start"])
+    sess = sessions[s]
+    sess.segments.append(["text", r["append"]])
+    sess.new += len(r["append"])
+    stripped = sess.strip_oldest_reasoning() if r["strip"] else 0
+    return sess, stripped
+
+
 def _orphans(live: Dict[str, Optional[str]], events: List[Dict[str, Any]]) -> int:
     """Apply the store's KV events to ``live`` (block -> parent block) and count blocks held
     whose parent block is no longer held."""
@@ -207,12 +222,7 @@ def window_working_set(shape: Shape, trace: List[Dict[str, Any]]) -> int:
             prompts.append(list(r["prompt"]))
         else:
             s = r["session"]
-            if r["start"] is not None:
-                sessions[s] = Session(r["start"])
-            sess = sessions[s]
-            sess.segments.append(["text", r["append"]])
-            if r["strip"]:
-                sess.strip_oldest_reasoning()
+            sess, _ = open_turn(sessions, r)
             prompts.append(sess.prompt())
             latest[s] = i
             sess.segments.append(["reasoning", r["reasoning"]])
@@ -273,11 +283,7 @@ def ceilings(shape: Shape, trace: List[Dict[str, Any]], recompute_after: int = 1
             saved.append(prompt)
             continue
         s = r["session"]
-        if r["start"] is not None:
-            sessions[s] = Session(r["start"])
-        sess = sessions[s]
-        sess.segments.append(["text", r["append"]])
-        stripped = sess.strip_oldest_reasoning() if r["strip"] else 0
+        sess, stripped = open_turn(sessions, r)
         prompt = sess.prompt()
         last = len(prompt) - 1
         best = min(max((_lcp(prompt, x) for x in saved), default=0), last)
@@ -336,12 +342,7 @@ def replay(model, cold_model, shape: Shape, trace: List[Dict[str, Any]], *, poli
                              "prefilled": prefilled})
             else:
                 s = r["session"]
-                if r["start"] is not None:
-                    sessions[s] = Session(r["start"])
-                sess = sessions[s]
-                sess.segments.append(["text", r["append"]])
-                sess.new += len(r["append"])
-                stripped = sess.strip_oldest_reasoning() if r["strip"] else 0
+                sess, stripped = open_turn(sessions, r)
                 prompt = sess.prompt()
                 row = {"kind": "turn", "session": s, "turn": r["turn"], "prompt": len(prompt),
                        "stripped": stripped, "cancelled": r["cancel"], "last": r["last"],
