@@ -1282,12 +1282,16 @@ class CausalCache(StateMethods):
         each row's first ``v_dim`` values (default the cache's ``RopeShift.offset``, i.e.
         ``kv_lora_rank``; a multiple of 32 on a q8_0 / q4_0 latent).
 
+        Per-sequence streams (``unified=False``) are captured too (the slots are pool cells;
+        the page lists are rebuilt over the pool every replay), and so is a ``WrapperCache``
+        (:meth:`numbakv.WrapperCache.capture_step`: one step per layer group).
+
         Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``, a bad ``n_heads`` /
-        ``scale`` / ``soft_cap``) and ``NotSupportedError`` for what is not captured: a
-        quantized side other than q8_0 / q4_0 / float8_e4m3 (one or both sides quantized are
-        captured: FlashMLA's ``fp8_ds_mla`` is not), per-sequence streams; with ``attend=True``
-        also ``permuted_v`` and shapes the attention kernel does not take. Changes nothing in
-        the cache."""
+        ``scale`` / ``soft_cap`` / ``v_dim``) and ``NotSupportedError`` for what is not
+        captured: a quantized side other than q8_0 / q4_0 / float8_e4m3 (one or both sides
+        quantized are captured: FlashMLA's ``fp8_ds_mla`` is not); with ``attend=True`` also
+        ``permuted_v`` and shapes the attention kernel does not take. Changes nothing in the
+        cache."""
         self._check_open()
         from .step import DecodeStep, check_capturable
         batch, attention = check_capturable(self, batch, attend, n_heads, scale, soft_cap,

@@ -81,6 +81,11 @@ placed it in), and the attention's page lists are the pass's page table over the
 on the host and copied into the fixed lists every replay (the device-side list growth follows
 one cell table; a stream cache has one per sequence).
 
+A :class:`numbakv.WrapperCache` (a cache per layer group, e.g. Gemma 3's sliding-window and
+full-attention layers) is captured as a :class:`WrapperStep`: one step per group cache (each
+group has its own cell table, so its own descriptor, lists and graph), replayed together after
+the wrapper's all-or-nothing ``start_forward``, ``put`` / ``attend`` routed by model layer.
+
 Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): FlashMLA's
 ``fp8_ds_mla`` latent rows; with attention also ``permuted_v`` and shapes the kernel does not
 take (more than 16 query heads per KV head, group x head_dim > 2048: a DeepSeek latent of 576
@@ -879,6 +884,11 @@ class DecodeStep:
             raise KVCacheError("the cache is closed")
         self._count(positions)
         cache.start_forward(positions, seqs)
+        self._prepared()
+
+    def _prepared(self) -> None:
+        """:meth:`prepare` after ``start_forward`` (a :class:`WrapperStep` calls it per group
+        after the wrapper's ``start_forward``)."""
         try:
             with self._scope():
                 stream = self._stream()
@@ -1012,15 +1022,30 @@ class DecodeStep:
         cache = self.cache
         if cache.closed:
             raise KVCacheError("the cache is closed")
+        n = self._count(positions)
+        inputs = self._check_inputs(n, q, k, v)
+        cache.start_forward(positions, seqs)      # validates; all or nothing
+        return self._run(n, *inputs)
+
+    def _check_inputs(self, n: int, q: Any, k: Any, v: Any) -> tuple:
+        """``(q, k, v)`` of a replay of ``n`` tokens, checked (see :meth:`replay`)."""
         if q is not None and self.attention is None:
             raise ValueError("q must be None: this step was captured without attention "
                              "(capture_step(attend=False))")
-        n = self._count(positions)
-        cfg = cache.config
+        cfg = self.cache.config
         q_arr = self._check_query(q, n) if self.attention is not None else None
         k_arr = self._check_input(k, "k", n, cfg.head_dim)
         v_arr = self._check_input(v, "v", n, cfg.v_head_dim)
-        cache.start_forward(positions, seqs)      # validates; all or nothing
+        return q_arr, k_arr, v_arr
+
+    def _run_checked(self, n: int, inputs: tuple) -> Any:
+        """:meth:`_run` of :meth:`_check_inputs`' result (the interface a :class:`HybridStep`
+        drives a DecodeStep or a WrapperStep by)."""
+        return self._run(n, *inputs)
+
+    def _run(self, n: int, q_arr: Any, k_arr: Any, v_arr: Any) -> Any:
+        """:meth:`replay` after ``start_forward``: the descriptor (and lists) sent, the inputs
+        copied in, the graph launched (cpu/sim: the recorded launches run)."""
         try:
             with self._scope():
                 stream = self._stream()
@@ -1078,6 +1103,183 @@ class DecodeStep:
         return (f"DecodeStep(batch={self.batch}, layers={len(self.layers)}, device="
                 f"{self.device!r}, graph={'yes' if self.graph is not None else 'no'}, "
                 f"replays={self.replays})")
+
+
+class WrapperStep:
+    """A captured decode step of a :class:`numbakv.WrapperCache` (a cache per layer group, e.g.
+    Gemma 3's sliding-window layers beside its full-attention layers):
+    :meth:`numbakv.WrapperCache.capture_step`.
+
+    Each group cache has its own cell table, so its own slots and page lists: the step is one
+    :class:`DecodeStep` per group (:attr:`steps`, each with its own descriptor, fixed inputs
+    and, on ``cuda``, its own graph), driven together on the groups' streams.
+
+    :meth:`replay` ``(positions, seqs, q=None, k=None, v=None)`` does the wrapper's
+    ``start_forward`` (every group or none), then each group's half of
+    :meth:`DecodeStep.replay`; ``q`` / ``k`` / ``v`` are sequences with one entry per group
+    (what ``steps[g].replay`` takes for that group's stored layers; an entry None: written
+    into ``steps[g].query`` / ``key`` / ``value``), or None for every group. Returns the
+    per-group outputs (a list of ``steps[g].replay``'s, with attention; else None).
+
+    An engine that captures its own graph calls :meth:`prepare` before each replay and
+    :meth:`put` / :meth:`attend` per model layer (routed to the layer's group and its index
+    there, as ``WrapperCache.set_layer`` routes; needs the wrapper's ``layer_groups``).
+    """
+
+    def __init__(self, wrapper: Any, steps: List["DecodeStep"]) -> None:
+        self.cache = wrapper
+        self.steps = steps
+        self.batch = steps[0].batch
+        self.attention = steps[0].attention
+        self.device = steps[0].device
+        self.replays = 0
+
+    def _route(self, layer: Any) -> Tuple["DecodeStep", int]:
+        wrapper = self.cache
+        n = wrapper.n_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < n:
+            raise ValueError(f"layer must be an integer in [0, {n}), got {layer!r}")
+        if wrapper.layer_groups is None:
+            raise ValueError("the wrapper has no layer_groups (every cache sees every layer, "
+                             "set_layer_type picks one at run time): call steps[g].put / "
+                             "steps[g].attend of the group cache g that layer uses")
+        return self.steps[wrapper.layer_groups[layer]], int(wrapper._local[layer])
+
+    def _check_open(self) -> None:
+        for step in self.steps:
+            if step.cache.closed:
+                raise KVCacheError("the cache is closed")
+
+    def _per_group(self, x: Any, name: str) -> list:
+        g = len(self.steps)
+        if x is None:
+            return [None] * g
+        if isinstance(x, (list, tuple)) and len(x) == g:
+            return list(x)
+        raise ValueError(f"{name} must be None or a list of {g} entries, one per group cache "
+                         f"(each what steps[g].replay takes), got {type(x).__name__}")
+
+    def prepare(self, positions: Any, seqs: Any) -> None:
+        """:meth:`DecodeStep.prepare` for every group: the wrapper's ``start_forward`` (all
+        or nothing), then each group's descriptor (and page lists) sent on its stream."""
+        self._check_open()
+        self._count(positions)
+        self.cache.start_forward(positions, seqs)
+        self._prepared()
+
+    def _count(self, positions: Any) -> int:
+        return self.steps[0]._count(positions)
+
+    def _prepared(self) -> None:
+        for step in self.steps:
+            step._prepared()
+
+    def _check_inputs(self, n: int, q: Any, k: Any, v: Any) -> list:
+        qs, ks, vs = (self._per_group(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        return [step._check_inputs(n, qg, kg, vg)
+                for step, qg, kg, vg in zip(self.steps, qs, ks, vs)]
+
+    def _run_checked(self, n: int, inputs: list) -> Optional[List[Any]]:
+        outs = [step._run(n, *inp) for step, inp in zip(self.steps, inputs)]
+        self.replays += 1
+        return outs if self.attention is not None else None
+
+    def put(self, layer: int, key: Any, value: Any) -> None:
+        """:meth:`DecodeStep.put` of model ``layer`` (its group's step, its index there)."""
+        step, local = self._route(layer)
+        step.put(local, key, value)
+
+    def attend(self, layer: int, q: Any, out: Any) -> None:
+        """:meth:`DecodeStep.attend` of model ``layer`` (its group's step, its index there)."""
+        step, local = self._route(layer)
+        step.attend(local, q, out)
+
+    def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
+               v: Any = None) -> Optional[List[Any]]:
+        """Every group's step for a batch of ``n <= batch`` tokens (see the class
+        docstring); every input is checked before ``start_forward``, which raises like the
+        wrapper's with nothing changed."""
+        self._check_open()
+        n = self._count(positions)
+        inputs = self._check_inputs(n, q, k, v)
+        self.cache.start_forward(positions, seqs)      # every group or none
+        return self._run_checked(n, inputs)
+
+    def __repr__(self) -> str:
+        return f"WrapperStep(groups={len(self.steps)}, batch={self.batch}, replays={self.replays})"
+
+
+class HybridStep:
+    """A captured decode step of a :class:`numbakv.HybridCache` (attention K/V beside
+    recurrent state): :meth:`numbakv.HybridCache.capture_step`.
+
+    The attention half's step (:attr:`inner`: a :class:`DecodeStep`, or a
+    :class:`WrapperStep` for a ``WrapperCache`` half) is driven after the hybrid cache's own
+    ``start_forward``, so the recurrent half keeps its bookkeeping (positions, restore points:
+    the live-state copies a pass needs are queued eagerly on its stream, before the graph).
+    The recurrent layers' states are the model's to update: sequence ``s``'s live state is row
+    ``s`` of every state tensor (:meth:`numbakv.RecurrentCache.state_views`), and the batch's
+    sequence ids sit in the attention step's descriptor at a fixed address
+    (``descriptor[HEADER + 2 * batch:]``, -1 past ``n``), so a model's captured recurrent
+    kernels can read their rows there.
+
+    :meth:`replay` / :meth:`prepare` take what the inner step takes; :meth:`put` /
+    :meth:`attend` take the *model* layer (an attention layer: routed to its layer in the
+    attention half; a recurrent one is a ``ValueError``).
+    """
+
+    def __init__(self, hybrid: Any, inner: Any) -> None:
+        self.cache = hybrid
+        self.inner = inner
+        self.batch = inner.batch
+        self.attention = inner.attention
+        self.device = inner.device
+
+    @property
+    def replays(self) -> int:
+        return self.inner.replays
+
+    def _attention_layer(self, layer: Any) -> int:
+        hybrid = self.cache
+        n = hybrid.n_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < n:
+            raise ValueError(f"layer must be an integer in [0, {n}), got {layer!r}")
+        if hybrid.layer_kinds[layer] != "attention":
+            raise ValueError(f"layer {layer} is a recurrent layer (no K/V): its state is row "
+                             "seq of rc.state_views, updated by the model")
+        return int(hybrid._attn_of[layer])
+
+    def prepare(self, positions: Any, seqs: Any) -> None:
+        """The hybrid cache's ``start_forward`` (both halves, all or nothing), then the
+        attention step's descriptor (and page lists) sent on its stream."""
+        self.cache._check_open()
+        self.inner._count(positions)
+        self.cache.start_forward(positions, seqs)
+        self.inner._prepared()
+
+    def put(self, layer: int, key: Any, value: Any) -> None:
+        """The attention step's put of model ``layer``."""
+        self.inner.put(self._attention_layer(layer), key, value)
+
+    def attend(self, layer: int, q: Any, out: Any) -> None:
+        """The attention step's attend of model ``layer``."""
+        self.inner.attend(self._attention_layer(layer), q, out)
+
+    def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
+               v: Any = None) -> Any:
+        """The inner step's replay (inputs for the attention half's stored layers) after the
+        hybrid cache's ``start_forward``; every input checked first, nothing changed on a
+        refusal."""
+        self.cache._check_open()
+        n = self.inner._count(positions)
+        inputs = self.inner._check_inputs(n, q, k, v)
+        self.cache.start_forward(positions, seqs)
+        return self.inner._run_checked(n, inputs)
+
+    def __repr__(self) -> str:
+        return f"HybridStep({self.inner!r})"
 
 
 def _latent_bytes(cfg: Any, v_dim: int) -> int:
@@ -1174,6 +1376,8 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
     return int(batch), att
 
 
-__all__ = ["Attention", "CAPTURED_QUANT_TYPES", "DecodeStep", "HEADER", "check_capturable",
+__all__ = ["Attention", "CAPTURED_QUANT_TYPES", "DecodeStep", "HEADER", "HybridStep",
+           "WrapperStep",
+           "check_capturable",
            "fill_attention",
            "fill_descriptor"]

@@ -924,3 +924,149 @@ def test_captured_stream_cache_attention_equals_the_cpu_attend(device, small_blo
                                          soft_cap=3.0)
     _check_attention(make_step, cfg_kw, cache_kw, "float16", _wrap_for(device),
                      2e-6 if device == "cpu" else 2e-5)
+
+
+# ------------------------------------------------------------------ per-layer layouts
+
+def _gemma_like(device):
+    """Gemma 3's layout in miniature: a sliding-window cache for model layers 0 and 2, a full
+    one for layer 1 (layer_groups [0, 1, 0])."""
+    swa = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 2}, dtype="float32",
+                                          device=device), swa_window=3)
+    full = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 1}, dtype="float32",
+                                           device=device))
+    return nkv.WrapperCache([swa, full], layer_groups=[0, 1, 0])
+
+
+@pytest.mark.torch
+def test_wrapper_cache_step_equals_the_cpu_attend(device, small_blocks):
+    """A WrapperCache (a cache per layer group) captured as one step per group, driven
+    together: replays (per-group inputs) and an engine's prepare + put + attend per model
+    layer (routed to the layer's group) store what start_forward + put store and return what
+    attend returns on a CPU wrapper, the sliding-window group under its own window."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    wrapper, reference = _gemma_like(device), _gemma_like("cpu")
+    step = wrapper.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+    assert [len(s.layers) for s in step.steps] == [2, 1]
+    gen = torch.Generator().manual_seed(41)
+    where = [(0, 0), (1, 0), (0, 1)]            # model layer -> (group, stored layer there)
+    out = dev(np.zeros((3, 2, 4), np.float32), device)
+    for i, (pos, seqs) in enumerate(_att_steps()[:2]):
+        n = len(pos)
+        k = torch.randn(3, n, 1, 8, generator=gen)
+        v = torch.randn(3, n, 1, 4, generator=gen)
+        q = torch.randn(3, n, 2, 8, generator=gen)
+        if i != 1:      # a replay: each group's inputs in its stored-layer order
+            outs = step.replay(pos, seqs, [q[[0, 2]].numpy(), q[[1]].numpy()],
+                               [k[[0, 2]].numpy(), k[[1]].numpy()],
+                               [v[[0, 2]].numpy(), v[[1]].numpy()])
+            got = [host(outs[g][j]) for g, j in where]
+        else:           # an engine's own loop (its graph on a GPU): rows past n are padding
+            step.prepare(pos, seqs)
+            got = []
+            for layer in range(3):
+                pad = (lambda x: dev(np.concatenate(
+                    [x.numpy(), np.zeros((3 - n,) + tuple(x.shape[1:]), np.float32)]), device))
+                step.put(layer, pad(k[layer]), pad(v[layer]))
+                step.attend(layer, pad(q[layer]), out)
+                got.append(host(out)[:n].copy())
+        reference.start_forward(pos, seqs)
+        for layer in range(3):
+            reference.set_layer(layer)
+            reference.put(k[layer], v[layer])
+            want = attend(q[layer], reference, scale=0.5, soft_cap=3.0).numpy()
+            np.testing.assert_allclose(got[layer], want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(wrapper.caches, reference.caches):
+        np.testing.assert_array_equal(host(a.storage.keys), b.storage.keys)
+        np.testing.assert_array_equal(host(a.storage.values), b.storage.values)
+        np.testing.assert_array_equal(a.cells.cells, b.cells.cells)
+
+
+def test_wrapper_and_paired_capture_checks(device):
+    """Refusals name the group; a per-group input list of the wrong length, or a bad layer,
+    is a ValueError before anything is placed; a PairedCache captures its two halves' puts
+    and refuses attention (DeepSeek's sparse attention is not the dense kernel)."""
+    swa = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 2}, device=device))
+    permuted = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 1}, permuted_v=True,
+                                               device=device))
+    wrapper = nkv.WrapperCache([swa, permuted], layer_groups=[0, 1, 0])
+    with pytest.raises(NotSupportedError, match=r"caches\[1\].*permuted_v"):
+        wrapper.capture_step(batch=2, attend=True)
+    step = wrapper.capture_step(batch=2)
+    k = [np.zeros((2, 1, 1, 8), np.float16), np.zeros((1, 1, 1, 8), np.float16)]
+    v = [np.zeros((2, 1, 1, 4), np.float16), np.zeros((1, 1, 1, 4), np.float16)]
+    with pytest.raises(ValueError, match="one per group"):
+        step.replay(np.array([0], np.int32), np.array([0], np.int32), None, k[:1], v)
+    with pytest.raises(ValueError, match="layer must be"):
+        step.put(3, k[0][0], v[0][0])
+    assert swa._forward is None and swa.n_used == 0
+    step.replay(np.array([0], np.int32), np.array([0], np.int32), None,
+                [dev(x, device) for x in k], [dev(x, device) for x in v])
+    assert swa.n_used == permuted.n_used == 1 and step.steps[1].replays == 1
+    main = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=16, v_head_dim=0, capacity=4,
+                           max_batch=2, device=device)
+    pair = nkv.PairedCache(main, main.replace(head_dim=8))
+    with pytest.raises(NotSupportedError, match="sparse attention"):
+        pair.capture_step(batch=2, attend=True)
+    rows = [np.ones((2, 1, 1, 16), np.float16), np.full((2, 1, 1, 8), 2, np.float16)]
+    pair.capture_step(batch=2).replay(np.array([0], np.int32), np.array([0], np.int32), None,
+                                      [dev(x[:, :1], device) for x in rows], None)
+    assert host(pair.main.storage.keys)[:, pair.main._forward.start].min() == 1
+    assert host(pair.indexer.storage.keys)[:, pair.indexer._forward.start].min() == 2
+
+
+def _hybrid(device):
+    """A hybrid model's cache in miniature: model layers recurrent, attention, recurrent,
+    attention (the attention half ATT-shaped, float32)."""
+    attn = nkv.CausalCache(nkv.CacheConfig(**ATT, dtype="float32", device=device))
+    rc = nkv.RecurrentCache(nkv.RecurrentConfig(2, [nkv.StateSpec("ssm", (2, 2), "float32")],
+                                                max_seqs=2, device=device))
+    return nkv.HybridCache(attn, rc, ["recurrent", "attention", "recurrent", "attention"])
+
+
+@pytest.mark.torch
+def test_hybrid_cache_step_keeps_the_recurrent_bookkeeping(device, small_blocks):
+    """A HybridCache's step: the attention half's step driven after the hybrid cache's own
+    start_forward (so the recurrent half's positions move with it), put / attend routed by
+    model layer (a recurrent layer refused), the batch's sequence ids in the descriptor for
+    the model's recurrent kernels; outputs equal attend on a CPU hybrid cache. A bare
+    RecurrentCache has no put to capture and says so."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    hc, reference = _hybrid(device), _hybrid("cpu")
+    step = hc.capture_step(batch=3, attend=True, n_heads=2, scale=0.5)
+    gen = torch.Generator().manual_seed(43)
+    out = dev(np.zeros((3, 2, 4), np.float32), device)
+    for i, (pos, seqs) in enumerate(_att_steps()[:2]):
+        n = len(pos)
+        k = torch.randn(2, n, 1, 8, generator=gen)
+        v = torch.randn(2, n, 1, 4, generator=gen)
+        q = torch.randn(2, n, 2, 8, generator=gen)
+        if i == 0:
+            got = host(step.replay(pos, seqs, q.numpy(), k.numpy(), v.numpy()))
+        else:           # an engine's own loop over model layers 1 and 3
+            step.prepare(pos, seqs)
+            with pytest.raises(ValueError, match="recurrent layer"):
+                step.put(0, dev(np.zeros((3, 1, 8), np.float32), device),
+                         dev(np.zeros((3, 1, 4), np.float32), device))
+            got = []
+            for j, layer in enumerate((1, 3)):
+                pad = (lambda x: dev(np.concatenate(
+                    [x.numpy(), np.zeros((3 - n,) + tuple(x.shape[1:]), np.float32)]), device))
+                step.put(layer, pad(k[j]), pad(v[j]))
+                step.attend(layer, pad(q[j]), out)
+                got.append(host(out)[:n].copy())
+        d = host(step.inner.descriptor)
+        np.testing.assert_array_equal(d[HEADER + 6:HEADER + 6 + n], seqs)
+        reference.start_forward(pos, seqs)
+        for j, layer in enumerate((1, 3)):
+            reference.set_layer(layer)
+            reference.put(k[j], v[j])
+            want = attend(q[j], reference.attn, scale=0.5).numpy()
+            np.testing.assert_allclose(got[j], want, rtol=1e-5, atol=1e-5)
+        for s in (0, 1):
+            assert hc.rc.seq_pos_max(s) == reference.rc.seq_pos_max(s)
+    np.testing.assert_array_equal(host(hc.attn.storage.keys), reference.attn.storage.keys)
+    with pytest.raises(NotSupportedError, match="no put to capture"):
+        hc.rc.capture_step(batch=2)
