@@ -1070,3 +1070,44 @@ def test_hybrid_cache_step_keeps_the_recurrent_bookkeeping(device, small_blocks)
     np.testing.assert_array_equal(host(hc.attn.storage.keys), reference.attn.storage.keys)
     with pytest.raises(NotSupportedError, match="no put to capture"):
         hc.rc.capture_step(batch=2)
+
+
+def test_cuda_stream_cache_step_with_attention(fake_gpu, monkeypatch):
+    """cuda (stand-in CuPy, kernels in the simulator) with per-sequence streams: one graph
+    (the two list launches, then per layer a put and the attention), each replay's descriptor, page-table
+    upload and list copies on the cache's stream with no host wait, outputs equal to the CPU
+    attend of a CPU stream cache, pool bytes equal."""
+    from numbakv import streams
+    from numbakv.device import HOST_WAITS
+    from numbakv.kernels import decode
+    from numbakv.storage import KVStorage
+    cp, launches = fake_gpu
+    monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
+    cfg_kw = dict(unified=False, page_size=1, capacity=6)
+    waits = {}
+
+    def make_step():
+        # the stand-in's pool: a cuda storage over host memory (as fake_cuda_cache builds)
+        with monkeypatch.context() as m:
+            m.setenv("NUMBAKV_WARM_UP", "0")
+            m.setattr(streams, "KVStorage", lambda cfg, n, device: KVStorage(cfg, n, "cuda"))
+            cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
+                                                    device="cpu"), swa_window=3)
+        cache.device, cache._xp = "cuda", cp
+        cache.use_stream(cp.cuda.ExternalStream(0x61))
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        assert len(step.graph.nodes) == 2 * 2 + 2
+        cp.log.clear()
+        launches.clear()
+        waits.update(HOST_WAITS)
+        return cache, step
+    _, step = _check_attention(make_step, cfg_kw, dict(swa_window=3), "float32",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
+                               steps=_att_steps()[:2])
+    assert HOST_WAITS == waits
+    kinds = [e[0] for e in cp.log]
+    for sync in ("stream_sync", "event_sync", "device_sync", "asnumpy"):
+        assert sync not in kinds
+    assert all(e[1] == 0x61 for e in cp.log if e[0] in ("h2d", "d2d", "graph_launch"))
+    assert kinds.count("graph_launch") == step.replays == 2
+    assert not [n for n, _ in launches if n.startswith("paged")]     # only the graph's
