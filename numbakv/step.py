@@ -506,29 +506,33 @@ class DecodeStep:
                 out.append(lambda k_l=k_l, v_l=v_l, k_in=k_in, v_in=v_in:
                            _put.launch("sim", k_l, v_l, slots, k_in, v_in, storage.permuted))
             if self.attention is not None:
-                out.append(self._cpu_attention(i) if self.device == "cpu" else
+                out.append((lambda i=i: self._attend_cpu_into(self.layers[i], self.query[i],
+                                                               self.output[i]))
+                           if self.device == "cpu" else
                            (lambda a=self._attention_args(i, None):
                             _decode.launch_paged(*a[1], **a[0])))
         return out
 
-    def _cpu_attention(self, i: int):
-        """cpu: stored layer ``i``'s attention by :func:`numbakv.attention.attend` (the CPU
-        kernels; there is no CUDA kernel to run), into the same fixed output."""
-        def run():
-            import torch
-            attend = cpu_attend()
-            cache = self.cache
-            n = int(self.descriptor[0])
-            layer = cache._layer
-            cache.set_layer(self.layers[i])
-            try:
-                out = attend(torch.from_numpy(self.query[i, :n]), cache,
-                             scale=self.attention.scale, soft_cap=self.attention.soft_cap)
-            finally:
-                cache.set_layer(layer)
-            self.output[i, :n] = out.numpy()
-            self.output[i, n:] = 0
-        return run
+    def _attend_cpu_into(self, layer: int, q: np.ndarray, out: np.ndarray) -> None:
+        """cpu: model ``layer``'s attention of the pass's ``n`` tokens by the registered CPU
+        attention (:func:`numbakv.attention.attend`: the CPU kernels, there is no CUDA kernel to
+        run) over ``q[:n]`` (float32 ``[batch, n_heads, head_dim]``), written into ``out[:n]``
+        (float32 ``[batch, n_heads, v_head_dim]``) and zeros into ``out[n:]``; the cache's
+        current layer is put back afterwards. Both the replayed step and :meth:`attend` run
+        it."""
+        import torch
+        attend = cpu_attend()
+        cache = self.cache
+        n = int(self.descriptor[0])
+        current = cache._layer
+        cache.set_layer(layer)
+        try:
+            got = attend(torch.from_numpy(q[:n]), cache, scale=self.attention.scale,
+                         soft_cap=self.attention.soft_cap)
+        finally:
+            cache.set_layer(current)
+        out[:n] = got.numpy()
+        out[n:] = 0
 
     def _capture(self) -> None:
         """cuda: per stored layer a put plan whose slot array is the descriptor's, launched once
@@ -894,19 +898,7 @@ class DecodeStep:
                                  f"{type(x).__name__} {getattr(x, 'dtype', None)} "
                                  f"{list(getattr(x, 'shape', ()))}")
         if self.device == "cpu":
-            import torch
-            attend = cpu_attend()
-            cache = self.cache
-            n = int(self.descriptor[0])
-            current = cache._layer
-            cache.set_layer(int(layer))
-            try:
-                got = attend(torch.from_numpy(q[:n]), cache, scale=att.scale,
-                             soft_cap=att.soft_cap)
-            finally:
-                cache.set_layer(current)
-            out[:n] = got.numpy()
-            out[n:] = 0
+            self._attend_cpu_into(int(layer), q, out)
             return
         ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
         kw, args = self._attention_args(slot, ptr, q, out, self._lse_scratch)
