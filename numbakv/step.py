@@ -88,8 +88,10 @@ the wrapper's all-or-nothing ``start_forward``, ``put`` / ``attend`` routed by m
 
 Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): FlashMLA's
 ``fp8_ds_mla`` latent rows; with attention also ``permuted_v`` and shapes the kernel does not
-take (more than 16 query heads per KV head, group x head_dim > 2048: a DeepSeek latent of 576
-values takes groups of at most 3).
+take (more than 16 query heads per KV head, or group x head_dim > 2048, with several KV heads).
+With one KV head (MQA, an MLA latent: DeepSeek's 16-128 heads on a 576-value latent) a larger
+group runs as several launches of at most that many heads (3 on a 576-value latent), each
+reading the layer's listed rows again: correct, but that many times the latent's bytes.
 """
 
 from __future__ import annotations
@@ -315,19 +317,24 @@ class Attention:
     output is the absorbed form's weighted sum of each row's first ``v_dim`` values, as
     :func:`numbakv.attention.attend` defines it) and ``latent`` (whether V is read from K)."""
 
-    __slots__ = ("n_heads", "scale", "soft_cap", "v_dim", "latent")
+    __slots__ = ("n_heads", "scale", "soft_cap", "v_dim", "latent", "per_launch")
 
     def __init__(self, n_heads: int, scale: float, soft_cap: Optional[float], v_dim: int,
-                 latent: bool = False) -> None:
+                 latent: bool = False, per_launch: Optional[int] = None) -> None:
         self.n_heads = n_heads
         self.scale = scale
         self.soft_cap = soft_cap
         self.v_dim = v_dim
         self.latent = latent
+        #: query heads per attention launch: all of them, or with one KV head (MQA, an MLA
+        #: latent) whose group is too large for the kernel's tiles, ranges of that many heads
+        #: (each launch reads the layer's listed rows again)
+        self.per_launch = n_heads if per_launch is None else per_launch
 
     def __repr__(self) -> str:
         return (f"Attention(n_heads={self.n_heads}, scale={self.scale}, soft_cap="
-                f"{self.soft_cap}, v_dim={self.v_dim}, latent={self.latent})")
+                f"{self.soft_cap}, v_dim={self.v_dim}, latent={self.latent}, per_launch="
+                f"{self.per_launch})")
 
 
 class DecodeStep:
@@ -441,11 +448,33 @@ class DecodeStep:
         self._part_ml = xp.zeros((2,) + shape[:1] + ((T, H) if parts > 1 else (1, 1)),
                                  np.float32)
 
+    def _attention_launches(self, i: int, desc_ptr: Optional[int], q: Any = None,
+                            out: Any = None, lse: Any = None) -> List[Tuple[dict, tuple]]:
+        """``(kw, args)`` of each launch of stored layer ``i``'s attention (see
+        :meth:`_attention_args`): one, or one per range of :attr:`Attention.per_launch` query
+        heads when the group is too large for the kernel's tiles (one KV head: MQA, an MLA
+        latent), each over views of the queries, outputs, LSE and split-K buffers."""
+        att = self.attention
+        q = self.query[i] if q is None else q
+        out = self.output[i] if out is None else out
+        lse = self.lse[i] if lse is None else lse
+        if att.per_launch >= att.n_heads:
+            return [self._attention_args(i, desc_ptr, q, out, lse)]
+        launches = []
+        for h0 in range(0, att.n_heads, att.per_launch):
+            h = slice(h0, min(h0 + att.per_launch, att.n_heads))
+            parts = (self._part_acc[:, :, h], self._part_ml[:, :, :, h]) \
+                if self._parts > 1 else None
+            launches.append(self._attention_args(i, desc_ptr, q[:, h], out[:, h], lse[:, h],
+                                                 parts))
+        return launches
+
     def _attention_args(self, i: int, desc_ptr: Optional[int], q: Any = None, out: Any = None,
-                        lse: Any = None):
+                        lse: Any = None, parts: Optional[tuple] = None):
         """The launch arguments of stored layer ``i``'s attention (:func:`numbakv.kernels.decode.
         launch_paged`), every per-pass input read from the descriptor and the fixed lists;
-        queries, outputs and LSE from the fixed buffers unless given (:meth:`attend`)."""
+        queries, outputs and LSE from the fixed buffers unless given (:meth:`attend`), the
+        split-K buffers likewise (``parts``)."""
         storage = self._storage
         att = self.attention
         cfg = self.cache.config
@@ -485,7 +514,7 @@ class DecodeStep:
                 int(self.cache.chunk_size or 0), att.scale, att.soft_cap,
                 self._parts, 0, field(self._plen_at, 1),
                 self.output[i] if out is None else out, self.lse[i] if lse is None else lse,
-                self._part_acc, self._part_ml)
+                *(parts or (self._part_acc, self._part_ml)))
 
     def _list_launches(self, desc_ptr: Optional[int]) -> List[Any]:
         """The two launches of :func:`numbakv.kernels.decode.extend_lists` that bring the fixed
@@ -582,11 +611,12 @@ class DecodeStep:
                 out.append(lambda k_l=k_l, v_l=v_l, k_in=k_in, v_in=v_in:
                            _put.launch("sim", k_l, v_l, slots, k_in, v_in, storage.permuted))
             if self.attention is not None:
-                out.append((lambda i=i: self._attend_cpu_into(self.layers[i], self.query[i],
-                                                               self.output[i]))
-                           if self.device == "cpu" else
-                           (lambda a=self._attention_args(i, None):
-                            _decode.launch_paged(*a[1], **a[0])))
+                if self.device == "cpu":
+                    out.append(lambda i=i: self._attend_cpu_into(self.layers[i], self.query[i],
+                                                                 self.output[i]))
+                else:
+                    out.extend(lambda a=a: _decode.launch_paged(*a[1], **a[0])
+                               for a in self._attention_launches(i, None))
         return out
 
     def _attend_cpu_into(self, layer: int, q: np.ndarray, out: np.ndarray) -> None:
@@ -664,8 +694,9 @@ class DecodeStep:
                 plan.launch(ptrs, -1, stream.ptr)
             if self.attention is not None:
                 with stream:      # the launcher queues on CuPy's current stream
-                    kw, args = self._attention_args(i, int(self.descriptor.data.ptr))
-                    _decode.launch_paged(*args, **kw)
+                    for kw, args in self._attention_launches(i,
+                                                             int(self.descriptor.data.ptr)):
+                        _decode.launch_paged(*args, **kw)
 
     # ------------------------------------------------------------------ replay
     def _pinned(self, stream) -> list:
@@ -988,9 +1019,9 @@ class DecodeStep:
             self._attend_cpu_into(int(layer), q, out)
             return
         ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
-        kw, args = self._attention_args(slot, ptr, q, out, self._lse_scratch)
         with self._scope():
-            _decode.launch_paged(*args, **kw)
+            for kw, args in self._attention_launches(slot, ptr, q, out, self._lse_scratch):
+                _decode.launch_paged(*args, **kw)
 
     def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
                v: Any = None) -> Any:
@@ -1273,6 +1304,21 @@ class HybridStep:
         return f"HybridStep({self.inner!r})"
 
 
+def _heads_per_launch(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int,
+                      batch: int) -> int:
+    """Query heads per launch of the captured attention: ``n_heads`` when the kernel takes
+    the group; with one KV head (MQA, an MLA latent: DeepSeek's 16-128 heads on a 576-value
+    latent) the most heads a launch's tiles hold (at most :data:`~numbakv.kernels.decode.
+    MAX_GROUP`, group x dims <= :data:`~numbakv.kernels.decode.MAX_GROUP_DIM`), each launch
+    reading the listed rows again; 0 when not even that fits."""
+    if _decode.fits(n_heads, n_kv_heads, head_dim, v_dim, batch):
+        return n_heads
+    if n_kv_heads != 1:
+        return 0
+    per = min(_decode.MAX_GROUP, _decode.MAX_GROUP_DIM // max(head_dim, v_dim, 1))
+    return per if per >= 1 and _decode.fits(per, 1, head_dim, v_dim, batch) else 0
+
+
 def _latent_bytes(cfg: Any, v_dim: int) -> int:
     """Bytes of a latent row's first ``v_dim`` values in K's storage (whole q8_0 / q4_0
     blocks; one per float8 value; elements of a float row)."""
@@ -1353,15 +1399,18 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
                                     "reads V as [n_cells, n_kv_heads, v_head_dim] "
                                     "(permuted_v=False)")
         out_dim = _check_latent_v_dim(cache, v_dim) if cfg.v_less else cfg.v_head_dim
-        if not _decode.fits(int(n_heads), hkv, cfg.head_dim, out_dim, int(batch)):
+        per_launch = _heads_per_launch(int(n_heads), hkv, cfg.head_dim, out_dim, int(batch))
+        if not per_launch:
             raise NotSupportedError(
                 f"capture_step(attend=True): the paged attention kernel does not take "
                 f"n_heads={n_heads}, n_kv_heads={hkv}, head_dim={cfg.head_dim}, "
-                f"{'v_dim' if cfg.v_less else 'v_head_dim'}={out_dim} (at most "
-                f"{_decode.MAX_GROUP} query heads per KV head, group x head_dim <= "
-                f"{_decode.MAX_GROUP_DIM})")
+                f"{'v_dim' if cfg.v_less else 'v_head_dim'}={out_dim}, batch={batch} (at most "
+                f"{_decode.MAX_GROUP} query heads per KV head and group x head_dim <= "
+                f"{_decode.MAX_GROUP_DIM}; with one KV head, larger groups run as several "
+                f"launches when head_dim <= {_decode.MAX_GROUP_DIM})")
         att = Attention(int(n_heads), float(scale),
-                        None if soft_cap is None else float(soft_cap), out_dim, cfg.v_less)
+                        None if soft_cap is None else float(soft_cap), out_dim, cfg.v_less,
+                        per_launch)
     if cache.storage is None:
         raise NotSupportedError("capture_step needs a cache with its own K/V storage")
     return int(batch), att

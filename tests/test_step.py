@@ -800,15 +800,23 @@ ATT_MLA = {8: dict(head_dim=16, v_head_dim=0), 64: dict(head_dim=96, v_head_dim=
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("variant", ["bf16-latent", "q8_0-rotated-latent"])
-def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_blocks):
+@pytest.mark.parametrize("variant", ["bf16-latent", "q8_0-rotated-latent",
+                                     "bf16-latent-head-per-launch"])
+def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_blocks,
+                                                        monkeypatch):
     """A V-less MLA latent cache (v_head_dim=0) captured with attention: the put stores the
     latent rows (v zero-width), the attention is the absorbed form (scores over the whole row,
     the value the row's first kv_lora_rank values, read from K in K's format: bfloat16, or
     q8_0 blocks rotated by llama.cpp's rule -- queries rotated, output turned back in the
     latent's blocks of 32). Replays over 2 sequences growing past page boundaries store the bytes
-    start_forward + put store and return what attend returns on a CPU cache."""
+    start_forward + put store and return what attend returns on a CPU cache. A group too
+    large for the kernel's tiles (forced here: tiles of 16 values) runs as a launch per range
+    of heads (DeepSeek's 16-128 heads on a 576-value latent)."""
+    if variant.endswith("per-launch"):
+        from numbakv.kernels import decode
+        monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
     dtype, rank, extra = {"bf16-latent": ("bfloat16", 8, {}),
+                          "bf16-latent-head-per-launch": ("bfloat16", 8, {}),
                           # float32: the CPU attend reads a quantized latent through get(),
                           # which dequantizes into the cache dtype (float16 would round the
                           # reference; the kernel dequantizes into float32 registers)
@@ -822,10 +830,12 @@ def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_b
                                                 device=device), **cache_kw)
         step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
         assert step.attention.latent and step.attention.v_dim == rank
+        assert step.attention.per_launch == (1 if variant.endswith("per-launch") else 2)
         assert step.value.shape[-1] == 0
         return cache, step
     _check_attention(make_step, cfg_kw, cache_kw, dtype, _wrap_for(device),
-                     2e-6 if device == "cpu" else 2e-5, steps=_att_steps()[:3])
+                     2e-6 if device == "cpu" else 2e-5,
+                     steps=_att_steps()[:2 if variant.endswith("per-launch") else 3])
 
 
 def test_mla_capture_checks(device):
@@ -841,8 +851,13 @@ def test_mla_capture_checks(device):
             mla.capture_step(batch=2, attend=True, v_dim=bad)
     with pytest.raises(NotSupportedError, match="multiple of 32"):
         mla.capture_step(batch=2, attend=True, v_dim=16)
-    with pytest.raises(NotSupportedError, match="v_dim=64"):          # group 32 x 96 > 2048
-        mla.capture_step(batch=2, attend=True, n_heads=32)
+    # one KV head: a group larger than the kernel's tiles runs as several launches
+    assert mla.capture_step(batch=2, attend=True, n_heads=32).attention.per_launch == 16
+    wide = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "head_dim": 4096, "v_head_dim": 0},
+                                           device=device), shift=nkv.RopeShift(dim=64,
+                                                                               offset=4032))
+    with pytest.raises(NotSupportedError, match="head_dim=4096"):    # not even one head fits
+        wide.capture_step(batch=2, attend=True)
     no_offset = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **ATT_MLA[8]}, device=device))
     with pytest.raises(ValueError, match="needs v_dim"):
         no_offset.capture_step(batch=2, attend=True)
@@ -854,18 +869,24 @@ def test_mla_capture_checks(device):
 
 def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
     """cuda (stand-in CuPy, kernels in the simulator): a V-less latent cache's step is one
-    graph of, per layer, the put and the attention reading V as a strided view of K; replays
-    equal the CPU attend."""
+    graph of, per layer, the put and the attention reading V as a strided view of K -- here
+    a launch per query head (tiles of 16 values forced) with a 2-part split-K each, merged on
+    views of the split buffers; replays equal the CPU attend."""
     from numbakv.kernels import decode
+    from numbakv.step import DecodeStep, check_capturable
     cp, launches = fake_gpu
     monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
+    monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
     cfg_kw = dict(ATT_MLA[8])
     cache_kw = dict(shift=_mla_shift(8))
 
     def make_step():
         cache = fake_cuda_cache(cp, nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
                                                     device="cpu"), 0x61, **cache_kw)
-        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        step = DecodeStep(cache, *check_capturable(cache, 3, True, 2, 0.5, 3.0), split=(2, 2))
+        assert step.attention.per_launch == 1 and step._parts == 2
+        # the list launches, then per layer the put and per head the attention and merge
+        assert len(step.graph.nodes) == 2 + 2 * (1 + 2 * 2)
         launches.clear()
         cp.log.clear()
         return cache, step
@@ -1070,3 +1091,44 @@ def test_hybrid_cache_step_keeps_the_recurrent_bookkeeping(device, small_blocks)
     np.testing.assert_array_equal(host(hc.attn.storage.keys), reference.attn.storage.keys)
     with pytest.raises(NotSupportedError, match="no put to capture"):
         hc.rc.capture_step(batch=2)
+
+
+def test_cuda_stream_cache_step_with_attention(fake_gpu, monkeypatch):
+    """cuda (stand-in CuPy, kernels in the simulator) with per-sequence streams: one graph
+    (the two list launches, then per layer a put and the attention), each replay's descriptor, page-table
+    upload and list copies on the cache's stream with no host wait, outputs equal to the CPU
+    attend of a CPU stream cache, pool bytes equal."""
+    from numbakv import streams
+    from numbakv.device import HOST_WAITS
+    from numbakv.kernels import decode
+    from numbakv.storage import KVStorage
+    cp, launches = fake_gpu
+    monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
+    cfg_kw = dict(unified=False, page_size=1, capacity=6)
+    waits = {}
+
+    def make_step():
+        # the stand-in's pool: a cuda storage over host memory (as fake_cuda_cache builds)
+        with monkeypatch.context() as m:
+            m.setenv("NUMBAKV_WARM_UP", "0")
+            m.setattr(streams, "KVStorage", lambda cfg, n, device: KVStorage(cfg, n, "cuda"))
+            cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
+                                                    device="cpu"), swa_window=3)
+        cache.device, cache._xp = "cuda", cp
+        cache.use_stream(cp.cuda.ExternalStream(0x61))
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        assert len(step.graph.nodes) == 2 * 2 + 2
+        cp.log.clear()
+        launches.clear()
+        waits.update(HOST_WAITS)
+        return cache, step
+    _, step = _check_attention(make_step, cfg_kw, dict(swa_window=3), "float32",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
+                               steps=_att_steps()[:2])
+    assert HOST_WAITS == waits
+    kinds = [e[0] for e in cp.log]
+    for sync in ("stream_sync", "event_sync", "device_sync", "asnumpy"):
+        assert sync not in kinds
+    assert all(e[1] == 0x61 for e in cp.log if e[0] in ("h2d", "d2d", "graph_launch"))
+    assert kinds.count("graph_launch") == step.replays == 2
+    assert not [n for n, _ in launches if n.startswith("paged")]     # only the graph's
