@@ -77,9 +77,9 @@ blocks), output ``[.., n_heads, v_dim]``.
 
 llama.cpp's per-sequence streams (``unified=False``, a :class:`numbakv.streams.StreamCache`):
 the descriptor's slots are pool cells (each token's stream offset plus the cell its stream
-placed it in), and the attention's page lists are the pass's page table over the pool, built
-on the host and copied into the fixed lists every replay (the device-side list growth follows
-one cell table; a stream cache has one per sequence).
+placed it in), and the attention's page lists are the pass's page table over the pool (each
+stream's cells offset into it), grown on the device as above while every batch stream's own
+cell table changed only by the replays' placements.
 
 A :class:`numbakv.WrapperCache` (a cache per layer group, e.g. Gemma 3's sliding-window and
 full-attention layers) is captured as a :class:`WrapperStep`: one step per group cache (each
