@@ -1251,8 +1251,8 @@ class CausalCache(StateMethods):
 
     # ------------------------------------------------------------------ misc
     def capture_step(self, batch: int, *, attend: bool = False, n_heads: Optional[int] = None,
-                     scale: Optional[float] = None,
-                     soft_cap: Optional[float] = None) -> "DecodeStep":
+                     scale: Optional[float] = None, soft_cap: Optional[float] = None,
+                     v_dim: Optional[int] = None) -> "DecodeStep":
         """A decode step of up to ``batch`` tokens whose inputs sit in fixed device buffers: on
         ``cuda`` a CUDA graph of one put per stored layer reading its slots from a step
         descriptor the host refreshes with one asynchronous copy per replay; on ``cpu``/``sim``
@@ -1275,16 +1275,35 @@ class CausalCache(StateMethods):
         then returns the attention, float32 ``[n_stored_layers, n, n_heads, v_head_dim]``
         (on ``cpu`` computed by :func:`numbakv.attention.attend`).
 
+        A V-less MLA latent cache (``v_head_dim=0``) is captured too: the put stores the
+        latent rows (``v=None``), and the attention is MLA's absorbed form as
+        :func:`numbakv.attention.attend` computes it: ``q`` holds the absorbed queries ``[..,
+        n_heads, head_dim]`` and the output is ``[.., n_heads, v_dim]``, the weighted sum of
+        each row's first ``v_dim`` values (default the cache's ``RopeShift.offset``, i.e.
+        ``kv_lora_rank``; a multiple of 32 on a q8_0 / q4_0 latent).
+
+        Per-sequence streams (``unified=False``) are captured too (the slots are pool cells;
+        the page lists are rebuilt over the pool every replay), and so is a ``WrapperCache``
+        (:meth:`numbakv.WrapperCache.capture_step`: one step per layer group).
+
         Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``, a bad ``n_heads`` /
-        ``scale`` / ``soft_cap``) and ``NotSupportedError`` for what is not captured: one
-        quantized side with a float one (both quantized, q8_0 / q4_0 / float8_e4m3, are
-        captured), V-less (MLA) caches, per-sequence streams; with ``attend=True`` also
+        ``scale`` / ``soft_cap`` / ``v_dim``) and ``NotSupportedError`` for what is not
+        captured: a quantized side other than q8_0 / q4_0 / float8_e4m3 (one or both sides
+        quantized are captured: FlashMLA's ``fp8_ds_mla`` is not); with ``attend=True`` also
         ``permuted_v`` and shapes the attention kernel does not take. Changes nothing in the
         cache."""
         self._check_open()
         from .step import DecodeStep, check_capturable
-        batch, attention = check_capturable(self, batch, attend, n_heads, scale, soft_cap)
+        batch, attention = check_capturable(self, batch, attend, n_heads, scale, soft_cap,
+                                            v_dim)
         return DecodeStep(self, batch, attention)
+
+    def _step_placement(self) -> Tuple[np.ndarray, np.ndarray, int, Optional[np.ndarray]]:
+        """Trusted (:class:`numbakv.step.DecodeStep`, after ``start_forward``): the pass's
+        ``(positions, seqs, start, slots)``: int32 ``[n]`` each, the first cell of a
+        contiguous placement and the cells of a paged one (None when contiguous)."""
+        fwd = self._forward
+        return fwd.positions, fwd.seqs, int(fwd.start), fwd.slots
 
     def use_stream(self, stream: Any) -> None:
         """Queue this cache's GPU work (puts, masks, moves, rotations, copies) on ``stream``: a

@@ -125,6 +125,17 @@ class HybridCache(_files.StateMethods):
             self.rc._apply_forward(plan)
         self._layer = None
 
+    def capture_step(self, batch: int, **kwargs: Any) -> Any:
+        """A captured decode step of the attention half (:class:`numbakv.step.HybridStep`):
+        ``attn.capture_step(batch, **kwargs)`` (a ``CausalCache`` or ``WrapperCache`` step),
+        driven after this cache's ``start_forward`` so the recurrent half keeps its
+        bookkeeping; the recurrent layers' states (row ``seq`` of ``rc.state_views``) are
+        the model's to update, the batch's sequence ids in the step's descriptor. Raises as
+        the attention half's ``capture_step``, nothing changed."""
+        self._check_open()
+        from .step import HybridStep
+        return HybridStep(self, self.attn.capture_step(batch, **kwargs))
+
     def set_layer(self, layer: int) -> None:
         """Select model ``layer``: an attention layer selects its layer in ``attn`` (then
         ``put``/``get``/``page_table``/``attend`` read it); a recurrent one makes

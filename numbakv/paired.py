@@ -104,6 +104,27 @@ class PairedCache(WrapperCache):
         self.indexer.set_layer(layer)
         self._current = 0
 
+    def capture_step(self, batch: int, *, attend: bool = False, **attention: Any) -> Any:
+        """A captured decode step of both halves' puts (:class:`numbakv.step.WrapperStep`:
+        ``steps[0]`` the main rows, ``steps[1]`` the indexer keys; ``replay(positions, seqs,
+        None, [main_k, indexer_k], [main_v, None])``). ``attend=True`` is refused
+        (``NotSupportedError``): DeepSeek sparse attention reads the top-k cells the indexer
+        picks per token, and the captured attention is dense over every visible cell;
+        capture the puts and run the sparse attention over the step's pass."""
+        from .errors import NotSupportedError
+        if attend is True or attention:
+            self._check_open_all()
+            raise NotSupportedError(
+                "PairedCache.capture_step(attend=True): DeepSeek sparse attention reads the "
+                "top-k cells the lightning indexer picks per token, and the captured attention "
+                "is dense over every visible cell; capture the puts (attend=False) and run the "
+                "sparse attention over the step's pass")
+        return super().capture_step(batch, attend=attend)
+
+    def _check_open_all(self) -> None:
+        for cache in self.caches:
+            cache._check_open()
+
     def set_layer_type(self, index: int) -> None:
         """Not used by a pair: ``put``/``get`` address the main rows, ``put_indexer``/
         ``get_indexer`` the indexer keys."""

@@ -59,7 +59,7 @@ from ._memory import check_memory
 from .config import MAX_SEQS_LIMIT, STORAGE_DTYPES, normalize_dtype
 from .device import (array_module, as_array, count_host_wait, export_view, host_wait,
                      resolve_device, synchronize)
-from .errors import KVCacheError, StateError
+from .errors import KVCacheError, NotSupportedError, StateError
 from .kernels import rows as _rows
 from .state import codec as _st
 from .state import files as _files
@@ -357,6 +357,20 @@ class RecurrentCache(_files.StateMethods):
             self._drop_point(seq, order[0])
 
     # ------------------------------------------------------------------ forward pass
+    def capture_step(self, batch: int, **kwargs: Any) -> None:
+        """Not captured: ``NotSupportedError``, nothing changed. A recurrent cache stores no
+        K/V, so a decode step has no put for the cache to capture: sequence ``s``'s live state
+        is row ``s`` of every state tensor (:meth:`state_views`), fixed addresses a model's
+        captured graph reads and writes itself; call :meth:`start_forward` before each replay
+        of that graph (its bookkeeping and any restore-point copy, queued on the cache's
+        stream). A hybrid model captures through ``HybridCache.capture_step``."""
+        self._check_open()
+        raise NotSupportedError(
+            "RecurrentCache.capture_step: a recurrent cache stores no K/V, so a decode step has "
+            "no put to capture; sequence s's live state is row s of every state tensor "
+            "(state_views), fixed addresses your captured graph reads and writes itself: call "
+            "start_forward before each replay of it (a hybrid model: HybridCache.capture_step)")
+
     def start_forward(self, positions: Any, seqs: Any) -> None:
         """Begin a forward pass over a batch (``positions``, ``seqs``: ``[batch]`` integers).
         Each sequence's tokens, in batch order, must continue its positions (``seq_pos_max +

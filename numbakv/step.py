@@ -60,16 +60,38 @@ CPU twin, or the real kernel in the simulator) reading the same descriptor array
 those of the GPU path, so code written against a step runs unchanged on every device (the
 attention on ``cpu`` is :func:`numbakv.attention.attend`'s CPU kernel).
 
-Quantized K/V (both sides among :data:`CAPTURED_QUANT_TYPES`, formats may differ; rotated
-``kv_rotation`` included): each side's put is its quantize kernel (``quant_put``, or the
-row-per-thread rotating form) reading the descriptor's slots, and the attention dequantizes as
-it reads (per-layer float8 scales and the rotations fixed at capture).
+Quantized K/V (each quantized side among :data:`CAPTURED_QUANT_TYPES`, formats may differ;
+rotated ``kv_rotation`` included): a quantized side's put is its quantize kernel
+(``quant_put``, or the row-per-thread rotating form) reading the descriptor's slots, and the
+attention dequantizes as it reads (per-layer float8 scales and the rotations fixed at capture).
+A cache with one quantized side and one float side (llama.cpp's ``-ctk q8_0 -ctv f16``) stores
+its float side by the put kernel with the quantized side's arguments zero-width (no blocks for
+them): one launch per side, both reading the slots.
 
-Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): a cache with
-only one quantized side (its float side is stored by an indexed array copy, not by a kernel
-reading the slots), V-less (MLA) caches and per-sequence streams (``unified=False``); with
-attention also ``permuted_v`` and shapes the kernel does not take (more than 16 query heads per
-KV head, group x head_dim > 2048).
+A V-less MLA latent cache (``v_head_dim=0``): the put stores the latent rows (the value input
+is zero-width and gets no blocks), and the attention is MLA's absorbed form as
+:func:`numbakv.attention.attend` computes it: scores over the whole latent row, the value read
+as the first ``v_dim`` values of the same row (a strided view of the K pool in K's format:
+float, or whole q8_0 / q4_0 blocks, or float8 bytes; a rotated latent turned back in K's
+blocks), output ``[.., n_heads, v_dim]``.
+
+llama.cpp's per-sequence streams (``unified=False``, a :class:`numbakv.streams.StreamCache`):
+the descriptor's slots are pool cells (each token's stream offset plus the cell its stream
+placed it in), and the attention's page lists are the pass's page table over the pool, built
+on the host and copied into the fixed lists every replay (the device-side list growth follows
+one cell table; a stream cache has one per sequence).
+
+A :class:`numbakv.WrapperCache` (a cache per layer group, e.g. Gemma 3's sliding-window and
+full-attention layers) is captured as a :class:`WrapperStep`: one step per group cache (each
+group has its own cell table, so its own descriptor, lists and graph), replayed together after
+the wrapper's all-or-nothing ``start_forward``, ``put`` / ``attend`` routed by model layer.
+
+Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): FlashMLA's
+``fp8_ds_mla`` latent rows; with attention also ``permuted_v`` and shapes the kernel does not
+take (more than 16 query heads per KV head, or group x head_dim > 2048, with several KV heads).
+With one KV head (MQA, an MLA latent: DeepSeek's 16-128 heads on a 576-value latent) a larger
+group runs as several launches of at most that many heads (3 on a 576-value latent), each
+reading the layer's listed rows again: correct, but that many times the latent's bytes.
 """
 
 from __future__ import annotations
@@ -290,17 +312,29 @@ def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk,
 
 class Attention:
     """What a step captured with attention computes (fixed at capture): ``n_heads`` query
-    heads, ``scale`` on ``q . k``, ``soft_cap`` (None: none)."""
+    heads, ``scale`` on ``q . k``, ``soft_cap`` (None: none), ``v_dim`` values per output
+    head (the cache's ``v_head_dim``; on a V-less MLA latent cache the latent width: the
+    output is the absorbed form's weighted sum of each row's first ``v_dim`` values, as
+    :func:`numbakv.attention.attend` defines it) and ``latent`` (whether V is read from K)."""
 
-    __slots__ = ("n_heads", "scale", "soft_cap")
+    __slots__ = ("n_heads", "scale", "soft_cap", "v_dim", "latent", "per_launch")
 
-    def __init__(self, n_heads: int, scale: float, soft_cap: Optional[float]) -> None:
+    def __init__(self, n_heads: int, scale: float, soft_cap: Optional[float], v_dim: int,
+                 latent: bool = False, per_launch: Optional[int] = None) -> None:
         self.n_heads = n_heads
         self.scale = scale
         self.soft_cap = soft_cap
+        self.v_dim = v_dim
+        self.latent = latent
+        #: query heads per attention launch: all of them, or with one KV head (MQA, an MLA
+        #: latent) whose group is too large for the kernel's tiles, ranges of that many heads
+        #: (each launch reads the layer's listed rows again)
+        self.per_launch = n_heads if per_launch is None else per_launch
 
     def __repr__(self) -> str:
-        return f"Attention(n_heads={self.n_heads}, scale={self.scale}, soft_cap={self.soft_cap})"
+        return (f"Attention(n_heads={self.n_heads}, scale={self.scale}, soft_cap="
+                f"{self.soft_cap}, v_dim={self.v_dim}, latent={self.latent}, per_launch="
+                f"{self.per_launch})")
 
 
 class DecodeStep:
@@ -324,6 +358,9 @@ class DecodeStep:
         self.replays = 0
         self.graph = None
         self.attention = attention
+        # llama.cpp's per-sequence streams (unified=False): the slots are the pool's cells of
+        # each token's stream, the page lists rebuilt every replay (no device-side growth)
+        self._per_stream = not cfg.unified
         self._user_plans: dict = {}   # put(): one launch plan per (layer, input addresses)
         xp = storage.xp
         n_layers = len(self.layers)
@@ -378,9 +415,12 @@ class DecodeStep:
         n_layers, T, H = len(self.layers), self.batch, att.n_heads
         self.query = xp.zeros((n_layers, T, H, cfg.head_dim), np.float32)
         self._lse_scratch = xp.zeros((T, H), np.float32)     # attend(): LSE not returned
-        self.output = xp.zeros((n_layers, T, H, cfg.v_head_dim), np.float32)
+        self.output = xp.zeros((n_layers, T, H, att.v_dim), np.float32)
         self.lse = xp.zeros((n_layers, T, H), np.float32)
-        room = self.cache.n_cells * max(1, min(T, self.cache.cells.max_seqs))
+        # per-sequence streams: each list holds only its own stream's cells, so all the
+        # lists together hold at most every cell once
+        room = self.cache.n_cells if self._per_stream else \
+            self.cache.n_cells * max(1, min(T, self.cache.cells.max_seqs))
         self.kv_indices = xp.zeros(room, np.int32)
         self.kv_positions = xp.zeros(room, np.int32)
         # the extension's output, copied back into the fixed lists by the same kernel
@@ -403,16 +443,38 @@ class DecodeStep:
             unit = min(_decode.TILE, min_part)
         parts = max(1, min(parts, -(-self.cache.n_cells // min_part)))
         self._parts, self._min_part, self._part_unit = parts, min_part, unit
-        shape = (parts, T, H, cfg.v_head_dim) if parts > 1 else (1, 1, 1, 1)
+        shape = (parts, T, H, att.v_dim) if parts > 1 else (1, 1, 1, 1)
         self._part_acc = xp.zeros(shape, np.float32)
         self._part_ml = xp.zeros((2,) + shape[:1] + ((T, H) if parts > 1 else (1, 1)),
                                  np.float32)
 
+    def _attention_launches(self, i: int, desc_ptr: Optional[int], q: Any = None,
+                            out: Any = None, lse: Any = None) -> List[Tuple[dict, tuple]]:
+        """``(kw, args)`` of each launch of stored layer ``i``'s attention (see
+        :meth:`_attention_args`): one, or one per range of :attr:`Attention.per_launch` query
+        heads when the group is too large for the kernel's tiles (one KV head: MQA, an MLA
+        latent), each over views of the queries, outputs, LSE and split-K buffers."""
+        att = self.attention
+        q = self.query[i] if q is None else q
+        out = self.output[i] if out is None else out
+        lse = self.lse[i] if lse is None else lse
+        if att.per_launch >= att.n_heads:
+            return [self._attention_args(i, desc_ptr, q, out, lse)]
+        launches = []
+        for h0 in range(0, att.n_heads, att.per_launch):
+            h = slice(h0, min(h0 + att.per_launch, att.n_heads))
+            parts = (self._part_acc[:, :, h], self._part_ml[:, :, :, h]) \
+                if self._parts > 1 else None
+            launches.append(self._attention_args(i, desc_ptr, q[:, h], out[:, h], lse[:, h],
+                                                 parts))
+        return launches
+
     def _attention_args(self, i: int, desc_ptr: Optional[int], q: Any = None, out: Any = None,
-                        lse: Any = None):
+                        lse: Any = None, parts: Optional[tuple] = None):
         """The launch arguments of stored layer ``i``'s attention (:func:`numbakv.kernels.decode.
         launch_paged`), every per-pass input read from the descriptor and the fixed lists;
-        queries, outputs and LSE from the fixed buffers unless given (:meth:`attend`)."""
+        queries, outputs and LSE from the fixed buffers unless given (:meth:`attend`), the
+        split-K buffers likewise (``parts``)."""
         storage = self._storage
         att = self.attention
         cfg = self.cache.config
@@ -429,6 +491,14 @@ class DecodeStep:
         # a quantized side's uint8 rows in its format; a float side's raw bits
         kq = _decode.QUANT_FORMATS[storage._k_fmt] if storage.k_quantized else None
         vq = _decode.QUANT_FORMATS[storage._v_fmt] if storage.v_quantized else None
+        kw = dict(kscale=float(cfg.layer_scales("k")[i]), vscale=float(cfg.layer_scales("v")[i]),
+                  k_rotation=int(cfg.k_rotation), v_rotation=int(cfg.v_rotation))
+        if att.latent:
+            # MLA's absorbed form: V is the first v_dim values of each latent row, a strided
+            # view of K in K's format (whole blocks: checked at capture); rotated latents are
+            # turned back in K's blocks, as attend() does
+            vp, vq = kp[:, :, :_latent_bytes(cfg, att.v_dim)], kq
+            kw.update(vscale=kw["kscale"], v_rotation=kw["k_rotation"])
         kr, kf = _decode.raw_pool(kp.view(np.uint16) if bf16 and kq is None else kp,
                                   self.device, kq)
         vr, vf = _decode.raw_pool(vp.view(np.uint16) if bf16 and vq is None else vp,
@@ -436,8 +506,6 @@ class DecodeStep:
         if bf16:
             kf = _decode.FMT_BF16 if kq is None else kf
             vf = _decode.FMT_BF16 if vq is None else vf
-        kw = dict(kscale=float(cfg.layer_scales("k")[i]), vscale=float(cfg.layer_scales("v")[i]),
-                  k_rotation=int(cfg.k_rotation), v_rotation=int(cfg.v_rotation))
         return kw, (self.device, self.query[i] if q is None else q, kr, vr, kf, vf,
                 self.kv_indices, self.kv_positions, field(self._indptr_at, T + 2),
                 field(self._tok_at, T), field(self._pos_at, T),
@@ -446,7 +514,7 @@ class DecodeStep:
                 int(self.cache.chunk_size or 0), att.scale, att.soft_cap,
                 self._parts, 0, field(self._plen_at, 1),
                 self.output[i] if out is None else out, self.lse[i] if lse is None else lse,
-                self._part_acc, self._part_ml)
+                *(parts or (self._part_acc, self._part_ml)))
 
     def _list_launches(self, desc_ptr: Optional[int]) -> List[Any]:
         """The two launches of :func:`numbakv.kernels.decode.extend_lists` that bring the fixed
@@ -472,17 +540,54 @@ class DecodeStep:
         return [lambda a=a: _decode.extend_lists(self.device, *a) for a in (grow, back)]
 
     def _quant_put(self, i: int, key, value, slots) -> None:
-        """Stored layer ``i`` of a quantized cache: each side quantized into its rows by the
-        quantize kernel (:func:`numbakv.kernels.quant.put_launch`) at ``slots`` (the
-        descriptor's: a numpy view on cpu/sim, a :class:`Desc` on cuda; -1 skipped), read
-        when the kernel runs."""
+        """Stored layer ``i`` of a quantized cache: each quantized side quantized into its rows
+        by the quantize kernel (:func:`numbakv.kernels.quant.put_launch`), a float side (one
+        quantized side only, e.g. llama.cpp's ``-ctk q8_0 -ctv f16``) copied by the put kernel
+        (:meth:`_float_side_put`), both at ``slots`` (the descriptor's: a numpy view on
+        cpu/sim, a :class:`Desc` on cuda; -1 skipped), read when the kernel runs."""
         st = self._storage
+        cfg = self.cache.config
         on_device = self.device != "cpu"
-        for store, x, fmt, scales, rot in (
-                (st.keys, key, st._k_fmt, st._k_scales, self.cache.config.k_rotation),
-                (st.values, value, st._v_fmt, st._v_scales, self.cache.config.v_rotation)):
-            _quant.put_launch(self.device, store, i, x, slots, -1, fmt, scales, st.dtype, rot,
-                              slots_on_device=on_device)
+        for quantized, store, x, fmt, scales, rot in (
+                (st.k_quantized, st.keys, key, st._k_fmt, st._k_scales, cfg.k_rotation),
+                (st.v_quantized, st.values, value, st._v_fmt, st._v_scales, cfg.v_rotation)):
+            if quantized:
+                _quant.put_launch(self.device, store, i, x, slots, -1, fmt, scales, st.dtype,
+                                  rot, slots_on_device=on_device)
+        if not (st.k_quantized and st.v_quantized) and not cfg.v_less:
+            self._float_side_put(i, key, value, slots)
+
+    def _float_side_put(self, i: int, key, value, slots) -> None:
+        """The float side of stored layer ``i`` of a cache with one quantized side, by the put
+        kernel reading ``slots`` (as :meth:`_quant_put` passes them): the quantized side's
+        place in the kernel's arguments holds zero-width views of the float side's own arrays,
+        which get no blocks (:func:`numbakv.kernels.put.row_threads`), so one launch copies
+        the float side's rows and nothing else. (The eager ``KVStorage`` path stores this side
+        by an indexed array copy, whose cells are launch arguments: not replayable.)"""
+        st = self._storage
+        if not st.k_quantized:
+            dst = st._k_layers[i]
+            kd, vd, ks, vs, permuted = dst, dst[:, :, :0], key, key[:, :, :0], False
+        else:
+            dst = st._v_layers[i]
+            permuted = st.permuted and self.device != "cpu"   # cpu: already [cell, head, dim]
+            empty = dst[:, :0, :].transpose(2, 0, 1) if permuted else dst[:, :, :0]
+            kd, vd, ks, vs = empty, dst, value[:, :, :0], value
+        if self.device == "cpu":
+            _put.launch_cpu(kd, vd, slots, ks, vs)
+            return
+        if self.device == "sim":
+            _put.launch("sim", kd, vd, slots, ks, vs, permuted)
+            return
+        import cupy
+        ptrs = (int(kd.data.ptr), int(vd.data.ptr), int(slots.ptr), int(ks.data.ptr),
+                int(vs.data.ptr))
+        pkey = ("float side", i, ptrs, ks.shape, ks.strides, vs.shape, vs.strides)
+        plan = self._user_plans.get(pkey)
+        if plan is None:
+            plan = self._user_plans[pkey] = _put._CudaPut(
+                kd, vd, ks, vs, slots, permuted, cupy.cuda.runtime.getDevice())
+        plan.launch(ptrs, -1, cupy.cuda.get_current_stream().ptr)
 
     # ------------------------------------------------------------------ building
     def _record(self) -> List[Any]:
@@ -506,29 +611,38 @@ class DecodeStep:
                 out.append(lambda k_l=k_l, v_l=v_l, k_in=k_in, v_in=v_in:
                            _put.launch("sim", k_l, v_l, slots, k_in, v_in, storage.permuted))
             if self.attention is not None:
-                out.append(self._cpu_attention(i) if self.device == "cpu" else
-                           (lambda a=self._attention_args(i, None):
-                            _decode.launch_paged(*a[1], **a[0])))
+                if self.device == "cpu":
+                    out.append(lambda i=i: self._attend_cpu_into(self.layers[i], self.query[i],
+                                                                 self.output[i]))
+                else:
+                    out.extend(lambda a=a: _decode.launch_paged(*a[1], **a[0])
+                               for a in self._attention_launches(i, None))
         return out
 
-    def _cpu_attention(self, i: int):
-        """cpu: stored layer ``i``'s attention by :func:`numbakv.attention.attend` (the CPU
-        kernels; there is no CUDA kernel to run), into the same fixed output."""
-        def run():
-            import torch
-            attend = cpu_attend()
-            cache = self.cache
-            n = int(self.descriptor[0])
-            layer = cache._layer
-            cache.set_layer(self.layers[i])
-            try:
-                out = attend(torch.from_numpy(self.query[i, :n]), cache,
-                             scale=self.attention.scale, soft_cap=self.attention.soft_cap)
-            finally:
-                cache.set_layer(layer)
-            self.output[i, :n] = out.numpy()
-            self.output[i, n:] = 0
-        return run
+    def _attend_cpu_into(self, layer: int, q: np.ndarray, out: np.ndarray) -> None:
+        """cpu: model ``layer``'s attention of the pass's ``n`` tokens by the registered CPU
+        attention (:func:`numbakv.attention.attend`: the CPU kernels, there is no CUDA kernel to
+        run) over ``q[:n]`` (float32 ``[batch, n_heads, head_dim]``), written into ``out[:n]``
+        (float32 ``[batch, n_heads, v_head_dim]``) and zeros into ``out[n:]``; the cache's
+        current layer is put back afterwards. Both the replayed step and :meth:`attend` run
+        it."""
+        import torch
+        attend = cpu_attend()
+        cache = self.cache
+        n = int(self.descriptor[0])
+        current = cache._layer
+        cache.set_layer(layer)
+        try:
+            got = attend(torch.from_numpy(q[:n]), cache, scale=self.attention.scale,
+                         soft_cap=self.attention.soft_cap, **self._latent_kw())
+        finally:
+            cache.set_layer(current)
+        out[:n] = got.numpy()
+        out[n:] = 0
+
+    def _latent_kw(self) -> dict:
+        """The CPU attend's ``v_dim`` on an MLA latent cache (none otherwise)."""
+        return {"v_dim": self.attention.v_dim} if self.attention.latent else {}
 
     def _capture(self) -> None:
         """cuda: per stored layer a put plan whose slot array is the descriptor's, launched once
@@ -580,8 +694,9 @@ class DecodeStep:
                 plan.launch(ptrs, -1, stream.ptr)
             if self.attention is not None:
                 with stream:      # the launcher queues on CuPy's current stream
-                    kw, args = self._attention_args(i, int(self.descriptor.data.ptr))
-                    _decode.launch_paged(*args, **kw)
+                    for kw, args in self._attention_launches(i,
+                                                             int(self.descriptor.data.ptr)):
+                        _decode.launch_paged(*args, **kw)
 
     # ------------------------------------------------------------------ replay
     def _pinned(self, stream) -> list:
@@ -733,8 +848,8 @@ class DecodeStep:
         window pruning, other batch sequences) builds the pass's page table
         (``_host_pages``) and copies its lists into the fixed ones."""
         fwd = self.cache._forward
-        pages = self._write_descriptor(fwd.positions, fwd.seqs, int(fwd.start), stream,
-                                       fwd.slots, None, fwd)
+        positions, seqs, start, slots = self.cache._step_placement()
+        pages = self._write_descriptor(positions, seqs, start, stream, slots, None, fwd)
         if pages is not None:
             self._copy_lists(pages, stream)
 
@@ -743,8 +858,10 @@ class DecodeStep:
         hold the previous replay's lists and the cell table changed since only by this pass's
         placement; False (nothing usable written) otherwise."""
         held = self._lists_of
+        if held is None or self._per_stream:
+            return False
         cells = self.cache.cells
-        if held is None or self.device == "cpu" or fwd.reserve or held[0] is not cells \
+        if self.device == "cpu" or fwd.reserve or held[0] is not cells \
                 or fwd.cells_v0 != held[1] or cells.version != fwd.cells_v1:
             return False
         self._lists_of = None       # until the lists are known to be this pass's
@@ -768,7 +885,7 @@ class DecodeStep:
         first and last positions), when every list holds all its sequence's cells from its
         first listed position on (:func:`numbakv.pages.mark_extendable`); else nothing."""
         self._lists_of = None
-        if self.device == "cpu" or fwd.reserve:
+        if self.device == "cpu" or fwd.reserve or self._per_stream:
             return
         cells = self.cache.cells
         plans = pages.plans
@@ -801,6 +918,11 @@ class DecodeStep:
             raise KVCacheError("the cache is closed")
         self._count(positions)
         cache.start_forward(positions, seqs)
+        self._prepared()
+
+    def _prepared(self) -> None:
+        """:meth:`prepare` after ``start_forward`` (a :class:`WrapperStep` calls it per group
+        after the wrapper's ``start_forward``)."""
         try:
             with self._scope():
                 stream = self._stream()
@@ -867,8 +989,8 @@ class DecodeStep:
     def attend(self, layer: int, q: Any, out: Any) -> None:
         """Attention of ``q`` (float32 ``[batch, n_heads, head_dim]``, contiguous, on the
         cache's device) over model ``layer`` of the pass of the last :meth:`prepare` (or
-        :meth:`replay`), written into ``out`` (float32 ``[batch, n_heads, v_head_dim]``,
-        contiguous; rows past the pass's ``n`` tokens get zeros): for an engine that captures
+        :meth:`replay`), written into ``out`` (float32 ``[batch, n_heads, v_dim]``, ``v_dim``
+        the cache's ``v_head_dim`` or an MLA latent's value width, contiguous; rows past the pass's ``n`` tokens get zeros): for an engine that captures
         its own graph, after :meth:`put` of that layer (or of the layer it reuses). The kernel
         reads the pass's page lists, lengths and positions from the step's fixed buffers when
         it runs, so a call made while the engine captures a CUDA graph (on the cache's stream)
@@ -885,7 +1007,7 @@ class DecodeStep:
         if slot < 0:
             raise ValueError(f"layer {layer} has no K/V in this cache (layer_reuse)")
         xp = self._storage.xp
-        for name, x, dim in (("q", q, cfg.head_dim), ("out", out, cfg.v_head_dim)):
+        for name, x, dim in (("q", q, cfg.head_dim), ("out", out, att.v_dim)):
             want = (self.batch, att.n_heads, dim)
             if not isinstance(x, xp.ndarray) or np.dtype(x.dtype) != np.float32 or \
                     tuple(x.shape) != want or not x.flags.c_contiguous:
@@ -894,24 +1016,12 @@ class DecodeStep:
                                  f"{type(x).__name__} {getattr(x, 'dtype', None)} "
                                  f"{list(getattr(x, 'shape', ()))}")
         if self.device == "cpu":
-            import torch
-            attend = cpu_attend()
-            cache = self.cache
-            n = int(self.descriptor[0])
-            current = cache._layer
-            cache.set_layer(int(layer))
-            try:
-                got = attend(torch.from_numpy(q[:n]), cache, scale=att.scale,
-                             soft_cap=att.soft_cap)
-            finally:
-                cache.set_layer(current)
-            out[:n] = got.numpy()
-            out[n:] = 0
+            self._attend_cpu_into(int(layer), q, out)
             return
         ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
-        kw, args = self._attention_args(slot, ptr, q, out, self._lse_scratch)
         with self._scope():
-            _decode.launch_paged(*args, **kw)
+            for kw, args in self._attention_launches(slot, ptr, q, out, self._lse_scratch):
+                _decode.launch_paged(*args, **kw)
 
     def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
                v: Any = None) -> Any:
@@ -934,15 +1044,30 @@ class DecodeStep:
         cache = self.cache
         if cache.closed:
             raise KVCacheError("the cache is closed")
+        n = self._count(positions)
+        inputs = self._check_inputs(n, q, k, v)
+        cache.start_forward(positions, seqs)      # validates; all or nothing
+        return self._run(n, *inputs)
+
+    def _check_inputs(self, n: int, q: Any, k: Any, v: Any) -> tuple:
+        """``(q, k, v)`` of a replay of ``n`` tokens, checked (see :meth:`replay`)."""
         if q is not None and self.attention is None:
             raise ValueError("q must be None: this step was captured without attention "
                              "(capture_step(attend=False))")
-        n = self._count(positions)
-        cfg = cache.config
+        cfg = self.cache.config
         q_arr = self._check_query(q, n) if self.attention is not None else None
         k_arr = self._check_input(k, "k", n, cfg.head_dim)
         v_arr = self._check_input(v, "v", n, cfg.v_head_dim)
-        cache.start_forward(positions, seqs)      # validates; all or nothing
+        return q_arr, k_arr, v_arr
+
+    def _run_checked(self, n: int, inputs: tuple) -> Any:
+        """:meth:`_run` of :meth:`_check_inputs`' result (the interface a :class:`HybridStep`
+        drives a DecodeStep or a WrapperStep by)."""
+        return self._run(n, *inputs)
+
+    def _run(self, n: int, q_arr: Any, k_arr: Any, v_arr: Any) -> Any:
+        """:meth:`replay` after ``start_forward``: the descriptor (and lists) sent, the inputs
+        copied in, the graph launched (cpu/sim: the recorded launches run)."""
         try:
             with self._scope():
                 stream = self._stream()
@@ -1002,8 +1127,232 @@ class DecodeStep:
                 f"replays={self.replays})")
 
 
+class WrapperStep:
+    """A captured decode step of a :class:`numbakv.WrapperCache` (a cache per layer group, e.g.
+    Gemma 3's sliding-window layers beside its full-attention layers):
+    :meth:`numbakv.WrapperCache.capture_step`.
+
+    Each group cache has its own cell table, so its own slots and page lists: the step is one
+    :class:`DecodeStep` per group (:attr:`steps`, each with its own descriptor, fixed inputs
+    and, on ``cuda``, its own graph), driven together on the groups' streams.
+
+    :meth:`replay` ``(positions, seqs, q=None, k=None, v=None)`` does the wrapper's
+    ``start_forward`` (every group or none), then each group's half of
+    :meth:`DecodeStep.replay`; ``q`` / ``k`` / ``v`` are sequences with one entry per group
+    (what ``steps[g].replay`` takes for that group's stored layers; an entry None: written
+    into ``steps[g].query`` / ``key`` / ``value``), or None for every group. Returns the
+    per-group outputs (a list of ``steps[g].replay``'s, with attention; else None).
+
+    An engine that captures its own graph calls :meth:`prepare` before each replay and
+    :meth:`put` / :meth:`attend` per model layer (routed to the layer's group and its index
+    there, as ``WrapperCache.set_layer`` routes; needs the wrapper's ``layer_groups``).
+    """
+
+    def __init__(self, wrapper: Any, steps: List["DecodeStep"]) -> None:
+        self.cache = wrapper
+        self.steps = steps
+        self.batch = steps[0].batch
+        self.attention = steps[0].attention
+        self.device = steps[0].device
+        self.replays = 0
+
+    def _route(self, layer: Any) -> Tuple["DecodeStep", int]:
+        wrapper = self.cache
+        n = wrapper.n_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < n:
+            raise ValueError(f"layer must be an integer in [0, {n}), got {layer!r}")
+        if wrapper.layer_groups is None:
+            raise ValueError("the wrapper has no layer_groups (every cache sees every layer, "
+                             "set_layer_type picks one at run time): call steps[g].put / "
+                             "steps[g].attend of the group cache g that layer uses")
+        return self.steps[wrapper.layer_groups[layer]], int(wrapper._local[layer])
+
+    def _check_open(self) -> None:
+        for step in self.steps:
+            if step.cache.closed:
+                raise KVCacheError("the cache is closed")
+
+    def _per_group(self, x: Any, name: str) -> list:
+        g = len(self.steps)
+        if x is None:
+            return [None] * g
+        if isinstance(x, (list, tuple)) and len(x) == g:
+            return list(x)
+        raise ValueError(f"{name} must be None or a list of {g} entries, one per group cache "
+                         f"(each what steps[g].replay takes), got {type(x).__name__}")
+
+    def prepare(self, positions: Any, seqs: Any) -> None:
+        """:meth:`DecodeStep.prepare` for every group: the wrapper's ``start_forward`` (all
+        or nothing), then each group's descriptor (and page lists) sent on its stream."""
+        self._check_open()
+        self._count(positions)
+        self.cache.start_forward(positions, seqs)
+        self._prepared()
+
+    def _count(self, positions: Any) -> int:
+        return self.steps[0]._count(positions)
+
+    def _prepared(self) -> None:
+        for step in self.steps:
+            step._prepared()
+
+    def _check_inputs(self, n: int, q: Any, k: Any, v: Any) -> list:
+        qs, ks, vs = (self._per_group(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        return [step._check_inputs(n, qg, kg, vg)
+                for step, qg, kg, vg in zip(self.steps, qs, ks, vs)]
+
+    def _run_checked(self, n: int, inputs: list) -> Optional[List[Any]]:
+        outs = [step._run(n, *inp) for step, inp in zip(self.steps, inputs)]
+        self.replays += 1
+        return outs if self.attention is not None else None
+
+    def put(self, layer: int, key: Any, value: Any) -> None:
+        """:meth:`DecodeStep.put` of model ``layer`` (its group's step, its index there)."""
+        step, local = self._route(layer)
+        step.put(local, key, value)
+
+    def attend(self, layer: int, q: Any, out: Any) -> None:
+        """:meth:`DecodeStep.attend` of model ``layer`` (its group's step, its index there)."""
+        step, local = self._route(layer)
+        step.attend(local, q, out)
+
+    def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
+               v: Any = None) -> Optional[List[Any]]:
+        """Every group's step for a batch of ``n <= batch`` tokens (see the class
+        docstring); every input is checked before ``start_forward``, which raises like the
+        wrapper's with nothing changed."""
+        self._check_open()
+        n = self._count(positions)
+        inputs = self._check_inputs(n, q, k, v)
+        self.cache.start_forward(positions, seqs)      # every group or none
+        return self._run_checked(n, inputs)
+
+    def __repr__(self) -> str:
+        return f"WrapperStep(groups={len(self.steps)}, batch={self.batch}, replays={self.replays})"
+
+
+class HybridStep:
+    """A captured decode step of a :class:`numbakv.HybridCache` (attention K/V beside
+    recurrent state): :meth:`numbakv.HybridCache.capture_step`.
+
+    The attention half's step (:attr:`inner`: a :class:`DecodeStep`, or a
+    :class:`WrapperStep` for a ``WrapperCache`` half) is driven after the hybrid cache's own
+    ``start_forward``, so the recurrent half keeps its bookkeeping (positions, restore points:
+    the live-state copies a pass needs are queued eagerly on its stream, before the graph).
+    The recurrent layers' states are the model's to update: sequence ``s``'s live state is row
+    ``s`` of every state tensor (:meth:`numbakv.RecurrentCache.state_views`), and the batch's
+    sequence ids sit in the attention step's descriptor at a fixed address
+    (``descriptor[HEADER + 2 * batch:]``, -1 past ``n``), so a model's captured recurrent
+    kernels can read their rows there.
+
+    :meth:`replay` / :meth:`prepare` take what the inner step takes; :meth:`put` /
+    :meth:`attend` take the *model* layer (an attention layer: routed to its layer in the
+    attention half; a recurrent one is a ``ValueError``).
+    """
+
+    def __init__(self, hybrid: Any, inner: Any) -> None:
+        self.cache = hybrid
+        self.inner = inner
+        self.batch = inner.batch
+        self.attention = inner.attention
+        self.device = inner.device
+
+    @property
+    def replays(self) -> int:
+        return self.inner.replays
+
+    def _attention_layer(self, layer: Any) -> int:
+        hybrid = self.cache
+        n = hybrid.n_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < n:
+            raise ValueError(f"layer must be an integer in [0, {n}), got {layer!r}")
+        if hybrid.layer_kinds[layer] != "attention":
+            raise ValueError(f"layer {layer} is a recurrent layer (no K/V): its state is row "
+                             "seq of rc.state_views, updated by the model")
+        return int(hybrid._attn_of[layer])
+
+    def prepare(self, positions: Any, seqs: Any) -> None:
+        """The hybrid cache's ``start_forward`` (both halves, all or nothing), then the
+        attention step's descriptor (and page lists) sent on its stream."""
+        self.cache._check_open()
+        self.inner._count(positions)
+        self.cache.start_forward(positions, seqs)
+        self.inner._prepared()
+
+    def put(self, layer: int, key: Any, value: Any) -> None:
+        """The attention step's put of model ``layer``."""
+        self.inner.put(self._attention_layer(layer), key, value)
+
+    def attend(self, layer: int, q: Any, out: Any) -> None:
+        """The attention step's attend of model ``layer``."""
+        self.inner.attend(self._attention_layer(layer), q, out)
+
+    def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
+               v: Any = None) -> Any:
+        """The inner step's replay (inputs for the attention half's stored layers) after the
+        hybrid cache's ``start_forward``; every input checked first, nothing changed on a
+        refusal."""
+        self.cache._check_open()
+        n = self.inner._count(positions)
+        inputs = self.inner._check_inputs(n, q, k, v)
+        self.cache.start_forward(positions, seqs)
+        return self.inner._run_checked(n, inputs)
+
+    def __repr__(self) -> str:
+        return f"HybridStep({self.inner!r})"
+
+
+def _heads_per_launch(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int,
+                      batch: int) -> int:
+    """Query heads per launch of the captured attention: ``n_heads`` when the kernel takes
+    the group; with one KV head (MQA, an MLA latent: DeepSeek's 16-128 heads on a 576-value
+    latent) the most heads a launch's tiles hold (at most :data:`~numbakv.kernels.decode.
+    MAX_GROUP`, group x dims <= :data:`~numbakv.kernels.decode.MAX_GROUP_DIM`), each launch
+    reading the listed rows again; 0 when not even that fits."""
+    if _decode.fits(n_heads, n_kv_heads, head_dim, v_dim, batch):
+        return n_heads
+    if n_kv_heads != 1:
+        return 0
+    per = min(_decode.MAX_GROUP, _decode.MAX_GROUP_DIM // max(head_dim, v_dim, 1))
+    return per if per >= 1 and _decode.fits(per, 1, head_dim, v_dim, batch) else 0
+
+
+def _latent_bytes(cfg: Any, v_dim: int) -> int:
+    """Bytes of a latent row's first ``v_dim`` values in K's storage (whole q8_0 / q4_0
+    blocks; one per float8 value; elements of a float row)."""
+    if cfg.k_dtype in ("q8_0", "q4_0"):
+        return v_dim // 32 * (34 if cfg.k_dtype == "q8_0" else 18)
+    return v_dim
+
+
+def _check_latent_v_dim(cache: Any, v_dim: Any) -> int:
+    """The value width of an MLA latent cache's absorbed attention (``v_dim``, default the
+    cache's ``RopeShift.offset``, i.e. ``kv_lora_rank``), checked as the kernel reads it."""
+    cfg = cache.config
+    if v_dim is None:
+        v_dim = getattr(getattr(cache, "shift", None), "offset", 0)
+        if not v_dim:
+            raise ValueError("capture_step(attend=True) on a V-less (MLA) cache needs v_dim "
+                             "(the latent width kv_lora_rank) when the cache's shift is not a "
+                             "RopeShift with an offset")
+    if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or \
+            not 1 <= v_dim <= cfg.head_dim:
+        raise ValueError(f"v_dim must be an integer in [1, head_dim={cfg.head_dim}], got "
+                         f"{v_dim!r}")
+    if cfg.k_dtype in ("q8_0", "q4_0") and v_dim % 32:
+        raise NotSupportedError(f"capture_step(attend=True): v_dim={v_dim} must be a multiple "
+                                f"of 32 on a {cfg.k_dtype} latent (the kernel reads the value as "
+                                "the row's first whole blocks)")
+    if cfg.k_rotation and v_dim % cfg.k_rotation:
+        raise ValueError(f"v_dim={v_dim} must be a multiple of the latent's Walsh-Hadamard "
+                         f"block {cfg.k_rotation} (kv_rotation)")
+    return int(v_dim)
+
+
 def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
-                     scale: Any = None, soft_cap: Any = None,
+                     scale: Any = None, soft_cap: Any = None, v_dim: Any = None,
                      ) -> Tuple[int, Optional[Attention]]:
     """The checks of :meth:`~numbakv.CausalCache.capture_step`: ``(batch, attention)``
     (``attention`` None unless ``attend``)."""
@@ -1014,9 +1363,18 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
                          f"got {batch!r}")
     if not isinstance(attend, (bool, np.bool_)):
         raise ValueError(f"attend must be a bool, got {attend!r}")
-    if not attend and (n_heads is not None or scale is not None or soft_cap is not None):
-        raise ValueError("n_heads, scale and soft_cap describe the captured attention: pass "
-                         "them with attend=True")
+    if not attend and (n_heads is not None or scale is not None or soft_cap is not None
+                       or v_dim is not None):
+        raise ValueError("n_heads, scale, soft_cap and v_dim describe the captured attention: "
+                         "pass them with attend=True")
+    if v_dim is not None and not cfg.v_less:
+        raise ValueError(f"v_dim applies to V-less (v_head_dim=0) caches; this one stores V of "
+                         f"v_head_dim={cfg.v_head_dim}")
+    for side, quantized, dtype in (("k_dtype", cfg.k_quantized, cfg.k_dtype),
+                                   ("v_dtype", cfg.v_quantized, cfg.v_dtype)):
+        if quantized and dtype not in CAPTURED_QUANT_TYPES:
+            raise NotSupportedError(f"capture_step: a quantized {side} must be among "
+                                    f"{CAPTURED_QUANT_TYPES} to be captured, got {dtype!r}")
     att = None
     if attend:
         hkv = cfg.local_kv_heads
@@ -1040,31 +1398,26 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
             raise NotSupportedError("capture_step(attend=True): the paged attention kernel "
                                     "reads V as [n_cells, n_kv_heads, v_head_dim] "
                                     "(permuted_v=False)")
-        if not _decode.fits(int(n_heads), hkv, cfg.head_dim, cfg.v_head_dim, int(batch)):
+        out_dim = _check_latent_v_dim(cache, v_dim) if cfg.v_less else cfg.v_head_dim
+        per_launch = _heads_per_launch(int(n_heads), hkv, cfg.head_dim, out_dim, int(batch))
+        if not per_launch:
             raise NotSupportedError(
                 f"capture_step(attend=True): the paged attention kernel does not take "
                 f"n_heads={n_heads}, n_kv_heads={hkv}, head_dim={cfg.head_dim}, "
-                f"v_head_dim={cfg.v_head_dim} (at most {_decode.MAX_GROUP} query heads per KV "
-                f"head, group x head_dim <= {_decode.MAX_GROUP_DIM})")
+                f"{'v_dim' if cfg.v_less else 'v_head_dim'}={out_dim}, batch={batch} (at most "
+                f"{_decode.MAX_GROUP} query heads per KV head and group x head_dim <= "
+                f"{_decode.MAX_GROUP_DIM}; with one KV head, larger groups run as several "
+                f"launches when head_dim <= {_decode.MAX_GROUP_DIM})")
         att = Attention(int(n_heads), float(scale),
-                        None if soft_cap is None else float(soft_cap))
-    if cfg.v_less:
-        raise NotSupportedError("capture_step: a V-less (MLA) cache is not captured")
-    if cfg.k_quantized != cfg.v_quantized:
-        raise NotSupportedError(
-            f"capture_step: a cache with one quantized side (k_dtype={cfg.k_dtype!r}, "
-            f"v_dtype={cfg.v_dtype!r}) is not captured: its float side is stored by an indexed "
-            "array copy, not by a kernel reading the step's slots; quantize both or neither")
-    if cfg.k_quantized and not all(t in CAPTURED_QUANT_TYPES for t in (cfg.k_dtype,
-                                                                       cfg.v_dtype)):
-        raise NotSupportedError(f"capture_step: k_dtype/v_dtype must be among "
-                                f"{CAPTURED_QUANT_TYPES} to be captured, got "
-                                f"{cfg.k_dtype!r}/{cfg.v_dtype!r}")
+                        None if soft_cap is None else float(soft_cap), out_dim, cfg.v_less,
+                        per_launch)
     if cache.storage is None:
         raise NotSupportedError("capture_step needs a cache with its own K/V storage")
     return int(batch), att
 
 
-__all__ = ["Attention", "CAPTURED_QUANT_TYPES", "DecodeStep", "HEADER", "check_capturable",
+__all__ = ["Attention", "CAPTURED_QUANT_TYPES", "DecodeStep", "HEADER", "HybridStep",
+           "WrapperStep",
+           "check_capturable",
            "fill_attention",
            "fill_descriptor"]

@@ -88,6 +88,8 @@ class _StreamForward:
     n_kv: int = 0
     mask: Any = None
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
+    positions: Any = None      # int32 [batch], the batch as checked (a captured step's input)
+    seqs: Any = None           # int32 [batch]
 
 
 @dataclass
@@ -245,7 +247,7 @@ class StreamCache(CausalCache):
         consecutive = bool(n_b == 1 or np.all(np.diff(seq_ids) == 1))
         identity = n_b == 1
         self._forward = _StreamForward(seq_ids, qo_indptr, token_order, groups, bool(reserve),
-                                       consecutive, identity)
+                                       consecutive, identity, positions=pos, seqs=sq)
         return undo
 
     def _undo(self, undo: _StreamUndo) -> None:
@@ -584,12 +586,22 @@ class StreamCache(CausalCache):
         for stream in self.streams:
             stream.apply_pending_shifts()
 
-    def capture_step(self, batch: int, *, attend: bool = False) -> Any:
-        """Not captured for per-sequence streams (each stream places its tokens in its own
-        slice): ``NotSupportedError``, nothing changed."""
-        self._check_open()
-        raise NotSupportedError("capture_step: per-sequence streams (unified=False) are not "
-                                "captured; use a unified cache")
+    def _step_placement(self) -> Tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+        """Trusted (:class:`numbakv.step.DecodeStep`, after ``start_forward``): the pass's
+        ``(positions, seqs, 0, slots)``, ``slots`` int32 ``[batch]`` the pool cell of each
+        batch token (its stream's offset plus the cell its stream placed it in)."""
+        fwd = self._forward
+        slots = np.empty(len(fwd.token_order), np.int32)
+        for b, s in enumerate(fwd.seq_ids.tolist()):
+            sf = self.streams[s]._forward
+            idx = fwd.groups[b]
+            local = sf.slots if sf.slots is not None else \
+                sf.start + np.arange(len(idx), dtype=np.int32)
+            slots[idx] = self._stream_offset(s) + local
+        return fwd.positions, fwd.seqs, 0, slots
+
+    # capture_step is CausalCache's: a captured step's put reads pool cells from its
+    # descriptor (_step_placement), its attention the pass's page table over the pool
 
     def use_stream(self, stream: Any) -> None:
         """Queue every stream's GPU work on ``stream`` (see ``CausalCache.use_stream``): the

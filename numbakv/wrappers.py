@@ -221,6 +221,28 @@ class WrapperCache(StateMethods):
         for cache in self.caches:
             cache.use_stream(stream)
 
+    def capture_step(self, batch: int, *, attend: bool = False, n_heads: Optional[int] = None,
+                     scale: Optional[float] = None, soft_cap: Optional[float] = None,
+                     v_dim: Optional[int] = None) -> Any:
+        """A captured decode step over every group (:class:`numbakv.step.WrapperStep`): one
+        :meth:`CausalCache.capture_step` per group cache with these arguments (each group its
+        own descriptor, inputs and graph: its own cell table places its own cells), replayed
+        together after the wrapper's all-or-nothing ``start_forward``. Every group is checked
+        before any step is built; raises as ``CausalCache.capture_step`` (naming the group),
+        nothing changed."""
+        from .step import DecodeStep, WrapperStep, check_capturable
+        for cache in self.caches:
+            cache._check_open()
+        checked = []
+        for g, cache in enumerate(self.caches):
+            try:
+                checked.append(check_capturable(cache, batch, attend, n_heads, scale,
+                                                soft_cap, v_dim))
+            except (ValueError, NotSupportedError) as exc:
+                raise type(exc)(f"caches[{g}]: {exc}") from exc
+        return WrapperStep(self, [DecodeStep(cache, b, att)
+                                  for cache, (b, att) in zip(self.caches, checked)])
+
     def close(self) -> None:
         """Close every cache (frees their storage)."""
         for cache in self.caches:

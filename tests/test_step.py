@@ -183,13 +183,10 @@ def test_capture_checks(device):
         cache.capture_step(batch=2, attend=True, n_heads=2 * 17)     # a group of 17
     with pytest.raises(NotSupportedError, match="permuted_v"):
         nkv.CausalCache(_cfg(device, permuted=True)).capture_step(batch=2, attend=True)
-    streams = nkv.CausalCache(_cfg(device, unified=False))
-    with pytest.raises(NotSupportedError, match="streams"):
-        streams.capture_step(batch=2)
-    quant = nkv.CausalCache(nkv.CacheConfig(1, 1, 32, capacity=8, max_batch=4, k_dtype="q8_0",
-                                            device=device))
-    with pytest.raises(NotSupportedError, match="quantized"):
-        quant.capture_step(batch=2)
+    ds_mla = nkv.CausalCache(nkv.CacheConfig(1, 1, 576, v_head_dim=0, capacity=4, max_batch=4,
+                                             k_dtype="fp8_ds_mla", device=device))
+    with pytest.raises(NotSupportedError, match="fp8_ds_mla"):
+        ds_mla.capture_step(batch=2)
     cache.close()
     with pytest.raises(nkv.KVCacheError, match="closed"):
         cache.capture_step(batch=2)
@@ -484,6 +481,7 @@ def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
                                 **cache_kw)
     tdt = getattr(torch, dtype)
     D, Dv = reference.config.head_dim, reference.config.v_head_dim
+    Do = step.attention.v_dim      # Dv, or an MLA latent's value width
     gen = torch.Generator().manual_seed(3)
     for pos, seqs in steps or _att_steps():
         n = len(pos)
@@ -494,7 +492,7 @@ def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
             (lambda x: x.numpy())
         out = step.replay(pos, seqs, wrap(q), wrap(bits(k)), wrap(bits(v)))
         out = host(out)
-        assert out.shape == (2, n, 2, Dv) and out.dtype == np.float32
+        assert out.shape == (2, n, 2, Do) and out.dtype == np.float32
         assert not host(step.output)[:, n:].any()
         reference.start_forward(pos, seqs)
         for layer in range(2):
@@ -503,6 +501,8 @@ def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
             want = attend(q[layer].float(), reference, scale=0.5, soft_cap=3.0).numpy()
             np.testing.assert_allclose(out[layer], want, rtol=tol, atol=tol)
     np.testing.assert_array_equal(host(cache.storage.keys), np.asarray(reference.storage.keys))
+    np.testing.assert_array_equal(host(cache.storage.values),
+                                  np.asarray(reference.storage.values))
     return cache, step
 
 
@@ -699,3 +699,436 @@ def test_engine_attend_after_prepare_and_put(device, small_blocks):
     with pytest.raises(ValueError, match="attend=True"):
         nkv.CausalCache(nkv.CacheConfig(**cfg, device=device)).capture_step(
             batch=3).attend(0, q_dev, out)
+
+
+# ------------------------------------------------------------------ one quantized side
+
+def _wrap_for(device):
+    """The step's inputs on ``device`` (numpy -> CuPy, torch -> its cuda tensor on a GPU)."""
+    def wrap(x):
+        if device != "cuda":
+            return x
+        return dev(x, device) if isinstance(x, np.ndarray) else x.cuda()
+    return wrap
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("variant", ["q8_0-k-bf16-v", "f16-k-q4_0-v"])
+def test_captured_step_with_one_quantized_side(device, variant, small_blocks):
+    """One quantized side and one float side (llama.cpp's ``-ctk q8_0 -ctv f16``): the
+    quantized side by its quantize kernel, the float side by the put kernel, both reading the
+    descriptor's slots; the attention reads each side in its own format. Replays over 2
+    sequences growing past page boundaries store the bytes start_forward + put store and
+    return what attend returns on a CPU cache; padding rows stay zero."""
+    dtype, cfg_kw = {"q8_0-k-bf16-v": ("bfloat16", dict(head_dim=32, k_dtype="q8_0")),
+                     "f16-k-q4_0-v": ("float16", dict(v_head_dim=32, v_dtype="q4_0"))}[variant]
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype=dtype,
+                                                device=device))
+        return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
+                                         soft_cap=3.0)
+    _check_attention(make_step, cfg_kw, {}, dtype, _wrap_for(device),
+                     2e-6 if device == "cpu" else 2e-5, steps=_att_steps()[:3])
+
+
+def _one_quantized_side_cfg(device):
+    """q4_0 keys, float16 values in the permuted layout (the float side's put then writes
+    cells of ``[n_kv_heads, v_head_dim, n_cells]``)."""
+    return nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=32, v_head_dim=4, k_dtype="q4_0",
+                           capacity=8, max_seqs=2, max_batch=2, permuted_v=True, device=device)
+
+
+def _replay_puts(cache, step, wrap, n_steps=3):
+    """Replays of a put-only step with 1-2 tokens of 2 sequences; the same tokens through
+    start_forward + put on a CPU twin, whose storage is returned."""
+    cfg = cache.config
+    twin = nkv.CausalCache(cfg.replace(device="cpu"))
+    rng = np.random.default_rng(17)
+    plan = [((0, 0), (0, 1)), ((1,), (1,)), ((1, 2), (0, 1))][:n_steps]
+    for pos, seqs in plan:
+        pos, seqs = np.array(pos, np.int32), np.array(seqs, np.int32)
+        n = len(pos)
+        k = rng.standard_normal((2, n, 2, cfg.head_dim)).astype(np.float16)
+        v = rng.standard_normal((2, n, 2, cfg.v_head_dim)).astype(np.float16)
+        step.replay(pos, seqs, None, wrap(k), wrap(v))
+        twin.start_forward(pos, seqs)
+        for layer in range(2):
+            twin.set_layer(layer)
+            twin.put(k[layer], v[layer])
+    return twin
+
+
+def test_one_quantized_side_with_permuted_float_values(device):
+    """The float side's put into permuted V (a quantized K beside it): replays store exactly
+    what start_forward + put store (put only: the paged attention reads V unpermuted)."""
+    cache = nkv.CausalCache(_one_quantized_side_cfg(device))
+    step = cache.capture_step(batch=2)
+    twin = _replay_puts(cache, step, lambda x: dev(x, device))
+    np.testing.assert_array_equal(host(cache.storage.keys), twin.storage.keys)
+    np.testing.assert_array_equal(host(cache.storage.values), twin.storage.values)
+
+
+def test_cuda_step_with_one_quantized_side_is_one_graph(fake_gpu):
+    """cuda (stand-in CuPy, kernels in the simulator): per layer the graph holds the quantize
+    kernel of the quantized side and one put of the float side, both reading the descriptor;
+    replays launch no kernel from the host and store what a CPU cache stores."""
+    cp, launches = fake_gpu
+    cache = fake_cuda_cache(cp, _one_quantized_side_cfg("cpu"), 0x61)
+    step = cache.capture_step(batch=2)
+    names = [n for n, _ in launches]
+    assert len(step.graph.nodes) == 2 * 2
+    assert names.count("put_kv_kernel") == 2 * 2        # eager + captured, one per layer
+    launches.clear()
+    cp.log.clear()
+    twin = _replay_puts(cache, step, lambda x: FakeDeviceArray(x, cp))
+    assert not launches
+    assert [e[0] for e in cp.log].count("graph_launch") == 3
+    assert all(e[1] == 0x61 for e in cp.log if e[0] in ("h2d", "d2d", "graph_launch"))
+    np.testing.assert_array_equal(host(cache.storage.keys), twin.storage.keys)
+    np.testing.assert_array_equal(host(cache.storage.values), twin.storage.values)
+
+
+# ------------------------------------------------------------------ MLA latent (V-less) caches
+
+def _mla_shift(rank):
+    return nkv.RopeShift(base=10000.0, dim=ATT_MLA[rank]["head_dim"] - rank, offset=rank)
+
+
+#: V-less latent rows: kv_lora_rank + rope dims in one "head" (n_kv_heads=1, as ATT); by rank
+ATT_MLA = {8: dict(head_dim=16, v_head_dim=0), 64: dict(head_dim=96, v_head_dim=0)}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("variant", ["bf16-latent", "q8_0-rotated-latent",
+                                     "bf16-latent-head-per-launch"])
+def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_blocks,
+                                                        monkeypatch):
+    """A V-less MLA latent cache (v_head_dim=0) captured with attention: the put stores the
+    latent rows (v zero-width), the attention is the absorbed form (scores over the whole row,
+    the value the row's first kv_lora_rank values, read from K in K's format: bfloat16, or
+    q8_0 blocks rotated by llama.cpp's rule -- queries rotated, output turned back in the
+    latent's blocks of 32). Replays over 2 sequences growing past page boundaries store the bytes
+    start_forward + put store and return what attend returns on a CPU cache. A group too
+    large for the kernel's tiles (forced here: tiles of 16 values) runs as a launch per range
+    of heads (DeepSeek's 16-128 heads on a 576-value latent)."""
+    if variant.endswith("per-launch"):
+        from numbakv.kernels import decode
+        monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
+    dtype, rank, extra = {"bf16-latent": ("bfloat16", 8, {}),
+                          "bf16-latent-head-per-launch": ("bfloat16", 8, {}),
+                          # float32: the CPU attend reads a quantized latent through get(),
+                          # which dequantizes into the cache dtype (float16 would round the
+                          # reference; the kernel dequantizes into float32 registers)
+                          "q8_0-rotated-latent": ("float32", 64, dict(k_dtype="q8_0"))
+                          }[variant]
+    cfg_kw = {**ATT_MLA[rank], **extra}
+    cache_kw = dict(shift=_mla_shift(rank))
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype=dtype,
+                                                device=device), **cache_kw)
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        assert step.attention.latent and step.attention.v_dim == rank
+        assert step.attention.per_launch == (1 if variant.endswith("per-launch") else 2)
+        assert step.value.shape[-1] == 0
+        return cache, step
+    _check_attention(make_step, cfg_kw, cache_kw, dtype, _wrap_for(device),
+                     2e-6 if device == "cpu" else 2e-5,
+                     steps=_att_steps()[:2 if variant.endswith("per-launch") else 3])
+
+
+def test_mla_capture_checks(device):
+    """v_dim is checked (and only taken with attention on a V-less cache); a q8_0 latent's
+    value must be whole blocks; each refusal leaves the cache as it was."""
+    mla = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **ATT_MLA[64]}, k_dtype="q8_0",
+                                          kv_rotation="off", device=device),
+                          shift=_mla_shift(64))
+    with pytest.raises(ValueError, match="attend=True"):
+        mla.capture_step(batch=2, v_dim=32)
+    for bad in (0, 97, 2.0, True):
+        with pytest.raises(ValueError, match="v_dim"):
+            mla.capture_step(batch=2, attend=True, v_dim=bad)
+    with pytest.raises(NotSupportedError, match="multiple of 32"):
+        mla.capture_step(batch=2, attend=True, v_dim=16)
+    # one KV head: a group larger than the kernel's tiles runs as several launches
+    assert mla.capture_step(batch=2, attend=True, n_heads=32).attention.per_launch == 16
+    wide = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "head_dim": 4096, "v_head_dim": 0},
+                                           device=device), shift=nkv.RopeShift(dim=64,
+                                                                               offset=4032))
+    with pytest.raises(NotSupportedError, match="head_dim=4096"):    # not even one head fits
+        wide.capture_step(batch=2, attend=True)
+    no_offset = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **ATT_MLA[8]}, device=device))
+    with pytest.raises(ValueError, match="needs v_dim"):
+        no_offset.capture_step(batch=2, attend=True)
+    assert no_offset.capture_step(batch=2, attend=True, v_dim=8).output.shape[-1] == 8
+    with pytest.raises(ValueError, match="V-less"):
+        nkv.CausalCache(_cfg(device)).capture_step(batch=2, attend=True, v_dim=4)
+    assert mla.n_used == 0 and mla._forward is None
+
+
+def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
+    """cuda (stand-in CuPy, kernels in the simulator): a V-less latent cache's step is one
+    graph of, per layer, the put and the attention reading V as a strided view of K -- here
+    a launch per query head (tiles of 16 values forced) with a 2-part split-K each, merged on
+    views of the split buffers; replays equal the CPU attend."""
+    from numbakv.kernels import decode
+    from numbakv.step import DecodeStep, check_capturable
+    cp, launches = fake_gpu
+    monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
+    monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
+    cfg_kw = dict(ATT_MLA[8])
+    cache_kw = dict(shift=_mla_shift(8))
+
+    def make_step():
+        cache = fake_cuda_cache(cp, nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
+                                                    device="cpu"), 0x61, **cache_kw)
+        step = DecodeStep(cache, *check_capturable(cache, 3, True, 2, 0.5, 3.0), split=(2, 2))
+        assert step.attention.per_launch == 1 and step._parts == 2
+        # the list launches, then per layer the put and per head the attention and merge
+        assert len(step.graph.nodes) == 2 + 2 * (1 + 2 * 2)
+        launches.clear()
+        cp.log.clear()
+        return cache, step
+    _, step = _check_attention(make_step, cfg_kw, cache_kw, "float32",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
+                               steps=_att_steps()[:2])
+    assert [e[0] for e in cp.log].count("graph_launch") == step.replays == 2
+    assert not [n for n, _ in launches if n.startswith("paged")]   # only the graph's
+
+
+# ------------------------------------------------------------------ per-sequence streams
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_stream_cache_replays_store_what_direct_puts_store(device, permuted):
+    """llama.cpp's per-sequence streams (``unified=False``, its default): each token's slot
+    in the descriptor is its stream's pool cell; replays of 2-3 tokens with two removals
+    between them leave the pool and every stream's
+    cell table as start_forward + put leave them."""
+    def drive(use_step):
+        cache = nkv.CausalCache(_cfg(device, permuted=permuted, unified=False, capacity=7,
+                                     cache_padding=1))
+        rng = np.random.default_rng(31)
+        step = cache.capture_step(batch=4) if use_step else None
+        for i, (pos, seqs) in enumerate(_steps()[:9]):     # two removals
+            _edit(cache, i)
+            k, v = (dev(x, device) for x in _kv(rng, len(pos)))
+            if use_step:
+                step.replay(pos, seqs, None, k, v)
+            else:
+                cache.start_forward(pos, seqs)
+                for layer in range(SHAPE["n_layers"]):
+                    cache.set_layer(layer)
+                    cache.put(k[layer], v[layer])
+        return cache
+    replayed, direct = drive(True), drive(False)
+    np.testing.assert_array_equal(host(replayed.storage.keys), host(direct.storage.keys))
+    np.testing.assert_array_equal(host(replayed.storage.values), host(direct.storage.values))
+    for a, b in zip(replayed.streams, direct.streams):
+        np.testing.assert_array_equal(a.cells.cells, b.cells.cells)
+
+
+@pytest.mark.torch
+def test_captured_stream_cache_attention_equals_the_cpu_attend(device, small_blocks):
+    """Per-sequence streams with attention: each replay's page lists are the pass's page
+    table over the pool (each stream's cells offset into it, rebuilt every replay: the
+    device-side growth follows one cell table), under a sliding window; replays over 2
+    sequences return what start_forward + put + attend return on a CPU stream cache."""
+    cfg_kw = dict(unified=False, page_size=1, capacity=6)
+    cache_kw = dict(swa_window=3)
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float16",
+                                                device=device), **cache_kw)
+        assert type(cache).__name__ == "StreamCache"
+        return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
+                                         soft_cap=3.0)
+    _check_attention(make_step, cfg_kw, cache_kw, "float16", _wrap_for(device),
+                     2e-6 if device == "cpu" else 2e-5)
+
+
+# ------------------------------------------------------------------ per-layer layouts
+
+def _gemma_like(device):
+    """Gemma 3's layout in miniature: a sliding-window cache for model layers 0 and 2, a full
+    one for layer 1 (layer_groups [0, 1, 0])."""
+    swa = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 2}, dtype="float32",
+                                          device=device), swa_window=3)
+    full = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 1}, dtype="float32",
+                                           device=device))
+    return nkv.WrapperCache([swa, full], layer_groups=[0, 1, 0])
+
+
+@pytest.mark.torch
+def test_wrapper_cache_step_equals_the_cpu_attend(device, small_blocks):
+    """A WrapperCache (a cache per layer group) captured as one step per group, driven
+    together: replays (per-group inputs) and an engine's prepare + put + attend per model
+    layer (routed to the layer's group) store what start_forward + put store and return what
+    attend returns on a CPU wrapper, the sliding-window group under its own window."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    wrapper, reference = _gemma_like(device), _gemma_like("cpu")
+    step = wrapper.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+    assert [len(s.layers) for s in step.steps] == [2, 1]
+    gen = torch.Generator().manual_seed(41)
+    where = [(0, 0), (1, 0), (0, 1)]            # model layer -> (group, stored layer there)
+    out = dev(np.zeros((3, 2, 4), np.float32), device)
+    for i, (pos, seqs) in enumerate(_att_steps()[:2]):
+        n = len(pos)
+        k = torch.randn(3, n, 1, 8, generator=gen)
+        v = torch.randn(3, n, 1, 4, generator=gen)
+        q = torch.randn(3, n, 2, 8, generator=gen)
+        if i != 1:      # a replay: each group's inputs in its stored-layer order
+            outs = step.replay(pos, seqs, [q[[0, 2]].numpy(), q[[1]].numpy()],
+                               [k[[0, 2]].numpy(), k[[1]].numpy()],
+                               [v[[0, 2]].numpy(), v[[1]].numpy()])
+            got = [host(outs[g][j]) for g, j in where]
+        else:           # an engine's own loop (its graph on a GPU): rows past n are padding
+            step.prepare(pos, seqs)
+            got = []
+            for layer in range(3):
+                pad = (lambda x: dev(np.concatenate(
+                    [x.numpy(), np.zeros((3 - n,) + tuple(x.shape[1:]), np.float32)]), device))
+                step.put(layer, pad(k[layer]), pad(v[layer]))
+                step.attend(layer, pad(q[layer]), out)
+                got.append(host(out)[:n].copy())
+        reference.start_forward(pos, seqs)
+        for layer in range(3):
+            reference.set_layer(layer)
+            reference.put(k[layer], v[layer])
+            want = attend(q[layer], reference, scale=0.5, soft_cap=3.0).numpy()
+            np.testing.assert_allclose(got[layer], want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(wrapper.caches, reference.caches):
+        np.testing.assert_array_equal(host(a.storage.keys), b.storage.keys)
+        np.testing.assert_array_equal(host(a.storage.values), b.storage.values)
+        np.testing.assert_array_equal(a.cells.cells, b.cells.cells)
+
+
+def test_wrapper_and_paired_capture_checks(device):
+    """Refusals name the group; a per-group input list of the wrong length, or a bad layer,
+    is a ValueError before anything is placed; a PairedCache captures its two halves' puts
+    and refuses attention (DeepSeek's sparse attention is not the dense kernel)."""
+    swa = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 2}, device=device))
+    permuted = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 1}, permuted_v=True,
+                                               device=device))
+    wrapper = nkv.WrapperCache([swa, permuted], layer_groups=[0, 1, 0])
+    with pytest.raises(NotSupportedError, match=r"caches\[1\].*permuted_v"):
+        wrapper.capture_step(batch=2, attend=True)
+    step = wrapper.capture_step(batch=2)
+    k = [np.zeros((2, 1, 1, 8), np.float16), np.zeros((1, 1, 1, 8), np.float16)]
+    v = [np.zeros((2, 1, 1, 4), np.float16), np.zeros((1, 1, 1, 4), np.float16)]
+    with pytest.raises(ValueError, match="one per group"):
+        step.replay(np.array([0], np.int32), np.array([0], np.int32), None, k[:1], v)
+    with pytest.raises(ValueError, match="layer must be"):
+        step.put(3, k[0][0], v[0][0])
+    assert swa._forward is None and swa.n_used == 0
+    step.replay(np.array([0], np.int32), np.array([0], np.int32), None,
+                [dev(x, device) for x in k], [dev(x, device) for x in v])
+    assert swa.n_used == permuted.n_used == 1 and step.steps[1].replays == 1
+    main = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=16, v_head_dim=0, capacity=4,
+                           max_batch=2, device=device)
+    pair = nkv.PairedCache(main, main.replace(head_dim=8))
+    with pytest.raises(NotSupportedError, match="sparse attention"):
+        pair.capture_step(batch=2, attend=True)
+    rows = [np.ones((2, 1, 1, 16), np.float16), np.full((2, 1, 1, 8), 2, np.float16)]
+    pair.capture_step(batch=2).replay(np.array([0], np.int32), np.array([0], np.int32), None,
+                                      [dev(x[:, :1], device) for x in rows], None)
+    assert host(pair.main.storage.keys)[:, pair.main._forward.start].min() == 1
+    assert host(pair.indexer.storage.keys)[:, pair.indexer._forward.start].min() == 2
+
+
+def _hybrid(device):
+    """A hybrid model's cache in miniature: model layers recurrent, attention, recurrent,
+    attention (the attention half ATT-shaped, float32)."""
+    attn = nkv.CausalCache(nkv.CacheConfig(**ATT, dtype="float32", device=device))
+    rc = nkv.RecurrentCache(nkv.RecurrentConfig(2, [nkv.StateSpec("ssm", (2, 2), "float32")],
+                                                max_seqs=2, device=device))
+    return nkv.HybridCache(attn, rc, ["recurrent", "attention", "recurrent", "attention"])
+
+
+@pytest.mark.torch
+def test_hybrid_cache_step_keeps_the_recurrent_bookkeeping(device, small_blocks):
+    """A HybridCache's step: the attention half's step driven after the hybrid cache's own
+    start_forward (so the recurrent half's positions move with it), put / attend routed by
+    model layer (a recurrent layer refused), the batch's sequence ids in the descriptor for
+    the model's recurrent kernels; outputs equal attend on a CPU hybrid cache. A bare
+    RecurrentCache has no put to capture and says so."""
+    torch = pytest.importorskip("torch")
+    from numbakv.attention import attend
+    hc, reference = _hybrid(device), _hybrid("cpu")
+    step = hc.capture_step(batch=3, attend=True, n_heads=2, scale=0.5)
+    gen = torch.Generator().manual_seed(43)
+    out = dev(np.zeros((3, 2, 4), np.float32), device)
+    for i, (pos, seqs) in enumerate(_att_steps()[:2]):
+        n = len(pos)
+        k = torch.randn(2, n, 1, 8, generator=gen)
+        v = torch.randn(2, n, 1, 4, generator=gen)
+        q = torch.randn(2, n, 2, 8, generator=gen)
+        if i == 0:
+            got = host(step.replay(pos, seqs, q.numpy(), k.numpy(), v.numpy()))
+        else:           # an engine's own loop over model layers 1 and 3
+            step.prepare(pos, seqs)
+            with pytest.raises(ValueError, match="recurrent layer"):
+                step.put(0, dev(np.zeros((3, 1, 8), np.float32), device),
+                         dev(np.zeros((3, 1, 4), np.float32), device))
+            got = []
+            for j, layer in enumerate((1, 3)):
+                pad = (lambda x: dev(np.concatenate(
+                    [x.numpy(), np.zeros((3 - n,) + tuple(x.shape[1:]), np.float32)]), device))
+                step.put(layer, pad(k[j]), pad(v[j]))
+                step.attend(layer, pad(q[j]), out)
+                got.append(host(out)[:n].copy())
+        d = host(step.inner.descriptor)
+        np.testing.assert_array_equal(d[HEADER + 6:HEADER + 6 + n], seqs)
+        reference.start_forward(pos, seqs)
+        for j, layer in enumerate((1, 3)):
+            reference.set_layer(layer)
+            reference.put(k[j], v[j])
+            want = attend(q[j], reference.attn, scale=0.5).numpy()
+            np.testing.assert_allclose(got[j], want, rtol=1e-5, atol=1e-5)
+        for s in (0, 1):
+            assert hc.rc.seq_pos_max(s) == reference.rc.seq_pos_max(s)
+    np.testing.assert_array_equal(host(hc.attn.storage.keys), reference.attn.storage.keys)
+    with pytest.raises(NotSupportedError, match="no put to capture"):
+        hc.rc.capture_step(batch=2)
+
+
+def test_cuda_stream_cache_step_with_attention(fake_gpu, monkeypatch):
+    """cuda (stand-in CuPy, kernels in the simulator) with per-sequence streams: one graph
+    (the two list launches, then per layer a put and the attention), each replay's descriptor, page-table
+    upload and list copies on the cache's stream with no host wait, outputs equal to the CPU
+    attend of a CPU stream cache, pool bytes equal."""
+    from numbakv import streams
+    from numbakv.device import HOST_WAITS
+    from numbakv.kernels import decode
+    from numbakv.storage import KVStorage
+    cp, launches = fake_gpu
+    monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
+    cfg_kw = dict(unified=False, page_size=1, capacity=6)
+    waits = {}
+
+    def make_step():
+        # the stand-in's pool: a cuda storage over host memory (as fake_cuda_cache builds)
+        with monkeypatch.context() as m:
+            m.setenv("NUMBAKV_WARM_UP", "0")
+            m.setattr(streams, "KVStorage", lambda cfg, n, device: KVStorage(cfg, n, "cuda"))
+            cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
+                                                    device="cpu"), swa_window=3)
+        cache.device, cache._xp = "cuda", cp
+        cache.use_stream(cp.cuda.ExternalStream(0x61))
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        assert len(step.graph.nodes) == 2 * 2 + 2
+        cp.log.clear()
+        launches.clear()
+        waits.update(HOST_WAITS)
+        return cache, step
+    _, step = _check_attention(make_step, cfg_kw, dict(swa_window=3), "float32",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
+                               steps=_att_steps()[:2])
+    assert HOST_WAITS == waits
+    kinds = [e[0] for e in cp.log]
+    for sync in ("stream_sync", "event_sync", "device_sync", "asnumpy"):
+        assert sync not in kinds
+    assert all(e[1] == 0x61 for e in cp.log if e[0] in ("h2d", "d2d", "graph_launch"))
+    assert kinds.count("graph_launch") == step.replays == 2
+    assert not [n for n, _ in launches if n.startswith("paged")]     # only the graph's

@@ -253,3 +253,56 @@ def test_consumers_on_other_streams_read_after_a_slow_cache_stream():
     consumer.synchronize()
     assert torch.all(seen == 3.0)
     assert torch.allclose(out.float(), torch.full_like(out.float(), 3.0))
+
+
+#: the cache kinds a step captures beside float K/V (issue 35 session 4): one quantized side
+#: (q8_0 keys, float16 values) and a V-less MLA latent (the value input zero-width)
+_CAPTURED_KINDS = {
+    "one-quantized-side": (dict(n_layers=2, n_kv_heads=1, head_dim=32, v_head_dim=4,
+                                k_dtype="q8_0", kv_rotation="off"), {}),
+    "mla-latent": (dict(n_layers=2, n_kv_heads=1, head_dim=16, v_head_dim=0),
+                   dict(shift=nkv.RopeShift(base=10000.0, dim=8, offset=8)))}
+
+
+@pytest.mark.parametrize("kind", sorted(_CAPTURED_KINDS))
+def test_new_captured_kinds_order_on_the_cache_stream(fake_gpu, kind):
+    """A step of each newly captured kind: the replay imports its DLPack inputs on the cache's
+    stream before the graph launch, sends and launches everything there; an engine's own
+    put/attend after prepare() launch their kernels (quantize kernel, float-side put,
+    attention) on the cache's stream; a consumer on another stream then waits on it."""
+    cfg_kw, cache_kw = _CAPTURED_KINDS[kind]
+    cfg = nkv.CacheConfig(**cfg_kw, dtype="float16", capacity=8, max_seqs=2, max_batch=2,
+                          device="cpu")
+    cache = fake_cuda_cache(cp := fake_gpu[0], cfg, CACHE, **cache_kw)
+    timeline = fake_gpu[1]
+    step = cache.capture_step(batch=2, attend=True, n_heads=2)
+    rng = np.random.default_rng(7)
+    D, Dv = cfg.head_dim, cfg.v_head_dim
+    k = rng.standard_normal((2, 2, 1, D)).astype(np.float16)
+    v = rng.standard_normal((2, 2, 1, Dv)).astype(np.float16)
+    q = rng.standard_normal((2, 2, 2, D)).astype(np.float32)
+    timeline.clear()
+    step.replay(np.array([0, 0], np.int32), np.array([0, 1], np.int32),
+                FakeDeviceArray(q, cp), _TorchLikeOnGPU(k), _TorchLikeOnGPU(v))
+    imports = [e for e in timeline if e[0] == "from_dlpack"]
+    assert imports and all(e == ("from_dlpack", CACHE) for e in imports)
+    assert _index(timeline, ("from_dlpack",)) < _index(timeline, ("graph_launch",))
+    assert all(e[1] == CACHE for e in timeline if e[0] in ("h2d", "d2d", "graph_launch"))
+    assert not [e for e in timeline if e[0] == "launch"]           # only the graph's
+    # an engine's own graph: prepare, then put and attend per layer on the cache's stream
+    timeline.clear()
+    step.prepare(np.array([1], np.int32), np.array([0], np.int32))
+    out = FakeDeviceArray(np.zeros((2, 2, step.attention.v_dim), np.float32), cp)
+    with cache.storage.stream:
+        for layer in range(2):
+            step.put(layer, step.key[layer], step.value[layer])
+            step.attend(layer, step.query[layer], out)
+    launched = [e for e in timeline if e[0] == "launch"]
+    names = {e[1] for e in launched}
+    assert "paged_attention_kernel" in names and all(e[2] == CACHE for e in launched), launched
+    if kind == "one-quantized-side":
+        assert {"quant_put_kernel", "put_kv_kernel"} <= names
+    timeline.clear()
+    cache.storage.order_before(types.SimpleNamespace(cuda_stream=0x99))
+    assert [e for e in timeline if e[0] in ("record", "wait")] == \
+        [("record", CACHE), ("wait", 0x99, CACHE)]

@@ -117,7 +117,10 @@ def put_rows(dst, src, slots, start, i, step):
 
 def row_threads(batch: int, heads: int, words: int) -> int:
     """Threads :func:`put_rows` uses for a ``[batch, heads, words]`` space: a warp per row, or
-    one per word of a single row."""
+    one per word of a single row; none for a zero-width side (a V-less cache's V, or the
+    quantized side of a captured step's float-side put), which then gets no blocks."""
+    if heads * words == 0:
+        return 0
     return heads * words if batch == 1 else batch * WARP
 
 
