@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 from llvmlite import ir
@@ -105,6 +105,8 @@ _PID = os.getpid()
 #: exp(x) for x below this is a float32 denormal (or 0): such weights are flushed to exactly 0,
 #: because arithmetic on denormals runs ~100x slower on x86 and changes nothing visible
 _EXP_FLUSH = -87.0
+#: the CPU kernel's pool formats for plain K/V: (kfmt, vfmt, kscale, vscale, v_dim)
+_PLAIN_FORMATS = (0, 0, 1.0, 1.0, 0)
 
 
 def _torch():
@@ -223,30 +225,13 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         soft_cap = float(soft_cap)
         if not soft_cap > 0:
             raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
-    permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
-    # quantized K/V: the cell pool holds raw blocks. numbakv's kernels read them as they are
-    # (dequantized per tile, never copied out): on the CPU the numba kernel, on CUDA the batched
-    # paged kernel when the shape fits it; elsewhere get() dequantizes the range
-    quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
-    # (an MLA latent cache, whose V is a view of K, keeps get(): no V rows of its own)
-    formats = _pool_formats(src) if quantized and not latent_v else None
-    if formats is not None and on_cuda and (permuted or not _decode_kernel.fits(
-            q.shape[1], cfg.local_kv_heads, cfg.head_dim, cfg.v_head_dim, batch)):
-        formats = None                    # a shape the GPU kernel does not take: get()
-    gpu_kernel = False
-    if backend == "auto":
-        backend = ("torch" if formats is not None else "dense") if quantized else \
-            "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
-        # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
-        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v \
-            and getattr(src, "storage", None) is not None
-    elif quantized and backend != "dense" and not (backend == "torch" and formats is not None):
-        raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
-                         f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
-                         "backend='dense' or 'auto'")
+    route = _attend_route(src, q.shape[1], batch, backend, latent_v, on_cuda)
+    backend, formats, permuted, quantized = route.backend, route.formats, route.permuted, \
+        route.quantized
+    gpu_kernel = route.gpu_kernel
     if on_cuda and not gpu_kernel:
         _after_cache(torch, src, q)
-    if getattr(cfg, "k_rotation", 0) or getattr(cfg, "v_rotation", 0):
+    if route.rotated:
         # llama.cpp's rotated quantized K/V: the cache holds H k and H v (get() hands them out
         # as stored), so the queries are rotated like the keys ((H q) . (H k) = q . k) and the
         # output, H times the true one, is turned back (H @ H = I); float32 in between
@@ -311,37 +296,100 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
                         cfg.dtype == "bfloat16")
 
 
+class _Route(NamedTuple):
+    """What :func:`attend` runs for a pass's layer (:func:`_attend_route`)."""
+
+    backend: str                  # the backend "auto" resolved to (or the one asked for)
+    formats: Optional[tuple]      # a quantized pool numbakv's kernels read as stored, else None
+    permuted: bool                # V stored [n_kv_heads, v_head_dim, n_cells]
+    quantized: bool               # the pool holds quantized blocks
+    gpu_kernel: bool              # CUDA: numbakv's batched paged kernel (no FlashInfer)
+    rotated: bool                 # llama.cpp's rotated K/V: queries and output turned around
+
+    @property
+    def cpu_pool_kernel(self) -> bool:
+        """Whether the pass's plain K/V pool is read by the torch backend (on the CPU: numbakv's
+        kernel, where :func:`_kernel_plan` takes the sequences)."""
+        return self.backend == "torch" and self.formats is None and not self.quantized \
+            and not self.rotated and not self.gpu_kernel
+
+
+def _attend_route(src: Any, n_heads: int, batch: int, backend: str, latent_v: int,
+                  on_cuda: bool) -> _Route:
+    """The dispatch decision of :func:`attend` (for ``q`` of ``n_heads`` heads and ``batch``
+    tokens over attention cache ``src``): which backend, reading which pool format. The one
+    place it is made: ``attend`` and the trusted per-pass route of numbakv.hf's dispatcher
+    (:func:`_cpu_pass_route`) both follow it, so they cannot drift apart. Raises ``ValueError``
+    for a backend that cannot read the pool."""
+    cfg = src.config
+    permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
+    # quantized K/V: the cell pool holds raw blocks. numbakv's kernels read them as they are
+    # (dequantized per tile, never copied out): on the CPU the numba kernel, on CUDA the batched
+    # paged kernel when the shape fits it; elsewhere get() dequantizes the range
+    quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
+    # (an MLA latent cache, whose V is a view of K, keeps get(): no V rows of its own)
+    formats = _pool_formats(src) if quantized and not latent_v else None
+    if formats is not None and on_cuda and (permuted or not _decode_kernel.fits(
+            n_heads, cfg.local_kv_heads, cfg.head_dim, cfg.v_head_dim, batch)):
+        formats = None                    # a shape the GPU kernel does not take: get()
+    gpu_kernel = False
+    if backend == "auto":
+        backend = ("torch" if formats is not None else "dense") if quantized else \
+            "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
+        # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
+        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v \
+            and getattr(src, "storage", None) is not None
+    elif quantized and backend != "dense" and not (backend == "torch" and formats is not None):
+        raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
+                         f"(k_dtype={cfg.k_dtype!r}, v_dtype={cfg.v_dtype!r}): use "
+                         "backend='dense' or 'auto'")
+    rotated = bool(getattr(cfg, "k_rotation", 0) or getattr(cfg, "v_rotation", 0))
+    return _Route(backend, formats, permuted, quantized, gpu_kernel, rotated)
+
+
 def _cpu_pass_route(cache: Any, n_heads: int) -> Optional[tuple]:
     """Trusted (numbakv.hf's dispatcher, once per forward pass and attention cache): when
-    ``attend(q, cache)`` on a CPU cache of plain K/V (not quantized, rotated or latent) would run
-    the CPU kernel over every sequence of the pass, ``(host, plan, permuted, bf16)`` for
-    :func:`_attend_cpu_routed`; else None (the caller uses ``attend``). The page table and
-    plan are the pass's, shared by every layer of the cache; only the pool and ``q`` differ."""
+    ``attend(q, cache)`` (``q`` of ``n_heads`` heads, backend "auto") on a CPU cache would run
+    the CPU kernel over every sequence of the pass (:func:`_attend_route` decides, as for
+    ``attend``), ``(host, plan, permuted, bf16)`` for :func:`_attend_cpu_routed`; else None
+    (the caller uses ``attend``). The page table and plan are the pass's, shared by every layer
+    of the cache; only the pool and ``q`` differ."""
     src = getattr(cache, "_attention_cache", None)
     if src is None or src.device != "cpu" or _KERNEL_TOKENS < 1:
         return None
     cfg = src.config
-    if getattr(getattr(src, "storage", None), "quantized", False) \
-            or getattr(cfg, "k_rotation", 0) or getattr(cfg, "v_rotation", 0) \
-            or not getattr(cfg, "v_head_dim", 0) or n_heads % cfg.local_kv_heads:
-        return None
+    if not getattr(cfg, "v_head_dim", 0) or n_heads % cfg.local_kv_heads:
+        return None                       # latent rows: attend reads a view of K as V
     host = cache._host_pages()
+    route = _attend_route(src, n_heads, host.q_positions.shape[0], "auto", 0, False)
+    if not route.cpu_pool_kernel:
+        return None
     plan = _kernel_plan(host, n_heads, cfg.dtype != "float32")
     if not plan["any"] or plan["rest"]:
         return None
-    permuted = bool(getattr(cfg, "permuted_v", False)) and hasattr(src, "storage")
-    return host, plan, permuted, cfg.dtype == "bfloat16"
+    return host, plan, route.permuted, cfg.dtype == "bfloat16"
 
 
-def _attend_cpu_routed(q: Any, cache: Any, route: tuple, scale: float,
-                       soft_cap: Optional[float]) -> Any:
-    """``attend(q, cache, scale=scale, soft_cap=soft_cap)`` along a :func:`_cpu_pass_route`
-    (trusted: ``q [batch, n_heads, head_dim]`` on the CPU in the cache's dtype, the current
-    layer's cache the one the route was made for) -> ``[batch, n_heads, v_head_dim]``."""
-    torch = _torch()
+def _routed_layer_pools(cache: Any, layer: int, route: tuple) -> tuple:
+    """Trusted (with :func:`_cpu_pass_route`): ``(key_pool, value_pool, v_dim)`` the CPU kernel
+    reads for model ``layer`` of ``cache`` (a layer of the attention cache ``route`` was made
+    for), as host arrays (16-bit rows as their uint16 bits). Views of the storage's arrays,
+    which never move while the storage lives: a caller may keep them across passes as long as
+    the layer's cache keeps its ``storage``."""
+    kp, vp = (_host_pool(x) for x in cache.layer_pool(layer))
+    return kp, vp, int(vp.shape[1] if route[2] else vp.shape[2])
+
+
+def _attend_cpu_routed(q: np.ndarray, pools: tuple, route: tuple, scale: float,
+                       soft_cap: Optional[float]) -> np.ndarray:
+    """``attend(q, cache, scale=scale, soft_cap=soft_cap)`` along a :func:`_cpu_pass_route`, in
+    host arrays (trusted: ``q`` float32 ``[batch, n_heads, head_dim]`` C-contiguous, the
+    pass's queries rounded to the cache's dtype as ``attend`` would; ``pools`` the layer's
+    :func:`_routed_layer_pools`) -> float32 ``[batch, n_heads, v_head_dim]``, a fresh array
+    (``attend`` returns it in the cache's dtype)."""
     host, plan, permuted, bf16 = route
-    res = _cpu_kernel(q, host, plan, cache.layer_pool(), scale, soft_cap, permuted, bf16)
-    return torch.from_numpy(res).to(q.dtype)
+    kp, vp, dv = pools
+    return plan["run"].run(q, kp, vp, dv, scale, soft_cap, _PLAIN_FORMATS, bf16, permuted)
 
 
 def _after_cache(torch, src: Any, q: Any) -> None:
@@ -1202,57 +1250,146 @@ def _attend_pool_parallel(items, merges, q, kpool, vpool, bf16, vperm, kfmt, vfm
                           part_l)
 
 
+@njit(cache=True)
+def _plan_items(qo_indptr, kv_indptr, limit, short_cells, short_tokens, parallel_work, min_part,
+                n_heads, threads):
+    """The work of :func:`_kernel_plan` in one compiled pass over the page table's ``qo_indptr``
+    / ``kv_indptr`` (int32 ``[n_b + 1]``): ``(items int64 [n_items, 4] (sequence, first cell,
+    end cell, part row or -1), merges int64 [n_merges, 2] (item range of a split sequence),
+    part_rows, mine bool [n_b] (the sequences the kernel computes), parallel)``. A split
+    sequence's parts end at ``np.linspace(c0, c1, n_parts + 1)`` truncated, as numpy computes
+    it."""
+    nb = qo_indptr.shape[0] - 1
+    mine = np.empty(nb, np.bool_)
+    work = 0
+    total = 0
+    n_mine = 0
+    for b in range(nb):
+        count = np.int64(qo_indptr[b + 1] - qo_indptr[b])
+        cells = np.int64(kv_indptr[b + 1] - kv_indptr[b])
+        m = count <= limit or (cells <= short_cells and count <= short_tokens)
+        mine[b] = m
+        if m:
+            work += cells * count
+            total += cells
+            n_mine += 1
+    parallel = work * n_heads >= parallel_work
+    split = parallel and 1 < threads and n_mine < 2 * threads
+    parts = np.ones(nb, np.int64)
+    n_items = 0
+    n_merges = 0
+    for b in range(nb):
+        if not mine[b]:
+            continue
+        if split:
+            cells = np.int64(kv_indptr[b + 1] - kv_indptr[b])
+            share = np.ceil(cells * (2 * threads) / max(1, total))
+            n_p = min(share, np.float64(cells // min_part))
+            parts[b] = max(np.int64(n_p), 1)
+        n_items += parts[b]
+        if parts[b] > 1:
+            n_merges += 1
+    items = np.empty((n_items, 4), np.int64)
+    merges = np.empty((n_merges, 2), np.int64)
+    k = 0
+    m = 0
+    row = 0
+    for b in range(nb):
+        if not mine[b]:
+            continue
+        c0 = np.int64(kv_indptr[b])
+        c1 = np.int64(kv_indptr[b + 1])
+        n_p = parts[b]
+        if n_p == 1:
+            items[k, 0] = b
+            items[k, 1] = c0
+            items[k, 2] = c1
+            items[k, 3] = -1
+            k += 1
+            continue
+        merges[m, 0] = k
+        merges[m, 1] = k + n_p
+        m += 1
+        step = (c1 - c0) / n_p
+        count = np.int64(qo_indptr[b + 1] - qo_indptr[b])
+        for p in range(n_p):
+            items[k, 0] = b
+            items[k, 1] = np.int64(p * step + c0)
+            items[k, 2] = c1 if p + 1 == n_p else np.int64((p + 1) * step + c0)
+            items[k, 3] = row
+            row += count * n_heads
+            k += 1
+    return items, merges, row, mine, parallel
+
+
+class _KernelRun:
+    """The arguments of one pass's CPU kernel call that every layer shares (the page table's
+    arrays, the mask rule, the plan's items; built once per plan): a layer adds its query,
+    pools and output (:meth:`run`)."""
+
+    __slots__ = ("fn", "items", "merges", "lists", "part_rows")
+
+    def __init__(self, host: HostPages, plan: dict) -> None:
+        rule = host.rule
+        # a child forked from a process that ran the threaded kernel runs it on one thread
+        self.fn = _attend_pool_parallel if plan["parallel"] and os.getpid() == _PID \
+            else _attend_pool
+        self.items, self.merges, self.part_rows = plan["items"], plan["merges"], \
+            plan["part_rows"]
+        self.lists = (host.kv_indices, host.kv_positions, host.qo_indptr, host.token_order,
+                      host.q_positions, rule.causal, int(rule.window), int(rule.chunk))
+
+    def run(self, qn: np.ndarray, kp, vp, dv: int, scale: float, soft_cap,
+            formats: tuple = _PLAIN_FORMATS, bf16: bool = False,
+            permuted: bool = False) -> np.ndarray:
+        """float32 ``[T, H, dv]`` (a fresh array: the caller may hand it out) for ``qn``
+        (float32 ``[T, H, D]``, C-contiguous) over the host pools ``kp``/``vp``."""
+        res = np.empty((qn.shape[0], qn.shape[1], dv), np.float32)
+        n_part = self.part_rows
+        part_acc = np.empty((n_part, dv), np.float32)
+        part_ml = np.empty((2, n_part), np.float32)
+        kf, vf, ks, vs, _ = formats
+        lists = self.lists
+        self.fn(self.items, self.merges, qn, kp, vp, bf16, permuted, kf, vf, np.float32(ks),
+                np.float32(vs), lists[0], lists[1], lists[2], lists[3], lists[4], lists[5],
+                lists[6], lists[7], np.float32(scale),
+                np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc,
+                part_ml[0], part_ml[1])
+        return res
+
+
 def _kernel_plan(host: HostPages, n_heads: int, half: bool, everything: bool = False) -> dict:
     """The CPU kernel's work for this pass (planned once per forward pass, kept in
     ``host.plans``): the sequences it computes (``_KERNEL_TOKENS`` and the limits after it;
     ``half``: 16-bit storage), as items (a whole list, or - when there are fewer sequences than
     twice numba's threads and the work is parallel - parts of at least ``_MIN_PART`` cells,
     merged afterwards). ``everything``: every sequence (a quantized pool no other path reads).
-    """
+    ``plan["run"]``: the kernel call's shared arguments (:class:`_KernelRun`)."""
     limit = (1 << 62) if everything else _KERNEL_TOKENS_16BIT if half else _KERNEL_TOKENS
     key = ("kernel", limit, _SHORT_CELLS, _SHORT_TOKENS, _PARALLEL_WORK, _MIN_PART, n_heads)
     plan = host.plans.get(key)
     if plan is not None:
         return plan
-    counts = np.diff(host.qo_indptr).astype(np.int64)
-    lens = np.diff(host.kv_indptr).astype(np.int64)
-    mine = (counts <= limit) | ((lens <= _SHORT_CELLS) & (counts <= _SHORT_TOKENS))
-    seqs = np.flatnonzero(mine)
-    rest = np.flatnonzero(~mine).tolist()
-    rows = None
-    if rest and len(seqs):
-        rows = np.concatenate([host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
-                               for b in seqs.tolist()]).astype(np.int64)
-    # arithmetic: listed cells x queries x query heads
-    work = int((lens[mine] * counts[mine]).sum()) * n_heads
-    parallel = work >= _PARALLEL_WORK
-    parts = np.ones(len(seqs), np.int64)
+    args = (host.qo_indptr, host.kv_indptr, limit, _SHORT_CELLS, _SHORT_TOKENS, _PARALLEL_WORK,
+            _MIN_PART, n_heads)
+    # planned for one thread first: numba.get_num_threads() starts numba's thread pool, which
+    # only parallel work may do (an idle pool slows torch's own threads in the same process)
+    items, merges, row, mine, parallel = _plan_items(*args, 1)
     if parallel:
         threads = numba.get_num_threads()
-        if 1 < threads and len(seqs) < 2 * threads:
-            share = lens[seqs] * (2 * threads) / max(1, int(lens[seqs].sum()))
-            parts = np.clip(np.minimum(np.ceil(share), lens[seqs] // _MIN_PART), 1,
-                            None).astype(np.int64)
-    n_items = int(parts.sum())
-    items = np.empty((n_items, 4), np.int64)
-    merges = []
-    k = 0
-    row = 0
-    for b, n_p in zip(seqs.tolist(), parts.tolist()):
-        c0, c1 = int(host.kv_indptr[b]), int(host.kv_indptr[b + 1])
-        if n_p == 1:
-            items[k] = (b, c0, c1, -1)
-            k += 1
-            continue
-        merges.append((k, k + n_p))
-        edges = np.linspace(c0, c1, n_p + 1).astype(np.int64)
-        for p in range(n_p):
-            items[k] = (b, edges[p], edges[p + 1], row)
-            row += int(counts[b]) * n_heads
-            k += 1
-    plan = {"items": items, "merges": np.array(merges, np.int64).reshape(-1, 2),
-            "part_rows": row, "rest": rest, "rows": rows, "parallel": parallel,
-            "any": n_items > 0}
+        if threads > 1:
+            items, merges, row, mine, parallel = _plan_items(*args, threads)
+    rest = []
+    rows = None
+    if items.shape[0] < mine.shape[0] or not mine.all():
+        rest = np.flatnonzero(~mine).tolist()
+        seqs = np.flatnonzero(mine).tolist()
+        if rest and seqs:
+            rows = np.concatenate([host.token_order[host.qo_indptr[b]:host.qo_indptr[b + 1]]
+                                   for b in seqs]).astype(np.int64)
+    plan = {"items": items, "merges": merges, "part_rows": int(row), "rest": rest,
+            "rows": rows, "parallel": bool(parallel), "any": items.shape[0] > 0}
+    plan["run"] = _KernelRun(host, plan)
     host.plans[key] = plan
     return plan
 
@@ -1266,27 +1403,14 @@ def _host_pool(x):
 
 
 def _cpu_kernel(q, host: HostPages, plan: dict, pools, scale: float, soft_cap, permuted: bool,
-                bf16: bool, formats: tuple = (0, 0, 1.0, 1.0, 0)) -> np.ndarray:
+                bf16: bool, formats: tuple = _PLAIN_FORMATS) -> np.ndarray:
     """float32 ``[batch, H, Dv]``: the rows of the plan's sequences' tokens from
     :func:`_attend_pool` (other rows undefined)."""
     kp, vp = (_host_pool(x) for x in pools)
     qn = q.detach().float().contiguous().numpy()
-    H = qn.shape[1]
-    kf, vf, ks, vs, v_dim = formats
-    dv = v_dim if vf else vp.shape[1] if permuted else vp.shape[2]   # quantized: row bytes
-    res = np.empty((qn.shape[0], H, dv), np.float32)
-    n_part = plan["part_rows"]
-    part_acc = np.empty((n_part, dv), np.float32)
-    part_ml = np.empty((2, n_part), np.float32)
-    rule = host.rule
-    fn = _attend_pool_parallel if plan["parallel"] and os.getpid() == _PID else _attend_pool
-    fn(plan["items"], plan["merges"], qn, kp, vp, bf16, permuted, kf, vf, np.float32(ks),
-       np.float32(vs), host.kv_indices,
-       host.kv_positions, host.qo_indptr, host.token_order, host.q_positions, rule.causal,
-       int(rule.window), int(rule.chunk), np.float32(scale),
-       np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc, part_ml[0],
-       part_ml[1])
-    return res
+    v_dim = formats[4]
+    dv = v_dim if formats[1] else vp.shape[1] if permuted else vp.shape[2]  # quantized: bytes
+    return plan["run"].run(qn, kp, vp, dv, scale, soft_cap, formats, bf16, permuted)
 
 
 #: quantized storage types the CPU kernel reads in place (kernels.quant's block formats)

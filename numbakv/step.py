@@ -612,31 +612,33 @@ class DecodeStep:
                            _put.launch("sim", k_l, v_l, slots, k_in, v_in, storage.permuted))
             if self.attention is not None:
                 if self.device == "cpu":
-                    out.append(self._cpu_attention(i))
+                    out.append(lambda i=i: self._attend_cpu_into(self.layers[i], self.query[i],
+                                                                 self.output[i]))
                 else:
                     out.extend(lambda a=a: _decode.launch_paged(*a[1], **a[0])
                                for a in self._attention_launches(i, None))
         return out
 
-    def _cpu_attention(self, i: int):
-        """cpu: stored layer ``i``'s attention by :func:`numbakv.attention.attend` (the CPU
-        kernels; there is no CUDA kernel to run), into the same fixed output."""
-        def run():
-            import torch
-            attend = cpu_attend()
-            cache = self.cache
-            n = int(self.descriptor[0])
-            layer = cache._layer
-            cache.set_layer(self.layers[i])
-            try:
-                out = attend(torch.from_numpy(self.query[i, :n]), cache,
-                             scale=self.attention.scale, soft_cap=self.attention.soft_cap,
-                             **self._latent_kw())
-            finally:
-                cache.set_layer(layer)
-            self.output[i, :n] = out.numpy()
-            self.output[i, n:] = 0
-        return run
+    def _attend_cpu_into(self, layer: int, q: np.ndarray, out: np.ndarray) -> None:
+        """cpu: model ``layer``'s attention of the pass's ``n`` tokens by the registered CPU
+        attention (:func:`numbakv.attention.attend`: the CPU kernels, there is no CUDA kernel to
+        run) over ``q[:n]`` (float32 ``[batch, n_heads, head_dim]``), written into ``out[:n]``
+        (float32 ``[batch, n_heads, v_head_dim]``) and zeros into ``out[n:]``; the cache's
+        current layer is put back afterwards. Both the replayed step and :meth:`attend` run
+        it."""
+        import torch
+        attend = cpu_attend()
+        cache = self.cache
+        n = int(self.descriptor[0])
+        current = cache._layer
+        cache.set_layer(layer)
+        try:
+            got = attend(torch.from_numpy(q[:n]), cache, scale=self.attention.scale,
+                         soft_cap=self.attention.soft_cap, **self._latent_kw())
+        finally:
+            cache.set_layer(current)
+        out[:n] = got.numpy()
+        out[n:] = 0
 
     def _latent_kw(self) -> dict:
         """The CPU attend's ``v_dim`` on an MLA latent cache (none otherwise)."""
@@ -1059,19 +1061,7 @@ class DecodeStep:
                                  f"{type(x).__name__} {getattr(x, 'dtype', None)} "
                                  f"{list(getattr(x, 'shape', ()))}")
         if self.device == "cpu":
-            import torch
-            attend = cpu_attend()
-            cache = self.cache
-            n = int(self.descriptor[0])
-            current = cache._layer
-            cache.set_layer(int(layer))
-            try:
-                got = attend(torch.from_numpy(q[:n]), cache, scale=att.scale,
-                             soft_cap=att.soft_cap, **self._latent_kw())
-            finally:
-                cache.set_layer(current)
-            out[:n] = got.numpy()
-            out[n:] = 0
+            self._attend_cpu_into(int(layer), q, out)
             return
         ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
         with self._scope():

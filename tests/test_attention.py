@@ -345,3 +345,105 @@ def test_decode_kernel_exp_matches_libm():
     want = np.exp(x.astype(np.float64))
     assert np.max(np.abs(got - want) / want) < 4e-7
     assert got[-4] == 1.0
+
+
+ROUTE_CASES = {
+    # plain K/V: the trusted route runs the CPU kernel, as attend does
+    "float32": (dict(), True),
+    "bfloat16": (dict(dtype="bfloat16"), True),
+    "permuted_v": (dict(permuted_v=True), True),
+    # attend reads these another way (kernel over quantized blocks, rotation around it):
+    # the trusted route must decline and leave them to attend
+    "q8_0": (dict(k_dtype="q8_0", v_dtype="q8_0", head_dim=32), False),
+    "rotated": (dict(k_dtype="q8_0", v_dtype="q8_0", head_dim=64, kv_rotation="on"), False),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTE_CASES))
+def test_trusted_cpu_route_follows_attends_dispatch(name):
+    """numbakv.hf's dispatcher plans a pass once (attention._cpu_pass_route) and then runs the
+    CPU kernel per layer (_attend_cpu_routed): it takes that route exactly where attend's own
+    dispatch decision (_attend_route, shared by both) picks the CPU kernel for every sequence,
+    and its output equals attend's."""
+    import torch
+    kw, routed = ROUTE_CASES[name]
+    kw = dict(kw)
+    head_dim = kw.pop("head_dim", 8)
+    cfg = nkv.CacheConfig(2, 2, head_dim, capacity=40, max_seqs=2, max_batch=16, device="cpu",
+                          **{"dtype": "float32", **kw})
+    cache = nkv.CausalCache(cfg)
+    g = torch.Generator().manual_seed(0)
+    tdt = getattr(torch, cfg.dtype)
+    for positions, seqs in (([0, 1, 2, 0, 1], [0, 0, 0, 1, 1]), ([3, 2], [0, 1])):
+        cache.start_forward(np.array(positions, np.int32), np.array(seqs, np.int32))
+        n = len(positions)
+        for layer in range(2):
+            cache.set_layer(layer)
+            cache.put(torch.randn(n, 2, head_dim, generator=g).to(tdt),
+                      torch.randn(n, 2, head_dim, generator=g).to(tdt))
+        route = attention._cpu_pass_route(cache, 4)
+        decision = attention._attend_route(cache, 4, n, "auto", 0, False)
+        assert (route is not None) == routed == decision.cpu_pool_kernel
+        q = torch.randn(n, 4, head_dim, generator=g).to(tdt)
+        for layer in range(2):
+            cache.set_layer(layer)
+            want = attend(q, cache, scale=0.3, soft_cap=None)
+            if route is not None:
+                pools = attention._routed_layer_pools(cache, layer, route)
+                got = attention._attend_cpu_routed(q.float().numpy(), pools, route, 0.3, None)
+                assert got.dtype == np.float32 and got.shape == tuple(want.shape)
+                torch.testing.assert_close(torch.from_numpy(got).to(tdt), want, rtol=0, atol=0)
+    # 3 query heads over 2 KV heads: attend refuses it, the route declines (attend then says why)
+    assert attention._cpu_pass_route(cache, 3) is None
+
+
+def _reference_plan(qo_indptr, kv_indptr, limit, n_heads, threads):
+    """The kernel plan as numpy computed it before _plan_items (the reference)."""
+    counts = np.diff(qo_indptr).astype(np.int64)
+    lens = np.diff(kv_indptr).astype(np.int64)
+    mine = (counts <= limit) | ((lens <= attention._SHORT_CELLS)
+                                & (counts <= attention._SHORT_TOKENS))
+    seqs = np.flatnonzero(mine)
+    work = int((lens[mine] * counts[mine]).sum()) * n_heads
+    parallel = work >= attention._PARALLEL_WORK
+    parts = np.ones(len(seqs), np.int64)
+    if parallel and 1 < threads and len(seqs) < 2 * threads:
+        share = lens[seqs] * (2 * threads) / max(1, int(lens[seqs].sum()))
+        parts = np.clip(np.minimum(np.ceil(share), lens[seqs] // attention._MIN_PART), 1,
+                        None).astype(np.int64)
+    items, merges, row = [], [], 0
+    for b, n_p in zip(seqs.tolist(), parts.tolist()):
+        c0, c1 = int(kv_indptr[b]), int(kv_indptr[b + 1])
+        if n_p == 1:
+            items.append((b, c0, c1, -1))
+            continue
+        merges.append((len(items), len(items) + n_p))
+        edges = np.linspace(c0, c1, n_p + 1).astype(np.int64)
+        for p in range(n_p):
+            items.append((b, edges[p], edges[p + 1], row))
+            row += int(counts[b]) * n_heads
+    return (np.array(items, np.int64).reshape(-1, 4), np.array(merges, np.int64).reshape(-1, 2),
+            row, mine, parallel)
+
+
+def test_kernel_plan_items_equal_the_numpy_reference():
+    """_plan_items (one compiled pass per forward pass) plans what the numpy version did:
+    decode and prefill mixes, short and long lists, split parts for 2-8 threads."""
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        nb = int(rng.integers(1, 12))
+        counts = rng.choice([1, 1, 1, 2, 5, 40, 100], nb)
+        lens = rng.choice([0, 3, 300, 600, 5_000, 70_000], nb)
+        qo = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        kv = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        limit = int(rng.choice([4, 32, 1 << 62]))
+        heads = int(rng.choice([1, 8, 32]))
+        threads = int(rng.choice([1, 2, 3, 8]))
+        got = attention._plan_items(qo, kv, limit, attention._SHORT_CELLS,
+                                    attention._SHORT_TOKENS, attention._PARALLEL_WORK,
+                                    attention._MIN_PART, heads, threads)
+        want = _reference_plan(qo, kv, limit, heads, threads)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=str(trial))
+        np.testing.assert_array_equal(got[1], want[1])
+        assert got[2] == want[2] and bool(got[4]) == want[4]
+        np.testing.assert_array_equal(got[3], want[3])

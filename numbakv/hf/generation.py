@@ -159,8 +159,12 @@ class _GenState:
         self.batch = 0
         self.columns = 0            # columns (positions) of every row the numbakv cache holds
         self.seqs: Optional[np.ndarray] = None    # numbakv sequence of each row
+        self.seqs32: Optional[np.ndarray] = None  # the same, int32 (start_forward's fast path)
+        #: per model layer: (its storage, the CPU kernel's views of its pools), kept across
+        #: passes (a storage's arrays never move; checked against the layer cache's storage)
+        self.pools: dict = {}
         self.keep = None            # this pass: torch index of the stored (non-pad) tokens
-        self.routes: dict = {}      # this pass: attend's CPU-kernel route per attention cache
+        self.routes: dict = {}      # this pass: the CPU-kernel route per (attention cache, heads)
         self.fallback_pass = False  # this pass runs the model's own attention (nothing cached)
         self.prompt: Optional[np.ndarray] = None  # [batch, n] token ids, when known (store)
         self.fed: List[np.ndarray] = []           # token ids fed after the prompt (store)
@@ -203,6 +207,8 @@ class _GenState:
                              f"{len(reserved)} retained by the store): build it with "
                              f"max_seqs >= {batch + len(reserved)}")
         self.seqs = np.asarray(free[:batch], np.int64)
+        self.seqs32 = self.seqs.astype(np.int32)
+        self.pools = {}
         for s in self.seqs.tolist():          # a previous generate's rows
             if self.cache.seq_pos_max(s) >= 0:
                 self.cache.seq_rm(s)
@@ -268,9 +274,14 @@ class _GenState:
                                      "padding_side='left'): attention_mask has a 0 after a 1")
                 keep = torch.nonzero(flat.to("cpu")).reshape(-1)
                 self.padded = (~pad.all(dim=1)).cpu().numpy()
-        col = np.arange(self.columns, self.columns + new)
-        positions = np.tile(col, batch)
-        seqs = np.repeat(self.seqs, new)
+        # int32 arrays: start_forward's fast path (one compiled range check, no conversion)
+        if new == 1:                          # a decode step: one position for every row
+            positions = np.full(batch, self.columns, np.int32)
+            seqs = self.seqs32
+        else:
+            positions = np.tile(np.arange(self.columns, self.columns + new, dtype=np.int32),
+                                batch)
+            seqs = np.repeat(self.seqs32, new)
         if keep is not None:
             k = keep.numpy()
             positions, seqs = positions[k], seqs[k]
@@ -305,11 +316,29 @@ class _GenState:
         cache.set_layer(layer)
         if self.layer_caches[layer]._put_layer < 0:
             return                            # a KV-sharing layer: its source layer stored them
+        want = self.storage_dtype
+        if self.host_puts and self.keep is None and key_states.dtype is want \
+                and value_states.dtype is want:
+            # the common pass (CPU cache, the model's dtype, no pads): numpy views of the
+            # tensors, [batch, kv_heads, new, D] -> [batch * new, kv_heads, D], for put's trusted
+            # path (no import, no second validation); a copy only where the layout needs one
+            torch, _ = _transformers()
+            k = torch_host_view(torch, key_states.detach() if key_states.requires_grad
+                                else key_states).transpose(0, 2, 1, 3).reshape(batch * new,
+                                                                                heads, dim)
+            v = torch_host_view(torch, value_states.detach() if value_states.requires_grad
+                                else value_states).transpose(0, 2, 1, 3)
+            v = v.reshape(batch * new, heads, v.shape[-1])
+            if not k.flags.c_contiguous:
+                k = np.ascontiguousarray(k)
+            if not v.flags.c_contiguous:
+                v = np.ascontiguousarray(v)
+            cache.put(k, v)
+            return
         k = key_states.detach().transpose(1, 2).reshape(batch * new, heads, dim)
         v = value_states.detach().transpose(1, 2).reshape(batch * new, heads, -1)
         if self.keep is not None:
             k, v = k.index_select(0, self.keep), v.index_select(0, self.keep)
-        want = self.storage_dtype
         k, v = k.to(want).contiguous(), v.to(want).contiguous()
         if self.host_puts:
             # numpy views of the tensors: put's trusted path (no import, no second validation)
@@ -360,8 +389,20 @@ class _GenState:
     def attend(self, layer: int, query, scaling, softcap):
         """query ``[batch, H, new, D]`` -> ``[batch, new, H, Dv]``: numbakv attention over the
         cell pool (the pass's page table)."""
-        from ..attention import _attend_cpu_routed, _cpu_pass_route, attend
         batch, heads, new, dim = query.shape
+        if self.keep is None and self.host_puts and scaling is not None \
+                and (softcap is None or softcap > 0):
+            src = self.layer_caches[layer]
+            route = self.routes.get((id(src), heads), False)
+            if route is False:
+                # the pass's page table and kernel plan are every layer's (of one attention
+                # cache): validated and planned by its first layer, then the kernel directly
+                from ..attention import _cpu_pass_route
+                route = self.routes[(id(src), heads)] = _cpu_pass_route(src, heads)
+            if route is not None:
+                return self._attend_routed(layer, src, route, query, float(scaling),
+                                           None if softcap is None else float(softcap))
+        from ..attention import attend
         q = query.detach().transpose(1, 2).reshape(batch * new, heads, dim)
         keep = self.keep
         if keep is not None:
@@ -372,20 +413,7 @@ class _GenState:
         self.cache.set_layer(layer)
         if q.dtype != want:
             q = q.to(want)
-        route = None
-        if self.host_puts and scaling is not None and (softcap is None or softcap > 0):
-            # the pass's page table and kernel plan are every layer's (of one attention
-            # cache): validated and planned by the first layer, then the kernel directly
-            src = self.cache._attention_cache
-            key = (id(src), heads)
-            route = self.routes.get(key, False)
-            if route is False:
-                route = self.routes[key] = _cpu_pass_route(self.cache, heads)
-        if route is not None:
-            out = _attend_cpu_routed(q, self.cache, route, float(scaling),
-                                     None if softcap is None else float(softcap))
-        else:
-            out = attend(q, self.cache, scale=scaling, soft_cap=softcap)
+        out = attend(q, self.cache, scale=scaling, soft_cap=softcap)
         if keep is not None:
             full = out.new_zeros((batch * new, heads, out.shape[-1]))
             full[keep] = out
@@ -393,6 +421,36 @@ class _GenState:
         if out.dtype != query.dtype:
             out = out.to(query.dtype)
         return out.reshape(batch, new, heads, -1)
+
+    def _attend_routed(self, layer: int, src, route: tuple, query, scaling: float,
+                       softcap: Optional[float]):
+        """:meth:`attend` along the pass's CPU-kernel route (trusted: made by
+        ``attention._cpu_pass_route`` for ``src``, the layer's attention cache, and ``query``'s
+        head count; no pad rows): the query's host view in, the kernel, a torch view of its
+        fresh output out (never reused: transformers' consumers, or a user's hook on the output
+        projection, may keep it)."""
+        from ..attention import _attend_cpu_routed, _routed_layer_pools
+        torch, _ = _transformers()
+        batch, heads, new, dim = query.shape
+        q = query.detach() if query.requires_grad else query
+        want = self.storage_dtype
+        if q.dtype is not want:
+            q = q.to(want)                    # rounded to the cache's dtype, as attend does
+        if q.dtype is not torch.float32:
+            q = q.float()
+        qn = q.numpy().transpose(0, 2, 1, 3).reshape(batch * new, heads, dim)
+        if not qn.flags.c_contiguous:
+            qn = np.ascontiguousarray(qn)
+        entry = self.pools.get(layer)
+        if entry is None or entry[0] is not src.storage:
+            entry = self.pools[layer] = (src.storage,
+                                         _routed_layer_pools(self.cache, layer, route))
+        res = torch.from_numpy(_attend_cpu_routed(qn, entry[1], route, scaling, softcap))
+        if want is not torch.float32:
+            res = res.to(want)                # attend returns the cache's dtype
+        if res.dtype is not query.dtype:
+            res = res.to(query.dtype)
+        return res.view(batch, new, heads, res.shape[-1])
 
     def end_pass(self) -> None:
         """After the last layer attended: save the rows to the store after the prompt's pass
