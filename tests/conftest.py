@@ -24,6 +24,10 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ and _probe.driver_gpu_count() == 0:
         _numba_config.reload_config()
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+if SIMULATOR:
+    # the simulator's block barrier without its busy polling (a third of the CPU time)
+    import sim_barrier
+    sim_barrier.install()
 #: the device that runs the @cuda.jit kernels here: the simulator or a real GPU
 KERNEL_DEVICE = "sim" if SIMULATOR else "cuda"
 ALL_DEVICES = ["cpu", KERNEL_DEVICE]
