@@ -1427,9 +1427,10 @@ class CausalCache(StateMethods):
             return cached[3]
         cells = self.cells
         window = -1 if self._window == UNLIMITED else self._window
-        # a decode step on a GPU: the previous pass's lists grown on the device by this pass's
-        # cells (O(batch) host work and upload) when the cell table changed only by this
-        # pass's placement and those lists held every cell of their sequences
+        # a decode step: the previous pass's lists grown by this pass's cells (on a GPU on the
+        # device: O(batch) host work and upload; on the CPU copied and appended to, no walk of
+        # the cell table) when the cell table changed only by this pass's placement and those
+        # lists held every cell of their sequences
         appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve
         host = None
         with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:

@@ -77,9 +77,9 @@ blocks), output ``[.., n_heads, v_dim]``.
 
 llama.cpp's per-sequence streams (``unified=False``, a :class:`numbakv.streams.StreamCache`):
 the descriptor's slots are pool cells (each token's stream offset plus the cell its stream
-placed it in), and the attention's page lists are the pass's page table over the pool, built
-on the host and copied into the fixed lists every replay (the device-side list growth follows
-one cell table; a stream cache has one per sequence).
+placed it in), and the attention's page lists are the pass's page table over the pool (each
+stream's cells offset into it), grown on the device as above while every batch stream's own
+cell table changed only by the replays' placements.
 
 A :class:`numbakv.WrapperCache` (a cache per layer group, e.g. Gemma 3's sliding-window and
 full-attention layers) is captured as a :class:`WrapperStep`: one step per group cache (each
@@ -359,7 +359,7 @@ class DecodeStep:
         self.graph = None
         self.attention = attention
         # llama.cpp's per-sequence streams (unified=False): the slots are the pool's cells of
-        # each token's stream, the page lists rebuilt every replay (no device-side growth)
+        # each token's stream, each page list follows its own stream's cell table
         self._per_stream = not cfg.unified
         self._user_plans: dict = {}   # put(): one launch plan per (layer, input addresses)
         xp = storage.xp
@@ -858,26 +858,72 @@ class DecodeStep:
         hold the previous replay's lists and the cell table changed since only by this pass's
         placement; False (nothing usable written) otherwise."""
         held = self._lists_of
-        if held is None or self._per_stream:
-            return False
-        cells = self.cache.cells
-        if self.device == "cpu" or fwd.reserve or held[0] is not cells \
-                or fwd.cells_v0 != held[1] or cells.version != fwd.cells_v1:
+        if held is None or self.device == "cpu" or fwd.reserve or \
+                not self._only_placed_since(held, fwd):
             return False
         self._lists_of = None       # until the lists are known to be this pass's
         T = self.batch
         n = fwd.positions.shape[0]
         causal = host[self._causal_at:self._causal_at + (T + 3) // 4].view(np.uint8)
         window = self.cache._window
-        if not append_lists(host, n, fwd.causal, causal, T, cells.max_seqs,
+        if not append_lists(host, n, self._pass_causal(fwd), causal, T, self._max_seqs(),
                             -1 if window == UNLIMITED else int(window),
                             int(self.cache._chunk), self._st_seq, self._st_indptr,
                             self._st_first, self._st_last, self._st_meta, self._append_at,
                             self._parts, self._min_part, self._part_unit):
             return False
         host[self._zero_at:self._zero_at + T + 2] = 0
-        self._lists_of = (cells, cells.version)
+        self._lists_of = self._tables_state()
         return True
+
+    # The cell tables the fixed lists follow: the cache's one, or with per-sequence streams
+    # one per stream (each stream's list grows from its own placements, in pool cells).
+    def _tables_state(self) -> tuple:
+        """The cell tables and their versions now (what :meth:`_only_placed_since` compares
+        a later pass with)."""
+        if self._per_stream:
+            return tuple((st.cells, st.cells.version) for st in self.cache.streams)
+        cells = self.cache.cells
+        return (cells, cells.version)
+
+    def _only_placed_since(self, held: tuple, fwd: Any) -> bool:
+        """Whether the cell tables changed since ``held`` (:meth:`_tables_state`) only by pass
+        ``fwd``'s placements (no sequence operation, defrag, shift or window pruning)."""
+        if not self._per_stream:
+            cells = self.cache.cells
+            return held[0] is cells and fwd.cells_v0 == held[1] and \
+                cells.version == fwd.cells_v1
+        in_batch = set(fwd.seq_ids.tolist())
+        for s, st in enumerate(self.cache.streams):
+            cells, version = held[s]
+            if cells is not st.cells:
+                return False
+            if s in in_batch:
+                sf = st._forward
+                if sf is None or sf.cells_v0 != version or st.cells.version != sf.cells_v1:
+                    return False
+            elif st.cells.version != version:
+                return False
+        return True
+
+    def _pass_causal(self, fwd: Any) -> np.ndarray:
+        """uint8 ``[n]``: the pass's causal flags in batch order (a stream cache keeps them
+        per stream)."""
+        if not self._per_stream:
+            return fwd.causal
+        causal = np.ones(len(fwd.token_order), np.uint8)
+        for b, s in enumerate(fwd.seq_ids.tolist()):
+            causal[fwd.groups[b]] = self.cache.streams[s]._forward.causal
+        return causal
+
+    def _max_seqs(self) -> int:
+        return self.cache.n_streams if self._per_stream else self.cache.cells.max_seqs
+
+    def _seq_pos_max(self) -> np.ndarray:
+        """int ``[max_seqs]``: each sequence's highest position (-1: none)."""
+        if not self._per_stream:
+            return self.cache.cells.seq_pos_max
+        return np.array([st.cells.seq_pos_max[0] for st in self.cache.streams], np.int64)
 
     def _remember_lists(self, pages: Any, fwd: Any) -> None:
         """After the fixed lists were filled from ``pages`` (this pass's page table): what
@@ -885,13 +931,12 @@ class DecodeStep:
         first and last positions), when every list holds all its sequence's cells from its
         first listed position on (:func:`numbakv.pages.mark_extendable`); else nothing."""
         self._lists_of = None
-        if self.device == "cpu" or fwd.reserve or self._per_stream:
+        if self.device == "cpu" or fwd.reserve:
             return
-        cells = self.cache.cells
         plans = pages.plans
         if "last-positions" not in plans:
             window = self.cache._window
-            _pages.mark_extendable(pages, cells.seq_pos_max,
+            _pages.mark_extendable(pages, self._seq_pos_max(),
                                    window != UNLIMITED or self.cache._chunk > 0)
             if "last-positions" not in plans:
                 return
@@ -904,7 +949,7 @@ class DecodeStep:
         self._st_last[:nb] = plans["last-positions"]
         self._st_meta[0] = nb
         self._st_meta[1] = 1 if plans["contiguous"] else 0
-        self._lists_of = (cells, cells.version)
+        self._lists_of = self._tables_state()
 
     def prepare(self, positions: Any, seqs: Any) -> None:
         """The host half of a step without the graph, for an engine that captures its own

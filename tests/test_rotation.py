@@ -206,6 +206,42 @@ def test_put_is_bit_exact_with_ggml_rotation_then_quantization(device, kind, dty
     np.testing.assert_array_equal(got_k.astype(np.float32), want_k.astype(np.float32))
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_cpu_put_of_whole_tokens_in_wide_calls_is_bit_exact(kind):
+    """The CPU put takes a token whose heads lie back to back as one run, in calls of 512 values
+    that span heads (kernels/quant.py ``FUSED_WIDE``; in-register Walsh-Hadamard strides by
+    permute + FMA where the CPU has FMA), then the rest in calls of one block: gguf's blocks of
+    ggml's rotation for 8 heads of 128 (K blocks of 128, V blocks of 64) and one MLA-sized
+    row of 576 (512 + 64), float16 and bfloat16 input, with an infinity (its call redone by the
+    work-row form: ggml's NaN blocks), a zero head and a tie of magnitudes."""
+    from numbakv.kernels import quant as Q
+    fmt = Q.FORMATS[kind]
+    rng = np.random.default_rng(21)
+    for (heads, dim, rot), dtype in [((8, 128, 128), "float16"), ((8, 128, 64), "float16"),
+                                     ((1, 576, 64), "float16"), ((8, 128, 128), "bfloat16")]:
+        x32 = (rng.standard_normal((3, heads, dim)) * 3).astype(np.float32)
+        x32[1, heads // 2, 7] = np.inf
+        x32[2, 0] = 0.0
+        x32[2, -1, :32], x32[2, -1, 3], x32[2, -1, 9] = 1.0, -4.0, 4.0
+        if dtype == "bfloat16":
+            xin = (x32.view(np.uint32) >> 16).astype(np.uint16)
+            x32 = (xin.astype(np.uint32) << 16).view(np.float32)
+        else:
+            xin = x32.astype(np.float16)
+            x32 = xin.astype(np.float32)
+        q = np.zeros((1, 3, heads, dim // 32 * Q.BLOCK_BYTES[fmt]), np.uint8)
+        Q.put_launch("cpu", q, 0, xin, None, 0, fmt, np.ones(1, np.float32), dtype, rot)
+        with np.errstate(invalid="ignore", over="ignore"):
+            rotated = ggml_fwht(x32, rot)
+        finite = np.isfinite(rotated).reshape(3, heads, -1, 32).all(axis=3)
+        want = gguf_blocks(np.where(np.isfinite(rotated), rotated, 0), kind)
+        want = want.reshape(3, heads, dim // 32, -1)
+        blocks = q[0].reshape(3, heads, dim // 32, -1)
+        assert np.array_equal(blocks[finite], want[finite]), (heads, dim, rot, dtype)
+        assert (~finite).any()
+        assert (blocks[~finite][:, :2] == [0x00, 0x7E]).all() and not blocks[~finite][:, 2:].any()
+
+
 def test_scattered_put_sim_equals_cpu():
     """The @cuda.jit rotated put (sim) and the CPU twin write the same bytes for a scattered
     batch with a skipped slot (KVStorage.put), q4_0 keys (block 64 of 192) and q8_0 values."""

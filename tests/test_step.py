@@ -470,10 +470,11 @@ def _att_steps():
             (np.array([4], np.int32), np.array([0], np.int32))]
 
 
-def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
+def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None, edits=None):
     """Replay :func:`_att_steps` through ``make_step(cache)`` with random q/K/V and compare
     each replay's output with start_forward + put + ``attention.attend`` per layer on a CPU
-    cache; padding rows (past the replay's tokens) stay zero."""
+    cache; padding rows (past the replay's tokens) stay zero. ``edits``: ``{i: fn}``, ``fn``
+    applied to both caches before replay ``i``."""
     torch = pytest.importorskip("torch")
     from numbakv.attention import attend
     cache, step = make_step()
@@ -483,7 +484,10 @@ def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
     D, Dv = reference.config.head_dim, reference.config.v_head_dim
     Do = step.attention.v_dim      # Dv, or an MLA latent's value width
     gen = torch.Generator().manual_seed(3)
-    for pos, seqs in steps or _att_steps():
+    for i, (pos, seqs) in enumerate(steps or _att_steps()):
+        if edits and i in edits:
+            edits[i](cache)
+            edits[i](reference)
         n = len(pos)
         k = torch.randn(2, n, 1, D, generator=gen).to(tdt)
         v = torch.randn(2, n, 1, Dv, generator=gen).to(tdt)
@@ -930,21 +934,38 @@ def test_stream_cache_replays_store_what_direct_puts_store(device, permuted):
 
 @pytest.mark.torch
 def test_captured_stream_cache_attention_equals_the_cpu_attend(device, small_blocks):
-    """Per-sequence streams with attention: each replay's page lists are the pass's page
-    table over the pool (each stream's cells offset into it, rebuilt every replay: the
-    device-side growth follows one cell table), under a sliding window; replays over 2
-    sequences return what start_forward + put + attend return on a CPU stream cache."""
+    """Per-sequence streams with attention: the page lists are the pass's page table over
+    the pool (each stream's cells offset into it), grown on the device while every batch
+    stream's cell table changed only by the replays' placements, rebuilt otherwise (a
+    removal in one stream, another batch), under chunked attention (lists cut at the front);
+    replays over 2 sequences return what start_forward + put + attend return on a CPU stream
+    cache."""
     cfg_kw = dict(unified=False, page_size=1, capacity=6)
-    cache_kw = dict(swa_window=3)
+    cache_kw = dict(chunk_size=4)
+
+    built = []
 
     def make_step():
         cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float16",
                                                 device=device), **cache_kw)
         assert type(cache).__name__ == "StreamCache"
+        pages_of = cache._host_pages
+        cache._host_pages = lambda: built.append(1) or pages_of()
         return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
                                          soft_cap=3.0)
+    seen = []
+
+    def removal(c):         # stream 1 forgets position 0: its list must be rebuilt
+        seen.append(len(built))
+        assert c.seq_rm(1, 0, 1)
+    steps = _att_steps()[:3] + [(np.array([4, 3], np.int32), np.array([0, 1], np.int32)),
+                                (np.array([5, 4], np.int32), np.array([0, 1], np.int32))]
     _check_attention(make_step, cfg_kw, cache_kw, "float16", _wrap_for(device),
-                     2e-6 if device == "cpu" else 2e-5)
+                     2e-6 if device == "cpu" else 2e-5, steps=steps, edits={3: removal})
+    if device != "cpu":
+        # replay 2 (the same two streams, grown) appended on the device; replay 3 after the
+        # removal rebuilt (seen[1]: removal() ran on both caches), replay 4 grew again
+        assert seen[0] == 2 and len(built) == 3, (seen, built)
 
 
 # ------------------------------------------------------------------ per-layer layouts

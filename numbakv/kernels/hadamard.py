@@ -56,39 +56,81 @@ def _vector_ptr(context, builder, aryty, ary, off, elem, n):
     return builder.bitcast(builder.gep(arr.data, [off]), ir.VectorType(elem, n).as_pointer())
 
 
+def cpu_fma_lanes(context) -> int:
+    """The float32 lanes of one vector register of the CPU target ``context`` compiles for, when
+    that target has fused multiply-add (x86 with FMA: 16 with AVX-512F, else 8; AArch64: 4),
+    else 0. Read from the target machine's feature string (the host's, or the shipped code's
+    ``x86-64-v3`` features), at code-generation time: numba keys its caches by that string."""
+    import platform
+    try:
+        feats = str(context.codegen()._tm_features)
+    except Exception:  # noqa: BLE001 - no feature string: the plain form
+        return 0
+    have = {f[1:] for f in feats.split(",") if f.startswith("+")}
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return 4
+    if "fma" not in have:
+        return 0
+    return 16 if "avx512f" in have else 8
+
+
 def _wht_block_intrinsic(n: int):
     """An intrinsic rotating the ``n`` float32 values ``work[off : off + n]`` in place (one
-    Walsh-Hadamard block, already scaled): the row is one LLVM ``<n x float>`` value and each
-    stage a pair of shuffles (the ``i & step == 0`` lanes and their partners), one vector add and
-    one vector subtract, and a shuffle back. The same IEEE adds and subtracts in the same stage
-    order as ggml, so bit-identical to it; LLVM lowers the shuffles to in-register permutes (the
-    stages of step >= the vector width are plain register pairs). Measured 30x faster than
-    the scalar stage loops (0.1 against 3.1 ns a value, AVX-512 host)."""
+    Walsh-Hadamard block, already scaled): the row is one LLVM ``<n x float>`` value run through
+    :func:`wht_stages`. The same IEEE adds and subtracts in the same stage order as ggml, so
+    bit-identical to it. Measured 30x faster than the scalar stage loops (0.1 against 3.1 ns a
+    value, AVX-512 host)."""
     from llvmlite import ir
 
     def wht(typingctx, work, off):
         def codegen(context, builder, sig, args):
             f32 = ir.FloatType()
             ptr = _vector_ptr(context, builder, sig.args[0], args[0], args[1], f32, n)
-            builder.store(wht_stages(builder, builder.load(ptr, align=4), n), ptr, align=4)
+            builder.store(wht_stages(builder, builder.load(ptr, align=4), n,
+                                     cpu_fma_lanes(context)), ptr, align=4)
             return context.get_dummy_value()
         return types.void(work, off), codegen
     wht.__name__ = f"wht{n}_block"
     return intrinsic(wht)
 
 
-def wht_stages(builder, x, n: int):
+def wht_stages(builder, x, n: int, fma_lanes: int = 0):
     """The Walsh-Hadamard stages of ``x`` (an LLVM ``<m x float>`` value, already scaled) in
-    blocks of ``n`` lanes (``n`` a power of two dividing ``m``), as a new value: each stage two
-    shuffles (the ``i & step == 0`` lanes and their partners), one vector add and one subtract,
-    and a shuffle back -- ggml's IEEE operations in ggml's stage order (used inside the fused
-    CPU put of kernels/quant.py, which keeps the row in registers)."""
+    blocks of ``n`` lanes (``n`` a power of two dividing ``m``), as a new value -- ggml's IEEE
+    operations in ggml's stage order (used inside the fused CPU put and shift of
+    kernels/quant.py, which keep the row in registers).
+
+    A stage of stride ``step`` pairs lanes ``i`` and ``i + step`` (``i & step == 0``). Where the
+    pair lies in different registers (``step >= fma_lanes``), the stage is two shuffles picking
+    the ``i`` lanes and their partners (register selections, free), one vector add, one vector
+    subtract and a shuffle back (LLVM folds consecutive shuffles). Where the pair lies inside one
+    register (``step < fma_lanes``: the target has FMA and registers of ``fma_lanes`` floats),
+    the stage is one single-source permute per register (``t = x`` with each pair's lanes
+    swapped: ``vshufps``/``vpermpd``/``vshuff64x2`` with an immediate) and one FMA with a
+    +-1 vector: ``fma(x, s, t)`` is ``x[i] + x[i + step]`` in lane ``i`` (``s = 1``) and
+    ``x[i] - x[i + step]`` in lane ``i + step`` (``s = -1``: ``t - x``), each rounded once --
+    the same bits as the add and the subtract (``x * +-1`` is exact, signed zeros included),
+    in 2 operations a register instead of LLVM's 2 two-source permutes and an add/subtract a
+    pair, and on the FMA pipes rather than the adders. ``fma_lanes = 0``: every stage in the
+    first form (no FMA, or a caller that does not know the target)."""
     from llvmlite import ir
+    from numba.core import cgutils
     i32 = ir.IntType(32)
     m = x.type.count
     half = ir.VectorType(i32, m // 2)
+    fma = None
     step = 1
     while step < n:
+        if step < fma_lanes:
+            if fma is None:
+                fma = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(x.type, [x.type] * 3), f"llvm.fma.v{m}f32")
+            swapped = builder.shuffle_vector(
+                x, x, ir.Constant(ir.VectorType(i32, m), [i ^ step for i in range(m)]))
+            sign = ir.Constant(x.type, [-1.0 if i & step else 1.0 for i in range(m)])
+            x = builder.call(fma, [x, sign, swapped])
+            step *= 2
+            continue
         lo = [i for i in range(m) if not i & step]
         u = builder.shuffle_vector(x, x, ir.Constant(half, lo))
         v = builder.shuffle_vector(x, x, ir.Constant(half, [i + step for i in lo]))
