@@ -685,10 +685,10 @@ def latent_tiling(n_heads: int, head_dim: int, v_dim: int) -> Tuple[int, int]:
 
 def latent_fits(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int, batch: int) -> bool:
     """Whether :data:`paged_latent_kernel` takes this shape: one latent head, its row and the
-    value's width within the shared tiles, tokens and head tiles within the grid."""
+    value's width within the shared tiles, tokens within the grid's y extent (the split-K
+    parts, its z, are at most :func:`max_parts`)."""
     ht, _ = latent_tiling(n_heads, head_dim, v_dim)
-    return (n_kv_heads == 1 and ht >= 1 and 0 < batch <= _common.MAX_GRID_YZ
-            and cdiv(n_heads, ht) <= _common.MAX_GRID_YZ)
+    return n_kv_heads == 1 and ht >= 1 and 0 < batch <= _common.MAX_GRID_YZ
 
 
 def _latent_sigs():
@@ -706,7 +706,9 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
                         causal, window, chunk, scale_bits, cap_bits, kscale_bits, krot,
                         krscale_bits, heads, rows, part_len, part_len_dev, out, lse, part_acc,
                         part_ml):
-    """MLA's absorbed attention: block ``(part, token, head tile)`` over the one latent head.
+    """MLA's absorbed attention: block ``(head tile, token, part)`` over the one latent head
+    (the tiles of a (token, part) are consecutive blocks: they read the same rows at about the
+    same time, so the rows come from DRAM about once and L2 serves the other tiles).
     q float32 ``[T, H, D]`` (rotated and scaled here); kpool ``[n_cells, 1, D]`` raw bits or
     ``[n_cells, 1, row_bytes]`` quantized rows (``kfmt``); the value of a cell is its row's
     first ``out.shape[2]`` values, in the same format; ``heads`` query heads per
@@ -719,9 +721,9 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
     mx = cuda.shared.array(LATENT_HEADS, float32)
     tot = cuda.shared.array(LATENT_HEADS, float32)
     corr = cuda.shared.array(LATENT_HEADS, float32)
-    part = cuda.blockIdx.x
+    part = cuda.blockIdx.z
     t = cuda.blockIdx.y
-    h0 = cuda.blockIdx.z * heads
+    h0 = cuda.blockIdx.x * heads
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     dim = q.shape[2]
@@ -810,7 +812,7 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
         cuda.syncthreads()
     if krot > 0:     # the value is the latent's first dims, rotated as the keys: turned back
         _wht_shared(acc, g * dv, krot, np.uint32(krscale_bits).view(np.float32), tid, nt)
-    if cuda.gridDim.x == 1:
+    if cuda.gridDim.z == 1:
         for i in range(tid, g * dv, nt):
             gi = i // dv
             s = tot[gi]
@@ -835,8 +837,8 @@ def launch_latent(device: str, q, kpool, kfmt: int, kv_indices, kv_positions, kv
     """The launches of MLA's absorbed attention on arrays the caller owns, as
     :func:`launch_paged` (same arguments, but one raw latent pool ``kpool`` ``[n_cells, 1,
     ...]`` in format ``kfmt`` whose rows' first ``out.shape[2]`` values are the value, rotated
-    as the keys when ``k_rotation``): :data:`paged_latent_kernel` over grid ``(n_parts, T,
-    head tiles)``, then the merge when ``n_parts > 1``. ``heads`` / ``rows`` force the tiling
+    as the keys when ``k_rotation``): :data:`paged_latent_kernel` over grid ``(head tiles, T,
+    n_parts)``, then the merge when ``n_parts > 1``. ``heads`` / ``rows`` force the tiling
     (tests; default :func:`latent_tiling`)."""
     if device == "cuda":
         def arg(a):
@@ -850,7 +852,7 @@ def launch_latent(device: str, q, kpool, kfmt: int, kv_indices, kv_positions, kv
     ht, nr = heads or ht, rows or nr
     nb = block_size(device) if device == "sim" else BLOCK_CUDA
     krs = f32_bits(rotation_scale(k_rotation)) if k_rotation else 0
-    _launch(device, paged_latent_kernel, (n_parts, T, cdiv(H, ht)), nb,
+    _launch(device, paged_latent_kernel, (cdiv(H, ht), T, n_parts), nb,
             (arg(q), kpool, kfmt, arg(kv_indices), arg(kv_positions), arg(kv_indptr),
              arg(tok_seq), arg(q_pos), arg(causal), int(window), int(chunk), f32_bits(scale),
              f32_bits(soft_cap or 0.0), f32_bits(kscale), int(k_rotation), krs, int(ht),
