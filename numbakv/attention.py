@@ -1396,13 +1396,11 @@ class _KernelRun:
     arrays, the mask rule, the plan's items; built once per plan): a layer adds its query,
     pools and output (:meth:`run`)."""
 
-    __slots__ = ("fn", "items", "merges", "lists", "part_rows")
+    __slots__ = ("parallel", "items", "merges", "lists", "part_rows")
 
     def __init__(self, host: HostPages, plan: dict) -> None:
         rule = host.rule
-        # a child forked from a process that ran the threaded kernel runs it on one thread
-        self.fn = _attend_pool_parallel if plan["parallel"] and os.getpid() == _PID \
-            else _attend_pool
+        self.parallel = plan["parallel"]
         self.items, self.merges, self.part_rows = plan["items"], plan["merges"], \
             plan["part_rows"]
         self.lists = (host.kv_indices, host.kv_positions, host.qo_indptr, host.token_order,
@@ -1419,11 +1417,13 @@ class _KernelRun:
         part_ml = np.empty((2, n_part), np.float32)
         kf, vf, ks, vs, _ = formats
         lists = self.lists
-        self.fn(self.items, self.merges, qn, kp, vp, bf16, permuted, kf, vf, np.float32(ks),
-                np.float32(vs), lists[0], lists[1], lists[2], lists[3], lists[4], lists[5],
-                lists[6], lists[7], np.float32(scale),
-                np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc,
-                part_ml[0], part_ml[1])
+        # a child forked from a process that ran the threaded kernel runs it on one thread
+        # (asked per call: a child may inherit a pass planned before the fork)
+        fn = _attend_pool_parallel if self.parallel and os.getpid() == _PID else _attend_pool
+        fn(self.items, self.merges, qn, kp, vp, bf16, permuted, kf, vf, np.float32(ks),
+           np.float32(vs), lists[0], lists[1], lists[2], lists[3], lists[4], lists[5], lists[6],
+           lists[7], np.float32(scale), np.float32(soft_cap if soft_cap is not None else 0.0),
+           res, part_acc, part_ml[0], part_ml[1])
         return res
 
 
