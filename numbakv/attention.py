@@ -166,7 +166,10 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     (``q_nope @ W_UK`` then ``q_rope``, ``[batch, n_heads, kv_lora_rank + rope]``), scores are
     ``q . latent`` over the whole row, and the output is the softmax-weighted sum of the rows'
     first ``v_dim`` values (the latent ``c_kv``), ``[batch, n_heads, v_dim]``: the caller applies
-    ``W_UV``. ``v_dim`` defaults to the cache's ``RopeShift.offset`` (``kv_lora_rank``).
+    ``W_UV``. ``v_dim`` defaults to the cache's ``RopeShift.offset`` (``kv_lora_rank``). On CUDA
+    (backend ``"auto"``, passes of at most 32 queries a sequence) numbakv's latent kernel reads
+    the rows as stored (float, q8_0/q4_0/float8, rotated): each staged tile of rows serves a
+    tile of up to 8 query heads.
 
     Args:
         q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch

@@ -73,7 +73,10 @@ is zero-width and gets no blocks), and the attention is MLA's absorbed form as
 :func:`numbakv.attention.attend` computes it: scores over the whole latent row, the value read
 as the first ``v_dim`` values of the same row (a strided view of the K pool in K's format:
 float, or whole q8_0 / q4_0 blocks, or float8 bytes; a rotated latent turned back in K's
-blocks), output ``[.., n_heads, v_dim]``.
+blocks), output ``[.., n_heads, v_dim]``. It runs as one launch of the latent kernel
+(:func:`numbakv.kernels.decode.launch_latent`): a block stages each tile of latent rows in shared
+memory once for a tile of up to 8 query heads (DeepSeek's 16-128 heads: 2-16 tiles, consecutive
+blocks reading the same rows), not a launch per range of heads.
 
 llama.cpp's per-sequence streams (``unified=False``, a :class:`numbakv.streams.StreamCache`):
 the descriptor's slots are pool cells (each token's stream offset plus the cell its stream
@@ -89,9 +92,9 @@ the wrapper's all-or-nothing ``start_forward``, ``put`` / ``attend`` routed by m
 Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): FlashMLA's
 ``fp8_ds_mla`` latent rows; with attention also ``permuted_v`` and shapes the kernel does not
 take (more than 16 query heads per KV head, or group x head_dim > 2048, with several KV heads).
-With one KV head (MQA, an MLA latent: DeepSeek's 16-128 heads on a 576-value latent) a larger
-group runs as several launches of at most that many heads (3 on a 576-value latent), each
-reading the layer's listed rows again: correct, but that many times the latent's bytes.
+With one KV head (MQA, or a latent too wide for the latent kernel's tiles) a larger group runs
+as several launches of at most that many heads, each reading the layer's listed rows again:
+correct, but that many times the bytes.
 """
 
 from __future__ import annotations

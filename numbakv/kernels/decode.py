@@ -927,8 +927,11 @@ def _xp(device: str):
     return np
 
 
-__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "LATENT_HEADS", "MAX_GROUP",
-           "MAX_GROUP_DIM", "QUANT_FORMATS", "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot",
-           "float_key_dot", "kv_to_f32", "kv_value", "latent_fits", "latent_tiling", "launch_latent", "launch_paged", "max_parts", "raw_pool",
-           "quant_key_dot", "quant_value", "row_values", "lower_bound", "paged_attention", "paged_attention_kernel", "paged_latent_attention", "paged_latent_kernel",
-           "paged_merge_kernel", "plan_part_len", "token_sequences", "visible_run"]
+__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8",
+           "FMT_Q4_0", "FMT_Q8_0", "LATENT_HEADS", "MAX_GROUP", "MAX_GROUP_DIM", "QUANT_FORMATS",
+           "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot", "float_key_dot", "kv_to_f32",
+           "kv_value", "latent_fits", "latent_tiling", "launch_latent", "launch_paged",
+           "max_parts", "raw_pool", "quant_key_dot", "quant_value", "row_values", "lower_bound",
+           "paged_attention", "paged_attention_kernel", "paged_latent_attention",
+           "paged_latent_kernel", "paged_merge_kernel", "plan_part_len", "token_sequences",
+           "visible_run"]
