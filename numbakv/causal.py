@@ -619,6 +619,10 @@ class CausalCache(StateMethods):
             causal[idx] = 0
         if np.array_equal(causal, fwd.causal):
             return
+        # read-only as start_forward's all-ones flags are (never written once made): the
+        # compiled functions it reaches (pages, mask, attention) are typed by the array's
+        # flags, so a writable one would compile another signature of each on first use
+        causal.flags.writeable = False
         fwd.causal = causal
         if not fwd.reserve:
             if self._lazy_mask:
