@@ -619,6 +619,10 @@ class CausalCache(StateMethods):
             causal[idx] = 0
         if np.array_equal(causal, fwd.causal):
             return
+        # read-only as start_forward's all-ones flags are (never written once made): the
+        # compiled functions it reaches (pages, mask, attention) are typed by the array's
+        # flags, so a writable one would compile another signature of each on first use
+        causal.flags.writeable = False
         fwd.causal = causal
         if not fwd.reserve:
             if self._lazy_mask:
@@ -1427,10 +1431,13 @@ class CausalCache(StateMethods):
             return cached[3]
         cells = self.cells
         window = -1 if self._window == UNLIMITED else self._window
-        # a decode step on a GPU: the previous pass's lists grown on the device by this pass's
-        # cells (O(batch) host work and upload) when the cell table changed only by this
-        # pass's placement and those lists held every cell of their sequences
-        appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve
+        # a decode step: the previous pass's lists grown by this pass's cells (on a GPU on the
+        # device: O(batch) host work and upload; on the CPU copied and appended to, no walk of
+        # the cell table) when the cell table changed only by this pass's placement and those
+        # lists held every cell of their sequences
+        appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve and not (
+            self.device == "cpu" and len(fwd.positions) == 1
+            and cells.n_used < pages.CPU_EXTEND_MIN_CELLS)
         host = None
         with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
             inc = getattr(self, "_pages_inc", None)

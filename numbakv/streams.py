@@ -256,13 +256,23 @@ class StreamCache(CausalCache):
         self._forward = undo.forward
 
     def _finish_forward(self, undo: Optional[_StreamUndo] = None) -> None:
-        """Each stream's pending rotations and mask (recorded in its own undo), then the
-        stream-layout mask."""
+        """Each stream's pending rotations (recorded in its own undo), then the get() range;
+        the stream-layout mask is built at the pass's first get(), as a unified cache's is
+        (attention over page_table() and a captured step never read it: on a GPU it was a
+        mask fill per stream every pass)."""
         own = dict(undo.placed) if undo is not None else {}
         for s in self._forward.seq_ids.tolist():
             with self._in_stream(s):
                 self.streams[s]._finish_forward(own.get(s))
-        self._build_mask()
+        self._mask_range()
+
+    def _mask_range(self) -> None:
+        """The pass's ``n_kv`` (the largest attended range of its streams, padded) and no
+        mask yet (``get()`` builds it)."""
+        fwd = self._forward
+        hi = max(self.streams[s].cell_range()[1] for s in fwd.seq_ids.tolist())
+        fwd.n_kv = min(round_up(hi, self.config.cache_padding), self.cells_per_stream)
+        fwd.mask = fwd.exported = None
 
     def _journal_begin(self) -> None:
         """Record every stream's following sequence operations (a WrapperCache holding this
@@ -327,8 +337,7 @@ class StreamCache(CausalCache):
             local = np.nonzero(drop[fwd.groups[b]])[0]
             self.streams[s].set_causal(local if local.size else None)
         self._pages_cache = None
-        if not fwd.reserve:
-            self._build_mask()
+        fwd.mask = fwd.exported = None      # rebuilt by the next get()
 
     def put(self, key: Any, value: Any) -> None:
         """Store this batch's keys ``[batch, n_kv_heads, head_dim]`` and values ``[batch,
@@ -358,6 +367,9 @@ class StreamCache(CausalCache):
         n_kv]``), mask ``[n_b, rows, n_kv]`` (0 visible, -inf masked). Zero-copy views when the
         batch's sequence ids are consecutive and ascending, else gathered copies."""
         fwd = self._require_forward("get")
+        if fwd.exported is None:        # the pass's first get(): on the cache's stream
+            with self._pool._on_device():
+                self._build_mask()
         n_kv, ids = fwd.n_kv, fwd.seq_ids
         layer = self.config.storage_layer(self._layer)
         if layer < 0:

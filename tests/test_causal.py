@@ -350,6 +350,18 @@ def test_set_causal(device):
     assert_mask(b.mask, "00000x/000000")
 
 
+def test_set_causal_flags_are_read_only_like_the_default_ones():
+    """The flags set_causal makes are read-only, as start_forward's all-ones are: the compiled
+    functions they reach are typed by the array's flags, and a writable array compiled another
+    signature of each (pages, mask, every CPU attention form: ~23 s of first-use compiles)."""
+    c = make("cpu", max_seqs=1, capacity=16)
+    c.start_forward([0, 1, 2], [0] * 3)
+    assert not c._forward.causal.flags.writeable
+    c.set_causal([1])
+    assert not c._forward.causal.flags.writeable
+    assert c._forward.causal.tolist() == [1, 0, 1]
+
+
 def test_set_causal_keeps_window_and_chunk(device):
     c = make(device, max_batch=4, swa_window=1)
     b = forward(c, [0, 1, 2, 3], [0] * 4, except_=[2])

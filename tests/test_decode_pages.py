@@ -1,8 +1,9 @@
 """Page tables extended on the device (numbakv.pages.extend_pages): a decode step grows the
 previous pass's lists by its own cells with one small upload and one kernel (the real @cuda.jit
 kernel, in the simulator or on a GPU), instead of building every list on the host and uploading
-all of it. The extended table must equal the host build after any mix of sequence operations,
-and what a decode step uploads must not grow with the cache."""
+all of it; on the CPU the host lists are copied and appended to (no walk of the cell table).
+The extended table must equal the host build after any mix of sequence operations, and what a
+decode step uploads must not grow with the cache."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ from helpers import host  # noqa: E402
 
 @pytest.fixture
 def incremental(monkeypatch):
-    """The simulator extends page tables as CUDA does (only CUDA does by default)."""
-    monkeypatch.setattr(pages, "INCREMENTAL_DEVICES", ("cuda", "sim"))
+    """The simulator extends page tables as CUDA does (only CUDA and the CPU do by default)."""
+    monkeypatch.setattr(pages, "INCREMENTAL_DEVICES", ("cuda", "cpu", "sim"))
 
 
-def _cache(n_cells=64, max_seqs=4, page_size=1, **kw):
+def _cache(n_cells=64, max_seqs=4, page_size=1, device=KERNEL_DEVICE, **kw):
     cfg = nkv.CacheConfig(1, 1, 8, dtype="float32", capacity=n_cells, max_seqs=max_seqs,
-                          max_batch=16, device=KERNEL_DEVICE, page_size=page_size)
+                          max_batch=16, device=device, page_size=page_size)
     return nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=8), **kw)
 
 
@@ -68,10 +69,17 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("device", [KERNEL_DEVICE, "cpu"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_extended_table_equals_the_host_build_after_random_sequence_ops(incremental, layout):
+def test_extended_table_equals_the_host_build_after_random_sequence_ops(incremental, layout,
+                                                                       device, monkeypatch):
+    """On the device (the CUDA kernel) and on the CPU (host lists copied and appended to)."""
     rng = np.random.default_rng(3)
-    cache = _cache(**LAYOUTS[layout])
+    cache = _cache(device=device, **LAYOUTS[layout])
+    extensions = []
+    real = pages.extend_pages
+    monkeypatch.setattr(pages, "extend_pages",
+                        lambda *a, **k: extensions.append(real(*a, **k)) or extensions[-1])
     seqs = [0, 1, 2]
     extended = full = 0
     for step in range(30):
@@ -109,11 +117,14 @@ def test_extended_table_equals_the_host_build_after_random_sequence_ops(incremen
             continue
         if rng.random() < 0.1:
             cache.set_causal(np.array([0]))
+        n_ext = len(extensions)
         got = cache._host_pages()
-        if got.host_lists_built:
-            full += 1
-        else:
+        if len(extensions) > n_ext and extensions[-1] is not None:
             extended += 1
+            assert got.host_lists_built == (device == "cpu")   # device: filled when read
+        else:
+            full += 1
+            assert got.host_lists_built
         _assert_equal_to_host_build(cache)
     assert extended >= 8 and full >= 3, (extended, full)
 

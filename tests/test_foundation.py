@@ -12,6 +12,7 @@ import numbakv as nkv
 from numbakv import device as dev
 from numbakv.config import CacheConfig, RopeShift
 from helpers import gpu_compiler_missing
+from ptx_runs import PTX_GROUPS, group_kernels, ptx_check
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -206,27 +207,39 @@ def _ptx_env():
 
 
 @pytest.mark.skipif(bool(gpu_compiler_missing()), reason=gpu_compiler_missing() or "-")
-def test_every_kernel_compiles_links_and_passes_ptxas_for_sm80_and_sm90():
-    """Runs in a fresh process (the simulator, on in this one, has no PTX compiler): every
+@pytest.mark.parametrize("group", list(PTX_GROUPS))
+def test_every_kernel_compiles_links_and_passes_ptxas_for_sm80_and_sm90(group, tmp_path_factory):
+    """Runs in a fresh process (the simulator, on in this one, has no PTX compiler), one per
+    group of kernels (tests/ptx_runs.py: the groups together are every registered kernel): every
     kernel x signature x {sm_80, sm_90} compiled to PTX, linked to a cubin by nvJitLink (ptxas)
     and refused on any spill, stack frame, local memory, .extern, parameter-space overflow or
     more than ptx.MAX_REGISTERS registers (or the kernel's stated ptx.REGISTER_BOUNDS); the fast-launch parameter layout of every signature
     is checked against Numba's data model by order."""
     from numbakv.kernels import ptx, registered
-    proc = subprocess.run([sys.executable, "-m", "numbakv.kernels.ptx", "--check"],
-                          env=_ptx_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for spec in registered():
-        assert re.search(rf"^{re.escape(spec.name)}: .*sm_80, sm_90$", proc.stdout, re.M), \
-            f"{spec.name} missing from the report:\n{proc.stdout}"
+    run = ptx_check(group, tmp_path_factory)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(rf"^ok: {len(run.kernels)} kernels ", run.stdout, re.M), run.stdout
+    specs = [spec for spec in registered() if spec.name in run.kernels]
+    assert len(specs) == len(run.kernels) > 0
+    for spec in specs:
+        assert re.search(rf"^{re.escape(spec.name)}: .*sm_80, sm_90$", run.stdout, re.M), \
+            f"{spec.name} missing from the report:\n{run.stdout}"
         # this kernel's lines (anchored: "rope_shift:" also ends "quant_rope_shift:")
-        section = re.split(rf"^{re.escape(spec.name)}: ", proc.stdout, flags=re.M)[1]
+        section = re.split(rf"^{re.escape(spec.name)}: ", run.stdout, flags=re.M)[1]
         for k in range(len(spec.signatures)):
             for cc in ("sm_80", "sm_90"):
                 m = re.search(rf"^  sig {k} {cc}: (\d+) registers, 0 B stack, 0/0 B spilled, "
                               rf"0 B lmem$", section, re.M)
                 bound = ptx.REGISTER_BOUNDS.get(spec.name, ptx.MAX_REGISTERS)
                 assert m and int(m.group(1)) <= bound, (spec.name, k, cc)
+
+
+def test_the_ptx_groups_hold_every_kernel_once():
+    """The groups the PTX check is spread over: every registered kernel in exactly one."""
+    from numbakv.kernels import registered
+    names = [name for group in PTX_GROUPS for name in group_kernels(group)]
+    assert sorted(names) == sorted(spec.name for spec in registered())
+    assert all(group_kernels(group) for group in PTX_GROUPS)
 
 
 def test_ptxas_report_checks_catch_what_they_must():

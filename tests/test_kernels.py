@@ -1250,44 +1250,38 @@ def test_cpu_vector_rope_rows_match_float32_numpy(dtype, neox, rot_dim, col, row
     assert np.array_equal(keys[~nan], want[~nan])
 
 
-def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx():
-    """Compiled offline (a fresh process: the simulator has no PTX compiler): the put and block
-    move kernels' 16-byte signatures load and store with ld.global.v2.u64 / st.global.v2.u64,
-    at sm_80 and sm_90; their 8-byte signatures do not (so the test would notice if the 128-bit
-    path fell back to two 8-byte accesses). A put whose V is in 16-byte rows declares no shared
-    tile (only element-wise permuted V is tiled)."""
-    import os
-    import subprocess
-    import sys
-    code = (
-        "import re\n"
-        "from numba import types\n"
-        "from numbakv.kernels import _common, launch, move, put\n"
-        "from numbakv.kernels.ptx import _offline_device\n"
-        "vec = re.compile(r'\\b(ld|st)\\.global\\.v(2\\.(u|b|s|f)64|4\\.(u|b|s|f)32)\\b')\n"
-        "for kernel, sigs in ((put.put_kv_kernel, put._SIGS), (move.move_cells_kernel,"
-        " move._CELL_SIGS), (move.move_lanes_kernel, move._LANE_SIGS)):\n"
-        "    for sig in sigs:\n"
-        "        wide = sig[0].dtype == types.complex128\n"
-        "        for cc in ((8, 0), (9, 0)):\n"
-        "            with _offline_device(cc):\n"
-        "                ptx, _, _ = launch.ptx_entry(kernel.py_func, sig, cc)\n"
-        "            kinds = {m.group(1) for m in vec.finditer(ptx)}\n"
-        "            assert kinds == ({'ld', 'st'} if wide else set()), "
-        "(kernel.py_func.__name__, str(sig[0]), cc, kinds)\n"
-        "            if sig[1].dtype == types.complex128:  # V in rows: never tiled\n"
-        "                assert '.shared' not in ptx, (kernel.py_func.__name__, cc)\n"
-        "            if wide:\n"
-        "                print(kernel.py_func.__name__, cc, sorted(set(m.group(0) for m in "
-        "vec.finditer(ptx))))\n"
-        "print('ok')\n")
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
-    assert proc.stdout.count("ld.global.v2.u64") >= 3 * 2
+@pytest.mark.skipif(bool(gpu_compiler_missing()), reason=gpu_compiler_missing() or "-")
+def test_16_byte_copy_kernels_use_128_bit_loads_and_stores_in_ptx(tmp_path_factory):
+    """Compiled offline (by the PTX check of the copy kernels, tests/ptx_runs.py: a fresh process,
+    the simulator has no PTX compiler; its PTX is read here, not compiled again): the put and
+    block move kernels' 16-byte signatures load and store with ld.global.v2.u64 /
+    st.global.v2.u64, at sm_80 and sm_90; their 8-byte signatures do not (so the test would
+    notice if the 128-bit path fell back to two 8-byte accesses). A put whose V is in 16-byte
+    rows declares no shared tile (only element-wise permuted V is tiled)."""
+    import re
+    from numba import types
+    from numbakv.kernels.ptx import ptx_file_name
+    from ptx_runs import ptx_check
+    run = ptx_check("copies", tmp_path_factory)
+    assert run.returncode == 0, run.stdout + run.stderr
+    vec = re.compile(r"\b(ld|st)\.global\.v(2\.(u|b|s|f)64|4\.(u|b|s|f)32)\b")
+    wide_with_v2_loads = 0
+    for kernel, sigs in (("put_kv", put._SIGS), ("move_cells", move._CELL_SIGS),
+                         ("move_lanes", move._LANE_SIGS)):
+        assert kernel in run.kernels
+        for k, sig in enumerate(sigs):
+            wide = sig[0].dtype == types.complex128
+            for cc in ((8, 0), (9, 0)):
+                ptx = (run.ptx_dir / ptx_file_name(kernel, k, cc)).read_text()
+                assert f".target sm_{cc[0]}{cc[1]}" in ptx, (kernel, k, cc)
+                kinds = {m.group(1) for m in vec.finditer(ptx)}
+                assert kinds == ({"ld", "st"} if wide else set()), (kernel, str(sig[0]), cc, kinds)
+                if sig[1].dtype == types.complex128:  # V in rows: never tiled
+                    assert ".shared" not in ptx, (kernel, cc)
+                if wide:
+                    wide_with_v2_loads += any(m.group(0) == "ld.global.v2.u64"
+                                              for m in vec.finditer(ptx))
+    assert wide_with_v2_loads >= 3 * 2
 
 
 @pytest.mark.parametrize("permuted", [False, True])

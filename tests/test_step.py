@@ -470,10 +470,11 @@ def _att_steps():
             (np.array([4], np.int32), np.array([0], np.int32))]
 
 
-def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
+def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None, edits=None):
     """Replay :func:`_att_steps` through ``make_step(cache)`` with random q/K/V and compare
     each replay's output with start_forward + put + ``attention.attend`` per layer on a CPU
-    cache; padding rows (past the replay's tokens) stay zero."""
+    cache; padding rows (past the replay's tokens) stay zero. ``edits``: ``{i: fn}``, ``fn``
+    applied to both caches before replay ``i``."""
     torch = pytest.importorskip("torch")
     from numbakv.attention import attend
     cache, step = make_step()
@@ -483,7 +484,10 @@ def _check_attention(make_step, cfg_kw, cache_kw, dtype, wrap, tol, steps=None):
     D, Dv = reference.config.head_dim, reference.config.v_head_dim
     Do = step.attention.v_dim      # Dv, or an MLA latent's value width
     gen = torch.Generator().manual_seed(3)
-    for pos, seqs in steps or _att_steps():
+    for i, (pos, seqs) in enumerate(steps or _att_steps()):
+        if edits and i in edits:
+            edits[i](cache)
+            edits[i](reference)
         n = len(pos)
         k = torch.randn(2, n, 1, D, generator=gen).to(tdt)
         v = torch.randn(2, n, 1, Dv, generator=gen).to(tdt)
@@ -809,12 +813,14 @@ def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_b
     the value the row's first kv_lora_rank values, read from K in K's format: bfloat16, or
     q8_0 blocks rotated by llama.cpp's rule -- queries rotated, output turned back in the
     latent's blocks of 32). Replays over 2 sequences growing past page boundaries store the bytes
-    start_forward + put store and return what attend returns on a CPU cache. A group too
-    large for the kernel's tiles (forced here: tiles of 16 values) runs as a launch per range
-    of heads (DeepSeek's 16-128 heads on a 576-value latent)."""
+    start_forward + put store and return what attend returns on a CPU cache. The latent
+    kernel reads it (each staged tile of rows serves a tile of heads); a latent it does not
+    take, with a group too large for the paged kernel's tiles (forced here: tiles of 16
+    values), runs as a paged launch per range of heads."""
     if variant.endswith("per-launch"):
         from numbakv.kernels import decode
         monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
+        monkeypatch.setattr(decode, "latent_fits", lambda *a: False)
     dtype, rank, extra = {"bf16-latent": ("bfloat16", 8, {}),
                           "bf16-latent-head-per-launch": ("bfloat16", 8, {}),
                           # float32: the CPU attend reads a quantized latent through get(),
@@ -831,6 +837,7 @@ def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_b
         step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
         assert step.attention.latent and step.attention.v_dim == rank
         assert step.attention.per_launch == (1 if variant.endswith("per-launch") else 2)
+        assert step.attention.latent_heads == (0 if variant.endswith("per-launch") else 2)
         assert step.value.shape[-1] == 0
         return cache, step
     _check_attention(make_step, cfg_kw, cache_kw, dtype, _wrap_for(device),
@@ -851,8 +858,9 @@ def test_mla_capture_checks(device):
             mla.capture_step(batch=2, attend=True, v_dim=bad)
     with pytest.raises(NotSupportedError, match="multiple of 32"):
         mla.capture_step(batch=2, attend=True, v_dim=16)
-    # one KV head: a group larger than the kernel's tiles runs as several launches
-    assert mla.capture_step(batch=2, attend=True, n_heads=32).attention.per_launch == 16
+    # one launch of the latent kernel, 8 heads a block
+    att = mla.capture_step(batch=2, attend=True, n_heads=32).attention
+    assert (att.per_launch, att.latent_heads) == (32, 8)
     wide = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "head_dim": 4096, "v_head_dim": 0},
                                            device=device), shift=nkv.RopeShift(dim=64,
                                                                                offset=4032))
@@ -869,14 +877,14 @@ def test_mla_capture_checks(device):
 
 def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
     """cuda (stand-in CuPy, kernels in the simulator): a V-less latent cache's step is one
-    graph of, per layer, the put and the attention reading V as a strided view of K -- here
-    a launch per query head (tiles of 16 values forced) with a 2-part split-K each, merged on
-    views of the split buffers; replays equal the CPU attend."""
+    graph of, per layer, the put and one launch of the latent kernel (V the first values of
+    the staged latent rows; here one head per block, forced, over a 2-part split-K) and its
+    merge; replays equal the CPU attend."""
     from numbakv.kernels import decode
     from numbakv.step import DecodeStep, check_capturable
     cp, launches = fake_gpu
     monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
-    monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
+    monkeypatch.setattr(decode, "LATENT_HEADS", 1)
     cfg_kw = dict(ATT_MLA[8])
     cache_kw = dict(shift=_mla_shift(8))
 
@@ -884,9 +892,9 @@ def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
         cache = fake_cuda_cache(cp, nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
                                                     device="cpu"), 0x61, **cache_kw)
         step = DecodeStep(cache, *check_capturable(cache, 3, True, 2, 0.5, 3.0), split=(2, 2))
-        assert step.attention.per_launch == 1 and step._parts == 2
-        # the list launches, then per layer the put and per head the attention and merge
-        assert len(step.graph.nodes) == 2 + 2 * (1 + 2 * 2)
+        assert step.attention.latent_heads == 1 and step._parts == 2
+        # the list launches, then per layer the put, the latent kernel and the merge
+        assert len(step.graph.nodes) == 2 + 2 * (1 + 2)
         launches.clear()
         cp.log.clear()
         return cache, step
@@ -930,21 +938,38 @@ def test_stream_cache_replays_store_what_direct_puts_store(device, permuted):
 
 @pytest.mark.torch
 def test_captured_stream_cache_attention_equals_the_cpu_attend(device, small_blocks):
-    """Per-sequence streams with attention: each replay's page lists are the pass's page
-    table over the pool (each stream's cells offset into it, rebuilt every replay: the
-    device-side growth follows one cell table), under a sliding window; replays over 2
-    sequences return what start_forward + put + attend return on a CPU stream cache."""
+    """Per-sequence streams with attention: the page lists are the pass's page table over
+    the pool (each stream's cells offset into it), grown on the device while every batch
+    stream's cell table changed only by the replays' placements, rebuilt otherwise (a
+    removal in one stream, another batch), under chunked attention (lists cut at the front);
+    replays over 2 sequences return what start_forward + put + attend return on a CPU stream
+    cache."""
     cfg_kw = dict(unified=False, page_size=1, capacity=6)
-    cache_kw = dict(swa_window=3)
+    cache_kw = dict(chunk_size=4)
+
+    built = []
 
     def make_step():
         cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float16",
                                                 device=device), **cache_kw)
         assert type(cache).__name__ == "StreamCache"
+        pages_of = cache._host_pages
+        cache._host_pages = lambda: built.append(1) or pages_of()
         return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
                                          soft_cap=3.0)
+    seen = []
+
+    def removal(c):         # stream 1 forgets position 0: its list must be rebuilt
+        seen.append(len(built))
+        assert c.seq_rm(1, 0, 1)
+    steps = _att_steps()[:3] + [(np.array([4, 3], np.int32), np.array([0, 1], np.int32)),
+                                (np.array([5, 4], np.int32), np.array([0, 1], np.int32))]
     _check_attention(make_step, cfg_kw, cache_kw, "float16", _wrap_for(device),
-                     2e-6 if device == "cpu" else 2e-5)
+                     2e-6 if device == "cpu" else 2e-5, steps=steps, edits={3: removal})
+    if device != "cpu":
+        # replay 2 (the same two streams, grown) appended on the device; replay 3 after the
+        # removal rebuilt (seen[1]: removal() ran on both caches), replay 4 grew again
+        assert seen[0] == 2 and len(built) == 3, (seen, built)
 
 
 # ------------------------------------------------------------------ per-layer layouts

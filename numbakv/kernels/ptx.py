@@ -7,6 +7,10 @@ and refused on any register spill, stack frame, local memory, ``.extern`` declar
 space over the limit, registers above :data:`MAX_REGISTERS`, or a fast-launch parameter layout
 that differs from Numba's data model). Prints one line per kernel and exits non-zero on any
 failure. Needs Numba's real CUDA target: not available while the simulator is on.
+
+``--kernels NAME,NAME`` checks only those registered kernels (the test suite spreads the check
+over several processes); ``--ptx-dir DIR`` with ``--check`` also writes each kernel's PTX there
+as ``<kernel>.<signature index>.sm_XY.ptx`` (tests read it instead of compiling it again).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 import re
 import sys
 import types
-from typing import Dict, Iterable, List, NamedTuple, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 TARGETS: Tuple[Tuple[int, int], ...] = ((8, 0), (9, 0))
 
@@ -36,10 +40,14 @@ MAX_REGISTERS = 64
 #: f16 scale converted in software, and LLVM unrolls that loop: 5 blocks of 128 per SM at
 #: 102, where an unroll-free form would cost a second pass over the tile); put_kv 72 at sm_80 with 16-byte words (a lane holds four 16-byte words
 #: between their loads and their stores: 16 registers of data; at 3 blocks of 256 per SM that is
-#: still twice the bytes in flight of 6 blocks loading one word per thread). Any growth past
-#: these still fails the check.
+#: still twice the bytes in flight of 6 blocks loading one word per thread); paged_latent_attention
+#: 85 / 86 at every pool word (the paged kernel's arguments and split-K bounds, plus the staged
+#: tile's bounds; 45 KiB of static shared memory already limits it to 5 blocks of 128 per SM on
+#: sm_90, 3 on sm_80, so registers are not the bound). Any growth past these still fails the
+#: check.
 REGISTER_BOUNDS: Dict[str, int] = {"mask_fill": 72, "quant_put": 128, "quant_rope_shift": 96,
-                                   "paged_attention": 104, "put_kv": 80}
+                                   "paged_attention": 104, "put_kv": 80,
+                                   "paged_latent_attention": 88}
 #: kernel parameter space on sm_70+ (CUDA < 12.1 drivers; 32 KB needs 12.1+ and sm_70+)
 MAX_PARAM_BYTES = 4096
 
@@ -152,14 +160,16 @@ def _offline_device(cc: Tuple[int, int]):
         dispatcher.get_current_device = original
 
 
-def compile_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[Tuple[str, Tuple[int, int]], str]:
-    """PTX of every registered kernel for every signature and target; raises on the first error."""
+def compile_all(targets: Iterable[Tuple[int, int]] = TARGETS,
+                kernels: Optional[Iterable[str]] = None
+                ) -> Dict[Tuple[str, Tuple[int, int]], str]:
+    """PTX of every registered kernel (or of those named in ``kernels``) for every signature and
+    target; raises on the first error."""
     from numba import cuda
     from ..device import simulator_enabled
     if simulator_enabled():
         raise RuntimeError("PTX compilation needs Numba's CUDA target; the simulator is on "
                            "(unset NUMBA_ENABLE_CUDASIM)")
-    from . import registered  # imports every kernel module
     have_gpu = False
     try:
         have_gpu = bool(cuda.is_available())
@@ -169,7 +179,7 @@ def compile_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[Tuple[str,
     for cc in targets:
         ctx = contextlib.nullcontext() if have_gpu else _offline_device(cc)
         with ctx:
-            for spec in registered():
+            for spec in selected(kernels):   # imports every kernel module
                 for sig in spec.signatures:
                     ptx, _ = cuda.compile_ptx(spec.py_func, sig, cc=cc)
                     marker = f".target sm_{cc[0]}{cc[1]}"
@@ -179,18 +189,45 @@ def compile_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[Tuple[str,
     return results
 
 
-def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[str]]:
+def selected(kernels: Optional[Iterable[str]] = None) -> list:
+    """The registered kernels named in ``kernels`` (all of them when None), in registry order;
+    raises ``ValueError`` naming any name that is not a registered kernel."""
+    from . import registered
+    specs = registered()
+    if kernels is None:
+        return specs
+    wanted = set(kernels)
+    unknown = sorted(wanted - {spec.name for spec in specs})
+    if unknown:
+        raise ValueError(f"kernels {unknown} are not registered (registered: "
+                         f"{[spec.name for spec in specs]})")
+    return [spec for spec in specs if spec.name in wanted]
+
+
+def ptx_file_name(kernel: str, signature: int, cc: Tuple[int, int]) -> str:
+    """The file :func:`check_all` writes the PTX of ``kernel``'s signature number ``signature``
+    for target ``cc`` to, inside its ``ptx_dir``."""
+    return f"{kernel}.{signature}.sm_{cc[0]}{cc[1]}.ptx"
+
+
+def check_all(targets: Iterable[Tuple[int, int]] = TARGETS,
+              kernels: Optional[Iterable[str]] = None,
+              ptx_dir: Optional[str] = None) -> Dict[str, List[str]]:
     """Every kernel x signature x target: PTX compiled, checked (:func:`ptx_problems`), linked to
     a cubin by nvJitLink and its resources checked (:func:`resource_problems`), plus the
     fast-launch parameter layout and count (:func:`layout_problems`,
-    :func:`numbakv.kernels.launch.ptx_entry`). Returns per kernel the lines to print; raises
-    ``RuntimeError`` listing every problem found."""
+    :func:`numbakv.kernels.launch.ptx_entry`). ``kernels``: only these registered kernels (names;
+    all when None). ``ptx_dir``: an existing folder the PTX is also written to
+    (:func:`ptx_file_name`). Returns per kernel the lines to print; raises ``RuntimeError``
+    listing every problem found."""
+    import os
     from numba import cuda
     from ..device import simulator_enabled
-    from . import launch as _launch_mod, registered
+    from . import launch as _launch_mod
     if simulator_enabled():
         raise RuntimeError("the check needs Numba's CUDA target; the simulator is on "
                            "(unset NUMBA_ENABLE_CUDASIM)")
+    specs = selected(kernels)
     have_gpu = False
     try:
         have_gpu = bool(cuda.is_available())
@@ -198,7 +235,7 @@ def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[st
         have_gpu = False
     report: Dict[str, List[str]] = {}
     problems: List[str] = []
-    for spec in registered():
+    for spec in specs:
         for k, sig in enumerate(spec.signatures):
             where = f"{spec.name}[{k}]"
             problems += [f"{where}: {p}" for p in layout_problems(sig)]
@@ -212,6 +249,9 @@ def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[st
                         problems.append(f"{where} {tag}: {type(exc).__name__}: {exc}")
                         continue
                 problems += [f"{where} {tag}: {p}" for p in ptx_problems(ptx)]
+                if ptx_dir is not None:
+                    with open(os.path.join(ptx_dir, ptx_file_name(spec.name, k, cc)), "w") as fh:
+                        fh.write(ptx)
                 try:
                     _, log = _launch_mod.link_cubin(ptx, cc)
                     res = parse_resources(log)
@@ -229,26 +269,38 @@ def check_all(targets: Iterable[Tuple[int, int]] = TARGETS) -> Dict[str, List[st
 
 
 def main(argv=None) -> int:
-    from . import registered
-    argv = sys.argv[1:] if argv is None else list(argv)
-    check = "--check" in argv
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m numbakv.kernels.ptx",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="also link each PTX with nvJitLink and check its resources")
+    parser.add_argument("--kernels", default=None, metavar="NAME,NAME",
+                        help="only these registered kernels (default: all)")
+    parser.add_argument("--ptx-dir", default=None, metavar="DIR",
+                        help="with --check: write each kernel's PTX into DIR")
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    check = args.check
+    kernels = None if args.kernels is None else [k for k in args.kernels.split(",") if k]
+    if args.ptx_dir is not None and not check:
+        parser.error("--ptx-dir applies to --check")
     try:
+        specs = selected(kernels)
         if check:
-            details = check_all()
+            details = check_all(kernels=kernels, ptx_dir=args.ptx_dir)
             compiled = {(name, cc): "" for name in details for cc in TARGETS}
         else:
             details = {}
-            compiled = compile_all()
+            compiled = compile_all(kernels=kernels)
     except Exception as exc:  # noqa: BLE001
         print(f"{'check' if check else 'PTX compilation'} failed: {type(exc).__name__}: {exc}")
         return 1
-    for spec in registered():
+    for spec in specs:
         ccs = sorted({cc for (name, cc) in compiled if name == spec.name})
         print(f"{spec.name}: {len(spec.signatures)} signature(s) -> "
               + ", ".join(f"sm_{a}{b}" for a, b in ccs))
         for line in details.get(spec.name, []):
             print(line)
-    print(f"ok: {len(registered())} kernels"
+    print(f"ok: {len(specs)} kernels"
           + (f" (linked by nvJitLink; <= {MAX_REGISTERS} registers or the stated bound "
              f"{REGISTER_BOUNDS}, no spills, stack, local "
              f"memory or .extern)" if check else ""))
