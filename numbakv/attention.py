@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 from llvmlite import ir
@@ -166,7 +166,10 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     (``q_nope @ W_UK`` then ``q_rope``, ``[batch, n_heads, kv_lora_rank + rope]``), scores are
     ``q . latent`` over the whole row, and the output is the softmax-weighted sum of the rows'
     first ``v_dim`` values (the latent ``c_kv``), ``[batch, n_heads, v_dim]``: the caller applies
-    ``W_UV``. ``v_dim`` defaults to the cache's ``RopeShift.offset`` (``kv_lora_rank``).
+    ``W_UV``. ``v_dim`` defaults to the cache's ``RopeShift.offset`` (``kv_lora_rank``). On CUDA
+    (backend ``"auto"``, passes of at most 32 queries a sequence) numbakv's latent kernel reads
+    the rows as stored (float, q8_0/q4_0/float8, rotated): each staged tile of rows serves a
+    tile of up to 8 query heads.
 
     Args:
         q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch
@@ -225,6 +228,13 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
         soft_cap = float(soft_cap)
         if not soft_cap > 0:
             raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    if latent_v and on_cuda and backend == "auto":
+        # MLA on CUDA: the latent kernel (each staged tile of rows serves a tile of heads)
+        rows, kw = _latent_pool(src) if _latent_kernel_takes(src, q.shape[1], batch, latent_v,
+                                                              host) else (None, None)
+        if rows is not None:
+            return _gpu_latent(torch, q, host, src, rows, kw, scale, soft_cap, latent_v,
+                               "cuda").to(q.dtype)
     route = _attend_route(src, q.shape[1], batch, backend, latent_v, on_cuda)
     backend, formats, permuted, quantized = route.backend, route.formats, route.permuted, \
         route.quantized
@@ -441,6 +451,21 @@ def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device
     the token -> sequence map, the causal flags and the list lengths are planned once and kept
     in ``host.plans`` (one upload per pass, read by every layer). ``quant``: the raw pools'
     formats, scales and rotations (:func:`_gpu_quantized`)."""
+    tok_dev, causal_dev, lens = _gpu_pass_plan(host, device)
+    kw = dict(quant) if quant is not None else {"bf16": isinstance(pools[0], BFloat16View)}
+    kp, vp = (x.bits if isinstance(x, BFloat16View) else x for x in pools)
+    args = (host.table, tok_dev, causal_dev, int(host.rule.window), int(host.rule.chunk), scale,
+            soft_cap, lens)
+    return _run_on_cache_stream(
+        torch, q, device, storage,
+        lambda qd: _decode_kernel.paged_attention(device, qd, kp, vp, *args, **kw)[0])
+
+
+def _gpu_pass_plan(host: HostPages, device: str) -> tuple:
+    """``(tok_seq, causal, list_lens)`` of the pass for the batched kernels: the token ->
+    sequence map and causal flags on the device (int32 / uint8 ``[batch]``), the host list
+    lengths; planned once per pass and kept in ``host.plans`` (one upload, read by every
+    layer)."""
     from .kernels.launch import to_device
     plan = host.plans.get("gpu-kernel")
     if plan is None:
@@ -450,15 +475,63 @@ def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device
         (tok_dev, causal_dev), keep = to_device(device, tok_seq, causal)
         plan = host.plans["gpu-kernel"] = (tok_dev, causal_dev, keep,
                                            np.diff(host.kv_indptr).astype(np.int64))
-    tok_dev, causal_dev, _, lens = plan
-    kw = dict(quant) if quant is not None else {"bf16": isinstance(pools[0], BFloat16View)}
-    kp, vp = (x.bits if isinstance(x, BFloat16View) else x for x in pools)
+    return plan[0], plan[1], plan[3]
+
+
+def _latent_pool(src: Any) -> Tuple[Any, Optional[dict]]:
+    """``(rows, kw)``: the current layer's latent rows of a V-less (MLA) cache as
+    :func:`numbakv.kernels.decode.paged_latent_attention` reads them (raw storage
+    ``[n_cells, 1, ...]``: float bits, or the byte rows of a quantized latent) and its keyword
+    arguments (format, float8 scale, rotation); ``(None, None)`` for a latent the kernel
+    cannot read as stored (e.g. ``fp8_ds_mla``)."""
+    cfg = src.config
+    st = src.storage
+    slot = src._storage_layers[src._layer]
+    kw = dict(bf16=cfg.dtype == "bfloat16", k_rotation=int(cfg.k_rotation))
+    if st.k_quantized:
+        formats = _pool_formats(src)
+        if formats is None or formats[0] not in _decode_kernel.QUANT_FORMATS:
+            return None, None
+        kw.update(kfmt=_decode_kernel.QUANT_FORMATS[formats[0]], kscale=formats[2])
+    return st.key_view(slot, 0, src.n_cells), kw
+
+
+def _latent_kernel_takes(src: Any, n_heads: int, batch: int, v_dim: int,
+                         host: HostPages) -> bool:
+    """Whether ``attend`` (backend "auto") on a CUDA V-less cache runs the latent kernel: the
+    cache's own storage, one latent head, a shape within the kernel's tiles, a decode-like pass
+    (at most :data:`_GPU_KERNEL_TOKENS` queries per sequence, as the batched kernel), a value
+    of whole blocks on a q8_0/q4_0 latent and of whole rotation blocks on a rotated one."""
+    cfg = src.config
+    if getattr(src, "storage", None) is None or getattr(cfg, "permuted_v", False) or \
+            not _decode_kernel.latent_fits(n_heads, cfg.local_kv_heads, cfg.head_dim, v_dim,
+                                           batch) or _max_queries(host) > _GPU_KERNEL_TOKENS:
+        return False
+    if cfg.k_dtype in ("q8_0", "q4_0") and v_dim % 32:
+        return False
+    return not (cfg.k_rotation and v_dim % cfg.k_rotation)
+
+
+def _gpu_latent(torch, q, host: HostPages, src: Any, rows, kw: dict, scale: float, soft_cap,
+                v_dim: int, device: str):
+    """``attend`` over a V-less (MLA) latent cache through the latent kernel
+    (:func:`numbakv.kernels.decode.paged_latent_attention`: each staged tile of latent rows
+    serves a tile of query heads; ``device`` ``"cuda"``, or ``"sim"`` for the tests): float32
+    ``[batch, H, v_dim]``; ``rows`` / ``kw`` from :func:`_latent_pool`."""
+    tok_dev, causal_dev, lens = _gpu_pass_plan(host, device)
     args = (host.table, tok_dev, causal_dev, int(host.rule.window), int(host.rule.chunk), scale,
-            soft_cap, lens)
+            soft_cap, lens, v_dim)
+    return _run_on_cache_stream(
+        torch, q, device, src.storage,
+        lambda qd: _decode_kernel.paged_latent_attention(device, qd, rows, *args, **kw)[0])
+
+
+def _run_on_cache_stream(torch, q, device: str, storage: Any, run):
+    """``run(q as float32 device array)`` -> the kernel's float32 output as a torch tensor on
+    ``q``'s device; on CUDA on the cache's stream, ordered after ``q``'s producer and before
+    torch's current stream reads the output (no host wait)."""
     if device != "cuda":
-        qd = np.ascontiguousarray(q.detach().float().numpy())
-        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, **kw)
-        return torch.from_numpy(out)
+        return torch.from_numpy(run(np.ascontiguousarray(q.detach().float().numpy())))
     import cupy
     qf = q.detach().float().contiguous()       # on torch's current stream (the producer's)
     producer = torch.cuda.current_stream(q.device).cuda_stream
@@ -471,8 +544,7 @@ def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device
             ready = cupy.cuda.Event(disable_timing=True)
             ready.record(cupy.cuda.ExternalStream(producer))
             stream.wait_event(ready)
-        qd = cupy.from_dlpack(qf)
-        out, _ = _decode_kernel.paged_attention(device, qd, kp, vp, *args, **kw)
+        out = run(cupy.from_dlpack(qf))
         if stream.ptr != producer:
             # the consumer (torch's current stream) reads out only after the kernel
             done = cupy.cuda.Event(disable_timing=True)

@@ -1435,7 +1435,9 @@ class CausalCache(StateMethods):
         # device: O(batch) host work and upload; on the CPU copied and appended to, no walk of
         # the cell table) when the cell table changed only by this pass's placement and those
         # lists held every cell of their sequences
-        appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve
+        appendable = self.device in pages.INCREMENTAL_DEVICES and not fwd.reserve and not (
+            self.device == "cpu" and len(fwd.positions) == 1
+            and cells.n_used < pages.CPU_EXTEND_MIN_CELLS)
         host = None
         with self.storage._on_device() if self.storage is not None else _NO_STREAM_SCOPE:
             inc = getattr(self, "_pages_inc", None)

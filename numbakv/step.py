@@ -73,7 +73,10 @@ is zero-width and gets no blocks), and the attention is MLA's absorbed form as
 :func:`numbakv.attention.attend` computes it: scores over the whole latent row, the value read
 as the first ``v_dim`` values of the same row (a strided view of the K pool in K's format:
 float, or whole q8_0 / q4_0 blocks, or float8 bytes; a rotated latent turned back in K's
-blocks), output ``[.., n_heads, v_dim]``.
+blocks), output ``[.., n_heads, v_dim]``. It runs as one launch of the latent kernel
+(:func:`numbakv.kernels.decode.launch_latent`): a block stages each tile of latent rows in shared
+memory once for a tile of up to 8 query heads (DeepSeek's 16-128 heads: 2-16 tiles, consecutive
+blocks reading the same rows), not a launch per range of heads.
 
 llama.cpp's per-sequence streams (``unified=False``, a :class:`numbakv.streams.StreamCache`):
 the descriptor's slots are pool cells (each token's stream offset plus the cell its stream
@@ -89,9 +92,9 @@ the wrapper's all-or-nothing ``start_forward``, ``put`` / ``attend`` routed by m
 Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): FlashMLA's
 ``fp8_ds_mla`` latent rows; with attention also ``permuted_v`` and shapes the kernel does not
 take (more than 16 query heads per KV head, or group x head_dim > 2048, with several KV heads).
-With one KV head (MQA, an MLA latent: DeepSeek's 16-128 heads on a 576-value latent) a larger
-group runs as several launches of at most that many heads (3 on a 576-value latent), each
-reading the layer's listed rows again: correct, but that many times the latent's bytes.
+With one KV head (MQA, or a latent too wide for the latent kernel's tiles) a larger group runs
+as several launches of at most that many heads, each reading the layer's listed rows again:
+correct, but that many times the bytes.
 """
 
 from __future__ import annotations
@@ -317,10 +320,12 @@ class Attention:
     output is the absorbed form's weighted sum of each row's first ``v_dim`` values, as
     :func:`numbakv.attention.attend` defines it) and ``latent`` (whether V is read from K)."""
 
-    __slots__ = ("n_heads", "scale", "soft_cap", "v_dim", "latent", "per_launch")
+    __slots__ = ("n_heads", "scale", "soft_cap", "v_dim", "latent", "per_launch",
+                 "latent_heads")
 
     def __init__(self, n_heads: int, scale: float, soft_cap: Optional[float], v_dim: int,
-                 latent: bool = False, per_launch: Optional[int] = None) -> None:
+                 latent: bool = False, per_launch: Optional[int] = None,
+                 latent_heads: int = 0) -> None:
         self.n_heads = n_heads
         self.scale = scale
         self.soft_cap = soft_cap
@@ -330,11 +335,15 @@ class Attention:
         #: latent) whose group is too large for the kernel's tiles, ranges of that many heads
         #: (each launch reads the layer's listed rows again)
         self.per_launch = n_heads if per_launch is None else per_launch
+        #: an MLA latent read by the latent kernel (:func:`numbakv.kernels.decode.
+        #: launch_latent`, one launch: each staged tile of rows serves this many query heads);
+        #: 0: the paged kernel
+        self.latent_heads = latent_heads
 
     def __repr__(self) -> str:
         return (f"Attention(n_heads={self.n_heads}, scale={self.scale}, soft_cap="
                 f"{self.soft_cap}, v_dim={self.v_dim}, latent={self.latent}, per_launch="
-                f"{self.per_launch})")
+                f"{self.per_launch}, latent_heads={self.latent_heads})")
 
 
 class DecodeStep:
@@ -436,7 +445,9 @@ class DecodeStep:
         self._st_last = np.zeros(T2, np.int64)
         self._st_meta = np.zeros(2, np.int64)
         if split is None:
-            parts = _decode.max_parts(self.device, T * cfg.local_kv_heads)
+            # blocks per split-K part: (token, KV head), or the latent kernel's (token, tile)
+            parts = _decode.max_parts(self.device, T * (
+                -(-H // att.latent_heads) if att.latent_heads else cfg.local_kv_heads))
             min_part, unit = _decode.MIN_PART, _decode.TILE
         else:      # tests: a forced split-K of small lists
             parts, min_part = (int(x) for x in split)
@@ -449,24 +460,33 @@ class DecodeStep:
                                  np.float32)
 
     def _attention_launches(self, i: int, desc_ptr: Optional[int], q: Any = None,
-                            out: Any = None, lse: Any = None) -> List[Tuple[dict, tuple]]:
-        """``(kw, args)`` of each launch of stored layer ``i``'s attention (see
-        :meth:`_attention_args`): one, or one per range of :attr:`Attention.per_launch` query
-        heads when the group is too large for the kernel's tiles (one KV head: MQA, an MLA
-        latent), each over views of the queries, outputs, LSE and split-K buffers."""
+                            out: Any = None, lse: Any = None
+                            ) -> List[Tuple[Callable, dict, tuple]]:
+        """``(launcher, kw, args)`` of each launch of stored layer ``i``'s attention (see
+        :meth:`_attention_args`; run as ``launcher(*args, **kw)``): an MLA latent's one launch
+        of the latent kernel (:attr:`Attention.latent_heads`), or the paged kernel's one, or
+        one per range of :attr:`Attention.per_launch` query heads when the group is too large
+        for its tiles (one KV head: MQA, a latent the latent kernel does not take), each over
+        views of the queries, outputs, LSE and split-K buffers."""
         att = self.attention
         q = self.query[i] if q is None else q
         out = self.output[i] if out is None else out
         lse = self.lse[i] if lse is None else lse
+        if att.latent_heads:
+            kw, args = self._attention_args(i, desc_ptr, q, out, lse)
+            # the latent kernel reads V from K itself: no V pool, nor V's format and scales
+            kw = dict(kscale=kw["kscale"], k_rotation=kw["k_rotation"],
+                      heads=att.latent_heads)
+            return [(_decode.launch_latent, kw, args[:3] + args[4:5] + args[6:])]
         if att.per_launch >= att.n_heads:
-            return [self._attention_args(i, desc_ptr, q, out, lse)]
+            return [(_decode.launch_paged,) + self._attention_args(i, desc_ptr, q, out, lse)]
         launches = []
         for h0 in range(0, att.n_heads, att.per_launch):
             h = slice(h0, min(h0 + att.per_launch, att.n_heads))
             parts = (self._part_acc[:, :, h], self._part_ml[:, :, :, h]) \
                 if self._parts > 1 else None
-            launches.append(self._attention_args(i, desc_ptr, q[:, h], out[:, h], lse[:, h],
-                                                 parts))
+            launches.append((_decode.launch_paged,) + self._attention_args(
+                i, desc_ptr, q[:, h], out[:, h], lse[:, h], parts))
         return launches
 
     def _attention_args(self, i: int, desc_ptr: Optional[int], q: Any = None, out: Any = None,
@@ -615,7 +635,7 @@ class DecodeStep:
                     out.append(lambda i=i: self._attend_cpu_into(self.layers[i], self.query[i],
                                                                  self.output[i]))
                 else:
-                    out.extend(lambda a=a: _decode.launch_paged(*a[1], **a[0])
+                    out.extend(lambda a=a: a[0](*a[2], **a[1])
                                for a in self._attention_launches(i, None))
         return out
 
@@ -694,9 +714,9 @@ class DecodeStep:
                 plan.launch(ptrs, -1, stream.ptr)
             if self.attention is not None:
                 with stream:      # the launcher queues on CuPy's current stream
-                    for kw, args in self._attention_launches(i,
-                                                             int(self.descriptor.data.ptr)):
-                        _decode.launch_paged(*args, **kw)
+                    for run, kw, args in self._attention_launches(
+                            i, int(self.descriptor.data.ptr)):
+                        run(*args, **kw)
 
     # ------------------------------------------------------------------ replay
     def _pinned(self, stream) -> list:
@@ -1065,8 +1085,9 @@ class DecodeStep:
             return
         ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
         with self._scope():
-            for kw, args in self._attention_launches(slot, ptr, q, out, self._lse_scratch):
-                _decode.launch_paged(*args, **kw)
+            for run, kw, args in self._attention_launches(slot, ptr, q, out,
+                                                          self._lse_scratch):
+                run(*args, **kw)
 
     def replay(self, positions: Any, seqs: Any, q: Any = None, k: Any = None,
                v: Any = None) -> Any:
@@ -1444,7 +1465,13 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
                                     "reads V as [n_cells, n_kv_heads, v_head_dim] "
                                     "(permuted_v=False)")
         out_dim = _check_latent_v_dim(cache, v_dim) if cfg.v_less else cfg.v_head_dim
-        per_launch = _heads_per_launch(int(n_heads), hkv, cfg.head_dim, out_dim, int(batch))
+        # an MLA latent: the latent kernel (each staged tile of rows serves a tile of heads),
+        # else the paged kernel, in ranges of heads when the group is too large for it
+        latent_heads = _decode.latent_tiling(int(n_heads), cfg.head_dim, out_dim)[0] \
+            if cfg.v_less and _decode.latent_fits(int(n_heads), hkv, cfg.head_dim, out_dim,
+                                                  int(batch)) else 0
+        per_launch = int(n_heads) if latent_heads else \
+            _heads_per_launch(int(n_heads), hkv, cfg.head_dim, out_dim, int(batch))
         if not per_launch:
             raise NotSupportedError(
                 f"capture_step(attend=True): the paged attention kernel does not take "
@@ -1455,7 +1482,7 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
                 f"launches when head_dim <= {_decode.MAX_GROUP_DIM})")
         att = Attention(int(n_heads), float(scale),
                         None if soft_cap is None else float(soft_cap), out_dim, cfg.v_less,
-                        per_launch)
+                        per_launch, latent_heads)
     if cache.storage is None:
         raise NotSupportedError("capture_step needs a cache with its own K/V storage")
     return int(batch), att

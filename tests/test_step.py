@@ -813,12 +813,14 @@ def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_b
     the value the row's first kv_lora_rank values, read from K in K's format: bfloat16, or
     q8_0 blocks rotated by llama.cpp's rule -- queries rotated, output turned back in the
     latent's blocks of 32). Replays over 2 sequences growing past page boundaries store the bytes
-    start_forward + put store and return what attend returns on a CPU cache. A group too
-    large for the kernel's tiles (forced here: tiles of 16 values) runs as a launch per range
-    of heads (DeepSeek's 16-128 heads on a 576-value latent)."""
+    start_forward + put store and return what attend returns on a CPU cache. The latent
+    kernel reads it (each staged tile of rows serves a tile of heads); a latent it does not
+    take, with a group too large for the paged kernel's tiles (forced here: tiles of 16
+    values), runs as a paged launch per range of heads."""
     if variant.endswith("per-launch"):
         from numbakv.kernels import decode
         monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
+        monkeypatch.setattr(decode, "latent_fits", lambda *a: False)
     dtype, rank, extra = {"bf16-latent": ("bfloat16", 8, {}),
                           "bf16-latent-head-per-launch": ("bfloat16", 8, {}),
                           # float32: the CPU attend reads a quantized latent through get(),
@@ -835,6 +837,7 @@ def test_captured_mla_latent_step_equals_the_cpu_attend(device, variant, small_b
         step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
         assert step.attention.latent and step.attention.v_dim == rank
         assert step.attention.per_launch == (1 if variant.endswith("per-launch") else 2)
+        assert step.attention.latent_heads == (0 if variant.endswith("per-launch") else 2)
         assert step.value.shape[-1] == 0
         return cache, step
     _check_attention(make_step, cfg_kw, cache_kw, dtype, _wrap_for(device),
@@ -855,8 +858,9 @@ def test_mla_capture_checks(device):
             mla.capture_step(batch=2, attend=True, v_dim=bad)
     with pytest.raises(NotSupportedError, match="multiple of 32"):
         mla.capture_step(batch=2, attend=True, v_dim=16)
-    # one KV head: a group larger than the kernel's tiles runs as several launches
-    assert mla.capture_step(batch=2, attend=True, n_heads=32).attention.per_launch == 16
+    # one launch of the latent kernel, 8 heads a block
+    att = mla.capture_step(batch=2, attend=True, n_heads=32).attention
+    assert (att.per_launch, att.latent_heads) == (32, 8)
     wide = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "head_dim": 4096, "v_head_dim": 0},
                                            device=device), shift=nkv.RopeShift(dim=64,
                                                                                offset=4032))
@@ -873,14 +877,14 @@ def test_mla_capture_checks(device):
 
 def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
     """cuda (stand-in CuPy, kernels in the simulator): a V-less latent cache's step is one
-    graph of, per layer, the put and the attention reading V as a strided view of K -- here
-    a launch per query head (tiles of 16 values forced) with a 2-part split-K each, merged on
-    views of the split buffers; replays equal the CPU attend."""
+    graph of, per layer, the put and one launch of the latent kernel (V the first values of
+    the staged latent rows; here one head per block, forced, over a 2-part split-K) and its
+    merge; replays equal the CPU attend."""
     from numbakv.kernels import decode
     from numbakv.step import DecodeStep, check_capturable
     cp, launches = fake_gpu
     monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
-    monkeypatch.setattr(decode, "MAX_GROUP_DIM", 16)
+    monkeypatch.setattr(decode, "LATENT_HEADS", 1)
     cfg_kw = dict(ATT_MLA[8])
     cache_kw = dict(shift=_mla_shift(8))
 
@@ -888,9 +892,9 @@ def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
         cache = fake_cuda_cache(cp, nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
                                                     device="cpu"), 0x61, **cache_kw)
         step = DecodeStep(cache, *check_capturable(cache, 3, True, 2, 0.5, 3.0), split=(2, 2))
-        assert step.attention.per_launch == 1 and step._parts == 2
-        # the list launches, then per layer the put and per head the attention and merge
-        assert len(step.graph.nodes) == 2 + 2 * (1 + 2 * 2)
+        assert step.attention.latent_heads == 1 and step._parts == 2
+        # the list launches, then per layer the put, the latent kernel and the merge
+        assert len(step.graph.nodes) == 2 + 2 * (1 + 2)
         launches.clear()
         cp.log.clear()
         return cache, step

@@ -652,6 +652,274 @@ def launch_paged(device: str, q, kpool, vpool, kfmt: int, vfmt: int, kv_indices,
                 (arg(part_acc), arg(part_ml), arg(out), arg(lse)))
 
 
+# ------------------------------------------------------------------ MLA latent decode
+# MLA's absorbed form (one V-less latent "head" of kv_lora_rank + rope values shared by every
+# query head; V is the row's first v_dim values) in a kernel of its own. The kernel above holds
+# a group's queries and accumulators in 2 x 8 KiB of shared memory, so a 576-value latent fits
+# only 3 heads per block, and each block reads the rows itself: with DeepSeek's 16-128 heads
+# that is 6-43 reads of every latent row per step. Here a block takes a tile of up to
+# LATENT_HEADS heads and stages each tile of rows, converted to float32, in shared memory
+# once: the scores and the value sums of all the tile's heads read that copy.
+
+#: query heads per block of the latent kernel (the tile's queries and accumulators in shared)
+LATENT_HEADS = 8
+#: shared floats of the tile's queries (8 heads x 576 values, each head's row padded by one
+#: value so that heads sit on different banks), accumulators (8 x 512) and staged rows (4 rows
+#: of 576, padded likewise): 44.6 KiB with the scores, under the 48 KiB of static shared memory
+_LQ_SLOTS = 4616
+_LACC_SLOTS = 4096
+_LROW_SLOTS = 2312
+_LSCORE_SLOTS = 256
+assert _LSCORE_SLOTS == LATENT_HEADS * TILE
+
+
+def latent_tiling(n_heads: int, head_dim: int, v_dim: int) -> Tuple[int, int]:
+    """``(heads per block, rows per staged tile)`` of :data:`paged_latent_kernel` for a latent
+    of ``head_dim`` values read as ``v_dim`` values; ``(0, 0)`` when not even one head fits."""
+    if not 1 <= v_dim <= head_dim:
+        return 0, 0
+    ht = min(LATENT_HEADS, n_heads, _LQ_SLOTS // (head_dim + 1), _LACC_SLOTS // v_dim)
+    rows = min(TILE, _LROW_SLOTS // (head_dim + 1))
+    return (ht, rows) if ht >= 1 and rows >= 1 else (0, 0)
+
+
+def latent_fits(n_heads: int, n_kv_heads: int, head_dim: int, v_dim: int, batch: int) -> bool:
+    """Whether :data:`paged_latent_kernel` takes this shape: one latent head, its row and the
+    value's width within the shared tiles, tokens within the grid's y extent (the split-K
+    parts, its z, are at most :func:`max_parts`)."""
+    ht, _ = latent_tiling(n_heads, head_dim, v_dim)
+    return n_kv_heads == 1 and ht >= 1 and 0 < batch <= _common.MAX_GRID_YZ
+
+
+def _latent_sigs():
+    i32 = _arr(types.int32, 1)
+    i64 = types.int64
+    return [(_arr(types.float32, 3), _arr(kw, 3), i64, i32, i32, i32, i32, i32,
+             _arr(types.uint8, 1), i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32,
+             _arr(types.float32, 3), _arr(types.float32, 2), _arr(types.float32, 4),
+             _arr(types.float32, 4))
+            for kw in (types.uint16, types.uint32, types.uint8)]
+
+
+@cuda_kernel("paged_latent_attention", _latent_sigs())
+def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, q_pos,
+                        causal, window, chunk, scale_bits, cap_bits, kscale_bits, krot,
+                        krscale_bits, heads, rows, part_len, part_len_dev, out, lse, part_acc,
+                        part_ml):
+    """MLA's absorbed attention: block ``(head tile, token, part)`` over the one latent head
+    (the tiles of a (token, part) are consecutive blocks: they read the same rows at about the
+    same time, so the rows come from DRAM about once and L2 serves the other tiles).
+    q float32 ``[T, H, D]`` (rotated and scaled here); kpool ``[n_cells, 1, D]`` raw bits or
+    ``[n_cells, 1, row_bytes]`` quantized rows (``kfmt``); the value of a cell is its row's
+    first ``out.shape[2]`` values, in the same format; ``heads`` query heads per
+    block, ``rows`` rows per staged tile (:func:`latent_tiling`); the rest as
+    :data:`paged_attention_kernel` (the value rotation is the key's: ``krot``)."""
+    qs = cuda.shared.array(_LQ_SLOTS, float32)
+    acc = cuda.shared.array(_LACC_SLOTS, float32)
+    rw = cuda.shared.array(_LROW_SLOTS, float32)
+    sc = cuda.shared.array(_LSCORE_SLOTS, float32)
+    mx = cuda.shared.array(LATENT_HEADS, float32)
+    tot = cuda.shared.array(LATENT_HEADS, float32)
+    corr = cuda.shared.array(LATENT_HEADS, float32)
+    part = cuda.blockIdx.z
+    t = cuda.blockIdx.y
+    h0 = cuda.blockIdx.x * heads
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    dim = q.shape[2]
+    dv = out.shape[2]
+    g = min(heads, q.shape[1] - h0)
+    # a head's queries (and a staged row) padded by one value: the heads (rows) a warp reads at
+    # once fall on different banks; the Walsh-Hadamard rotation needs them contiguous
+    qst = dim if krot > 0 else dim + 1
+    rst = dim + 1
+    scale = np.uint32(scale_bits).view(np.float32)
+    soft_cap = np.uint32(cap_bits).view(np.float32)
+    kscale = np.uint32(kscale_bits).view(np.float32)
+    b = tok_seq[t]
+    c0 = np.int64(kv_indptr[b])
+    c1 = np.int64(kv_indptr[b + 1])
+    jlo, jhi = visible_run(kv_pos, c0, c1, np.int64(q_pos[t]), causal[t], window, chunk)
+    plen = part_len if part_len > 0 else np.int64(part_len_dev[0])
+    a = max(jlo, c0 + part * plen)
+    e = min(jhi, c0 + (part + 1) * plen)
+    if a >= e and part > 0:
+        for gi in range(tid, g, nt):
+            part_ml[0, part, t, h0 + gi] = -math.inf
+            part_ml[1, part, t, h0 + gi] = 0.0
+        return
+    for i in range(tid, g * dim, nt):
+        gi = i // dim
+        qs[gi * qst + i - gi * dim] = q[t, h0 + gi, i - gi * dim]
+    for i in range(tid, g * dv, nt):
+        acc[i] = 0.0
+    for i in range(tid, g, nt):
+        mx[i] = -math.inf
+        tot[i] = 0.0
+    cuda.syncthreads()
+    if krot > 0:     # keys stored as H k: the scores read (H q) . (H k) = q . k
+        _wht_shared(qs, g * dim, krot, np.uint32(krscale_bits).view(np.float32), tid, nt)
+    for i in range(tid, g * qst, nt):
+        qs[i] = qs[i] * scale
+    cuda.syncthreads()
+    for j0 in range(a, e, rows):
+        n = min(rows, e - j0)
+        # the tile's rows, read from the pool once (consecutive threads: consecutive values)
+        for i in range(tid, n * dim, nt):
+            jj = i // dim
+            d = i - jj * dim
+            rw[jj * rst + d] = kv_value(kpool, kv_indices[j0 + jj], 0, d, kfmt, kscale)
+        cuda.syncthreads()
+        # scores: one thread per (head, staged row)
+        for i in range(tid, g * rows, nt):
+            gi = i // rows
+            jj = i - gi * rows
+            x = float32(-math.inf)
+            if jj < n:
+                x = float32(0.0)
+                for d in range(dim):
+                    x += qs[gi * qst + d] * rw[jj * rst + d]
+                if soft_cap > 0:
+                    x = soft_cap * math.tanh(x / soft_cap)
+            sc[gi * TILE + jj] = x
+        cuda.syncthreads()
+        # online softmax per head (as the kernel above)
+        for gi in range(tid, g, nt):
+            m_old = mx[gi]
+            m = m_old
+            for jj in range(n):
+                m = max(m, sc[gi * TILE + jj])
+            y = m_old - m
+            cr = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
+            s = tot[gi] * cr
+            for jj in range(n):
+                y = sc[gi * TILE + jj] - m
+                w = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
+                sc[gi * TILE + jj] = w
+                s += w
+            mx[gi] = m
+            tot[gi] = s
+            corr[gi] = cr
+        cuda.syncthreads()
+        # the value sums from the same staged rows: one thread per (head, value dim)
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            d = i - gi * dv
+            v = acc[i] * corr[gi]
+            for jj in range(n):
+                v += sc[gi * TILE + jj] * rw[jj * rst + d]
+            acc[i] = v
+        cuda.syncthreads()
+    if krot > 0:     # the value is the latent's first dims, rotated as the keys: turned back
+        _wht_shared(acc, g * dv, krot, np.uint32(krscale_bits).view(np.float32), tid, nt)
+    if cuda.gridDim.z == 1:
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            s = tot[gi]
+            out[t, h0 + gi, i - gi * dv] = acc[i] / s if s > 0 else float32(0.0)
+        for gi in range(tid, g, nt):
+            s = tot[gi]
+            lse[t, h0 + gi] = mx[gi] + math.log(s) if s > 0 else float32(-math.inf)
+    else:
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            part_acc[part, t, h0 + gi, i - gi * dv] = acc[i]
+        for gi in range(tid, g, nt):
+            part_ml[0, part, t, h0 + gi] = mx[gi]
+            part_ml[1, part, t, h0 + gi] = tot[gi]
+
+
+def launch_latent(device: str, q, kpool, kfmt: int, kv_indices, kv_positions, kv_indptr,
+                  tok_seq, q_pos, causal, window: int, chunk: int, scale: float,
+                  soft_cap: Optional[float], n_parts: int, part_len: int, part_len_dev, out,
+                  lse, part_acc, part_ml, *, kscale: float = 1.0, k_rotation: int = 0,
+                  heads: Optional[int] = None, rows: Optional[int] = None) -> None:
+    """The launches of MLA's absorbed attention on arrays the caller owns, as
+    :func:`launch_paged` (same arguments, but one raw latent pool ``kpool`` ``[n_cells, 1,
+    ...]`` in format ``kfmt`` whose rows' first ``out.shape[2]`` values are the value, rotated
+    as the keys when ``k_rotation``): :data:`paged_latent_kernel` over grid ``(head tiles, T,
+    n_parts)``, then the merge when ``n_parts > 1``. ``heads`` / ``rows`` force the tiling
+    (tests; default :func:`latent_tiling`)."""
+    if device == "cuda":
+        def arg(a):
+            return a if isinstance(a, _common.Desc) else _common.desc_of(a)
+    else:
+        def arg(a):
+            return a
+    T, H, D = q.shape
+    dv = out.shape[2]
+    ht, nr = latent_tiling(H, D, dv)
+    ht, nr = heads or ht, rows or nr
+    nb = block_size(device) if device == "sim" else BLOCK_CUDA
+    krs = f32_bits(rotation_scale(k_rotation)) if k_rotation else 0
+    _launch(device, paged_latent_kernel, (cdiv(H, ht), T, n_parts), nb,
+            (arg(q), kpool, kfmt, arg(kv_indices), arg(kv_positions), arg(kv_indptr),
+             arg(tok_seq), arg(q_pos), arg(causal), int(window), int(chunk), f32_bits(scale),
+             f32_bits(soft_cap or 0.0), f32_bits(kscale), int(k_rotation), krs, int(ht),
+             int(nr), int(part_len), arg(part_len_dev), arg(out), arg(lse), arg(part_acc),
+             arg(part_ml)))
+    if n_parts > 1:
+        _launch(device, paged_merge_kernel, (T, H), min(nb, max(32, dv)),
+                (arg(part_acc), arg(part_ml), arg(out), arg(lse)))
+
+
+def paged_latent_attention(device: str, q, kpool, table, tok_seq, causal, window: int,
+                           chunk: int, scale: float, soft_cap: Optional[float],
+                           list_lens: np.ndarray, v_dim: int, *, bf16: bool = False,
+                           part_len: Optional[int] = None, kfmt: Optional[int] = None,
+                           kscale: float = 1.0, k_rotation: int = 0,
+                           heads: Optional[int] = None, rows: Optional[int] = None):
+    """MLA's absorbed attention of every query token over its sequence's listed latent rows
+    (:func:`paged_attention`'s contract with V the rows' first ``v_dim`` values).
+
+    Args:
+        device: ``"cuda"`` (CuPy arrays) or ``"sim"`` (numpy arrays).
+        q: float32 ``[T, H, D]`` contiguous on the device (``D`` the latent row's values).
+        kpool: the latent rows ``[n_cells, 1, D]`` float16/float32, or uint16 bfloat16 bits
+            (``bf16``), or uint8 ``[n_cells, 1, row_bytes]`` quantized rows (``kfmt``).
+        table, tok_seq, causal, window, chunk, scale, soft_cap, list_lens, part_len, kscale:
+            as :func:`paged_attention`; ``k_rotation`` the latent's Walsh-Hadamard blocks
+            (queries rotated, output turned back in the same blocks).
+        v_dim: values of each row that are the value (``kv_lora_rank``).
+        heads, rows: force the tiling (tests).
+
+    Returns:
+        ``(out, lse)``: float32 ``[T, H, v_dim]`` and ``[T, H]`` on the device.
+    """
+    T, H, D = q.shape
+    if bf16 and np.dtype(kpool.dtype) == np.float16:
+        raise ValueError("bf16=True needs the pool as uint16 bit patterns")
+    kr, kf = raw_pool(kpool.view(np.uint16) if bf16 and kfmt is None else kpool, device, kfmt)
+    if bf16 and kf < FMT_Q8_0:
+        kf = FMT_BF16
+    if row_values(kpool, kf) != D:
+        raise ValueError(f"q's head_dim ({D}) must match the latent rows' "
+                         f"({row_values(kpool, kf)})")
+    if not latent_fits(H, int(kpool.shape[1]), D, int(v_dim), T):
+        raise ValueError(f"the latent kernel does not take n_heads={H}, n_kv_heads="
+                         f"{kpool.shape[1]}, head_dim={D}, v_dim={v_dim}, batch={T}")
+    if k_rotation and (k_rotation & (k_rotation - 1) or D % k_rotation or v_dim % k_rotation):
+        raise ValueError(f"k_rotation={k_rotation} must be a power of two dividing the row "
+                         f"({D}) and the value ({v_dim})")
+    xp = _xp(device)
+    ht, _ = latent_tiling(H, D, int(v_dim))
+    pl, n_parts = plan_part_len(np.asarray(list_lens), T * cdiv(H, heads or ht), device,
+                                part_len)
+    out = xp.empty((T, H, v_dim), np.float32)
+    lse = xp.empty((T, H), np.float32)
+    if n_parts > 1:
+        part_acc = xp.empty((n_parts, T, H, v_dim), np.float32)
+        part_ml = xp.empty((2, n_parts, T, H), np.float32)
+    else:
+        part_acc = xp.empty((1, 1, 1, 1), np.float32)
+        part_ml = xp.empty((2, 1, 1, 1), np.float32)
+    launch_latent(device, q, kr, kf, table.kv_indices, table.kv_positions, table.kv_indptr,
+                  tok_seq, table.q_positions, causal, window, chunk, scale, soft_cap, n_parts,
+                  pl, tok_seq, out, lse, part_acc, part_ml, kscale=kscale,
+                  k_rotation=k_rotation, heads=heads, rows=rows)
+    return out, lse
+
+
 def _xp(device: str):
     if device == "cuda":
         import cupy
@@ -659,8 +927,11 @@ def _xp(device: str):
     return np
 
 
-__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "MAX_GROUP",
-           "MAX_GROUP_DIM", "QUANT_FORMATS", "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot",
-           "float_key_dot", "kv_to_f32", "kv_value", "launch_paged", "max_parts", "raw_pool",
-           "quant_key_dot", "quant_value", "row_values", "lower_bound", "paged_attention", "paged_attention_kernel",
-           "paged_merge_kernel", "plan_part_len", "token_sequences", "visible_run"]
+__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8",
+           "FMT_Q4_0", "FMT_Q8_0", "LATENT_HEADS", "MAX_GROUP", "MAX_GROUP_DIM", "QUANT_FORMATS",
+           "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot", "float_key_dot", "kv_to_f32",
+           "kv_value", "latent_fits", "latent_tiling", "launch_latent", "launch_paged",
+           "max_parts", "raw_pool", "quant_key_dot", "quant_value", "row_values", "lower_bound",
+           "paged_attention", "paged_attention_kernel", "paged_latent_attention",
+           "paged_latent_kernel", "paged_merge_kernel", "plan_part_len", "token_sequences",
+           "visible_run"]
