@@ -15,9 +15,11 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_HF = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
+# --budget 0.05 (the quick preset's is 0.25 s per measurement): the tests check the rows, the
+# report and the plot, not the figures; each contender still takes its minimum repetitions
 QUICK = ["bench", "--quick", "--device", "cpu", "--contexts", "16,40", "--batch", "1,3",
          "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--sections",
-         "decode,kernels,capacity"]
+         "decode,kernels,capacity", "--budget", "0.05"]
 
 
 @pytest.fixture(scope="module")
