@@ -437,12 +437,14 @@ def _int_const(value, c):
     return ir.Constant(value.type, c)
 
 
-def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, fmt_v):
+def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, fmt_v,
+                          m_given=None):
     """Store the ggml blocks (``fmt_v`` 1: q8_0, 2: q4_0) of the finite ``<32 x float>``
     values ``blocks`` (their magnitudes' bits ``mags``, largest ``amax``) at byte ``qoff`` of
     ``q``'s data: :func:`quantize_block`'s math (scales and reciprocals of all blocks as one
     vector divide, the scales' float16 by ``fptrunc``, the quants as :func:`_q8_0_quants32` /
-    :func:`_q4_0_quants32`)."""
+    :func:`_q4_0_quants32`). ``m_given``: q4_0's signed largest values (``<nb x i32>`` bits)
+    already known (:func:`_llvm_q4_0_maxima`); else found here from ``mags`` and ``amax``."""
     from llvmlite import ir
     from numba.core import cgutils
     f32, i32, i16, i8, i1 = (ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8),
@@ -450,8 +452,8 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
     nb = len(blocks)
     v32f, v32i = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
     vb_i, vb_f = ir.VectorType(i32, nb), ir.VectorType(f32, nb)
-    m_v = ir.Constant(vb_i, ir.Undefined)
-    for k in range(nb):
+    m_v = ir.Constant(vb_i, ir.Undefined) if m_given is None else m_given
+    for k in range(nb if m_given is None else 0):
         mk = amax[k]
         if fmt_v == 2:   # m: the first value of the largest magnitude, with its sign
             cttz = cgutils.get_or_insert_function(
@@ -501,9 +503,13 @@ def _umax(builder, a, b):
     return builder.select(builder.icmp_unsigned(">", a, b), a, b)
 
 
-def _llvm_block_maxima(builder, mags):
-    """The unsigned maximum of each ``<32 x i32>`` in ``mags`` (1, 2, 4, 8 or 16 of them) as one
-    ``<len x i32>``: each folded to 16 lanes, then pairs merged (half the lanes of each into one
+def _smax(builder, a, b):
+    return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+
+def _llvm_block_maxima(builder, mags, vmax=_umax):
+    """The maximum (``vmax``: unsigned, or :func:`_smax` signed) of each ``<32 x i32>`` in
+    ``mags`` (1, 2, 4, 8 or 16 of them) as one ``<len x i32>``: each folded to 16 lanes, then pairs merged (half the lanes of each into one
     vector, a max of the two halves) until one vector holds every block's lanes, then each
     block's lanes reduced in place -- a shared shuffle tree (~4 operations a block) rather than
     a horizontal reduction per block (~10 each, a long dependency chain)."""
@@ -512,7 +518,7 @@ def _llvm_block_maxima(builder, mags):
 
     def shuffle(a, b, idx):
         return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
-    vs = [_umax(builder, shuffle(m, m, list(range(16))), shuffle(m, m, list(range(16, 32))))
+    vs = [vmax(builder, shuffle(m, m, list(range(16))), shuffle(m, m, list(range(16, 32))))
           for m in mags]
     group = 16   # lanes per block in each vector
     while len(vs) > 1:
@@ -524,13 +530,13 @@ def _llvm_block_maxima(builder, mags):
             # lanes of a's blocks first, then b's: block order kept
             first = shuffle(a, b, lo + [16 + i for i in lo])
             second = shuffle(a, b, hi + [16 + i for i in hi])
-            merged.append(_umax(builder, first, second))
+            merged.append(vmax(builder, first, second))
         vs, group = merged, half
     v = vs[0]
     while group > 1:   # within each block's lanes: fold the top half onto the bottom
         half = group // 2
         idx = [(i + half) if (i % group) < half else i for i in range(16)]
-        v = _umax(builder, v, shuffle(v, v, idx))
+        v = vmax(builder, v, shuffle(v, v, idx))
         group = half
     return shuffle(v, v, [k * (16 // len(mags)) for k in range(len(mags))])
 
@@ -538,41 +544,81 @@ def _llvm_block_maxima(builder, mags):
 def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name):
     """IR: quantize the float32 vector ``v`` (``nb`` blocks of 32 values) into q8_0 (``is_q8``)
     or q4_0 blocks at byte ``qoff_v`` of ``qa`` (:func:`_llvm_quantize_blocks`, ggml's block
-    maxima and rounding). A block holding an infinity or NaN stores nothing: the returned i64 is
-    1 then (the caller redoes the chunk by the work-row path, whose non-finite handling is
-    ggml's), else 0. Shared by the fused put and the fused shift."""
+    maxima and rounding; q4_0's signed largest value from an unsigned and a signed max over the
+    raw bits, the lanes' order consulted only for a tie of opposite signs). A block holding an
+    infinity or NaN stores nothing: the returned i64 is 1 then (the caller redoes the chunk by
+    the work-row path, whose non-finite handling is ggml's), else 0. Shared by the fused put
+    and the fused shift."""
     from llvmlite import ir
-    i32 = ir.IntType(32)
+    i32, i64 = ir.IntType(32), ir.IntType(64)
     v32i = ir.VectorType(i32, 32)
-    blocks, mags = [], []
+    vb = ir.VectorType(i32, nb)
+    blocks, raws = [], []
     for k in range(nb):
         blk = v if nb == 1 else builder.shuffle_vector(
             v, v, ir.Constant(v32i, list(range(32 * k, 32 * k + 32))))
         blocks.append(blk)
-        mags.append(builder.and_(builder.bitcast(blk, v32i),
-                                 ir.Constant(v32i, [0x7FFFFFFF] * 32)))
-    amax_v = _llvm_block_maxima(builder, mags)
-    amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
-    bad = builder.icmp_unsigned(">=", amax_v, ir.Constant(amax_v.type, [0x7F800000] * nb))
-    bad = builder.icmp_unsigned("!=", builder.bitcast(bad, ir.IntType(nb)),
-                                ir.Constant(ir.IntType(nb), 0))
-    entry = builder.block
-    finite = builder.append_basic_block(f"{name}_finite")
+        raws.append(builder.bitcast(blk, v32i))
+
+    def magnitudes():
+        return [builder.and_(r, ir.Constant(v32i, [0x7FFFFFFF] * 32)) for r in raws]
+
+    def any_lane(cond):
+        return builder.icmp_unsigned("!=", builder.bitcast(cond, ir.IntType(nb)),
+                                     ir.Constant(ir.IntType(nb), 0))
+
+    def not_finite(amax_v):
+        return any_lane(builder.icmp_signed(">=", amax_v, ir.Constant(vb, [0x7F800000] * nb)))
+
     q8 = builder.append_basic_block(f"{name}_q8_0")
+    q8_store = builder.append_basic_block(f"{name}_q8_0_store")
     q4 = builder.append_basic_block(f"{name}_q4_0")
+    q4_pick = builder.append_basic_block(f"{name}_q4_0_pick")
+    q4_store = builder.append_basic_block(f"{name}_q4_0_store")
+    q4_tie = builder.append_basic_block(f"{name}_q4_0_tie")
     done = builder.append_basic_block(f"{name}_done")
-    builder.cbranch(bad, done, finite)
-    builder.position_at_end(finite)
     builder.cbranch(is_q8, q8, q4)
-    for block, fmt_v in ((q8, 1), (q4, 2)):
-        builder.position_at_end(block)
-        _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, fmt_v)
-        builder.branch(done)
+    # q8_0: the largest magnitude, an unsigned max over the magnitudes' bits
+    builder.position_at_end(q8)
+    mags = magnitudes()
+    amax_v = _llvm_block_maxima(builder, mags)
+    builder.cbranch(not_finite(amax_v), done, q8_store)
+    builder.position_at_end(q8_store)
+    amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, 1)
+    builder.branch(done)
+    # q4_0: the signed value of the first largest magnitude. An unsigned max over the raw bits
+    # is the largest negative magnitude (sign bit set) if any value is negative; a signed max,
+    # the largest non-negative one if any is not. The larger decides the sign, unless they are
+    # equal (a tie of opposite signs, rare): then the first of them, by the lanes' order.
+    builder.position_at_end(q4)
+    neg_top = _llvm_block_maxima(builder, raws)
+    pos_top = _llvm_block_maxima(builder, raws, _smax)
+    none = ir.Constant(vb, [-1] * nb)
+    neg_mag = builder.select(builder.icmp_signed("<", neg_top, ir.Constant(vb, [0] * nb)),
+                             builder.and_(neg_top, ir.Constant(vb, [0x7FFFFFFF] * nb)), none)
+    pos_mag = builder.select(builder.icmp_signed(">=", pos_top, ir.Constant(vb, [0] * nb)),
+                             pos_top, none)
+    amax_v = _smax(builder, neg_mag, pos_mag)
+    builder.cbranch(not_finite(amax_v), done, q4_pick)
+    builder.position_at_end(q4_pick)
+    amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
+    builder.cbranch(any_lane(builder.icmp_signed("==", neg_mag, pos_mag)), q4_tie, q4_store)
+    builder.position_at_end(q4_store)
+    m_v = builder.select(builder.icmp_signed("==", neg_mag, amax_v),
+                         builder.or_(amax_v, ir.Constant(vb, [-0x80000000] * nb)), amax_v)
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, None, amax, 2, m_v)
+    builder.branch(done)
+    builder.position_at_end(q4_tie)
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, magnitudes(), amax, 2)
+    builder.branch(done)
     builder.position_at_end(done)
-    flag = builder.phi(ir.IntType(64))
-    flag.add_incoming(ir.Constant(ir.IntType(64), 1), entry)
-    flag.add_incoming(ir.Constant(ir.IntType(64), 0), q8)
-    flag.add_incoming(ir.Constant(ir.IntType(64), 0), q4)
+    flag = builder.phi(i64)
+    flag.add_incoming(ir.Constant(i64, 1), q8)
+    flag.add_incoming(ir.Constant(i64, 0), q8_store)
+    flag.add_incoming(ir.Constant(i64, 1), q4)
+    flag.add_incoming(ir.Constant(i64, 0), q4_store)
+    flag.add_incoming(ir.Constant(i64, 0), q4_tie)
     return flag
 
 
@@ -972,10 +1018,7 @@ FUSED_WIDE = 512
 
 
 @njit(inline="always")
-def _fused_call(x, at, q, qat, rscale, fmt, kind, n, rotate, wide):
-    """One :func:`_fused_put_chunk` call: ``FUSED_WIDE`` values (``wide``) or ``n`` (one
-    Walsh-Hadamard block of ``n`` when ``rotate``; else 128, 64 or 32), the literal shape picked
-    by branches that go the same way for the whole put (a compiled copy per shape)."""
+def _fused_call_fmt(x, at, q, qat, rscale, fmt, kind, n, rotate, wide):
     if rotate:
         if n == 128:
             if wide:
@@ -995,6 +1038,17 @@ def _fused_call(x, at, q, qat, rscale, fmt, kind, n, rotate, wide):
     if n == 64:
         return _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 64, 0)
     return _fused_put_chunk(x, at, q, qat, rscale, fmt, kind, 32, 0)
+
+
+@njit(inline="always")
+def _fused_call(x, at, q, qat, rscale, fmt, kind, n, rotate, wide):
+    """One :func:`_fused_put_chunk` call: ``FUSED_WIDE`` values (``wide``) or ``n`` (one
+    Walsh-Hadamard block of ``n`` when ``rotate``; else 128, 64 or 32), the literal shape and
+    format picked by branches that go the same way for the whole put (a compiled copy per
+    shape and format: the two formats' code in one copy left the q8_0 path slower)."""
+    if fmt == 1:
+        return _fused_call_fmt(x, at, q, qat, rscale, 1, kind, n, rotate, wide)
+    return _fused_call_fmt(x, at, q, qat, rscale, 2, kind, n, rotate, wide)
 
 
 @njit(inline="always")
