@@ -17,7 +17,8 @@ The common path is what a first session does: ``numbakv demo`` (float32, float16
 and without a sliding window), the README's examples (its quantized one as pasted, and its
 transformers ones: ``generate()`` with float and q8_0 K/V, ``hf.Server``, ``hf.attach``, when
 torch and transformers are installed), the sequence operations, page tables and the dense
-attention, quantized K/V, puts of strided (non-contiguous) K/V, state save/load, stream caches,
+attention, quantized K/V (one side quantized and the other float too, attended on the CPU),
+puts of strided (non-contiguous) K/V, state save/load, stream caches,
 the prompt cache and ``numbakv bench --quick``, on the CPU; and the host side of the CUDA path (the
 ``@njit`` bookkeeping a GPU cache runs on the CPU), run on device ``sim`` in a second child with
 Numba's CUDA simulator on. Anything outside it still works; numba compiles it on first use.
@@ -200,6 +201,42 @@ def _quantized() -> None:
         cache.close()
 
 
+def _mixed_formats() -> None:
+    """One side quantized, the other float (a q8_0 or q4_0 K with a float16 V, as llama.cpp's
+    ``-ctk q8_0``, or the reverse), with float16 and float32 storage: the CPU attention has a
+    signature per pair of pool element types (uint8 blocks, uint16 bits, float32), for the
+    prefill, decode and pooled forms and the threaded one. Skipped without torch (``attend``
+    takes torch queries)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    import numbakv as nkv
+    from .. import attention
+
+    rng = np.random.default_rng(0)
+    for dtype in ("float16", "float32"):
+        for side in ("k_dtype", "v_dtype"):
+            cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=32, dtype=dtype,
+                                  capacity=32, max_seqs=2, max_batch=8, device="cpu",
+                                  **{side: "q8_0"})
+            cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
+            cache.start_forward([0, 1, 2, 0, 1], [0, 0, 0, 1, 1])
+            cache.set_layer(0)
+            kv = np.ones((5, 2, 32), dtype)
+            cache.put(kv, kv)
+            q = torch.from_numpy(rng.standard_normal((5, 4, 32)).astype(np.float32))
+            for backend in ("torch", "auto"):
+                attention.attend(q, cache, backend=backend)
+            saved = attention._PARALLEL_WORK
+            attention._PARALLEL_WORK = 0
+            try:
+                attention.attend(q, cache, backend="torch")
+            finally:
+                attention._PARALLEL_WORK = saved
+            cache.close()
+
+
 def _readme_quantized() -> None:
     """The README's quantized example as pasted (float32 K/V into q8_0 blocks), and float32
     input to every quantized format: the quantizing put and the dequantizing get have a
@@ -366,6 +403,7 @@ def common_path(verbose: bool = False) -> Dict[str, float]:
         "step and pages": lambda tmp: _step_and_pages(),
         "quantized": lambda tmp: _quantized(),
         "README quantized": lambda tmp: _readme_quantized(),
+        "mixed quantized/float K/V": lambda tmp: _mixed_formats(),
         "strided inputs": lambda tmp: _strided_inputs(),
         "transformers": lambda tmp: _transformers(),
         "prompt cache": _prompt_cache,
