@@ -82,8 +82,10 @@ def test_latent_kernel_equals_the_cpu_attend(dtype, k_dtype, small_blocks):
                                 v_dim=v_dim).float().numpy()
         # one part and one head tile; tiles of 4 heads (one partial) over tiles of 2 staged
         # rows (the online softmax's rescale); 5-head tiles over 3 rows with a split-K of
-        # 4-cell parts (the merge, and parts empty for the prefill's early token)
-        for force in (dict(), dict(heads=4, rows=2), dict(heads=5, rows=3, part_len=4)):
+        # 4-cell parts (the merge, and parts empty for the prefill's early token); 2-head
+        # tiles whose scores are split over 2 lanes each
+        for force in (dict(), dict(heads=4, rows=2), dict(heads=5, rows=3, part_len=4),
+                      dict(heads=2, rows=2)):      # 2 lanes a score (8 threads, 4 pairs)
             out, lse = _kernel(cache, q, scale, soft_cap, v_dim, **force)
             np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
             assert lse.shape == (3, H) and np.isfinite(lse).all()

@@ -665,7 +665,8 @@ def launch_paged(device: str, q, kpool, vpool, kfmt: int, vfmt: int, kv_indices,
 LATENT_HEADS = 8
 #: shared floats of the tile's queries (8 heads x 576 values, each head's row padded by one
 #: value so that heads sit on different banks), accumulators (8 x 512) and staged rows (4 rows
-#: of 576, padded likewise): 44.6 KiB with the scores, under the 48 KiB of static shared memory
+#: of 576, padded likewise): 45.6 KiB with the scores and their partial sums, under the 48 KiB
+#: of static shared memory
 _LQ_SLOTS = 4616
 _LACC_SLOTS = 4096
 _LROW_SLOTS = 2312
@@ -718,6 +719,7 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
     acc = cuda.shared.array(_LACC_SLOTS, float32)
     rw = cuda.shared.array(_LROW_SLOTS, float32)
     sc = cuda.shared.array(_LSCORE_SLOTS, float32)
+    dots = cuda.shared.array(_LSCORE_SLOTS, float32)
     mx = cuda.shared.array(LATENT_HEADS, float32)
     tot = cuda.shared.array(LATENT_HEADS, float32)
     corr = cuda.shared.array(LATENT_HEADS, float32)
@@ -733,6 +735,10 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
     # once fall on different banks; the Walsh-Hadamard rotation needs them contiguous
     qst = dim if krot > 0 else dim + 1
     rst = dim + 1
+    # lanes per score: a (head, staged row) dot is split over the threads the pairs leave
+    # (8 heads x 4 rows on 128 threads: 4 lanes, each a quarter of the 576 values)
+    n_pairs = g * rows
+    lanes = max(1, min(nt, _LSCORE_SLOTS) // n_pairs)
     scale = np.uint32(scale_bits).view(np.float32)
     soft_cap = np.uint32(cap_bits).view(np.float32)
     kscale = np.uint32(kscale_bits).view(np.float32)
@@ -770,15 +776,27 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
             d = i - jj * dim
             rw[jj * rst + d] = kv_value(kpool, kv_indices[j0 + jj], 0, d, kfmt, kscale)
         cuda.syncthreads()
-        # scores: one thread per (head, staged row)
-        for i in range(tid, g * rows, nt):
-            gi = i // rows
-            jj = i - gi * rows
+        # scores: each (head, staged row) dot in ``lanes`` strided partial sums, then one
+        # thread per pair adds them
+        for i in range(tid, n_pairs * lanes, nt):
+            pr = i // lanes
+            ln = i - pr * lanes
+            gi = pr // rows
+            jj = pr - gi * rows
+            x = float32(0.0)
+            if jj < n:
+                for d in range(ln, dim, lanes):
+                    x += qs[gi * qst + d] * rw[jj * rst + d]
+            dots[i] = x
+        cuda.syncthreads()
+        for pr in range(tid, n_pairs, nt):
+            gi = pr // rows
+            jj = pr - gi * rows
             x = float32(-math.inf)
             if jj < n:
                 x = float32(0.0)
-                for d in range(dim):
-                    x += qs[gi * qst + d] * rw[jj * rst + d]
+                for ln in range(lanes):
+                    x += dots[pr * lanes + ln]
                 if soft_cap > 0:
                     x = soft_cap * math.tanh(x / soft_cap)
             sc[gi * TILE + jj] = x
