@@ -299,7 +299,9 @@ def test_new_captured_kinds_order_on_the_cache_stream(fake_gpu, kind):
             step.attend(layer, step.query[layer], out)
     launched = [e for e in timeline if e[0] == "launch"]
     names = {e[1] for e in launched}
-    assert "paged_attention_kernel" in names and all(e[2] == CACHE for e in launched), launched
+    # a latent cache's attention is the latent kernel (one staged row serves a tile of heads)
+    attention_kernel = "paged_latent_kernel" if kind == "mla-latent" else "paged_attention_kernel"
+    assert attention_kernel in names and all(e[2] == CACHE for e in launched), launched
     if kind == "one-quantized-side":
         assert {"quant_put_kernel", "put_kv_kernel"} <= names
     timeline.clear()
