@@ -56,6 +56,7 @@ from numba.extending import intrinsic, overload
 
 from ._dlpack import BFloat16View
 from ._jit import njit
+from .config import latent_value_width
 from .kernels import decode as _decode_kernel
 from .kernels.quant import dequantize_block as _dequantize_block
 
@@ -1660,17 +1661,7 @@ def _latent_v_dim(src, cfg, v_dim) -> int:
             raise ValueError(f"v_dim applies to V-less (v_head_dim=0) caches; this one stores V "
                              f"of v_head_dim={cfg.v_head_dim}")
         return 0
-    if v_dim is None:
-        v_dim = getattr(getattr(src, "shift", None), "offset", 0)
-        if not v_dim:
-            raise ValueError("attend() on a V-less (MLA) cache needs v_dim (the latent width "
-                             "kv_lora_rank) when the cache's shift is not a RopeShift with an "
-                             "offset")
-    if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or \
-            not 1 <= v_dim <= cfg.head_dim:
-        raise ValueError(f"v_dim must be an integer in [1, head_dim={cfg.head_dim}], got "
-                         f"{v_dim!r}")
-    return int(v_dim)
+    return latent_value_width(cfg, getattr(src, "shift", None), v_dim, "attend()")
 
 
 def _dense(torch, q, cache, scale, soft_cap, permuted, latent_v: int = 0):

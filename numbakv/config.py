@@ -641,3 +641,20 @@ def check_rope_layout(config: CacheConfig, rope: RopeShift) -> int:
 __all__ = ["CacheConfig", "check_rope_layout", "KV_ROTATIONS", "KV_TYPES", "ROTATED_TYPES",
            "ROTATION_RULE", "QUANT_TYPES", "RopeShift", "STORAGE_DTYPES", "MASK_DTYPES",
            "normalize_dtype", "round_up", "row_bytes"]
+
+
+def latent_value_width(config: CacheConfig, shift: Any, v_dim: Any, caller: str) -> int:
+    """The value width of a V-less (MLA) cache's absorbed attention: ``v_dim``, or by default
+    the cache's ``RopeShift.offset`` (``kv_lora_rank``: the rope dims follow the latent),
+    checked to lie in ``[1, head_dim]``; ``caller`` names the call in the errors."""
+    if v_dim is None:
+        v_dim = getattr(shift, "offset", 0)
+        if not v_dim:
+            raise ValueError(f"{caller} on a V-less (MLA) cache needs v_dim (the latent width "
+                             f"kv_lora_rank) when the cache's shift is not a RopeShift with an "
+                             f"offset")
+    if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or \
+            not 1 <= v_dim <= config.head_dim:
+        raise ValueError(f"v_dim must be an integer in [1, head_dim={config.head_dim}], got "
+                         f"{v_dim!r}")
+    return int(v_dim)

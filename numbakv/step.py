@@ -107,6 +107,7 @@ import numpy as np
 from ._jit import njit
 from .device import as_array, host_wait
 from ._inputs import UNLIMITED
+from .config import latent_value_width
 from .errors import KVCacheError, NotSupportedError
 from . import pages as _pages
 from .kernels import decode as _decode
@@ -1397,16 +1398,8 @@ def _check_latent_v_dim(cache: Any, v_dim: Any) -> int:
     """The value width of an MLA latent cache's absorbed attention (``v_dim``, default the
     cache's ``RopeShift.offset``, i.e. ``kv_lora_rank``), checked as the kernel reads it."""
     cfg = cache.config
-    if v_dim is None:
-        v_dim = getattr(getattr(cache, "shift", None), "offset", 0)
-        if not v_dim:
-            raise ValueError("capture_step(attend=True) on a V-less (MLA) cache needs v_dim "
-                             "(the latent width kv_lora_rank) when the cache's shift is not a "
-                             "RopeShift with an offset")
-    if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or \
-            not 1 <= v_dim <= cfg.head_dim:
-        raise ValueError(f"v_dim must be an integer in [1, head_dim={cfg.head_dim}], got "
-                         f"{v_dim!r}")
+    v_dim = latent_value_width(cfg, getattr(cache, "shift", None), v_dim,
+                               "capture_step(attend=True)")
     if cfg.k_dtype in ("q8_0", "q4_0") and v_dim % 32:
         raise NotSupportedError(f"capture_step(attend=True): v_dim={v_dim} must be a multiple "
                                 f"of 32 on a {cfg.k_dtype} latent (the kernel reads the value as "

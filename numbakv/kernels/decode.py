@@ -228,6 +228,66 @@ def visible_run(kv_pos, c0, c1, p, causal, window, chunk):
     return jlo, jhi
 
 
+@cuda_device
+def part_run(kv_pos, kv_indptr, tok_seq, q_pos, causal, window, chunk, part_len, part_len_dev,
+             t, part):
+    """``(a, e)``: the list entries token ``t`` sees within split-K part ``part`` (``part_len``,
+    or 0: the length a captured step keeps in ``part_len_dev[0]``); empty when ``a >= e``."""
+    b = tok_seq[t]
+    c0 = np.int64(kv_indptr[b])
+    c1 = np.int64(kv_indptr[b + 1])
+    jlo, jhi = visible_run(kv_pos, c0, c1, np.int64(q_pos[t]), causal[t], window, chunk)
+    plen = part_len if part_len > 0 else np.int64(part_len_dev[0])
+    return max(jlo, c0 + part * plen), min(jhi, c0 + (part + 1) * plen)
+
+
+@cuda_device
+def online_softmax_tile(sc, mx, tot, corr, g, n, tid, nt):
+    """One tile of the online softmax, one thread per head ``gi < g``: the tile's ``n`` scores
+    (``sc[gi * TILE + jj]``) become weights against the new running maximum ``mx[gi]``,
+    ``tot[gi]`` the rescaled sum plus theirs, ``corr[gi]`` the factor the head's accumulators
+    must be rescaled by (exp of old - new maximum; 0 below float32's range)."""
+    for gi in range(tid, g, nt):
+        m_old = mx[gi]
+        m = m_old
+        for jj in range(n):
+            m = max(m, sc[gi * TILE + jj])
+        y = m_old - m
+        cr = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
+        s = tot[gi] * cr
+        for jj in range(n):
+            y = sc[gi * TILE + jj] - m
+            w = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
+            sc[gi * TILE + jj] = w
+            s += w
+        mx[gi] = m
+        tot[gi] = s
+        corr[gi] = cr
+
+
+@cuda_device
+def write_part(acc, mx, tot, g, dv, tid, nt, single, t, h0, part, out, lse, part_acc,
+               part_ml):
+    """A block's result for heads ``h0 .. h0 + g`` of token ``t``: normalised into ``out`` and
+    ``lse`` when the pass has one part (``single``), else the part's sums into ``part_acc`` and
+    its maximum and total into ``part_ml`` for the merge."""
+    if single:
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            s = tot[gi]
+            out[t, h0 + gi, i - gi * dv] = acc[i] / s if s > 0 else float32(0.0)
+        for gi in range(tid, g, nt):
+            s = tot[gi]
+            lse[t, h0 + gi] = mx[gi] + math.log(s) if s > 0 else float32(-math.inf)
+    else:
+        for i in range(tid, g * dv, nt):
+            gi = i // dv
+            part_acc[part, t, h0 + gi, i - gi * dv] = acc[i]
+        for gi in range(tid, g, nt):
+            part_ml[0, part, t, h0 + gi] = mx[gi]
+            part_ml[1, part, t, h0 + gi] = tot[gi]
+
+
 #: (K word, V word) pairs the kernel is compiled for: float16/bfloat16 (uint16) and float32
 #: (uint32) elements alike on both sides, quantized byte rows (uint8) on either or both
 WORD_PAIRS = ((types.uint16, types.uint16), (types.uint32, types.uint32),
@@ -284,13 +344,8 @@ def paged_attention_kernel(q, kpool, vpool, kfmt, vfmt, kv_indices, kv_pos, kv_i
     soft_cap = np.uint32(cap_bits).view(np.float32)
     kscale = np.uint32(kscale_bits).view(np.float32)
     vscale = np.uint32(vscale_bits).view(np.float32)
-    b = tok_seq[t]
-    c0 = np.int64(kv_indptr[b])
-    c1 = np.int64(kv_indptr[b + 1])
-    jlo, jhi = visible_run(kv_pos, c0, c1, np.int64(q_pos[t]), causal[t], window, chunk)
-    plen = part_len if part_len > 0 else np.int64(part_len_dev[0])
-    a = max(jlo, c0 + part * plen)
-    e = min(jhi, c0 + (part + 1) * plen)
+    a, e = part_run(kv_pos, kv_indptr, tok_seq, q_pos, causal, window, chunk, part_len,
+                    part_len_dev, t, part)
     if a >= e and part > 0:
         # an empty part of a split (the whole block alike: no barrier is skipped by some
         # threads only): nothing to sum, the merge skips it by its maximum
@@ -326,22 +381,7 @@ def paged_attention_kernel(q, kpool, vpool, kfmt, vfmt, kv_indices, kv_pos, kv_i
             sc[i] = x
         cuda.syncthreads()
         # online softmax per head: new maximum, the rescale of what was summed, the weights
-        for gi in range(tid, g, nt):
-            m_old = mx[gi]
-            m = m_old
-            for jj in range(n):
-                m = max(m, sc[gi * TILE + jj])
-            y = m_old - m
-            cr = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
-            s = tot[gi] * cr
-            for jj in range(n):
-                y = sc[gi * TILE + jj] - m
-                w = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
-                sc[gi * TILE + jj] = w
-                s += w
-            mx[gi] = m
-            tot[gi] = s
-            corr[gi] = cr
+        online_softmax_tile(sc, mx, tot, corr, g, n, tid, nt)
         cuda.syncthreads()
         # accumulators: one thread per (head, value dim), consecutive threads along a V row
         for i in range(tid, g * dv, nt):
@@ -356,21 +396,8 @@ def paged_attention_kernel(q, kpool, vpool, kfmt, vfmt, kv_indices, kv_pos, kv_i
         cuda.syncthreads()
     if vrot > 0:     # values stored as H v: the weighted sum is H out, and H H = I
         _wht_shared(acc, g * dv, vrot, np.uint32(vrscale_bits).view(np.float32), tid, nt)
-    if cuda.gridDim.x == 1:
-        for i in range(tid, g * dv, nt):
-            gi = i // dv
-            s = tot[gi]
-            out[t, h0 + gi, i - gi * dv] = acc[i] / s if s > 0 else float32(0.0)
-        for gi in range(tid, g, nt):
-            s = tot[gi]
-            lse[t, h0 + gi] = mx[gi] + math.log(s) if s > 0 else float32(-math.inf)
-    else:
-        for i in range(tid, g * dv, nt):
-            gi = i // dv
-            part_acc[part, t, h0 + gi, i - gi * dv] = acc[i]
-        for gi in range(tid, g, nt):
-            part_ml[0, part, t, h0 + gi] = mx[gi]
-            part_ml[1, part, t, h0 + gi] = tot[gi]
+    write_part(acc, mx, tot, g, dv, tid, nt, cuda.gridDim.x == 1, t, h0, part, out, lse,
+               part_acc, part_ml)
 
 
 _MERGE_SIGS = [(_arr(types.float32, 4), _arr(types.float32, 4), _arr(types.float32, 3),
@@ -742,14 +769,10 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
     scale = np.uint32(scale_bits).view(np.float32)
     soft_cap = np.uint32(cap_bits).view(np.float32)
     kscale = np.uint32(kscale_bits).view(np.float32)
-    b = tok_seq[t]
-    c0 = np.int64(kv_indptr[b])
-    c1 = np.int64(kv_indptr[b + 1])
-    jlo, jhi = visible_run(kv_pos, c0, c1, np.int64(q_pos[t]), causal[t], window, chunk)
-    plen = part_len if part_len > 0 else np.int64(part_len_dev[0])
-    a = max(jlo, c0 + part * plen)
-    e = min(jhi, c0 + (part + 1) * plen)
+    a, e = part_run(kv_pos, kv_indptr, tok_seq, q_pos, causal, window, chunk, part_len,
+                    part_len_dev, t, part)
     if a >= e and part > 0:
+        # an empty part of a split (as the paged kernel's)
         for gi in range(tid, g, nt):
             part_ml[0, part, t, h0 + gi] = -math.inf
             part_ml[1, part, t, h0 + gi] = 0.0
@@ -802,22 +825,7 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
             sc[gi * TILE + jj] = x
         cuda.syncthreads()
         # online softmax per head (as the kernel above)
-        for gi in range(tid, g, nt):
-            m_old = mx[gi]
-            m = m_old
-            for jj in range(n):
-                m = max(m, sc[gi * TILE + jj])
-            y = m_old - m
-            cr = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
-            s = tot[gi] * cr
-            for jj in range(n):
-                y = sc[gi * TILE + jj] - m
-                w = float32(math.exp(y)) if y > _EXP_FLUSH else float32(0.0)
-                sc[gi * TILE + jj] = w
-                s += w
-            mx[gi] = m
-            tot[gi] = s
-            corr[gi] = cr
+        online_softmax_tile(sc, mx, tot, corr, g, n, tid, nt)
         cuda.syncthreads()
         # the value sums from the same staged rows: one thread per (head, value dim)
         for i in range(tid, g * dv, nt):
@@ -830,21 +838,8 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
         cuda.syncthreads()
     if krot > 0:     # the value is the latent's first dims, rotated as the keys: turned back
         _wht_shared(acc, g * dv, krot, np.uint32(krscale_bits).view(np.float32), tid, nt)
-    if cuda.gridDim.z == 1:
-        for i in range(tid, g * dv, nt):
-            gi = i // dv
-            s = tot[gi]
-            out[t, h0 + gi, i - gi * dv] = acc[i] / s if s > 0 else float32(0.0)
-        for gi in range(tid, g, nt):
-            s = tot[gi]
-            lse[t, h0 + gi] = mx[gi] + math.log(s) if s > 0 else float32(-math.inf)
-    else:
-        for i in range(tid, g * dv, nt):
-            gi = i // dv
-            part_acc[part, t, h0 + gi, i - gi * dv] = acc[i]
-        for gi in range(tid, g, nt):
-            part_ml[0, part, t, h0 + gi] = mx[gi]
-            part_ml[1, part, t, h0 + gi] = tot[gi]
+    write_part(acc, mx, tot, g, dv, tid, nt, cuda.gridDim.z == 1, t, h0, part, out, lse,
+               part_acc, part_ml)
 
 
 def launch_latent(device: str, q, kpool, kfmt: int, kv_indices, kv_positions, kv_indptr,
