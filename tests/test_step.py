@@ -59,11 +59,18 @@ def _snapshot(cache):
 
 
 def _drive(cache, rng_seed, use_step):
-    """Run :func:`_steps` through ``cache``: by replays of a captured step, or by start_forward
-    and a put per layer. Returns the storage and cell table afterwards."""
+    """Run :func:`_steps` through ``cache`` (:func:`_run_steps`). Returns the storage and cell
+    table afterwards."""
+    _run_steps(cache, rng_seed, use_step)
+    return _snapshot(cache) + (cache.defrag_count,)
+
+
+def _run_steps(cache, rng_seed, use_step, n_steps=None):
+    """The first ``n_steps`` (default all) of :func:`_steps` through ``cache``, with their
+    edits: by replays of a captured step, or by start_forward and a put per layer."""
     rng = np.random.default_rng(rng_seed)
     step = cache.capture_step(batch=4) if use_step else None
-    for i, (pos, seqs) in enumerate(_steps()):
+    for i, (pos, seqs) in enumerate(_steps()[:n_steps]):
         _edit(cache, i)
         k, v = _kv(rng, len(pos))
         k, v = dev(k, cache.device), dev(v, cache.device)
@@ -74,7 +81,6 @@ def _drive(cache, rng_seed, use_step):
             for layer in range(SHAPE["n_layers"]):
                 cache.set_layer(layer)
                 cache.put(k[layer], v[layer])
-    return _snapshot(cache) + (cache.defrag_count,)
 
 
 @pytest.mark.parametrize("permuted", [False, True])
@@ -916,18 +922,7 @@ def test_stream_cache_replays_store_what_direct_puts_store(device, permuted):
     def drive(use_step):
         cache = nkv.CausalCache(_cfg(device, permuted=permuted, unified=False, capacity=7,
                                      cache_padding=1))
-        rng = np.random.default_rng(31)
-        step = cache.capture_step(batch=4) if use_step else None
-        for i, (pos, seqs) in enumerate(_steps()[:9]):     # two removals
-            _edit(cache, i)
-            k, v = (dev(x, device) for x in _kv(rng, len(pos)))
-            if use_step:
-                step.replay(pos, seqs, None, k, v)
-            else:
-                cache.start_forward(pos, seqs)
-                for layer in range(SHAPE["n_layers"]):
-                    cache.set_layer(layer)
-                    cache.put(k[layer], v[layer])
+        _run_steps(cache, 31, use_step, n_steps=9)      # two removals
         return cache
     replayed, direct = drive(True), drive(False)
     np.testing.assert_array_equal(host(replayed.storage.keys), host(direct.storage.keys))
