@@ -106,8 +106,8 @@ import numpy as np
 
 from ._jit import njit
 from .device import as_array, host_wait
-from ._inputs import UNLIMITED
-from .config import latent_value_width
+from ._inputs import UNLIMITED, check_index
+from .config import latent_value_width, row_bytes
 from .errors import KVCacheError, NotSupportedError
 from . import pages as _pages
 from .kernels import decode as _decode
@@ -1013,11 +1013,9 @@ class DecodeStep:
         replay's tokens where that replay's ``prepare`` placed them. On cpu/sim the put runs
         at once, reading the same descriptor."""
         cfg = self.cache.config
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
-                not 0 <= layer < cfg.n_layers:
-            raise ValueError(f"layer must be an integer in [0, {cfg.n_layers}), got {layer!r}")
-        slot = cfg.storage_layers[int(layer)]
-        if cfg.owner_layer(int(layer)) != layer or slot < 0:
+        layer = check_index("layer", layer, 0, cfg.n_layers)
+        slot = cfg.storage_layers[layer]
+        if cfg.owner_layer(layer) != layer or slot < 0:
             raise ValueError(f"layer {layer} stores no K/V of its own (layer_reuse)")
         storage = self._storage
         storage._check_kv(key, value, self.batch)
@@ -1066,10 +1064,8 @@ class DecodeStep:
         if att is None:
             raise ValueError("attend() needs a step captured with capture_step(attend=True)")
         cfg = self.cache.config
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
-                not 0 <= layer < cfg.n_layers:
-            raise ValueError(f"layer must be an integer in [0, {cfg.n_layers}), got {layer!r}")
-        slot = cfg.storage_layers[int(layer)]
+        layer = check_index("layer", layer, 0, cfg.n_layers)
+        slot = cfg.storage_layers[layer]
         if slot < 0:
             raise ValueError(f"layer {layer} has no K/V in this cache (layer_reuse)")
         xp = self._storage.xp
@@ -1082,7 +1078,7 @@ class DecodeStep:
                                  f"{type(x).__name__} {getattr(x, 'dtype', None)} "
                                  f"{list(getattr(x, 'shape', ()))}")
         if self.device == "cpu":
-            self._attend_cpu_into(int(layer), q, out)
+            self._attend_cpu_into(layer, q, out)
             return
         ptr = int(self.descriptor.data.ptr) if self.device == "cuda" else None
         with self._scope():
@@ -1226,9 +1222,7 @@ class WrapperStep:
     def _route(self, layer: Any) -> Tuple["DecodeStep", int]:
         wrapper = self.cache
         n = wrapper.n_layers
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
-                not 0 <= layer < n:
-            raise ValueError(f"layer must be an integer in [0, {n}), got {layer!r}")
+        layer = check_index("layer", layer, 0, n)
         if wrapper.layer_groups is None:
             raise ValueError("the wrapper has no layer_groups (every cache sees every layer, "
                              "set_layer_type picks one at run time): call steps[g].put / "
@@ -1332,9 +1326,7 @@ class HybridStep:
     def _attention_layer(self, layer: Any) -> int:
         hybrid = self.cache
         n = hybrid.n_layers
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
-                not 0 <= layer < n:
-            raise ValueError(f"layer must be an integer in [0, {n}), got {layer!r}")
+        layer = check_index("layer", layer, 0, n)
         if hybrid.layer_kinds[layer] != "attention":
             raise ValueError(f"layer {layer} is a recurrent layer (no K/V): its state is row "
                              "seq of rc.state_views, updated by the model")
@@ -1390,7 +1382,7 @@ def _latent_bytes(cfg: Any, v_dim: int) -> int:
     """Bytes of a latent row's first ``v_dim`` values in K's storage (whole q8_0 / q4_0
     blocks; one per float8 value; elements of a float row)."""
     if cfg.k_dtype in ("q8_0", "q4_0"):
-        return v_dim // 32 * (34 if cfg.k_dtype == "q8_0" else 18)
+        return row_bytes(cfg.k_dtype, v_dim)
     return v_dim
 
 
