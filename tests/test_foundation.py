@@ -12,7 +12,7 @@ import numbakv as nkv
 from numbakv import device as dev
 from numbakv.config import CacheConfig, RopeShift
 from helpers import gpu_compiler_missing
-from ptx_runs import PTX_GROUPS, group_kernels, ptx_check
+from ptx_runs import PTX_GROUPS, group_kernels, ptx_check, ptx_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -154,7 +154,7 @@ def test_numba_cuda_numpy_check_finds_the_missing_row_stack():
             "assert device.numba_cuda_numpy_problem() == ''\n"
             "del np.row_stack\n"
             "print(device.numba_cuda_numpy_problem())\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=_ptx_env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=ptx_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.strip()
@@ -198,12 +198,6 @@ def test_as_array_zero_copy_and_checks():
 def test_errors_hierarchy():
     for err in (nkv.KVCacheFullError, nkv.NotSupportedError, nkv.StateError):
         assert issubclass(err, nkv.KVCacheError)
-
-
-def _ptx_env():
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    return env
 
 
 @pytest.mark.skipif(bool(gpu_compiler_missing()), reason=gpu_compiler_missing() or "-")
@@ -286,7 +280,7 @@ def test_parameter_layout_check_catches_a_swapped_field():
         "launch._flatten = swapped\n"
         "assert all(ptx.layout_problems(s) for s in sigs)\n"
         "print('ok', len(sigs))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=_ptx_env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=ptx_env(), capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
 
