@@ -83,7 +83,8 @@ class _StreamForward:
     seq_ids: np.ndarray        # int32 [n_b]
     qo_indptr: np.ndarray      # int32 [n_b + 1]
     token_order: np.ndarray    # int32 [batch]
-    groups: List[np.ndarray]   # batch indices of each stream's tokens, batch order
+    #: batch indices of each stream's tokens, batch order (see ``groups``; None: not built yet)
+    groups_: Optional[List[np.ndarray]]
     reserve: bool
     consecutive: bool          # seq_ids == seq_ids[0] + arange(n_b): get() hands out views
     identity: bool             # one stream holding the whole batch in batch order
@@ -99,6 +100,17 @@ class _StreamForward:
     #: uint8 [batch]: the causal flags in batch order when known to be every stream's (the
     #: batched placement's all-ones; set_causal drops it), else None (gathered per stream)
     causal: Any = None
+
+    @property
+    def groups(self) -> List[np.ndarray]:
+        """Batch indices of each stream's tokens in batch order (views of ``token_order``),
+        built at the first read: a captured decode step never reads them."""
+        groups = self.groups_
+        if groups is None:
+            bounds, order = self.qo_indptr.tolist(), self.token_order
+            groups = self.groups_ = [order[bounds[b]:bounds[b + 1]]
+                                     for b in range(len(bounds) - 1)]
+        return groups
 
 
 @dataclass
@@ -250,12 +262,11 @@ class StreamCache(CausalCache):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos, sq = self._check_batch(positions, seqs)
         seq_ids, qo_indptr, token_order, consecutive = _group_by_seq(sq, self.n_streams)
-        groups = [token_order[qo_indptr[b]:qo_indptr[b + 1]] for b in range(len(seq_ids))]
         if not reserve and self._memory == UNLIMITED:
-            undo = self._place_stacked(pos, sq, seq_ids, qo_indptr, token_order, groups,
-                                       consecutive)
+            undo = self._place_stacked(pos, sq, seq_ids, qo_indptr, token_order, consecutive)
             if undo is not None:
                 return undo
+        groups = [token_order[qo_indptr[b]:qo_indptr[b + 1]] for b in range(len(seq_ids))]
         undo = _StreamUndo(self._forward, [])
         zeros = np.zeros(len(pos), np.int32)
         if not reserve:
@@ -284,7 +295,7 @@ class StreamCache(CausalCache):
         return undo
 
     def _place_stacked(self, pos: np.ndarray, sq: np.ndarray, seq_ids: np.ndarray,
-                       qo_indptr: np.ndarray, token_order: np.ndarray, groups: list,
+                       qo_indptr: np.ndarray, token_order: np.ndarray,
                        consecutive: bool) -> Optional[_StreamUndo]:
         """``_place`` of a batch (checked, grouped, not a reserve pass, no window memory) by
         one compiled call over every stream's cell table (``CellTableStack.place``): what each
@@ -316,7 +327,7 @@ class StreamCache(CausalCache):
             fwd.cells_v0 = v1 - 1
             stream._forward = fwd
         undo = _StreamUndo(self._forward, [], (ids, rows, local, bounds, before, defrags))
-        self._forward = _StreamForward(seq_ids, qo_indptr, token_order, groups, False,
+        self._forward = _StreamForward(seq_ids, qo_indptr, token_order, None, False,
                                        bool(consecutive), len(seq_ids) == 1, positions=pos,
                                        seqs=sq, pool_slots=pool, top=top, causal=ones)
         return undo
@@ -332,12 +343,18 @@ class StreamCache(CausalCache):
         (attention over page_table() and a captured step never read it: on a GPU it was a
         mask fill per stream every pass)."""
         own = None
-        reserve = self._forward.reserve
-        for s in self._forward.seq_ids.tolist():
+        fwd = self._forward
+        if undo is not None and undo.stacked is not None:
+            # the batched placement counted each stream's pending rotations
+            ids, rows = undo.stacked[:2]
+            todo = [s for s, row in zip(ids, rows) if row[4]]
+        else:
+            todo = fwd.seq_ids.tolist()
+        for s in todo:
             stream = self.streams[s]
             # a placed stream without pending rotations has nothing to finish (its mask waits
             # for get()): skip the call
-            if reserve or stream.cells.has_pending_shifts():
+            if fwd.reserve or stream.cells.has_pending_shifts():
                 if own is None:
                     own = dict(undo.records()) if undo is not None else {}
                 with self._in_stream(s):
