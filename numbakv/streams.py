@@ -526,6 +526,7 @@ class StreamCache(CausalCache):
         for group, part in zip(fwd.groups, parts):
             causal[group] = part.rule.causal
             q_positions[group] = part.q_positions
+        causal.flags.writeable = False     # as a causal cache's: the same compiled signatures
         offsets = [self._stream_offset(s) for s in fwd.seq_ids.tolist()]
         kv_indptr = np.zeros(len(parts) + 1, np.int32)
         np.cumsum([len(p.kv_indices) for p in parts], out=kv_indptr[1:])
