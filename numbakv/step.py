@@ -953,8 +953,8 @@ class DecodeStep:
     def _pass_causal(self, fwd: Any) -> np.ndarray:
         """uint8 ``[n]``: the pass's causal flags in batch order (a stream cache keeps them
         per stream)."""
-        if not self._per_stream:
-            return fwd.causal
+        if not self._per_stream or fwd.causal is not None:
+            return fwd.causal       # a stream cache's when every stream's are all ones
         causal = np.ones(len(fwd.token_order), np.uint8)
         for b, s in enumerate(fwd.seq_ids.tolist()):
             causal[fwd.groups[b]] = self.cache.streams[s]._forward.causal
