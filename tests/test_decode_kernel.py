@@ -24,9 +24,9 @@ TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 CONFIGS = {
     "f32": dict(),
     "f32-window": dict(swa_window=3),
-    "f16-chunk": dict(dtype="float16", chunk=4),
+    # V stored [n_kv_heads, v_head_dim, n_cells], read through the transposed view's strides
+    "f16-chunk-permuted-v": dict(dtype="float16", chunk=4, permuted_v=True),
     "bf16": dict(dtype="bfloat16"),
-    "f16-permuted-v": dict(dtype="float16", permuted_v=True),
 }
 
 
@@ -250,7 +250,6 @@ QUANT_CONFIGS = {
     "q8_0": dict(k_dtype="q8_0", v_dtype="q8_0", head_dim=32, kv_rotation="off"),
     "q4_0-window": dict(k_dtype="q4_0", v_dtype="q4_0", head_dim=32, kv_rotation="off",
                         swa_window=3),
-    "q4_0-k-f16-v": dict(dtype="float16", k_dtype="q4_0", head_dim=32, kv_rotation="off"),
     "q4_0-k-f16-permuted-v": dict(dtype="float16", k_dtype="q4_0", head_dim=32,
                                   kv_rotation="off", permuted_v=True),
     "f32-k-q8_0-v-chunk": dict(v_dtype="q8_0", head_dim=32, kv_rotation="off", chunk=4),
