@@ -15,7 +15,7 @@ import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 from numbakv.step import HEADER
 from fake_cupy import FakeDeviceArray
-from helpers import dev, fake_cuda_cache, host
+from helpers import dev, f32_to_bf16_bits, fake_cuda_cache, host
 
 SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
 
@@ -964,6 +964,33 @@ def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
                                steps=_att_steps()[:2])
     assert [e[0] for e in cp.log].count("graph_launch") == step.replays == 2
     assert not [n for n, _ in launches if n.startswith("paged")]   # only the graph's
+
+
+def test_paired_cache_with_fp8_ds_mla_rows_captures_both_puts(device):
+    """DeepSeek V3.2's pair (fp8_ds_mla main rows beside float indexer keys): the captured puts
+    of both halves store exactly what put + put_indexer store, FlashMLA's bytes included."""
+    main = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=576, v_head_dim=0,
+                           k_dtype="fp8_ds_mla", dtype="bfloat16", capacity=6, max_batch=2,
+                           max_seqs=2, device=device)
+    pairs = [nkv.PairedCache(main, main.replace(head_dim=16, k_dtype="bfloat16"))
+             for _ in range(2)]
+    step = pairs[0].capture_step(batch=2)
+    rng = np.random.default_rng(23)
+    for pos, seqs in (((0, 0), (0, 1)), ((1,), (1,)), ((1, 2), (0, 1))):
+        pos, seqs = np.array(pos, np.int32), np.array(seqs, np.int32)
+        n = len(pos)
+        rows = [f32_to_bf16_bits(rng.standard_normal((2, n, 1, d)) * 4) for d in (576, 16)]
+        step.replay(pos, seqs, None, [dev(x, device) for x in rows], None)
+        eager = pairs[1]
+        eager.start_forward(pos, seqs)
+        for layer in range(2):
+            eager.set_layer(layer)
+            eager.put(dev(rows[0][layer], device), None)
+            eager.put_indexer(dev(rows[1][layer], device))
+    for half in ("main", "indexer"):
+        got, want = (host(getattr(p, half).storage.keys) for p in pairs)
+        np.testing.assert_array_equal(got, want)
+        assert got.any()
 
 
 def test_cuda_fp8_ds_mla_step_is_one_graph(fake_gpu, monkeypatch):
