@@ -323,18 +323,18 @@ class StreamCache(CausalCache):
         gap = 2 if pruning else 1         # the version counts of prune_window, place_contiguous
         zeros = np.zeros(len(pos), np.int32)
         ones = self._all_causal(len(pos))
-        before, defrags = [], []
+        one = ones[:1]         # read-only: one view serves every one-token stream
+        before = [streams[s]._forward for s in ids]
+        defrags = [streams[s].defrag_count for s in ids]
         for b, s in enumerate(ids):
-            stream = streams[s]
             a0, a1 = bounds[b], bounds[b + 1]
-            before.append(stream._forward)
-            defrags.append(stream.defrag_count)
             start, lo, hi = rows[b][:3]
-            fwd = _Forward(grouped[a0:a1], zeros[a0:a1], False, start, lo, hi, ones[:a1 - a0])
-            fwd.cells_v1 = v1 = tables[s].version    # counted by place()
+            v1 = tables[s].version    # counted by place()
             # a pure placement, unless the window pruning dropped cells (_stamp_versions)
-            fwd.cells_v0 = v1 - gap if not pruning or cut[b] == cut[b + 1] else -1
-            stream._forward = fwd
+            streams[s]._forward = _Forward(
+                grouped[a0:a1], zeros[a0:a1], False, start, lo, hi,
+                one if a1 - a0 == 1 else ones[:a1 - a0],
+                cells_v0=v1 - gap if not pruning or cut[b] == cut[b + 1] else -1, cells_v1=v1)
         undo = _StreamUndo(self._forward, [], (ids, rows, local, bounds, before, defrags,
                                                pruned if pruning else None, cut))
         self._forward = _StreamForward(seq_ids, qo_indptr, token_order, None, False,
