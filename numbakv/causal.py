@@ -1292,8 +1292,10 @@ class CausalCache(StateMethods):
         V stored permuted (``permuted_v=True``) is captured with attention too: the kernel
         reads ``[n_kv_heads, v_head_dim, n_cells]`` through the transposed view's strides.
 
-        Per-sequence streams (``unified=False``) are captured too (the slots are pool cells;
-        the page lists are rebuilt over the pool every replay), and so is a ``WrapperCache``
+        Per-sequence streams (``unified=False``) are captured too (the slots are pool cells,
+        placed in every stream's cell table by one compiled call; the page lists grow on the
+        device while only the replays' placements changed the streams' tables, else are
+        rebuilt over the pool), and so is a ``WrapperCache``
         (:meth:`numbakv.WrapperCache.capture_step`: one step per layer group).
 
         Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``, a bad ``n_heads`` /

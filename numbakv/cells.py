@@ -997,48 +997,86 @@ def _group_by_seq(seqs, max_seqs):
 
 
 @njit(cache=True)
+def _take_back_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, seq_ids, qo_indptr,
+                       local, out, records, pruned_at, placed):
+    """Undo ``_place_stacked``'s first ``placed`` groups, newest first: each group's cells
+    freed (head put back), then its window pruning put back (``CausalCache._undo``'s order)."""
+    for c in range(placed - 1, -1, -1):
+        t = seq_ids[c]
+        _unapply_batch(cpos[t], cshift[t], cseqs[t], occ[t], ftree[t], stree[t], sidx[t],
+                       meta[t], local[qo_indptr[c]:qo_indptr[c + 1]], out[c, 3])
+        if pruned_at[c + 1] > pruned_at[c]:
+            _undo_prune(cpos[t], cshift[t], cseqs[t], occ[t], ftree[t], stree[t], sidx[t],
+                        meta[t], records[pruned_at[c]:pruned_at[c + 1]])
+
+
+@njit(cache=True)
 def _place_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, seq_ids, qo_indptr,
-                   token_order, positions, window, pad, grouped, local, pool, out):
+                   token_order, positions, memory, window, pad, grouped, local, pool, out,
+                   pruned_at):
     """:meth:`CellTableStack.place`: each table ``seq_ids[b]`` of the stack (arrays ``[table,
-    ...]``) takes its group of the batch as sequence 0, as ``_batch_conflict`` then
-    ``_place_contiguous`` on that table alone would. Checked for every table before any is
-    changed: a repeated or stored position, or a table with no free run long enough (it
-    needs a defrag or is full), returns ``(1, b)`` with nothing changed. Else ``(0,
-    largest hi)``, and per group ``b``: ``out[b] = (start, lo, hi, head before, pending
-    shifts)`` (``lo``/``hi`` padded to ``pad`` as ``CausalCache._place`` pads them),
-    ``grouped`` the positions in group order, ``local`` each token's cell in its table (group
-    order) and ``pool`` ``table * n_cells + cell`` (batch order)."""
+    ...]``) takes its group of the batch as sequence 0, as ``CausalCache._place`` does on that
+    table alone: ``_batch_conflict`` for every group first, then per group the window pruning
+    (``memory >= 0``) and ``_place_contiguous`` (range ``window``). A repeated or stored
+    position, or a group without a free run long enough (a defrag or a full table), returns
+    ``(1, b, records)`` with every table as it was (groups already placed taken back). Else
+    ``(0, largest hi, records)``, and per group ``b``: ``out[b] = (start, lo, hi, head
+    before, pending shifts)`` (``lo``/``hi`` padded to ``pad`` as ``CausalCache._place`` pads
+    them), its pruning's undo records ``records[pruned_at[b]:pruned_at[b + 1]]`` (int64
+    ``[k, 4]``), ``grouped`` the positions in group order, ``local`` each token's cell in its
+    table (group order) and ``pool`` ``table * n_cells + cell`` (batch order)."""
     nb = seq_ids.shape[0]
     n_cells = cpos.shape[1]
     zeros = np.zeros(positions.shape[0], np.int32)
+    records = np.empty((0, 4), np.int64)
+    pruned_at[0] = 0
     for i in range(positions.shape[0]):
         grouped[i] = positions[token_order[i]]
     for b in range(nb):
         s = seq_ids[b]
         a0 = qo_indptr[b]
         a1 = qo_indptr[b + 1]
-        if a1 - a0 > n_cells or _ft_first_fit(ftree[s], occ[s], a1 - a0) < 0:
-            return 1, b
+        if a1 - a0 > n_cells:
+            return 1, b, records
+        # without pruning the room is known now (with it, after the group's pruning)
+        if memory < 0 and _ft_first_fit(ftree[s], occ[s], a1 - a0) < 0:
+            return 1, b, records
         if _batch_conflict(cpos[s], cseqs[s], stree[s], sidx[s], meta[s], grouped[a0:a1],
                            zeros[a0:a1]) >= 0:
-            return 1, b
+            return 1, b, records
     top = 0
     for b in range(nb):
         s = seq_ids[b]
         a0 = qo_indptr[b]
         a1 = qo_indptr[b + 1]
         n = a1 - a0
+        pruned_at[b + 1] = pruned_at[b]
+        if memory >= 0:
+            code, rec = _prune_window(cpos[s], cshift[s], cseqs[s], occ[s], ftree[s], stree[s],
+                                      sidx[s], meta[s], grouped[a0:a1], zeros[a0:a1], memory)
+            if code != 0:          # checked input: not expected
+                _take_back_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta,
+                                   seq_ids, qo_indptr, local, out, records, pruned_at, b)
+                return 1, b, records
+            k = rec.shape[0]
+            if k:
+                grown = np.empty((pruned_at[b] + k, 4), np.int64)
+                grown[:pruned_at[b]] = records[:pruned_at[b]]
+                grown[pruned_at[b]:] = rec
+                records = grown
+                pruned_at[b + 1] = pruned_at[b] + k
         code, lo, hi, start, head = _place_contiguous(
             cpos[s], cshift[s], cseqs[s], occ[s], ftree[s], stree[s], sidx[s], meta[s],
             grouped[a0:a1], zeros[a0:a1], window)
         if code != 0 or start < 0:
-            # checked above, so not expected: take the earlier groups back, newest first
-            for c in range(b - 1, -1, -1):
-                t = seq_ids[c]
-                _unapply_batch(cpos[t], cshift[t], cseqs[t], occ[t], ftree[t], stree[t],
-                               sidx[t], meta[t], local[qo_indptr[c]:qo_indptr[c + 1]],
-                               out[c, 3])
-            return 1, b
+            # no room after all (a defrag's case) or, not expected, bad input: this group's
+            # pruning, then the earlier groups, taken back
+            if pruned_at[b + 1] > pruned_at[b]:
+                _undo_prune(cpos[s], cshift[s], cseqs[s], occ[s], ftree[s], stree[s], sidx[s],
+                            meta[s], records[pruned_at[b]:pruned_at[b + 1]])
+            _take_back_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, seq_ids,
+                               qo_indptr, local, out, records, pruned_at, b)
+            return 1, b, records
         if lo >= hi:
             lo, hi = start, start + n
         lo = min(lo, start)
@@ -1054,7 +1092,7 @@ def _place_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, seq_ids, 
         for j in range(n):
             local[a0 + j] = start + j
             pool[token_order[a0 + j]] = s * n_cells + start + j
-    return 0, top
+    return 0, top, records
 
 
 # --------------------------------------------------------------------------------------------
@@ -2924,31 +2962,39 @@ class CellTableStack:
             a is b and a._meta is row for a, b, row in zip(tables, self.tables, self._rows))
 
     def place(self, seq_ids: np.ndarray, qo_indptr: np.ndarray, token_order: np.ndarray,
-              positions: np.ndarray, window: int, pad: int):
+              positions: np.ndarray, memory: int, window: int, pad: int):
         """Place a batch grouped by table (``_group_by_seq``'s ``seq_ids`` / ``qo_indptr`` /
         ``token_order``; ``positions`` int32 ``[batch]`` in batch order, checked): group ``b``
-        into table ``seq_ids[b]`` as its sequence 0, each by :meth:`CellTable.place_contiguous`
-        with ``window`` (its range's window, -1 none). Trusted inputs. Returns None, nothing
-        changed, when a table has no free run long enough (defrag or full) or a position is
-        stored or repeated (the caller's one-table path raises or defragments); else
-        ``(out, grouped, local, pool, top)``: ``out`` int64 ``[n_b, 5]`` (start, range lo and hi
-        padded to ``pad``, head before, pending shifts), the positions in group order, each
-        token's cell in its table (group order), ``table * n_cells + cell`` in batch order
-        (int32 ``[batch]`` each) and the largest ``hi``. Each placed table's ``version`` counts
-        the call, as ``place_contiguous`` counts it."""
+        into table ``seq_ids[b]`` as its sequence 0, each as ``CausalCache._place`` does it:
+        :meth:`CellTable.prune_window` with ``memory`` (-1: no window memory, not called),
+        then :meth:`CellTable.place_contiguous` with ``window`` (its range's window, -1 none).
+        Trusted inputs. Returns None, every table as it was, when a group finds no free run
+        long enough (a defrag or a full table) or a position is stored or repeated (the
+        caller's one-table path raises or defragments); else ``(out, grouped, local, pool,
+        top, records, pruned_at)``: ``out`` int64 ``[n_b, 5]`` (start, range lo and hi padded
+        to ``pad``, head before, pending shifts), the positions in group order, each token's
+        cell in its table (group order), ``table * n_cells + cell`` in batch order (int32
+        ``[batch]`` each), the largest ``hi``, and group ``b``'s pruning undo records
+        ``records[pruned_at[b]:pruned_at[b + 1]]``. Each placed table's ``version`` counts
+        the calls as those two methods count them (1, or 2 with ``memory``)."""
         batch = positions.shape[0]
-        out = np.empty((seq_ids.shape[0], 5), np.int64)
+        nb = seq_ids.shape[0]
+        out = np.empty((nb, 5), np.int64)
         grouped = np.empty(batch, np.int32)
         local = np.empty(batch, np.int32)
         pool = np.empty(batch, np.int32)
-        code, top = _place_stacked(*self._arrays, seq_ids, qo_indptr, token_order, positions,
-                                   min(window, _INF), pad, grouped, local, pool, out)
+        pruned_at = np.empty(nb + 1, np.int64)
+        code, top, records = _place_stacked(
+            *self._arrays, seq_ids, qo_indptr, token_order, positions,
+            -1 if memory < 0 else min(memory, _INF), min(window, _INF), pad, grouped, local,
+            pool, out, pruned_at)
         if code:
             return None
         tables = self.tables
+        counted = 1 if memory < 0 else 2
         for s in seq_ids.tolist():
-            tables[s].version += 1
-        return out, grouped, local, pool, int(top)
+            tables[s].version += counted
+        return out, grouped, local, pool, int(top), records, pruned_at
 
 
 __all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_SHIFT_DTYPE", "cell_dtype", "seq_words",

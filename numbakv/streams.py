@@ -122,17 +122,20 @@ class _StreamUndo:
     #: a batched placement's record, from which ``records()`` builds ``placed`` when it is read
     #: (an undo, pending rotations): (stream ids, rows (start, lo, hi, head, shifts), each
     #: stream's cells in group order, group bounds, the streams' forward passes and defrag
-    #: counts before)
+    #: counts before, the window pruning's undo records and their offsets per stream, or None
+    #: without a window memory)
     stacked: Any = None
 
     def records(self) -> list:
         """``placed``: ``[(stream index, the stream's own undo)]``."""
         if self.stacked is not None:
-            ids, rows, local, bounds, before, defrags = self.stacked
+            ids, rows, local, bounds, before, defrags, pruned, pruned_at = self.stacked
             for b, s in enumerate(ids):
                 stream_undo = _Undo(before[b], defrags[b])
                 stream_undo.head = rows[b][3]
                 stream_undo.slots = local[bounds[b]:bounds[b + 1]]
+                if pruned is not None:
+                    stream_undo.pruned = pruned[pruned_at[b]:pruned_at[b + 1]]
                 self.placed.append((s, stream_undo))
             self.stacked = None
         return self.placed
@@ -262,7 +265,7 @@ class StreamCache(CausalCache):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos, sq = self._check_batch(positions, seqs)
         seq_ids, qo_indptr, token_order, consecutive = _group_by_seq(sq, self.n_streams)
-        if not reserve and self._memory == UNLIMITED:
+        if not reserve:
             undo = self._place_stacked(pos, sq, seq_ids, qo_indptr, token_order, consecutive)
             if undo is not None:
                 return undo
@@ -297,36 +300,43 @@ class StreamCache(CausalCache):
     def _place_stacked(self, pos: np.ndarray, sq: np.ndarray, seq_ids: np.ndarray,
                        qo_indptr: np.ndarray, token_order: np.ndarray,
                        consecutive: bool) -> Optional[_StreamUndo]:
-        """``_place`` of a batch (checked, grouped, not a reserve pass, no window memory) by
-        one compiled call over every stream's cell table (``CellTableStack.place``): what each
-        stream's own ``_place`` would do when its group fits a free run -- the same cells,
-        ranges, forward passes, undo records and table versions -- without a Python call per
-        stream. None (nothing changed) when a stream needs more (a defrag, a full stream, a
-        stored position: the per-stream path raises or defragments as before)."""
+        """``_place`` of a batch (checked, grouped, not a reserve pass) by one compiled call
+        over every stream's cell table (``CellTableStack.place``): what each stream's own
+        ``_place`` would do (window pruning, placement) when its group fits a free run -- the
+        same cells, ranges, forward passes, undo records and table versions -- without a
+        Python call per stream. None (nothing changed) when a stream needs more (a defrag, a
+        full stream, a stored position: the per-stream path raises or defragments as
+        before)."""
         streams = self.streams
         tables = [st.cells for st in streams]
         if not self._stack.holds(tables):     # a table replaced (a state load): stack anew
             self._stack = CellTableStack(tables)
-        placed = self._stack.place(seq_ids, qo_indptr, token_order, pos, -1,
-                                   self.config.cache_padding)
+        pruning = self._memory != UNLIMITED
+        placed = self._stack.place(seq_ids, qo_indptr, token_order, pos,
+                                   self._memory if pruning else -1,
+                                   self._window if pruning else -1, self.config.cache_padding)
         if placed is None:
             return None
-        out, grouped, local, pool, top = placed
+        out, grouped, local, pool, top, pruned, pruned_at = placed
         ids, rows, bounds = seq_ids.tolist(), out.tolist(), qo_indptr.tolist()
+        cut = pruned_at.tolist() if pruning else None
+        gap = 2 if pruning else 1         # the version counts of prune_window, place_contiguous
         zeros = np.zeros(len(pos), np.int32)
         ones = self._all_causal(len(pos))
-        before, defrags = [], []
+        one = ones[:1]         # read-only: one view serves every one-token stream
+        before = [streams[s]._forward for s in ids]
+        defrags = [streams[s].defrag_count for s in ids]
         for b, s in enumerate(ids):
-            stream = streams[s]
             a0, a1 = bounds[b], bounds[b + 1]
-            before.append(stream._forward)
-            defrags.append(stream.defrag_count)
             start, lo, hi = rows[b][:3]
-            fwd = _Forward(grouped[a0:a1], zeros[a0:a1], False, start, lo, hi, ones[:a1 - a0])
-            fwd.cells_v1 = v1 = tables[s].version    # counted by place(); a pure placement
-            fwd.cells_v0 = v1 - 1
-            stream._forward = fwd
-        undo = _StreamUndo(self._forward, [], (ids, rows, local, bounds, before, defrags))
+            v1 = tables[s].version    # counted by place()
+            # a pure placement, unless the window pruning dropped cells (_stamp_versions)
+            streams[s]._forward = _Forward(
+                grouped[a0:a1], zeros[a0:a1], False, start, lo, hi,
+                one if a1 - a0 == 1 else ones[:a1 - a0],
+                cells_v0=v1 - gap if not pruning or cut[b] == cut[b + 1] else -1, cells_v1=v1)
+        undo = _StreamUndo(self._forward, [], (ids, rows, local, bounds, before, defrags,
+                                               pruned if pruning else None, cut))
         self._forward = _StreamForward(seq_ids, qo_indptr, token_order, None, False,
                                        bool(consecutive), len(seq_ids) == 1, positions=pos,
                                        seqs=sq, pool_slots=pool, top=top, causal=ones)
@@ -526,6 +536,7 @@ class StreamCache(CausalCache):
         for group, part in zip(fwd.groups, parts):
             causal[group] = part.rule.causal
             q_positions[group] = part.q_positions
+        causal.flags.writeable = False     # as a causal cache's: the same compiled signatures
         offsets = [self._stream_offset(s) for s in fwd.seq_ids.tolist()]
         kv_indptr = np.zeros(len(parts) + 1, np.int32)
         np.cumsum([len(p.kv_indices) for p in parts], out=kv_indptr[1:])
