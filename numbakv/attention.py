@@ -31,8 +31,8 @@ Backends:
   the pass fits it; else on CUDA numbakv's batched paged kernel
   (:mod:`numbakv.kernels.decode`: one launch per layer for every token of the pass, reading the
   pool through the device page table, split-K with a log-sum-exp merge, on the cache's stream
-  after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
-  16, group x head_dim <= 2048) and no sequence has more than 32 queries in the pass (long
+  after ``q``'s producer; a permuted V read through its strides) when the shape fits it (query
+  heads per KV head <= 16, group x head_dim <= 2048) and no sequence has more than 32 queries in the pass (long
   prefills go to PyTorch's flash kernel); else ``"torch"``.
 
 Quantized K/V (q8_0, q4_0, float8_e4m3; ``k_dtype``/``v_dtype``) are read as stored: on the CPU
@@ -171,8 +171,8 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     first ``v_dim`` values (the latent ``c_kv``), ``[batch, n_heads, v_dim]``: the caller applies
     ``W_UV``. ``v_dim`` defaults to the cache's ``RopeShift.offset`` (``kv_lora_rank``). On CUDA
     (backend ``"auto"``, passes of at most 32 queries a sequence) numbakv's latent kernel reads
-    the rows as stored (float, q8_0/q4_0/float8, rotated): each staged tile of rows serves a
-    tile of up to 8 query heads.
+    the rows as stored (float, q8_0/q4_0/float8, rotated, FlashMLA's ``fp8_ds_mla``): each
+    staged tile of rows serves a tile of up to 8 query heads.
 
     Args:
         q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch
@@ -302,7 +302,7 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
                                           _value_dim(pools[1], permuted), batch) \
             and _max_queries(host) <= _GPU_KERNEL_TOKENS:
         return _gpu_attend(torch, q, host, pools, scale, soft_cap, "cuda",
-                           src.storage).to(q.dtype)
+                           src.storage, permuted=permuted).to(q.dtype)
     if gpu_kernel:      # the batched kernel does not fit: torch reads the pools on its stream
         _after_cache(torch, src, q)
     return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
@@ -342,15 +342,16 @@ def _attend_route(src: Any, n_heads: int, batch: int, backend: str, latent_v: in
     quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
     # (an MLA latent cache, whose V is a view of K, keeps get(): no V rows of its own)
     formats = _pool_formats(src) if quantized and not latent_v else None
-    if formats is not None and on_cuda and (permuted or not _decode_kernel.fits(
-            n_heads, cfg.local_kv_heads, cfg.head_dim, cfg.v_head_dim, batch)):
+    if formats is not None and on_cuda and not _decode_kernel.fits(
+            n_heads, cfg.local_kv_heads, cfg.head_dim, cfg.v_head_dim, batch):
         formats = None                    # a shape the GPU kernel does not take: get()
     gpu_kernel = False
     if backend == "auto":
         backend = ("torch" if formats is not None else "dense") if quantized else \
             "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
-        # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
-        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v \
+        # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer;
+        # permuted V read through its strides)
+        gpu_kernel = backend == "torch" and on_cuda and not latent_v \
             and getattr(src, "storage", None) is not None
     elif quantized and backend != "dense" and not (backend == "torch" and formats is not None):
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
@@ -438,25 +439,30 @@ def _gpu_quantized(torch, q, host: HostPages, src, scale: float, soft_cap, forma
     slot = src._storage_layers[src._layer]
     kf, vf, ks, vs, _ = formats
     pools = (st.key_view(slot, 0, src.n_cells), st.value_view(slot, 0, src.n_cells))
+    permuted = bool(cfg.permuted_v)     # a float V beside a quantized K may be stored permuted
     quant = dict(bf16=cfg.dtype == "bfloat16",
                  kfmt=_decode_kernel.QUANT_FORMATS[kf] if kf else None,
                  vfmt=_decode_kernel.QUANT_FORMATS[vf] if vf else None,
                  kscale=ks, vscale=vs, k_rotation=int(cfg.k_rotation),
                  v_rotation=int(cfg.v_rotation))
-    return _gpu_attend(torch, q, host, pools, scale, soft_cap, device, st, quant)
+    return _gpu_attend(torch, q, host, pools, scale, soft_cap, device, st, quant, permuted)
 
 
 def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device: str,
-                storage: Any = None, quant: Optional[dict] = None):
+                storage: Any = None, quant: Optional[dict] = None, permuted: bool = False):
     """float32 ``[batch, H, Dv]`` torch tensor on ``q``'s device: every token of the pass in one
     launch of :func:`numbakv.kernels.decode.paged_attention` (``device`` ``"cuda"``: CuPy pools
     and page table; ``"sim"``: numpy ones through the CUDA simulator, for the tests). Per pass,
     the token -> sequence map, the causal flags and the list lengths are planned once and kept
     in ``host.plans`` (one upload per pass, read by every layer). ``quant``: the raw pools'
-    formats, scales and rotations (:func:`_gpu_quantized`)."""
+    formats, scales and rotations (:func:`_gpu_quantized`). ``permuted``: the value pool is
+    stored ``[n_kv_heads, v_head_dim, n_cells]``; the kernel reads it through a transposed
+    view's strides (no copy)."""
     tok_dev, causal_dev, lens = _gpu_pass_plan(host, device)
     kw = dict(quant) if quant is not None else {"bf16": isinstance(pools[0], BFloat16View)}
     kp, vp = (x.bits if isinstance(x, BFloat16View) else x for x in pools)
+    if permuted:
+        vp = vp.transpose(2, 0, 1)
     args = (host.table, tok_dev, causal_dev, int(host.rule.window), int(host.rule.chunk), scale,
             soft_cap, lens)
     return _run_on_cache_stream(
@@ -485,13 +491,15 @@ def _latent_pool(src: Any) -> Tuple[Any, Optional[dict]]:
     """``(rows, kw)``: the current layer's latent rows of a V-less (MLA) cache as
     :func:`numbakv.kernels.decode.paged_latent_attention` reads them (raw storage
     ``[n_cells, 1, ...]``: float bits, or the byte rows of a quantized latent) and its keyword
-    arguments (format, float8 scale, rotation); ``(None, None)`` for a latent the kernel
-    cannot read as stored (e.g. ``fp8_ds_mla``)."""
+    arguments (format, float8 scale, rotation; FlashMLA's ``fp8_ds_mla`` rows dequantized in
+    the kernel too); ``(None, None)`` for a latent the kernel cannot read as stored."""
     cfg = src.config
     st = src.storage
     slot = src._storage_layers[src._layer]
     kw = dict(bf16=cfg.dtype == "bfloat16", k_rotation=int(cfg.k_rotation))
-    if st.k_quantized:
+    if st.k_quantized and st._k_ds_mla:
+        kw.update(kfmt=_decode_kernel.FMT_DS_MLA)
+    elif st.k_quantized:
         formats = _pool_formats(src)
         if formats is None or formats[0] not in _decode_kernel.QUANT_FORMATS:
             return None, None
@@ -1591,7 +1599,8 @@ def _quantized_paged(torch, q, host: HostPages, src, scale, soft_cap, formats):
     st = src.storage
     slot = src._storage_layers[src._layer]
     pools = (st.key_view(slot, 0, src.n_cells), st.value_view(slot, 0, src.n_cells))
-    res = _cpu_kernel(q, host, plan, pools, scale, soft_cap, False,
+    # a float V beside a quantized K may be stored permuted ([n_kv_heads, v_head_dim, n_cells])
+    res = _cpu_kernel(q, host, plan, pools, scale, soft_cap, bool(src.config.permuted_v),
                       src.config.dtype == "bfloat16", formats)
     return torch.from_numpy(res).to(q.dtype)
 
