@@ -246,8 +246,9 @@ def _latents() -> None:
     one-thread form: the threaded one, ~12 s to compile, would add ~0.3 MiB a pool type); and
     a q8_0 latent whose rope dims are neither 64 nor 128 (MiniCPM3's 32: outside the fused
     per-row rotation), shifted: the quantized RoPE on a strided view of the rope blocks, one
-    thread and threaded (a long sequence), each ~85 CPU s to compile on first use. The
-    attention is skipped without torch (``attend`` takes torch queries)."""
+    thread and threaded (a long sequence), each ~85 CPU s to compile on first use; and
+    fp8_ds_mla latents put and read. The attention is skipped without torch (``attend`` takes
+    torch queries)."""
     import ml_dtypes  # noqa: F401 -- numpy's "bfloat16" dtype (numba-cuda's dependency)
 
     import numbakv as nkv
@@ -285,6 +286,18 @@ def _latents() -> None:
             cache.put(rows, None)
         cache.seq_add(0, 0, None, 3)
         cache.apply_pending_shifts()
+        cache.close()
+    # DeepSeek V3.2's fp8_ds_mla rows (FlashMLA's 656 bytes) on the CPU: the put and get per
+    # input / output dtype (float16 goes through float32)
+    for dtype in ("bfloat16", "float16", "float32"):
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=1, head_dim=576, v_head_dim=0,
+                              dtype=dtype, k_dtype="fp8_ds_mla", capacity=8, max_seqs=1,
+                              device="cpu")
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=64, offset=512))
+        cache.start_forward(np.arange(4), np.zeros(4, np.int64))
+        cache.set_layer(0)
+        cache.put(rng.standard_normal((4, 1, 576)).astype(np.float32).astype(cfg.dtype), None)
+        cache.get()
         cache.close()
 
 
