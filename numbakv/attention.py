@@ -31,8 +31,8 @@ Backends:
   the pass fits it; else on CUDA numbakv's batched paged kernel
   (:mod:`numbakv.kernels.decode`: one launch per layer for every token of the pass, reading the
   pool through the device page table, split-K with a log-sum-exp merge, on the cache's stream
-  after ``q``'s producer) when the shape fits it (V not permuted, query heads per KV head <=
-  16, group x head_dim <= 2048) and no sequence has more than 32 queries in the pass (long
+  after ``q``'s producer; a permuted V read through its strides) when the shape fits it (query
+  heads per KV head <= 16, group x head_dim <= 2048) and no sequence has more than 32 queries in the pass (long
   prefills go to PyTorch's flash kernel); else ``"torch"``.
 
 Quantized K/V (q8_0, q4_0, float8_e4m3; ``k_dtype``/``v_dtype``) are read as stored: on the CPU
@@ -49,9 +49,11 @@ import os
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
+import llvmlite
 from llvmlite import ir
 import numba
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._dlpack import BFloat16View
@@ -169,8 +171,8 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
     first ``v_dim`` values (the latent ``c_kv``), ``[batch, n_heads, v_dim]``: the caller applies
     ``W_UV``. ``v_dim`` defaults to the cache's ``RopeShift.offset`` (``kv_lora_rank``). On CUDA
     (backend ``"auto"``, passes of at most 32 queries a sequence) numbakv's latent kernel reads
-    the rows as stored (float, q8_0/q4_0/float8, rotated): each staged tile of rows serves a
-    tile of up to 8 query heads.
+    the rows as stored (float, q8_0/q4_0/float8, rotated, FlashMLA's ``fp8_ds_mla``): each
+    staged tile of rows serves a tile of up to 8 query heads.
 
     Args:
         q: torch tensor ``[batch, n_heads, head_dim]`` on the cache's device, rows in batch
@@ -300,7 +302,7 @@ def attend(q: Any, cache: Any, *, scale: Optional[float] = None,
                                           _value_dim(pools[1], permuted), batch) \
             and _max_queries(host) <= _GPU_KERNEL_TOKENS:
         return _gpu_attend(torch, q, host, pools, scale, soft_cap, "cuda",
-                           src.storage).to(q.dtype)
+                           src.storage, permuted=permuted).to(q.dtype)
     if gpu_kernel:      # the batched kernel does not fit: torch reads the pools on its stream
         _after_cache(torch, src, q)
     return _torch_paged(torch, q, host, pools, scale, soft_cap, permuted,
@@ -340,15 +342,16 @@ def _attend_route(src: Any, n_heads: int, batch: int, backend: str, latent_v: in
     quantized = bool(getattr(getattr(src, "storage", None), "quantized", False))
     # (an MLA latent cache, whose V is a view of K, keeps get(): no V rows of its own)
     formats = _pool_formats(src) if quantized and not latent_v else None
-    if formats is not None and on_cuda and (permuted or not _decode_kernel.fits(
-            n_heads, cfg.local_kv_heads, cfg.head_dim, cfg.v_head_dim, batch)):
+    if formats is not None and on_cuda and not _decode_kernel.fits(
+            n_heads, cfg.local_kv_heads, cfg.head_dim, cfg.v_head_dim, batch):
         formats = None                    # a shape the GPU kernel does not take: get()
     gpu_kernel = False
     if backend == "auto":
         backend = ("torch" if formats is not None else "dense") if quantized else \
             "flashinfer" if (on_cuda and not permuted and flashinfer_available()) else "torch"
-        # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer)
-        gpu_kernel = backend == "torch" and on_cuda and not permuted and not latent_v \
+        # on CUDA without FlashInfer: numbakv's batched paged kernel (one launch per layer;
+        # permuted V read through its strides)
+        gpu_kernel = backend == "torch" and on_cuda and not latent_v \
             and getattr(src, "storage", None) is not None
     elif quantized and backend != "dense" and not (backend == "torch" and formats is not None):
         raise ValueError(f"backend={backend!r} reads the cell pool, which holds quantized blocks "
@@ -436,25 +439,30 @@ def _gpu_quantized(torch, q, host: HostPages, src, scale: float, soft_cap, forma
     slot = src._storage_layers[src._layer]
     kf, vf, ks, vs, _ = formats
     pools = (st.key_view(slot, 0, src.n_cells), st.value_view(slot, 0, src.n_cells))
+    permuted = bool(cfg.permuted_v)     # a float V beside a quantized K may be stored permuted
     quant = dict(bf16=cfg.dtype == "bfloat16",
                  kfmt=_decode_kernel.QUANT_FORMATS[kf] if kf else None,
                  vfmt=_decode_kernel.QUANT_FORMATS[vf] if vf else None,
                  kscale=ks, vscale=vs, k_rotation=int(cfg.k_rotation),
                  v_rotation=int(cfg.v_rotation))
-    return _gpu_attend(torch, q, host, pools, scale, soft_cap, device, st, quant)
+    return _gpu_attend(torch, q, host, pools, scale, soft_cap, device, st, quant, permuted)
 
 
 def _gpu_attend(torch, q, host: HostPages, pools, scale: float, soft_cap, device: str,
-                storage: Any = None, quant: Optional[dict] = None):
+                storage: Any = None, quant: Optional[dict] = None, permuted: bool = False):
     """float32 ``[batch, H, Dv]`` torch tensor on ``q``'s device: every token of the pass in one
     launch of :func:`numbakv.kernels.decode.paged_attention` (``device`` ``"cuda"``: CuPy pools
     and page table; ``"sim"``: numpy ones through the CUDA simulator, for the tests). Per pass,
     the token -> sequence map, the causal flags and the list lengths are planned once and kept
     in ``host.plans`` (one upload per pass, read by every layer). ``quant``: the raw pools'
-    formats, scales and rotations (:func:`_gpu_quantized`)."""
+    formats, scales and rotations (:func:`_gpu_quantized`). ``permuted``: the value pool is
+    stored ``[n_kv_heads, v_head_dim, n_cells]``; the kernel reads it through a transposed
+    view's strides (no copy)."""
     tok_dev, causal_dev, lens = _gpu_pass_plan(host, device)
     kw = dict(quant) if quant is not None else {"bf16": isinstance(pools[0], BFloat16View)}
     kp, vp = (x.bits if isinstance(x, BFloat16View) else x for x in pools)
+    if permuted:
+        vp = vp.transpose(2, 0, 1)
     args = (host.table, tok_dev, causal_dev, int(host.rule.window), int(host.rule.chunk), scale,
             soft_cap, lens)
     return _run_on_cache_stream(
@@ -483,13 +491,15 @@ def _latent_pool(src: Any) -> Tuple[Any, Optional[dict]]:
     """``(rows, kw)``: the current layer's latent rows of a V-less (MLA) cache as
     :func:`numbakv.kernels.decode.paged_latent_attention` reads them (raw storage
     ``[n_cells, 1, ...]``: float bits, or the byte rows of a quantized latent) and its keyword
-    arguments (format, float8 scale, rotation); ``(None, None)`` for a latent the kernel
-    cannot read as stored (e.g. ``fp8_ds_mla``)."""
+    arguments (format, float8 scale, rotation; FlashMLA's ``fp8_ds_mla`` rows dequantized in
+    the kernel too); ``(None, None)`` for a latent the kernel cannot read as stored."""
     cfg = src.config
     st = src.storage
     slot = src._storage_layers[src._layer]
     kw = dict(bf16=cfg.dtype == "bfloat16", k_rotation=int(cfg.k_rotation))
-    if st.k_quantized:
+    if st.k_quantized and st._k_ds_mla:
+        kw.update(kfmt=_decode_kernel.FMT_DS_MLA)
+    elif st.k_quantized:
         formats = _pool_formats(src)
         if formats is None or formats[0] not in _decode_kernel.QUANT_FORMATS:
             return None, None
@@ -832,7 +842,7 @@ def _load_value_row_impl(pool, c, kh, dst, vperm, fmt, scale, bf16):
 # the CPU kernel's decode form: one query token per work item
 # --------------------------------------------------------------------------------------------
 
-#: cells per tile of the decode form: the group's scores of a tile (g x 64 float32) stay in L1
+#: cells per tile of the decode form: the scores of a tile (n_heads x 64 float32) stay in L1
 #: between the score, softmax and value passes
 _DECODE_TILE = 64
 # float32 constants of :func:`_exp_f32` (module globals of numpy float32 type stay float32 in
@@ -869,27 +879,76 @@ def _exp_f32(x):
     return y * np.int32((np.int32(n) + 127) << 23).view(np.float32)
 
 
+#: how far ahead (cells) the decode form prefetches K and V rows. Inside generate() the pools
+#: of a layer are usually out of cache by its next step (the model's weights, the other layers'
+#: K/V and other processes pass through L3 in between): measured inside generate() (tiny Llama,
+#: 2k context, load 5-8) the kernel took 0.75-0.8x the time with 32-128 cells ahead against
+#: none; the hardware prefetcher alone did not keep up with the two interleaved row streams
+_PREFETCH_CELLS = 64
+#: LLVM's prefetch intrinsic, named after the pointer form llvmlite writes
+_PREFETCH_FN = "llvm.prefetch.p0i8" if getattr(llvmlite, "ir_layer_typed_pointers_enabled",
+                                                True) else "llvm.prefetch.p0"
+
+
+@intrinsic
+def _prefetch_line(typingctx, pool, c, offset):
+    """Prefetch (a read, into every cache level) the cache line at byte ``offset`` of cell
+    ``c``'s row of ``pool`` (an array whose first axis is the cell). A hint: it never faults,
+    and changes no value."""
+    if not isinstance(pool, types.Array) or not isinstance(c, types.Integer) \
+            or not isinstance(offset, types.Integer):
+        return None
+    sig = types.void(pool, c, offset)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        stride0 = cgutils.unpack_tuple(builder, ary.strides)[0]
+        intp = context.get_value_type(types.intp)
+        cell = context.cast(builder, args[1], signature.args[1], types.intp)
+        off = context.cast(builder, args[2], signature.args[2], types.intp)
+        addr = builder.add(builder.ptrtoint(ary.data, intp),
+                           builder.add(builder.mul(cell, stride0), off))
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_FN)
+        # (address, read, locality 3: keep in every level, data cache)
+        builder.call(fn, [builder.inttoptr(addr, i8p), ir.Constant(i32, 0),
+                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(inline="always")
+def _prefetch_cell(pool, c):
+    """Prefetch cell ``c``'s row of ``pool`` (``[n_cells, n_kv_heads, ...]``: every KV head),
+    one 64-byte line at a time."""
+    for off in range(0, pool.shape[1] * pool.strides[1], 64):
+        _prefetch_line(pool, c, off)
+
+
 def _key_row_scores(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
-    """``s[gi, jj] = qs[h0 + gi] . k`` for the ``g`` query heads of KV head ``kh``, ``k`` the
-    key row ``(c, kh)`` read once (numba overload below: float rows converted as they are read,
+    """``s[h0 + gi, jj] = qs[h0 + gi] . k`` for the ``g`` query heads of KV head ``kh``, ``k``
+    the key row ``(c, kh)`` read once (numba overload below: float rows converted as they are read,
     quantized rows dequantized into ``kbuf`` first)."""
     raise NotImplementedError      # pragma: no cover - only called from compiled code
 
 
 def _value_row_accumulate(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
-    """``acc[h0 + gi] += s[gi, jj] * v`` for the group's heads with a nonzero weight, ``v`` the
-    value row ``(c, kh)`` (numba overload below)."""
+    """``acc[h0 + gi] += s[h0 + gi, jj] * v`` for the group's heads with a nonzero weight,
+    ``v`` the value row ``(c, kh)`` (numba overload below)."""
     raise NotImplementedError      # pragma: no cover - only called from compiled code
 
 
 def _key_scores4(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16):
-    """:func:`_key_row_scores` for the four key rows ``ca .. cd`` into ``s[:, jj:jj + 4]``: four
-    independent sums per pass over ``qs``'s row (each query value loaded once for four cells)."""
+    """:func:`_key_row_scores` for the four key rows ``ca .. cd`` into ``s[h0:h0 + g, jj:jj +
+    4]``: four independent sums per pass over ``qs``'s row (each query value loaded once for
+    four cells)."""
     raise NotImplementedError      # pragma: no cover - only called from compiled code
 
 
 def _value_accumulate4(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
-    """:func:`_value_row_accumulate` for the four value rows ``ca .. cd`` (weights ``s[:,
+    """:func:`_value_row_accumulate` for the four value rows ``ca .. cd`` (weights ``s[h0:h0 + g,
     jj:jj + 4]``): each accumulator value is loaded and stored once for four cells."""
     raise NotImplementedError      # pragma: no cover - only called from compiled code
 
@@ -906,7 +965,7 @@ def _key_scores_blocks(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale):
         x = np.float32(0.0)
         for d in range(kbuf.shape[0]):
             x += qs[h0 + gi, d] * kbuf[d]
-        s[gi, jj] = x
+        s[h0 + gi, jj] = x
 
 
 @njit(fastmath={"reassoc", "contract"})
@@ -914,10 +973,10 @@ def _value_accumulate_blocks(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale)
     """:func:`_value_row_accumulate` of a quantized value row (dequantized only when a weight
     of the group needs it)."""
     for gi in range(g):
-        if s[gi, jj] != 0:
+        if s[h0 + gi, jj] != 0:
             _blocks_to_f32(vpool[c, kh], vbuf, fmt, vscale)
             for gj in range(gi, g):
-                w = s[gj, jj]
+                w = s[h0 + gj, jj]
                 if w != 0:
                     for d in range(vbuf.shape[0]):
                         acc[h0 + gj, d] += w * vbuf[d]
@@ -940,7 +999,7 @@ def _key_row_scores_impl(kpool, c, kh, qs, h0, g, s, jj, kbuf, fmt, kscale, bf16
             x = np.float32(0.0)
             for d in range(kbuf.shape[0]):
                 x += qs[h0 + gi, d] * _to_f32(kpool[c, kh, d], bf16)
-            s[gi, jj] = x
+            s[h0 + gi, jj] = x
     return from_elements
 
 
@@ -953,7 +1012,7 @@ def _value_row_accumulate_impl(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscal
 
     def from_elements(vpool, c, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
         for gi in range(g):
-            w = s[gi, jj]
+            w = s[h0 + gi, jj]
             if w != 0:
                 for d in range(vbuf.shape[0]):
                     acc[h0 + gi, d] += w * _to_f32(vpool[c, kh, d], bf16)
@@ -982,10 +1041,10 @@ def _key_scores4_impl(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, kbuf, fmt, ks
                 xb += qd * _to_f32(kpool[cb, kh, d], bf16)
                 xc += qd * _to_f32(kpool[cc, kh, d], bf16)
                 xd += qd * _to_f32(kpool[cd, kh, d], bf16)
-            s[gi, jj] = xa
-            s[gi, jj + 1] = xb
-            s[gi, jj + 2] = xc
-            s[gi, jj + 3] = xd
+            s[h0 + gi, jj] = xa
+            s[h0 + gi, jj + 1] = xb
+            s[h0 + gi, jj + 2] = xc
+            s[h0 + gi, jj + 3] = xd
     return from_elements
 
 
@@ -1002,10 +1061,10 @@ def _value_accumulate4_impl(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, 
 
     def from_elements(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, fmt, vscale, bf16):
         for gi in range(g):
-            wa = s[gi, jj]
-            wb = s[gi, jj + 1]
-            wc = s[gi, jj + 2]
-            wd = s[gi, jj + 3]
+            wa = s[h0 + gi, jj]
+            wb = s[h0 + gi, jj + 1]
+            wc = s[h0 + gi, jj + 2]
+            wd = s[h0 + gi, jj + 3]
             for d in range(vbuf.shape[0]):
                 acc[h0 + gi, d] += (wa * _to_f32(vpool[ca, kh, d], bf16)
                                     + wb * _to_f32(vpool[cb, kh, d], bf16)) \
@@ -1018,11 +1077,13 @@ def _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vs
                         kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window,
                         chunk, scale, soft_cap, out, part_acc, part_m, part_l):
     """:func:`_attend_item` for an item whose sequence has one query token (a decode step), V
-    not permuted: the same arguments and results. Per tile of :data:`_DECODE_TILE` cells and
-    per KV head, each K row is read once for the whole grouped-query group (its scores), the
-    tile's weights come from one vectorised pass (:func:`_exp_f32`), and each V row is read once
-    and added to the group's accumulators; nothing is copied out of the pool (quantized rows
-    are dequantized one row at a time)."""
+    not permuted: the same arguments and results. Per tile of :data:`_DECODE_TILE` cells, each
+    cell's K row (every KV head: one contiguous read) is read once for every query head (the
+    scores of each KV head's grouped-query group), the tile's weights come from one vectorised
+    pass per head (:func:`_exp_f32`), and each V row is read once and added to the heads'
+    accumulators; the K and V rows :data:`_PREFETCH_CELLS` cells ahead are prefetched as the
+    scores go. Nothing is copied out of the pool (quantized rows are dequantized one row at a
+    time)."""
     T, H, dim = q.shape
     hkv = kpool.shape[1]
     dv = out.shape[2]
@@ -1059,52 +1120,65 @@ def _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vs
     acc = np.zeros((H, dv), np.float32)
     mx = np.full(H, -np.inf, np.float32)
     tot = np.zeros(H, np.float32)
-    s = np.empty((g, _DECODE_TILE), np.float32)
+    s = np.empty((H, _DECODE_TILE), np.float32)
     kbuf = np.empty(dim, np.float32)
     vbuf = np.empty(dv, np.float32)
     for j0 in range(jlo, jhi, _DECODE_TILE):
         n = min(_DECODE_TILE, jhi - j0)
-        for kh in range(hkv):
-            h0 = kh * g
-            n4 = n - n % 4
-            for jj in range(0, n4, 4):
-                _key_scores4(kpool, kv_indices[j0 + jj], kv_indices[j0 + jj + 1],
-                             kv_indices[j0 + jj + 2], kv_indices[j0 + jj + 3], kh, qs, h0, g, s,
-                             jj, kbuf, kfmt, kscale, bf16)
-            for jj in range(n4, n):
-                _key_row_scores(kpool, kv_indices[j0 + jj], kh, qs, h0, g, s, jj, kbuf, kfmt,
-                                kscale, bf16)
-            for gi in range(g):
-                if soft_cap > 0:
-                    for jj in range(n):
-                        s[gi, jj] = soft_cap * math.tanh(s[gi, jj] / soft_cap)
-                h = h0 + gi
-                m = mx[h]
+        n4 = n - n % 4
+        # cells outer, KV heads inner: a cell's row of every KV head is one contiguous read
+        for jj in range(0, n4, 4):
+            j = j0 + jj
+            for u in range(j + _PREFETCH_CELLS, min(j + _PREFETCH_CELLS + 4, jhi)):
+                _prefetch_cell(kpool, kv_indices[u])
+                _prefetch_cell(vpool, kv_indices[u])
+            ca = kv_indices[j]
+            cb = kv_indices[j + 1]
+            cc = kv_indices[j + 2]
+            cd = kv_indices[j + 3]
+            for kh in range(hkv):
+                _key_scores4(kpool, ca, cb, cc, cd, kh, qs, kh * g, g, s, jj, kbuf, kfmt,
+                             kscale, bf16)
+        for jj in range(n4, n):
+            for kh in range(hkv):
+                _key_row_scores(kpool, kv_indices[j0 + jj], kh, qs, kh * g, g, s, jj, kbuf,
+                                kfmt, kscale, bf16)
+        for h in range(H):
+            if soft_cap > 0:
                 for jj in range(n):
-                    m = max(m, s[gi, jj])
-                # online softmax: rescale what was summed so far to the new maximum; weights
-                # below exp(_EXP_FLUSH) are flushed to 0 (no denormal arithmetic)
-                y = mx[h] - m
-                corr = _exp_f32(max(y, _F32_FLUSH)) if y > _F32_FLUSH else np.float32(0.0)
-                if corr != 1.0:
-                    for d in range(dv):
-                        acc[h, d] *= corr
-                sm = np.float32(0.0)
-                for jj in range(n):
-                    y = s[gi, jj] - m
-                    w = _exp_f32(max(y, _F32_FLUSH))
-                    w = w if y > _F32_FLUSH else np.float32(0.0)
-                    s[gi, jj] = w
-                    sm += w
-                mx[h] = m
-                tot[h] = tot[h] * corr + sm
-            for jj in range(0, n4, 4):
-                _value_accumulate4(vpool, kv_indices[j0 + jj], kv_indices[j0 + jj + 1],
-                                   kv_indices[j0 + jj + 2], kv_indices[j0 + jj + 3], kh, acc, h0,
-                                   g, s, jj, vbuf, vfmt, vscale, bf16)
-            for jj in range(n4, n):
-                _value_row_accumulate(vpool, kv_indices[j0 + jj], kh, acc, h0, g, s, jj, vbuf,
-                                      vfmt, vscale, bf16)
+                    s[h, jj] = soft_cap * math.tanh(s[h, jj] / soft_cap)
+            m = mx[h]
+            for jj in range(n):
+                m = max(m, s[h, jj])
+            # online softmax: rescale what was summed so far to the new maximum; weights
+            # below exp(_EXP_FLUSH) are flushed to 0 (no denormal arithmetic)
+            y = mx[h] - m
+            corr = _exp_f32(max(y, _F32_FLUSH)) if y > _F32_FLUSH else np.float32(0.0)
+            if corr != 1.0:
+                for d in range(dv):
+                    acc[h, d] *= corr
+            sm = np.float32(0.0)
+            for jj in range(n):
+                y = s[h, jj] - m
+                w = _exp_f32(max(y, _F32_FLUSH))
+                w = w if y > _F32_FLUSH else np.float32(0.0)
+                s[h, jj] = w
+                sm += w
+            mx[h] = m
+            tot[h] = tot[h] * corr + sm
+        for jj in range(0, n4, 4):
+            j = j0 + jj
+            ca = kv_indices[j]
+            cb = kv_indices[j + 1]
+            cc = kv_indices[j + 2]
+            cd = kv_indices[j + 3]
+            for kh in range(hkv):
+                _value_accumulate4(vpool, ca, cb, cc, cd, kh, acc, kh * g, g, s, jj, vbuf,
+                                   vfmt, vscale, bf16)
+        for jj in range(n4, n):
+            for kh in range(hkv):
+                _value_row_accumulate(vpool, kv_indices[j0 + jj], kh, acc, kh * g, g, s, jj,
+                                      vbuf, vfmt, vscale, bf16)
     if row0 >= 0:
         for h in range(H):
             part_m[row0 + h] = mx[h]
@@ -1525,7 +1599,8 @@ def _quantized_paged(torch, q, host: HostPages, src, scale, soft_cap, formats):
     st = src.storage
     slot = src._storage_layers[src._layer]
     pools = (st.key_view(slot, 0, src.n_cells), st.value_view(slot, 0, src.n_cells))
-    res = _cpu_kernel(q, host, plan, pools, scale, soft_cap, False,
+    # a float V beside a quantized K may be stored permuted ([n_kv_heads, v_head_dim, n_cells])
+    res = _cpu_kernel(q, host, plan, pools, scale, soft_cap, bool(src.config.permuted_v),
                       src.config.dtype == "bfloat16", formats)
     return torch.from_numpy(res).to(q.dtype)
 

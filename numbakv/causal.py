@@ -1284,18 +1284,25 @@ class CausalCache(StateMethods):
         :func:`numbakv.attention.attend` computes it: ``q`` holds the absorbed queries ``[..,
         n_heads, head_dim]`` and the output is ``[.., n_heads, v_dim]``, the weighted sum of
         each row's first ``v_dim`` values (default the cache's ``RopeShift.offset``, i.e.
-        ``kv_lora_rank``; a multiple of 32 on a q8_0 / q4_0 latent).
+        ``kv_lora_rank``; a multiple of 32 on a q8_0 / q4_0 latent). FlashMLA's ``fp8_ds_mla``
+        rows too: the put quantizes into the 656-byte rows (byte-exact with ``put``), and the
+        latent kernel dequantizes them as it stages them (one latent head a cell; with several
+        KV heads only the put is captured).
 
-        Per-sequence streams (``unified=False``) are captured too (the slots are pool cells;
-        the page lists are rebuilt over the pool every replay), and so is a ``WrapperCache``
+        V stored permuted (``permuted_v=True``) is captured with attention too: the kernel
+        reads ``[n_kv_heads, v_head_dim, n_cells]`` through the transposed view's strides.
+
+        Per-sequence streams (``unified=False``) are captured too (the slots are pool cells,
+        placed in every stream's cell table by one compiled call; the page lists grow on the
+        device while only the replays' placements changed the streams' tables, else are
+        rebuilt over the pool), and so is a ``WrapperCache``
         (:meth:`numbakv.WrapperCache.capture_step`: one step per layer group).
 
         Raises ``ValueError`` (``batch`` not in ``[1, max_batch]``, a bad ``n_heads`` /
         ``scale`` / ``soft_cap`` / ``v_dim``) and ``NotSupportedError`` for what is not
-        captured: a quantized side other than q8_0 / q4_0 / float8_e4m3 (one or both sides
-        quantized are captured: FlashMLA's ``fp8_ds_mla`` is not); with ``attend=True`` also
-        ``permuted_v`` and shapes the attention kernel does not take. Changes nothing in the
-        cache."""
+        captured: a quantized format outside :data:`numbakv.step.CAPTURED_QUANT_TYPES`; with
+        ``attend=True`` shapes the attention kernels do not take (and ``fp8_ds_mla`` rows of
+        several KV heads). Changes nothing in the cache."""
         self._check_open()
         from .step import DecodeStep, check_capturable
         batch, attention = check_capturable(self, batch, attend, n_heads, scale, soft_cap,

@@ -957,6 +957,144 @@ def _place_contiguous(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, positi
     return code, lo, hi, (start if code == 0 else -1), head
 
 
+@njit(cache=True)
+def _group_by_seq(seqs, max_seqs):
+    """A batch's tokens grouped by sequence (``seqs`` int32 ``[batch]``, each in ``[0,
+    max_seqs)``): ``(seq_ids, qo_indptr, token_order, consecutive)`` -- the distinct sequences in
+    order of first appearance (int32 ``[n_b]``), CSR offsets (int32 ``[n_b + 1]``), batch
+    indices grouped by sequence, each group in batch order (int32 ``[batch]``), and whether
+    ``seq_ids`` are consecutive ascending. ``streams.group_batch``'s result, in one pass."""
+    batch = seqs.shape[0]
+    rank = np.full(max_seqs, -1, np.int32)
+    ids = np.empty(batch, np.int32)
+    counts = np.zeros(batch, np.int32)
+    group = np.empty(batch, np.int32)
+    nb = 0
+    for i in range(batch):
+        s = seqs[i]
+        r = rank[s]
+        if r < 0:
+            r = nb
+            rank[s] = r
+            ids[nb] = s
+            nb += 1
+        group[i] = r
+        counts[r] += 1
+    indptr = np.zeros(nb + 1, np.int32)
+    for r in range(nb):
+        indptr[r + 1] = indptr[r] + counts[r]
+    fill = indptr[:nb].copy()
+    order = np.empty(batch, np.int32)
+    for i in range(batch):
+        r = group[i]
+        order[fill[r]] = i
+        fill[r] += 1
+    consecutive = True
+    for r in range(1, nb):
+        if ids[r] != ids[r - 1] + 1:
+            consecutive = False
+    return ids[:nb].copy(), indptr, order, consecutive
+
+
+@njit(cache=True)
+def _take_back_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, seq_ids, qo_indptr,
+                       local, out, records, pruned_at, placed):
+    """Undo ``_place_stacked``'s first ``placed`` groups, newest first: each group's cells
+    freed (head put back), then its window pruning put back (``CausalCache._undo``'s order)."""
+    for c in range(placed - 1, -1, -1):
+        t = seq_ids[c]
+        _unapply_batch(cpos[t], cshift[t], cseqs[t], occ[t], ftree[t], stree[t], sidx[t],
+                       meta[t], local[qo_indptr[c]:qo_indptr[c + 1]], out[c, 3])
+        if pruned_at[c + 1] > pruned_at[c]:
+            _undo_prune(cpos[t], cshift[t], cseqs[t], occ[t], ftree[t], stree[t], sidx[t],
+                        meta[t], records[pruned_at[c]:pruned_at[c + 1]])
+
+
+@njit(cache=True)
+def _place_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, seq_ids, qo_indptr,
+                   token_order, positions, memory, window, pad, grouped, local, pool, out,
+                   pruned_at):
+    """:meth:`CellTableStack.place`: each table ``seq_ids[b]`` of the stack (arrays ``[table,
+    ...]``) takes its group of the batch as sequence 0, as ``CausalCache._place`` does on that
+    table alone: ``_batch_conflict`` for every group first, then per group the window pruning
+    (``memory >= 0``) and ``_place_contiguous`` (range ``window``). A repeated or stored
+    position, or a group without a free run long enough (a defrag or a full table), returns
+    ``(1, b, records)`` with every table as it was (groups already placed taken back). Else
+    ``(0, largest hi, records)``, and per group ``b``: ``out[b] = (start, lo, hi, head
+    before, pending shifts)`` (``lo``/``hi`` padded to ``pad`` as ``CausalCache._place`` pads
+    them), its pruning's undo records ``records[pruned_at[b]:pruned_at[b + 1]]`` (int64
+    ``[k, 4]``), ``grouped`` the positions in group order, ``local`` each token's cell in its
+    table (group order) and ``pool`` ``table * n_cells + cell`` (batch order)."""
+    nb = seq_ids.shape[0]
+    n_cells = cpos.shape[1]
+    zeros = np.zeros(positions.shape[0], np.int32)
+    records = np.empty((0, 4), np.int64)
+    pruned_at[0] = 0
+    for i in range(positions.shape[0]):
+        grouped[i] = positions[token_order[i]]
+    for b in range(nb):
+        s = seq_ids[b]
+        a0 = qo_indptr[b]
+        a1 = qo_indptr[b + 1]
+        if a1 - a0 > n_cells:
+            return 1, b, records
+        # without pruning the room is known now (with it, after the group's pruning)
+        if memory < 0 and _ft_first_fit(ftree[s], occ[s], a1 - a0) < 0:
+            return 1, b, records
+        if _batch_conflict(cpos[s], cseqs[s], stree[s], sidx[s], meta[s], grouped[a0:a1],
+                           zeros[a0:a1]) >= 0:
+            return 1, b, records
+    top = 0
+    for b in range(nb):
+        s = seq_ids[b]
+        a0 = qo_indptr[b]
+        a1 = qo_indptr[b + 1]
+        n = a1 - a0
+        pruned_at[b + 1] = pruned_at[b]
+        if memory >= 0:
+            code, rec = _prune_window(cpos[s], cshift[s], cseqs[s], occ[s], ftree[s], stree[s],
+                                      sidx[s], meta[s], grouped[a0:a1], zeros[a0:a1], memory)
+            if code != 0:          # checked input: not expected
+                _take_back_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta,
+                                   seq_ids, qo_indptr, local, out, records, pruned_at, b)
+                return 1, b, records
+            k = rec.shape[0]
+            if k:
+                grown = np.empty((pruned_at[b] + k, 4), np.int64)
+                grown[:pruned_at[b]] = records[:pruned_at[b]]
+                grown[pruned_at[b]:] = rec
+                records = grown
+                pruned_at[b + 1] = pruned_at[b] + k
+        code, lo, hi, start, head = _place_contiguous(
+            cpos[s], cshift[s], cseqs[s], occ[s], ftree[s], stree[s], sidx[s], meta[s],
+            grouped[a0:a1], zeros[a0:a1], window)
+        if code != 0 or start < 0:
+            # no room after all (a defrag's case) or, not expected, bad input: this group's
+            # pruning, then the earlier groups, taken back
+            if pruned_at[b + 1] > pruned_at[b]:
+                _undo_prune(cpos[s], cshift[s], cseqs[s], occ[s], ftree[s], stree[s], sidx[s],
+                            meta[s], records[pruned_at[b]:pruned_at[b + 1]])
+            _take_back_stacked(cpos, cshift, cseqs, occ, ftree, stree, sidx, meta, seq_ids,
+                               qo_indptr, local, out, records, pruned_at, b)
+            return 1, b, records
+        if lo >= hi:
+            lo, hi = start, start + n
+        lo = min(lo, start)
+        hi = max(hi, start + n)
+        lo = (lo // pad) * pad
+        hi = min(-(-hi // pad) * pad, n_cells)
+        out[b, 0] = start
+        out[b, 1] = lo
+        out[b, 2] = hi
+        out[b, 3] = head
+        out[b, 4] = meta[s, _M_NSHIFT]
+        top = max(top, hi)
+        for j in range(n):
+            local[a0 + j] = start + j
+            pool[token_order[a0 + j]] = s * n_cells + start + j
+    return 0, top, records
+
+
 # --------------------------------------------------------------------------------------------
 # paged placement (CacheConfig(page_size=P)): each sequence's tokens, in position order, fill
 # pages of P cells (page k = cells [k*P, (k+1)*P)); FlashMLA / FlashInfer / vLLM block tables
@@ -2781,6 +2919,84 @@ class CellTable:
                 f"n_used={self.n_used})")
 
 
+_TABLE_ARRAYS = ("_ps", "_seqs", "_occ", "_ftree", "_stree", "_sidx", "_meta")
+
+
+class CellTableStack:
+    """Cell tables of one shape whose arrays are rows of shared ``[n_tables, ...]`` arrays, so
+    that one compiled call places a batch in all of them (per-sequence streams: one table per
+    stream, a decode step placing a token in each).
+
+    ``CellTableStack(tables)`` adopts ``tables`` (equal ``n_cells``, ``max_seqs``, block and
+    page size): their contents are copied into new stacked arrays and each table's arrays
+    become its row (its contents, and every method, unchanged; its ``version`` counts the
+    adoption). :meth:`holds` says whether given tables are still these tables on these rows
+    (a table replaced, e.g. by a state load, or a copied stack, is not).
+    """
+
+    def __init__(self, tables) -> None:
+        tables = tuple(tables)
+        if not tables or not all(isinstance(t, CellTable) for t in tables):
+            raise ValueError("CellTableStack needs one or more CellTables")
+        first = tables[0]
+        shape = (first.n_cells, first.max_seqs, first.block_size, first.page_size)
+        if any((t.n_cells, t.max_seqs, t.block_size, t.page_size) != shape for t in tables):
+            raise ValueError("CellTableStack needs tables of one shape (n_cells, max_seqs, "
+                             "block_size, page_size)")
+        stacked = {name: np.stack([getattr(t, name) for t in tables]) for name in _TABLE_ARRAYS}
+        for i, t in enumerate(tables):
+            for name in _TABLE_ARRAYS:
+                setattr(t, name, stacked[name][i])
+            t._bind()
+            t.version += 1
+        self.tables = tables
+        self.n_cells = first.n_cells
+        self._rows = tuple(t._meta for t in tables)
+        ps = stacked["_ps"]
+        self._arrays = (ps["pos"], ps["shift"]) + tuple(stacked[name]
+                                                          for name in _TABLE_ARRAYS[1:])
+
+    def holds(self, tables) -> bool:
+        """Whether ``tables`` (a sequence) are this stack's tables, each still on its row."""
+        return len(tables) == len(self.tables) and all(
+            a is b and a._meta is row for a, b, row in zip(tables, self.tables, self._rows))
+
+    def place(self, seq_ids: np.ndarray, qo_indptr: np.ndarray, token_order: np.ndarray,
+              positions: np.ndarray, memory: int, window: int, pad: int):
+        """Place a batch grouped by table (``_group_by_seq``'s ``seq_ids`` / ``qo_indptr`` /
+        ``token_order``; ``positions`` int32 ``[batch]`` in batch order, checked): group ``b``
+        into table ``seq_ids[b]`` as its sequence 0, each as ``CausalCache._place`` does it:
+        :meth:`CellTable.prune_window` with ``memory`` (-1: no window memory, not called),
+        then :meth:`CellTable.place_contiguous` with ``window`` (its range's window, -1 none).
+        Trusted inputs. Returns None, every table as it was, when a group finds no free run
+        long enough (a defrag or a full table) or a position is stored or repeated (the
+        caller's one-table path raises or defragments); else ``(out, grouped, local, pool,
+        top, records, pruned_at)``: ``out`` int64 ``[n_b, 5]`` (start, range lo and hi padded
+        to ``pad``, head before, pending shifts), the positions in group order, each token's
+        cell in its table (group order), ``table * n_cells + cell`` in batch order (int32
+        ``[batch]`` each), the largest ``hi``, and group ``b``'s pruning undo records
+        ``records[pruned_at[b]:pruned_at[b + 1]]``. Each placed table's ``version`` counts
+        the calls as those two methods count them (1, or 2 with ``memory``)."""
+        batch = positions.shape[0]
+        nb = seq_ids.shape[0]
+        out = np.empty((nb, 5), np.int64)
+        grouped = np.empty(batch, np.int32)
+        local = np.empty(batch, np.int32)
+        pool = np.empty(batch, np.int32)
+        pruned_at = np.empty(nb + 1, np.int64)
+        code, top, records = _place_stacked(
+            *self._arrays, seq_ids, qo_indptr, token_order, positions,
+            -1 if memory < 0 else min(memory, _INF), min(window, _INF), pad, grouped, local,
+            pool, out, pruned_at)
+        if code:
+            return None
+        tables = self.tables
+        counted = 1 if memory < 0 else 2
+        for s in seq_ids.tolist():
+            tables[s].version += counted
+        return out, grouped, local, pool, int(top), records, pruned_at
+
+
 __all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_SHIFT_DTYPE", "cell_dtype", "seq_words",
-           "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable",
+           "POS_MAX", "SHARED_SHIFT_MESSAGE", "CellTable", "CellTableStack",
            "SeqIndex"]

@@ -913,7 +913,11 @@ def build_all_visible(cell_pos: np.ndarray, n_cells: int, max_seqs: int, positio
     bseq = np.ascontiguousarray(seqs, dtype=np.int32)
     result = _all_cells(np.ascontiguousarray(cell_pos, dtype=np.int32), bseq, int(n_cells),
                         int(max_seqs))
-    rule = MaskRule(np.zeros(len(bpos), np.uint8), -1, 0)
+    no_test = np.zeros(len(bpos), np.uint8)
+    # read-only as a causal cache's flags are: the attention's compiled code is typed by the
+    # array's flags, and a writable one compiled (and would ship) another signature of each
+    no_test.flags.writeable = False
+    rule = MaskRule(no_test, -1, 0)
     return _host_pages(result, bpos, rule, False)
 
 

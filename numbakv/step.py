@@ -68,6 +68,14 @@ A cache with one quantized side and one float side (llama.cpp's ``-ctk q8_0 -ctv
 its float side by the put kernel with the quantized side's arguments zero-width (no blocks for
 them): one launch per side, both reading the slots.
 
+V stored permuted (``permuted_v``, ``[n_layers, n_kv_heads, v_head_dim, n_cells]``): the put
+kernel writes it as the eager put does, and the paged attention kernel reads it through the
+transposed view ``[n_cells, n_kv_heads, v_head_dim]``'s strides (its array arguments are
+strided; no copy, no other code). Consecutive threads then read one value of consecutive
+dims of a cell, ``n_cells`` elements apart (not one coalesced row); each thread's next cells
+sit in the same cache lines, so the bytes read stay those of the rows (a GPU figure is still
+to measure).
+
 A V-less MLA latent cache (``v_head_dim=0``): the put stores the latent rows (the value input
 is zero-width and gets no blocks), and the attention is MLA's absorbed form as
 :func:`numbakv.attention.attend` computes it: scores over the whole latent row, the value read
@@ -76,7 +84,12 @@ float, or whole q8_0 / q4_0 blocks, or float8 bytes; a rotated latent turned bac
 blocks), output ``[.., n_heads, v_dim]``. It runs as one launch of the latent kernel
 (:func:`numbakv.kernels.decode.launch_latent`): a block stages each tile of latent rows in shared
 memory once for a tile of up to 8 query heads (DeepSeek's 16-128 heads: 2-16 tiles, consecutive
-blocks reading the same rows), not a launch per range of heads.
+blocks reading the same rows), not a launch per range of heads. FlashMLA's ``fp8_ds_mla`` rows
+(656 bytes: 512 float8_e4m3 values in four tiles of 128 with a float32 scale each, 64 bfloat16
+rope values): the put is FlashMLA's quantizer (:mod:`numbakv.kernels.mla`) reading the
+descriptor's slots, byte-exact with the eager put, and the latent kernel dequantizes each value
+as it stages the rows (a tile's byte times its scale, the rope values widened): one latent head
+a cell (several KV heads: the put only).
 
 llama.cpp's per-sequence streams (``unified=False``, a :class:`numbakv.streams.StreamCache`):
 the descriptor's slots are pool cells (each token's stream offset plus the cell its stream
@@ -89,9 +102,9 @@ full-attention layers) is captured as a :class:`WrapperStep`: one step per group
 group has its own cell table, so its own descriptor, lists and graph), replayed together after
 the wrapper's all-or-nothing ``start_forward``, ``put`` / ``attend`` routed by model layer.
 
-Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): FlashMLA's
-``fp8_ds_mla`` latent rows; with attention also ``permuted_v`` and shapes the kernel does not
-take (more than 16 query heads per KV head, or group x head_dim > 2048, with several KV heads).
+Not captured (``NotSupportedError`` at :meth:`~numbakv.CausalCache.capture_step`): with
+attention, shapes the kernels do not take (more than 16 query heads per KV head, or group x
+head_dim > 2048, with several KV heads; ``fp8_ds_mla`` rows of several KV heads).
 With one KV head (MQA, or a latent too wide for the latent kernel's tiles) a larger group runs
 as several launches of at most that many heads, each reading the layer's listed rows again:
 correct, but that many times the bytes.
@@ -107,10 +120,11 @@ import numpy as np
 from ._jit import njit
 from .device import as_array, host_wait
 from ._inputs import UNLIMITED, check_index
-from .config import latent_value_width, row_bytes
+from .config import DS_MLA, latent_value_width, row_bytes
 from .errors import KVCacheError, NotSupportedError
 from . import pages as _pages
 from .kernels import decode as _decode
+from .kernels import mla as _mla
 from .kernels import put as _put
 from .kernels import quant as _quant
 from .kernels._common import Desc
@@ -120,9 +134,10 @@ HEADER = 4
 #: pinned host descriptors in flight: a replay refills the one whose copy ran longest ago, and
 #: waits for that copy only when the GPU is this many replays behind
 PINNED_RING = 4
-#: quantized K/V formats a step captures (both sides quantized): their quantize kernels take a
-#: slot list with -1 skipped, and the paged attention kernel reads them as stored
-CAPTURED_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3")
+#: quantized K/V formats a step captures: their quantize kernels take a slot list with -1
+#: skipped, and the paged attention kernel reads them as stored (FlashMLA's ``fp8_ds_mla``
+#: latent rows: the latent kernel, V-less caches only)
+CAPTURED_QUANT_TYPES = ("q8_0", "q4_0", "float8_e4m3", "fp8_ds_mla")
 #: cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 _H2D, _D2D = 1, 3
 _NO_SCOPE = contextlib.nullcontext()
@@ -509,8 +524,13 @@ class DecodeStep:
             return Desc(desc_ptr + 4 * at, (n,), (np.dtype(dtype).itemsize,), np.dtype(dtype))
 
         kp, vp = storage.keys[i], storage.values[i]
+        if storage.permuted:
+            # V stored [n_kv_heads, v_head_dim, n_cells]: the kernel indexes [cell, head, dim]
+            # through the view's strides (its arrays are strided, layout 'A')
+            vp = vp.transpose(2, 0, 1)
         # a quantized side's uint8 rows in its format; a float side's raw bits
-        kq = _decode.QUANT_FORMATS[storage._k_fmt] if storage.k_quantized else None
+        kq = (_decode.FMT_DS_MLA if storage._k_ds_mla else
+              _decode.QUANT_FORMATS[storage._k_fmt]) if storage.k_quantized else None
         vq = _decode.QUANT_FORMATS[storage._v_fmt] if storage.v_quantized else None
         kw = dict(kscale=float(cfg.layer_scales("k")[i]), vscale=float(cfg.layer_scales("v")[i]),
                   k_rotation=int(cfg.k_rotation), v_rotation=int(cfg.v_rotation))
@@ -572,7 +592,10 @@ class DecodeStep:
         for quantized, store, x, fmt, scales, rot in (
                 (st.k_quantized, st.keys, key, st._k_fmt, st._k_scales, cfg.k_rotation),
                 (st.v_quantized, st.values, value, st._v_fmt, st._v_scales, cfg.v_rotation)):
-            if quantized:
+            if quantized and store is st.keys and st._k_ds_mla:   # FlashMLA's 656-byte rows
+                _mla.put_launch(self.device, store, i, x, slots, -1, st.dtype,
+                                slots_on_device=on_device)
+            elif quantized:
                 _quant.put_launch(self.device, store, i, x, slots, -1, fmt, scales, st.dtype,
                                   rot, slots_on_device=on_device)
         if not (st.k_quantized and st.v_quantized) and not cfg.v_less:
@@ -930,8 +953,8 @@ class DecodeStep:
     def _pass_causal(self, fwd: Any) -> np.ndarray:
         """uint8 ``[n]``: the pass's causal flags in batch order (a stream cache keeps them
         per stream)."""
-        if not self._per_stream:
-            return fwd.causal
+        if not self._per_stream or fwd.causal is not None:
+            return fwd.causal       # a stream cache's when every stream's are all ones
         causal = np.ones(len(fwd.token_order), np.uint8)
         for b, s in enumerate(fwd.seq_ids.tolist()):
             causal[fwd.groups[b]] = self.cache.streams[s]._forward.causal
@@ -1445,10 +1468,6 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
                 soft_cap, (int, float, np.floating, np.integer)) or not soft_cap > 0
                 or not np.isfinite(soft_cap)):
             raise ValueError(f"soft_cap must be a finite number > 0 or None, got {soft_cap!r}")
-        if cfg.permuted_v:
-            raise NotSupportedError("capture_step(attend=True): the paged attention kernel "
-                                    "reads V as [n_cells, n_kv_heads, v_head_dim] "
-                                    "(permuted_v=False)")
         out_dim = _check_latent_v_dim(cache, v_dim) if cfg.v_less else cfg.v_head_dim
         # an MLA latent: the latent kernel (each staged tile of rows serves a tile of heads),
         # else the paged kernel, in ranges of heads when the group is too large for it
@@ -1457,6 +1476,12 @@ def check_capturable(cache: Any, batch: Any, attend: bool, n_heads: Any = None,
                                                   int(batch)) else 0
         per_launch = int(n_heads) if latent_heads else \
             _heads_per_launch(int(n_heads), hkv, cfg.head_dim, out_dim, int(batch))
+        if cfg.k_dtype == DS_MLA and not latent_heads:
+            # only the latent kernel dequantizes FlashMLA's rows (one latent head a cell)
+            raise NotSupportedError(
+                f"capture_step(attend=True): k_dtype='fp8_ds_mla' rows are read by the "
+                f"latent kernel only, which takes one latent head a cell (this cache holds "
+                f"n_kv_heads={hkv}); capture the put alone (attend=False)")
         if not per_launch:
             raise NotSupportedError(
                 f"capture_step(attend=True): the paged attention kernel does not take "

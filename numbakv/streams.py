@@ -42,7 +42,9 @@ from numpy.typing import ArrayLike
 from ._guard import one_thread_at_a_time
 from ._inputs import UNLIMITED, host_int_array
 from ._inputs import check_index as _check_index
-from .causal import CausalCache, PathLike, _check_memory, no_put_error, second_put_error
+from .causal import (CausalCache, PathLike, _check_memory, _Forward, _Undo, no_put_error,
+                     second_put_error)
+from .cells import CellTableStack, _group_by_seq
 from .config import CacheConfig, round_up
 from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
@@ -81,7 +83,8 @@ class _StreamForward:
     seq_ids: np.ndarray        # int32 [n_b]
     qo_indptr: np.ndarray      # int32 [n_b + 1]
     token_order: np.ndarray    # int32 [batch]
-    groups: List[np.ndarray]   # batch indices of each stream's tokens, batch order
+    #: batch indices of each stream's tokens, batch order (see ``groups``; None: not built yet)
+    groups_: Optional[List[np.ndarray]]
     reserve: bool
     consecutive: bool          # seq_ids == seq_ids[0] + arange(n_b): get() hands out views
     identity: bool             # one stream holding the whole batch in batch order
@@ -90,6 +93,24 @@ class _StreamForward:
     exported: Any = None       # the mask as get() hands it out (bfloat16: a DLPack view)
     positions: Any = None      # int32 [batch], the batch as checked (a captured step's input)
     seqs: Any = None           # int32 [batch]
+    #: int32 [batch]: each token's pool cell (stream offset + its stream's cell), batch order,
+    #: when the placement computed it (the batched decode placement); else built on demand
+    pool_slots: Any = None
+    top: int = -1              # the largest of the batch streams' get() ranges' ends (-1: ask)
+    #: uint8 [batch]: the causal flags in batch order when known to be every stream's (the
+    #: batched placement's all-ones; set_causal drops it), else None (gathered per stream)
+    causal: Any = None
+
+    @property
+    def groups(self) -> List[np.ndarray]:
+        """Batch indices of each stream's tokens in batch order (views of ``token_order``),
+        built at the first read: a captured decode step never reads them."""
+        groups = self.groups_
+        if groups is None:
+            bounds, order = self.qo_indptr.tolist(), self.token_order
+            groups = self.groups_ = [order[bounds[b]:bounds[b + 1]]
+                                     for b in range(len(bounds) - 1)]
+        return groups
 
 
 @dataclass
@@ -98,6 +119,26 @@ class _StreamUndo:
 
     forward: Optional[_StreamForward]
     placed: list               # [(stream index, the stream's own undo)]
+    #: a batched placement's record, from which ``records()`` builds ``placed`` when it is read
+    #: (an undo, pending rotations): (stream ids, rows (start, lo, hi, head, shifts), each
+    #: stream's cells in group order, group bounds, the streams' forward passes and defrag
+    #: counts before, the window pruning's undo records and their offsets per stream, or None
+    #: without a window memory)
+    stacked: Any = None
+
+    def records(self) -> list:
+        """``placed``: ``[(stream index, the stream's own undo)]``."""
+        if self.stacked is not None:
+            ids, rows, local, bounds, before, defrags, pruned, pruned_at = self.stacked
+            for b, s in enumerate(ids):
+                stream_undo = _Undo(before[b], defrags[b])
+                stream_undo.head = rows[b][3]
+                stream_undo.slots = local[bounds[b]:bounds[b + 1]]
+                if pruned is not None:
+                    stream_undo.pruned = pruned[pruned_at[b]:pruned_at[b + 1]]
+                self.placed.append((s, stream_undo))
+            self.stacked = None
+        return self.placed
 
 
 @one_thread_at_a_time
@@ -170,6 +211,10 @@ class StreamCache(CausalCache):
         self._put_in = None      # the forward pass whose put() the current layer already had
         self._forward: Optional[_StreamForward] = None
         self._closed = False
+        self._ones = np.ones(0, np.uint8)        # _all_causal's flags
+        # every stream's cell table on a row of shared arrays: a batch whose streams all have
+        # a free run (a decode step) is placed in all of them by one compiled call
+        self._stack = CellTableStack([st.cells for st in self.streams])
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -219,7 +264,11 @@ class StreamCache(CausalCache):
         if not isinstance(reserve, (bool, np.bool_)):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
         pos, sq = self._check_batch(positions, seqs)
-        seq_ids, qo_indptr, token_order = group_batch(sq)
+        seq_ids, qo_indptr, token_order, consecutive = _group_by_seq(sq, self.n_streams)
+        if not reserve:
+            undo = self._place_stacked(pos, sq, seq_ids, qo_indptr, token_order, consecutive)
+            if undo is not None:
+                return undo
         groups = [token_order[qo_indptr[b]:qo_indptr[b + 1]] for b in range(len(seq_ids))]
         undo = _StreamUndo(self._forward, [])
         zeros = np.zeros(len(pos), np.int32)
@@ -243,15 +292,58 @@ class StreamCache(CausalCache):
         except BaseException:
             self._undo(undo)
             raise
-        n_b = len(seq_ids)
-        consecutive = bool(n_b == 1 or np.all(np.diff(seq_ids) == 1))
-        identity = n_b == 1
         self._forward = _StreamForward(seq_ids, qo_indptr, token_order, groups, bool(reserve),
-                                       consecutive, identity, positions=pos, seqs=sq)
+                                       bool(consecutive), len(seq_ids) == 1, positions=pos,
+                                       seqs=sq)
+        return undo
+
+    def _place_stacked(self, pos: np.ndarray, sq: np.ndarray, seq_ids: np.ndarray,
+                       qo_indptr: np.ndarray, token_order: np.ndarray,
+                       consecutive: bool) -> Optional[_StreamUndo]:
+        """``_place`` of a batch (checked, grouped, not a reserve pass) by one compiled call
+        over every stream's cell table (``CellTableStack.place``): what each stream's own
+        ``_place`` would do (window pruning, placement) when its group fits a free run -- the
+        same cells, ranges, forward passes, undo records and table versions -- without a
+        Python call per stream. None (nothing changed) when a stream needs more (a defrag, a
+        full stream, a stored position: the per-stream path raises or defragments as
+        before)."""
+        streams = self.streams
+        tables = [st.cells for st in streams]
+        if not self._stack.holds(tables):     # a table replaced (a state load): stack anew
+            self._stack = CellTableStack(tables)
+        pruning = self._memory != UNLIMITED
+        placed = self._stack.place(seq_ids, qo_indptr, token_order, pos,
+                                   self._memory if pruning else -1,
+                                   self._window if pruning else -1, self.config.cache_padding)
+        if placed is None:
+            return None
+        out, grouped, local, pool, top, pruned, pruned_at = placed
+        ids, rows, bounds = seq_ids.tolist(), out.tolist(), qo_indptr.tolist()
+        cut = pruned_at.tolist() if pruning else None
+        gap = 2 if pruning else 1         # the version counts of prune_window, place_contiguous
+        zeros = np.zeros(len(pos), np.int32)
+        ones = self._all_causal(len(pos))
+        one = ones[:1]         # read-only: one view serves every one-token stream
+        before = [streams[s]._forward for s in ids]
+        defrags = [streams[s].defrag_count for s in ids]
+        for b, s in enumerate(ids):
+            a0, a1 = bounds[b], bounds[b + 1]
+            start, lo, hi = rows[b][:3]
+            v1 = tables[s].version    # counted by place()
+            # a pure placement, unless the window pruning dropped cells (_stamp_versions)
+            streams[s]._forward = _Forward(
+                grouped[a0:a1], zeros[a0:a1], False, start, lo, hi,
+                one if a1 - a0 == 1 else ones[:a1 - a0],
+                cells_v0=v1 - gap if not pruning or cut[b] == cut[b + 1] else -1, cells_v1=v1)
+        undo = _StreamUndo(self._forward, [], (ids, rows, local, bounds, before, defrags,
+                                               pruned if pruning else None, cut))
+        self._forward = _StreamForward(seq_ids, qo_indptr, token_order, None, False,
+                                       bool(consecutive), len(seq_ids) == 1, positions=pos,
+                                       seqs=sq, pool_slots=pool, top=top, causal=ones)
         return undo
 
     def _undo(self, undo: _StreamUndo) -> None:
-        for s, stream_undo in reversed(undo.placed):
+        for s, stream_undo in reversed(undo.records()):
             self.streams[s]._undo(stream_undo)
         self._forward = undo.forward
 
@@ -260,17 +352,31 @@ class StreamCache(CausalCache):
         the stream-layout mask is built at the pass's first get(), as a unified cache's is
         (attention over page_table() and a captured step never read it: on a GPU it was a
         mask fill per stream every pass)."""
-        own = dict(undo.placed) if undo is not None else {}
-        for s in self._forward.seq_ids.tolist():
-            with self._in_stream(s):
-                self.streams[s]._finish_forward(own.get(s))
+        own = None
+        fwd = self._forward
+        if undo is not None and undo.stacked is not None:
+            # the batched placement counted each stream's pending rotations
+            ids, rows = undo.stacked[:2]
+            todo = [s for s, row in zip(ids, rows) if row[4]]
+        else:
+            todo = fwd.seq_ids.tolist()
+        for s in todo:
+            stream = self.streams[s]
+            # a placed stream without pending rotations has nothing to finish (its mask waits
+            # for get()): skip the call
+            if fwd.reserve or stream.cells.has_pending_shifts():
+                if own is None:
+                    own = dict(undo.records()) if undo is not None else {}
+                with self._in_stream(s):
+                    stream._finish_forward(own.get(s))
         self._mask_range()
 
     def _mask_range(self) -> None:
         """The pass's ``n_kv`` (the largest attended range of its streams, padded) and no
         mask yet (``get()`` builds it)."""
         fwd = self._forward
-        hi = max(self.streams[s].cell_range()[1] for s in fwd.seq_ids.tolist())
+        hi = fwd.top if fwd.top >= 0 else \
+            max(self.streams[s].cell_range()[1] for s in fwd.seq_ids.tolist())
         fwd.n_kv = min(round_up(hi, self.config.cache_padding), self.cells_per_stream)
         fwd.mask = fwd.exported = None
 
@@ -337,6 +443,7 @@ class StreamCache(CausalCache):
             local = np.nonzero(drop[fwd.groups[b]])[0]
             self.streams[s].set_causal(local if local.size else None)
         self._pages_cache = None
+        fwd.causal = None                   # now each stream's own
         fwd.mask = fwd.exported = None      # rebuilt by the next get()
 
     def put(self, key: Any, value: Any) -> None:
@@ -429,6 +536,7 @@ class StreamCache(CausalCache):
         for group, part in zip(fwd.groups, parts):
             causal[group] = part.rule.causal
             q_positions[group] = part.q_positions
+        causal.flags.writeable = False     # as a causal cache's: the same compiled signatures
         offsets = [self._stream_offset(s) for s in fwd.seq_ids.tolist()]
         kv_indptr = np.zeros(len(parts) + 1, np.int32)
         np.cumsum([len(p.kv_indices) for p in parts], out=kv_indptr[1:])
@@ -603,6 +711,8 @@ class StreamCache(CausalCache):
         ``(positions, seqs, 0, slots)``, ``slots`` int32 ``[batch]`` the pool cell of each
         batch token (its stream's offset plus the cell its stream placed it in)."""
         fwd = self._forward
+        if fwd.pool_slots is not None:
+            return fwd.positions, fwd.seqs, 0, fwd.pool_slots
         slots = np.empty(len(fwd.token_order), np.int32)
         for b, s in enumerate(fwd.seq_ids.tolist()):
             sf = self.streams[s]._forward
@@ -629,6 +739,9 @@ class StreamCache(CausalCache):
 
     def _after_state_load(self) -> None:
         self._end_forward()
+        tables = [st.cells for st in self.streams]
+        if not self._stack.holds(tables):    # the load replaced the streams' tables
+            self._stack = CellTableStack(tables)
 
     def close(self) -> None:
         """Free the storage; every later call raises."""

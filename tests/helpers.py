@@ -52,15 +52,15 @@ def clear_launch_caches() -> None:
 
 
 def emulate_cuda(monkeypatch, record):
-    """Install the ``cupy`` stand-in and run every ``cuda`` launch of the put, quantize, mask,
-    move, rope, state-row and paged attention kernels in the simulator on the memory its
+    """Install the ``cupy`` stand-in and run every ``cuda`` launch of the put, quantize (ggml's
+    and FlashMLA's), mask, move, rope, state-row and paged attention kernels in the simulator on the memory its
     descriptors name (dispatcher path: the fast
     launch is off), calling ``record(kernel, args)`` first. Returns the stand-in; the caller
     calls :func:`clear_launch_caches` at teardown."""
     import sys
 
     from fake_cupy import fake_cupy
-    from numbakv.kernels import _common, decode, launch, mask, move, put, quant, rope, rows
+    from numbakv.kernels import _common, decode, launch, mask, mla, move, put, quant, rope, rows
     cp = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(launch, "_FAST_ENABLED", False)
@@ -77,7 +77,7 @@ def emulate_cuda(monkeypatch, record):
             return
         launch.launch("sim", kernel, grid, block, host_args)
 
-    for mod in (put, quant, mask, move, rope, rows):
+    for mod in (put, quant, mla, mask, move, rope, rows):
         monkeypatch.setattr(mod, "_launch", fake_launch)
         monkeypatch.setattr(mod, "block_size", lambda device: _common.BLOCK_SIM)
     monkeypatch.setattr(decode, "_launch", fake_launch)      # the simulator's block size

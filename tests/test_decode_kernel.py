@@ -24,7 +24,8 @@ TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 CONFIGS = {
     "f32": dict(),
     "f32-window": dict(swa_window=3),
-    "f16-chunk": dict(dtype="float16", chunk=4),
+    # V stored [n_kv_heads, v_head_dim, n_cells], read through the transposed view's strides
+    "f16-chunk-permuted-v": dict(dtype="float16", chunk=4, permuted_v=True),
     "bf16": dict(dtype="bfloat16"),
 }
 
@@ -32,15 +33,19 @@ CONFIGS = {
 def _run(cache, q, scale, soft_cap, part_len=None):
     """The kernel on ``cache``'s pass through attention's wiring (float32 torch result)."""
     host = cache._host_pages()
+    permuted = cache.config.permuted_v      # V [n_kv_heads, v_head_dim, n_cells]: read strided
     if part_len is None:
         return attention._gpu_attend(torch, q, host, cache.layer_pool(), scale, soft_cap,
-                                     KERNEL_DEVICE).cpu()
+                                     KERNEL_DEVICE, permuted=permuted).cpu()
     # a forced split: call the launcher itself with the same arguments
-    attention._gpu_attend(torch, q, host, cache.layer_pool(), scale, soft_cap, KERNEL_DEVICE)
+    attention._gpu_attend(torch, q, host, cache.layer_pool(), scale, soft_cap, KERNEL_DEVICE,
+                          permuted=permuted)
     tok, causal, _, lens = host.plans["gpu-kernel"]
     pools = cache.layer_pool()
     bf16 = cache.config.dtype == "bfloat16"
     kp, vp = (p.bits if bf16 else p for p in pools)
+    if permuted:
+        vp = vp.transpose(2, 0, 1)
     qd = q.float().numpy() if KERNEL_DEVICE == "sim" else \
         __import__("cupy").from_dlpack(q.float().contiguous())
     out, lse = decode.paged_attention(KERNEL_DEVICE, qd, kp, vp, host.table, tok, causal,
@@ -208,6 +213,25 @@ def test_attend_waits_for_the_producer_and_the_cache_stream():
     np.testing.assert_allclose(got.cpu().numpy(), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("k_dtype", [None, "q4_0"])
+def test_cuda_route_takes_permuted_v_to_the_batched_kernel(monkeypatch, k_dtype):
+    """attend's CUDA dispatch (FlashInfer absent): a cache with V stored permuted goes to the
+    batched paged kernel (it reads V through the transposed view's strides), a float V beside
+    quantized keys too (their formats read in the kernel), not to torch or get()."""
+    import numbakv as nkv
+    monkeypatch.setattr(attention, "flashinfer_available", lambda: False)
+    cfg = nkv.CacheConfig(2, 2, 32, dtype="float16", capacity=8, permuted_v=True,
+                          device="cpu", **({"k_dtype": k_dtype} if k_dtype else {}))
+    cache = nkv.CausalCache(cfg)
+    cache.start_forward([0], [0])
+    route = attention._attend_route(cache._attention_cache, 4, 1, "auto", 0, True)
+    assert route.permuted
+    if k_dtype:
+        assert route.formats is not None and route.formats[0]
+    else:
+        assert route.gpu_kernel and route.backend == "torch"
+
+
 def test_kernel_serves_passes_of_few_queries_per_sequence():
     """The CUDA routing rule: the most queries of any sequence in the pass (memoised per pass)
     against attention._GPU_KERNEL_TOKENS."""
@@ -226,7 +250,8 @@ QUANT_CONFIGS = {
     "q8_0": dict(k_dtype="q8_0", v_dtype="q8_0", head_dim=32, kv_rotation="off"),
     "q4_0-window": dict(k_dtype="q4_0", v_dtype="q4_0", head_dim=32, kv_rotation="off",
                         swa_window=3),
-    "q4_0-k-f16-v": dict(dtype="float16", k_dtype="q4_0", head_dim=32, kv_rotation="off"),
+    "q4_0-k-f16-permuted-v": dict(dtype="float16", k_dtype="q4_0", head_dim=32,
+                                  kv_rotation="off", permuted_v=True),
     "f32-k-q8_0-v-chunk": dict(v_dtype="q8_0", head_dim=32, kv_rotation="off", chunk=4),
     "float8-bf16": dict(dtype="bfloat16", k_dtype="float8_e4m3", v_dtype="float8_e4m3",
                         head_dim=32),
@@ -284,9 +309,10 @@ def test_paged_kernel_reads_quantized_pools_like_the_cpu_attend(name):
         kf, vf, ks, vs, _ = formats
         qd = q.float().numpy() if KERNEL_DEVICE == "sim" else \
             __import__("cupy").from_dlpack(q.float().contiguous())
+        vp = st.value_view(slot, 0, cache.n_cells)
         out, _ = decode.paged_attention(
             KERNEL_DEVICE, qd, st.key_view(slot, 0, cache.n_cells),
-            st.value_view(slot, 0, cache.n_cells), host.table, tok, causal,
+            vp.transpose(2, 0, 1) if cfg.permuted_v else vp, host.table, tok, causal,
             int(host.rule.window), int(host.rule.chunk), scale, soft_cap, lens,
             bf16=dtype == "bfloat16", part_len=3,
             kfmt=decode.QUANT_FORMATS[kf] if kf else None,

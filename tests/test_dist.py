@@ -95,13 +95,6 @@ def test_nixl_transport(group):
     assert out[1] == ["float16", "q8_0"] and out[2] == ["reshard"]
 
 
-def test_peer_killed_mid_transfer_times_out_naming_it(group):
-    group.broken = True     # rank 0 dies on purpose
-    out = group.run(S, "peer_dies", timeout=90)
-    assert out[0] == {"died": 17}
-    assert "peer rank 0" in out[1]
-
-
 def test_head_shard_config():
     cfg = nkv.CacheConfig(2, 8, 16, head_shard=(3, 4), device="cpu")
     assert cfg.head_range == (6, 8) and cfg.local_kv_heads == 2 and cfg.n_kv_heads == 8
@@ -182,17 +175,6 @@ def test_oversized_sequence_refused_from_the_header_on_both_sides(group):
     assert receiver[2] < 256 * 1024, f"the receiver's peak RSS grew {receiver[2]} KiB"
 
 
-def test_after_a_timeout_every_call_says_to_recreate_the_group(group):
-    group.broken = True     # the pair's connection is gone after the timeout
-    out = group.run(S, "timeout_then_again", timeout=120)
-    seen = out[1]
-    assert seen[0][:2] == ("first", "TransferTimeout")
-    assert "re-create" in seen[0][2]
-    for step, kind, msg in seen[1:]:
-        assert kind in ("TransferTimeout", "TransferError"), (step, kind, msg)
-        assert "re-create" in msg, msg
-
-
 def test_paired_cache_sequences_move_both_halves(group):
     seen = group.run(S, "paired_transfer")
     assert seen[1] == ["paired"]
@@ -237,3 +219,28 @@ def test_header_room_is_checked_before_any_allocation_for_every_size():
         except _wire.Refusal as exc:
             assert not fits and "no room" in str(exc), (n, used, exc)
     check()
+
+
+def test_peer_killed_mid_transfer_times_out_naming_it(groups):
+    # rank 0 dies on purpose: a group of its own, of the 2 ranks the scenario uses, so the
+    # module's group stays whole for the tests after this one (a new 3-rank group cost ~13-19 s)
+    pair = Group(2)
+    try:
+        out = pair.run(S, "peer_dies", timeout=90)
+    finally:
+        pair.close()
+    assert out[0] == {"died": 17}
+    assert "peer rank 0" in out[1]
+
+
+def test_after_a_timeout_every_call_says_to_recreate_the_group(group):
+    # last in the module: it leaves the group unusable, and a test after it would pay for a
+    # new one (each xdist worker runs its share of a module in file order)
+    group.broken = True     # the pair's connection is gone after the timeout
+    out = group.run(S, "timeout_then_again", timeout=120)
+    seen = out[1]
+    assert seen[0][:2] == ("first", "TransferTimeout")
+    assert "re-create" in seen[0][2]
+    for step, kind, msg in seen[1:]:
+        assert kind in ("TransferTimeout", "TransferError"), (step, kind, msg)
+        assert "re-create" in msg, msg

@@ -122,3 +122,43 @@ def test_latent_tiling_and_fits():
     assert not decode.latent_fits(128, 2, 576, 512, 64)
     assert not decode.latent_fits(16, 1, 4700, 512, 1)         # not even one head's queries
     assert not decode.latent_fits(16, 1, 576, 577, 1)          # the value is within the row
+
+
+@pytest.mark.skipif(KERNEL_DEVICE != "sim", reason="simulator shapes")
+def test_latent_kernel_reads_fp8_ds_mla_rows(small_blocks):
+    """FlashMLA's 656-byte rows (512 float8_e4m3 values in four tiles with float32 scales, 64
+    bfloat16 rope values) dequantized as the kernel stages them: equal to the CPU attend, which
+    decodes them through get(); tiles of values spanning several orders of magnitude (each tile
+    its own power-of-two scale), a forced head tiling over 2 staged rows with a split-K, and
+    attend's CUDA route."""
+    cfg = nkv.CacheConfig(2, 1, 576, v_head_dim=0, dtype="bfloat16", k_dtype="fp8_ds_mla",
+                          capacity=16, max_seqs=2, max_batch=8, device=KERNEL_DEVICE)
+    cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=64, offset=512))
+    rng = np.random.default_rng(5)
+    tile_mag = np.repeat([0.01, 1.0, 30.0, 0.2, 2.0], [128, 128, 128, 128, 64])
+
+    def rows(n):
+        return torch.from_numpy((rng.standard_normal((n, 1, 576)) * tile_mag)
+                                .astype(np.float32)).bfloat16()
+    for seq, n in ((0, 5), (1, 2)):
+        cache.start_forward(np.arange(n, dtype=np.int32), np.full(n, seq, np.int32))
+        for layer in range(2):
+            cache.set_layer(layer)
+            cache.put(rows(n), None)
+    cache.start_forward(np.array([5, 2], np.int32), np.array([0, 1], np.int32))
+    cache.set_layer(1)
+    cache.put(rows(2), None)
+    src = cache._attention_cache
+    kp, kw = attention._latent_pool(src)
+    assert kw["kfmt"] == decode.FMT_DS_MLA and kp.shape[-1] == 656
+    q = torch.from_numpy(rng.standard_normal((2, 3, 576)).astype(np.float32) * 0.05)
+    want = attention.attend(q, cache, scale=0.5, soft_cap=4.0, backend="dense").numpy()
+    tol = 2e-5 * np.abs(want).max()
+    for force in (dict(), dict(heads=2, rows=2, part_len=3)):
+        out, lse = _kernel(cache, q, 0.5, 4.0, 512, **force)
+        np.testing.assert_allclose(out, want, atol=tol, rtol=1e-5)
+        assert np.isfinite(lse).all()
+    host = cache._host_pages()
+    assert attention._latent_kernel_takes(src, 3, 2, 512, host)
+    got = attention._gpu_latent(torch, q, host, src, kp, kw, 0.5, 4.0, 512, KERNEL_DEVICE)
+    np.testing.assert_allclose(got.numpy(), want, atol=tol, rtol=1e-5)

@@ -621,6 +621,29 @@ def test_cpu_attend_reads_quantized_blocks_in_place(dtype, kinds, rotation):
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def test_cpu_attend_over_quantized_keys_beside_permuted_values():
+    """A float V stored permuted ([n_kv_heads, v_head_dim, n_cells]) beside q4_0 keys: the CPU
+    kernel reads V through the permuted layout (it read it as [cell, head, dim] before: a
+    result n_cells wide), equal to the dense reference."""
+    torch = pytest.importorskip("torch")
+    import numbakv as nkv
+    from numbakv.attention import attend
+    cfg = nkv.CacheConfig(1, 2, 32, v_head_dim=8, capacity=24, max_seqs=2, dtype="float16",
+                          k_dtype="q4_0", permuted_v=True, device="cpu")
+    cache = nkv.CausalCache(cfg)
+    rng = np.random.default_rng(8)
+    for pos, seqs in ((list(range(9)) + [0, 1], [0] * 9 + [1, 1]), ([9, 2], [0, 1])):
+        n = len(pos)
+        cache.start_forward(pos, seqs)
+        cache.put(rng.standard_normal((n, 2, 32)).astype(np.float16),
+                  rng.standard_normal((n, 2, 8)).astype(np.float16))
+        q = torch.from_numpy(rng.standard_normal((n, 4, 32)).astype(np.float32)).half()
+        got = attend(q, cache, soft_cap=20.0)
+        want = attend(q, cache, soft_cap=20.0, backend="dense")
+        assert got.shape == (n, 4, 8)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "float8_e4m3"])
 def test_large_cpu_puts_gets_and_shifts_thread_without_changing_a_bit(kind):
     """A CPU put large enough to spread its tokens over numba's threads (float16 rows, widened

@@ -15,7 +15,7 @@ import numbakv as nkv
 from numbakv.errors import KVCacheFullError, NotSupportedError
 from numbakv.step import HEADER
 from fake_cupy import FakeDeviceArray
-from helpers import dev, fake_cuda_cache, host
+from helpers import dev, f32_to_bf16_bits, fake_cuda_cache, host
 
 SHAPE = dict(n_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=4)
 
@@ -187,12 +187,7 @@ def test_capture_checks(device):
             cache.capture_step(batch=2, attend=True, soft_cap=bad)
     with pytest.raises(NotSupportedError, match="does not take"):
         cache.capture_step(batch=2, attend=True, n_heads=2 * 17)     # a group of 17
-    with pytest.raises(NotSupportedError, match="permuted_v"):
-        nkv.CausalCache(_cfg(device, permuted=True)).capture_step(batch=2, attend=True)
-    ds_mla = nkv.CausalCache(nkv.CacheConfig(1, 1, 576, v_head_dim=0, capacity=4, max_batch=4,
-                                             k_dtype="fp8_ds_mla", device=device))
-    with pytest.raises(NotSupportedError, match="fp8_ds_mla"):
-        ds_mla.capture_step(batch=2)
+    assert cache.n_used == 0 and cache._forward is None
     cache.close()
     with pytest.raises(nkv.KVCacheError, match="closed"):
         cache.capture_step(batch=2)
@@ -771,12 +766,31 @@ def _replay_puts(cache, step, wrap, n_steps=3):
 
 def test_one_quantized_side_with_permuted_float_values(device):
     """The float side's put into permuted V (a quantized K beside it): replays store exactly
-    what start_forward + put store (put only: the paged attention reads V unpermuted)."""
+    what start_forward + put store (the attention over it: test_captured_permuted_v_...)."""
     cache = nkv.CausalCache(_one_quantized_side_cfg(device))
     step = cache.capture_step(batch=2)
     twin = _replay_puts(cache, step, lambda x: dev(x, device))
     np.testing.assert_array_equal(host(cache.storage.keys), twin.storage.keys)
     np.testing.assert_array_equal(host(cache.storage.values), twin.storage.values)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("variant", ["f16", "q4_0-k"])
+def test_captured_permuted_v_attention_equals_the_cpu_attend(device, variant, small_blocks):
+    """V stored permuted (``[n_kv_heads, v_head_dim, n_cells]``; float16, alone or beside q4_0
+    keys): the captured attention reads it through the transposed view's strides. Replays
+    store the bytes start_forward + put store and return what attend returns on a CPU cache."""
+    cfg_kw = {"f16": dict(permuted_v=True),
+              "q4_0-k": dict(head_dim=32, k_dtype="q4_0", permuted_v=True)}[variant]
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float16",
+                                                device=device))
+        assert cache.storage.permuted
+        return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
+                                         soft_cap=3.0)
+    _check_attention(make_step, cfg_kw, {}, "float16", _wrap_for(device),
+                     2e-6 if device == "cpu" else 1e-5, steps=_att_steps()[:3])
 
 
 def test_cuda_step_with_one_quantized_side_is_one_graph(fake_gpu):
@@ -881,6 +895,47 @@ def test_mla_capture_checks(device):
     assert mla.n_used == 0 and mla._forward is None
 
 
+#: FlashMLA's fp8_ds_mla latent rows (656 bytes: 512 float8_e4m3 values in 4 scaled tiles, 64
+#: bfloat16 rope values) on the attention steps' shape
+ATT_DS_MLA = dict(head_dim=576, v_head_dim=0, k_dtype="fp8_ds_mla")
+
+
+@pytest.mark.torch
+def test_captured_fp8_ds_mla_step_equals_the_cpu_attend(device, small_blocks):
+    """fp8_ds_mla latents captured: the put quantizes each row into FlashMLA's bytes at the
+    descriptor's slots (-1 skipped), the latent kernel dequantizes as it stages the rows (a
+    tile's float8 bytes times its scale, the bfloat16 rope values). Replays store the bytes
+    start_forward + put store (byte-exact) and return what attend returns on a CPU cache
+    (which dequantizes through get())."""
+    cache_kw = dict(shift=nkv.RopeShift(dim=64, offset=512))
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **ATT_DS_MLA}, dtype="bfloat16",
+                                                device=device), **cache_kw)
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        assert step.attention.latent_heads == 2 and step.attention.v_dim == 512
+        return cache, step
+    _check_attention(make_step, ATT_DS_MLA, cache_kw, "bfloat16", _wrap_for(device),
+                     2e-6 if device == "cpu" else 2e-5, steps=_att_steps()[:3])
+
+
+def test_fp8_ds_mla_puts_without_attention(device):
+    """Several KV heads of fp8_ds_mla rows: the put is captured and replays store exactly what
+    start_forward + put store; the attention (the latent kernel takes one latent head) is
+    refused by name, the cache unchanged."""
+    cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=2, head_dim=576, v_head_dim=0,
+                          k_dtype="fp8_ds_mla", capacity=8, max_seqs=2, max_batch=2,
+                          device=device)
+    cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=64, offset=512))
+    with pytest.raises(NotSupportedError, match="fp8_ds_mla.*latent kernel"):
+        cache.capture_step(batch=2, attend=True, n_heads=2)
+    assert cache.n_used == 0 and cache._forward is None
+    step = cache.capture_step(batch=2)
+    twin = _replay_puts(cache, step, lambda x: dev(x, device))
+    np.testing.assert_array_equal(host(cache.storage.keys), twin.storage.keys)
+    assert host(cache.storage.keys).any()
+
+
 def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
     """cuda (stand-in CuPy, kernels in the simulator): a V-less latent cache's step is one
     graph of, per layer, the put and one launch of the latent kernel (V the first values of
@@ -909,6 +964,79 @@ def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
                                steps=_att_steps()[:2])
     assert [e[0] for e in cp.log].count("graph_launch") == step.replays == 2
     assert not [n for n, _ in launches if n.startswith("paged")]   # only the graph's
+
+
+def test_paired_cache_with_fp8_ds_mla_rows_captures_both_puts(device):
+    """DeepSeek V3.2's pair (fp8_ds_mla main rows beside float indexer keys): the captured puts
+    of both halves store exactly what put + put_indexer store, FlashMLA's bytes included."""
+    main = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=576, v_head_dim=0,
+                           k_dtype="fp8_ds_mla", dtype="bfloat16", capacity=6, max_batch=2,
+                           max_seqs=2, device=device)
+    pairs = [nkv.PairedCache(main, main.replace(head_dim=16, k_dtype="bfloat16"))
+             for _ in range(2)]
+    step = pairs[0].capture_step(batch=2)
+    rng = np.random.default_rng(23)
+    for pos, seqs in (((0, 0), (0, 1)), ((1,), (1,)), ((1, 2), (0, 1))):
+        pos, seqs = np.array(pos, np.int32), np.array(seqs, np.int32)
+        n = len(pos)
+        rows = [f32_to_bf16_bits(rng.standard_normal((2, n, 1, d)) * 4) for d in (576, 16)]
+        step.replay(pos, seqs, None, [dev(x, device) for x in rows], None)
+        eager = pairs[1]
+        eager.start_forward(pos, seqs)
+        for layer in range(2):
+            eager.set_layer(layer)
+            eager.put(dev(rows[0][layer], device), None)
+            eager.put_indexer(dev(rows[1][layer], device))
+    for half in ("main", "indexer"):
+        got, want = (host(getattr(p, half).storage.keys) for p in pairs)
+        np.testing.assert_array_equal(got, want)
+        assert got.any()
+
+
+def test_cuda_permuted_v_step_with_attention(fake_gpu):
+    """cuda (stand-in CuPy, kernels in the simulator): the captured paged kernel gets V's
+    transposed view as a strided descriptor of the permuted float16 storage; replays equal the
+    CPU attend and store the same bytes."""
+    cp, launches = fake_gpu
+    cfg_kw = dict(permuted_v=True)
+
+    def make_step():
+        cache = fake_cuda_cache(cp, nkv.CacheConfig(**ATT, **cfg_kw, dtype="float16",
+                                                    device="cpu"), 0x61)
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        launches.clear()
+        return cache, step
+    _, step = _check_attention(make_step, cfg_kw, {}, "float16",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
+                               steps=_att_steps()[:2])
+    assert step.replays == 2 and not launches
+
+
+def test_cuda_fp8_ds_mla_step_is_one_graph(fake_gpu, monkeypatch):
+    """cuda (stand-in CuPy, kernels in the simulator): an fp8_ds_mla latent cache's step is one
+    graph of, per layer, FlashMLA's quantize kernel reading the descriptor's slots (no upload
+    of its own) and one launch of the latent kernel; replays store the bytes and return the
+    attention a CPU cache gives."""
+    from numbakv.kernels import decode
+    cp, launches = fake_gpu
+    monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
+    cache_kw = dict(shift=nkv.RopeShift(dim=64, offset=512))
+
+    def make_step():
+        cache = fake_cuda_cache(cp, nkv.CacheConfig(**{**ATT, **ATT_DS_MLA}, dtype="float32",
+                                                    device="cpu"), 0x61, **cache_kw)
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        names = [n for n, _ in launches]
+        assert names.count("ds_mla_put_kernel") == 2 * 2      # eager + captured, per layer
+        assert names.count("paged_latent_kernel") == 2 * 2
+        launches.clear()
+        cp.log.clear()
+        return cache, step
+    _, step = _check_attention(make_step, ATT_DS_MLA, cache_kw, "float32",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 2e-5,
+                               steps=_att_steps()[:2])
+    assert [e[0] for e in cp.log].count("graph_launch") == step.replays == 2
+    assert not launches          # every put and attention ran inside the graph
 
 
 # ------------------------------------------------------------------ per-sequence streams
@@ -1029,14 +1157,15 @@ def test_wrapper_and_paired_capture_checks(device):
     is a ValueError before anything is placed; a PairedCache captures its two halves' puts
     and refuses attention (DeepSeek's sparse attention is not the dense kernel)."""
     swa = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 2}, device=device))
-    permuted = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 1}, permuted_v=True,
-                                               device=device))
+    permuted = nkv.CausalCache(nkv.CacheConfig(**{**ATT, "n_layers": 1, "n_kv_heads": 2},
+                                               permuted_v=True, device=device))
     wrapper = nkv.WrapperCache([swa, permuted], layer_groups=[0, 1, 0])
-    with pytest.raises(NotSupportedError, match=r"caches\[1\].*permuted_v"):
-        wrapper.capture_step(batch=2, attend=True)
+    with pytest.raises(ValueError, match=r"caches\[1\].*n_heads"):    # 3 heads over 2 KV heads
+        wrapper.capture_step(batch=2, attend=True, n_heads=3)
+    assert wrapper.capture_step(batch=2, attend=True, n_heads=2).steps[1].attention.n_heads == 2
     step = wrapper.capture_step(batch=2)
-    k = [np.zeros((2, 1, 1, 8), np.float16), np.zeros((1, 1, 1, 8), np.float16)]
-    v = [np.zeros((2, 1, 1, 4), np.float16), np.zeros((1, 1, 1, 4), np.float16)]
+    k = [np.zeros((2, 1, 1, 8), np.float16), np.zeros((1, 1, 2, 8), np.float16)]
+    v = [np.zeros((2, 1, 1, 4), np.float16), np.zeros((1, 1, 2, 4), np.float16)]
     with pytest.raises(ValueError, match="one per group"):
         step.replay(np.array([0], np.int32), np.array([0], np.int32), None, k[:1], v)
     with pytest.raises(ValueError, match="layer must be"):

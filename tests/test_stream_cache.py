@@ -476,3 +476,134 @@ def test_prompt_cache_forks_across_streams():
     c.set_layer(0)
     c.put(k[:1], k[:1])
     np.testing.assert_array_equal(np.asarray(c.get()[0])[0, :3], k[:3])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_batched_placement_equals_the_per_stream_path(window):
+    """A batch whose streams all have a free run is placed by one compiled call over every
+    stream's cell table (``CellTableStack``): the same cells, indexes, table versions, get()
+    ranges, pool slots, page tables, K/V and errors as the per-stream path (forced on a twin),
+    through decode steps, multi-token batches, removals with pending rotations, copies between
+    streams, defrags, full streams, repeated positions, a state load (tables replaced, then
+    stacked again), window pruning (``swa_window``) and a WrapperCache sibling's refusal (the
+    batched placement undone)."""
+    from numbakv.cells import CellTable, CellTableStack, _group_by_seq
+    rng = np.random.default_rng(7)
+    for _ in range(40):      # the compiled grouping is group_batch's
+        seqs = rng.integers(0, 6, size=int(rng.integers(1, 12))).astype(np.int32)
+        ids, qo, order, consecutive = _group_by_seq(seqs, 6)
+        for got, want in zip((ids, qo, order), group_batch(seqs)):
+            assert got.dtype == np.int32 and got.tolist() == want.tolist()
+        assert consecutive == (len(ids) == 1 or bool((np.diff(ids) == 1).all()))
+    S = 4
+    kw = dict(capacity=10, max_seqs=S, max_batch=6, cache_padding=2)
+    fast = nkv.CausalCache(stream_cfg(**kw), shift=nkv.RopeShift(), swa_window=window)
+    slow = nkv.CausalCache(stream_cfg(**kw), shift=nkv.RopeShift(), swa_window=window)
+    slow._place_stacked = lambda *args: None          # always the per-stream path
+    batched, pruned_passes, refused = 0, 0, set()
+
+    def same():
+        for a, b in zip(fast.streams, slow.streams):
+            assert np.array_equal(a.cells.cells, b.cells.cells)
+            assert a.cells.version == b.cells.version
+            assert a.cells.head == b.cells.head
+            a.cells.check_consistency()
+        np.testing.assert_array_equal(fast.storage.keys, slow.storage.keys)
+        assert fast._stack.holds([s.cells for s in fast.streams])
+
+    def run(op, *args):
+        errors = []
+        for c in (fast, slow):
+            try:
+                getattr(c, op)(*args)
+                errors.append(None)
+            except (ValueError, KVCacheFullError, NotSupportedError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        assert errors[0] == errors[1]
+        if errors[0]:
+            refused.add(errors[0].split(":")[0])
+        return errors[0]
+
+    for step in range(80):
+        op = rng.choice(["decode"] * 5 + ["batch", "repeat", "remove", "fork", "trim", "defrag",
+                                          "load"])
+        if op in ("decode", "batch", "repeat"):
+            streams = rng.choice(S, size=int(rng.integers(1, S + 1)), replace=False)
+            pos, seqs = [], []
+            for s in streams.tolist():
+                n = 1 if op != "batch" else int(rng.integers(1, 3))
+                top = fast.seq_pos_max(s) + (0 if op == "repeat" else 1)
+                if window and top and op != "repeat" and not fast.can_resume(s, top):
+                    top = 0     # rewound past what the window memory kept: start over
+                pos += list(range(top, top + n))
+                seqs += [s] * n
+            if run("start_forward", np.array(pos, np.int32), np.array(seqs, np.int32)):
+                same()
+                continue
+            f, w = fast._forward, slow._forward
+            batched += f.pool_slots is not None
+            pruned_passes += f.pool_slots is not None and any(
+                fast.streams[s]._forward.cells_v0 < 0 for s in f.seq_ids.tolist())
+            assert f.n_kv == w.n_kv and f.consecutive == w.consecutive
+            assert f.token_order.tolist() == w.token_order.tolist()
+            np.testing.assert_array_equal(fast._step_placement()[3], slow._step_placement()[3])
+            for s in f.seq_ids.tolist():
+                a, b = fast.streams[s]._forward, slow.streams[s]._forward
+                assert (a.start, a.lo, a.hi, a.cells_v0, a.cells_v1) == \
+                    (b.start, b.lo, b.hi, b.cells_v0, b.cells_v1)
+                assert a.positions.tolist() == b.positions.tolist()
+            pf, ps = fast.page_table(), slow.page_table()
+            for name in ("kv_indptr", "kv_indices", "kv_positions", "q_positions"):
+                np.testing.assert_array_equal(getattr(pf, name), getattr(ps, name))
+            for layer in range(2):
+                k = kv(rng, len(pos))
+                for c in (fast, slow):
+                    c.set_layer(layer)
+                    c.put(k, k)
+                np.testing.assert_array_equal(fast.get()[0], slow.get()[0])
+        elif op == "remove":
+            s = int(rng.integers(S))
+            if fast.seq_pos_max(s) >= 1:
+                b = int(rng.integers(0, fast.seq_pos_max(s)))
+                run("remove", s, b, b + 1)          # later keys re-rotated at the next pass
+        elif op == "fork":
+            src, dst = (int(x) for x in rng.choice(S, 2, replace=False))
+            run("copy_prefix", src, dst, int(rng.integers(0, fast.seq_pos_max(src) + 2)))
+        elif op == "trim":
+            s = int(rng.integers(S))
+            run("seq_rm", s, int(rng.integers(0, fast.seq_pos_max(s) + 2)), None)
+        elif op == "defrag":
+            run("defrag")
+        else:
+            data = fast.state_bytes()
+            for c in (fast, slow):
+                c.load_state_bytes(data)
+            # new tables (versions restart), stacked again by the load
+        same()
+    assert batched >= 15 and "ValueError" in refused
+    assert fast.defrag_count == slow.defrag_count
+    if window is None:
+        assert "KVCacheFullError" in refused and fast.defrag_count > 0
+    else:    # the window memory dropped cells in batched passes (their lists are rebuilt)
+        assert pruned_passes >= 5
+
+    # a WrapperCache whose second cache refuses takes the first's batched placement back
+    big = nkv.CausalCache(stream_cfg(capacity=16, max_batch=6))
+    small = nkv.CausalCache(stream_cfg(capacity=4, max_batch=6))
+    w = nkv.WrapperCache([big, small], layer_groups=[0, 1, 0, 1])
+    w.start_forward([0, 1, 2, 3, 0], [0, 0, 0, 0, 1])
+    before = [s.cells.cells for s in big.streams]
+    forwards = [s._forward for s in big.streams]
+    with pytest.raises(KVCacheFullError, match="stream 0"):
+        w.start_forward([4, 1], [0, 1])
+    assert all(np.array_equal(a, s.cells.cells) for a, s in zip(before, big.streams))
+    assert all(f is s._forward for f, s in zip(forwards, big.streams))
+    for s in big.streams:
+        s.cells.check_consistency()
+    w.start_forward([4, 1], [1, 1])          # and places again afterwards, batched
+    assert big._forward.pool_slots is not None and big._forward.pool_slots.tolist() == \
+        [big.cells_per_stream + 1, big.cells_per_stream + 2]
+    with pytest.raises(ValueError, match="one shape"):
+        CellTableStack([big.streams[0].cells, CellTable(4, 1)])
+    with pytest.raises(ValueError, match="one or more"):
+        CellTableStack([])

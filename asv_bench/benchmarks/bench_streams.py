@@ -96,3 +96,31 @@ class StreamDecodeAttention:
             decode_attention(self.cache, self.q, self.k_new, self.positions, self.seqs,
                              self.tdtype)
             self.cache.seq_rm(-1, CONTEXT, None)
+
+
+class StreamDecodePlacement:
+    """``start_forward`` of a decode step, 8 sequences one token each, on a stream cache against
+    a unified cache (the baseline): the bookkeeping every step pays on the host, and what a
+    captured step's replay starts with (issue 35: a replayed 32-layer step <= 100 us of host
+    time). A stream cache places the batch in every stream's cell table in one compiled call
+    (``CellTableStack``); before, a Python call per stream cost ~110 us here. Bookkeeping only
+    (one layer of 1 x 8 K/V: the placement does not touch K/V)."""
+    params = (["unified", "streams"],)
+    param_names = ["cache"]
+    CAPACITY = 1 << 14
+
+    def setup(self, cache):
+        cfg = CacheConfig(1, 1, 8, dtype="float16", capacity=self.CAPACITY, max_seqs=SEQS,
+                          max_batch=512, device="cpu", unified=cache == "unified")
+        self.cache = CausalCache(cfg)
+        self.seqs = np.arange(SEQS, dtype=np.int32)
+        for seq in range(SEQS):   # 200 tokens each
+            self.cache.start_forward(np.arange(200, dtype=np.int32), np.full(200, seq, np.int32))
+        self.pos = 200
+
+    def time_start_forward(self, cache):
+        if self.pos >= self.CAPACITY:    # full: start over (once per 16k steps)
+            self.cache.seq_rm(-1, 0, None)
+            self.pos = 0
+        self.cache.start_forward(np.full(SEQS, self.pos, np.int32), self.seqs)
+        self.pos += 1

@@ -41,6 +41,7 @@ from . import _common
 from ._common import block_size, cdiv, sig_array as _arr
 from .hadamard import rotation_scale
 from .launch import launch as _launch
+from . import mla as _mla
 from . import quant as _quant
 from ._registry import cuda, cuda_device, cuda_kernel, on_cuda_import
 
@@ -68,6 +69,10 @@ _EXP_FLUSH = -87.0
 #: bits (elements), then the quantized byte rows of :mod:`.quant` (ggml q8_0 blocks, q4_0
 #: blocks, float8_e4m3 values times a per-layer scale)
 FMT_F16, FMT_BF16, FMT_F32, FMT_Q8_0, FMT_Q4_0, FMT_F8 = 0, 1, 2, 3, 4, 5
+#: FlashMLA's ``fp8_ds_mla`` latent row (:mod:`.mla`: 512 float8_e4m3 values in four tiles of
+#: 128, each tile's float32 scale, then 64 bfloat16 rope values; 656 bytes for 576 values):
+#: read by the latent kernel only (:func:`latent_value`)
+FMT_DS_MLA = 6
 #: the decode format of each :mod:`.quant` format code
 QUANT_FORMATS = {_quant.FMT_Q8_0: FMT_Q8_0, _quant.FMT_Q4_0: FMT_Q4_0, _quant.FMT_F8: FMT_F8}
 
@@ -143,6 +148,21 @@ def float_key_dot(qs, q0, kpool, c, kh, dim, kfmt):
     return x
 
 
+@cuda_device
+def ds_mla_value(pool, c, kh, d):
+    """Value ``d`` of FlashMLA's ``fp8_ds_mla`` row ``(c, kh)`` (:mod:`.mla`'s layout) as
+    float32, as :func:`.mla.dequantize_part` forms it: a latent value is its float8_e4m3 byte
+    times its tile's float32 scale (read from the row's little-endian scale bytes), a rope
+    value its bfloat16 bits widened."""
+    if d < _mla.LATENT:
+        b0 = _mla.SCALES_AT + 4 * (d // _mla.TILE)
+        bits = np.int64(pool[c, kh, b0]) | (np.int64(pool[c, kh, b0 + 1]) << 8) \
+            | (np.int64(pool[c, kh, b0 + 2]) << 16) | (np.int64(pool[c, kh, b0 + 3]) << 24)
+        return _e4m3(pool[c, kh, d]) * np.uint32(bits).view(np.float32)
+    b0 = _mla.ROPE_AT + 2 * (d - _mla.LATENT)
+    return _bf16(np.int64(pool[c, kh, b0]) | (np.int64(pool[c, kh, b0 + 1]) << 8))
+
+
 # The kernel calls these two; which form runs depends on the pool's word type, fixed per
 # compiled signature (uint8: quantized rows; uint16/uint32: float elements). On CUDA an overload
 # picks the form at compile time, so a float signature carries no dequantizing code (its
@@ -153,6 +173,15 @@ def kv_value(pool, c, kh, d, fmt, fscale):
     if fmt >= FMT_Q8_0:
         return quant_value(pool, c, kh, d, fmt, fscale)
     return kv_to_f32(pool[c, kh, d], fmt)
+
+
+def latent_value(pool, c, d, fmt, fscale):
+    """Value ``d`` of latent row ``c`` (the pool's one KV head) as the latent kernel stages it:
+    :func:`kv_value`, or an ``fp8_ds_mla`` row's (:func:`ds_mla_value`); on CUDA only the
+    uint8 signature carries the byte-row forms."""
+    if fmt == FMT_DS_MLA:
+        return ds_mla_value(pool, c, 0, d)
+    return kv_value(pool, c, 0, d, fmt, fscale)
 
 
 def key_dot(qs, q0, kpool, c, kh, dim, kfmt, kscale):
@@ -175,6 +204,19 @@ def _register_cuda_forms() -> None:
 
         def elements(pool, c, kh, d, fmt, fscale):
             return kv_to_f32(pool[c, kh, d], fmt)
+        return elements
+
+    @cuda_overload(latent_value, target="cuda", inline="always")
+    def _latent_value_cuda(pool, c, d, fmt, fscale):
+        if pool.dtype.bitwidth == 8:
+            def quant(pool, c, d, fmt, fscale):
+                if fmt == FMT_DS_MLA:
+                    return ds_mla_value(pool, c, 0, d)
+                return quant_value(pool, c, 0, d, fmt, fscale)
+            return quant
+
+        def elements(pool, c, d, fmt, fscale):
+            return kv_to_f32(pool[c, 0, d], fmt)
         return elements
 
     @cuda_overload(key_dot, target="cuda", inline="always")
@@ -559,6 +601,8 @@ def row_values(pool, fmt: int) -> int:
     """Values per stored row of a pool in format ``fmt`` (a quantized row's bytes: 32 values
     per 34-byte q8_0 / 18-byte q4_0 block, one per float8 byte)."""
     n = int(pool.shape[2])
+    if fmt == FMT_DS_MLA:
+        return _mla.HEAD_DIM if n == _mla.ROW_BYTES else 0
     if fmt == FMT_Q8_0:
         return n // 34 * 32
     if fmt == FMT_Q4_0:
@@ -738,7 +782,8 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
     (the tiles of a (token, part) are consecutive blocks: they read the same rows at about the
     same time, so the rows come from DRAM about once and L2 serves the other tiles).
     q float32 ``[T, H, D]`` (rotated and scaled here); kpool ``[n_cells, 1, D]`` raw bits or
-    ``[n_cells, 1, row_bytes]`` quantized rows (``kfmt``); the value of a cell is its row's
+    ``[n_cells, 1, row_bytes]`` quantized rows (``kfmt``; FlashMLA's ``fp8_ds_mla`` rows too,
+    :data:`FMT_DS_MLA`, dequantized as they are staged); the value of a cell is its row's
     first ``out.shape[2]`` values, in the same format; ``heads`` query heads per
     block, ``rows`` rows per staged tile (:func:`latent_tiling`); the rest as
     :data:`paged_attention_kernel` (the value rotation is the key's: ``krot``)."""
@@ -797,7 +842,7 @@ def paged_latent_kernel(q, kpool, kfmt, kv_indices, kv_pos, kv_indptr, tok_seq, 
         for i in range(tid, n * dim, nt):
             jj = i // dim
             d = i - jj * dim
-            rw[jj * rst + d] = kv_value(kpool, kv_indices[j0 + jj], 0, d, kfmt, kscale)
+            rw[jj * rst + d] = latent_value(kpool, kv_indices[j0 + jj], d, kfmt, kscale)
         cuda.syncthreads()
         # scores: each (head, staged row) dot in ``lanes`` strided partial sums, then one
         # thread per pair adds them
@@ -940,11 +985,12 @@ def _xp(device: str):
     return np
 
 
-__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F8",
-           "FMT_Q4_0", "FMT_Q8_0", "LATENT_HEADS", "MAX_GROUP", "MAX_GROUP_DIM", "QUANT_FORMATS",
-           "TILE", "WORD_PAIRS", "f32_bits", "fits", "key_dot", "float_key_dot", "kv_to_f32",
-           "kv_value", "latent_fits", "latent_tiling", "launch_latent", "launch_paged",
-           "max_parts", "raw_pool", "quant_key_dot", "quant_value", "row_values", "lower_bound",
+__all__ = ["extend_lists", "extend_lists_kernel", "FMT_BF16", "FMT_DS_MLA", "FMT_F16",
+           "FMT_F32", "FMT_F8", "FMT_Q4_0", "FMT_Q8_0", "LATENT_HEADS", "MAX_GROUP",
+           "MAX_GROUP_DIM", "QUANT_FORMATS", "TILE", "WORD_PAIRS", "ds_mla_value", "f32_bits",
+           "fits", "key_dot", "float_key_dot", "kv_to_f32", "kv_value", "latent_fits",
+           "latent_tiling", "latent_value", "launch_latent", "launch_paged", "max_parts",
+           "raw_pool", "quant_key_dot", "quant_value", "row_values", "lower_bound",
            "paged_attention", "paged_attention_kernel", "paged_latent_attention",
            "paged_latent_kernel", "paged_merge_kernel", "plan_part_len", "token_sequences",
            "visible_run"]

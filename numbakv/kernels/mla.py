@@ -226,10 +226,14 @@ def _grid(items: int, device: str) -> int:
     return max(1, min(cdiv(items, block_size(device)), max_blocks(device)))
 
 
-def put_launch(device: str, q, layer: int, x, slots, start: int, dtype: str) -> None:
+def put_launch(device: str, q, layer: int, x, slots, start: int, dtype: str,
+               slots_on_device: bool = False) -> None:
     """Quantize ``x [batch, n_kv_heads, 576]`` (the cache's ``dtype``) into layer ``layer`` of
     ``q [n_layers, n_cells, n_kv_heads, 656]`` (uint8) at ``slots`` (int32 host; negative
-    skips) or, when ``start >= 0``, at ``start + t``. Inputs validated by the caller."""
+    skips) or, when ``start >= 0``, at ``start + t``. Inputs validated by the caller.
+    ``slots_on_device``: ``slots`` is already where the kernel reads it (a
+    :class:`._common.Desc` on ``cuda``, the array itself on ``sim``: a captured step's
+    descriptor, read when the kernel runs), not uploaded (as :func:`.quant.put_launch`)."""
     batch = x.shape[0]
     if batch == 0:
         return
@@ -243,7 +247,10 @@ def put_launch(device: str, q, layer: int, x, slots, start: int, dtype: str) -> 
         launch = _cpu_twin(ds_mla_put_cpu, ds_mla_put_cpu_par, x.size, batch)
         launch(q, x, slots, int(start), int(layer), kind)
         return
-    (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
+    if slots_on_device:
+        slots_d, keep = slots, None
+    else:
+        (slots_d,), keep = to_device(device, np.asarray(slots, np.int32))
     _launch(device, ds_mla_put_kernel, (_grid(batch * x.shape[1] * N_PARTS, device),),
             block_size(device), (device_arg(device, q), device_arg(device, x, view_dtype),
                                  slots_d, int(start), int(layer), kind))
