@@ -330,9 +330,11 @@ def _llvm_roundf32(builder, y, blendv_lanes: int = 0):
     right side in every case (checked against ``floor(|y|) + int(2 (|y| - floor|y|))``, the
     scalar form, for every float32 in [0, 128]: 0 differences; with 0.5 itself 0.49999997
     would round to 1), in 3 vector operations instead of that form's 9 (the copysign is an
-    and + or; one ``vpternlogd`` with AVX-512). ``blendv_lanes`` 8 (x86 with AVX2, not
-    AVX-512): the copysign as AVX's ``vblendvps`` on ``y``'s sign bits, one operation a
-    register instead of two (LLVM turns a generic select on the sign back into the and + or)."""
+    and + or; one ``vpternlogd`` with AVX-512). ``blendv_lanes`` 8 (the fused put's staged
+    AVX2 form): the copysign as AVX's ``vblendvps`` on ``y``'s sign bits, one operation a
+    register instead of two (LLVM turns a generic select on the sign back into the and + or);
+    in :func:`_llvm_quantize_blocks` it also picks q4_0's byte-first narrowing
+    (:func:`_llvm_q4_0_bytes`)."""
     from llvmlite import ir
     from numba.core import cgutils
     vf, vi = y.type, ir.VectorType(ir.IntType(32), y.type.count)
@@ -436,7 +438,14 @@ def _q4_0_quants32(typingctx, work, off, inv, q, qoff):
                                      ir.FloatType(), n), align=4)
         y = builder.fadd(builder.fmul(x, _llvm_splat(builder, args[2], n)),
                          ir.Constant(vf, [8.5] * n))
-        builder.store(_llvm_q4_0_bytes(builder, builder.fptosi(y, vi)),
+        r = builder.fptosi(y, vi)
+        c15 = ir.Constant(vi, [15] * n)
+        r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
+        h = ir.VectorType(ir.IntType(32), 16)
+        lo = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16))))
+        hi = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16, 32))))
+        b = builder.or_(lo, builder.shl(hi, ir.Constant(h, [4] * 16)))
+        builder.store(builder.trunc(b, ir.VectorType(ir.IntType(8), 16)),
                       _vector_ptr(context, builder, sig.args[3], args[3], args[4],
                                   ir.IntType(8), 16), align=1)
         return context.get_dummy_value()
@@ -552,8 +561,20 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
                           _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1)
         else:            # min(15, int(x * inv + 8.5)), the product rounded before the add
             y = builder.fadd(builder.fmul(blocks[k], inv_k), ir.Constant(v32f, [8.5] * 32))
-            builder.store(_llvm_q4_0_bytes(builder, builder.fptosi(y, v32i)),
-                          _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
+            r = builder.fptosi(y, v32i)
+            if blendv_lanes == 8:   # AVX2: narrowed to bytes first (_llvm_q4_0_bytes)
+                packed = _llvm_q4_0_bytes(builder, r)
+            else:   # AVX-512: min and nibbles on 32-bit lanes, then one vpmovdb (measured
+                # faster there than the byte-first form's packs, extract and merge)
+                c15 = ir.Constant(v32i, [15] * 32)
+                r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
+                h16 = ir.VectorType(i32, 16)
+                lo = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16))))
+                hi = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16, 32))))
+                packed = builder.trunc(
+                    builder.or_(lo, builder.shl(hi, ir.Constant(h16, [4] * 16))),
+                    ir.VectorType(i8, 16))
+            builder.store(packed, _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
 
 
 def _umax(builder, a, b):
@@ -748,12 +769,14 @@ def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name
     builder.position_at_end(q4_store)
     m_v = builder.select(builder.icmp_signed("==", neg_mag, amax_v),
                          builder.or_(amax_v, ir.Constant(vb, [-0x80000000] * nb)), amax_v)
-    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax, 2, m_v)
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax, 2, m_v,
+                          blendv_lanes=blendv_lanes)
     builder.branch(done)
     builder.position_at_end(q4_tie)
     tie_blocks = reloaded()
     _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, tie_blocks,
-                          [magnitude(builder.bitcast(b, v32i)) for b in tie_blocks], amax, 2)
+                          [magnitude(builder.bitcast(b, v32i)) for b in tie_blocks], amax, 2,
+                          blendv_lanes=blendv_lanes)
     builder.branch(done)
     builder.position_at_end(done)
     flag = builder.phi(i64)
