@@ -1000,6 +1000,25 @@ def test_paired_cache_with_fp8_ds_mla_rows_captures_both_puts(device):
         assert got.any()
 
 
+def test_cuda_permuted_v_step_with_attention(fake_gpu):
+    """cuda (stand-in CuPy, kernels in the simulator): the captured paged kernel gets V's
+    transposed view as a strided descriptor of the permuted float16 storage; replays equal the
+    CPU attend and store the same bytes."""
+    cp, launches = fake_gpu
+    cfg_kw = dict(permuted_v=True)
+
+    def make_step():
+        cache = fake_cuda_cache(cp, nkv.CacheConfig(**ATT, **cfg_kw, dtype="float16",
+                                                    device="cpu"), 0x61)
+        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+        launches.clear()
+        return cache, step
+    _, step = _check_attention(make_step, cfg_kw, {}, "float16",
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
+                               steps=_att_steps()[:2])
+    assert step.replays == 2 and not launches
+
+
 def test_cuda_fp8_ds_mla_step_is_one_graph(fake_gpu, monkeypatch):
     """cuda (stand-in CuPy, kernels in the simulator): an fp8_ds_mla latent cache's step is one
     graph of, per layer, FlashMLA's quantize kernel reading the descriptor's slots (no upload

@@ -143,6 +143,56 @@ def wht_stages(builder, x, n: int, fma_lanes: int = 0):
     return x
 
 
+def wht_staged(builder, load_input, load_scratch, store_reg, barrier, regs: int, n: int,
+               lanes: int) -> None:
+    """The Walsh-Hadamard stages (blocks of ``n`` values, ``n`` a power of two >= ``lanes``)
+    of ``regs`` registers of ``lanes`` float32 each, for a target whose register file cannot
+    hold a whole call (AVX2: 16 registers of 8 floats), in passes over a scratch row in L1:
+    ``load_input(i)`` gives register ``i``'s input values (already scaled), ``store_reg(i, v)``
+    stores them to the scratch row, ``load_scratch(i)`` loads them back, ``barrier()`` makes
+    LLVM keep that row in memory (see :func:`.quant._llvm_barrier`); the last pass's values
+    are left there.
+
+    Pass 1 takes groups of up to 8 consecutive registers: each register's in-register stages
+    (:func:`wht_stages`' permute + FMA form), then the cross-register stages among the group;
+    pass 2 (blocks of more than 8 registers: 128 or 256 values with AVX2) the remaining
+    stages over registers ``r, r + 8, ...`` of each block. Every butterfly is ggml's, and
+    each stage reads only values of the stage before (a pass finishes its stages over whole
+    pairs), so the same bits as :func:`wht_stages`; but no more than 8 registers of data are
+    live at once -- the one-value form kept all 64 registers of a 512-value call live and
+    spilled ~11 moves a register."""
+    per_block = n // lanes             # registers a rotation block spans
+    group = min(per_block, 8)
+
+    def cross(vals, first_bit, last_bit):
+        """stages over register-index bits [first_bit, last_bit) of the list ``vals``"""
+        b = 1 << first_bit
+        while b < 1 << last_bit:
+            unit = b >> first_bit
+            for i in range(len(vals)):
+                if not i & unit:
+                    u, v = vals[i], vals[i + unit]
+                    vals[i], vals[i + unit] = builder.fadd(u, v), builder.fsub(u, v)
+            b *= 2
+        return vals
+
+    bits_group = group.bit_length() - 1
+    bits_block = per_block.bit_length() - 1
+    for g0 in range(0, regs, group):
+        vals = [wht_stages(builder, load_input(i), lanes, lanes) for i in range(g0, g0 + group)]
+        for i, v in zip(range(g0, g0 + group), cross(vals, 0, bits_group)):
+            store_reg(i, v)
+    if bits_block == bits_group:
+        return
+    barrier()
+    for b0 in range(0, regs, per_block):
+        for r in range(group):
+            idx = list(range(b0 + r, b0 + per_block, group))
+            vals = cross([load_scratch(i) for i in idx], bits_group, bits_block)
+            for i, v in zip(idx, vals):
+                store_reg(i, v)
+
+
 _wht64 = _wht_block_intrinsic(64)
 _wht128 = _wht_block_intrinsic(128)
 _wht256 = _wht_block_intrinsic(256)

@@ -38,7 +38,7 @@ from ._common import (MAX_GRID_YZ, STORAGE_VIEW_TYPES, UINT, _hw_float_to_half, 
                       cdiv, f16_bits_to_f32, f16_bits_to_f32_hw, f32_to_bf16_bits,
                       f32_to_f16_bits, mul_rn, sig_array as _arr)
 from .hadamard import (_vector_ptr, cpu_fma_lanes, rotation_scale, wht_pair_index, wht_row_cpu,
-                       wht_stages, wht_sum_diff)
+                       wht_staged, wht_stages, wht_sum_diff)
 from .launch import device_arg, launch as _launch, to_device
 from ._registry import cuda, cuda_device, cuda_jit_from, cuda_kernel, element, resolved
 from .move import move_step, normalize
@@ -324,18 +324,84 @@ def _first_of_bits32(typingctx, work, off, bits):
 _PRED_HALF_BITS = 0x3EFFFFFF
 
 
-def _llvm_roundf32(builder, y):
-    """``roundf`` (half away from zero) of the ``<32 x float>`` ``y`` (``|y| <= 128``) as
-    ``<32 x i32>``: ``trunc(y + copysign(0.49999997f, y))``. The one float add rounds to the
+def _llvm_roundf32(builder, y, blendv_lanes: int = 0):
+    """``roundf`` (half away from zero) of the ``<n x float>`` ``y`` (``|y| <= 128``) as
+    ``<n x i32>``: ``trunc(y + copysign(0.49999997f, y))``. The one float add rounds to the
     right side in every case (checked against ``floor(|y|) + int(2 (|y| - floor|y|))``, the
     scalar form, for every float32 in [0, 128]: 0 differences; with 0.5 itself 0.49999997
-    would round to 1), in 3 vector operations instead of that form's 9."""
+    would round to 1), in 3 vector operations instead of that form's 9 (the copysign is an
+    and + or; one ``vpternlogd`` with AVX-512). ``blendv_lanes`` 8 (x86 with AVX2, not
+    AVX-512): the copysign as AVX's ``vblendvps`` on ``y``'s sign bits, one operation a
+    register instead of two (LLVM turns a generic select on the sign back into the and + or)."""
     from llvmlite import ir
+    from numba.core import cgutils
     vf, vi = y.type, ir.VectorType(ir.IntType(32), y.type.count)
     n = y.type.count
-    sign = builder.and_(builder.bitcast(y, vi), ir.Constant(vi, [0x80000000] * n))
-    h = builder.bitcast(builder.or_(sign, ir.Constant(vi, [_PRED_HALF_BITS] * n)), vf)
+    pos = ir.Constant(vi, [_PRED_HALF_BITS] * n)
+    if blendv_lanes == 8 and n % 8 == 0:
+        i32, v8 = ir.IntType(32), ir.VectorType(ir.FloatType(), 8)
+        blendv = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.x86.avx.blendv.ps.256")
+        pos8 = ir.Constant(v8, [float(np.uint32(_PRED_HALF_BITS).view(np.float32))] * 8)
+        neg8 = ir.Constant(v8, [-float(np.uint32(_PRED_HALF_BITS).view(np.float32))] * 8)
+        parts = [builder.call(blendv, [pos8, neg8, builder.shuffle_vector(
+            y, y, ir.Constant(ir.VectorType(i32, 8), list(range(j, j + 8))))])
+                 for j in range(0, n, 8)]
+        while len(parts) > 1:
+            parts = [builder.shuffle_vector(a, b, ir.Constant(
+                ir.VectorType(i32, 2 * a.type.count), list(range(2 * a.type.count))))
+                for a, b in zip(parts[0::2], parts[1::2])]
+        h = parts[0]
+    else:
+        sign = builder.and_(builder.bitcast(y, vi), ir.Constant(vi, [0x80000000] * n))
+        h = builder.bitcast(builder.or_(sign, pos), vf)
     return builder.fptosi(builder.fadd(y, h), vi)
+
+
+def _llvm_clamp_i32(builder, r, lo, hi):
+    """``min(max(r, lo), hi)`` of the ``<n x i32>`` ``r`` (signed)."""
+    from llvmlite import ir
+    lo_v, hi_v = (ir.Constant(r.type, [c] * r.type.count) for c in (lo, hi))
+    r = builder.select(builder.icmp_signed(">", r, lo_v), r, lo_v)
+    return builder.select(builder.icmp_signed("<", r, hi_v), r, hi_v)
+
+
+def _llvm_q8_0_bytes(builder, r):
+    """The ``<n x i8>`` of q8_0 quants ``r`` (``<n x i32>``, all in [-127, 127]), narrowed as a
+    clamp to [-128, 127] and a truncation: a no-op clamp that x86 code generation folds into
+    signed saturating packs (``vpackssdw`` + ``vpacksswb`` with AVX2, ``vpmovsdb`` with
+    AVX-512) instead of a mask per register before unsigned packs, which a plain truncation
+    costs on AVX2. The one case outside that range: a block whose scale is subnormal below
+    ~2^-128, where ``1 / d`` overflows and ggml's ``roundf(x * inf)`` is +-inf or NaN; its int8
+    conversion (x86: the integer indefinite 0x80000000, then the low byte) stores 0, as gguf's
+    reference does, where a saturating pack would store -128. The callers take that
+    reciprocal as 0 instead: the same zero bytes, and the pack sees only [-127, 127]."""
+    from llvmlite import ir
+    return builder.trunc(_llvm_clamp_i32(builder, r, -128, 127),
+                         ir.VectorType(ir.IntType(8), r.type.count))
+
+
+def _llvm_q4_0_bytes(builder, r):
+    """The 16 bytes of a q4_0 block from its 32 quants ``r`` (``<32 x i32>`` of
+    ``int(x * inv + 8.5)``, all in [0, 16]): ``min(15, q)``, value ``i`` in the low nibble of
+    byte ``i`` and value ``i + 16`` in the high one. Narrowed to bytes first (a clamp to
+    [0, 255] that x86 folds into unsigned saturating packs), then the ``min`` and the nibble
+    merge on bytes: one ``vpminub``, and a 16-bit shift (each byte is <= 15, so no bit crosses
+    into its neighbour) and an or for the 16 bytes, instead of those on 4 registers of
+    32-bit lanes."""
+    from llvmlite import ir
+    i8, i16 = ir.IntType(8), ir.IntType(16)
+    b = builder.trunc(_llvm_clamp_i32(builder, r, 0, 255), ir.VectorType(i8, 32))
+    b15 = ir.Constant(ir.VectorType(i8, 32), [15] * 32)
+    b = builder.select(builder.icmp_unsigned("<", b, b15), b, b15)
+    v16 = ir.VectorType(i8, 16)
+    lo = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(ir.IntType(32), 16),
+                                                  list(range(16))))
+    hi = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(ir.IntType(32), 16),
+                                                  list(range(16, 32))))
+    hi = builder.bitcast(builder.shl(builder.bitcast(hi, ir.VectorType(i16, 8)),
+                                     ir.Constant(ir.VectorType(i16, 8), [4] * 8)), v16)
+    return builder.or_(lo, hi)
 
 
 @intrinsic
@@ -349,7 +415,7 @@ def _q8_0_quants32(typingctx, work, off, inv, q, qoff):
         x = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], args[1],
                                      ir.FloatType(), n), align=4)
         r = _llvm_roundf32(builder, builder.fmul(x, _llvm_splat(builder, args[2], n)))
-        builder.store(builder.trunc(r, ir.VectorType(ir.IntType(8), n)),
+        builder.store(_llvm_q8_0_bytes(builder, r),
                       _vector_ptr(context, builder, sig.args[3], args[3], args[4],
                                   ir.IntType(8), n), align=1)
         return context.get_dummy_value()
@@ -370,14 +436,7 @@ def _q4_0_quants32(typingctx, work, off, inv, q, qoff):
                                      ir.FloatType(), n), align=4)
         y = builder.fadd(builder.fmul(x, _llvm_splat(builder, args[2], n)),
                          ir.Constant(vf, [8.5] * n))
-        r = builder.fptosi(y, vi)
-        c15 = ir.Constant(vi, [15] * n)
-        r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
-        h = ir.VectorType(ir.IntType(32), 16)
-        lo = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16))))
-        hi = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16, 32))))
-        b = builder.or_(lo, builder.shl(hi, ir.Constant(h, [4] * 16)))
-        builder.store(builder.trunc(b, ir.VectorType(ir.IntType(8), 16)),
+        builder.store(_llvm_q4_0_bytes(builder, builder.fptosi(y, vi)),
                       _vector_ptr(context, builder, sig.args[3], args[3], args[4],
                                   ir.IntType(8), 16), align=1)
         return context.get_dummy_value()
@@ -406,6 +465,8 @@ def quantize_row_cpu(work, dim, q_row, fmt):
         else:
             d = work[j0 + _first_of_bits32(work, j0, amax_bits)] / np.float32(-8.0)
         inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+        if fmt == 1 and inv == np.float32(np.inf):
+            inv = np.float32(0.0)   # the same zero quants: see _llvm_q8_0_bytes
         if _F16C:
             bits = np.int64(_hw_float_to_half(d))
         else:
@@ -438,7 +499,7 @@ def _int_const(value, c):
 
 
 def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, fmt_v,
-                          m_given=None):
+                          m_given=None, blendv_lanes=0):
     """Store the ggml blocks (``fmt_v`` 1: q8_0, 2: q4_0) of the finite ``<32 x float>``
     values ``blocks`` (their magnitudes' bits ``mags``, largest ``amax``) at byte ``qoff`` of
     ``q``'s data: :func:`quantize_block`'s math (scales and reciprocals of all blocks as one
@@ -469,9 +530,12 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
     # q8_0: d = amax / 127; q4_0: d = m / -8
     d = builder.fdiv(builder.bitcast(m_v, vb_f),
                      ir.Constant(vb_f, [127.0 if fmt_v == 1 else -8.0] * nb))
-    nonzero = builder.fcmp_ordered("!=", d, ir.Constant(vb_f, [0.0] * nb))
-    inv = builder.select(nonzero, builder.fdiv(ir.Constant(vb_f, [1.0] * nb), d),
-                         ir.Constant(vb_f, [0.0] * nb))
+    recip = builder.fdiv(ir.Constant(vb_f, [1.0] * nb), d)
+    if fmt_v == 1:   # d >= 0: a zero or infinite reciprocal (d 0 or below ~2^-128) -> 0
+        keep = builder.fcmp_ordered("<", recip, ir.Constant(vb_f, [float("inf")] * nb))
+    else:
+        keep = builder.fcmp_ordered("!=", d, ir.Constant(vb_f, [0.0] * nb))
+    inv = builder.select(keep, recip, ir.Constant(vb_f, [0.0] * nb))
     d_half = builder.bitcast(builder.fptrunc(d, ir.VectorType(ir.HalfType(), nb)),
                              ir.VectorType(i16, nb))
     nbytes = 34 if fmt_v == 1 else 18
@@ -483,19 +547,12 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
         inv_k = _llvm_splat(builder, builder.extract_element(inv, kk), 32)
         qat = builder.add(qoff, _int_const(qoff, k * nbytes + 2))
         if fmt_v == 1:   # roundf(x * inv)
-            r = _llvm_roundf32(builder, builder.fmul(blocks[k], inv_k))
-            builder.store(builder.trunc(r, ir.VectorType(i8, 32)),
+            r = _llvm_roundf32(builder, builder.fmul(blocks[k], inv_k), blendv_lanes)
+            builder.store(_llvm_q8_0_bytes(builder, r),
                           _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1)
         else:            # min(15, int(x * inv + 8.5)), the product rounded before the add
             y = builder.fadd(builder.fmul(blocks[k], inv_k), ir.Constant(v32f, [8.5] * 32))
-            r = builder.fptosi(y, v32i)
-            c15 = ir.Constant(v32i, [15] * 32)
-            r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
-            h16 = ir.VectorType(i32, 16)
-            lo = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16))))
-            hi = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16, 32))))
-            packed = builder.or_(lo, builder.shl(hi, ir.Constant(h16, [4] * 16)))
-            builder.store(builder.trunc(packed, ir.VectorType(i8, 16)),
+            builder.store(_llvm_q4_0_bytes(builder, builder.fptosi(y, v32i)),
                           _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
 
 
@@ -541,27 +598,105 @@ def _llvm_block_maxima(builder, mags, vmax=_umax):
     return shuffle(v, v, [k * (16 // len(mags)) for k in range(len(mags))])
 
 
-def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name):
+def _llvm_block_maxima_df(builder, block_fn, nb: int, vmaxes):
+    """:func:`_llvm_block_maxima` for each max in ``vmaxes`` (:func:`_umax`, :func:`_smax`),
+    of the ``<32 x i32>`` values ``block_fn(k)`` of blocks ``k = 0 .. nb - 1`` (``nb`` a power
+    of two), as a list of ``<nb x i32>``: each block folded to 8 lanes as soon as it is
+    loaded, then merged with its neighbours like a binary counter (two blocks of the same
+    size merge into one vector: half the lanes of each, a max of the halves), so no more
+    than one block and log2(nb) partial results are live at once. Integer maxima: any order
+    gives the same result."""
+    from llvmlite import ir
+    i32 = ir.IntType(32)
+
+    def shuffle(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
+
+    def merge(a, b, vmax, group):
+        half = group // 2
+        lo = [g * group + j for g in range(8 // group) for j in range(half)]
+        hi = [i + half for i in lo]
+        return vmax(builder, shuffle(a, b, lo + [8 + i for i in lo]),
+                    shuffle(a, b, hi + [8 + i for i in hi]))
+
+    stacks = [[] for _ in vmaxes]   # (8 lanes, lanes per block) in block order
+    for k in range(nb):
+        m = block_fn(k)
+        for stack, vmax in zip(stacks, vmaxes):
+            a = vmax(builder, shuffle(m, m, list(range(16))), shuffle(m, m, list(range(16, 32))))
+            stack.append((vmax(builder, shuffle(a, a, list(range(8))),
+                               shuffle(a, a, list(range(8, 16)))), 8))
+            while len(stack) > 1 and stack[-1][1] == stack[-2][1] > 1:
+                (a, group), (b, _) = stack[-2], stack[-1]
+                stack[-2:] = [(merge(a, b, vmax, group), group // 2)]
+    out = []
+    for stack, vmax in zip(stacks, vmaxes):
+        picks = []
+        for v, group in stack:
+            g = group
+            while g > 1:   # within each block's lanes: fold the top half onto the bottom
+                half = g // 2
+                v = vmax(builder, v, shuffle(v, v, [(i + half) if (i % g) < half else i
+                                                    for i in range(8)]))
+                g = half
+            picks.append(v if group == 1 else
+                         shuffle(v, v, [c * group for c in range(8 // group)]))
+        while len(picks) > 1:   # equal halves, in block order
+            picks = [shuffle(a, b, list(range(2 * a.type.count)))
+                     for a, b in zip(picks[0::2], picks[1::2])]
+        out.append(picks[0])
+    return out
+
+
+def _llvm_barrier(builder, ptr):
+    """An empty ``asm volatile`` that may read and write the memory at ``ptr`` (an escaped
+    scratch row): LLVM must complete the stores to it before and load it again after,
+    instead of keeping its values in registers -- which, for a row larger than the register
+    file, it did by spilling ~11 moves a register (AVX2)."""
+    from llvmlite import ir
+    builder.asm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", [ptr], True)
+
+
+def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name,
+                          load_block=None, barrier=None, blendv_lanes=0):
     """IR: quantize the float32 vector ``v`` (``nb`` blocks of 32 values) into q8_0 (``is_q8``)
     or q4_0 blocks at byte ``qoff_v`` of ``qa`` (:func:`_llvm_quantize_blocks`, ggml's block
     maxima and rounding; q4_0's signed largest value from an unsigned and a signed max over the
     raw bits, the lanes' order consulted only for a tie of opposite signs). A block holding an
     infinity or NaN stores nothing: the returned i64 is 1 then (the caller redoes the chunk by
     the work-row path, whose non-finite handling is ggml's), else 0. Shared by the fused put
-    and the fused shift."""
+    and the fused shift. Staged form (``v`` None, ``load_block(k)`` loading block ``k`` as
+    ``<32 x float>`` from a scratch row, ``barrier()`` as :func:`_llvm_barrier`): the block
+    maxima folded block by block as the blocks are loaded (:func:`_llvm_block_maxima_df`),
+    and the blocks loaded again for the quants after a barrier, so no more than a block's
+    registers are live at once (AVX2)."""
     from llvmlite import ir
     i32, i64 = ir.IntType(32), ir.IntType(64)
     v32i = ir.VectorType(i32, 32)
     vb = ir.VectorType(i32, nb)
+    staged = load_block is not None
     blocks, raws = [], []
-    for k in range(nb):
+    for k in range(0 if staged else nb):
         blk = v if nb == 1 else builder.shuffle_vector(
             v, v, ir.Constant(v32i, list(range(32 * k, 32 * k + 32))))
         blocks.append(blk)
         raws.append(builder.bitcast(blk, v32i))
 
+    def magnitude(r):
+        return builder.and_(r, ir.Constant(v32i, [0x7FFFFFFF] * 32))
+
     def magnitudes():
-        return [builder.and_(r, ir.Constant(v32i, [0x7FFFFFFF] * 32)) for r in raws]
+        return [magnitude(r) for r in raws]
+
+    def reloaded():
+        """the blocks for the quants: staged, loaded again after a barrier"""
+        if not staged:
+            return blocks
+        barrier()
+        return [load_block(k) for k in range(nb)]
+
+    def raw_block(k):
+        return builder.bitcast(load_block(k), v32i)
 
     def any_lane(cond):
         return builder.icmp_unsigned("!=", builder.bitcast(cond, ir.IntType(nb)),
@@ -580,20 +715,26 @@ def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name
     builder.cbranch(is_q8, q8, q4)
     # q8_0: the largest magnitude, an unsigned max over the magnitudes' bits
     builder.position_at_end(q8)
-    mags = magnitudes()
-    amax_v = _llvm_block_maxima(builder, mags)
+    if staged:
+        amax_v, = _llvm_block_maxima_df(builder, lambda k: magnitude(raw_block(k)), nb, [_umax])
+    else:
+        amax_v = _llvm_block_maxima(builder, magnitudes())
     builder.cbranch(not_finite(amax_v), done, q8_store)
     builder.position_at_end(q8_store)
     amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
-    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, mags, amax, 1)
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax, 1,
+                          blendv_lanes=blendv_lanes)
     builder.branch(done)
     # q4_0: the signed value of the first largest magnitude. An unsigned max over the raw bits
     # is the largest negative magnitude (sign bit set) if any value is negative; a signed max,
     # the largest non-negative one if any is not. The larger decides the sign, unless they are
     # equal (a tie of opposite signs, rare): then the first of them, by the lanes' order.
     builder.position_at_end(q4)
-    neg_top = _llvm_block_maxima(builder, raws)
-    pos_top = _llvm_block_maxima(builder, raws, _smax)
+    if staged:
+        neg_top, pos_top = _llvm_block_maxima_df(builder, raw_block, nb, [_umax, _smax])
+    else:
+        neg_top = _llvm_block_maxima(builder, raws)
+        pos_top = _llvm_block_maxima(builder, raws, _smax)
     none = ir.Constant(vb, [-1] * nb)
     neg_mag = builder.select(builder.icmp_signed("<", neg_top, ir.Constant(vb, [0] * nb)),
                              builder.and_(neg_top, ir.Constant(vb, [0x7FFFFFFF] * nb)), none)
@@ -607,10 +748,12 @@ def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name
     builder.position_at_end(q4_store)
     m_v = builder.select(builder.icmp_signed("==", neg_mag, amax_v),
                          builder.or_(amax_v, ir.Constant(vb, [-0x80000000] * nb)), amax_v)
-    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, None, amax, 2, m_v)
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax, 2, m_v)
     builder.branch(done)
     builder.position_at_end(q4_tie)
-    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, blocks, magnitudes(), amax, 2)
+    tie_blocks = reloaded()
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, tie_blocks,
+                          [magnitude(builder.bitcast(b, v32i)) for b in tie_blocks], amax, 2)
     builder.branch(done)
     builder.position_at_end(done)
     flag = builder.phi(i64)
@@ -636,7 +779,16 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
     call, always predicted; a specialisation per value made the put take minutes to compile).
     Returns 0, or 1 (and stores nothing) when a block holds an infinity or NaN: the caller then
     takes the work-row path, which stores ggml's NaN block. The CPU must have F16C
-    (``_F16C``)."""
+    (``_F16C``).
+
+    Compiled for AVX2 without AVX-512 (the shipped ``x86-64-v3`` code; ``_STAGED_LANES``),
+    the call is staged through a scratch row of ``n`` floats on the stack instead of being
+    one LLVM value: :func:`.hadamard.wht_staged`'s passes of at most 8 registers, the block
+    maxima as the blocks are loaded back, the quants from a second load. One value of 512
+    floats needs 64 of AVX2's 16 registers, and LLVM spilled ~11 moves a register (2,428
+    instructions a rotated q8_0 call, 926 of them stack accesses; staged: 1,830, whose stack
+    accesses are the row's planned stores and loads). Same operations on the same values:
+    the same bits."""
     if not (isinstance(n, types.IntegerLiteral) and isinstance(rotate, types.IntegerLiteral)):
         return None
     n_v, rot_v = n.literal_value, rotate.literal_value
@@ -663,7 +815,71 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
                            cpu_fma_lanes(context))
         is_q8 = builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1))
         return _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, "fused")
-    return types.int64(x, xoff, q, qoff, rscale, fmt, kind, n, rotate), codegen
+
+    def codegen_staged(context, builder, sig, args):
+        from numba.core import cgutils
+        f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+        x_ty, q_ty = sig.args[0], sig.args[2]
+        xa, xoff_v, qa, qoff_v, rs, fmt_a, kind_a = args[:7]
+        lanes = _STAGED_LANES
+        regs = n_v // lanes
+        vf, vi = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
+        scratch = cgutils.alloca_once(builder, ir.ArrayType(f32, n_v), name="fused_row")
+        scratch.align = 64
+        row = builder.bitcast(scratch, f32.as_pointer())
+
+        def reg_ptr(i, count=lanes):
+            return builder.bitcast(builder.gep(row, [ir.Constant(i32, i * lanes)]),
+                                   ir.VectorType(f32, count).as_pointer())
+
+        def load_input(i):
+            at = builder.add(xoff_v, _int_const(xoff_v, i * lanes))
+            if x_ty.dtype == types.float32:
+                v = builder.load(_vector_ptr(context, builder, x_ty, xa, at, f32, lanes),
+                                 align=4)
+            else:
+                raw = builder.load(_vector_ptr(context, builder, x_ty, xa, at, i16, lanes),
+                                   align=2)
+                as_f16 = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)),
+                                       vf)
+                as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, vi),
+                                                      ir.Constant(vi, [16] * lanes)), vf)
+                is_f16 = builder.icmp_signed("==", kind_a, _int_const(kind_a, 3))
+                v = builder.select(is_f16, as_f16, as_bf16)
+            return builder.fmul(v, _llvm_splat(builder, rs, lanes)) if rot_v else v
+
+        def load_scratch(i):
+            return builder.load(reg_ptr(i), align=32)
+
+        def store_reg(i, v):
+            builder.store(v, reg_ptr(i), align=32)
+
+        def barrier():
+            _llvm_barrier(builder, row)
+
+        if rot_v:
+            wht_staged(builder, load_input, load_scratch, store_reg, barrier, regs, rot_v, lanes)
+        else:
+            for i in range(regs):
+                store_reg(i, load_input(i))
+        barrier()
+        is_q8 = builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1))
+        return _llvm_store_quantized(
+            context, builder, None, n_v // 32, q_ty, qa, qoff_v, is_q8, "fused",
+            load_block=lambda k: builder.load(reg_ptr(k * 32 // lanes, 32), align=32),
+            barrier=barrier, blendv_lanes=lanes)
+
+    def pick(context, builder, sig, args):
+        if cpu_fma_lanes(context) == _STAGED_LANES:
+            return codegen_staged(context, builder, sig, args)
+        return codegen(context, builder, sig, args)
+    return types.int64(x, xoff, q, qoff, rscale, fmt, kind, n, rotate), pick
+
+
+#: the register width (float32 lanes) for which the fused put takes the staged form
+#: (:func:`.hadamard.wht_staged`): AVX2 with FMA, 16 registers of 8 floats -- the shipped
+#: ``x86-64-v3`` code. AVX-512 (32 registers of 16 floats) holds a 512-value call whole.
+_STAGED_LANES = 8
 
 
 @intrinsic(prefer_literal=True)

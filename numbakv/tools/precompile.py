@@ -18,7 +18,8 @@ and without a sliding window), the README's examples (its quantized one as paste
 transformers ones: ``generate()`` with float and q8_0 K/V, ``hf.Server``, ``hf.attach``, when
 torch and transformers are installed), the sequence operations, page tables and the dense
 attention, quantized K/V (one side quantized and the other float too, attended on the CPU),
-puts of strided (non-contiguous) K/V, state save/load, stream caches,
+puts of strided (non-contiguous) K/V, MLA latents (attended, and a q8_0 latent shifted),
+encoder caches, refused batches taken back, state save/load, stream caches,
 the prompt cache and ``numbakv bench --quick``, on the CPU; and the host side of the CUDA path (the
 ``@njit`` bookkeeping a GPU cache runs on the CPU), run on device ``sim`` in a second child with
 Numba's CUDA simulator on. Anything outside it still works; numba compiles it on first use.
@@ -83,6 +84,7 @@ def _tour(dtype: str, tmp: str, device: str = "cpu") -> None:
         cache.load_state(path)
         data = cache.state_bytes(0)
         cache.load_state_bytes(data, 0)
+        cache.seq_keep(0)
         cache.close()
 
 
@@ -235,6 +237,115 @@ def _mixed_formats() -> None:
             finally:
                 attention._PARALLEL_WORK = saved
             cache.close()
+
+
+def _latents() -> None:
+    """MLA latent caches (``v_head_dim=0``: the value is the first ``v_dim`` values of each
+    cached row) on the CPU: ``attend(..., v_dim=)`` reads V as a strided view of the latent
+    pool, another signature of the CPU attention than a plain cache's, per storage dtype (the
+    one-thread form: the threaded one, ~12 s to compile, would add ~0.3 MiB a pool type); and
+    a q8_0 latent whose rope dims are neither 64 nor 128 (MiniCPM3's 32: outside the fused
+    per-row rotation), shifted: the quantized RoPE on a strided view of the rope blocks, one
+    thread and threaded (a long sequence), each ~85 CPU s to compile on first use; and
+    fp8_ds_mla latents put and read. The attention is skipped without torch (``attend`` takes
+    torch queries)."""
+    import ml_dtypes  # noqa: F401 -- numpy's "bfloat16" dtype (numba-cuda's dependency)
+
+    import numbakv as nkv
+    from .. import attention
+
+    rank, rope = 16, 8
+    rng = np.random.default_rng(0)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    for dtype in ("float32", "float16", "bfloat16") if torch is not None else ():
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=1, head_dim=rank + rope, v_head_dim=0,
+                              dtype=dtype, capacity=16, max_seqs=2, max_batch=8, device="cpu")
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=rope, offset=rank))
+        cache.start_forward([0, 1, 2, 0, 1], [0, 0, 0, 1, 1])
+        cache.set_layer(0)
+        cache.put(rng.standard_normal((5, 1, rank + rope)).astype(np.float32).astype(
+            cfg.dtype), None)
+        q = torch.from_numpy(rng.standard_normal((5, 4, rank + rope)).astype(np.float32))
+        q = q.to(getattr(torch, dtype))
+        for backend in ("torch", "auto"):
+            attention.attend(q, cache, backend=backend, v_dim=rank)
+        cache.close()
+    rank, rope = 64, 32
+    for tokens in (6, 4096):         # the threaded rotation from 2**18 values on
+        cfg = nkv.CacheConfig(n_layers=2, n_kv_heads=1, head_dim=rank + rope, v_head_dim=0,
+                              k_dtype="q8_0", capacity=tokens, max_seqs=1, max_batch=tokens,
+                              device="cpu")
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=rope, offset=rank))
+        cache.start_forward(np.arange(tokens), np.zeros(tokens, np.int64))
+        rows = np.ones((tokens, 1, rank + rope), cfg.dtype)
+        for layer in range(cfg.n_layers):
+            cache.set_layer(layer)
+            cache.put(rows, None)
+        cache.seq_add(0, 0, None, 3)
+        cache.apply_pending_shifts()
+        cache.close()
+    # DeepSeek V3.2's fp8_ds_mla rows (FlashMLA's 656 bytes) on the CPU: the put and get per
+    # input / output dtype (float16 goes through float32)
+    for dtype in ("bfloat16", "float16", "float32"):
+        cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=1, head_dim=576, v_head_dim=0,
+                              dtype=dtype, k_dtype="fp8_ds_mla", capacity=8, max_seqs=1,
+                              device="cpu")
+        cache = nkv.CausalCache(cfg, shift=nkv.RopeShift(dim=64, offset=512))
+        cache.start_forward(np.arange(4), np.zeros(4, np.int64))
+        cache.set_layer(0)
+        cache.put(rng.standard_normal((4, 1, 576)).astype(np.float32).astype(cfg.dtype), None)
+        cache.get()
+        cache.close()
+
+
+def _encoder_and_refusals() -> None:
+    """Attention over an encoder cache (cross-attention: every token sees every cell, its own
+    flag array); a batch refused for want of room by a wrapper of a sliding-window and a full
+    cache after the window cache evicted and defragmented for it (both taken back); and a shift
+    function that fails inside ``start_forward`` (the placement taken back)."""
+    import numbakv as nkv
+
+    try:
+        import torch
+        from ..attention import attend
+    except ImportError:
+        torch = None
+    if torch is not None:
+        cfg = nkv.CacheConfig(1, 2, 16, dtype="float32", capacity=8, max_seqs=2, device="cpu")
+        enc = nkv.EncoderCache(cfg)
+        enc.start_forward([0, 0, 1], [0, 1, 0], encoder_pos=0)
+        kv = np.ones((4, 2, 16), np.float32)
+        enc.put(kv, kv)
+        attend(torch.ones((3, 4, 16)), enc)
+
+    def cache(capacity, **kw):
+        cfg = nkv.CacheConfig(1, 2, 16, dtype="float16", capacity=capacity, max_batch=2,
+                              device="cpu")
+        return nkv.CausalCache(cfg, **kw)
+    wrap = nkv.WrapperCache([cache(8, swa_window=1, swa_memory=2), cache(4)],
+                            layer_groups=[0, 1])
+    for positions in ([0], [1, 2]):
+        wrap.start_forward(positions, [0] * len(positions))
+        for layer in range(2):
+            wrap.set_layer(layer)
+            kv = np.ones((len(positions), 2, 16), np.float16)
+            wrap.put(kv, kv)
+    try:
+        wrap.start_forward([3, 4], [0, 0])
+    except nkv.KVCacheFullError:
+        pass
+    failing = nkv.CausalCache(nkv.CacheConfig(1, 2, 16, dtype="float16", capacity=8,
+                                              device="cpu"),
+                              shift=lambda layer, key, deltas: key[:1])   # the wrong shape
+    failing.start_forward([0, 1, 2], [0] * 3)
+    failing.seq_add(0, 1, None, 5)
+    try:
+        failing.start_forward([10], [0])
+    except ValueError:
+        pass
 
 
 def _readme_quantized() -> None:
@@ -405,6 +516,8 @@ def common_path(verbose: bool = False) -> Dict[str, float]:
         "README quantized": lambda tmp: _readme_quantized(),
         "mixed quantized/float K/V": lambda tmp: _mixed_formats(),
         "strided inputs": lambda tmp: _strided_inputs(),
+        "MLA latents": lambda tmp: _latents(),
+        "encoder, refusals": lambda tmp: _encoder_and_refusals(),
         "transformers": lambda tmp: _transformers(),
         "prompt cache": _prompt_cache,
         "bench --quick": lambda tmp: _bench_quick(),

@@ -35,8 +35,9 @@ def _register(event) -> None:
             cpu = time.thread_time() - self.started.pop()
             data = ev.data or {}
             fn = getattr(data.get("dispatcher"), "py_func", None)
+            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
             record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "-"), "pid": os.getpid(),
-                      "func": f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}",
+                      "func": name,
                       "args": str(data.get("args")), "depth": len(self.started),
                       "cpu": round(cpu, 3)}
             try:
