@@ -70,6 +70,13 @@ class _Forward:
     #: device, numbakv.pages.extend_pages)
     cells_v0: int = -1
     cells_v1: int = -1
+    #: the version before the pass when its window pruning and its placement were all that
+    #: changed the table (-1: a defrag or a copy-on-write too), and the pruning's undo records
+    #: ``[k, 4]`` (cell, seq, pos, shift; None: nothing pruned): a captured step grows its page
+    #: lists on the device across a pruning that dropped only cells already cut from their
+    #: list's front by the window (numbakv.step.append_lists)
+    pruned_v0: int = -1
+    pruned: Optional[np.ndarray] = None
     slots: Optional[np.ndarray] = None   # int32 [batch]: the batch's cells when not one run
                                          # start .. start+batch-1 (paged placement)
 
@@ -417,6 +424,9 @@ class CausalCache(StateMethods):
             and undo.defrag_moves is None and not getattr(undo, "unshared", None)
         fwd.cells_v0 = cells_v0 if only_placed else -1
         fwd.cells_v1 = self.cells.version
+        if undo.defrag_moves is None and not getattr(undo, "unshared", None):
+            fwd.pruned_v0 = cells_v0
+            fwd.pruned = undo.pruned if undo.pruned is not None and len(undo.pruned) else None
 
     def _place_paged(self, pos: np.ndarray, sq: np.ndarray, range_window: int, undo: "_Undo",
                      ask_room: bool) -> "_Undo":

@@ -35,11 +35,13 @@ descriptor grows by the split-K part length, each token's batch sequence, the CS
 and the causal flags; the page lists live in ``kv_indices`` / ``kv_positions``, room for
 ``n_cells x min(batch, max_seqs)`` entries (the most a pass can list). A decode replay whose
 lists just grow (the same batch sequences in the same order, new positions above each list's
-last one, the cell table changed only by the replays' placements since the lists were built)
+last one, the cell table changed only by the replays' placements and by window pruning that
+dropped only cells the window already cut from the lists' fronts since the lists were built)
 sends the new cells, the front drops of a window or chunks and the new list pointers in its
 descriptor, and two launches at the head of the graph grow the lists on the device (into
-scratch lists, then back): no page table of the pass is built on the host. Otherwise (first
-replay, a sequence operation, a defrag, a shift, window pruning, other batch sequences) the
+scratch lists, then back): no page table of the pass is built on the host, so a sliding-window
+decode replay stays O(batch) on the host once its window prunes. Otherwise (first replay, a
+sequence operation, a defrag, a shift, other batch sequences) the
 pass's page table is built (or extended on the device) by ``page_table()``'s machinery on the
 cache's stream and copied into the fixed lists by two device-to-device copies. The grid cannot follow the lengths, so it
 is sized once for a fixed number of split-K parts (what the kernel's planner gives the batch on
@@ -219,7 +221,8 @@ def fill_attention(host, kv_indptr, qo_indptr, token_order, causal_in, causal_ou
 
 @njit(cache=True)
 def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk, state_seq,
-                 state_indptr, state_first, state_last, meta, at, parts, min_part, unit):
+                 state_indptr, state_first, state_last, meta, at, parts, min_part, unit,
+                 pruned):
     """A decode step's page lists as the previous replay's, each grown by its sequence's new
     cells (and, with a window or chunks, cut at the front): the attention fields of the
     descriptor ``host`` for the captured list extension (see :meth:`DecodeStep._send`), in one
@@ -230,8 +233,13 @@ def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk,
     The state (``state_*`` ``[batch + 2]``: the previous lists' sequence ids, CSR pointers,
     first and last positions; ``meta`` ``[n_lists, contiguous]``) is updated only on success.
     Returns False, with the state untouched, where the lists do not just grow: other batch
-    sequences or another order, a new position not above its list's last one, or a window /
-    chunk over a list whose positions are not one run (where its front ends is unknown)."""
+    sequences or another order, a new position not above its list's last one, a window /
+    chunk over a list whose positions are not one run (where its front ends is unknown), or a
+    cell the pass's window pruning dropped that its list still holds: ``pruned`` int64 ``[k,
+    2]`` (sequence, position) of each cell sequence dropped; one of a listed sequence must lie
+    before that list's new front (the window's memory is at least the window, so pruning only
+    drops cells the window already cut from the list's front; the list then stays valid, the
+    freed cells reused by the placement appearing as new cells)."""
     tok_at, ip_at, plen_at, prev_at, drop_at, qo_at, addc_at, addp_at = \
         at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]
     pos_at = HEADER + batch
@@ -286,6 +294,17 @@ def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk,
                 lo = min(lo, v)
             prev_len = state_indptr[b + 1] - state_indptr[b]
             drop[b] = min(max(lo - state_first[b], 0), prev_len)
+    if pruned.shape[0]:
+        for r in range(pruned.shape[0]):
+            s = pruned[r, 0]
+            if s < 0 or s >= max_seqs:
+                return False
+            b = slot[s]
+            if b < 0:
+                continue        # not listed (the batch's sequences are the lists')
+            prev_len = state_indptr[b + 1] - state_indptr[b]
+            if meta[1] == 0 or pruned[r, 1] >= state_first[b] + drop[b] and drop[b] < prev_len:
+                return False    # a listed cell dropped (or the list's front unknown)
     # the descriptor: previous pointers, drops, groups, new cells / positions, new pointers
     nnz_prev = state_indptr[nb]
     for b in range(batch + 2):
@@ -327,6 +346,9 @@ def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk,
     plen = (plen + unit - 1) // unit * unit
     host[plen_at] = max(min_part, plen)
     return True
+
+
+_NONE_PRUNED = np.zeros((0, 2), np.int64)    # a pass whose window pruning dropped nothing
 
 
 class Attention:
@@ -886,10 +908,11 @@ class DecodeStep:
         """After ``start_forward``: the step descriptor of the pass sent to the device and, with
         attention, the pass's page lists brought into the fixed lists (all on ``stream``, the
         cache's; no host wait). A decode step whose lists just grow (the cell table changed
-        only by the previous replay's and this pass's placements) sends the new cells in the
-        descriptor and the captured extension (:meth:`_list_launches`) appends them on the
-        device: O(batch) host work. Anything else (a sequence operation, a defrag, a shift,
-        window pruning, other batch sequences) builds the pass's page table
+        only by the previous replay's and this pass's placements, and its window pruning of
+        cells already cut from the lists' fronts) sends the new cells in the descriptor and
+        the captured extension (:meth:`_list_launches`) appends them on the device: O(batch)
+        host work. Anything else (a sequence operation, a defrag, a shift, other batch
+        sequences) builds the pass's page table
         (``_host_pages``) and copies its lists into the fixed ones."""
         fwd = self.cache._forward
         positions, seqs, start, slots = self.cache._step_placement()
@@ -902,8 +925,10 @@ class DecodeStep:
         hold the previous replay's lists and the cell table changed since only by this pass's
         placement; False (nothing usable written) otherwise."""
         held = self._lists_of
-        if held is None or self.device == "cpu" or fwd.reserve or \
-                not self._only_placed_since(held, fwd):
+        if held is None or self.device == "cpu" or fwd.reserve:
+            return False
+        pruned = self._pruned_since(held, fwd)
+        if pruned is None:
             return False
         self._lists_of = None       # until the lists are known to be this pass's
         T = self.batch
@@ -914,7 +939,7 @@ class DecodeStep:
                             -1 if window == UNLIMITED else int(window),
                             int(self.cache._chunk), self._st_seq, self._st_indptr,
                             self._st_first, self._st_last, self._st_meta, self._append_at,
-                            self._parts, self._min_part, self._part_unit):
+                            self._parts, self._min_part, self._part_unit, pruned):
             return False
         host[self._zero_at:self._zero_at + T + 2] = 0
         self._lists_of = self._tables_state()
@@ -923,32 +948,44 @@ class DecodeStep:
     # The cell tables the fixed lists follow: the cache's one, or with per-sequence streams
     # one per stream (each stream's list grows from its own placements, in pool cells).
     def _tables_state(self) -> tuple:
-        """The cell tables and their versions now (what :meth:`_only_placed_since` compares
+        """The cell tables and their versions now (what :meth:`_pruned_since` compares
         a later pass with)."""
         if self._per_stream:
             return tuple((st.cells, st.cells.version) for st in self.cache.streams)
         cells = self.cache.cells
         return (cells, cells.version)
 
-    def _only_placed_since(self, held: tuple, fwd: Any) -> bool:
+    def _pruned_since(self, held: tuple, fwd: Any) -> Optional[np.ndarray]:
         """Whether the cell tables changed since ``held`` (:meth:`_tables_state`) only by pass
-        ``fwd``'s placements (no sequence operation, defrag, shift or window pruning)."""
+        ``fwd``'s window pruning and placements (no sequence operation, defrag or shift):
+        then the (sequence, position) of every cell sequence the pruning dropped (int64 ``[k,
+        2]``, per-sequence streams' local sequences as their stream's; ``k = 0``: none), which
+        :func:`append_lists` checks lie before their lists' new fronts; None otherwise."""
         if not self._per_stream:
             cells = self.cache.cells
-            return held[0] is cells and fwd.cells_v0 == held[1] and \
-                cells.version == fwd.cells_v1
+            if held[0] is not cells or fwd.pruned_v0 != held[1] or \
+                    cells.version != fwd.cells_v1:
+                return None
+            return _NONE_PRUNED if fwd.pruned is None else np.ascontiguousarray(fwd.pruned[:, 1:3])
         in_batch = set(fwd.seq_ids.tolist())
+        dropped = []
         for s, st in enumerate(self.cache.streams):
             cells, version = held[s]
             if cells is not st.cells:
-                return False
+                return None
             if s in in_batch:
                 sf = st._forward
-                if sf is None or sf.cells_v0 != version or st.cells.version != sf.cells_v1:
-                    return False
+                if sf is None or sf.pruned_v0 != version or st.cells.version != sf.cells_v1:
+                    return None
+                if sf.pruned is not None:
+                    rec = sf.pruned[:, 1:3].copy()
+                    rec[:, 0] = s               # a stream's one sequence is local sequence 0
+                    dropped.append(rec)
             elif st.cells.version != version:
-                return False
-        return True
+                return None
+        if not dropped:
+            return _NONE_PRUNED
+        return dropped[0] if len(dropped) == 1 else np.concatenate(dropped)
 
     def _pass_causal(self, fwd: Any) -> np.ndarray:
         """uint8 ``[n]``: the pass's causal flags in batch order (a stream cache keeps them

@@ -334,7 +334,10 @@ class StreamCache(CausalCache):
             streams[s]._forward = _Forward(
                 grouped[a0:a1], zeros[a0:a1], False, start, lo, hi,
                 one if a1 - a0 == 1 else ones[:a1 - a0],
-                cells_v0=v1 - gap if not pruning or cut[b] == cut[b + 1] else -1, cells_v1=v1)
+                cells_v0=v1 - gap if not pruning or cut[b] == cut[b + 1] else -1, cells_v1=v1,
+                pruned_v0=v1 - gap,
+                pruned=None if not pruning or cut[b] == cut[b + 1]
+                else pruned[cut[b]:cut[b + 1]])
         undo = _StreamUndo(self._forward, [], (ids, rows, local, bounds, before, defrags,
                                                pruned if pruning else None, cut))
         self._forward = _StreamForward(seq_ids, qo_indptr, token_order, None, False,

@@ -615,8 +615,10 @@ def test_captured_lists_grow_on_the_device_and_rebuild_after_table_changes(windo
     """The simulator (the real kernels): a replay whose lists just grow appends its cells on
     the device (no page table of the pass built on the host); a replay after a sequence
     operation or a defrag -- which move or drop cells whose positions still pass the growth
-    test -- rebuilds the lists (so does one whose window pruning dropped cells); every replay equals start_forward + put + attend on a CPU
-    cache, with and without a sliding window (lists cut at the front)."""
+    test -- rebuilds the lists; a replay whose window pruning dropped cells (only ones the
+    window already cut from the lists' fronts) grows them on the device too; every replay
+    equals start_forward + put + attend on a CPU cache, with and without a sliding window
+    (lists cut at the front)."""
     torch = pytest.importorskip("torch")
     from numbakv.attention import attend
     cfg = dict(ATT, capacity=16, dtype="float32")
@@ -632,7 +634,8 @@ def test_captured_lists_grow_on_the_device_and_rebuild_after_table_changes(windo
     plan = [((0, 1), (0, 0), True), ((2, 0), (0, 1), True), ((3, 1), (0, 1), False),
             ((4, 2), (0, 1), False), ("seq_rm", None, None), ((5, 3), (0, 1), True),
             ((6, 4), (0, 1), False), ("defrag", None, None), ((7, 5), (0, 1), True),
-            ((8, 6), (0, 1), False)]
+            ((8, 6), (0, 1), False), ((9, 7), (0, 1), False), ((10, 8), (0, 1), False)]
+    pruned_grown = 0
     for pos, seqs, rebuilds in plan:
         if pos == "seq_rm":         # sequence 1 loses its front: its later positions stay
             for c in (cache, reference):
@@ -649,10 +652,13 @@ def test_captured_lists_grow_on_the_device_and_rebuild_after_table_changes(windo
         q = torch.randn(2, n, 2, 8, generator=gen)
         before = len(built)
         out = step.replay(pos, seqs, q.numpy(), k.numpy(), v.numpy())
-        # window pruning (the window's memory dropping old cells) changes the table too
-        rebuilds = rebuilds or cache._forward.cells_v0 < 0
+        # a defrag the placement needed (no free page) changes the table too
+        rebuilds = rebuilds or cache._forward.pruned_v0 < 0
         assert (len(built) > before) == rebuilds, (pos, seqs)
         grown += not rebuilds
+        # the window's memory dropped old cells of a listed sequence, lists still grown
+        pruned_grown += not rebuilds and cache._forward.pruned is not None and \
+            bool(np.isin(cache._forward.pruned[:, 1], seqs).any())
         reference.start_forward(pos, seqs)
         for layer in range(2):
             reference.set_layer(layer)
@@ -661,6 +667,7 @@ def test_captured_lists_grow_on_the_device_and_rebuild_after_table_changes(windo
             np.testing.assert_allclose(out[layer], want, rtol=1e-5, atol=1e-5)
     assert cache.defrag_count == reference.defrag_count >= 1
     assert grown >= 2
+    assert pruned_grown >= (0 if window is None else 2), pruned_grown
 
 
 @pytest.mark.torch
@@ -1093,6 +1100,68 @@ def test_captured_stream_cache_attention_equals_the_cpu_attend(device, small_blo
         # replay 2 (the same two streams, grown) appended on the device; replay 3 after the
         # removal rebuilt (seen[1]: removal() ran on both caches), replay 4 grew again
         assert seen[0] == 2 and len(built) == 3, (seen, built)
+
+
+def test_append_lists_refuses_a_pruned_cell_its_list_still_holds():
+    """The guard behind growing windowed lists across window pruning: a dropped cell of a
+    listed sequence before the list's new front is fine (or of an unlisted sequence), one at
+    or after it means the list holds a freed cell: refused, the lists' state untouched."""
+    from numbakv.step import append_lists
+    T = 2
+    at = np.array([11, 13, 10, 18, 22, 26, 30, 32], np.int64)   # tok, indptr, plen, prev, ...
+
+    def run(pruned):
+        host = np.full(38, -1, np.int32)
+        host[HEADER:HEADER + 3 * T] = [20, -1, 8, -1, 0, -1]    # one token: seq 0, position 8
+        state = [np.array(x, np.int64) for x in ([0, 0, 0, 0], [0, 3, 3, 3], [5, 0, 0, 0],
+                                                 [7, 0, 0, 0], [1, 1])]
+        kept = [x.copy() for x in state]
+        ok = append_lists(host, 1, np.ones(1, np.uint8), np.zeros(T, np.uint8), T, 3, 3, 0,
+                          *state, at, 1, 1, 1, np.array(pruned, np.int64).reshape(-1, 2))
+        return ok, host, state, kept
+
+    ok, host, state, _ = run([(0, 4), (2, 6)])     # before the front (5), another sequence
+    assert ok
+    assert list(host[13:15]) == [0, 4] and list(host[30:31]) == [20]    # 5, 6, 7 + cell 20
+    assert state[2][0] == 5 and state[3][0] == 8
+    ok, _, state, kept = run([(0, 4), (0, 6)])     # position 6 is still listed
+    assert not ok
+    for a, b in zip(state, kept):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.torch
+def test_captured_windowed_stream_lists_grow_across_window_pruning(small_blocks):
+    """Per-sequence streams under a sliding window (the simulator, the real kernels): once
+    each stream's window memory drops its oldest cells every decode step, the replays still
+    grow the page lists on the device (the pruned cells were already cut from the lists'
+    fronts) -- no page table built after the first replay -- and return what start_forward +
+    put + attend return on a CPU stream cache."""
+    cfg_kw = dict(unified=False, page_size=1, capacity=6)
+    cache_kw = dict(swa_window=2)
+    built = []
+    made = []
+
+    def make_step():
+        cache = nkv.CausalCache(nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float16",
+                                                device="sim"), **cache_kw)
+        pages_of = cache._host_pages
+        cache._host_pages = lambda: built.append(1) or pages_of()
+        made.append(cache)
+        return cache, cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5,
+                                         soft_cap=3.0)
+    pruned = []
+
+    def count(c):           # before replay i: how many passes so far pruned a listed cell
+        if c is made[0]:
+            pruned.append(sum(st._forward is not None and st._forward.pruned is not None
+                              for st in c.streams))
+    steps = [(np.array([0, 0], np.int32), np.array([0, 1], np.int32))] + [
+        (np.array([p, p], np.int32), np.array([0, 1], np.int32)) for p in range(1, 8)]
+    _check_attention(make_step, cfg_kw, cache_kw, "float16", _wrap_for("sim"), 2e-5,
+                     steps=steps, edits={i: count for i in range(2, 8)})
+    assert len(built) == 1, built
+    assert sum(pruned) >= 6, pruned      # both streams pruned on most replays, still grown
 
 
 # ------------------------------------------------------------------ per-layer layouts
