@@ -310,7 +310,8 @@ def main(argv=None) -> int:
     rs = nkv.RopeShift()
     # a stream's storage is its slice of the streams' pool (KVStorage.cell_slice)
     for tag, st in (("", replayed.storage), ("stream_", s_replayed.streams[BATCH // 2].storage)):
-        for cells in (64, min(4096, st.n_cells // 2)):
+        # source and destination must not overlap: at most half the stream's cells
+        for cells in sorted({min(64, st.n_cells // 2), min(4096, st.n_cells // 2)}):
             moves = np.array([[st.n_cells - cells, 0, cells]], np.int64)
             results[f"{tag}move_{cells}_host_us"] = _timed(lambda i: st.move_blocks(moves), 200,
                                                            dev, a.sync_every)
