@@ -420,13 +420,13 @@ class CausalCache(StateMethods):
         pruning, a defrag or a copy-on-write of shared pages changed more than the pass's own
         cells) and after it: page tables extend on the device only after a pure placement."""
         fwd = self._forward
-        only_placed = (undo.pruned is None or not len(undo.pruned)) \
-            and undo.defrag_moves is None and not getattr(undo, "unshared", None)
-        fwd.cells_v0 = cells_v0 if only_placed else -1
+        pruned = undo.pruned if undo.pruned is not None and len(undo.pruned) else None
+        no_moves = undo.defrag_moves is None and not getattr(undo, "unshared", None)
+        fwd.cells_v0 = cells_v0 if no_moves and pruned is None else -1
         fwd.cells_v1 = self.cells.version
-        if undo.defrag_moves is None and not getattr(undo, "unshared", None):
+        if no_moves:
             fwd.pruned_v0 = cells_v0
-            fwd.pruned = undo.pruned if undo.pruned is not None and len(undo.pruned) else None
+            fwd.pruned = pruned
 
     def _place_paged(self, pos: np.ndarray, sq: np.ndarray, range_window: int, undo: "_Undo",
                      ask_room: bool) -> "_Undo":

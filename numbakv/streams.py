@@ -355,24 +355,15 @@ class StreamCache(CausalCache):
                          else ones[:bounds[b + 1] - bounds[b]] for b in range(n_b)]
         # the version count place() left each table at (a plain attribute read per stream)
         versions = list(map(_version_of, map(tables.__getitem__, ids)))
-        if not pruning:
-            for st, row, v1, p_b, q_b, c_b in zip(placed_streams, rows, versions, positions_of,
-                                                  seqs_of, causal_of):
-                # a pure placement (_stamp_versions): the version before is place()'s gap
-                # back; positional arguments (mask, exported None), cheaper than keywords
-                v0 = v1 - gap
-                st._forward = _Forward(p_b, q_b, False, row[0], row[1], row[2], c_b, None, None,
-                                       v0, v1, v0)
-        else:
-            for b, st in enumerate(placed_streams):
-                start, lo, hi = rows[b][:3]
-                v1 = versions[b]
-                kept = cut[b] == cut[b + 1]
-                # a pure placement, unless the window pruning dropped cells (_stamp_versions)
-                st._forward = _Forward(
-                    positions_of[b], seqs_of[b], False, start, lo, hi, causal_of[b],
-                    cells_v0=v1 - gap if kept else -1, cells_v1=v1, pruned_v0=v1 - gap,
-                    pruned=None if kept else pruned[cut[b]:cut[b + 1]])
+        for b, (st, row, v1, p_b, q_b, c_b) in enumerate(zip(placed_streams, rows, versions,
+                                                            positions_of, seqs_of, causal_of)):
+            # the version before the pass: place()'s counts back (_stamp_versions); a pure
+            # placement unless the window pruning dropped cells. Positional arguments (mask,
+            # exported None): cheaper than keywords
+            v0 = v1 - gap
+            dropped = pruned[cut[b]:cut[b + 1]] if pruning and cut[b] != cut[b + 1] else None
+            st._forward = _Forward(p_b, q_b, False, row[0], row[1], row[2], c_b, None, None,
+                                   v0 if dropped is None else -1, v1, v0, dropped)
         undo = _StreamUndo(self._forward, [], (ids, rows, local, bounds, before, defrags,
                                                pruned if pruning else None, cut))
         self._forward = _StreamForward(seq_ids, qo_indptr, token_order, None, False,
