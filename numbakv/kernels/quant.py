@@ -508,18 +508,26 @@ def _int_const(value, c):
 
 
 def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, fmt_v,
-                          m_given=None, blendv_lanes=0):
+                          m_given=None, blendv_lanes=0, block_regs=None, barrier=None,
+                          prescale=None):
     """Store the ggml blocks (``fmt_v`` 1: q8_0, 2: q4_0) of the finite ``<32 x float>``
     values ``blocks`` (their magnitudes' bits ``mags``, largest ``amax``) at byte ``qoff`` of
     ``q``'s data: :func:`quantize_block`'s math (scales and reciprocals of all blocks as one
     vector divide, the scales' float16 by ``fptrunc``, the quants as :func:`_q8_0_quants32` /
     :func:`_q4_0_quants32`). ``m_given``: q4_0's signed largest values (``<nb x i32>`` bits)
-    already known (:func:`_llvm_q4_0_maxima`); else found here from ``mags`` and ``amax``."""
+    already known (:func:`_llvm_q4_0_maxima`); else found here from ``mags`` and ``amax``.
+    ``block_regs`` (the staged AVX2 form): ``block_regs(k)`` loads block ``k`` from the
+    scratch row as 4 ``<8 x float>`` registers just before its quants, and ``barrier()``
+    follows each block's stores (:func:`_llvm_store_block_avx2`). ``prescale`` (a float32
+    power of two, see :func:`_fused_put_chunk`): ``blocks`` are the values divided by it,
+    exactly (:data:`_UNSCALED_BLOCKS`; an LLVM float value, 1.0 for none); the scales are
+    taken of the largest values times it and the quants of ``blocks`` times the reciprocals
+    times it -- the same float32 results."""
     from llvmlite import ir
     from numba.core import cgutils
     f32, i32, i16, i8, i1 = (ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8),
                              ir.IntType(1))
-    nb = len(blocks)
+    nb = len(amax)
     v32f, v32i = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
     vb_i, vb_f = ir.VectorType(i32, nb), ir.VectorType(f32, nb)
     m_v = ir.Constant(vb_i, ir.Undefined) if m_given is None else m_given
@@ -537,14 +545,18 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
             mk = builder.or_(mk, builder.shl(sign, ir.Constant(i32, 31)))
         m_v = builder.insert_element(m_v, mk, ir.Constant(i32, k))
     # q8_0: d = amax / 127; q4_0: d = m / -8
-    d = builder.fdiv(builder.bitcast(m_v, vb_f),
-                     ir.Constant(vb_f, [127.0 if fmt_v == 1 else -8.0] * nb))
+    m_f = builder.bitcast(m_v, vb_f)
+    if prescale is not None:
+        m_f = builder.fmul(m_f, _llvm_splat(builder, prescale, nb))
+    d = builder.fdiv(m_f, ir.Constant(vb_f, [127.0 if fmt_v == 1 else -8.0] * nb))
     recip = builder.fdiv(ir.Constant(vb_f, [1.0] * nb), d)
     if fmt_v == 1:   # d >= 0: a zero or infinite reciprocal (d 0 or below ~2^-128) -> 0
         keep = builder.fcmp_ordered("<", recip, ir.Constant(vb_f, [float("inf")] * nb))
     else:
         keep = builder.fcmp_ordered("!=", d, ir.Constant(vb_f, [0.0] * nb))
     inv = builder.select(keep, recip, ir.Constant(vb_f, [0.0] * nb))
+    if prescale is not None:
+        inv = builder.fmul(inv, _llvm_splat(builder, prescale, nb))
     d_half = builder.bitcast(builder.fptrunc(d, ir.VectorType(ir.HalfType(), nb)),
                              ir.VectorType(i16, nb))
     nbytes = 34 if fmt_v == 1 else 18
@@ -553,14 +565,20 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
         b0 = builder.add(qoff, _int_const(qoff, k * nbytes))
         builder.store(builder.extract_element(d_half, kk),
                       _elem_ptr(context, builder, q_ty, qa, b0, i16), align=1)
-        inv_k = _llvm_splat(builder, builder.extract_element(inv, kk), 32)
         qat = builder.add(qoff, _int_const(qoff, k * nbytes + 2))
+        if block_regs is not None:
+            _llvm_store_block_avx2(context, builder, q_ty, qa, qat, block_regs(k),
+                                   builder.extract_element(inv, kk), fmt_v)
+            barrier()
+            continue
+        inv_k = _llvm_splat(builder, builder.extract_element(inv, kk), 32)
+        blk = blocks[k]
         if fmt_v == 1:   # roundf(x * inv)
-            r = _llvm_roundf32(builder, builder.fmul(blocks[k], inv_k), blendv_lanes)
+            r = _llvm_roundf32(builder, builder.fmul(blk, inv_k), blendv_lanes)
             builder.store(_llvm_q8_0_bytes(builder, r),
                           _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1)
         else:            # min(15, int(x * inv + 8.5)), the product rounded before the add
-            y = builder.fadd(builder.fmul(blocks[k], inv_k), ir.Constant(v32f, [8.5] * 32))
+            y = builder.fadd(builder.fmul(blk, inv_k), ir.Constant(v32f, [8.5] * 32))
             r = builder.fptosi(y, v32i)
             if blendv_lanes == 8:   # AVX2: narrowed to bytes first (_llvm_q4_0_bytes)
                 packed = _llvm_q4_0_bytes(builder, r)
@@ -575,6 +593,68 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
                     builder.or_(lo, builder.shl(hi, ir.Constant(h16, [4] * 16))),
                     ir.VectorType(i8, 16))
             builder.store(packed, _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
+
+
+def _llvm_x86(builder, name, ret, args):
+    """A call of the x86 intrinsic ``name`` (LLVM's ``llvm.x86.*``) returning ``ret``."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _llvm_store_block_avx2(context, builder, q_ty, qa, qat, regs, inv, fmt_v):
+    """Store the quants of one q8_0 (``fmt_v`` 1) or q4_0 block at byte ``qat`` of ``q``'s
+    data from its 32 values as 4 ``<8 x float>`` registers ``regs`` and the float32
+    reciprocal ``inv`` of its scale, in AVX2 instructions (the fused put's staged form):
+    q8_0 ``roundf(x * inv)`` (the copysign by ``vblendvps``, :func:`_llvm_roundf32`), q4_0
+    ``min(15, int(x * inv + 8.5))``; the narrowing written as AVX2's in-lane saturating
+    packs with one cross-lane ``vpermd`` to put the bytes in order. LLVM's own lowering of a
+    ``<32 x i32>`` truncation took 3 ``vpermq`` fixes a block (one after each pack); q4_0's
+    nibbles merge by one 64-bit shift and an ``or`` on the packed bytes (the packs pair value
+    ``i``'s dword with value ``i + 16``'s) instead of an extract, a 16-bit shift and an
+    ``or``. The same bytes as :func:`_llvm_q8_0_bytes` / :func:`_llvm_q4_0_bytes`: every
+    quant is within the packs' range ([-127, 127] for q8_0, see there; [0, 16] for q4_0)."""
+    from llvmlite import ir
+    f32, i32, i16, i8, i64 = (ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8),
+                              ir.IntType(64))
+    v8f, v8i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+    v16s, v32b = ir.VectorType(i16, 16), ir.VectorType(i8, 32)
+    inv8 = _llvm_splat(builder, inv, 8)
+
+    def pack(name, ret, a, b):
+        return _llvm_x86(builder, f"llvm.x86.avx2.{name}", ret, [a, b])
+    if fmt_v == 1:
+        half = float(np.uint32(_PRED_HALF_BITS).view(np.float32))
+        pos8, neg8 = ir.Constant(v8f, [half] * 8), ir.Constant(v8f, [-half] * 8)
+        ints = []
+        for r in regs:
+            y = builder.fmul(r, inv8)
+            h = _llvm_x86(builder, "llvm.x86.avx.blendv.ps.256", v8f, [pos8, neg8, y])
+            ints.append(builder.fptosi(builder.fadd(y, h), v8i))
+        # dwords after the packs: v0-3, v8-11, v16-19, v24-27 | v4-7, v12-15, v20-23, v28-31
+        b = pack("packsswb", v32b, pack("packssdw", v16s, ints[0], ints[1]),
+                 pack("packssdw", v16s, ints[2], ints[3]))
+        b = builder.shuffle_vector(builder.bitcast(b, v8i), builder.bitcast(b, v8i),
+                                   ir.Constant(v8i, [0, 4, 1, 5, 2, 6, 3, 7]))
+        builder.store(builder.bitcast(b, v32b),
+                      _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1)
+        return
+    c85 = ir.Constant(v8f, [8.5] * 8)
+    ints = [builder.fptosi(builder.fadd(builder.fmul(r, inv8), c85), v8i) for r in regs]
+    # dwords after the packs: v0-3, v16-19, v8-11, v24-27 | v4-7, v20-23, v12-15, v28-31
+    b = pack("packuswb", v32b, pack("packssdw", v16s, ints[0], ints[2]),
+             pack("packssdw", v16s, ints[1], ints[3]))
+    b15 = ir.Constant(v32b, [15] * 32)
+    b = builder.select(builder.icmp_unsigned("<", b, b15), b, b15)
+    # each qword's low dword | its high dword << 4 (bytes <= 15: no bit crosses a byte)
+    qw = builder.bitcast(b, ir.VectorType(i64, 4))
+    qw = builder.or_(qw, builder.lshr(qw, ir.Constant(qw.type, [28] * 4)))
+    d = builder.bitcast(qw, v8i)
+    out = builder.shuffle_vector(d, d, ir.Constant(ir.VectorType(i32, 4), [0, 4, 2, 6]))
+    builder.store(builder.bitcast(out, ir.VectorType(i8, 16)),
+                  _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
 
 
 def _umax(builder, a, b):
@@ -679,7 +759,8 @@ def _llvm_barrier(builder, ptr):
 
 
 def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name,
-                          load_block=None, barrier=None, blendv_lanes=0):
+                          load_block=None, barrier=None, blendv_lanes=0, block_regs=None,
+                          prescale=None):
     """IR: quantize the float32 vector ``v`` (``nb`` blocks of 32 values) into q8_0 (``is_q8``)
     or q4_0 blocks at byte ``qoff_v`` of ``qa`` (:func:`_llvm_quantize_blocks`, ggml's block
     maxima and rounding; q4_0's signed largest value from an unsigned and a signed max over the
@@ -716,6 +797,20 @@ def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name
         barrier()
         return [load_block(k) for k in range(nb)]
 
+    def quantize(fmt_v, m_v):
+        """the quants (q8_0: ``m_v`` None): staged with ``block_regs``, each block loaded
+        just before its quants and a barrier after its stores -- without it LLVM hoisted
+        every block's multiply above the first block's stores and spilled the products
+        (2 extra stack moves a register)"""
+        if block_regs is not None:
+            barrier()
+            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, None, None, amax, fmt_v,
+                                  m_v, block_regs=block_regs, barrier=barrier,
+                                  prescale=prescale)
+        else:
+            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax,
+                                  fmt_v, m_v, blendv_lanes=blendv_lanes, prescale=prescale)
+
     def raw_block(k):
         return builder.bitcast(load_block(k), v32i)
 
@@ -743,8 +838,7 @@ def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name
     builder.cbranch(not_finite(amax_v), done, q8_store)
     builder.position_at_end(q8_store)
     amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
-    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax, 1,
-                          blendv_lanes=blendv_lanes)
+    quantize(1, None)
     builder.branch(done)
     # q4_0: the signed value of the first largest magnitude. An unsigned max over the raw bits
     # is the largest negative magnitude (sign bit set) if any value is negative; a signed max,
@@ -769,14 +863,14 @@ def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name
     builder.position_at_end(q4_store)
     m_v = builder.select(builder.icmp_signed("==", neg_mag, amax_v),
                          builder.or_(amax_v, ir.Constant(vb, [-0x80000000] * nb)), amax_v)
-    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax, 2, m_v,
-                          blendv_lanes=blendv_lanes)
+    quantize(2, m_v)
     builder.branch(done)
     builder.position_at_end(q4_tie)
     tie_blocks = reloaded()
     _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, tie_blocks,
                           [magnitude(builder.bitcast(b, v32i)) for b in tie_blocks], amax, 2,
-                          blendv_lanes=blendv_lanes)
+                          blendv_lanes=blendv_lanes, block_regs=block_regs, barrier=barrier,
+                          prescale=prescale)
     builder.branch(done)
     builder.position_at_end(done)
     flag = builder.phi(i64)
@@ -810,11 +904,526 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
     maxima as the blocks are loaded back, the quants from a second load. One value of 512
     floats needs 64 of AVX2's 16 registers, and LLVM spilled ~11 moves a register (2,428
     instructions a rotated q8_0 call, 926 of them stack accesses; staged: 1,830, whose stack
-    accesses are the row's planned stores and loads). Same operations on the same values:
+    accesses are the row's planned stores and loads). Its quants are AVX2 instructions a
+    block at a time (:func:`_llvm_store_block_avx2`): 1,692. With AVX-512 the rotated calls
+    take the staged form too (registers of 16 floats: the stages of a 128-value block in one
+    pass; measured 1.29-1.34 against 1.59-1.84 ms a 4,096 x 8 x 128 K+V put, in cache), the
+    unrotated ones the one-value form (faster there). Same operations on the same values:
     the same bits."""
     if not (isinstance(n, types.IntegerLiteral) and isinstance(rotate, types.IntegerLiteral)):
         return None
     n_v, rot_v = n.literal_value, rotate.literal_value
+    from llvmlite import ir
+
+    def codegen(context, builder, sig, args):
+        n = 32
+        x = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], args[1],
+                                     ir.FloatType(), n), align=4)
+        r = _llvm_roundf32(builder, builder.fmul(x, _llvm_splat(builder, args[2], n)))
+        builder.store(_llvm_q8_0_bytes(builder, r),
+                      _vector_ptr(context, builder, sig.args[3], args[3], args[4],
+                                  ir.IntType(8), n), align=1)
+        return context.get_dummy_value()
+    return types.void(work, off, inv, q, qoff), codegen
+
+
+@intrinsic
+def _q4_0_quants32(typingctx, work, off, inv, q, qoff):
+    """``q[qoff : qoff + 16]``: ``min(15, int(work[off + i] * inv + 8.5))`` in the low nibble
+    of byte ``i`` and that of value ``i + 16`` in the high one (the product rounded before the
+    add: a separate multiply and add, never fused)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, sig, args):
+        n = 32
+        vf, vi = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
+        x = builder.load(_vector_ptr(context, builder, sig.args[0], args[0], args[1],
+                                     ir.FloatType(), n), align=4)
+        y = builder.fadd(builder.fmul(x, _llvm_splat(builder, args[2], n)),
+                         ir.Constant(vf, [8.5] * n))
+        r = builder.fptosi(y, vi)
+        c15 = ir.Constant(vi, [15] * n)
+        r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
+        h = ir.VectorType(ir.IntType(32), 16)
+        lo = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16))))
+        hi = builder.shuffle_vector(r, r, ir.Constant(h, list(range(16, 32))))
+        b = builder.or_(lo, builder.shl(hi, ir.Constant(h, [4] * 16)))
+        builder.store(builder.trunc(b, ir.VectorType(ir.IntType(8), 16)),
+                      _vector_ptr(context, builder, sig.args[3], args[3], args[4],
+                                  ir.IntType(8), 16), align=1)
+        return context.get_dummy_value()
+    return types.void(work, off, inv, q, qoff), codegen
+
+
+@njit(inline="always")
+def quantize_row_cpu(work, dim, q_row, fmt):
+    """``work[:dim]`` (contiguous float32) quantized into the q8_0 (``fmt`` 1) or q4_0 (2) byte
+    row ``q_row`` (contiguous): :func:`quantize_block`'s math, block by block, in vector form.
+    The scale's float16 by F16C where the CPU has it (the same bits as the software conversion
+    for the finite scales that reach it; a compile-time constant)."""
+    nbytes = 34 if fmt == 1 else 18
+    for blk in range(dim // 32):
+        j0 = blk * 32
+        b0 = blk * nbytes
+        amax_bits = _amax_bits32(work, j0)
+        if amax_bits >= 0x7F800000:   # a NaN or an infinity in the block: NaN scale, zero quants
+            q_row[b0] = np.uint8(0x00)
+            q_row[b0 + 1] = np.uint8(0x7E)
+            for i in range(nbytes - 2):
+                q_row[b0 + 2 + i] = np.uint8(0)
+            continue
+        if fmt == 1:
+            d = np.uint32(amax_bits).view(np.float32) / np.float32(127.0)
+        else:
+            d = work[j0 + _first_of_bits32(work, j0, amax_bits)] / np.float32(-8.0)
+        inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+        if fmt == 1 and inv == np.float32(np.inf):
+            inv = np.float32(0.0)   # the same zero quants: see _llvm_q8_0_bytes
+        if _F16C:
+            bits = np.int64(_hw_float_to_half(d))
+        else:
+            bits = np.int64(_f32_to_f16_cpu(d))
+        q_row[b0] = np.uint8(bits & 0xFF)
+        q_row[b0 + 1] = np.uint8(bits >> 8)
+        if fmt == 1:
+            _q8_0_quants32(work, j0, inv, q_row, b0 + 2)
+        else:
+            _q4_0_quants32(work, j0, inv, q_row, b0 + 2)
+
+
+
+
+# --------------------------------------------------------------------------------------------
+# the CPU put's fused form: a chunk of a row from the input straight to its quantized bytes,
+# all in registers (no float32 work row, no per-row array views). Same IEEE operations in the
+# same order as the work-row form above (widen exactly, scale, ggml's stages, quantize_block's
+# block math), so the same bytes.
+
+def _elem_ptr(context, builder, aryty, ary, off, elem):
+    """A pointer to one ``elem`` at element ``off`` of ``ary``'s data."""
+    arr = context.make_array(aryty)(context, builder, value=ary)
+    return builder.bitcast(builder.gep(arr.data, [off]), elem.as_pointer())
+
+
+def _int_const(value, c):
+    from llvmlite import ir
+    return ir.Constant(value.type, c)
+
+
+def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, fmt_v,
+                          m_given=None, blendv_lanes=0, block_regs=None, barrier=None,
+                          prescale=None):
+    """Store the ggml blocks (``fmt_v`` 1: q8_0, 2: q4_0) of the finite ``<32 x float>``
+    values ``blocks`` (their magnitudes' bits ``mags``, largest ``amax``) at byte ``qoff`` of
+    ``q``'s data: :func:`quantize_block`'s math (scales and reciprocals of all blocks as one
+    vector divide, the scales' float16 by ``fptrunc``, the quants as :func:`_q8_0_quants32` /
+    :func:`_q4_0_quants32`). ``m_given``: q4_0's signed largest values (``<nb x i32>`` bits)
+    already known (:func:`_llvm_q4_0_maxima`); else found here from ``mags`` and ``amax``.
+    ``block_regs`` (the staged AVX2 form): ``block_regs(k)`` loads block ``k`` from the
+    scratch row as 4 ``<8 x float>`` registers just before its quants, and ``barrier()``
+    follows each block's stores (:func:`_llvm_store_block_avx2`). ``prescale`` (a float32
+    power of two, see :func:`_fused_put_chunk`): ``blocks`` are the values divided by it,
+    exactly (:data:`_UNSCALED_BLOCKS`; an LLVM float value, 1.0 for none); the scales are
+    taken of the largest values times it and the quants of ``blocks`` times the reciprocals
+    times it -- the same float32 results."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    f32, i32, i16, i8, i1 = (ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8),
+                             ir.IntType(1))
+    nb = len(amax)
+    v32f, v32i = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
+    vb_i, vb_f = ir.VectorType(i32, nb), ir.VectorType(f32, nb)
+    m_v = ir.Constant(vb_i, ir.Undefined) if m_given is None else m_given
+    for k in range(nb if m_given is None else 0):
+        mk = amax[k]
+        if fmt_v == 2:   # m: the first value of the largest magnitude, with its sign
+            cttz = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i32, [i32, i1]), "llvm.cttz.i32")
+            eq = builder.icmp_unsigned("==", mags[k], _llvm_splat(builder, amax[k], 32))
+            first = builder.call(cttz, [builder.bitcast(eq, i32), ir.Constant(i1, 0)])
+            neg = builder.icmp_signed("<", builder.bitcast(blocks[k], v32i),
+                                      ir.Constant(v32i, [0] * 32))
+            sign = builder.and_(builder.lshr(builder.bitcast(neg, i32), first),
+                                ir.Constant(i32, 1))
+            mk = builder.or_(mk, builder.shl(sign, ir.Constant(i32, 31)))
+        m_v = builder.insert_element(m_v, mk, ir.Constant(i32, k))
+    # q8_0: d = amax / 127; q4_0: d = m / -8
+    m_f = builder.bitcast(m_v, vb_f)
+    if prescale is not None:
+        m_f = builder.fmul(m_f, _llvm_splat(builder, prescale, nb))
+    d = builder.fdiv(m_f, ir.Constant(vb_f, [127.0 if fmt_v == 1 else -8.0] * nb))
+    recip = builder.fdiv(ir.Constant(vb_f, [1.0] * nb), d)
+    if fmt_v == 1:   # d >= 0: a zero or infinite reciprocal (d 0 or below ~2^-128) -> 0
+        keep = builder.fcmp_ordered("<", recip, ir.Constant(vb_f, [float("inf")] * nb))
+    else:
+        keep = builder.fcmp_ordered("!=", d, ir.Constant(vb_f, [0.0] * nb))
+    inv = builder.select(keep, recip, ir.Constant(vb_f, [0.0] * nb))
+    if prescale is not None:
+        inv = builder.fmul(inv, _llvm_splat(builder, prescale, nb))
+    d_half = builder.bitcast(builder.fptrunc(d, ir.VectorType(ir.HalfType(), nb)),
+                             ir.VectorType(i16, nb))
+    nbytes = 34 if fmt_v == 1 else 18
+    for k in range(nb):
+        kk = ir.Constant(i32, k)
+        b0 = builder.add(qoff, _int_const(qoff, k * nbytes))
+        builder.store(builder.extract_element(d_half, kk),
+                      _elem_ptr(context, builder, q_ty, qa, b0, i16), align=1)
+        qat = builder.add(qoff, _int_const(qoff, k * nbytes + 2))
+        if block_regs is not None:
+            _llvm_store_block_avx2(context, builder, q_ty, qa, qat, block_regs(k),
+                                   builder.extract_element(inv, kk), fmt_v)
+            barrier()
+            continue
+        inv_k = _llvm_splat(builder, builder.extract_element(inv, kk), 32)
+        blk = blocks[k]
+        if fmt_v == 1:   # roundf(x * inv)
+            r = _llvm_roundf32(builder, builder.fmul(blk, inv_k), blendv_lanes)
+            builder.store(_llvm_q8_0_bytes(builder, r),
+                          _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1)
+        else:            # min(15, int(x * inv + 8.5)), the product rounded before the add
+            y = builder.fadd(builder.fmul(blk, inv_k), ir.Constant(v32f, [8.5] * 32))
+            r = builder.fptosi(y, v32i)
+            if blendv_lanes == 8:   # AVX2: narrowed to bytes first (_llvm_q4_0_bytes)
+                packed = _llvm_q4_0_bytes(builder, r)
+            else:   # AVX-512: min and nibbles on 32-bit lanes, then one vpmovdb (measured
+                # faster there than the byte-first form's packs, extract and merge)
+                c15 = ir.Constant(v32i, [15] * 32)
+                r = builder.select(builder.icmp_signed("<", r, c15), r, c15)
+                h16 = ir.VectorType(i32, 16)
+                lo = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16))))
+                hi = builder.shuffle_vector(r, r, ir.Constant(h16, list(range(16, 32))))
+                packed = builder.trunc(
+                    builder.or_(lo, builder.shl(hi, ir.Constant(h16, [4] * 16))),
+                    ir.VectorType(i8, 16))
+            builder.store(packed, _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
+
+
+def _llvm_x86(builder, name, ret, args):
+    """A call of the x86 intrinsic ``name`` (LLVM's ``llvm.x86.*``) returning ``ret``."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _llvm_store_block_avx2(context, builder, q_ty, qa, qat, regs, inv, fmt_v):
+    """Store the quants of one q8_0 (``fmt_v`` 1) or q4_0 block at byte ``qat`` of ``q``'s
+    data from its 32 values as 4 ``<8 x float>`` registers ``regs`` and the float32
+    reciprocal ``inv`` of its scale, in AVX2 instructions (the fused put's staged form):
+    q8_0 ``roundf(x * inv)`` (the copysign by ``vblendvps``, :func:`_llvm_roundf32`), q4_0
+    ``min(15, int(x * inv + 8.5))``; the narrowing written as AVX2's in-lane saturating
+    packs with one cross-lane ``vpermd`` to put the bytes in order. LLVM's own lowering of a
+    ``<32 x i32>`` truncation took 3 ``vpermq`` fixes a block (one after each pack); q4_0's
+    nibbles merge by one 64-bit shift and an ``or`` on the packed bytes (the packs pair value
+    ``i``'s dword with value ``i + 16``'s) instead of an extract, a 16-bit shift and an
+    ``or``. The same bytes as :func:`_llvm_q8_0_bytes` / :func:`_llvm_q4_0_bytes`: every
+    quant is within the packs' range ([-127, 127] for q8_0, see there; [0, 16] for q4_0)."""
+    from llvmlite import ir
+    f32, i32, i16, i8, i64 = (ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8),
+                              ir.IntType(64))
+    v8f, v8i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+    v16s, v32b = ir.VectorType(i16, 16), ir.VectorType(i8, 32)
+    inv8 = _llvm_splat(builder, inv, 8)
+
+    def pack(name, ret, a, b):
+        return _llvm_x86(builder, f"llvm.x86.avx2.{name}", ret, [a, b])
+    if fmt_v == 1:
+        half = float(np.uint32(_PRED_HALF_BITS).view(np.float32))
+        pos8, neg8 = ir.Constant(v8f, [half] * 8), ir.Constant(v8f, [-half] * 8)
+        ints = []
+        for r in regs:
+            y = builder.fmul(r, inv8)
+            h = _llvm_x86(builder, "llvm.x86.avx.blendv.ps.256", v8f, [pos8, neg8, y])
+            ints.append(builder.fptosi(builder.fadd(y, h), v8i))
+        # dwords after the packs: v0-3, v8-11, v16-19, v24-27 | v4-7, v12-15, v20-23, v28-31
+        b = pack("packsswb", v32b, pack("packssdw", v16s, ints[0], ints[1]),
+                 pack("packssdw", v16s, ints[2], ints[3]))
+        b = builder.shuffle_vector(builder.bitcast(b, v8i), builder.bitcast(b, v8i),
+                                   ir.Constant(v8i, [0, 4, 1, 5, 2, 6, 3, 7]))
+        builder.store(builder.bitcast(b, v32b),
+                      _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1)
+        return
+    c85 = ir.Constant(v8f, [8.5] * 8)
+    ints = [builder.fptosi(builder.fadd(builder.fmul(r, inv8), c85), v8i) for r in regs]
+    # dwords after the packs: v0-3, v16-19, v8-11, v24-27 | v4-7, v20-23, v12-15, v28-31
+    b = pack("packuswb", v32b, pack("packssdw", v16s, ints[0], ints[2]),
+             pack("packssdw", v16s, ints[1], ints[3]))
+    b15 = ir.Constant(v32b, [15] * 32)
+    b = builder.select(builder.icmp_unsigned("<", b, b15), b, b15)
+    # each qword's low dword | its high dword << 4 (bytes <= 15: no bit crosses a byte)
+    qw = builder.bitcast(b, ir.VectorType(i64, 4))
+    qw = builder.or_(qw, builder.lshr(qw, ir.Constant(qw.type, [28] * 4)))
+    d = builder.bitcast(qw, v8i)
+    out = builder.shuffle_vector(d, d, ir.Constant(ir.VectorType(i32, 4), [0, 4, 2, 6]))
+    builder.store(builder.bitcast(out, ir.VectorType(i8, 16)),
+                  _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
+
+
+def _umax(builder, a, b):
+    return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+
+
+def _smax(builder, a, b):
+    return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+
+def _llvm_block_maxima(builder, mags, vmax=_umax):
+    """The maximum (``vmax``: unsigned, or :func:`_smax` signed) of each ``<32 x i32>`` in
+    ``mags`` (1, 2, 4, 8 or 16 of them) as one ``<len x i32>``: each folded to 16 lanes, then pairs merged (half the lanes of each into one
+    vector, a max of the two halves) until one vector holds every block's lanes, then each
+    block's lanes reduced in place -- a shared shuffle tree (~4 operations a block) rather than
+    a horizontal reduction per block (~10 each, a long dependency chain)."""
+    from llvmlite import ir
+    i32 = ir.IntType(32)
+
+    def shuffle(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
+    vs = [vmax(builder, shuffle(m, m, list(range(16))), shuffle(m, m, list(range(16, 32))))
+          for m in mags]
+    group = 16   # lanes per block in each vector
+    while len(vs) > 1:
+        half = group // 2
+        lo = [g * group + j for g in range(16 // group) for j in range(half)]
+        hi = [i + half for i in lo]
+        merged = []
+        for a, b in zip(vs[0::2], vs[1::2]):
+            # lanes of a's blocks first, then b's: block order kept
+            first = shuffle(a, b, lo + [16 + i for i in lo])
+            second = shuffle(a, b, hi + [16 + i for i in hi])
+            merged.append(vmax(builder, first, second))
+        vs, group = merged, half
+    v = vs[0]
+    while group > 1:   # within each block's lanes: fold the top half onto the bottom
+        half = group // 2
+        idx = [(i + half) if (i % group) < half else i for i in range(16)]
+        v = vmax(builder, v, shuffle(v, v, idx))
+        group = half
+    return shuffle(v, v, [k * (16 // len(mags)) for k in range(len(mags))])
+
+
+def _llvm_block_maxima_df(builder, block_fn, nb: int, vmaxes):
+    """:func:`_llvm_block_maxima` for each max in ``vmaxes`` (:func:`_umax`, :func:`_smax`),
+    of the ``<32 x i32>`` values ``block_fn(k)`` of blocks ``k = 0 .. nb - 1`` (``nb`` a power
+    of two), as a list of ``<nb x i32>``: each block folded to 8 lanes as soon as it is
+    loaded, then merged with its neighbours like a binary counter (two blocks of the same
+    size merge into one vector: half the lanes of each, a max of the halves), so no more
+    than one block and log2(nb) partial results are live at once. Integer maxima: any order
+    gives the same result."""
+    from llvmlite import ir
+    i32 = ir.IntType(32)
+
+    def shuffle(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
+
+    def merge(a, b, vmax, group):
+        half = group // 2
+        lo = [g * group + j for g in range(8 // group) for j in range(half)]
+        hi = [i + half for i in lo]
+        return vmax(builder, shuffle(a, b, lo + [8 + i for i in lo]),
+                    shuffle(a, b, hi + [8 + i for i in hi]))
+
+    stacks = [[] for _ in vmaxes]   # (8 lanes, lanes per block) in block order
+    for k in range(nb):
+        m = block_fn(k)
+        for stack, vmax in zip(stacks, vmaxes):
+            a = vmax(builder, shuffle(m, m, list(range(16))), shuffle(m, m, list(range(16, 32))))
+            stack.append((vmax(builder, shuffle(a, a, list(range(8))),
+                               shuffle(a, a, list(range(8, 16)))), 8))
+            while len(stack) > 1 and stack[-1][1] == stack[-2][1] > 1:
+                (a, group), (b, _) = stack[-2], stack[-1]
+                stack[-2:] = [(merge(a, b, vmax, group), group // 2)]
+    out = []
+    for stack, vmax in zip(stacks, vmaxes):
+        picks = []
+        for v, group in stack:
+            g = group
+            while g > 1:   # within each block's lanes: fold the top half onto the bottom
+                half = g // 2
+                v = vmax(builder, v, shuffle(v, v, [(i + half) if (i % g) < half else i
+                                                    for i in range(8)]))
+                g = half
+            picks.append(v if group == 1 else
+                         shuffle(v, v, [c * group for c in range(8 // group)]))
+        while len(picks) > 1:   # equal halves, in block order
+            picks = [shuffle(a, b, list(range(2 * a.type.count)))
+                     for a, b in zip(picks[0::2], picks[1::2])]
+        out.append(picks[0])
+    return out
+
+
+def _llvm_barrier(builder, ptr):
+    """An empty ``asm volatile`` that may read and write the memory at ``ptr`` (an escaped
+    scratch row): LLVM must complete the stores to it before and load it again after,
+    instead of keeping its values in registers -- which, for a row larger than the register
+    file, it did by spilling ~11 moves a register (AVX2)."""
+    from llvmlite import ir
+    builder.asm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", [ptr], True)
+
+
+def _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, name,
+                          load_block=None, barrier=None, blendv_lanes=0, block_regs=None,
+                          prescale=None):
+    """IR: quantize the float32 vector ``v`` (``nb`` blocks of 32 values) into q8_0 (``is_q8``)
+    or q4_0 blocks at byte ``qoff_v`` of ``qa`` (:func:`_llvm_quantize_blocks`, ggml's block
+    maxima and rounding; q4_0's signed largest value from an unsigned and a signed max over the
+    raw bits, the lanes' order consulted only for a tie of opposite signs). A block holding an
+    infinity or NaN stores nothing: the returned i64 is 1 then (the caller redoes the chunk by
+    the work-row path, whose non-finite handling is ggml's), else 0. Shared by the fused put
+    and the fused shift. Staged form (``v`` None, ``load_block(k)`` loading block ``k`` as
+    ``<32 x float>`` from a scratch row, ``barrier()`` as :func:`_llvm_barrier`): the block
+    maxima folded block by block as the blocks are loaded (:func:`_llvm_block_maxima_df`),
+    and the blocks loaded again for the quants after a barrier, so no more than a block's
+    registers are live at once (AVX2)."""
+    from llvmlite import ir
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    v32i = ir.VectorType(i32, 32)
+    vb = ir.VectorType(i32, nb)
+    staged = load_block is not None
+    blocks, raws = [], []
+    for k in range(0 if staged else nb):
+        blk = v if nb == 1 else builder.shuffle_vector(
+            v, v, ir.Constant(v32i, list(range(32 * k, 32 * k + 32))))
+        blocks.append(blk)
+        raws.append(builder.bitcast(blk, v32i))
+
+    def magnitude(r):
+        return builder.and_(r, ir.Constant(v32i, [0x7FFFFFFF] * 32))
+
+    def magnitudes():
+        return [magnitude(r) for r in raws]
+
+    def reloaded():
+        """the blocks for the quants: staged, loaded again after a barrier"""
+        if not staged:
+            return blocks
+        barrier()
+        return [load_block(k) for k in range(nb)]
+
+    def quantize(fmt_v, m_v):
+        """the quants (q8_0: ``m_v`` None): staged with ``block_regs``, each block loaded
+        just before its quants and a barrier after its stores -- without it LLVM hoisted
+        every block's multiply above the first block's stores and spilled the products
+        (2 extra stack moves a register)"""
+        if block_regs is not None:
+            barrier()
+            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, None, None, amax, fmt_v,
+                                  m_v, block_regs=block_regs, barrier=barrier,
+                                  prescale=prescale)
+        else:
+            _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, reloaded(), None, amax,
+                                  fmt_v, m_v, blendv_lanes=blendv_lanes, prescale=prescale)
+
+    def raw_block(k):
+        return builder.bitcast(load_block(k), v32i)
+
+    def any_lane(cond):
+        return builder.icmp_unsigned("!=", builder.bitcast(cond, ir.IntType(nb)),
+                                     ir.Constant(ir.IntType(nb), 0))
+
+    def not_finite(amax_v):
+        return any_lane(builder.icmp_signed(">=", amax_v, ir.Constant(vb, [0x7F800000] * nb)))
+
+    q8 = builder.append_basic_block(f"{name}_q8_0")
+    q8_store = builder.append_basic_block(f"{name}_q8_0_store")
+    q4 = builder.append_basic_block(f"{name}_q4_0")
+    q4_pick = builder.append_basic_block(f"{name}_q4_0_pick")
+    q4_store = builder.append_basic_block(f"{name}_q4_0_store")
+    q4_tie = builder.append_basic_block(f"{name}_q4_0_tie")
+    done = builder.append_basic_block(f"{name}_done")
+    builder.cbranch(is_q8, q8, q4)
+    # q8_0: the largest magnitude, an unsigned max over the magnitudes' bits
+    builder.position_at_end(q8)
+    if staged:
+        amax_v, = _llvm_block_maxima_df(builder, lambda k: magnitude(raw_block(k)), nb, [_umax])
+    else:
+        amax_v = _llvm_block_maxima(builder, magnitudes())
+    builder.cbranch(not_finite(amax_v), done, q8_store)
+    builder.position_at_end(q8_store)
+    amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
+    quantize(1, None)
+    builder.branch(done)
+    # q4_0: the signed value of the first largest magnitude. An unsigned max over the raw bits
+    # is the largest negative magnitude (sign bit set) if any value is negative; a signed max,
+    # the largest non-negative one if any is not. The larger decides the sign, unless they are
+    # equal (a tie of opposite signs, rare): then the first of them, by the lanes' order.
+    builder.position_at_end(q4)
+    if staged:
+        neg_top, pos_top = _llvm_block_maxima_df(builder, raw_block, nb, [_umax, _smax])
+    else:
+        neg_top = _llvm_block_maxima(builder, raws)
+        pos_top = _llvm_block_maxima(builder, raws, _smax)
+    none = ir.Constant(vb, [-1] * nb)
+    neg_mag = builder.select(builder.icmp_signed("<", neg_top, ir.Constant(vb, [0] * nb)),
+                             builder.and_(neg_top, ir.Constant(vb, [0x7FFFFFFF] * nb)), none)
+    pos_mag = builder.select(builder.icmp_signed(">=", pos_top, ir.Constant(vb, [0] * nb)),
+                             pos_top, none)
+    amax_v = _smax(builder, neg_mag, pos_mag)
+    builder.cbranch(not_finite(amax_v), done, q4_pick)
+    builder.position_at_end(q4_pick)
+    amax = [builder.extract_element(amax_v, ir.Constant(i32, k)) for k in range(nb)]
+    builder.cbranch(any_lane(builder.icmp_signed("==", neg_mag, pos_mag)), q4_tie, q4_store)
+    builder.position_at_end(q4_store)
+    m_v = builder.select(builder.icmp_signed("==", neg_mag, amax_v),
+                         builder.or_(amax_v, ir.Constant(vb, [-0x80000000] * nb)), amax_v)
+    quantize(2, m_v)
+    builder.branch(done)
+    builder.position_at_end(q4_tie)
+    tie_blocks = reloaded()
+    _llvm_quantize_blocks(context, builder, q_ty, qa, qoff_v, tie_blocks,
+                          [magnitude(builder.bitcast(b, v32i)) for b in tie_blocks], amax, 2,
+                          blendv_lanes=blendv_lanes, block_regs=block_regs, barrier=barrier,
+                          prescale=prescale)
+    builder.branch(done)
+    builder.position_at_end(done)
+    flag = builder.phi(i64)
+    flag.add_incoming(ir.Constant(i64, 1), q8)
+    flag.add_incoming(ir.Constant(i64, 0), q8_store)
+    flag.add_incoming(ir.Constant(i64, 1), q4)
+    flag.add_incoming(ir.Constant(i64, 0), q4_store)
+    flag.add_incoming(ir.Constant(i64, 0), q4_tie)
+    return flag
+
+
+@intrinsic(prefer_literal=True)
+def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
+    """Quantize the ``n`` (32 to 512, a multiple of 32: a literal) input values at element
+    ``xoff`` of ``x``'s data into ``n / 32`` ggml blocks at byte ``qoff`` of ``q``'s data
+    (``fmt`` 1: q8_0, 2: q4_0), rotated first in Walsh-Hadamard blocks of ``rotate`` values (a
+    literal: 0 for none, else 64, 128 or 256 dividing ``n``; scaled by ``rscale``): the values
+    widened as one ``<n x float>`` (``kind`` 3: float16 bits by F16C's ``fpext``; 2: bfloat16
+    bits by a shift; a float32 ``x``: as they are), the stages of
+    :func:`.hadamard.wht_stages` (in-register strides by permute + FMA where the target has
+    FMA), the blocks' largest magnitudes by one shuffle tree (:func:`_llvm_block_maxima`), then
+    :func:`_llvm_quantize_blocks`. ``fmt`` and ``kind`` are run-time values (a branch each per
+    call, always predicted; a specialisation per value made the put take minutes to compile).
+    Returns 0, or 1 (and stores nothing) when a block holds an infinity or NaN: the caller then
+    takes the work-row path, which stores ggml's NaN block. The CPU must have F16C
+    (``_F16C``).
+
+    Compiled for AVX2 without AVX-512 (the shipped ``x86-64-v3`` code; ``_STAGED_LANES``),
+    the call is staged through a scratch row of ``n`` floats on the stack instead of being
+    one LLVM value: :func:`.hadamard.wht_staged`'s passes of at most 8 registers, the block
+    maxima as the blocks are loaded back, the quants from a second load. One value of 512
+    floats needs 64 of AVX2's 16 registers, and LLVM spilled ~11 moves a register (2,428
+    instructions a rotated q8_0 call, 926 of them stack accesses; staged: 1,830, whose stack
+    accesses are the row's planned stores and loads). Its quants are AVX2 instructions a
+    block at a time (:func:`_llvm_store_block_avx2`): 1,692. With AVX-512 the rotated calls
+    take the staged form too (registers of 16 floats: the stages of a 128-value block in one
+    pass; measured 1.29-1.34 against 1.59-1.84 ms a 4,096 x 8 x 128 K+V put, in cache), the
+    unrotated ones the one-value form (faster there). Same operations on the same values:
+    the same bits."""
+    if not (isinstance(n, types.IntegerLiteral) and isinstance(rotate, types.IntegerLiteral)):
+        return None
+    n_v, rot_v = n.literal_value, rotate.literal_value
+    # float16 input (a literal kind 3) rotated in blocks of 64 or 256: the rotation's scale
+    # (1/8, 1/16) is a power of two, so the stages run on the unscaled values and the scale
+    # is taken into the block scales and reciprocals instead (``prescale``): each stage's
+    # sums and differences of float16 values are multiples of 2^-24 below 2^25, so neither
+    # form meets a subnormal or an overflow, and scaling by a power of two commutes with
+    # every rounding -- the same bits, one multiply a register fewer
+    unscaled = (rot_v in (64, 256) and isinstance(kind, types.IntegerLiteral)
+                and kind.literal_value == 3 and x.dtype == types.uint16)
     from llvmlite import ir
 
     def codegen(context, builder, sig, args):
@@ -844,7 +1453,7 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
         f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
         x_ty, q_ty = sig.args[0], sig.args[2]
         xa, xoff_v, qa, qoff_v, rs, fmt_a, kind_a = args[:7]
-        lanes = _STAGED_LANES
+        lanes = cpu_fma_lanes(context)
         regs = n_v // lanes
         vf, vi = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes)
         scratch = cgutils.alloca_once(builder, ir.ArrayType(f32, n_v), name="fused_row")
@@ -855,7 +1464,7 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
             return builder.bitcast(builder.gep(row, [ir.Constant(i32, i * lanes)]),
                                    ir.VectorType(f32, count).as_pointer())
 
-        def load_input(i):
+        def load_input(i, widen):
             at = builder.add(xoff_v, _int_const(xoff_v, i * lanes))
             if x_ty.dtype == types.float32:
                 v = builder.load(_vector_ptr(context, builder, x_ty, xa, at, f32, lanes),
@@ -863,13 +1472,15 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
             else:
                 raw = builder.load(_vector_ptr(context, builder, x_ty, xa, at, i16, lanes),
                                    align=2)
-                as_f16 = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)),
-                                       vf)
-                as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, vi),
-                                                      ir.Constant(vi, [16] * lanes)), vf)
-                is_f16 = builder.icmp_signed("==", kind_a, _int_const(kind_a, 3))
-                v = builder.select(is_f16, as_f16, as_bf16)
-            return builder.fmul(v, _llvm_splat(builder, rs, lanes)) if rot_v else v
+                if widen == 3:
+                    v = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)),
+                                      vf)
+                else:
+                    v = builder.bitcast(builder.shl(builder.zext(raw, vi),
+                                                    ir.Constant(vi, [16] * lanes)), vf)
+            if rot_v and not (widen == 3 and rot_v in _UNSCALED_BLOCKS):
+                v = builder.fmul(v, _llvm_splat(builder, rs, lanes))
+            return v
 
         def load_scratch(i):
             return builder.load(reg_ptr(i), align=32)
@@ -880,28 +1491,59 @@ def _fused_put_chunk(typingctx, x, xoff, q, qoff, rscale, fmt, kind, n, rotate):
         def barrier():
             _llvm_barrier(builder, row)
 
-        if rot_v:
-            wht_staged(builder, load_input, load_scratch, store_reg, barrier, regs, rot_v, lanes)
-        else:
-            for i in range(regs):
-                store_reg(i, load_input(i))
+        def first_passes(widen):
+            if rot_v:
+                wht_staged(builder, lambda i: load_input(i, widen), load_scratch, store_reg,
+                           barrier, regs, rot_v, lanes)
+            else:
+                for i in range(regs):
+                    store_reg(i, load_input(i, widen))
+
+        prescale = None
+        if x_ty.dtype == types.float32:
+            first_passes(0)
+        else:   # the row's passes twice, for float16 (kind 3) and bfloat16 bits: one
+            # branch a call (a select of the two widenings became a branch a register)
+            is_f16 = builder.icmp_signed("==", kind_a, _int_const(kind_a, 3))
+            with builder.if_else(is_f16) as (f16_arm, bf16_arm):
+                with f16_arm:
+                    first_passes(3)
+                with bf16_arm:
+                    first_passes(2)
+            if rot_v in _UNSCALED_BLOCKS:
+                prescale = builder.select(is_f16, rs, ir.Constant(f32, 1.0))
         barrier()
         is_q8 = builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1))
         return _llvm_store_quantized(
             context, builder, None, n_v // 32, q_ty, qa, qoff_v, is_q8, "fused",
             load_block=lambda k: builder.load(reg_ptr(k * 32 // lanes, 32), align=32),
-            barrier=barrier, blendv_lanes=lanes)
+            barrier=barrier, blendv_lanes=lanes,
+            block_regs=(lambda k: [load_scratch(k * 32 // lanes + j) for j in range(32 // lanes)])
+            if lanes == 8 else None,
+            prescale=prescale)
 
     def pick(context, builder, sig, args):
-        if cpu_fma_lanes(context) == _STAGED_LANES:
+        if cpu_fma_lanes(context) == _STAGED_LANES or (
+                rot_v and cpu_fma_lanes(context) == 16):
             return codegen_staged(context, builder, sig, args)
         return codegen(context, builder, sig, args)
     return types.int64(x, xoff, q, qoff, rscale, fmt, kind, n, rotate), pick
 
 
+#: Walsh-Hadamard block sizes whose scale (1/8, 1/16) is a power of two: a float16 row
+#: rotated in such blocks skips the scale multiply in the fused put's staged form. The
+#: stages then run on the unscaled values and the scale goes into the block scales and
+#: reciprocals (``prescale`` of :func:`_llvm_quantize_blocks`): every sum and difference
+#: of float16 values in a block is a multiple of 2^-24 below 2^25 in magnitude, so neither
+#: form meets a subnormal or an overflow, and scaling by a power of two commutes with each
+#: rounding -- the same bits, one multiply a register fewer. (bfloat16 and float32 values
+#: can be subnormal once scaled: they keep the multiply.)
+_UNSCALED_BLOCKS = (64, 256)
+
 #: the register width (float32 lanes) for which the fused put takes the staged form
 #: (:func:`.hadamard.wht_staged`): AVX2 with FMA, 16 registers of 8 floats -- the shipped
-#: ``x86-64-v3`` code. AVX-512 (32 registers of 16 floats) holds a 512-value call whole.
+#: ``x86-64-v3`` code. AVX-512 (32 registers of 16 floats) holds a 512-value call whole,
+#: and takes the staged form only for rotated calls (:func:`_fused_put_chunk`).
 _STAGED_LANES = 8
 
 
