@@ -242,6 +242,32 @@ def test_cpu_put_of_whole_tokens_in_wide_calls_is_bit_exact(kind):
         assert (blocks[~finite][:, :2] == [0x00, 0x7E]).all() and not blocks[~finite][:, 2:].any()
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_cpu_put_of_float16_extremes_is_bit_exact_in_unscaled_blocks(kind):
+    """A float16 row rotated in blocks of 64 or 256 (scale 1/8, 1/16: powers of two) runs
+    the CPU put's stages on the unscaled values, the scale taken into the block scales and
+    reciprocals (kernels/quant.py ``_UNSCALED_BLOCKS``): still gguf's blocks of ggml's
+    rotation at the ends of float16's range -- rows of +-65504 (stage sums up to 256 x 65504),
+    of subnormal halves (multiples of 2^-24), and both mixed in one block."""
+    from numbakv.kernels import quant as Q
+    fmt = Q.FORMATS[kind]
+    rng = np.random.default_rng(34)
+    tiny = np.float16(2.0 ** -24)
+    for heads, dim, rot in [(8, 128, 64), (2, 256, 256)]:
+        x16 = rng.standard_normal((6, heads, dim)).astype(np.float16)
+        x16[0] = np.float16(65504)
+        x16[1] = np.where(rng.random((heads, dim)) < 0.5, np.float16(-65504), np.float16(65504))
+        x16[2] = (rng.integers(-1023, 1024, (heads, dim)) * tiny).astype(np.float16)
+        x16[3] = tiny
+        x16[4, :, ::2] = np.float16(65504)
+        x16[4, :, 1::2] = rng.integers(-3, 4, (heads, dim // 2)) * tiny
+        x16[5, :, : dim // 2] = -np.float16(0.0)
+        q = np.zeros((1, 6, heads, dim // 32 * Q.BLOCK_BYTES[fmt]), np.uint8)
+        Q.put_launch("cpu", q, 0, x16, None, 0, fmt, np.ones(1, np.float32), "float16", rot)
+        want = gguf_blocks(ggml_fwht(x16.astype(np.float32), rot), kind)
+        np.testing.assert_array_equal(q[0].reshape(want.shape), want, err_msg=f"{dim} {rot}")
+
+
 def test_scattered_put_sim_equals_cpu():
     """The @cuda.jit rotated put (sim) and the CPU twin write the same bytes for a scattered
     batch with a skipped slot (KVStorage.put), q4_0 keys (block 64 of 192) and q8_0 values."""
