@@ -161,12 +161,14 @@ class _DecodeRoute:
 
     __slots__ = ("src", "cells", "version", "seqs", "positions", "room", "kv_indices",
                  "kv_positions", "items", "merges", "qo_indptr", "token_order", "parallel",
-                 "n_heads", "permuted", "bf16", "legacy", "threads", "_part")
+                 "n_heads", "permuted", "bf16", "legacy", "threads", "_part", "_att",
+                 "_kernel")
 
     @classmethod
     def seed(cls, src: Any, n_heads: int, route: tuple) -> Optional["_DecodeRoute"]:
         """A decode route continuing ``route`` (``_cpu_pass_route(src, n_heads)`` of the
         running pass), or None where the pass is not a plain decode step."""
+        from .. import attention
         from ..causal import CausalCache
         host, plan, permuted, bf16 = route
         fwd = src._forward
@@ -197,6 +199,8 @@ class _DecodeRoute:
         self.merges = plan["merges"]
         self.items = plan["items"].copy()
         self.threads = numba.get_num_threads() if self.parallel else 1
+        self._att = attention
+        self._kernel = self._pick_kernel()
         self._grow(int(np.diff(host.kv_indptr).max()) + 64, host)
         return self
 
@@ -224,14 +228,14 @@ class _DecodeRoute:
     def extend(self, src: Any) -> bool:
         """Follow ``src``'s running pass (see the class docstring); False: not a plain next
         decode step, or the kernel would plan it otherwise (the caller drops this route)."""
-        from ..attention import _PARALLEL_WORK, _grow_decode_lists
+        att = self._att
         fwd = src._forward
         if src is not self.src or fwd is None or fwd.reserve or src.cells is not self.cells \
                 or fwd.cells_v0 != self.version or src.cells.version != fwd.cells_v1:
             return False
         slots = _NO_SLOTS if fwd.slots is None else fwd.slots
         for _ in range(2):
-            total = _grow_decode_lists(self.items, self.kv_indices, self.kv_positions,
+            total = att._grow_decode_lists(self.items, self.kv_indices, self.kv_positions,
                                        self.token_order, self.seqs, self.positions, fwd.seqs,
                                        fwd.positions, fwd.causal, fwd.start, slots, self.room)
             if total != -1:
@@ -240,26 +244,31 @@ class _DecodeRoute:
         if total <= 0:
             return False
         self.version = fwd.cells_v1
+        self._kernel = self._pick_kernel()
         if self.parallel:
             # planned on this many threads (a list split across them would be another plan)
             return numba.get_num_threads() == self.threads
         # as attention._plan_items decides (one query per list): past this much work the
         # kernel runs threaded and may split a list; the full route plans it
-        return total * self.n_heads < _PARALLEL_WORK
+        return total * self.n_heads < att._PARALLEL_WORK
+
+    def _pick_kernel(self):
+        """The kernel function of this pass, as ``attention._KernelRun.run`` picks it (a child
+        forked from a process that ran the threaded kernel runs it on one thread)."""
+        att = self._att
+        return att._attend_pool_parallel if self.parallel and os.getpid() == att._PID \
+            else att._attend_pool
 
     def run(self, q: np.ndarray, pools: tuple, scale: float,
             soft_cap: Optional[float]) -> np.ndarray:
         """float32 ``[batch, n_heads, v_dim]`` (fresh) for ``q`` float32 ``[batch, n_heads,
         head_dim]`` C-contiguous over one layer's pools (``_routed_layer_pools``): the kernel
         call ``attention._KernelRun.run`` makes, over these lists."""
-        from .. import attention as att
         kp, vp, dv = pools
         res = np.empty((q.shape[0], q.shape[1], dv), np.float32)
         part_acc, part_ml = self._part
         fwd = self.src._forward
-        fn = att._attend_pool_parallel if self.parallel and os.getpid() == att._PID \
-            else att._attend_pool
-        fn(self.items, self.merges, q, kp, vp, self.bf16, self.permuted, 0, 0, _ONE, _ONE,
+        self._kernel(self.items, self.merges, q, kp, vp, self.bf16, self.permuted, 0, 0, _ONE, _ONE,
            self.kv_indices, self.kv_positions, self.qo_indptr, self.token_order, fwd.positions,
            fwd.causal, -1, 0, np.float32(scale),
            np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc, part_ml[0],
@@ -295,6 +304,7 @@ class _GenState:
         self.pools: dict = {}
         self.keep = None            # this pass: torch index of the stored (non-pad) tokens
         self.decode = False         # this pass: one column per row, no pads (a decode step)
+        self.torch: Any = None      # the torch module (once the cache is bound)
         self.put_dtype = None       # a plain CPU cache: its storage dtype (trusted decode puts)
         self.owns: List[bool] = []  # ... and per layer whether it stores K/V
         self.routes: dict = {}      # this pass: the CPU-kernel route per (attention cache, heads)
@@ -327,6 +337,7 @@ class _GenState:
 
     def _bind_cache(self, batch: int) -> None:
         torch, _ = _transformers()
+        self.torch = torch
         self.layer_caches = _layer_caches(self.cache)   # None: a hybrid's recurrent layers
         attending = [c for c in self.layer_caches if c is not None]
         self.storage_dtype = getattr(torch, attending[0].config.dtype)
@@ -465,9 +476,8 @@ class _GenState:
             # [batch, kv_heads, D] (dropping the one column is a view), put through the
             # cache's trusted per-layer path once checked here (this layer's one put of the
             # pass: update() refuses a second)
-            torch, _ = _transformers()
-            k = torch_host_view(torch, key_states).reshape(batch, heads, dim)
-            v = torch_host_view(torch, value_states)
+            k = torch_host_view(self.torch, key_states).reshape(batch, heads, dim)
+            v = torch_host_view(self.torch, value_states)
             v = v.reshape(batch, heads, v.shape[-1])
             if k.dtype is self.put_dtype and v.dtype is self.put_dtype \
                     and k.flags.c_contiguous and v.flags.c_contiguous \
@@ -606,8 +616,7 @@ class _GenState:
         head count; no pad rows): the query's host view in, the kernel, a torch view of its
         fresh output out (never reused: transformers' consumers, or a user's hook on the output
         projection, may keep it)."""
-        from ..attention import _attend_cpu_routed, _routed_layer_pools
-        torch, _ = _transformers()
+        torch = self.torch
         batch, heads, new, dim = query.shape
         q = query.detach() if query.requires_grad else query
         want = self.storage_dtype
@@ -623,10 +632,15 @@ class _GenState:
         grown = type(route) is _DecodeRoute
         entry = self.pools.get(layer)
         if entry is None or entry[0] is not src.storage:
+            from ..attention import _routed_layer_pools
             entry = self.pools[layer] = (src.storage, _routed_layer_pools(
                 self.cache, layer, route.legacy if grown else route))
-        res = torch.from_numpy(route.run(qn, entry[1], scaling, softcap) if grown
-                               else _attend_cpu_routed(qn, entry[1], route, scaling, softcap))
+        if grown:
+            res = route.run(qn, entry[1], scaling, softcap)
+        else:
+            from ..attention import _attend_cpu_routed
+            res = _attend_cpu_routed(qn, entry[1], route, scaling, softcap)
+        res = torch.from_numpy(res)
         if want is not torch.float32:
             res = res.to(want)                # attend returns the cache's dtype
         if res.dtype is not query.dtype:
