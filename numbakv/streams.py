@@ -33,7 +33,7 @@ copied cells' K/V, in every layer, in one launch (llama.cpp copies whole stream 
 from __future__ import annotations
 
 import contextlib
-from operator import attrgetter, is_
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
@@ -56,7 +56,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 _cells_of = attrgetter("cells")      # a stream's cell table
-_meta_of = attrgetter("_meta")       # a cell table's counters row (CellTableStack.holds)
 _version_of = attrgetter("version")  # a cell table's version count
 _forward_of = attrgetter("_forward")            # a stream's forward pass
 _defrag_count_of = attrgetter("defrag_count")   # a stream's defrags so far
@@ -317,11 +316,7 @@ class StreamCache(CausalCache):
         before)."""
         streams = self.streams
         tables = list(map(_cells_of, streams))
-        stack = self._stack
-        # CellTableStack.holds(tables) (each table the stack's, still on its row) by C-level
-        # map/all: its generator was ~0.15 us a stream of every decode step
-        if not (len(tables) == len(stack.tables) and all(map(is_, tables, stack.tables))
-                and all(map(is_, map(_meta_of, tables), stack._rows))):
+        if not self._stack.holds(tables):
             # a table replaced (a state load): stack anew
             self._stack = CellTableStack(tables)
         pruning = self._memory != UNLIMITED
