@@ -2979,12 +2979,12 @@ class CellTableStack:
         Trusted inputs. Returns None, every table as it was, when a group finds no free run
         long enough (a defrag or a full table) or a position is stored or repeated (the
         caller's one-table path raises or defragments); else ``(out, grouped, local, pool,
-        top, records, pruned_at)``: ``out`` int64 ``[n_b, 5]`` (start, range lo and hi padded
+        top, records, pruned_at, steps)``: ``out`` int64 ``[n_b, 5]`` (start, range lo and hi padded
         to ``pad``, head before, pending shifts), the positions in group order, each token's
         cell in its table (group order), ``table * n_cells + cell`` in batch order (int32
         ``[batch]`` each), the largest ``hi``, and group ``b``'s pruning undo records
         ``records[pruned_at[b]:pruned_at[b + 1]]``. Each placed table's ``version`` counts
-        the calls as those two methods count them (1, or 2 with ``memory``)."""
+        the calls as those two methods count them: ``steps`` more (1, or 2 with ``memory``)."""
         batch = positions.shape[0]
         nb = seq_ids.shape[0]
         out = np.empty((nb, 5), np.int64)
@@ -2999,10 +2999,10 @@ class CellTableStack:
         if code:
             return None
         tables = self.tables
-        counted = 1 if memory < 0 else 2
+        steps = 1 if memory < 0 else 2
         for s in seq_ids.tolist():
-            tables[s].version += counted
-        return out, grouped, local, pool, int(top), records, pruned_at
+            tables[s].version += steps
+        return out, grouped, local, pool, int(top), records, pruned_at, steps
 
 
 __all__ = ["SEQ_WORDS", "MAX_SEQS", "CELL_DTYPE", "POS_SHIFT_DTYPE", "cell_dtype", "seq_words",

@@ -325,10 +325,9 @@ class StreamCache(CausalCache):
                                    self._window if pruning else -1, self.config.cache_padding)
         if placed is None:
             return None
-        out, grouped, local, pool, top, pruned, pruned_at = placed
+        out, grouped, local, pool, top, pruned, pruned_at, steps = placed
         ids, rows, bounds = seq_ids.tolist(), out.tolist(), qo_indptr.tolist()
         cut = pruned_at.tolist() if pruning else None
-        gap = 2 if pruning else 1         # the version counts of prune_window, place_contiguous
         zeros = np.zeros(len(pos), np.int32)
         ones = self._all_causal(len(pos))
         one = ones[:1]         # read-only: one view serves every one-token stream
@@ -352,10 +351,10 @@ class StreamCache(CausalCache):
         versions = list(map(_version_of, map(tables.__getitem__, ids)))
         for b, (st, row, v1, p_b, q_b, c_b) in enumerate(zip(placed_streams, rows, versions,
                                                             positions_of, seqs_of, causal_of)):
-            # the version before the pass: place()'s counts back (_stamp_versions); a pure
-            # placement unless the window pruning dropped cells. Positional arguments (mask,
-            # exported None): cheaper than keywords
-            v0 = v1 - gap
+            # the version before the pass: place()'s version steps back (_stamp_versions); a
+            # pure placement unless the window pruning dropped cells. Positional arguments
+            # (mask, exported None): cheaper than keywords
+            v0 = v1 - steps
             dropped = pruned[cut[b]:cut[b + 1]] if pruning and cut[b] != cut[b + 1] else None
             st._forward = _Forward(p_b, q_b, False, row[0], row[1], row[2], c_b, None, None,
                                    v0 if dropped is None else -1, v1, v0, dropped)
