@@ -492,3 +492,38 @@ def test_the_cpu_path_never_imports_numba_cuda():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+def test_import_leaves_unused_families_unloaded_and_names_resolve():
+    """``import numbakv`` loads neither the prefix store nor the recurrent / hybrid / prompt /
+    paired caches (a generate() user never touches them: ~1.2 MiB of RSS); each public name,
+    ``numbakv.<module>``, ``dir()`` and ``from numbakv import *`` still resolve, to the very
+    objects of their modules, and a loaded family's state files are registered."""
+    code = (
+        "import sys\n"
+        "import numbakv as nkv\n"
+        "lazy = ('prefix', 'recurrent', 'hybrid', 'prompt', 'paired')\n"
+        "loaded = [m for m in lazy if 'numbakv.' + m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "assert set(nkv._LAZY) <= set(dir(nkv)) and set(nkv._LAZY) <= set(nkv.__all__)\n"
+        "from numbakv.state import files\n"
+        "assert 'hybrid' not in files._STATE_IO\n"
+        "assert nkv.HybridCache is sys.modules['numbakv.hybrid'].HybridCache\n"
+        "assert {'recurrent', 'hybrid'} <= set(files._STATE_IO)\n"
+        "from numbakv import prefix, recurrent\n"
+        "assert nkv.PrefixStore is prefix.PrefixStore and nkv.StateSpec is recurrent.StateSpec\n"
+        "assert nkv.prompt.PromptCache is nkv.PromptCache\n"
+        "ns = {}\n"
+        "exec('from numbakv import *', ns)\n"
+        "assert all(ns[name] is getattr(nkv, name) for name in nkv.__all__)\n"
+        "try:\n"
+        "    nkv.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchName' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('numbakv.NoSuchName resolved')\n"
+        "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
