@@ -994,6 +994,9 @@ class DecodeStep:
         causal = np.ones(len(fwd.token_order), np.uint8)
         for b, s in enumerate(fwd.seq_ids.tolist()):
             causal[fwd.groups[b]] = self.cache.streams[s]._forward.causal
+        # read-only as every other pass's flags are: append_lists is typed by the array's
+        # flags, and a writable one compiled (and would ship) a second signature of it
+        causal.flags.writeable = False
         return causal
 
     def _max_seqs(self) -> int:
