@@ -1116,7 +1116,9 @@ def test_append_lists_refuses_a_pruned_cell_its_list_still_holds():
         state = [np.array(x, np.int64) for x in ([0, 0, 0, 0], [0, 3, 3, 3], [5, 0, 0, 0],
                                                  [7, 0, 0, 0], [1, 1])]
         kept = [x.copy() for x in state]
-        ok = append_lists(host, 1, np.ones(1, np.uint8), np.zeros(T, np.uint8), T, 3, 3, 0,
+        causal = np.ones(1, np.uint8)
+        causal.flags.writeable = False      # as a step hands it: no second compiled signature
+        ok = append_lists(host, 1, causal, np.zeros(T, np.uint8), T, 3, 3, 0,
                           *state, at, 1, 1, 1, np.array(pruned, np.int64).reshape(-1, 2))
         return ok, host, state, kept
 
