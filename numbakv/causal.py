@@ -25,7 +25,7 @@ from .cells import _check_batch as _batch_ids_ok
 from . import pages as _pages
 from .config import MASK_DTYPES, CacheConfig, RopeShift, check_rope_layout, round_up
 from .device import array_module, as_array, export_view, resolve_device
-from ._guard import one_thread_at_a_time
+from ._guard import _busy, one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
 from .state.files import StateMethods
 from .storage import KVStorage
@@ -686,15 +686,21 @@ class CausalCache(StateMethods):
         (not a reserve one) is running, ``layer`` owns its K/V (no ``layer_reuse`` source)
         and has not been put in this pass, and ``key``/``value`` are C-contiguous host arrays
         of the storage dtype, ``[batch, n_kv_heads, head_dim]`` / ``[batch, n_kv_heads,
-        v_head_dim]`` with the pass's batch."""
-        fwd = self._forward
-        self._layer = layer
-        self._read_layer = self._put_layer = slot = self._storage_layers[layer]
-        if fwd.slots is None:
-            self.storage.put_range_trusted(slot, fwd.start, key, value)
-        else:
-            self.storage.put_slots_trusted(slot, fwd.slots, key, value)
-        self._put_in = fwd
+        v_head_dim]`` with the pass's batch. Held by one thread at a time, as ``put`` is."""
+        lock = self._thread_guard
+        if not lock.acquire(False):
+            raise _busy(self)
+        try:
+            fwd = self._forward
+            self._layer = layer
+            self._read_layer = self._put_layer = slot = self._storage_layers[layer]
+            if fwd.slots is None:
+                self.storage.put_range_trusted(slot, fwd.start, key, value)
+            else:
+                self.storage.put_slots_trusted(slot, fwd.slots, key, value)
+            self._put_in = fwd
+        finally:
+            lock.release()
 
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,

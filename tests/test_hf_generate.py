@@ -481,3 +481,36 @@ def test_decode_route_grows_its_lists_in_place_only_over_plain_decode_steps():
     assert not grown
     route, grown = step([78], [0], route)
     assert grown
+
+
+def test_trusted_decode_put_holds_the_cache_like_put():
+    """The generation cache's decode put (CausalCache._put_layer_trusted, checked by the caller)
+    writes the pass's cells of that layer as put() does, and refuses, writing nothing, while
+    another thread is inside the cache (ConcurrentUseError, as every public call)."""
+    import threading
+    import numbakv as nkv
+    from numbakv.errors import ConcurrentUseError
+    cfg = nkv.CacheConfig(2, 2, 8, capacity=8, max_seqs=1, device="cpu", dtype="float32")
+    cache = nkv.CausalCache(cfg)
+    cache.start_forward(np.array([0, 1], np.int32), np.array([0, 0], np.int32))
+    k, v = np.ones((2, 2, 8), np.float32), np.full((2, 2, 8), 2, np.float32)
+    cache._put_layer_trusted(1, k, v)
+    key, value = cache.layer_pool(1)
+    lo = cache._forward.start
+    assert (key[lo:lo + 2] == 1).all() and (value[lo:lo + 2] == 2).all()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with cache._thread_guard:
+            held.set()
+            release.wait(10)
+    other = threading.Thread(target=hold)
+    other.start()
+    held.wait(10)
+    try:
+        with pytest.raises(ConcurrentUseError):
+            cache._put_layer_trusted(0, k, v)
+    finally:
+        release.set()
+        other.join(10)
+    assert not cache.layer_pool(0)[0][lo:lo + 2].any()
