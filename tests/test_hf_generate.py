@@ -483,10 +483,12 @@ def test_decode_route_grows_its_lists_in_place_only_over_plain_decode_steps():
     assert grown
 
 
-def test_trusted_decode_put_holds_the_cache_like_put():
-    """The generation cache's decode put (CausalCache._put_layer_trusted, checked by the caller)
-    writes the pass's cells of that layer as put() does, and refuses, writing nothing, while
-    another thread is inside the cache (ConcurrentUseError, as every public call)."""
+def test_trusted_decode_entries_hold_the_cache_like_the_public_calls():
+    """The generation cache's decode entries, whose batch the caller checked: the pass start
+    (CausalCache._start_forward_checked) still refuses a (sequence, position) already held,
+    changing nothing, and the put (CausalCache._put_layer_trusted) writes the pass's cells of
+    that layer as put() does; both refuse, changing nothing, while another thread is inside
+    the cache (ConcurrentUseError, as every public call)."""
     import threading
     import numbakv as nkv
     from numbakv.errors import ConcurrentUseError
@@ -498,6 +500,12 @@ def test_trusted_decode_put_holds_the_cache_like_put():
     key, value = cache.layer_pool(1)
     lo = cache._forward.start
     assert (key[lo:lo + 2] == 1).all() and (value[lo:lo + 2] == 2).all()
+    version, fwd = cache.cells.version, cache._forward
+    with pytest.raises(ValueError, match="already stored"):
+        cache._start_forward_checked(np.array([1], np.int32), np.array([0], np.int32))
+    assert cache._forward is fwd and cache.n_used == 2
+    cache._start_forward_checked(np.array([2], np.int32), np.array([0], np.int32))
+    assert cache.n_used == 3 and cache.cells.version > version
     held, release = threading.Event(), threading.Event()
 
     def hold():
@@ -509,8 +517,10 @@ def test_trusted_decode_put_holds_the_cache_like_put():
     held.wait(10)
     try:
         with pytest.raises(ConcurrentUseError):
-            cache._put_layer_trusted(0, k, v)
+            cache._put_layer_trusted(0, k[:1], v[:1])
+        with pytest.raises(ConcurrentUseError):
+            cache._start_forward_checked(np.array([3], np.int32), np.array([0], np.int32))
     finally:
         release.set()
         other.join(10)
-    assert not cache.layer_pool(0)[0][lo:lo + 2].any()
+    assert not cache.layer_pool(0)[0].any() and cache.n_used == 3

@@ -440,7 +440,12 @@ class _GenState:
             k = keep.numpy()
             positions, seqs = positions[k], seqs[k]
         try:
-            self.cache.start_forward(positions, seqs)
+            if new == 1 and self.owns and batch <= self.cache.config.max_batch:
+                # a decode step into a plain CPU cache: the rows' sequences were checked when it
+                # was bound (seqs32, never changed), the positions are its own next column
+                self.cache._start_forward_checked(positions, seqs)
+            else:
+                self.cache.start_forward(positions, seqs)
         except KVCacheFullError as exc:
             held = self.columns + new
             raise KVCacheFullError(
