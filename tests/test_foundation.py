@@ -496,15 +496,17 @@ def test_the_cpu_path_never_imports_numba_cuda():
 
 def test_import_leaves_unused_families_unloaded_and_names_resolve():
     """``import numbakv`` loads neither the prefix store nor the recurrent / hybrid / prompt /
-    paired caches (a generate() user never touches them: ~1.2 MiB of RSS); each public name,
-    ``numbakv.<module>``, ``dir()`` and ``from numbakv import *`` still resolve, to the very
-    objects of their modules, and a loaded family's state files are registered."""
+    paired caches, nor isal for the state checksum (a generate() user never touches them: ~1.6
+    MiB of RSS); each public name, ``numbakv.<module>``, ``dir()`` and ``from numbakv import *``
+    still resolve, to the very objects of their modules, and a loaded family's state files are
+    registered."""
     code = (
         "import sys\n"
         "import numbakv as nkv\n"
         "lazy = ('prefix', 'recurrent', 'hybrid', 'prompt', 'paired')\n"
         "loaded = [m for m in lazy if 'numbakv.' + m in sys.modules]\n"
         "assert not loaded, loaded\n"
+        "assert 'isal' not in sys.modules, 'isal is imported at the first checksum'\n"
         "assert set(nkv._LAZY) <= set(dir(nkv)) and set(nkv._LAZY) <= set(nkv.__all__)\n"
         "from numbakv.state import files\n"
         "assert 'hybrid' not in files._STATE_IO\n"
