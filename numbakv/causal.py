@@ -680,6 +680,22 @@ class CausalCache(StateMethods):
                 self.storage.put(self._put_layer, fwd.slots, k, v)
         self._put_in = fwd
 
+    def _put_layer_trusted(self, layer: int, key: np.ndarray, value: np.ndarray) -> None:
+        """``set_layer(layer); put(key, value)`` for a caller that made every check itself
+        (numbakv.hf's generation cache, once per layer of a decode pass): a forward pass
+        (not a reserve one) is running, ``layer`` owns its K/V (no ``layer_reuse`` source)
+        and has not been put in this pass, and ``key``/``value`` are C-contiguous host arrays
+        of the storage dtype, ``[batch, n_kv_heads, head_dim]`` / ``[batch, n_kv_heads,
+        v_head_dim]`` with the pass's batch."""
+        fwd = self._forward
+        self._layer = layer
+        self._read_layer = self._put_layer = slot = self._storage_layers[layer]
+        if fwd.slots is None:
+            self.storage.put_range_trusted(slot, fwd.start, key, value)
+        else:
+            self.storage.put_slots_trusted(slot, fwd.slots, key, value)
+        self._put_in = fwd
+
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,
         n_kv_heads, head_dim]`` / ``[batch, n_kv_heads, v_head_dim]`` (put's validating path)."""

@@ -464,6 +464,27 @@ def test_one_line_while_compiling_and_none_on_a_cache_hit(tmp_path):
     assert MESSAGE not in runs[1].stderr
 
 
+def test_compile_notice_passes_over_functions_of_no_module():
+    """The notice's listener sees every numba compile of the process: a user's function made
+    by exec() without a ``__name__`` (``__module__`` None) compiles as it would without
+    numbakv imported, no notice; a numbakv function's compile prints it once."""
+    import io
+    from types import SimpleNamespace
+    from numbakv._compile_notice import MESSAGE, CompileNotice
+    out = io.StringIO()
+    notice = CompileNotice(out)
+
+    def compiling(module):
+        func = SimpleNamespace(__module__=module)
+        return SimpleNamespace(data={"dispatcher": SimpleNamespace(py_func=func)})
+    for module in (None, "user_code"):
+        notice.on_start(compiling(module))
+    assert out.getvalue() == ""
+    notice.on_start(compiling("numbakv.cells"))
+    notice.on_start(compiling("numbakv.pages"))
+    assert out.getvalue() == MESSAGE + "\n"
+
+
 def test_the_cpu_path_never_imports_numba_cuda():
     """numba.cuda (and the CUDA dispatchers of numbakv's kernels) cost ~55 MiB of resident memory
     and ~0.2 s: importing numbakv and running a CPU cache leaves it unimported; the first use of

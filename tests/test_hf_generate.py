@@ -431,3 +431,53 @@ def test_generation_cache_layers_refuse_what_they_cannot_keep():
         with pytest.raises(KVCacheError, match="numbakv"):
             call()
     layer.batch_repeat_interleave(1)          # a no-op repeat is fine
+
+
+def test_decode_route_grows_its_lists_in_place_only_over_plain_decode_steps():
+    """generate()'s decode attention keeps the kernel's page lists and work items across passes
+    (hf.generation._DecodeRoute) and grows them by each pass's cells: over plain decode steps
+    (the same sequences, one position further, nothing else changed) its output is attend()'s
+    exactly, also past the lists' first room; any other pass (a sequence op between passes, a
+    skipped position, another batch) is refused, the route dropped, and a new one made from the
+    pass's validated route."""
+    import numbakv as nkv
+    from numbakv import attention
+    from numbakv.attention import attend
+    from numbakv.hf.generation import _DecodeRoute
+    cfg = nkv.CacheConfig(1, 2, 8, capacity=160, max_seqs=2, max_batch=16, device="cpu",
+                          dtype="float32")
+    cache = nkv.CausalCache(cfg)
+    g = np.random.default_rng(0)
+
+    def step(positions, seqs, route=None):
+        n = len(positions)
+        cache.start_forward(np.array(positions, np.int32), np.array(seqs, np.int32))
+        cache.put(g.standard_normal((n, 2, 8), np.float32),
+                  g.standard_normal((n, 2, 8), np.float32))
+        grown = route is not None and route.extend(cache)
+        if not grown:
+            route = _DecodeRoute.seed(cache, 4, attention._cpu_pass_route(cache, 4))
+        q = torch.from_numpy(g.standard_normal((n, 4, 8), np.float32))
+        want = attend(q, cache, scale=0.3)
+        pools = attention._routed_layer_pools(cache, 0, route.legacy)
+        got = route.run(q.numpy(), pools, 0.3, None)
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0)
+        return route, grown
+
+    cache.start_forward(np.array([0, 1, 2, 0, 1], np.int32), np.array([0, 0, 0, 1, 1], np.int32))
+    cache.put(g.standard_normal((5, 2, 8), np.float32), g.standard_normal((5, 2, 8), np.float32))
+    route, grown = step([3, 2], [0, 1])
+    assert route is not None and not grown and route.room == 4 + 64   # 4 cells + 64
+    for i in range(70):                                  # past the first room
+        route, grown = step([4 + i, 3 + i], [0, 1], route)
+        assert grown
+    assert route.room == 2 * (4 + 64)
+    cache.seq_rm(1, 10, 20)          # a sequence op between passes (positions still line up)
+    route, grown = step([74, 73], [0, 1], route)
+    assert not grown
+    route, grown = step([76, 74], [0, 1], route)         # a skipped position
+    assert not grown
+    route, grown = step([77], [0], route)                # another batch
+    assert not grown
+    route, grown = step([78], [0], route)
+    assert grown
