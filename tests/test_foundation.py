@@ -464,6 +464,27 @@ def test_one_line_while_compiling_and_none_on_a_cache_hit(tmp_path):
     assert MESSAGE not in runs[1].stderr
 
 
+def test_compile_notice_passes_over_functions_of_no_module():
+    """The notice's listener sees every numba compile of the process: a user's function made
+    by exec() without a ``__name__`` (``__module__`` None) compiles as it would without
+    numbakv imported, no notice; a numbakv function's compile prints it once."""
+    import io
+    from types import SimpleNamespace
+    from numbakv._compile_notice import MESSAGE, CompileNotice
+    out = io.StringIO()
+    notice = CompileNotice(out)
+
+    def compiling(module):
+        func = SimpleNamespace(__module__=module)
+        return SimpleNamespace(data={"dispatcher": SimpleNamespace(py_func=func)})
+    for module in (None, "user_code"):
+        notice.on_start(compiling(module))
+    assert out.getvalue() == ""
+    notice.on_start(compiling("numbakv.cells"))
+    notice.on_start(compiling("numbakv.pages"))
+    assert out.getvalue() == MESSAGE + "\n"
+
+
 def test_the_cpu_path_never_imports_numba_cuda():
     """numba.cuda (and the CUDA dispatchers of numbakv's kernels) cost ~55 MiB of resident memory
     and ~0.2 s: importing numbakv and running a CPU cache leaves it unimported; the first use of
@@ -496,15 +517,17 @@ def test_the_cpu_path_never_imports_numba_cuda():
 
 def test_import_leaves_unused_families_unloaded_and_names_resolve():
     """``import numbakv`` loads neither the prefix store nor the recurrent / hybrid / prompt /
-    paired caches (a generate() user never touches them: ~1.2 MiB of RSS); each public name,
-    ``numbakv.<module>``, ``dir()`` and ``from numbakv import *`` still resolve, to the very
-    objects of their modules, and a loaded family's state files are registered."""
+    paired caches, nor isal for the state checksum (a generate() user never touches them: ~1.6
+    MiB of RSS); each public name, ``numbakv.<module>``, ``dir()`` and ``from numbakv import *``
+    still resolve, to the very objects of their modules, and a loaded family's state files are
+    registered."""
     code = (
         "import sys\n"
         "import numbakv as nkv\n"
         "lazy = ('prefix', 'recurrent', 'hybrid', 'prompt', 'paired')\n"
         "loaded = [m for m in lazy if 'numbakv.' + m in sys.modules]\n"
         "assert not loaded, loaded\n"
+        "assert 'isal' not in sys.modules, 'isal is imported at the first checksum'\n"
         "assert set(nkv._LAZY) <= set(dir(nkv)) and set(nkv._LAZY) <= set(nkv.__all__)\n"
         "from numbakv.state import files\n"
         "assert 'hybrid' not in files._STATE_IO\n"
