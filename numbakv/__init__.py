@@ -5,6 +5,8 @@
     cache = nkv.CausalCache(cfg, shift=nkv.RopeShift())
 """
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
 from . import _compile_notice
 
 _compile_notice.install()  # one stderr line while numba compiles numbakv code on first use
@@ -43,6 +45,13 @@ _register_cpu_attend(_attend_on_first_use)
 _LAZY = {"PairedCache": ".paired", "PromptCache": ".prompt", "PrefixStore": ".prefix",
          "RecurrentCache": ".recurrent", "RecurrentConfig": ".recurrent",
          "StateSpec": ".recurrent", "HybridCache": ".hybrid"}
+
+if _TYPE_CHECKING:  # type checkers (the package is py.typed) see the lazy names' own types
+    from .hybrid import HybridCache
+    from .paired import PairedCache
+    from .prefix import PrefixStore
+    from .prompt import PromptCache
+    from .recurrent import RecurrentCache, RecurrentConfig, StateSpec
 
 
 #: their modules, reachable as ``numbakv.<module>`` without an import as before
