@@ -524,3 +524,17 @@ def test_trusted_decode_entries_hold_the_cache_like_the_public_calls():
         release.set()
         other.join(10)
     assert not cache.layer_pool(0)[0].any() and cache.n_used == 3
+
+
+def test_paged_generate_grows_its_decode_route_over_placed_slots():
+    """Under paged placement (CacheConfig(page_size=16)) a decode step's cells are the slots
+    the cell table placed (not one run): the decode route appends those, the trusted put
+    writes them, and generate() still equals DynamicCache token for token."""
+    model = tiny_model("llama")
+    ids, mask = _batch(True)
+    ref = _generate(model, ids, mask, None, False)
+    past = hf.generation_cache(model, max_new_tokens=NEW, capacity=32, page_size=16,
+                               cache_padding=16)
+    assert torch.equal(_generate(model, ids, mask, past, False), ref)
+    state = past._numbakv_state
+    assert state.cache._forward.slots is not None and len(state.decode_routes) == 1
