@@ -401,6 +401,26 @@ class _GenState:
     def begin(self, batch: int, new: int) -> None:
         """A forward pass of ``new`` columns for each of ``batch`` rows (the first layer's
         update): place the non-pad tokens, decide who attends."""
+        if new == 1 and self.owns and self.columns and batch == self.batch \
+                and self.padded is not None and batch <= self.cache.config.max_batch:
+            # a decode step into a plain CPU cache (every pass after the prompt's): one position
+            # for every row, its rows' sequences checked when the cache was bound (seqs32,
+            # never changed); the padding mask no longer matters (pads are never stored)
+            self.pending = None
+            if self.host_puts:
+                _share_torch_threads(self.torch)
+            _local.padding = None
+            try:
+                self.cache._start_forward_checked(np.full(batch, self.columns, np.int32),
+                                                  self.seqs32)
+            except KVCacheFullError as exc:
+                raise self._full_error(exc, new) from None
+            self.keep = None
+            self.decode = True
+            self.routes = {}
+            self.fallback_pass = False
+            self.columns += 1
+            return
         torch, _ = _transformers()
         self.pending = None
         if self.host_puts:
@@ -442,12 +462,7 @@ class _GenState:
         try:
             self.cache.start_forward(positions, seqs)
         except KVCacheFullError as exc:
-            held = self.columns + new
-            raise KVCacheFullError(
-                f"{exc}: the generation cache holds {self.layer_caches[0].config.capacity} "
-                f"tokens per row and this pass needs {held}: pass hf.generation_cache("
-                f"max_new_tokens=) at least generate()'s max_new_tokens (or a larger "
-                f"capacity=)") from None
+            raise self._full_error(exc, new) from None
         self.keep = keep
         self.decode = new == 1 and keep is None
         self.routes = {}            # this pass: attend's CPU-kernel route per attention cache
@@ -455,6 +470,13 @@ class _GenState:
         # K/V (what DynamicCache runs); quantized K/V are attended as stored, in every pass
         self.fallback_pass = self.columns == 0 and not self.quantized
         self.columns += new
+
+    def _full_error(self, exc: KVCacheFullError, new: int) -> KVCacheFullError:
+        """``exc`` of a pass of ``new`` columns, saying which size to raise."""
+        return KVCacheFullError(
+            f"{exc}: the generation cache holds {self.layer_caches[0].config.capacity} tokens "
+            f"per row and this pass needs {self.columns + new}: pass hf.generation_cache("
+            "max_new_tokens=) at least generate()'s max_new_tokens (or a larger capacity=)")
 
     def ensure_begun(self) -> None:
         """Begin the pass the forward pre-hook saw start, if no layer began it yet (a hybrid's
