@@ -331,9 +331,10 @@ class CausalCache(StateMethods):
         """``start_forward(positions, seqs)`` for a caller that checked the batch itself
         (numbakv.hf's generation cache, once per decode step, its rows' sequences checked when
         it bound the cache): int32 ``[batch]`` host arrays the caller does not change while
-        the pass lasts (kept by the pass as they are), ``0 < batch <= max_batch``, every sequence in ``[0, max_seqs)`` and every
-        position in ``[0, POS_MAX]``. The rest is start_forward's: the conflict check,
-        placement, undo record and pending shifts; one thread at a time."""
+        the pass lasts (kept by the pass as they are), ``0 < batch <= max_batch``, every
+        sequence in ``[0, max_seqs)`` and every position in ``[0, POS_MAX]``. The rest is
+        start_forward's: the conflict check, placement, undo record and pending shifts; one
+        thread at a time."""
         lock = self._thread_guard
         if not lock.acquire(False):
             raise _busy(self)

@@ -156,8 +156,8 @@ class _DecodeRoute:
     the cell table changed by that pass's placement alone (the pass's version stamps), the
     batch is the same sequences in the same order, each one position further: exactly the
     page table a fresh build gives (lists ascend by position, the new cell is the newest),
-    so the kernel's sums, and the tokens, are the same. Anything else: None, and the caller
-    takes the validated route again."""
+    so the kernel's sums, and the tokens, are the same. Anything else (:meth:`seed` None,
+    :meth:`extend` False): the caller takes the validated route again."""
 
     __slots__ = ("src", "cells", "version", "seqs", "positions", "room", "kv_indices",
                  "kv_positions", "items", "merges", "qo_indptr", "token_order", "parallel",
@@ -236,8 +236,9 @@ class _DecodeRoute:
         slots = _NO_SLOTS if fwd.slots is None else fwd.slots
         for _ in range(2):
             total = att._grow_decode_lists(self.items, self.kv_indices, self.kv_positions,
-                                       self.token_order, self.seqs, self.positions, fwd.seqs,
-                                       fwd.positions, fwd.causal, fwd.start, slots, self.room)
+                                           self.token_order, self.seqs, self.positions,
+                                           fwd.seqs, fwd.positions, fwd.causal, fwd.start,
+                                           slots, self.room)
             if total != -1:
                 break
             self._grow(2 * self.room)          # a list is full: twice the room, then again
@@ -268,11 +269,12 @@ class _DecodeRoute:
         res = np.empty((q.shape[0], q.shape[1], dv), np.float32)
         part_acc, part_ml = self._part
         fwd = self.src._forward
-        self._kernel(self.items, self.merges, q, kp, vp, self.bf16, self.permuted, 0, 0, _ONE, _ONE,
-           self.kv_indices, self.kv_positions, self.qo_indptr, self.token_order, fwd.positions,
-           fwd.causal, -1, 0, np.float32(scale),
-           np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc, part_ml[0],
-           part_ml[1])
+        # plain formats (kfmt = vfmt = 0, scales 1), no window (-1) or chunk (0): seed checked
+        self._kernel(self.items, self.merges, q, kp, vp, self.bf16, self.permuted, 0, 0, _ONE,
+                     _ONE, self.kv_indices, self.kv_positions, self.qo_indptr, self.token_order,
+                     fwd.positions, fwd.causal, -1, 0, np.float32(scale),
+                     np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc,
+                     part_ml[0], part_ml[1])
         return res
 
 
