@@ -4,9 +4,9 @@
 - ``files.py``: save/load per cache kind (CausalCache, stream caches, WrapperCache,
   StepCache/RotatingCache); constructs no cache class (``simple.py`` registers its classes).
 - ``snapshot.py``: one sequence's rows out and in (``SeqSnapshot``).
-- ``methods.py``: the caches' ``save_state`` / ``load_state`` methods and the single-stream
-  class registry, without the format: the caches import it, and the modules above load at the
-  first save or load.
+- ``methods.py``: the caches' ``save_state`` / ``load_state`` methods without the format (the
+  caches import it; the modules above load at the first save or load); ``registry.py``: the
+  single-stream classes ``simple.py`` registers.
 
 This package re-exports the names ``numbakv.state`` (then one module) always exposed, so
 ``from numbakv import state`` / ``from numbakv.state import fingerprint`` keep working; they
@@ -39,7 +39,7 @@ def __getattr__(name: str):
     import importlib
     module = _MODULE_OF.get(name)
     if module is None:
-        if name in ("codec", "files", "snapshot", "methods"):
+        if name in ("codec", "files", "snapshot", "methods", "registry"):
             return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'numbakv.state' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)

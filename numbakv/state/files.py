@@ -66,9 +66,9 @@ from . import snapshot
 # the model fingerprint and the row writer live with the snapshot, which every one-sequence
 # save and load goes through (re-exported here: numbakv.state's names)
 from .snapshot import _MISSING, _fingerprint_diff, _write_rows, fingerprint
-# the caches' state methods and the single-stream class registry live in ``methods`` (which the
-# caches import without this module); re-exported here as before
-from .methods import _SIMPLE_CLASSES, _SIMPLE_REGISTRY, StateMethods, register_simple_class
+# the single-stream class registry lives in ``registry`` (``simple.py`` registers there without
+# loading this module); re-exported here as before. The caches' state methods are ``methods``'.
+from .registry import _SIMPLE_CLASSES, _SIMPLE_REGISTRY, register_simple_class
 
 
 def _side_format(cfg, which: str) -> Tuple[str, int]:
@@ -1080,5 +1080,5 @@ _STATE_IO = {"causal": (save_cache, cache_to_bytes, load_cache, cache_from_bytes
 __all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache", "load_cache",
            "cache_to_bytes", "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes",
            "save_streams", "load_streams", "streams_to_bytes", "streams_from_bytes",
-           "load_wrapper", "wrapper_from_bytes", "register_simple_class", "StateMethods",
+           "load_wrapper", "wrapper_from_bytes", "register_simple_class",
            "register_family", "load_registered", "registered_from_bytes"]

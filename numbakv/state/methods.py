@@ -1,33 +1,17 @@
 """The state methods of the caches, without the state format: ``StateMethods`` (the
 ``save_state`` / ``load_state`` / ``state_bytes`` / ``load_state_bytes`` every cache that holds
-sequences inherits) and the registry of the single-stream cache classes.
+sequences inherits).
 
 The caches' modules import this module, not :mod:`~numbakv.state.files`: the format's modules
 (``files``, ``codec``, ``snapshot``: ~1 MiB of resident memory in every process) are imported
 when a state is first saved or loaded, so a process that never does (a ``generate()`` user)
-never loads them. ``files`` re-exports both names.
+never loads them. ``files`` never imports this module (no circle).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, Mapping, Optional, Sequence, Union
-
-#: class name -> kind of the single-stream caches a state file can hold (``StepCache``,
-#: ``RotatingCache``)
-_SIMPLE_CLASSES = {"StepCache": "step", "RotatingCache": "rotating"}
-
-#: class name -> class of the single-stream caches ``files.load_simple`` builds; ``simple.py``
-#: fills it (:func:`register_simple_class`): an outer module, so the state modules never import it.
-_SIMPLE_REGISTRY: Dict[str, type] = {}
-
-
-def register_simple_class(cls: type) -> None:
-    """Let ``load_simple`` build ``cls`` (``StepCache`` or ``RotatingCache``, by class name)."""
-    if cls.__name__ not in _SIMPLE_CLASSES:
-        raise ValueError(f"cls must be StepCache or RotatingCache, got {cls.__name__}")
-    _SIMPLE_REGISTRY[cls.__name__] = cls
-
+from typing import Mapping, Optional, Sequence, Union
 
 PathLike = Union[str, "os.PathLike[str]"]   # a file path
 
@@ -91,4 +75,4 @@ class StateMethods:
         return out
 
 
-__all__ = ["StateMethods", "register_simple_class"]
+__all__ = ["StateMethods"]
