@@ -21,9 +21,7 @@ from .step import DecodeStep
 from .streams import StreamCache  # registers itself for CacheConfig(unified=False)
 from .wrappers import EncoderCache, WrapperCache
 from .errors import NoSlotError, ReprocessError
-from .state.snapshot import SeqSnapshot, SnapshotPart  # loaded anyway: the caches' state methods
 from .rotation import rotate_queries, unrotate_output
-from .state.snapshot import RecurrentPart
 from .step import register_cpu_attend as _register_cpu_attend
 
 
@@ -37,14 +35,16 @@ def _attend_on_first_use(*args, **kwargs):
 _register_cpu_attend(_attend_on_first_use)
 
 #: public names whose modules load on first access (PEP 562): a ``generate()`` or plain-cache
-#: user never touches them, and importing them all cost ~1.2 MiB of RSS per process (the prefix
-#: store and its tiers, the recurrent and hybrid caches, the prompt and paired caches). Nothing
-#: of the library relies on their import-time work: RecurrentCache / HybridCache register their
-#: state-file families when their module loads, and a file of a family is only ever read or
-#: written through an instance of its class; the prefix store's exit hook concerns live stores.
+#: user never touches them, and importing them all cost ~2.2 MiB of RSS per process (the prefix
+#: store and its tiers, the recurrent and hybrid caches, the prompt and paired caches, the
+#: sequence snapshots and with them the state format). Nothing of the library relies on their
+#: import-time work: RecurrentCache / HybridCache register their state-file families when their
+#: module loads, and a file of a family is only ever read or written through an instance of its
+#: class; the prefix store's exit hook concerns live stores.
 _LAZY = {"PairedCache": ".paired", "PromptCache": ".prompt", "PrefixStore": ".prefix",
          "RecurrentCache": ".recurrent", "RecurrentConfig": ".recurrent",
-         "StateSpec": ".recurrent", "HybridCache": ".hybrid"}
+         "StateSpec": ".recurrent", "HybridCache": ".hybrid", "SeqSnapshot": ".state.snapshot",
+         "SnapshotPart": ".state.snapshot", "RecurrentPart": ".state.snapshot"}
 
 if _TYPE_CHECKING:  # type checkers (the package is py.typed) see the lazy names' own types
     from .hybrid import HybridCache
@@ -52,10 +52,11 @@ if _TYPE_CHECKING:  # type checkers (the package is py.typed) see the lazy names
     from .prefix import PrefixStore
     from .prompt import PromptCache
     from .recurrent import RecurrentCache, RecurrentConfig, StateSpec
+    from .state.snapshot import RecurrentPart, SeqSnapshot, SnapshotPart
 
 
 #: their modules, reachable as ``numbakv.<module>`` without an import as before
-_LAZY_MODULES = frozenset(module[1:] for module in _LAZY.values())
+_LAZY_MODULES = frozenset(module[1:] for module in _LAZY.values() if "." not in module[1:])
 
 
 def __getattr__(name: str):
@@ -73,6 +74,7 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY) | _LAZY_MODULES)
+
 
 __version__ = "0.1.0"
 

@@ -27,7 +27,7 @@ from .config import MASK_DTYPES, CacheConfig, RopeShift, check_rope_layout, roun
 from .device import array_module, as_array, export_view, resolve_device
 from ._guard import _busy, one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
-from .state.files import StateMethods
+from .state.methods import StateMethods
 from .storage import KVStorage
 from ._inputs import UNLIMITED, check_batch, host_int_array
 from ._inputs import check_index as _check_index

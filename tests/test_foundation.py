@@ -517,17 +517,29 @@ def test_the_cpu_path_never_imports_numba_cuda():
 
 def test_import_leaves_unused_families_unloaded_and_names_resolve():
     """``import numbakv`` loads neither the prefix store nor the recurrent / hybrid / prompt /
-    paired caches, nor isal for the state checksum (a generate() user never touches them: ~1.6
-    MiB of RSS); each public name, ``numbakv.<module>``, ``dir()`` and ``from numbakv import *``
-    still resolve, to the very objects of their modules, and a loaded family's state files are
-    registered."""
+    paired caches, nor the state format (files, codec, snapshots) and isal for its checksum (a
+    generate() user never touches them: ~2.5 MiB of RSS); each public name, ``numbakv.<module>``,
+    ``numbakv.state``'s names, ``dir()`` and ``from numbakv import *`` still resolve, to the very
+    objects of their modules, and a loaded family's state files are registered."""
     code = (
         "import sys\n"
         "import numbakv as nkv\n"
-        "lazy = ('prefix', 'recurrent', 'hybrid', 'prompt', 'paired')\n"
+        "lazy = ('prefix', 'recurrent', 'hybrid', 'prompt', 'paired', 'state.files',\n"
+        "        'state.codec', 'state.snapshot')\n"
         "loaded = [m for m in lazy if 'numbakv.' + m in sys.modules]\n"
         "assert not loaded, loaded\n"
         "assert 'isal' not in sys.modules, 'isal is imported at the first checksum'\n"
+        "import numpy as np\n"
+        "cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=8, capacity=16,\n"
+        "                      device='cpu', dtype='float32')\n"
+        "c = nkv.CausalCache(cfg)\n"
+        "c.start_forward(np.arange(3), np.zeros(3, np.int64))\n"
+        "c.put(np.arange(48, dtype=np.float32).reshape(3, 2, 8), np.ones((3, 2, 8), np.float32))\n"
+        "data = c.state_bytes()\n"
+        "assert 'numbakv.state.files' in sys.modules\n"
+        "d = nkv.CausalCache(cfg)\n"
+        "d.load_state_bytes(data)\n"
+        "assert d.state_bytes() == data\n"
         "assert set(nkv._LAZY) <= set(dir(nkv)) and set(nkv._LAZY) <= set(nkv.__all__)\n"
         "from numbakv.state import files\n"
         "assert 'hybrid' not in files._STATE_IO\n"
@@ -536,6 +548,9 @@ def test_import_leaves_unused_families_unloaded_and_names_resolve():
         "from numbakv import prefix, recurrent\n"
         "assert nkv.PrefixStore is prefix.PrefixStore and nkv.StateSpec is recurrent.StateSpec\n"
         "assert nkv.prompt.PromptCache is nkv.PromptCache\n"
+        "from numbakv.state import snapshot, fingerprint, FORMAT\n"
+        "assert nkv.SeqSnapshot is snapshot.SeqSnapshot and fingerprint is files.fingerprint\n"
+        "assert issubclass(nkv.HybridCache, nkv.state.methods.StateMethods) and FORMAT\n"
         "ns = {}\n"
         "exec('from numbakv import *', ns)\n"
         "assert all(ns[name] is getattr(nkv, name) for name in nkv.__all__)\n"
