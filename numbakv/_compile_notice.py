@@ -34,7 +34,9 @@ class CompileNotice(event.Listener):
         if self.printed:
             return
         py_func = getattr(ev.data.get("dispatcher"), "py_func", None)
-        if getattr(py_func, "__module__", "").partition(".")[0] != "numbakv":
+        # a function made by exec() without a __name__ has __module__ None: not numbakv's
+        module = getattr(py_func, "__module__", None) or ""
+        if module.partition(".")[0] != "numbakv":
             return
         self.printed = True
         print(MESSAGE, file=self.stream or sys.stderr, flush=True)

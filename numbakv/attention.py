@@ -1469,6 +1469,40 @@ def _plan_items(qo_indptr, kv_indptr, limit, short_cells, short_tokens, parallel
     return items, merges, row, mine, parallel
 
 
+@njit(cache=True)
+def _grow_decode_lists(items, kv_indices, kv_positions, token_order, seqs, positions, new_seqs,
+                       new_positions, causal, start, slots, room):
+    """One decode step of lists kept apart (numbakv.hf's decode route: list ``b`` is the whole
+    list of batch sequence ``b``, its one query token ``token_order[b]``, in ``kv_indices`` /
+    ``kv_positions`` entries ``items[b, 1] .. items[b, 2]`` (room for ``room``), ascending by
+    position): when the pass (``new_seqs``, ``new_positions``, ``causal`` ``[batch]``) is the
+    same sequences in the same order as the last one (``seqs``, ``positions``), each one
+    position further and causal, append each token's cell (``start + t``, or ``slots[t]``
+    when ``slots`` is not empty) and position to its list, grow ``items[:, 2]``, take the
+    new positions into ``positions``, and return the cells listed in all; else change
+    nothing and return 0 (not such a step) or -1 (a list is full: grow the room first)."""
+    n = seqs.shape[0]
+    if new_seqs.shape[0] != n or new_positions.shape[0] != n or items.shape[0] != n:
+        return 0
+    for i in range(n):
+        if new_seqs[i] != seqs[i] or new_positions[i] != positions[i] + 1 or causal[i] == 0:
+            return 0
+    for b in range(n):
+        if items[b, 2] - items[b, 1] >= room:
+            return -1
+    total = 0
+    for b in range(n):
+        t = token_order[b]
+        j = items[b, 2]
+        kv_indices[j] = start + t if slots.shape[0] == 0 else slots[t]
+        kv_positions[j] = new_positions[t]
+        items[b, 2] = j + 1
+        total += j + 1 - items[b, 1]
+    for i in range(n):
+        positions[i] = new_positions[i]
+    return total
+
+
 class _KernelRun:
     """The arguments of one pass's CPU kernel call that every layer shares (the page table's
     arrays, the mask rule, the plan's items; built once per plan): a layer adds its query,

@@ -25,9 +25,9 @@ from .cells import _check_batch as _batch_ids_ok
 from . import pages as _pages
 from .config import MASK_DTYPES, CacheConfig, RopeShift, check_rope_layout, round_up
 from .device import array_module, as_array, export_view, resolve_device
-from ._guard import one_thread_at_a_time
+from ._guard import _busy, one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
-from .state.files import StateMethods
+from .state.methods import StateMethods
 from .storage import KVStorage
 from ._inputs import UNLIMITED, check_batch, host_int_array
 from ._inputs import check_index as _check_index
@@ -325,15 +325,37 @@ class CausalCache(StateMethods):
         pinned buffer, synchronising that stream only; while that stream captures a CUDA graph
         they must be host arrays (``ValueError``, nothing changed): the bookkeeping is on the host.
         """
+        self._start_forward(positions, seqs, reserve, False)
+
+    def _start_forward_checked(self, positions: np.ndarray, seqs: np.ndarray) -> None:
+        """``start_forward(positions, seqs)`` for a caller that checked the batch itself
+        (numbakv.hf's generation cache, once per decode step, its rows' sequences checked when
+        it bound the cache): int32 ``[batch]`` host arrays the caller does not change while
+        the pass lasts (kept by the pass as they are), ``0 < batch <= max_batch``, every
+        sequence in ``[0, max_seqs)`` and every position in ``[0, POS_MAX]``. The rest is
+        start_forward's: the conflict check, placement, undo record and pending shifts; one
+        thread at a time."""
+        lock = self._thread_guard
+        if not lock.acquire(False):
+            raise _busy(self)
+        try:
+            self._start_forward(positions, seqs, False, True)
+        finally:
+            lock.release()
+
+    def _start_forward(self, positions, seqs, reserve, checked: bool) -> None:
+        """:meth:`start_forward`'s body (``checked``: the batch arrays are
+        :meth:`_start_forward_checked`'s)."""
         provider = self._room_provider
         try:
-            undo = self._place(positions, seqs, reserve, ask_room=provider is not None)
+            undo = self._place(positions, seqs, reserve, ask_room=provider is not None,
+                               checked=checked)
         except _NeedRoom as need:
             # a prefix store holds cells: let it evict (demoting what it can) before the
             # Ollama path (defrag, then KVCacheFullError). What it evicted stays evicted if
             # this pass still fails: those were the store's cached prefixes, not the caller's.
             provider(need.cells)
-            undo = self._place(positions, seqs, reserve)
+            undo = self._place(positions, seqs, reserve, checked=checked)
         try:
             self._finish_forward(undo)
         except BaseException:
@@ -341,7 +363,7 @@ class CausalCache(StateMethods):
             raise
 
     def _place(self, positions, seqs, reserve: bool, undoable: bool = False,
-               ask_room: bool = False) -> "_Undo":
+               ask_room: bool = False, checked: bool = False) -> "_Undo":
         """The metadata half of start_forward; returns what ``_undo`` needs to take it back (a
         WrapperCache does when a sibling cache fails).
 
@@ -357,7 +379,8 @@ class CausalCache(StateMethods):
         self._check_open()
         if not isinstance(reserve, (bool, np.bool_)):
             raise ValueError(f"reserve must be a bool, got {reserve!r}")
-        pos, sq = self._check_batch(positions, seqs)
+        # checked: _start_forward_checked's arrays (the caller's checks, no copies)
+        pos, sq = (positions, seqs) if checked else self._check_batch(positions, seqs)
         batch = len(pos)
         cells_v0 = self.cells.version
         undo = _Undo(self._forward, self.defrag_count)
@@ -679,6 +702,28 @@ class CausalCache(StateMethods):
             else:
                 self.storage.put(self._put_layer, fwd.slots, k, v)
         self._put_in = fwd
+
+    def _put_layer_trusted(self, layer: int, key: np.ndarray, value: np.ndarray) -> None:
+        """``set_layer(layer); put(key, value)`` for a caller that made every check itself
+        (numbakv.hf's generation cache, once per layer of a decode pass): a forward pass
+        (not a reserve one) is running, ``layer`` owns its K/V (no ``layer_reuse`` source)
+        and has not been put in this pass, and ``key``/``value`` are C-contiguous host arrays
+        of the storage dtype, ``[batch, n_kv_heads, head_dim]`` / ``[batch, n_kv_heads,
+        v_head_dim]`` with the pass's batch. Held by one thread at a time, as ``put`` is."""
+        lock = self._thread_guard
+        if not lock.acquire(False):
+            raise _busy(self)
+        try:
+            fwd = self._forward
+            self._layer = layer
+            self._read_layer = self._put_layer = slot = self._storage_layers[layer]
+            if fwd.slots is None:
+                self.storage.put_range_trusted(slot, fwd.start, key, value)
+            else:
+                self.storage.put_slots_trusted(slot, fwd.slots, key, value)
+            self._put_in = fwd
+        finally:
+            lock.release()
 
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,

@@ -35,6 +35,7 @@ from .errors import KVCacheError, NotSupportedError, StateError
 from .recurrent import RecurrentCache, plan_recurrent, recurrent_specs
 from .state import codec as _st
 from .state import files as _files
+from .state.methods import StateMethods
 from .state.snapshot import SeqSnapshot
 from .wrappers import WrapperCache
 
@@ -60,7 +61,7 @@ def _layer_map(kinds: Tuple[str, ...], kind: str, n_layers: int, what: str) -> L
 
 
 @one_thread_at_a_time
-class HybridCache(_files.StateMethods):
+class HybridCache(StateMethods):
     """Attention K/V + recurrent state of one hybrid model (see the module docstring).
 
     Args:

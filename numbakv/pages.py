@@ -952,62 +952,59 @@ def _extension(prev_seq_ids, prev_indptr, prev_last, prev_first, prev_contiguous
     ok = nb == prev_seq_ids.shape[0]
     trailing = True
     contiguous = True
-    if not ok:
-        return (ok, seq_ids, qo_indptr, token_order, kv_indptr, add_cells, add_pos, drop,
-                new_last, new_first, contiguous, trailing)
-    for b in range(nb):
-        if seq_ids[b] != prev_seq_ids[b]:
-            ok = False
-    for i in range(batch):
-        if causal[i] == 0:
-            trailing = False
-    for b in range(nb):
-        q0 = qo_indptr[b]
-        q1 = qo_indptr[b + 1]
-        # each sequence's tokens by position (its new cells, in list order): insertion sort,
-        # a group is a decode token or a few verified ones
-        for j in range(q0 + 1, q1):
-            t = add_tok[j]
-            k = j - 1
-            while k >= q0 and bpos[add_tok[k]] > bpos[t]:
-                add_tok[k + 1] = add_tok[k]
-                k -= 1
-            add_tok[k + 1] = t
-        for j in range(q0, q1):
-            if add_tok[j] != token_order[j]:
-                trailing = False      # the batch does not give this sequence's tokens in order
-        for j in range(q0, q1):
-            t = add_tok[j]
-            add_pos[j] = bpos[t]
-            add_cells[j] = start + t if start >= 0 else slots[t]
-        if q1 > q0 and np.int64(add_pos[q0]) <= prev_last[b]:
-            ok = False
-    if not ok:
-        return (ok, seq_ids, qo_indptr, token_order, kv_indptr, add_cells, add_pos, drop,
-                new_last, new_first, contiguous, trailing)
-    if window >= 0 or chunk > 0:
-        # each list keeps the positions its tokens can still see: from the lowest visible
-        # position of its new tokens, which only grows as positions do; where the front ends
-        # needs the list's positions to be one run
-        if not prev_contiguous:
-            ok = False
-            return (ok, seq_ids, qo_indptr, token_order, kv_indptr, add_cells, add_pos, drop,
-                    new_last, new_first, contiguous, trailing)
+    # each phase runs while the lists still just grow: one return, whatever stops them
+    if ok:
+        for b in range(nb):
+            if seq_ids[b] != prev_seq_ids[b]:
+                ok = False
+        for i in range(batch):
+            if causal[i] == 0:
+                trailing = False
+        for b in range(nb):
+            q0 = qo_indptr[b]
+            q1 = qo_indptr[b + 1]
+            # each sequence's tokens by position (its new cells, in list order): insertion
+            # sort, a group is a decode token or a few verified ones
+            for j in range(q0 + 1, q1):
+                t = add_tok[j]
+                k = j - 1
+                while k >= q0 and bpos[add_tok[k]] > bpos[t]:
+                    add_tok[k + 1] = add_tok[k]
+                    k -= 1
+                add_tok[k + 1] = t
+            for j in range(q0, q1):
+                if add_tok[j] != token_order[j]:
+                    trailing = False   # the batch does not give this sequence's tokens in order
+            for j in range(q0, q1):
+                t = add_tok[j]
+                add_pos[j] = bpos[t]
+                add_cells[j] = start + t if start >= 0 else slots[t]
+            if q1 > q0 and np.int64(add_pos[q0]) <= prev_last[b]:
+                ok = False
+    # each list keeps the positions its tokens can still see: from the lowest visible
+    # position of its new tokens, which only grows as positions do; where the front ends
+    # needs the list's positions to be one run
+    windowed = window >= 0 or chunk > 0
+    if ok and windowed and not prev_contiguous:
+        ok = False
+    if ok and windowed:
         for b in range(nb):
             lo_b = np.int64(1) << 62
             for j in range(qo_indptr[b], qo_indptr[b + 1]):
                 lo_b = min(lo_b, visible_lo(np.int64(add_pos[j]), window, chunk))
             prev_len = np.int64(prev_indptr[b + 1] - prev_indptr[b])
             drop[b] = min(max(lo_b - prev_first[b], 0), prev_len)
-    for b in range(nb):
-        prev_len = np.int64(prev_indptr[b + 1] - prev_indptr[b])
-        n_new = np.int64(qo_indptr[b + 1] - qo_indptr[b])
-        new_len = prev_len - drop[b] + n_new
-        kv_indptr[b + 1] = kv_indptr[b] + new_len
-        new_last[b] = add_pos[qo_indptr[b + 1] - 1]
-        new_first[b] = prev_first[b] + drop[b] if drop[b] < prev_len else add_pos[qo_indptr[b]]
-        if new_last[b] - new_first[b] + 1 != new_len:
-            contiguous = False
+    if ok:
+        for b in range(nb):
+            prev_len = np.int64(prev_indptr[b + 1] - prev_indptr[b])
+            n_new = np.int64(qo_indptr[b + 1] - qo_indptr[b])
+            new_len = prev_len - drop[b] + n_new
+            kv_indptr[b + 1] = kv_indptr[b] + new_len
+            new_last[b] = add_pos[qo_indptr[b + 1] - 1]
+            new_first[b] = prev_first[b] + drop[b] if drop[b] < prev_len \
+                else add_pos[qo_indptr[b]]
+            if new_last[b] - new_first[b] + 1 != new_len:
+                contiguous = False
     return (ok, seq_ids, qo_indptr, token_order, kv_indptr, add_cells, add_pos, drop, new_last,
             new_first, contiguous, trailing)
 

@@ -63,6 +63,7 @@ from .errors import KVCacheError, NotSupportedError, StateError
 from .kernels import rows as _rows
 from .state import codec as _st
 from .state import files as _files
+from .state.methods import StateMethods
 from .state.snapshot import EXPLICIT, KEPT, RecurrentPart, recurrent_expect, recurrent_part_of
 
 
@@ -185,7 +186,7 @@ def _layout_diff(saved: Any, current: Dict[str, Any]) -> Optional[str]:
 
 # ============================================================================== the cache
 @one_thread_at_a_time
-class RecurrentCache(_files.StateMethods):
+class RecurrentCache(StateMethods):
     """Recurrent state of ``config.max_seqs`` sequences (see the module docstring)."""
 
     _STATE_IO = "recurrent"

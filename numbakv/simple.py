@@ -33,7 +33,7 @@ from ._memory import check_memory
 from .config import STORAGE_DTYPES, normalize_dtype, round_up
 from .device import (array_module, as_array, count_host_wait, dtype_name, export_view,
                      input_device, resolve_device)
-from .state.files import register_simple_class as _register_simple_class
+from .state.registry import register_simple_class as _register_simple_class
 
 __all__ = ["StepCache", "RotatingCache"]
 

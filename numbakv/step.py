@@ -294,17 +294,16 @@ def append_lists(host, n, causal_in, causal_out, batch, max_seqs, window, chunk,
                 lo = min(lo, v)
             prev_len = state_indptr[b + 1] - state_indptr[b]
             drop[b] = min(max(lo - state_first[b], 0), prev_len)
-    if pruned.shape[0]:
-        for r in range(pruned.shape[0]):
-            s = pruned[r, 0]
-            if s < 0 or s >= max_seqs:
-                return False
-            b = slot[s]
-            if b < 0:
-                continue        # not listed (the batch's sequences are the lists')
-            prev_len = state_indptr[b + 1] - state_indptr[b]
-            if meta[1] == 0 or pruned[r, 1] >= state_first[b] + drop[b] and drop[b] < prev_len:
-                return False    # a listed cell dropped (or the list's front unknown)
+    for r in range(pruned.shape[0]):
+        s = pruned[r, 0]
+        if s < 0 or s >= max_seqs:
+            return False
+        b = slot[s]
+        if b < 0:
+            continue        # not listed (the batch's sequences are the lists')
+        prev_len = state_indptr[b + 1] - state_indptr[b]
+        if meta[1] == 0 or pruned[r, 1] >= state_first[b] + drop[b] and drop[b] < prev_len:
+            return False    # a listed cell dropped (or the list's front unknown)
     # the descriptor: previous pointers, drops, groups, new cells / positions, new pointers
     nnz_prev = state_indptr[nb]
     for b in range(batch + 2):
@@ -995,6 +994,9 @@ class DecodeStep:
         causal = np.ones(len(fwd.token_order), np.uint8)
         for b, s in enumerate(fwd.seq_ids.tolist()):
             causal[fwd.groups[b]] = self.cache.streams[s]._forward.causal
+        # read-only as every other pass's flags are: append_lists is typed by the array's
+        # flags, and a writable one compiled (and would ship) a second signature of it
+        causal.flags.writeable = False
         return causal
 
     def _max_seqs(self) -> int:

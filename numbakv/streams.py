@@ -33,7 +33,7 @@ copied cells' K/V, in every layer, in one launch (llama.cpp copies whole stream 
 from __future__ import annotations
 
 import contextlib
-from operator import attrgetter, is_
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
@@ -56,7 +56,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 _cells_of = attrgetter("cells")      # a stream's cell table
-_meta_of = attrgetter("_meta")       # a cell table's counters row (CellTableStack.holds)
 _version_of = attrgetter("version")  # a cell table's version count
 _forward_of = attrgetter("_forward")            # a stream's forward pass
 _defrag_count_of = attrgetter("defrag_count")   # a stream's defrags so far
@@ -317,11 +316,7 @@ class StreamCache(CausalCache):
         before)."""
         streams = self.streams
         tables = list(map(_cells_of, streams))
-        stack = self._stack
-        # CellTableStack.holds(tables) (each table the stack's, still on its row) by C-level
-        # map/all: its generator was ~0.15 us a stream of every decode step
-        if not (len(tables) == len(stack.tables) and all(map(is_, tables, stack.tables))
-                and all(map(is_, map(_meta_of, tables), stack._rows))):
+        if not self._stack.holds(tables):
             # a table replaced (a state load): stack anew
             self._stack = CellTableStack(tables)
         pruning = self._memory != UNLIMITED
@@ -330,10 +325,9 @@ class StreamCache(CausalCache):
                                    self._window if pruning else -1, self.config.cache_padding)
         if placed is None:
             return None
-        out, grouped, local, pool, top, pruned, pruned_at = placed
+        out, grouped, local, pool, top, pruned, pruned_at, steps = placed
         ids, rows, bounds = seq_ids.tolist(), out.tolist(), qo_indptr.tolist()
         cut = pruned_at.tolist() if pruning else None
-        gap = 2 if pruning else 1         # the version counts of prune_window, place_contiguous
         zeros = np.zeros(len(pos), np.int32)
         ones = self._all_causal(len(pos))
         one = ones[:1]         # read-only: one view serves every one-token stream
@@ -357,10 +351,10 @@ class StreamCache(CausalCache):
         versions = list(map(_version_of, map(tables.__getitem__, ids)))
         for b, (st, row, v1, p_b, q_b, c_b) in enumerate(zip(placed_streams, rows, versions,
                                                             positions_of, seqs_of, causal_of)):
-            # the version before the pass: place()'s counts back (_stamp_versions); a pure
-            # placement unless the window pruning dropped cells. Positional arguments (mask,
-            # exported None): cheaper than keywords
-            v0 = v1 - gap
+            # the version before the pass: place()'s version steps back (_stamp_versions); a
+            # pure placement unless the window pruning dropped cells. Positional arguments
+            # (mask, exported None): cheaper than keywords
+            v0 = v1 - steps
             dropped = pruned[cut[b]:cut[b + 1]] if pruning and cut[b] != cut[b + 1] else None
             st._forward = _Forward(p_b, q_b, False, row[0], row[1], row[2], c_b, None, None,
                                    v0 if dropped is None else -1, v1, v0, dropped)

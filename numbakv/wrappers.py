@@ -18,7 +18,7 @@ from .causal import CausalCache, PathLike, _NeedRoom, check_shared_shift
 from .config import MASK_DTYPES, CacheConfig, round_up
 from .device import array_module, as_array, export_view, resolve_device
 from .errors import KVCacheError, NotSupportedError
-from .state.files import StateMethods
+from .state.methods import StateMethods
 
 if TYPE_CHECKING:  # pragma: no cover
     from .state.snapshot import SeqSnapshot

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from numbakv.cells import CELL_DTYPE, MAX_SEQS, POS_MAX, SEQ_WORDS, CellTable, cell_dtype, seq_words
+from numbakv.cells import (CELL_DTYPE, MAX_SEQS, POS_MAX, SEQ_WORDS, CellTable, CellTableStack,
+                           cell_dtype, seq_words)
 from numbakv.errors import NotSupportedError
 from model_cells import ModelCells, reference_defrag_plan
 
@@ -1002,3 +1003,16 @@ def test_join_into_an_empty_sequence():
     t.copy_prefix(0, 2, 170)            # 170 cells over blocks 18..29 of seq 0
     assert (t.seq_pos_min(2), t.seq_pos_max(2)) == (0, 169)
     assert (t.seq_cell_min(2), t.seq_cell_max(2)) == (300, 469)
+
+
+def test_stack_holds_its_tables_on_their_rows_only():
+    """CellTableStack.holds: its own tables in order (any sequence type); not another table,
+    another order or length, nor a table whose arrays left the stack's rows (a state load)."""
+    tables = [CellTable(8, 1), CellTable(8, 1)]
+    stack = CellTableStack(tables)
+    assert stack.holds(tables) and stack.holds(tuple(tables)) and stack.holds(iter(tables))
+    assert not stack.holds(tables[::-1])
+    assert not stack.holds(tables[:1])
+    assert not stack.holds([tables[0], CellTable(8, 1)])
+    tables[1]._meta = tables[1]._meta.copy()
+    assert not stack.holds(tables)

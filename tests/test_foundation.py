@@ -464,6 +464,27 @@ def test_one_line_while_compiling_and_none_on_a_cache_hit(tmp_path):
     assert MESSAGE not in runs[1].stderr
 
 
+def test_compile_notice_passes_over_functions_of_no_module():
+    """The notice's listener sees every numba compile of the process: a user's function made
+    by exec() without a ``__name__`` (``__module__`` None) compiles as it would without
+    numbakv imported, no notice; a numbakv function's compile prints it once."""
+    import io
+    from types import SimpleNamespace
+    from numbakv._compile_notice import MESSAGE, CompileNotice
+    out = io.StringIO()
+    notice = CompileNotice(out)
+
+    def compiling(module):
+        func = SimpleNamespace(__module__=module)
+        return SimpleNamespace(data={"dispatcher": SimpleNamespace(py_func=func)})
+    for module in (None, "user_code"):
+        notice.on_start(compiling(module))
+    assert out.getvalue() == ""
+    notice.on_start(compiling("numbakv.cells"))
+    notice.on_start(compiling("numbakv.pages"))
+    assert out.getvalue() == MESSAGE + "\n"
+
+
 def test_the_cpu_path_never_imports_numba_cuda():
     """numba.cuda (and the CUDA dispatchers of numbakv's kernels) cost ~55 MiB of resident memory
     and ~0.2 s: importing numbakv and running a CPU cache leaves it unimported; the first use of
@@ -491,4 +512,56 @@ def test_the_cpu_path_never_imports_numba_cuda():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+def test_import_leaves_unused_families_unloaded_and_names_resolve():
+    """``import numbakv`` loads neither the prefix store nor the recurrent / hybrid / prompt /
+    paired caches, nor the state format (files, codec, snapshots) and isal for its checksum (a
+    generate() user never touches them: ~2.5 MiB of RSS); each public name, ``numbakv.<module>``,
+    ``numbakv.state``'s names, ``dir()`` and ``from numbakv import *`` still resolve, to the very
+    objects of their modules, and a loaded family's state files are registered."""
+    code = (
+        "import sys\n"
+        "import numbakv as nkv\n"
+        "lazy = ('prefix', 'recurrent', 'hybrid', 'prompt', 'paired', 'state.files',\n"
+        "        'state.codec', 'state.snapshot')\n"
+        "loaded = [m for m in lazy if 'numbakv.' + m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "assert 'isal' not in sys.modules, 'isal is imported at the first checksum'\n"
+        "import numpy as np\n"
+        "cfg = nkv.CacheConfig(n_layers=1, n_kv_heads=2, head_dim=8, capacity=16,\n"
+        "                      device='cpu', dtype='float32')\n"
+        "c = nkv.CausalCache(cfg)\n"
+        "c.start_forward(np.arange(3), np.zeros(3, np.int64))\n"
+        "c.put(np.arange(48, dtype=np.float32).reshape(3, 2, 8), np.ones((3, 2, 8), np.float32))\n"
+        "data = c.state_bytes()\n"
+        "assert 'numbakv.state.files' in sys.modules\n"
+        "d = nkv.CausalCache(cfg)\n"
+        "d.load_state_bytes(data)\n"
+        "assert d.state_bytes() == data\n"
+        "assert set(nkv._LAZY) <= set(dir(nkv)) and set(nkv._LAZY) <= set(nkv.__all__)\n"
+        "from numbakv.state import files\n"
+        "assert 'hybrid' not in files._STATE_IO\n"
+        "assert nkv.HybridCache is sys.modules['numbakv.hybrid'].HybridCache\n"
+        "assert {'recurrent', 'hybrid'} <= set(files._STATE_IO)\n"
+        "from numbakv import prefix, recurrent\n"
+        "assert nkv.PrefixStore is prefix.PrefixStore and nkv.StateSpec is recurrent.StateSpec\n"
+        "assert nkv.prompt.PromptCache is nkv.PromptCache\n"
+        "from numbakv.state import snapshot, fingerprint, FORMAT\n"
+        "assert nkv.SeqSnapshot is snapshot.SeqSnapshot and fingerprint is files.fingerprint\n"
+        "assert issubclass(nkv.HybridCache, nkv.state.methods.StateMethods) and FORMAT\n"
+        "ns = {}\n"
+        "exec('from numbakv import *', ns)\n"
+        "assert all(ns[name] is getattr(nkv, name) for name in nkv.__all__)\n"
+        "try:\n"
+        "    nkv.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchName' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('numbakv.NoSuchName resolved')\n"
+        "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

@@ -431,3 +431,110 @@ def test_generation_cache_layers_refuse_what_they_cannot_keep():
         with pytest.raises(KVCacheError, match="numbakv"):
             call()
     layer.batch_repeat_interleave(1)          # a no-op repeat is fine
+
+
+def test_decode_route_grows_its_lists_in_place_only_over_plain_decode_steps():
+    """generate()'s decode attention keeps the kernel's page lists and work items across passes
+    (hf.generation._DecodeRoute) and grows them by each pass's cells: over plain decode steps
+    (the same sequences, one position further, nothing else changed) its output is attend()'s
+    exactly, also past the lists' first room; any other pass (a sequence op between passes, a
+    skipped position, another batch) is refused, the route dropped, and a new one made from the
+    pass's validated route."""
+    import numbakv as nkv
+    from numbakv import attention
+    from numbakv.attention import attend
+    from numbakv.hf.generation import _DecodeRoute
+    cfg = nkv.CacheConfig(1, 2, 8, capacity=160, max_seqs=2, max_batch=16, device="cpu",
+                          dtype="float32")
+    cache = nkv.CausalCache(cfg)
+    g = np.random.default_rng(0)
+
+    def step(positions, seqs, route=None):
+        n = len(positions)
+        cache.start_forward(np.array(positions, np.int32), np.array(seqs, np.int32))
+        cache.put(g.standard_normal((n, 2, 8), np.float32),
+                  g.standard_normal((n, 2, 8), np.float32))
+        grown = route is not None and route.extend(cache)
+        if not grown:
+            route = _DecodeRoute.seed(cache, 4, attention._cpu_pass_route(cache, 4))
+        q = torch.from_numpy(g.standard_normal((n, 4, 8), np.float32))
+        want = attend(q, cache, scale=0.3)
+        pools = attention._routed_layer_pools(cache, 0, route.legacy)
+        got = route.run(q.numpy(), pools, 0.3, None)
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0)
+        return route, grown
+
+    cache.start_forward(np.array([0, 1, 2, 0, 1], np.int32), np.array([0, 0, 0, 1, 1], np.int32))
+    cache.put(g.standard_normal((5, 2, 8), np.float32), g.standard_normal((5, 2, 8), np.float32))
+    route, grown = step([3, 2], [0, 1])
+    assert route is not None and not grown and route.room == 4 + 64   # 4 cells + 64
+    for i in range(70):                                  # past the first room
+        route, grown = step([4 + i, 3 + i], [0, 1], route)
+        assert grown
+    assert route.room == 2 * (4 + 64)
+    cache.seq_rm(1, 10, 20)          # a sequence op between passes (positions still line up)
+    route, grown = step([74, 73], [0, 1], route)
+    assert not grown
+    route, grown = step([76, 74], [0, 1], route)         # a skipped position
+    assert not grown
+    route, grown = step([77], [0], route)                # another batch
+    assert not grown
+    route, grown = step([78], [0], route)
+    assert grown
+
+
+def test_trusted_decode_entries_hold_the_cache_like_the_public_calls():
+    """The generation cache's decode entries, whose batch the caller checked: the pass start
+    (CausalCache._start_forward_checked) still refuses a (sequence, position) already held,
+    changing nothing, and the put (CausalCache._put_layer_trusted) writes the pass's cells of
+    that layer as put() does; both refuse, changing nothing, while another thread is inside
+    the cache (ConcurrentUseError, as every public call)."""
+    import threading
+    import numbakv as nkv
+    from numbakv.errors import ConcurrentUseError
+    cfg = nkv.CacheConfig(2, 2, 8, capacity=8, max_seqs=1, device="cpu", dtype="float32")
+    cache = nkv.CausalCache(cfg)
+    cache.start_forward(np.array([0, 1], np.int32), np.array([0, 0], np.int32))
+    k, v = np.ones((2, 2, 8), np.float32), np.full((2, 2, 8), 2, np.float32)
+    cache._put_layer_trusted(1, k, v)
+    key, value = cache.layer_pool(1)
+    lo = cache._forward.start
+    assert (key[lo:lo + 2] == 1).all() and (value[lo:lo + 2] == 2).all()
+    version, fwd = cache.cells.version, cache._forward
+    with pytest.raises(ValueError, match="already stored"):
+        cache._start_forward_checked(np.array([1], np.int32), np.array([0], np.int32))
+    assert cache._forward is fwd and cache.n_used == 2
+    cache._start_forward_checked(np.array([2], np.int32), np.array([0], np.int32))
+    assert cache.n_used == 3 and cache.cells.version > version
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with cache._thread_guard:
+            held.set()
+            release.wait(10)
+    other = threading.Thread(target=hold)
+    other.start()
+    held.wait(10)
+    try:
+        with pytest.raises(ConcurrentUseError):
+            cache._put_layer_trusted(0, k[:1], v[:1])
+        with pytest.raises(ConcurrentUseError):
+            cache._start_forward_checked(np.array([3], np.int32), np.array([0], np.int32))
+    finally:
+        release.set()
+        other.join(10)
+    assert not cache.layer_pool(0)[0].any() and cache.n_used == 3
+
+
+def test_paged_generate_grows_its_decode_route_over_placed_slots():
+    """Under paged placement (CacheConfig(page_size=16)) a decode step's cells are the slots
+    the cell table placed (not one run): the decode route appends those, the trusted put
+    writes them, and generate() still equals DynamicCache token for token."""
+    model = tiny_model("llama")
+    ids, mask = _batch(True)
+    ref = _generate(model, ids, mask, None, False)
+    past = hf.generation_cache(model, max_new_tokens=NEW, capacity=32, page_size=16,
+                               cache_padding=16)
+    assert torch.equal(_generate(model, ids, mask, past, False), ref)
+    state = past._numbakv_state
+    assert state.cache._forward.slots is not None and len(state.decode_routes) == 1

@@ -127,7 +127,7 @@ def test_the_walk_sees_the_imports():
     assert {"causal", "cells", "storage", "_inputs"} <= GRAPH["streams"] | GRAPH["causal"]
     assert "kernels.launch" in GRAPH["kernels.put"]
     assert "state" in GRAPH["simple"]               # `from . import state` inside a method
-    assert "state.files" in GRAPH["causal"]         # `from .state.files import StateMethods`
+    assert "state.methods" in GRAPH["causal"]       # `from .state.methods import StateMethods`
     assert "tools.demo" in GRAPH["tools.cli"]       # `from . import demo` inside a function
     assert "tools.cli" in GRAPH["__main__"]
 

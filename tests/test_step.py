@@ -943,34 +943,46 @@ def test_fp8_ds_mla_puts_without_attention(device):
     assert host(cache.storage.keys).any()
 
 
-def test_cuda_mla_latent_step_is_one_graph(fake_gpu, monkeypatch):
+@pytest.mark.parametrize("k_dtype", ["float32", "fp8_ds_mla"])
+def test_cuda_latent_step_is_one_graph(fake_gpu, monkeypatch, k_dtype):
     """cuda (stand-in CuPy, kernels in the simulator): a V-less latent cache's step is one
-    graph of, per layer, the put and one launch of the latent kernel (V the first values of
-    the staged latent rows; here one head per block, forced, over a 2-part split-K) and its
-    merge; replays equal the CPU attend."""
+    graph of, per layer, the put and one launch of the latent kernel; replays store what the
+    eager puts store and return the attention a CPU cache gives. float32 latents: V the first
+    values of the staged latent rows, one head per block (forced) over a 2-part split-K, so a
+    merge per layer too; fp8_ds_mla: FlashMLA's quantize kernel reading the descriptor's slots
+    (no upload of its own)."""
     from numbakv.kernels import decode
     from numbakv.step import DecodeStep, check_capturable
     cp, launches = fake_gpu
     monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
-    monkeypatch.setattr(decode, "LATENT_HEADS", 1)
-    cfg_kw = dict(ATT_MLA[8])
-    cache_kw = dict(shift=_mla_shift(8))
+    if k_dtype == "float32":
+        monkeypatch.setattr(decode, "LATENT_HEADS", 1)
+        cfg_kw, cache_kw, tol = dict(ATT_MLA[8]), dict(shift=_mla_shift(8)), 1e-5
+    else:
+        cfg_kw, cache_kw, tol = ATT_DS_MLA, dict(shift=nkv.RopeShift(dim=64, offset=512)), 2e-5
 
     def make_step():
         cache = fake_cuda_cache(cp, nkv.CacheConfig(**{**ATT, **cfg_kw}, dtype="float32",
                                                     device="cpu"), 0x61, **cache_kw)
-        step = DecodeStep(cache, *check_capturable(cache, 3, True, 2, 0.5, 3.0), split=(2, 2))
-        assert step.attention.latent_heads == 1 and step._parts == 2
-        # the list launches, then per layer the put, the latent kernel and the merge
-        assert len(step.graph.nodes) == 2 + 2 * (1 + 2)
+        if k_dtype == "float32":
+            step = DecodeStep(cache, *check_capturable(cache, 3, True, 2, 0.5, 3.0),
+                              split=(2, 2))
+            assert step.attention.latent_heads == 1 and step._parts == 2
+            # the list launches, then per layer the put, the latent kernel and the merge
+            assert len(step.graph.nodes) == 2 + 2 * (1 + 2)
+        else:
+            step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
+            names = [n for n, _ in launches]
+            assert names.count("ds_mla_put_kernel") == 2 * 2      # eager + captured, per layer
+            assert names.count("paged_latent_kernel") == 2 * 2
         launches.clear()
         cp.log.clear()
         return cache, step
     _, step = _check_attention(make_step, cfg_kw, cache_kw, "float32",
-                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
+                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), tol,
                                steps=_att_steps()[:2])
     assert [e[0] for e in cp.log].count("graph_launch") == step.replays == 2
-    assert not [n for n, _ in launches if n.startswith("paged")]   # only the graph's
+    assert not launches          # every put and attention ran inside the graph
 
 
 def test_paired_cache_with_fp8_ds_mla_rows_captures_both_puts(device):
@@ -1017,33 +1029,6 @@ def test_cuda_permuted_v_step_with_attention(fake_gpu):
                                lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 1e-5,
                                steps=_att_steps()[:2])
     assert step.replays == 2 and not launches
-
-
-def test_cuda_fp8_ds_mla_step_is_one_graph(fake_gpu, monkeypatch):
-    """cuda (stand-in CuPy, kernels in the simulator): an fp8_ds_mla latent cache's step is one
-    graph of, per layer, FlashMLA's quantize kernel reading the descriptor's slots (no upload
-    of its own) and one launch of the latent kernel; replays store the bytes and return the
-    attention a CPU cache gives."""
-    from numbakv.kernels import decode
-    cp, launches = fake_gpu
-    monkeypatch.setattr(decode, "BLOCK_CUDA", 8)
-    cache_kw = dict(shift=nkv.RopeShift(dim=64, offset=512))
-
-    def make_step():
-        cache = fake_cuda_cache(cp, nkv.CacheConfig(**{**ATT, **ATT_DS_MLA}, dtype="float32",
-                                                    device="cpu"), 0x61, **cache_kw)
-        step = cache.capture_step(batch=3, attend=True, n_heads=2, scale=0.5, soft_cap=3.0)
-        names = [n for n, _ in launches]
-        assert names.count("ds_mla_put_kernel") == 2 * 2      # eager + captured, per layer
-        assert names.count("paged_latent_kernel") == 2 * 2
-        launches.clear()
-        cp.log.clear()
-        return cache, step
-    _, step = _check_attention(make_step, ATT_DS_MLA, cache_kw, "float32",
-                               lambda x: FakeDeviceArray(np.ascontiguousarray(x), cp), 2e-5,
-                               steps=_att_steps()[:2])
-    assert [e[0] for e in cp.log].count("graph_launch") == step.replays == 2
-    assert not launches          # every put and attention ran inside the graph
 
 
 # ------------------------------------------------------------------ per-sequence streams
@@ -1116,7 +1101,9 @@ def test_append_lists_refuses_a_pruned_cell_its_list_still_holds():
         state = [np.array(x, np.int64) for x in ([0, 0, 0, 0], [0, 3, 3, 3], [5, 0, 0, 0],
                                                  [7, 0, 0, 0], [1, 1])]
         kept = [x.copy() for x in state]
-        ok = append_lists(host, 1, np.ones(1, np.uint8), np.zeros(T, np.uint8), T, 3, 3, 0,
+        causal = np.ones(1, np.uint8)
+        causal.flags.writeable = False      # as a step hands it: no second compiled signature
+        ok = append_lists(host, 1, causal, np.zeros(T, np.uint8), T, 3, 3, 0,
                           *state, at, 1, 1, 1, np.array(pruned, np.int64).reshape(-1, 2))
         return ok, host, state, kept
 

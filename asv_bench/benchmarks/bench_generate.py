@@ -74,3 +74,30 @@ class GenerateDecodeRate:
         return cpu["numbakv"] / cpu["dynamic"]
 
     track_numbakv_step_over_dynamic.unit = "ratio"
+
+
+class GeneratePeakRSS:
+    """Peak RSS of one generate() (the model and shape of ``GenerateDecodeRate``), each
+    contender in a fresh process, 3 interleaved rounds (``bench_generate.peak_rss``), medians:
+    numbakv against StaticCache (target: <= 1) and against StaticCache after numba's runtime
+    alone (``numba_floor``: import numba and one cached ``@njit`` function), which separates
+    numbakv's own share from numba's (~100 MiB on CPython 3.11, numba 0.68)."""
+    number = 1
+    repeat = (1, 1, 600.0)
+    timeout = 900
+
+    def setup(self):
+        if "rss" not in _MEMO:
+            from numbakv.tools.bench_generate import peak_rss
+            _MEMO["rss"] = peak_rss(4, 2048, 32)
+        self.rss = _MEMO["rss"]
+
+    def track_numbakv_over_static(self):
+        return self.rss["numbakv"]["median"] / self.rss["static"]["median"]
+
+    track_numbakv_over_static.unit = "ratio"
+
+    def track_numbakv_minus_numba_floor(self):
+        return self.rss["numbakv"]["median"] - self.rss["numba_floor"]["median"]
+
+    track_numbakv_minus_numba_floor.unit = "MiB"

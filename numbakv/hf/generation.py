@@ -20,6 +20,7 @@ Inputs that require grad are detached here: no ``torch.no_grad()`` is needed.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
@@ -142,6 +143,146 @@ def _share_torch_threads(torch) -> None:
         numba.set_num_threads(want)
 
 
+class _DecodeRoute:
+    """generate()'s decode attention over one plain :class:`~numbakv.causal.CausalCache`, kept
+    across passes: the CPU kernel's page lists in preallocated arrays (list ``b`` at
+    ``[b * room, b * room + n_b)``: the kernel reads a list through its item's bounds, so
+    lists need not be packed) and the kernel's work items, both grown in place by one cell per
+    sequence per decode step instead of a page table and a plan built every pass.
+
+    Made from a pass's validated route (:func:`numbakv.attention._cpu_pass_route`: its page
+    table and plan), when every list is one sequence's with one query, the plan did not split
+    a list and no window or chunk rule applies. :meth:`extend` then follows a pass only when
+    the cell table changed by that pass's placement alone (the pass's version stamps), the
+    batch is the same sequences in the same order, each one position further: exactly the
+    page table a fresh build gives (lists ascend by position, the new cell is the newest),
+    so the kernel's sums, and the tokens, are the same. Anything else (:meth:`seed` None,
+    :meth:`extend` False): the caller takes the validated route again."""
+
+    __slots__ = ("src", "cells", "version", "seqs", "positions", "room", "kv_indices",
+                 "kv_positions", "items", "merges", "qo_indptr", "token_order", "parallel",
+                 "n_heads", "permuted", "bf16", "legacy", "threads", "_part", "_att",
+                 "_kernel")
+
+    @classmethod
+    def seed(cls, src: Any, n_heads: int, route: tuple) -> Optional["_DecodeRoute"]:
+        """A decode route continuing ``route`` (``_cpu_pass_route(src, n_heads)`` of the
+        running pass), or None where the pass is not a plain decode step."""
+        from .. import attention
+        from ..causal import CausalCache
+        host, plan, permuted, bf16 = route
+        fwd = src._forward
+        if type(src) is not CausalCache or fwd is None or fwd.reserve or plan["rest"] \
+                or plan["merges"].shape[0] \
+                or src.cells.version != fwd.cells_v1 or int(host.rule.window) >= 0 \
+                or int(host.rule.chunk) > 0:
+            return None
+        n_b = host.qo_indptr.shape[0] - 1
+        batch = fwd.positions.shape[0]
+        if n_b != batch or host.q_positions.shape[0] != batch \
+                or not np.array_equal(host.qo_indptr, np.arange(batch + 1)) \
+                or plan["items"].shape[0] != batch \
+                or not np.array_equal(plan["items"][:, 0], np.arange(batch)) \
+                or not fwd.causal.all():
+            return None
+        self = cls()
+        self.room = 0
+        self.src, self.cells, self.version = src, src.cells, fwd.cells_v1
+        self.seqs, self.positions = fwd.seqs.copy(), fwd.positions.copy()
+        self.qo_indptr = host.qo_indptr.copy()
+        self.token_order = host.token_order.copy()
+        self.parallel, self.n_heads, self.permuted, self.bf16 = plan["parallel"], n_heads, \
+            permuted, bf16
+        self.legacy = route
+        self.kv_indices = self.kv_positions = np.zeros(0, np.int32)
+        self._part = (np.empty((0, 1), np.float32), np.empty((2, 0), np.float32))
+        self.merges = plan["merges"]
+        self.items = plan["items"].copy()
+        self.threads = numba.get_num_threads() if self.parallel else 1
+        self._att = attention
+        self._kernel = self._pick_kernel()
+        self._grow(int(np.diff(host.kv_indptr).max()) + 64, host)
+        return self
+
+    def _grow(self, room: int, host: Any = None) -> None:
+        """Room for ``room`` cells per list: the lists copied into fresh arrays (from ``host``'s
+        packed lists when seeding), ``items``' bounds moved with them."""
+        items = self.items
+        batch = items.shape[0]
+        if host is not None:
+            lo, hi = host.kv_indptr[:-1].astype(np.int64), host.kv_indptr[1:].astype(np.int64)
+            cells, pos = host.kv_indices, host.kv_positions
+        else:
+            lo, hi = items[:, 1].copy(), items[:, 2].copy()
+            cells, pos = self.kv_indices, self.kv_positions
+        kv_indices = np.zeros(batch * room, np.int32)
+        kv_positions = np.zeros(batch * room, np.int32)
+        for b in range(batch):
+            a, z = int(lo[b]), int(hi[b])
+            kv_indices[b * room:b * room + z - a] = cells[a:z]
+            kv_positions[b * room:b * room + z - a] = pos[a:z]
+        self.kv_indices, self.kv_positions, self.room = kv_indices, kv_positions, room
+        items[:, 1] = np.arange(batch, dtype=np.int64) * room
+        items[:, 2] = items[:, 1] + (hi - lo)
+
+    def extend(self, src: Any) -> bool:
+        """Follow ``src``'s running pass (see the class docstring); False: not a plain next
+        decode step, or the kernel would plan it otherwise (the caller drops this route)."""
+        att = self._att
+        fwd = src._forward
+        if src is not self.src or fwd is None or fwd.reserve or src.cells is not self.cells \
+                or fwd.cells_v0 != self.version or src.cells.version != fwd.cells_v1:
+            return False
+        slots = _NO_SLOTS if fwd.slots is None else fwd.slots
+        for _ in range(2):
+            total = att._grow_decode_lists(self.items, self.kv_indices, self.kv_positions,
+                                           self.token_order, self.seqs, self.positions,
+                                           fwd.seqs, fwd.positions, fwd.causal, fwd.start,
+                                           slots, self.room)
+            if total != -1:
+                break
+            self._grow(2 * self.room)          # a list is full: twice the room, then again
+        if total <= 0:
+            return False
+        self.version = fwd.cells_v1
+        self._kernel = self._pick_kernel()
+        if self.parallel:
+            # planned on this many threads (a list split across them would be another plan)
+            return numba.get_num_threads() == self.threads
+        # as attention._plan_items decides (one query per list): past this much work the
+        # kernel runs threaded and may split a list; the full route plans it
+        return total * self.n_heads < att._PARALLEL_WORK
+
+    def _pick_kernel(self):
+        """The kernel function of this pass, as ``attention._KernelRun.run`` picks it (a child
+        forked from a process that ran the threaded kernel runs it on one thread)."""
+        att = self._att
+        return att._attend_pool_parallel if self.parallel and os.getpid() == att._PID \
+            else att._attend_pool
+
+    def run(self, q: np.ndarray, pools: tuple, scale: float,
+            soft_cap: Optional[float]) -> np.ndarray:
+        """float32 ``[batch, n_heads, v_dim]`` (fresh) for ``q`` float32 ``[batch, n_heads,
+        head_dim]`` C-contiguous over one layer's pools (``_routed_layer_pools``): the kernel
+        call ``attention._KernelRun.run`` makes, over these lists."""
+        kp, vp, dv = pools
+        res = np.empty((q.shape[0], q.shape[1], dv), np.float32)
+        part_acc, part_ml = self._part
+        fwd = self.src._forward
+        # plain formats (kfmt = vfmt = 0, scales 1), no window (-1) or chunk (0): seed checked
+        self._kernel(self.items, self.merges, q, kp, vp, self.bf16, self.permuted, 0, 0, _ONE,
+                     _ONE, self.kv_indices, self.kv_positions, self.qo_indptr, self.token_order,
+                     fwd.positions, fwd.causal, -1, 0, np.float32(scale),
+                     np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc,
+                     part_ml[0], part_ml[1])
+        return res
+
+
+_ONE = np.float32(1.0)
+#: a decode route's "no slots" (contiguous placement: the batch's cells are start .. start + n)
+_NO_SLOTS = np.zeros(0, np.int32)
+
+
 class _GenState:
     """What the layers of one generation cache share: the numbakv cache (built at the first
     forward pass, when the batch size and prompt length are known, unless a prefix store
@@ -164,7 +305,13 @@ class _GenState:
         #: passes (a storage's arrays never move; checked against the layer cache's storage)
         self.pools: dict = {}
         self.keep = None            # this pass: torch index of the stored (non-pad) tokens
+        self.decode = False         # this pass: one column per row, no pads (a decode step)
+        self.torch: Any = None      # the torch module (once the cache is bound)
+        self.put_dtype = None       # a plain CPU cache: its storage dtype (trusted decode puts)
+        self.owns: List[bool] = []  # ... and per layer whether it stores K/V
         self.routes: dict = {}      # this pass: the CPU-kernel route per (attention cache, heads)
+        #: across passes: the decode route per (attention cache, heads) (_DecodeRoute)
+        self.decode_routes: dict = {}
         self.fallback_pass = False  # this pass runs the model's own attention (nothing cached)
         self.prompt: Optional[np.ndarray] = None  # [batch, n] token ids, when known (store)
         self.fed: List[np.ndarray] = []           # token ids fed after the prompt (store)
@@ -192,6 +339,7 @@ class _GenState:
 
     def _bind_cache(self, batch: int) -> None:
         torch, _ = _transformers()
+        self.torch = torch
         self.layer_caches = _layer_caches(self.cache)   # None: a hybrid's recurrent layers
         attending = [c for c in self.layer_caches if c is not None]
         self.storage_dtype = getattr(torch, attending[0].config.dtype)
@@ -209,6 +357,14 @@ class _GenState:
         self.seqs = np.asarray(free[:batch], np.int64)
         self.seqs32 = self.seqs.astype(np.int32)
         self.pools = {}
+        self.decode_routes = {}
+        # a plain CPU cache: decode passes put through its trusted per-layer path, into the
+        # layers that own their K/V (a layer_reuse reader stores nothing)
+        from ..causal import CausalCache
+        plain = type(self.cache) is CausalCache and self.cache.device == "cpu"
+        self.put_dtype = self.cache.config.storage_dtype if plain else None
+        self.owns = [plain and self.cache.config.owner_layer(i) == i
+                     for i in range(self.cache.config.n_layers)] if plain else []
         for s in self.seqs.tolist():          # a previous generate's rows
             if self.cache.seq_pos_max(s) >= 0:
                 self.cache.seq_rm(s)
@@ -247,6 +403,26 @@ class _GenState:
     def begin(self, batch: int, new: int) -> None:
         """A forward pass of ``new`` columns for each of ``batch`` rows (the first layer's
         update): place the non-pad tokens, decide who attends."""
+        if new == 1 and self.owns and self.columns and batch == self.batch \
+                and self.padded is not None and batch <= self.cache.config.max_batch:
+            # a decode step into a plain CPU cache (every pass after the prompt's): one position
+            # for every row, its rows' sequences checked when the cache was bound (seqs32,
+            # never changed); the padding mask no longer matters (pads are never stored)
+            self.pending = None
+            if self.host_puts:
+                _share_torch_threads(self.torch)
+            _local.padding = None
+            try:
+                self.cache._start_forward_checked(np.full(batch, self.columns, np.int32),
+                                                  self.seqs32)
+            except KVCacheFullError as exc:
+                raise self._full_error(exc, new) from None
+            self.keep = None
+            self.decode = True
+            self.routes = {}
+            self.fallback_pass = False
+            self.columns += 1
+            return
         torch, _ = _transformers()
         self.pending = None
         if self.host_puts:
@@ -288,18 +464,21 @@ class _GenState:
         try:
             self.cache.start_forward(positions, seqs)
         except KVCacheFullError as exc:
-            held = self.columns + new
-            raise KVCacheFullError(
-                f"{exc}: the generation cache holds {self.layer_caches[0].config.capacity} "
-                f"tokens per row and this pass needs {held}: pass hf.generation_cache("
-                f"max_new_tokens=) at least generate()'s max_new_tokens (or a larger "
-                f"capacity=)") from None
+            raise self._full_error(exc, new) from None
         self.keep = keep
+        self.decode = new == 1 and keep is None
         self.routes = {}            # this pass: attend's CPU-kernel route per attention cache
         # the prompt's pass over an empty cache: the model's own attention over the prompt's
         # K/V (what DynamicCache runs); quantized K/V are attended as stored, in every pass
         self.fallback_pass = self.columns == 0 and not self.quantized
         self.columns += new
+
+    def _full_error(self, exc: KVCacheFullError, new: int) -> KVCacheFullError:
+        """``exc`` of a pass of ``new`` columns, saying which size to raise."""
+        return KVCacheFullError(
+            f"{exc}: the generation cache holds {self.layer_caches[0].config.capacity} tokens "
+            f"per row and this pass needs {self.columns + new}: pass hf.generation_cache("
+            "max_new_tokens=) at least generate()'s max_new_tokens (or a larger capacity=)")
 
     def ensure_begun(self) -> None:
         """Begin the pass the forward pre-hook saw start, if no layer began it yet (a hybrid's
@@ -313,10 +492,26 @@ class _GenState:
         order ``begin`` placed them; pad columns left out)."""
         batch, heads, new, dim = key_states.shape
         cache = self.cache
+        want = self.storage_dtype
+        if self.decode and self.owns and self.owns[layer] and key_states.dtype is want \
+                and value_states.dtype is want and not key_states.requires_grad \
+                and not value_states.requires_grad:
+            # a decode step into a plain CPU cache: [batch, kv_heads, 1, D] host views as
+            # [batch, kv_heads, D] (dropping the one column is a view), put through the
+            # cache's trusted per-layer path once checked here (this layer's one put of the
+            # pass: update() refuses a second)
+            k = torch_host_view(self.torch, key_states).reshape(batch, heads, dim)
+            v = torch_host_view(self.torch, value_states)
+            v = v.reshape(batch, heads, v.shape[-1])
+            if k.dtype is self.put_dtype and v.dtype is self.put_dtype \
+                    and k.flags.c_contiguous and v.flags.c_contiguous \
+                    and k.shape[1:] == cache._kv_tail[0] and v.shape[1:] == cache._kv_tail[1] \
+                    and batch == cache._forward.positions.shape[0]:
+                cache._put_layer_trusted(layer, k, v)
+                return
         cache.set_layer(layer)
         if self.layer_caches[layer]._put_layer < 0:
             return                            # a KV-sharing layer: its source layer stored them
-        want = self.storage_dtype
         if self.host_puts and self.keep is None and key_states.dtype is want \
                 and value_states.dtype is want:
             # the common pass (CPU cache, the model's dtype, no pads): numpy views of the
@@ -395,10 +590,7 @@ class _GenState:
             src = self.layer_caches[layer]
             route = self.routes.get((id(src), heads), False)
             if route is False:
-                # the pass's page table and kernel plan are every layer's (of one attention
-                # cache): validated and planned by its first layer, then the kernel directly
-                from ..attention import _cpu_pass_route
-                route = self.routes[(id(src), heads)] = _cpu_pass_route(src, heads)
+                route = self.routes[(id(src), heads)] = self._pass_route(src, heads)
             if route is not None:
                 return self._attend_routed(layer, src, route, query, float(scaling),
                                            None if softcap is None else float(softcap))
@@ -422,6 +614,25 @@ class _GenState:
             out = out.to(query.dtype)
         return out.reshape(batch, new, heads, -1)
 
+    def _pass_route(self, src: Any, heads: int):
+        """The CPU-kernel route of this pass for attention cache ``src`` and ``heads`` query
+        heads (every layer of ``src`` shares it), or None (``attend`` computes). A decode step
+        right after the last one grows the last pass's route (:class:`_DecodeRoute`); else the
+        pass's page table and kernel plan are validated and planned here, by its first layer."""
+        key = (id(src), heads)
+        grown = self.decode_routes.pop(key, None)
+        if grown is not None and grown.extend(src):
+            self.decode_routes[key] = grown
+            return grown
+        from ..attention import _cpu_pass_route
+        route = _cpu_pass_route(src, heads)
+        if route is not None:
+            grown = _DecodeRoute.seed(src, heads, route)
+            if grown is not None:
+                self.decode_routes[key] = grown
+                return grown
+        return route
+
     def _attend_routed(self, layer: int, src, route: tuple, query, scaling: float,
                        softcap: Optional[float]):
         """:meth:`attend` along the pass's CPU-kernel route (trusted: made by
@@ -429,8 +640,7 @@ class _GenState:
         head count; no pad rows): the query's host view in, the kernel, a torch view of its
         fresh output out (never reused: transformers' consumers, or a user's hook on the output
         projection, may keep it)."""
-        from ..attention import _attend_cpu_routed, _routed_layer_pools
-        torch, _ = _transformers()
+        torch = self.torch
         batch, heads, new, dim = query.shape
         q = query.detach() if query.requires_grad else query
         want = self.storage_dtype
@@ -438,14 +648,23 @@ class _GenState:
             q = q.to(want)                    # rounded to the cache's dtype, as attend does
         if q.dtype is not torch.float32:
             q = q.float()
-        qn = q.numpy().transpose(0, 2, 1, 3).reshape(batch * new, heads, dim)
+        qn = q.numpy()
+        # [batch, heads, new, dim] -> [batch * new, heads, dim] (one column: a view as is)
+        qn = (qn if new == 1 else qn.transpose(0, 2, 1, 3)).reshape(batch * new, heads, dim)
         if not qn.flags.c_contiguous:
             qn = np.ascontiguousarray(qn)
+        grown = type(route) is _DecodeRoute
         entry = self.pools.get(layer)
         if entry is None or entry[0] is not src.storage:
-            entry = self.pools[layer] = (src.storage,
-                                         _routed_layer_pools(self.cache, layer, route))
-        res = torch.from_numpy(_attend_cpu_routed(qn, entry[1], route, scaling, softcap))
+            from ..attention import _routed_layer_pools
+            entry = self.pools[layer] = (src.storage, _routed_layer_pools(
+                self.cache, layer, route.legacy if grown else route))
+        if grown:
+            res = route.run(qn, entry[1], scaling, softcap)
+        else:
+            from ..attention import _attend_cpu_routed
+            res = _attend_cpu_routed(qn, entry[1], route, scaling, softcap)
+        res = torch.from_numpy(res)
         if want is not torch.float32:
             res = res.to(want)                # attend returns the cache's dtype
         if res.dtype is not query.dtype:

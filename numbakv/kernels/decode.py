@@ -82,6 +82,7 @@ _block_scale = _quant.block_scale.cuda
 _q8_int = _quant.q8_0_int.cuda
 _q4_int = _quant.q4_0_int.cuda
 _e4m3 = _quant.e4m3_to_f32.cuda
+_ds_mla_value = _mla.dequantize_value.cuda
 _wht_shared = _quant.wht_shared
 
 
@@ -150,17 +151,9 @@ def float_key_dot(qs, q0, kpool, c, kh, dim, kfmt):
 
 @cuda_device
 def ds_mla_value(pool, c, kh, d):
-    """Value ``d`` of FlashMLA's ``fp8_ds_mla`` row ``(c, kh)`` (:mod:`.mla`'s layout) as
-    float32, as :func:`.mla.dequantize_part` forms it: a latent value is its float8_e4m3 byte
-    times its tile's float32 scale (read from the row's little-endian scale bytes), a rope
-    value its bfloat16 bits widened."""
-    if d < _mla.LATENT:
-        b0 = _mla.SCALES_AT + 4 * (d // _mla.TILE)
-        bits = np.int64(pool[c, kh, b0]) | (np.int64(pool[c, kh, b0 + 1]) << 8) \
-            | (np.int64(pool[c, kh, b0 + 2]) << 16) | (np.int64(pool[c, kh, b0 + 3]) << 24)
-        return _e4m3(pool[c, kh, d]) * np.uint32(bits).view(np.float32)
-    b0 = _mla.ROPE_AT + 2 * (d - _mla.LATENT)
-    return _bf16(np.int64(pool[c, kh, b0]) | (np.int64(pool[c, kh, b0 + 1]) << 8))
+    """Value ``d`` of FlashMLA's ``fp8_ds_mla`` row ``(c, kh)`` as float32:
+    :func:`.mla.dequantize_value` (the per-value dequantization the cache's get uses)."""
+    return _ds_mla_value(pool[c, kh], d)
 
 
 # The kernel calls these two; which form runs depends on the pool's word type, fixed per

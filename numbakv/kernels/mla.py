@@ -101,16 +101,55 @@ def quantize_part(x, kind, q, part):
 
 
 @_bound_element(_HELPERS)
+def stored_scale(q, tile):
+    """Tile ``tile``'s (0..3) float32 scale, read from row ``q``'s little-endian scale bytes."""
+    b0 = 512 + 4 * tile
+    bits = np.int64(q[b0]) | (np.int64(q[b0 + 1]) << 8) | (np.int64(q[b0 + 2]) << 16) \
+        | (np.int64(q[b0 + 3]) << 24)
+    return np.uint32(bits).view(np.float32)
+
+
+@_bound_element(_HELPERS)
+def rope_bits(q, i):
+    """Rope value ``i``'s (0..63) bfloat16 bits, read from row ``q``'s little-endian bytes."""
+    return np.int64(q[528 + 2 * i]) | (np.int64(q[529 + 2 * i]) << 8)
+
+
+_HELPERS["_stored_scale"] = stored_scale
+_HELPERS["_rope_bits"] = rope_bits
+
+
+@_bound_element(_HELPERS)
+def latent_value(q, d, scale):
+    """Latent value ``d`` (0..511) of row ``q`` as float32: its float8_e4m3 byte times
+    ``scale``, its tile's :func:`stored_scale` (a loop over a tile reads that once)."""
+    return _from_e4m3(q[d]) * scale
+
+
+_HELPERS["_latent_value"] = latent_value
+
+
+@_bound_element(_HELPERS)
+def dequantize_value(q, d):
+    """Value ``d`` (0..575) of row ``q`` as float32, as :func:`dequantize_part` forms it: a
+    latent value by :func:`latent_value` with its tile's :func:`stored_scale`, a rope value its
+    bfloat16 bits (:func:`rope_bits`) widened. For readers of single values (the paged latent
+    attention, :mod:`.decode`)."""
+    if d < 512:
+        return _latent_value(q, d, _stored_scale(q, d // 128))
+    return _bf16_to_f32(_rope_bits(q, d - 512))
+
+
+@_bound_element(_HELPERS)
 def dequantize_part(q, part, out, kind):
-    """Part ``part`` of one row's bytes ``q`` into ``out`` (576 values stored as ``kind``)."""
+    """Part ``part`` of one row's bytes ``q`` into ``out`` (576 values stored as ``kind``): a
+    tile's values by :func:`latent_value` with its scale read once, or the rope values'
+    :func:`rope_bits` (the bits as they are for bfloat16, else widened)."""
     if part < 4:
-        b0 = 512 + 4 * part
-        bits = np.int64(q[b0]) | (np.int64(q[b0 + 1]) << 8) | (np.int64(q[b0 + 2]) << 16) \
-            | (np.int64(q[b0 + 3]) << 24)
-        scale = np.uint32(bits).view(np.float32)
+        scale = _stored_scale(q, part)
         j0 = part * 128
         for i in range(128):
-            y = _from_e4m3(q[j0 + i]) * scale
+            y = _latent_value(q, j0 + i, scale)
             if kind == 1:
                 out[j0 + i] = _f32_to_f16(y)
             elif kind == 2:
@@ -119,8 +158,8 @@ def dequantize_part(q, part, out, kind):
                 out[j0 + i] = y
     else:
         for i in range(64):
-            b = np.int64(q[528 + 2 * i]) | (np.int64(q[529 + 2 * i]) << 8)
-            if kind == 2:
+            b = _rope_bits(q, i)
+            if kind == 2:    # bfloat16 already: the bits as they are
                 out[512 + i] = b
             else:
                 y = _bf16_to_f32(b)
@@ -274,5 +313,6 @@ def get_launch(device: str, q, layer: int, lo: int, out, dtype: str) -> None:
 
 
 __all__ = ["HEAD_DIM", "LATENT", "ROPE", "ROPE_AT", "ROW_BYTES", "SCALES_AT", "TILE",
-           "dequantize_part", "ds_mla_get_kernel", "ds_mla_put_kernel", "get_launch",
-           "put_launch", "quantize_part", "tile_scale"]
+           "dequantize_part", "dequantize_value", "ds_mla_get_kernel", "ds_mla_put_kernel",
+           "get_launch", "latent_value", "put_launch", "quantize_part", "rope_bits",
+           "stored_scale", "tile_scale"]

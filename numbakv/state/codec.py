@@ -28,14 +28,23 @@ import numpy as np
 
 from ..errors import KVCacheError, StateError
 
-try:
-    # ISA-L's crc32 (python-isal): the same CRC-32 values as zlib's, computed with SIMD carry-less
-    # multiplication at ~4x zlib's speed on x86-64 and arm64. The checksum is the only pass over
-    # the rows when a run is read straight into the cells, so it bounds a tier's load; the file
-    # format is unchanged (old files read, new files read without it).
-    from isal.isal_zlib import crc32
-except ImportError:  # optional (the `fast` and `test` extras): zlib's computes the same values
-    from zlib import crc32
+
+def crc32(data, value: int = 0) -> int:
+    """zlib's ``crc32(data, value)``, computed by ISA-L's (python-isal) where it is installed: the
+    same CRC-32 values with SIMD carry-less multiplication at ~4x zlib's speed on x86-64 and
+    arm64. The checksum is the only pass over the rows when a run is read straight into the
+    cells, so it bounds a tier's load; the file format is unchanged (old files read, new files
+    read without it). isal (optional: the `fast` and `test` extras) is imported at the first
+    checksum, not with numbakv: its two extension modules cost ~0.4 MiB of RSS in every process,
+    most of which never saves or loads a state; this function then rebinds the module's name to
+    the implementation itself, so later calls go straight to it."""
+    global crc32
+    try:
+        from isal.isal_zlib import crc32 as implementation
+    except ImportError:  # zlib's computes the same values
+        from zlib import crc32 as implementation
+    crc32 = implementation
+    return implementation(data, value)
 
 #: ``format`` metadata value of every numbakv state.
 FORMAT = "numbakv.state"

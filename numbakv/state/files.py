@@ -51,8 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,6 +66,9 @@ from . import snapshot
 # the model fingerprint and the row writer live with the snapshot, which every one-sequence
 # save and load goes through (re-exported here: numbakv.state's names)
 from .snapshot import _MISSING, _fingerprint_diff, _write_rows, fingerprint
+# the single-stream class registry lives in ``registry`` (``simple.py`` registers there without
+# loading this module); re-exported here as before. The caches' state methods are ``methods``'.
+from .registry import _SIMPLE_CLASSES, _SIMPLE_REGISTRY, register_simple_class
 
 
 def _side_format(cfg, which: str) -> Tuple[str, int]:
@@ -746,7 +748,6 @@ def streams_from_bytes(cache, data, seq: Optional[int] = None, *, strict: bool =
 
 
 # ====================================================================================== simple
-_SIMPLE_CLASSES = {"StepCache": "step", "RotatingCache": "rotating"}
 
 
 def _is_simple(cache) -> bool:
@@ -824,18 +825,6 @@ def simple_to_bytes(cache, *, tokens=None, metadata: Optional[Mapping[str, str]]
                     progress: Optional[bool] = None) -> bytes:
     """``save_simple`` into bytes in memory."""
     return _to_bytes(_build_simple(cache, tokens, metadata), progress)
-
-
-#: class name -> class of the single-stream caches ``load_simple`` builds; ``simple.py`` fills it
-#: (:func:`register_simple_class`): an outer module, so this one never imports it.
-_SIMPLE_REGISTRY: Dict[str, type] = {}
-
-
-def register_simple_class(cls: type) -> None:
-    """Let ``load_simple`` build ``cls`` (``StepCache`` or ``RotatingCache``, by class name)."""
-    if cls.__name__ not in _SIMPLE_CLASSES:
-        raise ValueError(f"cls must be StepCache or RotatingCache, got {cls.__name__}")
-    _SIMPLE_REGISTRY[cls.__name__] = cls
 
 
 def _simple_classes() -> Dict[str, type]:
@@ -1088,62 +1077,8 @@ _STATE_IO = {"causal": (save_cache, cache_to_bytes, load_cache, cache_from_bytes
              "wrapper": (save, to_bytes, load_wrapper, wrapper_from_bytes)}
 
 
-PathLike = Union[str, "os.PathLike[str]"]   # a file path
-
-
-class StateMethods:
-    """``save_state`` / ``load_state`` / ``state_bytes`` / ``load_state_bytes``, written once for
-    the caches that hold sequences (``CausalCache``, ``StreamCache``, ``WrapperCache``, and the
-    families whose own module reads and writes their files, :func:`register_family`'s:
-    ``RecurrentCache``, ``HybridCache``). A class names its family of this module's functions
-    in ``_STATE_IO`` and says what a load ends in ``_after_state_load``."""
-
-    _STATE_IO = "causal"
-
-    def _after_state_load(self) -> None:
-        """What a state load ends (the forward pass in progress); nothing by default."""
-
-    def save_state(self, path: "PathLike", seq: Optional[int] = None, *,
-                   tokens: Optional[Sequence[int]] = None,
-                   metadata: Optional[Mapping[str, str]] = None,
-                   progress: Optional[bool] = None) -> None:
-        """Save the whole cache (``seq=None``; every stream / group cache / half) or one
-        sequence to the safetensors file ``path``, atomically (``numbakv.state``: a sequence's
-        attention K/V file loads into any cache of the same model, unified or streams; a
-        recurrent cache's holds per sequence its live state and restore points, tensors
-        ``s<id>.*``; a hybrid's the attention half as tensor ``attn`` and the recurrent half as
-        ``rec.*``). ``tokens`` (integers ``[t]``) and str -> str ``metadata`` travel with it."""
-        _STATE_IO[self._STATE_IO][0](self, path, seq, tokens=tokens, metadata=metadata,
-                                     progress=progress)
-
-    def state_bytes(self, seq: Optional[int] = None, *, tokens: Optional[Sequence[int]] = None,
-                    metadata: Optional[Mapping[str, str]] = None,
-                    progress: Optional[bool] = None) -> bytes:
-        """What ``save_state`` writes, as bytes."""
-        return _STATE_IO[self._STATE_IO][1](self, seq, tokens=tokens, metadata=metadata,
-                                            progress=progress)
-
-    def load_state(self, path: "PathLike", seq: Optional[int] = None, *, strict: bool = True,
-                   progress: Optional[bool] = None) -> dict:
-        """Restore what ``save_state`` wrote: the whole cache, or a saved sequence as ``seq``
-        (replacing what ``seq`` held), all or nothing; ends the forward pass in progress.
-        Returns ``{"tokens": list[int] | None, "metadata": dict[str, str]}``. ``strict``: a
-        state saved by a cache with another model fingerprint (shift, window, memory, chunk,
-        dtypes, head shapes) raises ``StateError`` naming the field (recurrent states of another
-        layout raise it whatever ``strict`` says: they mean nothing here)."""
-        out = _STATE_IO[self._STATE_IO][2](self, path, seq, strict=strict, progress=progress)
-        self._after_state_load()
-        return out
-
-    def load_state_bytes(self, data: bytes, seq: Optional[int] = None, *, strict: bool = True,
-                         progress: Optional[bool] = None) -> dict:
-        """Load ``state_bytes`` output (as ``load_state``)."""
-        out = _STATE_IO[self._STATE_IO][3](self, data, seq, strict=strict, progress=progress)
-        self._after_state_load()
-        return out
-
 __all__ = ["save", "load", "to_bytes", "read_info", "fingerprint", "save_cache", "load_cache",
            "cache_to_bytes", "cache_from_bytes", "save_simple", "load_simple", "simple_to_bytes",
            "save_streams", "load_streams", "streams_to_bytes", "streams_from_bytes",
-           "load_wrapper", "wrapper_from_bytes", "register_simple_class", "StateMethods",
+           "load_wrapper", "wrapper_from_bytes", "register_simple_class",
            "register_family", "load_registered", "registered_from_bytes"]

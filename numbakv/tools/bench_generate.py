@@ -14,7 +14,10 @@ machine slows them together), median and spread (min-max) reported:
   the decode rate is ``(new - 1) / (t(new tokens) - t(1 token))`` so the prompt's pass cancels;
   and the **decode step** itself, timed forward to forward inside the same runs (wall and CPU
   time): the prompt's pass is most of a run and most of the rate's noise, the step is not.
-* **peak RSS** of one ``generate()`` per contender, each in its own child process.
+* **peak RSS** of one ``generate()`` per contender, each in its own child process, rounds
+  interleaved; beside them the floor of numba's runtime: StaticCache in a process that first
+  loads one cached ``@njit`` function (``import numba``, LLVM's NRT module, numba's registries),
+  which is what any CPU process running numba code pays whatever the function.
 """
 
 from __future__ import annotations
@@ -23,12 +26,32 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List
 
 import numpy as np
 
 CONTENDERS = ("numbakv", "static", "dynamic")
+#: the peak-RSS section also runs StaticCache after numba's runtime is loaded (see _rss_child)
+RSS_CONTENDERS = CONTENDERS + ("numba_floor",)
+#: interleaved rounds of the peak-RSS children (one child per contender and round)
+RSS_ROUNDS = 3
+#: a module with one cached ``@njit`` function, nothing of numbakv: loading it sets up numba's
+#: runtime exactly as a cached numbakv function does (``Cache.load_overload`` refreshes the
+#: target context and compiles the NRT module first)
+_NUMBA_FLOOR_MODULE = """import numba
+import numpy as np
+
+
+@numba.njit(cache=True)
+def one(a):
+    return a.sum()
+
+
+def load():
+    return one(np.ones(4))
+"""
 #: the per-step section also times numbakv with q8_0 K/V (read quantized by attend's kernel)
 STEP_CONTENDERS = CONTENDERS + ("numbakv_q8_0",)
 
@@ -208,16 +231,22 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _rss_child(contender: str, layers: int, context: int, new: int) -> float:
+def _rss_child(contender: str, layers: int, context: int, new: int,
+               floor_dir: str = "") -> float:
     """Peak RSS (MiB) of a child process that runs one generate() through ``contender``. The
     child loads this file by path, not as ``numbakv.tools.bench_generate``: importing the
     package would load numbakv and numba into the StaticCache / DynamicCache children too,
-    which a user of those never has (it hid ~70 MiB of numbakv's cost in the first figures)."""
+    which a user of those never has (it hid ~70 MiB of numbakv's cost in the first figures).
+    ``numba_floor``: StaticCache after loading the cached function of the module in
+    ``floor_dir`` (:data:`_NUMBA_FLOOR_MODULE`, compiled there by :func:`_numba_floor_dir`)."""
+    floor = contender == "numba_floor"
     code = ("import importlib.util, json, sys, torch\n"
             f"spec = importlib.util.spec_from_file_location('_bench_generate', {__file__!r})\n"
             "b = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(b)\n"
-            f"torch.set_num_threads(1)\nm = b._tiny_model({layers}, {context})\n"
-            f"b.generate_fns(m, {context}, {new})[{contender!r}]({new})\n"
+            + (f"sys.path.insert(0, {floor_dir!r})\nimport _numba_floor\n_numba_floor.load()\n"
+               if floor else "")
+            + f"torch.set_num_threads(1)\nm = b._tiny_model({layers}, {context})\n"
+            f"b.generate_fns(m, {context}, {new})[{'static' if floor else contender!r}]({new})\n"
             f"assert ('numbakv' in sys.modules) == ({contender!r} == 'numbakv')\n"
             "print(json.dumps(b._peak_rss_mib()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -225,6 +254,36 @@ def _rss_child(contender: str, layers: int, context: int, new: int) -> float:
     if out.returncode != 0:
         raise RuntimeError(f"peak-RSS child ({contender}) failed:\n{out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def _numba_floor_dir(directory: str) -> str:
+    """Write :data:`_NUMBA_FLOOR_MODULE` into ``directory`` and compile its function once, in a
+    child, into numba's cache there (so the measured children load it, as numbakv's shipped code
+    is loaded, instead of compiling it)."""
+    with open(os.path.join(directory, "_numba_floor.py"), "w") as f:
+        f.write(_NUMBA_FLOOR_MODULE)
+    code = (f"import sys\nsys.path.insert(0, {directory!r})\n"
+            "import _numba_floor\n_numba_floor.load()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ))
+    if out.returncode != 0:
+        raise RuntimeError(f"numba floor module failed:\n{out.stderr[-2000:]}")
+    return directory
+
+
+def peak_rss(layers: int, context: int, new: int, rounds: int = RSS_ROUNDS,
+             log: Callable[[str], None] = lambda _: None) -> Dict[str, dict]:
+    """``{contender: {"median", "min", "max", "rounds"}}`` (MiB) over ``rounds`` interleaved
+    rounds of :func:`_rss_child` for every contender of :data:`RSS_CONTENDERS`."""
+    per: Dict[str, List[float]] = {name: [] for name in RSS_CONTENDERS}
+    with tempfile.TemporaryDirectory(prefix="numbakv_floor_") as floor_dir:
+        _numba_floor_dir(floor_dir)
+        for r in range(rounds):
+            for name in RSS_CONTENDERS:
+                log(f"generate: peak RSS, {name}, round {r + 1}/{rounds} ...")
+                per[name].append(_rss_child(name, layers, context, new, floor_dir))
+    return {name: {"median": float(np.median(v)), "min": min(v), "max": max(v), "rounds": v}
+            for name, v in per.items()}
 
 
 def run_generate(quick: bool, log: Callable[[str], None] = lambda _: None) -> dict:
@@ -283,13 +342,21 @@ def run_generate(quick: bool, log: Callable[[str], None] = lambda _: None) -> di
                              "tok_s_max": n / lo if lo > 0 else float("inf")}
             res["generate"].append(row)
         if not quick:
-            for name in CONTENDERS:
-                log(f"generate: peak RSS, {name} ...")
-                res["rss_mib"][name] = _rss_child(name, gen["layers"], gen["context"],
-                                                  gen["new"])
+            res["rss_mib"] = peak_rss(gen["layers"], gen["context"], gen["new"], log=log)
     finally:
         torch.set_num_threads(threads_before)
     return res
+
+
+def _format_rss(rss: Dict[str, dict]) -> List[str]:
+    """Report lines of :func:`peak_rss`'s figures."""
+    own = rss["numbakv"]["median"] - rss["numba_floor"]["median"]
+    runtime = rss["numba_floor"]["median"] - rss["static"]["median"]
+    return [f"peak RSS of one generate() (own process, MiB, median [min-max] of "
+            f"{len(rss['numbakv']['rounds'])} interleaved rounds): " + ", ".join(
+                f"{k} {v['median']:.0f} [{v['min']:.0f}-{v['max']:.0f}]" for k, v in rss.items()),
+            f"  numba_floor = StaticCache after numba's runtime (import numba, one cached "
+            f"function): numbakv - floor {own:+.0f} MiB, floor - StaticCache {runtime:+.0f} MiB"]
 
 
 def format_generate(res: dict) -> List[str]:
@@ -333,8 +400,7 @@ def format_generate(res: dict) -> List[str]:
             lines.append(f"{r['threads']:>3} {clock:>5} {cells[0]:>22} {cells[1]:>22} "
                          f"{cells[2]:>22} {ratio:>11.2f}")
     if res.get("rss_mib"):
-        lines.append("peak RSS of one generate() (own process, MiB): " + ", ".join(
-            f"{k} {v:.0f}" for k, v in res["rss_mib"].items()))
+        lines += _format_rss(res["rss_mib"])
     return lines
 
 
