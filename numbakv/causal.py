@@ -35,7 +35,6 @@ from ._inputs import check_index as _check_index
 ShiftFn = Callable[[int, Any, Any], Any]
 _I32 = np.dtype(np.int32)
 if TYPE_CHECKING:  # pragma: no cover
-    from .pages import PageTable
     from .state.snapshot import SeqSnapshot
     from .step import DecodeStep
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from operator import attrgetter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -43,17 +43,13 @@ from numpy.typing import ArrayLike
 from ._guard import one_thread_at_a_time
 from ._inputs import UNLIMITED, host_int_array
 from ._inputs import check_index as _check_index
-from .causal import (CausalCache, PathLike, _check_memory, _Forward, _Undo, no_put_error,
+from .causal import (CausalCache, _check_memory, _Forward, _Undo, no_put_error,
                      second_put_error)
 from .cells import CellTableStack, _group_by_seq
 from .config import CacheConfig, round_up
 from .device import array_module, export_view, resolve_device
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
 from .storage import KVStorage
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .pages import PageTable
-
 
 _cells_of = attrgetter("cells")      # a stream's cell table
 _version_of = attrgetter("version")  # a cell table's version count
@@ -265,6 +261,12 @@ class StreamCache(CausalCache):
         except BaseException:
             self._undo(undo)      # every stream's undo log: nothing placed, nothing rotated
             raise
+
+    def _start_forward_checked(self, positions: np.ndarray, seqs: np.ndarray) -> None:
+        """CausalCache's trusted pass start does not apply here (each stream places its own
+        tokens through :meth:`_place`, which takes no ``checked`` arrays): the checked public
+        path, one thread at a time."""
+        self.start_forward(positions, seqs)
 
     def _place(self, positions, seqs, reserve: bool, undoable: bool = False) -> _StreamUndo:
         self._check_open()

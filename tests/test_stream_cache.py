@@ -607,3 +607,15 @@ def test_batched_placement_equals_the_per_stream_path(window):
         CellTableStack([big.streams[0].cells, CellTable(4, 1)])
     with pytest.raises(ValueError, match="one or more"):
         CellTableStack([])
+
+
+def test_trusted_pass_start_of_a_stream_cache_takes_the_checked_path():
+    # CausalCache._start_forward_checked (numbakv.hf's decode steps) skips the batch checks; a
+    # stream cache places per stream and must take its own checked start instead
+    c = nkv.CausalCache(stream_cfg())
+    c._start_forward_checked(np.array([0, 0], np.int32), np.array([0, 2], np.int32))
+    assert c.seq_pos_max(0) == 0 and c.seq_pos_max(2) == 0 and c.seq_pos_max(1) == -1
+    assert c.n_used == 2
+    with pytest.raises(ValueError, match="already stored"):
+        c._start_forward_checked(np.array([0], np.int32), np.array([2], np.int32))
+    assert c.seq_pos_max(2) == 0 and c.n_used == 2
