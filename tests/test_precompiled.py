@@ -121,8 +121,10 @@ def test_every_module_with_compiled_code_stamps_the_shipped_code():
     root = Path(REPO) / "numbakv"
     pattern = re.compile(r"^\s*@(\w+\.)?(njit|element|_bound_element|cuda_kernel|cuda_device|"
                          r"_?intrinsic|cuda\.jit)\b|= *(_njit_inline|njit)\(", re.M)
+    # numbakv/tools (benches, not the library; nothing ships compiled from there) may hold a
+    # throwaway module's text with a decorator in it, as bench_generate's numba floor does
     defining = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                if pattern.search(p.read_text())}
+                if p.relative_to(root).parts[0] != "tools" and pattern.search(p.read_text())}
     assert defining == set(_jit.COMPILED_SOURCES)
 
 
