@@ -20,7 +20,6 @@ Inputs that require grad are detached here: no ``torch.no_grad()`` is needed.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import weakref
@@ -160,9 +159,8 @@ class _DecodeRoute:
     :meth:`extend` False): the caller takes the validated route again."""
 
     __slots__ = ("src", "cells", "version", "seqs", "positions", "room", "kv_indices",
-                 "kv_positions", "items", "merges", "qo_indptr", "token_order", "parallel",
-                 "n_heads", "permuted", "bf16", "legacy", "threads", "_part", "_att",
-                 "_kernel")
+                 "kv_positions", "items", "qo_indptr", "token_order", "parallel", "n_heads",
+                 "permuted", "bf16", "legacy", "threads", "_att", "_run")
 
     @classmethod
     def seed(cls, src: Any, n_heads: int, route: tuple) -> Optional["_DecodeRoute"]:
@@ -195,13 +193,13 @@ class _DecodeRoute:
             permuted, bf16
         self.legacy = route
         self.kv_indices = self.kv_positions = np.zeros(0, np.int32)
-        self._part = (np.empty((0, 1), np.float32), np.empty((2, 0), np.float32))
-        self.merges = plan["merges"]
         self.items = plan["items"].copy()
         self.threads = numba.get_num_threads() if self.parallel else 1
         self._att = attention
-        self._kernel = self._pick_kernel()
+        # the pass's kernel call (the validated route's), reading this route's lists instead
+        self._run = attention._KernelRun(host, plan)
         self._grow(int(np.diff(host.kv_indptr).max()) + 64, host)
+        self._bind(fwd)
         return self
 
     def _grow(self, room: int, host: Any = None) -> None:
@@ -245,7 +243,7 @@ class _DecodeRoute:
         if total <= 0:
             return False
         self.version = fwd.cells_v1
-        self._kernel = self._pick_kernel()
+        self._bind(fwd)
         if self.parallel:
             # planned on this many threads (a list split across them would be another plan)
             return numba.get_num_threads() == self.threads
@@ -253,32 +251,24 @@ class _DecodeRoute:
         # kernel runs threaded and may split a list; the full route plans it
         return total * self.n_heads < att._PARALLEL_WORK
 
-    def _pick_kernel(self):
-        """The kernel function of this pass, as ``attention._KernelRun.run`` picks it (a child
-        forked from a process that ran the threaded kernel runs it on one thread)."""
-        att = self._att
-        return att._attend_pool_parallel if self.parallel and os.getpid() == att._PID \
-            else att._attend_pool
+    def _bind(self, fwd: Any) -> None:
+        """Point the kernel call at this route's lists and items and at pass ``fwd``'s query
+        positions and causal flags (the window and chunk rule stay the seed's: none)."""
+        run = self._run
+        run.items = self.items
+        run.lists = (self.kv_indices, self.kv_positions, self.qo_indptr, self.token_order,
+                     fwd.positions, fwd.causal) + run.lists[6:]
 
     def run(self, q: np.ndarray, pools: tuple, scale: float,
             soft_cap: Optional[float]) -> np.ndarray:
         """float32 ``[batch, n_heads, v_dim]`` (fresh) for ``q`` float32 ``[batch, n_heads,
-        head_dim]`` C-contiguous over one layer's pools (``_routed_layer_pools``): the kernel
-        call ``attention._KernelRun.run`` makes, over these lists."""
+        head_dim]`` C-contiguous over one layer's pools (``_routed_layer_pools``): the validated
+        route's kernel call (``attention._KernelRun.run``, plain formats) over these lists."""
         kp, vp, dv = pools
-        res = np.empty((q.shape[0], q.shape[1], dv), np.float32)
-        part_acc, part_ml = self._part
-        fwd = self.src._forward
-        # plain formats (kfmt = vfmt = 0, scales 1), no window (-1) or chunk (0): seed checked
-        self._kernel(self.items, self.merges, q, kp, vp, self.bf16, self.permuted, 0, 0, _ONE,
-                     _ONE, self.kv_indices, self.kv_positions, self.qo_indptr, self.token_order,
-                     fwd.positions, fwd.causal, -1, 0, np.float32(scale),
-                     np.float32(soft_cap if soft_cap is not None else 0.0), res, part_acc,
-                     part_ml[0], part_ml[1])
-        return res
+        return self._run.run(q, kp, vp, dv, scale, soft_cap, bf16=self.bf16,
+                             permuted=self.permuted)
 
 
-_ONE = np.float32(1.0)
 #: a decode route's "no slots" (contiguous placement: the batch's cells are start .. start + n)
 _NO_SLOTS = np.zeros(0, np.int32)
 
