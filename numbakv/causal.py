@@ -25,7 +25,7 @@ from .cells import _check_batch as _batch_ids_ok
 from . import pages as _pages
 from .config import MASK_DTYPES, CacheConfig, RopeShift, check_rope_layout, round_up
 from .device import array_module, as_array, export_view, resolve_device
-from ._guard import _busy, one_thread_at_a_time
+from ._guard import _guarded, one_thread_at_a_time
 from .errors import KVCacheError, KVCacheFullError, NotSupportedError
 from .state.methods import StateMethods
 from .storage import KVStorage
@@ -326,6 +326,7 @@ class CausalCache(StateMethods):
         """
         self._start_forward(positions, seqs, reserve, False)
 
+    @_guarded
     def _start_forward_checked(self, positions: np.ndarray, seqs: np.ndarray) -> None:
         """``start_forward(positions, seqs)`` for a caller that checked the batch itself
         (numbakv.hf's generation cache, once per decode step, its rows' sequences checked when
@@ -333,14 +334,8 @@ class CausalCache(StateMethods):
         the pass lasts (kept by the pass as they are), ``0 < batch <= max_batch``, every
         sequence in ``[0, max_seqs)`` and every position in ``[0, POS_MAX]``. The rest is
         start_forward's: the conflict check, placement, undo record and pending shifts; one
-        thread at a time."""
-        lock = self._thread_guard
-        if not lock.acquire(False):
-            raise _busy(self)
-        try:
-            self._start_forward(positions, seqs, False, True)
-        finally:
-            lock.release()
+        thread at a time (the public methods' guard)."""
+        self._start_forward(positions, seqs, False, True)
 
     def _start_forward(self, positions, seqs, reserve, checked: bool) -> None:
         """:meth:`start_forward`'s body (``checked``: the batch arrays are
@@ -702,27 +697,23 @@ class CausalCache(StateMethods):
                 self.storage.put(self._put_layer, fwd.slots, k, v)
         self._put_in = fwd
 
+    @_guarded
     def _put_layer_trusted(self, layer: int, key: np.ndarray, value: np.ndarray) -> None:
         """``set_layer(layer); put(key, value)`` for a caller that made every check itself
         (numbakv.hf's generation cache, once per layer of a decode pass): a forward pass
         (not a reserve one) is running, ``layer`` owns its K/V (no ``layer_reuse`` source)
         and has not been put in this pass, and ``key``/``value`` are C-contiguous host arrays
         of the storage dtype, ``[batch, n_kv_heads, head_dim]`` / ``[batch, n_kv_heads,
-        v_head_dim]`` with the pass's batch. Held by one thread at a time, as ``put`` is."""
-        lock = self._thread_guard
-        if not lock.acquire(False):
-            raise _busy(self)
-        try:
-            fwd = self._forward
-            self._layer = layer
-            self._read_layer = self._put_layer = slot = self._storage_layers[layer]
-            if fwd.slots is None:
-                self.storage.put_range_trusted(slot, fwd.start, key, value)
-            else:
-                self.storage.put_slots_trusted(slot, fwd.slots, key, value)
-            self._put_in = fwd
-        finally:
-            lock.release()
+        v_head_dim]`` with the pass's batch. Held by one thread at a time, as ``put`` is (the
+        public methods' guard)."""
+        fwd = self._forward
+        self._layer = layer
+        self._read_layer = self._put_layer = slot = self._storage_layers[layer]
+        if fwd.slots is None:
+            self.storage.put_range_trusted(slot, fwd.start, key, value)
+        else:
+            self.storage.put_slots_trusted(slot, fwd.slots, key, value)
+        self._put_in = fwd
 
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,
