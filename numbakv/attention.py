@@ -1386,7 +1386,7 @@ def _key_scores4_vector(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, bf16, width
     raise NotImplementedError      # pragma: no cover - only called from compiled code
 
 
-@overload(_key_scores4_vector)
+@overload(_key_scores4_vector, inline="always")
 def _key_scores4_vector_impl(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, bf16, width):
     if not _vector_pool(kpool):
         return lambda kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, bf16, width: None
@@ -1414,7 +1414,7 @@ def _value_tile_vector(vpool, kv_indices, j0, n, kh, acc, h0, g, s, bf16, width)
     raise NotImplementedError      # pragma: no cover - only called from compiled code
 
 
-@overload(_value_tile_vector)
+@overload(_value_tile_vector, inline="always")
 def _value_tile_vector_impl(vpool, kv_indices, j0, n, kh, acc, h0, g, s, bf16, width):
     if not _vector_pool(vpool):
         return lambda vpool, kv_indices, j0, n, kh, acc, h0, g, s, bf16, width: None
