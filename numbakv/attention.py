@@ -1072,6 +1072,369 @@ def _value_accumulate4_impl(vpool, ca, cb, cc, cd, kh, acc, h0, g, s, jj, vbuf, 
     return from_elements
 
 
+# --------------------------------------------------------------------------------------------
+# the decode form's vector code: rows of 64 or 128 values as explicit float32 vectors
+# --------------------------------------------------------------------------------------------
+# LLVM vectorises the scalar loops above over a runtime head size: per call it re-checks
+# aliasing and trip counts, keeps 16 partial sums per dot product and reduces each one with
+# its own shuffle ladder (~11 ns of score and ~12 ns of value work per cell at 4 query heads of
+# head size 64, the kernel's cost at any context length). For the common head sizes the decode
+# form's two hot loops are written here directly as LLVM vector IR: four cells' dot products
+# reduced together through one transposing shuffle ladder, each K row read once for a pair of
+# grouped query heads, and the value accumulators of a whole tile held in registers. Vectors
+# are one register wide (16 lanes where the target has AVX-512, else 8: AVX2, the level the
+# shipped code targets), and the value pass holds only as many accumulators as the target has
+# registers for (at most half of them).
+
+#: the kernels' own fastmath flags (no nnan/ninf): products may fuse, sums may reorder
+_VEC_FLAGS = ("contract", "reassoc")
+
+
+def _vector_lanes(context) -> int:
+    """float32 lanes of one vector register of the target numba compiles for: 16 with
+    AVX-512, else 8 (AVX2; elsewhere LLVM splits or joins them as the target needs)."""
+    feats = str(getattr(context.codegen(), "_tm_features", ""))
+    return 16 if "+avx512f" in feats.split(",") else 8
+
+
+def _f32x(lanes: int) -> ir.VectorType:
+    return ir.VectorType(ir.FloatType(), lanes)
+
+
+def _splat(ty: ir.VectorType, x) -> ir.Constant:
+    return ir.Constant(ty, [ir.Constant(ty.element, x)] * ty.count)
+
+
+def _shuffle(builder, a, b, lanes):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)),
+                                                    list(lanes)))
+
+
+def _byte_address(context, builder, aryty, ary, idxs):
+    """Integer byte address of ``ary[i0, i1, .., 0, ..]`` (``idxs``: (value, numba type) pairs
+    of the leading indices; the array's own strides)."""
+    arr = context.make_array(aryty)(context, builder, ary)
+    strides = cgutils.unpack_tuple(builder, arr.strides)
+    addr = builder.ptrtoint(arr.data, context.get_value_type(types.intp))
+    for axis, (v, ty) in enumerate(idxs):
+        addr = builder.add(addr, builder.mul(context.cast(builder, v, ty, types.intp),
+                                             strides[axis]))
+    return addr
+
+
+def _load_f32x(builder, dtype, addr, mode: str, k: int, lanes: int):
+    """float32 vector of the ``lanes`` stored elements ``lanes * k ..`` from byte address
+    ``addr``: float32 as is, uint16 bit patterns widened as ``mode`` says (``"bf16"``,
+    ``"f16"``: the CPU's conversion, ``"f16-portable"``: :func:`_half_bits_to_f32`'s integer
+    form)."""
+    intp = addr.type
+    f32x = _f32x(lanes)
+    if dtype == types.float32:
+        ptr = builder.inttoptr(builder.add(addr, ir.Constant(intp, 4 * lanes * k)),
+                               f32x.as_pointer())
+        return builder.load(ptr, align=4)
+    i32x = ir.VectorType(ir.IntType(32), lanes)
+    ptr = builder.inttoptr(builder.add(addr, ir.Constant(intp, 2 * lanes * k)),
+                           ir.VectorType(ir.IntType(16), lanes).as_pointer())
+    bits = builder.load(ptr, align=2)
+    if mode == "bf16":
+        return builder.bitcast(builder.shl(builder.zext(bits, i32x), _splat(i32x, 16)), f32x)
+    if mode == "f16":
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)), f32x)
+    w = builder.zext(bits, i32x)
+    sign = builder.shl(builder.and_(w, _splat(i32x, 0x8000)), _splat(i32x, 16))
+    mag = builder.shl(builder.and_(w, _splat(i32x, 0x7FFF)), _splat(i32x, 13))
+    special = builder.icmp_unsigned("==", builder.and_(w, _splat(i32x, 0x7C00)),
+                                    _splat(i32x, 0x7C00))
+    top = builder.select(special, _splat(i32x, 0x7F800000), _splat(i32x, 0))
+    f = builder.bitcast(builder.or_(builder.or_(sign, mag), top), f32x)
+    return builder.fmul(f, _splat(f32x, 2.0 ** 112))
+
+
+def _emit_per_format(context, builder, dtype, bf16, emit) -> None:
+    """``emit(mode)`` for the pool's element format: once for float32, else twice under a
+    branch on the runtime ``bf16`` flag (bfloat16 / float16 bits)."""
+    if dtype == types.float32:
+        emit("f32")
+        return
+    half = "f16" if _native_half(context) else "f16-portable"
+    with builder.if_else(bf16) as (is_bf16, is_half):
+        with is_bf16:
+            emit("bf16")
+        with is_half:
+            emit(half)
+
+
+def _vector_pool(pool) -> bool:
+    return isinstance(pool, types.Array) and pool.ndim == 3 and pool.dtype in (types.float32,
+                                                                               types.uint16)
+
+
+def _four_sums(builder, p: list, lanes: int):
+    """``<4 x float>`` of the lane sums of the four vectors in ``p``: one transposing ladder
+    (halves of two vectors added into one, then quarters, then within each group of
+    ``lanes / 4``) instead of four separate reductions."""
+    h, q = lanes // 2, lanes // 4
+    lo = list(range(h)) + list(range(lanes, lanes + h))
+    hi = [i + h for i in lo]
+    a = builder.fadd(_shuffle(builder, p[0], p[1], lo), _shuffle(builder, p[0], p[1], hi),
+                     flags=_VEC_FLAGS)
+    b = builder.fadd(_shuffle(builder, p[2], p[3], lo), _shuffle(builder, p[2], p[3], hi),
+                     flags=_VEC_FLAGS)
+    first = [base + i for base in (0, h, lanes, lanes + h) for i in range(q)]
+    second = [i + q for i in first]
+    c = builder.fadd(_shuffle(builder, a, b, first), _shuffle(builder, a, b, second),
+                     flags=_VEC_FLAGS)
+    step = q // 2
+    while step:
+        c = builder.fadd(c, _shuffle(builder, c, c, [i ^ step for i in range(lanes)]),
+                         flags=_VEC_FLAGS)
+        step //= 2
+    return _shuffle(builder, c, c, [0, q, 2 * q, 3 * q])
+
+
+def _make_key_dots4(dim: int, heads: int):
+    """Intrinsic ``f(qs, h, kpool, ca, cb, cc, cd, kh, s, jj, bf16)``: ``s[h + i, jj:jj + 4] =
+    qs[h + i] . kpool[(ca, cb, cc, cd), kh]`` for the ``heads`` query heads ``h ..`` of KV
+    head ``kh``, each key vector loaded once for them; rows of ``dim`` values, the last axis of
+    ``kpool`` contiguous (the caller checks), ``qs``/``s`` C-contiguous float32."""
+
+    @intrinsic
+    def key_dots4(typingctx, qs, h, kpool, ca, cb, cc, cd, kh, s, jj, bf16):
+        if not _vector_pool(kpool):
+            return None
+        sig = types.void(qs, h, kpool, ca, cb, cc, cd, kh, s, jj, bf16)
+
+        def codegen(context, builder, signature, args):
+            ty = signature.args
+            lanes = _vector_lanes(context)
+            intp = context.get_value_type(types.intp)
+            h_i = context.cast(builder, args[1], ty[1], types.intp)
+            rows = [_byte_address(context, builder, ty[2], args[2],
+                                  [(args[3 + c], ty[3 + c]), (args[7], ty[7])]) for c in range(4)]
+            jj_bytes = builder.mul(context.cast(builder, args[9], ty[9], types.intp),
+                                   ir.Constant(intp, 4))
+            head_q, head_s = [], []
+            for i in range(heads):
+                hi = (builder.add(h_i, ir.Constant(intp, i)), types.intp)
+                head_q.append(_byte_address(context, builder, ty[0], args[0], [hi]))
+                head_s.append(builder.add(_byte_address(context, builder, ty[8], args[8], [hi]),
+                                          jj_bytes))
+            bf16_flag = context.cast(builder, args[10], ty[10], types.boolean)
+
+            def emit(mode):
+                # one running sum per (head, cell), vector by vector along the rows: few
+                # registers live at once (AVX2 has 16)
+                sums = [[None] * 4 for _ in range(heads)]
+                for k in range(dim // lanes):
+                    for c in range(4):
+                        kv = _load_f32x(builder, ty[2].dtype, rows[c], mode, k, lanes)
+                        for i in range(heads):
+                            qv = _load_f32x(builder, types.float32, head_q[i], "f32", k, lanes)
+                            x = builder.fmul(qv, kv, flags=_VEC_FLAGS)
+                            sums[i][c] = x if k == 0 else builder.fadd(sums[i][c], x,
+                                                                       flags=_VEC_FLAGS)
+                for i in range(heads):
+                    ptr = builder.inttoptr(head_s[i], _f32x(4).as_pointer())
+                    builder.store(_four_sums(builder, sums[i], lanes), ptr, align=4)
+            _emit_per_format(context, builder, ty[2].dtype, bf16_flag, emit)
+            return context.get_dummy_value()
+        return sig, codegen
+    return key_dots4
+
+
+def _make_value_tile(dv: int, heads: int):
+    """Intrinsic ``f(acc, h, vpool, kv_indices, j0, n, kh, s, bf16)``: ``acc[h + i] += sum_j
+    s[h + i, j] * vpool[kv_indices[j0 + j], kh]`` over ``j < n`` for the ``heads`` query heads
+    ``h ..`` of KV head ``kh``. The accumulators stay in registers for the tile: with enough
+    registers (AVX-512) each value row is read once for the heads, else (AVX2) one head at a
+    time and, for rows of 128, one half of the row at a time; a lone head with registers to
+    spare keeps two accumulator sets (even and odd cells) so consecutive multiply-adds do not
+    wait on each other. Rows of ``dv`` values, last axis of ``vpool`` contiguous,
+    ``acc``/``s`` C-contiguous float32."""
+
+    @intrinsic
+    def value_tile(typingctx, acc, h, vpool, kv_indices, j0, n, kh, s, bf16):
+        if not _vector_pool(vpool):
+            return None
+        sig = types.void(acc, h, vpool, kv_indices, j0, n, kh, s, bf16)
+
+        def codegen(context, builder, signature, args):
+            ty = signature.args
+            lanes = _vector_lanes(context)
+            f32x = _f32x(lanes)
+            budget = 16 if lanes == 16 else 8      # accumulators: half the vector registers
+            nv = dv // lanes
+            block = min(nv, budget)                # vectors of a row per pass over the tile
+            joint = heads if heads * block <= budget else 1
+            sets = 2 if joint == 1 and 2 * block <= budget else 1
+            intp = context.get_value_type(types.intp)
+            one = ir.Constant(intp, 1)
+            h_i = context.cast(builder, args[1], ty[1], types.intp)
+            head_acc, head_s = [], []
+            for i in range(heads):
+                hi = (builder.add(h_i, ir.Constant(intp, i)), types.intp)
+                head_acc.append(_byte_address(context, builder, ty[0], args[0], [hi]))
+                head_s.append(_byte_address(context, builder, ty[7], args[7], [hi]))
+            idx_ty = ty[3]
+            idx_base = _byte_address(context, builder, idx_ty, args[3], [(args[4], ty[4])])
+            idx_stride = cgutils.unpack_tuple(
+                builder, context.make_array(idx_ty)(context, builder, args[3]).strides)[0]
+            idx_ptr_ty = context.get_value_type(idx_ty.dtype).as_pointer()
+            vty = ty[2]
+            varr = context.make_array(vty)(context, builder, args[2])
+            vstrides = cgutils.unpack_tuple(builder, varr.strides)
+            vbase = builder.add(builder.ptrtoint(varr.data, intp),
+                                builder.mul(context.cast(builder, args[6], ty[6], types.intp),
+                                            vstrides[1]))
+            n_i = context.cast(builder, args[5], ty[5], types.intp)
+            bf16_flag = context.cast(builder, args[8], ty[8], types.boolean)
+            # accumulators as stack slots: LLVM promotes them to registers across the loop
+            slots = [[[cgutils.alloca_once(builder, f32x) for _ in range(block)]
+                      for _ in range(sets)] for _ in range(joint)]
+
+            def cell(j, mode, st, group, k0):
+                c = builder.load(builder.inttoptr(builder.add(idx_base, builder.mul(j, idx_stride)),
+                                                  idx_ptr_ty))
+                row = builder.add(vbase, builder.mul(context.cast(builder, c, idx_ty.dtype,
+                                                                  types.intp), vstrides[0]))
+                weights = []
+                for i in group:
+                    wp = builder.inttoptr(
+                        builder.add(head_s[i], builder.mul(j, ir.Constant(intp, 4))),
+                        ir.FloatType().as_pointer())
+                    w = builder.insert_element(ir.Constant(f32x, ir.Undefined), builder.load(wp),
+                                               ir.Constant(ir.IntType(32), 0))
+                    weights.append(_shuffle(builder, w, w, [0] * lanes))
+                for k in range(block):
+                    v = _load_f32x(builder, vty.dtype, row, mode, k0 + k, lanes)
+                    for gi in range(len(group)):
+                        slot = slots[gi][st][k]
+                        builder.store(builder.fadd(builder.load(slot),
+                                                   builder.fmul(weights[gi], v, flags=_VEC_FLAGS),
+                                                   flags=_VEC_FLAGS), slot)
+
+            def pass_over_tile(mode, group, k0):
+                for gi, i in enumerate(group):
+                    for k in range(block):
+                        builder.store(_load_f32x(builder, types.float32, head_acc[i], "f32",
+                                                 k0 + k, lanes), slots[gi][0][k])
+                        for st in range(1, sets):      # -0.0: x + -0.0 is x, even -0.0
+                            builder.store(_splat(f32x, -0.0), slots[gi][st][k])
+                if sets == 2:
+                    with cgutils.for_range(builder, builder.ashr(n_i, one)) as loop:
+                        j = builder.shl(loop.index, one)
+                        cell(j, mode, 0, group, k0)
+                        cell(builder.add(j, one), mode, 1, group, k0)
+                    with builder.if_then(builder.icmp_signed(
+                            "!=", builder.and_(n_i, one), ir.Constant(intp, 0))):
+                        cell(builder.sub(n_i, one), mode, 0, group, k0)
+                else:
+                    with cgutils.for_range(builder, n_i) as loop:
+                        cell(loop.index, mode, 0, group, k0)
+                for gi, i in enumerate(group):
+                    for k in range(block):
+                        tot = builder.load(slots[gi][0][k])
+                        for st in range(1, sets):
+                            tot = builder.fadd(tot, builder.load(slots[gi][st][k]),
+                                               flags=_VEC_FLAGS)
+                        ptr = builder.add(head_acc[i], ir.Constant(intp, 4 * lanes * (k0 + k)))
+                        builder.store(tot, builder.inttoptr(ptr, f32x.as_pointer()), align=4)
+
+            def emit(mode):
+                for g0 in range(0, heads, joint):
+                    for k0 in range(0, nv, block):
+                        pass_over_tile(mode, list(range(g0, g0 + joint)), k0)
+            _emit_per_format(context, builder, vty.dtype, bf16_flag, emit)
+            return context.get_dummy_value()
+        return sig, codegen
+    return value_tile
+
+
+_key_dots4_64x1 = _make_key_dots4(64, 1)
+_key_dots4_64x2 = _make_key_dots4(64, 2)
+_key_dots4_128x1 = _make_key_dots4(128, 1)
+_key_dots4_128x2 = _make_key_dots4(128, 2)
+_value_tile_64x1 = _make_value_tile(64, 1)
+_value_tile_64x2 = _make_value_tile(64, 2)
+_value_tile_128x1 = _make_value_tile(128, 1)
+_value_tile_128x2 = _make_value_tile(128, 2)
+
+
+def _vector_rows(pool, width):
+    """``width`` (64 or 128) when the decode form's vector code reads ``pool``'s rows of
+    ``width`` values (float32 or 16-bit elements, contiguous last axis), else 0 (numba
+    overload below)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+@overload(_vector_rows, inline="always")
+def _vector_rows_impl(pool, width):
+    if not _vector_pool(pool):
+        return lambda pool, width: 0
+
+    def impl(pool, width):
+        if pool.strides[2] != pool.itemsize or (width != 64 and width != 128):
+            return 0
+        return width
+    return impl
+
+
+def _key_scores4_vector(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, bf16, width):
+    """:func:`_key_scores4` by the vector code (rows of ``width`` = :func:`_vector_rows`):
+    query heads in pairs, then the odd one."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+@overload(_key_scores4_vector)
+def _key_scores4_vector_impl(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, bf16, width):
+    if not _vector_pool(kpool):
+        return lambda kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, bf16, width: None
+
+    def impl(kpool, ca, cb, cc, cd, kh, qs, h0, g, s, jj, bf16, width):
+        for p in range(g >> 1):
+            h = h0 + 2 * p
+            if width == 64:
+                _key_dots4_64x2(qs, h, kpool, ca, cb, cc, cd, kh, s, jj, bf16)
+            else:
+                _key_dots4_128x2(qs, h, kpool, ca, cb, cc, cd, kh, s, jj, bf16)
+        if g & 1:
+            h = h0 + g - 1
+            if width == 64:
+                _key_dots4_64x1(qs, h, kpool, ca, cb, cc, cd, kh, s, jj, bf16)
+            else:
+                _key_dots4_128x1(qs, h, kpool, ca, cb, cc, cd, kh, s, jj, bf16)
+    return impl
+
+
+def _value_tile_vector(vpool, kv_indices, j0, n, kh, acc, h0, g, s, bf16, width):
+    """``acc[h0 + i] += sum_j s[h0 + i, j] * v_j`` over the tile's ``n`` cells
+    ``kv_indices[j0 ..]`` for the ``g`` query heads of KV head ``kh``, by the vector code (rows
+    of ``width`` = :func:`_vector_rows`)."""
+    raise NotImplementedError      # pragma: no cover - only called from compiled code
+
+
+@overload(_value_tile_vector)
+def _value_tile_vector_impl(vpool, kv_indices, j0, n, kh, acc, h0, g, s, bf16, width):
+    if not _vector_pool(vpool):
+        return lambda vpool, kv_indices, j0, n, kh, acc, h0, g, s, bf16, width: None
+
+    def impl(vpool, kv_indices, j0, n, kh, acc, h0, g, s, bf16, width):
+        for p in range(g >> 1):
+            h = h0 + 2 * p
+            if width == 64:
+                _value_tile_64x2(acc, h, vpool, kv_indices, j0, n, kh, s, bf16)
+            else:
+                _value_tile_128x2(acc, h, vpool, kv_indices, j0, n, kh, s, bf16)
+        if g & 1:
+            h = h0 + g - 1
+            if width == 64:
+                _value_tile_64x1(acc, h, vpool, kv_indices, j0, n, kh, s, bf16)
+            else:
+                _value_tile_128x1(acc, h, vpool, kv_indices, j0, n, kh, s, bf16)
+    return impl
+
+
 @njit(cache=True, fastmath={"reassoc", "contract"})   # no nnan/ninf: -inf marks an empty max
 def _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vscale,
                         kv_indices, kv_pos, qo_indptr, token_order, q_pos, causal, window,
@@ -1123,6 +1486,8 @@ def _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vs
     s = np.empty((H, _DECODE_TILE), np.float32)
     kbuf = np.empty(dim, np.float32)
     vbuf = np.empty(dv, np.float32)
+    kvec = _vector_rows(kpool, dim)           # 0: the scalar loops (another size, quantized)
+    vvec = _vector_rows(vpool, dv)
     for j0 in range(jlo, jhi, _DECODE_TILE):
         n = min(_DECODE_TILE, jhi - j0)
         n4 = n - n % 4
@@ -1137,12 +1502,27 @@ def _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vs
             cc = kv_indices[j + 2]
             cd = kv_indices[j + 3]
             for kh in range(hkv):
-                _key_scores4(kpool, ca, cb, cc, cd, kh, qs, kh * g, g, s, jj, kbuf, kfmt,
-                             kscale, bf16)
-        for jj in range(n4, n):
+                if kvec != 0:
+                    _key_scores4_vector(kpool, ca, cb, cc, cd, kh, qs, kh * g, g, s, jj, bf16,
+                                        kvec)
+                else:
+                    _key_scores4(kpool, ca, cb, cc, cd, kh, qs, kh * g, g, s, jj, kbuf, kfmt,
+                                 kscale, bf16)
+        if kvec != 0 and n4 < n:
+            # the last 1-3 cells (n < 64: columns n4 + 3 < 64 exist) as a group of four, the
+            # last cell repeated (its extra scores are never read)
+            last = j0 + n - 1
+            ca = kv_indices[j0 + n4]
+            cb = kv_indices[min(j0 + n4 + 1, last)]
+            cc = kv_indices[min(j0 + n4 + 2, last)]
+            cd = kv_indices[last]
             for kh in range(hkv):
-                _key_row_scores(kpool, kv_indices[j0 + jj], kh, qs, kh * g, g, s, jj, kbuf,
-                                kfmt, kscale, bf16)
+                _key_scores4_vector(kpool, ca, cb, cc, cd, kh, qs, kh * g, g, s, n4, bf16, kvec)
+        else:
+            for jj in range(n4, n):
+                for kh in range(hkv):
+                    _key_row_scores(kpool, kv_indices[j0 + jj], kh, qs, kh * g, g, s, jj,
+                                    kbuf, kfmt, kscale, bf16)
         for h in range(H):
             if soft_cap > 0:
                 for jj in range(n):
@@ -1166,6 +1546,10 @@ def _attend_decode_item(it, items, q, kpool, vpool, bf16, kfmt, vfmt, kscale, vs
                 sm += w
             mx[h] = m
             tot[h] = tot[h] * corr + sm
+        if vvec != 0:
+            for kh in range(hkv):
+                _value_tile_vector(vpool, kv_indices, j0, n, kh, acc, kh * g, g, s, bf16, vvec)
+            continue
         for jj in range(0, n4, 4):
             j = j0 + jj
             ca = kv_indices[j]

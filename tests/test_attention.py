@@ -289,6 +289,89 @@ def test_kernel_over_long_lists(name, parallel, monkeypatch):
     assert (plan_merges > 0) == parallel
 
 
+# the decode form's vector code (head sizes 64 and 128): query heads in pairs and an odd one,
+# tiles cut by 1-3 cells, lists whose cells interleave in the pool, a window, split parts
+VECTOR = {
+    "f32-64-gqa2": dict(dtype="float32", dim=64, heads=(2, 4)),
+    "f16-128-gqa3-window": dict(dtype="float16", dim=128, heads=(2, 6), swa_window=90),
+    "bf16-64-mha": dict(dtype="bfloat16", dim=64, heads=(2, 2)),
+    "f16-64-v128-gqa5": dict(dtype="float16", dim=64, heads=(1, 5), v_head_dim=128),
+}
+
+
+@pytest.mark.parametrize("name,parallel", [(name, False) for name in VECTOR]
+                         + [("f16-128-gqa3-window", True)])
+def test_decode_vector_code_over_long_lists(name, parallel, monkeypatch):
+    kw = dict(VECTOR[name])
+    if parallel:
+        import numba
+        monkeypatch.setattr(attention, "_PARALLEL_WORK", 0)
+        monkeypatch.setattr(attention, "_MIN_PART", 40)
+        monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
+    dtype, dim, (hkv, n_heads) = kw["dtype"], kw["dim"], kw["heads"]
+    cfg = nkv.CacheConfig(1, hkv, dim, dtype=dtype, capacity=400, max_seqs=3, max_batch=64,
+                          device="cpu", v_head_dim=kw.get("v_head_dim"))
+    dv = cfg.v_head_dim
+    cache = nkv.CausalCache(cfg, swa_window=kw.get("swa_window"))
+    lens = [0, 0, 0]
+    # chunks that interleave in the pool; with the decode token, lists of 131, 198 and 65 cells
+    # (tiles of 64 and the last one cut by 3, 2 and 1 cells)
+    sizes = ([26] * 5, [39, 40, 39, 40, 39], [3, 0, 0, 0, 61])
+    for rnd in range(5):
+        for s in range(3):
+            n = sizes[s][rnd]
+            if n == 0:
+                continue
+            cache.start_forward(np.arange(lens[s], lens[s] + n), np.full(n, s))
+            cache.put(torch.randn(n, hkv, dim).to(Q_DTYPE[dtype]),
+                      torch.randn(n, hkv, dv).to(Q_DTYPE[dtype]))
+            lens[s] += n
+    cache.start_forward(lens, [0, 1, 2])      # a decode step of each sequence
+    cache.put(torch.randn(3, hkv, dim).to(Q_DTYPE[dtype]),
+              torch.randn(3, hkv, dv).to(Q_DTYPE[dtype]))
+    for soft_cap in (None, 3.0):
+        q = (3 * torch.randn(3, n_heads, dim)).to(Q_DTYPE[dtype])
+        ref = _independent_reference(q.float(), cache, 1 / math.sqrt(dim), soft_cap)
+        out = attend(q, cache, backend="torch", soft_cap=soft_cap)
+        np.testing.assert_allclose(out.float().numpy(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+        plan = next(v for k, v in cache._host_pages().plans.items() if k[0] == "kernel")
+        assert plan["parallel"] == parallel and not plan["rest"]
+        assert (len(plan["merges"]) > 0) == parallel
+
+
+@pytest.mark.parametrize("fmt", ["float16", "float16-portable", "bfloat16"])
+def test_decode_vector_code_widens_every_16_bit_pattern_exactly(fmt, monkeypatch):
+    # every bit pattern as a value row of 64 through the vector code's value pass, weight 1 one
+    # cell at a time (so the sum is the widened value itself): the CPU's float16 conversion, the
+    # portable integer form (a fresh non-cached function), bfloat16's shift
+    import numba
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    if fmt == "bfloat16":
+        want = (bits.astype(np.uint32) << 16).view(np.float32)
+    else:
+        want = bits.view(np.float16).astype(np.float32)
+    if fmt == "float16-portable":
+        monkeypatch.setattr(attention, "_PORTABLE_HALF", True)
+
+    @numba.njit
+    def widen(pool, bf16, got):
+        cells = np.arange(pool.shape[0]).astype(np.int32)
+        s = np.ones((1, 1), np.float32)
+        acc = np.empty((1, 64), np.float32)
+        for c in range(pool.shape[0]):
+            acc[:] = -0.0                     # x + -0.0 is x, even -0.0
+            attention._value_tile_64x1(acc, 0, pool, cells, c, 1, 0, s, bf16)
+            got[c] = acc[0]
+
+    got = np.empty((1024, 64), np.float32)
+    widen(bits.reshape(1024, 1, 64), fmt == "bfloat16", got)
+    got = got.ravel()
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_kernel_in_a_forked_child_of_a_process_that_ran_it_threaded(monkeypatch):
     # numba's GNU OpenMP threading layer aborts a forked child that starts a parallel region
