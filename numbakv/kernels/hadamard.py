@@ -94,7 +94,7 @@ def _wht_block_intrinsic(n: int):
     return intrinsic(wht)
 
 
-def wht_stages(builder, x, n: int, fma_lanes: int = 0):
+def wht_stages(builder, x, n: int, fma_lanes: int = 0, first_step: int = 1):
     """The Walsh-Hadamard stages of ``x`` (an LLVM ``<m x float>`` value, already scaled) in
     blocks of ``n`` lanes (``n`` a power of two dividing ``m``), as a new value -- ggml's IEEE
     operations in ggml's stage order (used inside the fused CPU put and shift of
@@ -112,14 +112,15 @@ def wht_stages(builder, x, n: int, fma_lanes: int = 0):
     the same bits as the add and the subtract (``x * +-1`` is exact, signed zeros included),
     in 2 operations a register instead of LLVM's 2 two-source permutes and an add/subtract a
     pair, and on the FMA pipes rather than the adders. ``fma_lanes = 0``: every stage in the
-    first form (no FMA, or a caller that does not know the target)."""
+    first form (no FMA, or a caller that does not know the target). ``first_step``: the
+    stages from that stride on (the earlier ones already done)."""
     from llvmlite import ir
     from numba.core import cgutils
     i32 = ir.IntType(32)
     m = x.type.count
     half = ir.VectorType(i32, m // 2)
     fma = None
-    step = 1
+    step = first_step
     while step < n:
         if step < fma_lanes:
             if fma is None:
@@ -153,14 +154,17 @@ def wht_staged(builder, load_input, load_scratch, store_reg, barrier, regs: int,
     LLVM keep that row in memory (see :func:`.quant._llvm_barrier`); the last pass's values
     are left there.
 
-    Pass 1 takes groups of up to 8 consecutive registers: each register's in-register stages
-    (:func:`wht_stages`' permute + FMA form), then the cross-register stages among the group;
-    pass 2 (blocks of more than 8 registers: 128 or 256 values with AVX2) the remaining
-    stages over registers ``r, r + 8, ...`` of each block. Every butterfly is ggml's, and
+    Pass 1 takes groups of up to 8 consecutive registers: the in-register stages
+    (:func:`wht_stages`' permute + FMA form, a stage at a time over the group's registers),
+    then the cross-register stages among the group; a block of two groups (128 values with
+    AVX2) takes its last stage as the second group ends, pairing its registers with the first
+    group's from the row; pass 2 (larger blocks: 256 values with AVX2) the remaining stages
+    over registers ``r, r + 8, ...`` of each block. Every butterfly is ggml's, and
     each stage reads only values of the stage before (a pass finishes its stages over whole
     pairs), so the same bits as :func:`wht_stages`; but no more than 8 registers of data are
     live at once -- the one-value form kept all 64 registers of a 512-value call live and
     spilled ~11 moves a register."""
+    from llvmlite import ir
     per_block = n // lanes             # registers a rotation block spans
     group = min(per_block, 8)
 
@@ -178,11 +182,39 @@ def wht_staged(builder, load_input, load_scratch, store_reg, barrier, regs: int,
 
     bits_group = group.bit_length() - 1
     bits_block = per_block.bit_length() - 1
+    # a block of two groups (128 values with AVX2, 256 with AVX-512): its last stage pairs
+    # register i of the second group, still in registers, with register i of the first,
+    # loaded back from the row -- not a second pass over both (a store and a load a
+    # register fewer)
+    pair_last = bits_block == bits_group + 1
     for g0 in range(0, regs, group):
-        vals = [wht_stages(builder, load_input(i), lanes, lanes) for i in range(g0, g0 + group)]
-        for i, v in zip(range(g0, g0 + group), cross(vals, 0, bits_group)):
+        # breadth first: each in-register stage written for the group's registers before the
+        # next stage. Written register by register (a chain of ~8 dependent operations each:
+        # permute, FMA, ... ~17 cycles of latency), the core's scheduler filled with waiting
+        # operations and ran ~2.6 vector operations a cycle; breadth first, the operations
+        # it holds are independent (rotated q8_0 key calls ~10% fewer cycles, AVX2)
+        vals = [load_input(i) for i in range(g0, g0 + group)]
+        step = 1
+        while step < lanes:
+            vals = [wht_stages(builder, v, 2 * step, lanes, step) for v in vals]
+            step *= 2
+        vals = cross(vals, 0, bits_group)
+        if pair_last and g0 // group % 2:
+            # the group's stages complete before the last stage begins: an empty asm taking
+            # its registers (interleaved, LLVM spilled ~4 registers a group)
+            builder.asm(ir.FunctionType(ir.VoidType(), [v.type for v in vals]), "",
+                        ",".join(["x"] * len(vals)), vals, True)
+            for i, v in zip(range(g0, g0 + group), vals):
+                u = load_scratch(i - group)
+                store_reg(i - group, builder.fadd(u, v))
+                store_reg(i, builder.fsub(u, v))
+            barrier()
+            continue
+        for i, v in zip(range(g0, g0 + group), vals):
             store_reg(i, v)
-    if bits_block == bits_group:
+        if pair_last:   # the first group's values go to the row, and the second's stages
+            barrier()   # follow (without the barriers LLVM stored both and paired them later)
+    if bits_block == bits_group or pair_last:
         return
     barrier()
     for b0 in range(0, regs, per_block):
