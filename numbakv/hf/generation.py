@@ -393,32 +393,20 @@ class _GenState:
     def begin(self, batch: int, new: int) -> None:
         """A forward pass of ``new`` columns for each of ``batch`` rows (the first layer's
         update): place the non-pad tokens, decide who attends."""
+        self.pending = None
+        if self.host_puts:                    # (self.torch is bound with host_puts)
+            _share_torch_threads(self.torch)
+        padding = getattr(_local, "padding", None)
+        _local.padding = None
         if new == 1 and self.owns and self.columns and batch == self.batch \
                 and self.padded is not None and batch <= self.cache.config.max_batch:
             # a decode step into a plain CPU cache (every pass after the prompt's): one position
             # for every row, its rows' sequences checked when the cache was bound (seqs32,
             # never changed); the padding mask no longer matters (pads are never stored)
-            self.pending = None
-            if self.host_puts:
-                _share_torch_threads(self.torch)
-            _local.padding = None
-            try:
-                self.cache._start_forward_checked(np.full(batch, self.columns, np.int32),
-                                                  self.seqs32)
-            except KVCacheFullError as exc:
-                raise self._full_error(exc, new) from None
-            self.keep = None
-            self.decode = True
-            self.routes = {}
-            self.fallback_pass = False
-            self.columns += 1
+            self._start_pass(np.full(batch, self.columns, np.int32), self.seqs32, None, new,
+                             checked=True)
             return
         torch, _ = _transformers()
-        self.pending = None
-        if self.host_puts:
-            _share_torch_threads(torch)
-        padding = getattr(_local, "padding", None)
-        _local.padding = None
         if self.seqs is None or self.cache is None:
             self._build(batch, new)
         elif batch != self.batch:
@@ -451,8 +439,19 @@ class _GenState:
         if keep is not None:
             k = keep.numpy()
             positions, seqs = positions[k], seqs[k]
+        self._start_pass(positions, seqs, keep, new)
+
+    def _start_pass(self, positions: np.ndarray, seqs: np.ndarray, keep: Any, new: int,
+                    checked: bool = False) -> None:
+        """Start the cache's forward pass of the stored tokens (int32 ``positions`` / ``seqs``
+        ``[n]``; ``checked``: through its trusted start, the decode step's rows checked when
+        the cache was bound) and record the pass: ``keep`` (torch index of the stored tokens,
+        None: all of them) and ``new`` columns a row."""
         try:
-            self.cache.start_forward(positions, seqs)
+            if checked:
+                self.cache._start_forward_checked(positions, seqs)
+            else:
+                self.cache.start_forward(positions, seqs)
         except KVCacheFullError as exc:
             raise self._full_error(exc, new) from None
         self.keep = keep
