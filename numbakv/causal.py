@@ -13,7 +13,6 @@ import contextlib
 import functools
 import math
 import sys
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple, Union
 
@@ -38,7 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state.snapshot import SeqSnapshot
     from .step import DecodeStep
 
-PathLike = Union[str, os.PathLike]   # a file path
 
 
 class _NeedRoom(KVCacheFullError):
@@ -675,10 +673,7 @@ class CausalCache(StateMethods):
             if self._put_layer < 0:
                 raise self._no_put()
             if not fwd.reserve:
-                if fwd.slots is None:
-                    self.storage.put_range_trusted(self._put_layer, fwd.start, key, value)
-                else:   # paged placement: the batch's cells, placed (so checked) by the table
-                    self.storage.put_slots_trusted(self._put_layer, fwd.slots, key, value)
+                self._store_trusted(self._put_layer, fwd, key, value)
             self._put_in = fwd
             return
         fwd = self._require_forward("put")
@@ -709,11 +704,18 @@ class CausalCache(StateMethods):
         fwd = self._forward
         self._layer = layer
         self._read_layer = self._put_layer = slot = self._storage_layers[layer]
+        self._store_trusted(slot, fwd, key, value)
+        self._put_in = fwd
+
+    def _store_trusted(self, slot: int, fwd: "_Forward", key: Any, value: Any) -> None:
+        """Write the batch of pass ``fwd`` (not a reserve one) into storage layer ``slot``:
+        checked arrays of the storage, ``[batch, n_kv_heads, head_dim]`` / ``[.., v_head_dim]``
+        in the storage dtype. Contiguous placement writes cells ``start ..``; paged placement
+        the batch's cells, placed (so checked) by the table."""
         if fwd.slots is None:
             self.storage.put_range_trusted(slot, fwd.start, key, value)
         else:
             self.storage.put_slots_trusted(slot, fwd.slots, key, value)
-        self._put_in = fwd
 
     def _batch_kv(self, key, value, batch: int):
         """``key``/``value`` as arrays of the cache's device and dtype, checked to be ``[batch,
@@ -1274,7 +1276,7 @@ class CausalCache(StateMethods):
             view[...] = out
 
     # ------------------------------------------------------------------ state
-    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/methods.py)
     def _after_state_load(self) -> None:
         self._forward = None      # a state load ends the forward pass in progress
 

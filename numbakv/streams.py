@@ -759,7 +759,7 @@ class StreamCache(CausalCache):
             sub.use_stream(stream)
 
     # ------------------------------------------------------------------ state
-    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/methods.py)
     _STATE_IO = "streams"
 
     def _after_state_load(self) -> None:

@@ -294,7 +294,7 @@ class WrapperCache(StateMethods):
         return snapshot.import_seq(self, seq, snap, at=at)
 
     # ------------------------------------------------------------------ state
-    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/files.py)
+    # save_state / load_state / state_bytes / load_state_bytes: StateMethods (state/methods.py)
     _STATE_IO = "wrapper"
 
     def _after_state_load(self) -> None:
