@@ -249,11 +249,19 @@ def _rss_child(contender: str, layers: int, context: int, new: int,
             f"b.generate_fns(m, {context}, {new})[{'static' if floor else contender!r}]({new})\n"
             f"assert ('numbakv' in sys.modules) == ({contender!r} == 'numbakv')\n"
             "print(json.dumps(b._peak_rss_mib()))\n")
+    out = _run_child(code, f"peak-RSS child ({contender})", 900)
+    return float(out.strip().splitlines()[-1])
+
+
+def _run_child(code: str, what: str, timeout: int) -> str:
+    """stdout of a child Python running ``code`` (this interpreter and environment), bounded by
+    ``timeout`` seconds; ``RuntimeError`` naming ``what`` with the tail of its stderr if it
+    fails."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=900, env=dict(os.environ))
+                         timeout=timeout, env=dict(os.environ))
     if out.returncode != 0:
-        raise RuntimeError(f"peak-RSS child ({contender}) failed:\n{out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-2000:]}")
+    return out.stdout
 
 
 def _numba_floor_dir(directory: str) -> str:
@@ -264,10 +272,7 @@ def _numba_floor_dir(directory: str) -> str:
         f.write(_NUMBA_FLOOR_MODULE)
     code = (f"import sys\nsys.path.insert(0, {directory!r})\n"
             "import _numba_floor\n_numba_floor.load()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ))
-    if out.returncode != 0:
-        raise RuntimeError(f"numba floor module failed:\n{out.stderr[-2000:]}")
+    _run_child(code, "numba floor module", 600)
     return directory
 
 
