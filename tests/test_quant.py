@@ -691,6 +691,42 @@ def test_large_cpu_puts_gets_and_shifts_thread_without_changing_a_bit(kind):
     np.testing.assert_array_equal(fast, slow)
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_cpu_vector_get_matches_the_element_form_for_every_scale(kind):
+    """The CPU's vector get (quant_get_fused_cpu, what get_launch runs for q8_0/q4_0) gives
+    the element form's bits (quant_get_cpu, which test_ggml_blocks_bit_exact holds to gguf's
+    dequantize) for every float16 scale pattern -- subnormal, overflowing products, infinities
+    and NaNs (redone by the element form) -- and random quants, into float32, float16 and
+    bfloat16, in calls of four blocks and of one (rows of 96 and of MLA's 576 values), one
+    thread and threaded, from a cell range not starting at 0."""
+    from numbakv.kernels import quant as Q
+    from numbakv.kernels.rope import KIND_BF16_BITS, KIND_F16_BITS, KIND_FLOAT
+    if not Q._F16C:
+        pytest.skip("the vector get needs F16C")
+    fmt = Q.FORMATS[kind]
+    nbytes = Q.BLOCK_BYTES[fmt]
+    rng = np.random.default_rng(5)
+    heads = 2
+    for dim in (96, 576):
+        nblk = dim // 32
+        cells = -(-65536 // (heads * nblk)) + 3
+        q = rng.integers(0, 256, (2, cells, heads, nblk * nbytes), dtype=np.uint8)
+        scale_bits = np.arange(cells * heads * nblk, dtype=np.uint32) % 65536
+        blocks = q[1].reshape(cells, heads, nblk, nbytes)
+        blocks[..., 0] = (scale_bits & 0xFF).reshape(cells, heads, nblk)
+        blocks[..., 1] = (scale_bits >> 8).reshape(cells, heads, nblk)
+        scales = np.ones(2, np.float32)
+        for out_kind, dt in ((KIND_FLOAT, np.float32), (KIND_F16_BITS, np.uint16),
+                             (KIND_BF16_BITS, np.uint16)):
+            n = cells - 3
+            want = np.zeros((n, heads, dim), dt)
+            Q.quant_get_cpu(q, 1, 3, fmt, scales, want, out_kind)
+            for fn in (Q.quant_get_fused_cpu, Q.quant_get_fused_cpu_par):
+                got = np.full((n, heads, dim), 7, dt)
+                fn(q, 1, 3, fmt, scales, got, out_kind)
+                np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 def test_cpu_fused_rope_rows_match_the_work_row_form():
     """The CPU's in-register quantized shift (rows of 64 values: an MLA latent's rope blocks
     after two latent blocks, Walsh-Hadamard-rotated or not, NeoX or interleaved pairs) writes
