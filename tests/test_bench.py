@@ -170,6 +170,20 @@ def test_targets_are_judged_from_the_figures():
     assert got["CPU put >= 70% of copy bandwidth"]["status"] == "met"  # judged at the largest
     book = got["bookkeeping at 131072 cells <= 2x at 4096, batch 1"]
     assert book["status"] == "missed" and book["value"] == pytest.approx(2.5)
+    # the rotated put: judged as called (numba's threads) and held to one thread, apart
+    quant = [{"kernel": "q8_0 put rotated", "size": "4096 tok, 1 thread", "fraction": 0.42,
+              "threads": 1},
+             {"kernel": "q8_0 put rotated", "size": "4096 tokens", "fraction": 0.76,
+              "threads": 2},
+             {"kernel": "q8_0 get", "size": "4096 cells", "fraction": 1.4}]
+    got = {t["target"]: t for t in bench.evaluate_targets(s, {"quant": quant})}
+    rot = "CPU rotated q8_0/q4_0 put+quantize >= 50% of a copy of the float16 input"
+    both = got[f"{rot} (numbakv's put on 2 numba threads, np.copyto on one)"]
+    one = got[f"{rot} (numbakv's put on 1 numba thread, np.copyto on one)"]
+    assert both["status"] == "met" and one["status"] == "missed"
+    assert one["value"] == pytest.approx(0.42)
+    mixed = got["CPU quantized put/get/rotate >= 50% of a copy of the same float16 bytes"]
+    assert mixed["status"] == "met" and mixed["value"] == pytest.approx(0.76)  # no 1-thread row
 
 
 def test_bad_options_are_refused(capsys):

@@ -1298,10 +1298,27 @@ def run_quant(s: BenchSettings, dev: _Device, notes: List[str],
             # llama.cpp's rotated cache: Walsh-Hadamard rotation fused into the quantizing put
             # (and undone/redone around the RoPE of the shift)
             st = KVStorage(rot_cfg, n_cells, dev.name)
+            if _numba_threads_matter(dev):
+                # the put spreads its tokens over numba's threads, np.copyto runs on one: the
+                # same put held to one thread is the like-for-like figure
+                one = NumbakvOneThreadContender.__new__(NumbakvOneThreadContender)
+                one.begin()
+                try:
+                    res, base = measure_pair(lambda: st.put_range(0, 0, x, x),
+                                             _copy_pair(dev, float_bytes), dev, s.budget,
+                                             s.min_reps)
+                finally:
+                    one.end()
+                rows.append(_kernel_row(f"{kind} put rotated", f"{tokens} tok, 1 thread",
+                                        float_bytes, res, base))
+                rows[-1]["threads"] = 1
             res, base = measure_pair(lambda: st.put_range(0, 0, x, x),
                                      _copy_pair(dev, float_bytes), dev, s.budget, s.min_reps)
             rows.append(_kernel_row(f"{kind} put rotated", f"{tokens} tokens", float_bytes,
                                     res, base))
+            if dev.name == "cpu":
+                import numba
+                rows[-1]["threads"] = numba.get_num_threads()
             res, base = measure_pair(lambda: st.rotate(cells, deltas, rope),
                                      _copy_pair(dev, key_bytes), dev, s.budget, s.min_reps)
             rows.append(_kernel_row(f"{kind} rotate rotated", f"{n_rot} cells", key_bytes,
@@ -1384,7 +1401,7 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                 out.append({"target": "GPU host cost per put <= 10 us",
                             "status": "met" if worst <= 10 else "missed", "value": worst,
                             "detail": f"{worst:.1f} us (largest over put sizes)"})
-    quant = [r for r in results.get("quant", []) if "fraction" in r]
+    quant = [r for r in results.get("quant", []) if "fraction" in r and r.get("threads") != 1]
     if quant:
         device = "GPU" if s.device == "cuda" else "CPU"
         worst = min(quant, key=lambda r: r["fraction"])
@@ -1393,13 +1410,20 @@ def evaluate_targets(s: BenchSettings, results: dict) -> List[dict]:
                     "status": "met" if worst["fraction"] >= 0.5 else "missed",
                     "value": worst["fraction"],
                     "detail": ", ".join(f"{r['kernel']} {r['fraction']:.0%}" for r in quant)})
-    rotated_puts = [r for r in quant if r["kernel"].endswith("put rotated")]
-    if rotated_puts:
+    rotated_all = [r for r in results.get("quant", [])
+                   if "fraction" in r and r["kernel"].endswith("put rotated")]
+    for threads in sorted({r.get("threads") for r in rotated_all}, key=lambda t: -(t or 0)):
+        # one target per thread count: the put as called (numba's threads) and, where that
+        # is more than one, held to one thread like np.copyto
+        rotated_puts = [r for r in rotated_all if r.get("threads") == threads]
         device = "GPU" if s.device == "cuda" else "CPU"
         worst = min(rotated_puts, key=lambda r: r["fraction"])
         need = 0.6 if s.device == "cuda" else 0.5
+        how = ("" if threads is None else
+               f" (numbakv's put on {threads} numba thread{'s' if threads > 1 else ''}, "
+               "np.copyto on one)")
         out.append({"target": f"{device} rotated q8_0/q4_0 put+quantize >= {need:.0%} of a copy "
-                              f"of the {s.dtype} input",
+                              f"of the {s.dtype} input{how}",
                     "status": "met" if worst["fraction"] >= need else "missed",
                     "value": worst["fraction"],
                     "detail": ", ".join(f"{r['kernel']} {r['fraction']:.0%}"
@@ -1599,10 +1623,10 @@ def format_report(results: dict) -> str:
     quant = [r for r in results.get("quant", []) if "fraction" in r]
     if quant:
         lines += ["", "Quantized K/V vs a plain copy of the same float bytes (one layer)"]
-        lines.append(f"{'kernel':<20} {'size':<14} {'bytes':>10} {'us':>9} {'GB/s':>7} "
+        lines.append(f"{'kernel':<20} {'size':<18} {'bytes':>10} {'us':>9} {'GB/s':>7} "
                      f"{'copy GB/s':>9} {'fraction':>8}")
         for r in quant:
-            lines.append(f"{r['kernel']:<20} {r['size']:<14} {_bytes(r['bytes']):>10} "
+            lines.append(f"{r['kernel']:<20} {r['size']:<18} {_bytes(r['bytes']):>10} "
                          f"{_fmt_us(r['median_us']):>9} {r['gbps']:>7.2f} "
                          f"{r['copy_gbps']:>9.2f} {r['fraction']:>8.0%}")
     cap = results.get("capacity", [])
