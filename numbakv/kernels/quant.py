@@ -88,44 +88,42 @@ _FLT_MAX = np.float32(3.4028234663852886e38)
 
 @element
 def f32_to_e4m3(x):
-    """float32 to float8_e4m3fn bits: round to nearest even, saturate to +-448, NaN kept."""
+    """float32 to float8_e4m3fn bits: round to nearest even, saturate to +-448, NaN kept.
+    Written with conditional expressions, not branches: LLVM makes them selects, and the CPU
+    twins' loops over a row vectorise (with branches a put took ~3 ns a value). Every arm is
+    computed; the subnormal arm's input is clamped so its integer conversion stays defined
+    for values the other arms take."""
     b = np.int64(np.float32(x).view(np.uint32))
     sign = (b >> 24) & 0x80
     a = abs(np.float32(x))
-    out = 0x7F
-    if a == a:  # not NaN
-        if a >= np.float32(448.0):
-            out = 0x7E
-        elif a >= np.float32(0.015625):  # normal: 2**-6 and up
-            e = ((b >> 23) & 0xFF) - 127
-            m = b & 0x7FFFFF
-            keep = m >> 20
-            rem = m & 0xFFFFF
-            up = 1 if (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) != 0)) else 0
-            out = ((e + 7) << 3) + keep + up  # a mantissa carry moves into the exponent
-        else:  # subnormal: k * 2**-9, k in 0..8 (8 is the smallest normal, 0x08)
-            y = a * np.float32(512.0)
-            k = np.int64(y)
-            r = y - np.float32(k)
-            if (r > np.float32(0.5)) | ((r == np.float32(0.5)) & ((k & 1) != 0)):
-                k += 1
-            out = k
+    # normal (2**-6 and up): drop 20 mantissa bits, round to nearest even; a mantissa carry
+    # moves into the exponent (below 448 it never reaches the NaN code 0x7F)
+    keep = (b & 0x7FFFFF) >> 20
+    rem = b & 0xFFFFF
+    up = 1 if (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) != 0)) else 0
+    normal = ((((b >> 23) & 0xFF) - 120) << 3) + keep + up
+    # subnormal: k * 2**-9, k in 0..8 (8 is the smallest normal, 0x08)
+    y = (a if a < np.float32(0.015625) else np.float32(0.015625)) * np.float32(512.0)
+    k = np.int64(y)
+    r = y - np.float32(k)
+    sub = k + (1 if (r > np.float32(0.5)) | ((r == np.float32(0.5)) & ((k & 1) != 0)) else 0)
+    out = normal if a >= np.float32(0.015625) else sub
+    out = 0x7E if a >= np.float32(448.0) else out
+    out = out if a == a else 0x7F
     return np.uint8(sign | out)
 
 
 @element
 def e4m3_to_f32(v):
-    """float8_e4m3fn bits to float32 (exact)."""
+    """float8_e4m3fn bits to float32 (exact); conditional expressions, as
+    :func:`f32_to_e4m3`."""
     v = np.int64(v)
     e = (v >> 3) & 0xF
     m = v & 0x7
-    if (v & 0x7F) == 0x7F:
-        y = np.float32(np.nan)
-    elif e == 0:
-        y = np.float32(m) * np.float32(0.001953125)  # 2**-9
-    else:
-        bits = ((e + 120) << 23) | (m << 20)
-        y = np.uint32(bits).view(np.float32)
+    normal = np.uint32((((e + 120) << 23) | (m << 20)) & 0xFFFFFFFF).view(np.float32)
+    small = np.float32(m) * np.float32(0.001953125)  # 2**-9: a subnormal, exact
+    y = small if e == 0 else normal
+    y = np.float32(np.nan) if (v & 0x7F) == 0x7F else y
     return -y if (v & 0x80) != 0 else y
 
 
@@ -245,6 +243,7 @@ def dequantize_block(q, b0, n, fmt, scale, out, j0, kind):
 
 
 _quantize_cpu = quantize_block.cpu
+_to_e4m3_cpu = f32_to_e4m3.cpu
 _f32_to_f16_cpu = f32_to_f16_bits.cpu
 #: whether the CPU converts float16 in hardware (frozen into the compiled twins as a constant)
 _F16C = bool(F16_HW)
@@ -1529,12 +1528,186 @@ def quant_put_rot_cpu_par(q, x, slots, start, layer, fmt, kind, rot, rscale):
 # get: dequantize cells lo .. lo + n - 1 of one layer into out [n, heads, dim]
 
 # --------------------------------------------------------------------------------------------
+# float8_e4m3fn on the CPU in vector form (the put and the get; the same math as
+# f32_to_e4m3 / e4m3_to_f32, lane by lane)
+
+def _llvm_e4m3_bits(builder, y):
+    """The float8_e4m3fn bits (``<n x i32>``, one byte's worth each) of the ``<n x float>``
+    ``y``: :func:`f32_to_e4m3`'s arms as vector selects."""
+    from llvmlite import ir
+    n = y.type.count
+    vi = ir.VectorType(ir.IntType(32), n)
+
+    def ci(v):
+        return ir.Constant(vi, [v] * n)
+
+    def cf(v):
+        return ir.Constant(y.type, [v] * n)
+    b = builder.bitcast(y, vi)
+    sign = builder.and_(builder.lshr(b, ci(24)), ci(0x80))
+    a = builder.bitcast(builder.and_(b, ci(0x7FFFFFFF)), y.type)
+    keep = builder.lshr(builder.and_(b, ci(0x7FFFFF)), ci(20))
+    rem = builder.and_(b, ci(0xFFFFF))
+    up = builder.or_(builder.icmp_unsigned(">", rem, ci(0x80000)), builder.and_(
+        builder.icmp_unsigned("==", rem, ci(0x80000)),
+        builder.icmp_unsigned("!=", builder.and_(keep, ci(1)), ci(0))))
+    normal = builder.add(builder.add(builder.shl(builder.sub(
+        builder.and_(builder.lshr(b, ci(23)), ci(0xFF)), ci(120)), ci(3)), keep),
+        builder.zext(up, vi))
+    small = builder.fcmp_ordered("<", a, cf(0.015625))
+    ys = builder.fmul(builder.select(small, a, cf(0.015625)), cf(512.0))
+    k = builder.fptosi(ys, vi)
+    r = builder.fsub(ys, builder.sitofp(k, y.type))
+    upk = builder.or_(builder.fcmp_ordered(">", r, cf(0.5)), builder.and_(
+        builder.fcmp_ordered("==", r, cf(0.5)),
+        builder.icmp_unsigned("!=", builder.and_(k, ci(1)), ci(0))))
+    out = builder.select(builder.fcmp_ordered(">=", a, cf(0.015625)), normal,
+                         builder.add(k, builder.zext(upk, vi)))
+    out = builder.select(builder.fcmp_ordered(">=", a, cf(448.0)), ci(0x7E), out)
+    out = builder.select(builder.fcmp_unordered("uno", a, a), ci(0x7F), out)
+    return builder.or_(sign, out)
+
+
+def _llvm_from_e4m3(builder, raw):
+    """The float32 values (``<n x float>``) of the float8_e4m3fn bytes ``raw`` (``<n x i8>``):
+    :func:`e4m3_to_f32`'s arms as vector selects (a NaN's sign flipped on its bits, as
+    numba's negation does)."""
+    from llvmlite import ir
+    n = raw.type.count
+    vi, vf = ir.VectorType(ir.IntType(32), n), ir.VectorType(ir.FloatType(), n)
+
+    def ci(v):
+        return ir.Constant(vi, [v] * n)
+    v = builder.zext(raw, vi)
+    e = builder.and_(builder.lshr(v, ci(3)), ci(0xF))
+    m = builder.and_(v, ci(7))
+    normal = builder.or_(builder.shl(builder.add(e, ci(120)), ci(23)), builder.shl(m, ci(20)))
+    small = builder.bitcast(builder.fmul(builder.sitofp(m, vf),
+                                         ir.Constant(vf, [0.001953125] * n)), vi)
+    y = builder.select(builder.icmp_unsigned("==", e, ci(0)), small, normal)
+    y = builder.select(builder.icmp_unsigned("==", builder.and_(v, ci(0x7F)), ci(0x7F)),
+                       ci(0x7FC00000), y)
+    y = builder.xor(y, builder.shl(builder.and_(v, ci(0x80)), ci(24)))
+    return builder.bitcast(y, vf)
+
+
+@intrinsic(prefer_literal=True)
+def _fused_f8_put_chunk(typingctx, x, xoff, q, qoff, scale, inv, kind):
+    """The 32 input values at element ``xoff`` of ``x``'s data (float32, or 16-bit values:
+    ``kind`` a literal, 3: float16 bits widened by F16C, 2: bfloat16 bits) divided by
+    ``scale`` and stored as float8_e4m3fn bytes at byte ``qoff`` of ``q``'s data:
+    :func:`quantize_block`'s float8 arm as vector code (:func:`_llvm_e4m3_bits`). ``inv``
+    nonzero: ``1 / scale`` for a power-of-two ``scale`` (1.0, vLLM's default), where the
+    product is the quotient exactly (subnormal results rounded alike): a multiply instead of
+    a divide (``vdivps`` takes ~5 cycles a register)."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    kind_v = kind.literal_value
+    from llvmlite import ir
+
+    def codegen(context, builder, sig, args):
+        f32, i16, i32, i8 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(8)
+        x_ty, q_ty = sig.args[0], sig.args[2]
+        xa, xoff_v, qa, qoff_v, sc, inv_v = args[:6]
+        vf = ir.VectorType(f32, 32)
+        if x_ty.dtype == types.float32:
+            v = builder.load(_vector_ptr(context, builder, x_ty, xa, xoff_v, f32, 32), align=4)
+        else:
+            raw = builder.load(_vector_ptr(context, builder, x_ty, xa, xoff_v, i16, 32),
+                               align=2)
+            if kind_v == 3:
+                v = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 32)), vf)
+            else:
+                vi = ir.VectorType(i32, 32)
+                v = builder.bitcast(builder.shl(builder.zext(raw, vi),
+                                                ir.Constant(vi, [16] * 32)), vf)
+        by_mul = builder.fcmp_ordered("!=", inv_v, ir.Constant(f32, 0.0))
+        with builder.if_else(by_mul, likely=True) as (mul_arm, div_arm):
+            with mul_arm:
+                y_mul = builder.fmul(v, _llvm_splat(builder, inv_v, 32))
+                mul_end = builder.block
+            with div_arm:
+                y_div = builder.fdiv(v, _llvm_splat(builder, sc, 32))
+                div_end = builder.block
+        y = builder.phi(vf)
+        y.add_incoming(y_mul, mul_end)
+        y.add_incoming(y_div, div_end)
+        bits = _llvm_e4m3_bits(builder, y)
+        builder.store(builder.trunc(bits, ir.VectorType(i8, 32)),
+                      _vector_ptr(context, builder, q_ty, qa, qoff_v, i8, 32), align=1)
+        return context.get_dummy_value()
+    return types.void(x, xoff, q, qoff, scale, inv, kind), codegen
+
+
+@njit(inline="always")
+def _f8_put_call(x, xoff, q, qoff, scale, inv, kind):
+    if kind == 3:
+        _fused_f8_put_chunk(x, xoff, q, qoff, scale, inv, 3)
+    else:
+        _fused_f8_put_chunk(x, xoff, q, qoff, scale, inv, 2)
+
+
+@njit(inline="always")
+def _put_rows_f8_cpu(q, x, slots, start, layer, scale, kind):
+    """A float8 put (``x [batch, heads, dim]``, last axis contiguous; ``q``'s last axis
+    contiguous), 32 values a :func:`_fused_f8_put_chunk` call, a row's tail of fewer by
+    :func:`quantize_block`'s element form."""
+    dim = x.shape[2]
+    xs0 = x.strides[0] // x.itemsize
+    xs1 = x.strides[1] // x.itemsize
+    sb = np.int64(np.float32(scale).view(np.uint32))
+    e = (sb >> 23) & 0xFF
+    pow2 = ((sb & 0x7FFFFF) == 0) & (e >= 1) & (e <= 253)   # 1 / scale exact and normal
+    inv = np.float32(1.0) / np.float32(scale) if pow2 else np.float32(0.0)
+    for t in prange(x.shape[0]):   # threads in the _par twin only; distinct cells
+        cell = start + t if start >= 0 else np.int64(slots[t])
+        if cell < 0:
+            continue
+        for h in range(x.shape[1]):
+            xo = t * xs0 + h * xs1
+            qo = layer * q.strides[0] + cell * q.strides[1] + h * q.strides[2]
+            j = 0
+            while j + 32 <= dim:
+                _f8_put_call(x, xo + j, q, qo + j, scale, inv, kind)
+                j += 32
+            if j < dim:
+                _f8_tail(x, t, h, j, q, layer, cell, scale, kind)
+
+
+@njit
+def _f8_tail(x, t, h, j, q, layer, cell, scale, kind):
+    """A float8 row's last ``dim % 32`` values, one at a time (a call: rare)."""
+    x_row = x[t, h]
+    q_row = q[layer, cell, h]
+    for i in range(j, x.shape[2]):
+        y = _f16_hw(np.uint16(x_row[i])) if kind == 3 else _load_cpu(x_row[i], kind)
+        q_row[i] = _to_e4m3_cpu(y / scale)
+
+
+@njit(cache=True)
+def quant_put_f8_cpu(q, x, slots, start, layer, scales, kind):
+    """The CPU's float8_e4m3fn put in vector form (:func:`_put_rows_f8_cpu`): ``x [batch,
+    heads, dim]`` (float32, or float16 / bfloat16 bits by ``kind`` 3 / 2) divided by
+    ``scales[layer]`` into layer ``layer`` of ``q`` at ``slots`` / from ``start``; the same
+    bytes as :func:`quant_put_cpu`."""
+    _put_rows_f8_cpu(q, x, slots, start, layer, scales[layer], kind)
+
+
+@njit(cache=True, parallel=True)
+def quant_put_f8_cpu_par(q, x, slots, start, layer, scales, kind):
+    """:func:`quant_put_f8_cpu` with its tokens spread over numba's threads."""
+    _put_rows_f8_cpu(q, x, slots, start, layer, scales[layer], kind)
+
+
+# --------------------------------------------------------------------------------------------
 # the CPU's q8_0/q4_0 get in vector form
 
 @intrinsic(prefer_literal=True)
-def _fused_get_chunk(typingctx, q, qoff, out, ooff, fmt, kind, nb):
+def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
     """Dequantize the ``nb`` (a literal: 1 or 4) ggml blocks at byte ``qoff`` of ``q``'s data
-    (``fmt`` a literal, 1: q8_0, 2: q4_0) into the ``32 * nb`` values at element ``ooff`` of
+    (``fmt`` a literal, 1: q8_0, 2: q4_0; 3: ``32 * nb`` float8_e4m3fn bytes, each value
+    :func:`e4m3_to_f32` times ``scale``, a NaN rounded to the element form's NaN bits) into
+    the ``32 * nb`` values at element ``ooff`` of
     ``out``'s data: float32 when ``out`` is, else float16 bits (``kind`` a literal 1) or
     bfloat16 bits (2). :func:`dequantize_block`'s math as LLVM vectors: each block's scale
     widened by F16C (exact), the quants sign-extended (q8_0) or split into nibbles less 8
@@ -1557,20 +1730,29 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, fmt, kind, nb):
         i8, i16, i32, i64 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64))
         f32 = ir.FloatType()
         q_ty, out_ty = sig.args[0], sig.args[2]
-        qa, qoff_v, oa, ooff_v = args[:4]
+        qa, qoff_v, oa, ooff_v, scale_v = args[:5]
         v32i, v32f = ir.VectorType(i32, 32), ir.VectorType(f32, 32)
-        nbytes = 34 if fmt_v == 1 else 18
+        nbytes = {1: 34, 2: 18, 3: 32}[fmt_v]
 
         def c32(v):
             return ir.Constant(v32i, [v] * 32)
         scale_bits = [builder.load(_elem_ptr(context, builder, q_ty, qa, builder.add(
-            qoff_v, _int_const(qoff_v, k * nbytes)), i16), align=1) for k in range(nb_v)]
+            qoff_v, _int_const(qoff_v, k * nbytes)), i16), align=1)
+            for k in range(nb_v if fmt_v != 3 else 0)]
         bad = ir.Constant(ir.IntType(1), 0)
         for sb in scale_bits:   # an infinity or NaN scale: exponent bits all set
             bad = builder.or_(bad, builder.icmp_unsigned(
                 "==", builder.and_(sb, ir.Constant(i16, 0x7C00)), ir.Constant(i16, 0x7C00)))
         with builder.if_then(builder.not_(bad), likely=True):
             for k in range(nb_v):
+                o = builder.add(ooff_v, _int_const(ooff_v, 32 * k))
+                if fmt_v == 3:
+                    raw = builder.load(_vector_ptr(context, builder, q_ty, qa, builder.add(
+                        qoff_v, _int_const(qoff_v, 32 * k)), i8, 32), align=1)
+                    y = builder.fmul(_llvm_from_e4m3(builder, raw),
+                                     _llvm_splat(builder, scale_v, 32))
+                    _llvm_store_values(context, builder, out_ty, oa, o, y, kind_v, True)
+                    continue
                 d = builder.fpext(builder.bitcast(scale_bits[k], ir.HalfType()), f32)
                 at = builder.add(qoff_v, _int_const(qoff_v, k * nbytes + 2))
                 if fmt_v == 1:
@@ -1586,44 +1768,66 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, fmt, kind, nb):
                     both = builder.shuffle_vector(lo, hi, ir.Constant(v32i, list(range(32))))
                     ints = builder.sub(builder.zext(both, v32i), c32(8))
                 y = builder.fmul(_llvm_splat(builder, d, 32), builder.sitofp(ints, v32f))
-                o = builder.add(ooff_v, _int_const(ooff_v, 32 * k))
-                if out_ty.dtype == types.float32:
-                    builder.store(y, _vector_ptr(context, builder, out_ty, oa, o, f32, 32),
-                                  align=4)
-                    continue
-                if kind_v == 1:
-                    h = builder.bitcast(builder.fptrunc(y, ir.VectorType(ir.HalfType(), 32)),
-                                        ir.VectorType(i16, 32))
-                else:   # round to nearest even (a finite value: no NaN to keep quiet)
-                    bits = builder.bitcast(y, v32i)
-                    h = builder.trunc(builder.lshr(builder.add(bits, builder.add(builder.and_(
-                        builder.lshr(bits, c32(16)), c32(1)), c32(0x7FFF))), c32(16)),
-                        ir.VectorType(i16, 32))
-                builder.store(h, _vector_ptr(context, builder, out_ty, oa, o, i16, 32),
-                              align=2)
+                _llvm_store_values(context, builder, out_ty, oa, o, y, kind_v, False)
         return builder.zext(bad, i64)
-    return types.int64(q, qoff, out, ooff, fmt, kind, nb), codegen
+    return types.int64(q, qoff, out, ooff, scale, fmt, kind, nb), codegen
+
+
+def _llvm_store_values(context, builder, out_ty, oa, o, y, kind_v, may_be_nan):
+    """Store the ``<32 x float>`` ``y`` at element ``o`` of ``out``: as they are (a float32
+    ``out``), or rounded to nearest even to float16 bits (``kind_v`` 1, ``vcvtps2ph``) or
+    bfloat16 bits (2, :func:`.f32_to_bf16_bits`' integer rounding). ``may_be_nan``: a NaN
+    lane gets the element form's bits (:func:`.f32_to_f16_bits`: its sign and 0x7E00;
+    bfloat16: its top half with the quiet bit) instead of the hardware's."""
+    from llvmlite import ir
+    f32, i16, i32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
+    v32i = ir.VectorType(i32, 32)
+
+    def c32(v):
+        return ir.Constant(v32i, [v] * 32)
+    if out_ty.dtype == types.float32:
+        builder.store(y, _vector_ptr(context, builder, out_ty, oa, o, f32, 32), align=4)
+        return
+    bits = builder.bitcast(y, v32i)
+    if kind_v == 1:
+        h = builder.zext(builder.bitcast(builder.fptrunc(y, ir.VectorType(ir.HalfType(), 32)),
+                                         ir.VectorType(i16, 32)), v32i)
+        nan_bits = builder.or_(builder.and_(builder.lshr(bits, c32(16)), c32(0x8000)),
+                               c32(0x7E00))
+    else:
+        h = builder.lshr(builder.add(bits, builder.add(builder.and_(
+            builder.lshr(bits, c32(16)), c32(1)), c32(0x7FFF))), c32(16))
+        nan_bits = builder.or_(builder.lshr(bits, c32(16)), c32(0x40))
+    if may_be_nan:
+        nan = builder.icmp_unsigned(">", builder.and_(bits, c32(0x7FFFFFFF)), c32(0x7F800000))
+        h = builder.select(nan, nan_bits, h)
+    builder.store(builder.trunc(h, ir.VectorType(i16, 32)),
+                  _vector_ptr(context, builder, out_ty, oa, o, i16, 32), align=2)
 
 
 @njit(inline="always")
-def _get_call(q, qoff, out, ooff, fmt, kind, nb):
+def _get_call(q, qoff, out, ooff, scale, fmt, kind, nb):
     """One :func:`_fused_get_chunk` call, its literal format, kind and block count picked by
     branches that go the same way for the whole get."""
     if fmt == 1:
         if kind == 2:
             if nb == 4:
-                return _fused_get_chunk(q, qoff, out, ooff, 1, 2, 4)
-            return _fused_get_chunk(q, qoff, out, ooff, 1, 2, 1)
+                return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 2, 4)
+            return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 2, 1)
         if nb == 4:
-            return _fused_get_chunk(q, qoff, out, ooff, 1, 1, 4)
-        return _fused_get_chunk(q, qoff, out, ooff, 1, 1, 1)
+            return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 1, 4)
+        return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 1, 1)
+    if fmt == 2:
+        if kind == 2:
+            if nb == 4:
+                return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 2, 4)
+            return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 2, 1)
+        if nb == 4:
+            return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 1, 4)
+        return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 1, 1)
     if kind == 2:
-        if nb == 4:
-            return _fused_get_chunk(q, qoff, out, ooff, 2, 2, 4)
-        return _fused_get_chunk(q, qoff, out, ooff, 2, 2, 1)
-    if nb == 4:
-        return _fused_get_chunk(q, qoff, out, ooff, 2, 1, 4)
-    return _fused_get_chunk(q, qoff, out, ooff, 2, 1, 1)
+        return _fused_get_chunk(q, qoff, out, ooff, scale, 3, 2, 1)
+    return _fused_get_chunk(q, qoff, out, ooff, scale, 3, 1, 1)
 
 
 @njit(inline="always")
@@ -1632,7 +1836,7 @@ def _get_rows_fused_cpu(q, layer, lo, fmt, scale, out, kind):
     ``out [n, heads, dim]`` (last axis contiguous) by :func:`_fused_get_chunk`, four blocks a
     call while four remain; a call that met a non-finite scale is redone block by block by
     :func:`dequantize_block`."""
-    nbytes = 34 if fmt == 1 else 18
+    nbytes = 34 if fmt == 1 else (18 if fmt == 2 else 32)
     nblk = out.shape[2] // 32
     os0 = out.strides[0] // out.itemsize
     os1 = out.strides[1] // out.itemsize
@@ -1642,12 +1846,17 @@ def _get_rows_fused_cpu(q, layer, lo, fmt, scale, out, kind):
             oo = c * os0 + h * os1
             b = 0
             while b < nblk:
-                nb = 4 if nblk - b >= 4 else 1
-                if _get_call(q, qo + b * nbytes, out, oo + 32 * b, fmt, kind, nb) != 0:
+                nb = 4 if nblk - b >= 4 and fmt != 3 else 1
+                if _get_call(q, qo + b * nbytes, out, oo + 32 * b, scale, fmt, kind,
+                             nb) != 0:
                     for k in range(b, b + nb):
                         _dequantize_cpu(q[layer, lo + c, h], k * nbytes, 32, fmt, scale,
                                         out[c, h], 32 * k, kind)
                 b += nb
+            if fmt == 3 and nblk * 32 < out.shape[2]:   # float8: the row's last values
+                j = nblk * 32
+                _dequantize_cpu(q[layer, lo + c, h], j, out.shape[2] - j, 3, scale,
+                                out[c, h], j, kind)
 
 
 @njit(cache=True)
@@ -1959,6 +2168,11 @@ def put_launch(device: str, q, layer: int, x, slots, start: int, fmt: int, scale
     if fmt != FMT_F8 and (rot > 0 or device == "cpu"):
         _put_rows_launch(device, q, layer, x, slots, start, fmt, dtype, rot, slots_on_device)
         return
+    if device == "cpu" and _F16C and x.strides[2] == x.itemsize and q.strides[3] == 1:
+        view_dtype, kind = storage_kind(device, dtype)   # float16 read through F16C
+        launch = _cpu_twin(quant_put_f8_cpu, quant_put_f8_cpu_par, x.size, batch)
+        launch(q, x.view(view_dtype), slots, int(start), int(layer), scales, kind)
+        return
     view_dtype, kind = _kind(device, dtype)
     if device == "cpu":
         x = x.view(view_dtype)
@@ -2029,8 +2243,7 @@ def get_launch(device: str, q, layer: int, lo: int, out, fmt: int, scales, dtype
     view_dtype, kind = _kind(device, dtype)
     if device == "cpu":
         out_v = out.view(view_dtype)
-        if (_F16C and fmt in (FMT_Q8_0, FMT_Q4_0) and out_v.strides[2] == out_v.itemsize
-                and q.strides[3] == 1):
+        if _F16C and out_v.strides[2] == out_v.itemsize and q.strides[3] == 1:
             launch = _cpu_twin(quant_get_fused_cpu, quant_get_fused_cpu_par, out.size, n)
         else:
             launch = _cpu_twin(quant_get_cpu, quant_get_cpu_par, out.size, n)
