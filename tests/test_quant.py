@@ -727,6 +727,53 @@ def test_cpu_vector_get_matches_the_element_form_for_every_scale(kind):
                 np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("src", ["float16", "bfloat16", "float32"])
+def test_cpu_vector_float8_put_and_get_match_the_element_form(src):
+    """The CPU's vector float8_e4m3 put (quant_put_f8_cpu, what put_launch runs) writes the
+    element form's bytes (quant_put_cpu on the same values in float32, which
+    test_float8_bit_exact_with_ml_dtypes_and_torch holds to ml_dtypes) for every 16-bit input
+    pattern (random float32 bits with the specials), with scales that are powers of two
+    (taken as a multiply) and not, down to a subnormal reciprocal's edge, rows of 32 values
+    and rows with a tail of fewer (80); the vector get (quant_get_fused_cpu) gives the element
+    form's bits back into float32, float16 and bfloat16, NaN codes included."""
+    from numbakv.kernels import quant as Q
+    from numbakv.kernels.rope import KIND_BF16_BITS, KIND_F16_BITS, KIND_FLOAT
+    if not Q._F16C:
+        pytest.skip("the vector float8 put and get need F16C")
+    rng = np.random.default_rng(7)
+    for dim in (64, 80):
+        n = -(-65536 // (2 * dim)) + 5
+        if src == "float32":
+            x = rng.integers(0, 1 << 32, (n, 2, dim), dtype=np.uint64).astype(np.uint32)
+            x.flat[:12] = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
+                           0x43E00000, 0x43DFFFFF, 0x3C800000, 0x3C7FFFFF, 0x3B000000,
+                           0x3A800000]
+            x = x.view(np.float32)
+            wide = x
+        else:
+            x = (np.arange(n * 2 * dim, dtype=np.uint32) % 65536).astype(np.uint16)
+            x = x.reshape(n, 2, dim)
+            wide = (x.view(np.float16).astype(np.float32) if src == "float16" else
+                    (x.astype(np.uint32) << 16).view(np.float32))
+        for scale in (1.0, 0.37, 2.0 ** -126, 2.0 ** 127, -2.0):
+            scales = np.full(2, scale, np.float32)
+            slots = rng.permutation(n + 9)[:n].astype(np.int32)
+            slots[::13] = -1
+            got = np.zeros((2, n + 9, 2, dim), np.uint8)
+            want = np.zeros_like(got)
+            Q.put_launch("cpu", got, 1, x, slots, -1, Q.FMT_F8, scales, src)
+            Q.quant_put_cpu(want, np.ascontiguousarray(wide), slots, -1, 1, Q.FMT_F8, scales,
+                            KIND_FLOAT)
+            np.testing.assert_array_equal(got, want)
+            for kind, dt in ((KIND_FLOAT, np.float32), (KIND_F16_BITS, np.uint16),
+                             (KIND_BF16_BITS, np.uint16)):
+                back = np.zeros((n, 2, dim), dt)
+                ref = np.zeros_like(back)
+                Q.quant_get_fused_cpu(got, 1, 3, Q.FMT_F8, scales, back, kind)
+                Q.quant_get_cpu(got, 1, 3, Q.FMT_F8, scales, ref, kind)
+                np.testing.assert_array_equal(back.view(np.uint8), ref.view(np.uint8))
+
+
 def test_cpu_fused_rope_rows_match_the_work_row_form():
     """The CPU's in-register quantized shift (rows of 64 values: an MLA latent's rope blocks
     after two latent blocks, Walsh-Hadamard-rotated or not, NeoX or interleaved pairs) writes
