@@ -1706,10 +1706,10 @@ def quant_put_f8_cpu_par(q, x, slots, start, layer, scales, kind):
 def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
     """Dequantize the ``nb`` (a literal: 1 or 4) ggml blocks at byte ``qoff`` of ``q``'s data
     (``fmt`` a literal, 1: q8_0, 2: q4_0; 3: ``32 * nb`` float8_e4m3fn bytes, each value
-    :func:`e4m3_to_f32` times ``scale``, a NaN rounded to the element form's NaN bits) into
-    the ``32 * nb`` values at element ``ooff`` of
-    ``out``'s data: float32 when ``out`` is, else float16 bits (``kind`` a literal 1) or
-    bfloat16 bits (2). :func:`dequantize_block`'s math as LLVM vectors: each block's scale
+    :func:`e4m3_to_f32` times ``scale``, a NaN given the element form's NaN bits) into the
+    ``32 * nb`` values at element ``ooff`` of ``out``'s data: float32 when ``out`` is, else
+    float16 bits (``kind`` 1) or bfloat16 bits (2; :func:`_llvm_store_values`).
+    :func:`dequantize_block`'s math as LLVM vectors: each block's scale
     widened by F16C (exact), the quants sign-extended (q8_0) or split into nibbles less 8
     (q4_0) and converted exactly, ``d * q`` in float32, then rounded to nearest even -- by
     ``fptrunc`` (``vcvtps2ph``) for float16, by :func:`.f32_to_bf16_bits`' integer rounding
@@ -1721,16 +1721,16 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
     software float16 rounding (4-7% of ``np.copyto`` of the same float16 bytes on one
     thread); this form is a few vector operations a register. The CPU must have F16C
     (``_F16C``)."""
-    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, kind, nb)):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (fmt, nb)):
         return None
-    fmt_v, kind_v, nb_v = fmt.literal_value, kind.literal_value, nb.literal_value
+    fmt_v, nb_v = fmt.literal_value, nb.literal_value
     from llvmlite import ir
 
     def codegen(context, builder, sig, args):
         i8, i16, i32, i64 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64))
         f32 = ir.FloatType()
         q_ty, out_ty = sig.args[0], sig.args[2]
-        qa, qoff_v, oa, ooff_v, scale_v = args[:5]
+        qa, qoff_v, oa, ooff_v, scale_v, _, kind_a = args[:7]
         v32i, v32f = ir.VectorType(i32, 32), ir.VectorType(f32, 32)
         nbytes = {1: 34, 2: 18, 3: 32}[fmt_v]
 
@@ -1751,7 +1751,7 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
                         qoff_v, _int_const(qoff_v, 32 * k)), i8, 32), align=1)
                     y = builder.fmul(_llvm_from_e4m3(builder, raw),
                                      _llvm_splat(builder, scale_v, 32))
-                    _llvm_store_values(context, builder, out_ty, oa, o, y, kind_v, True)
+                    _llvm_store_values(context, builder, out_ty, oa, o, y, kind_a, True)
                     continue
                 d = builder.fpext(builder.bitcast(scale_bits[k], ir.HalfType()), f32)
                 at = builder.add(qoff_v, _int_const(qoff_v, k * nbytes + 2))
@@ -1768,17 +1768,18 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
                     both = builder.shuffle_vector(lo, hi, ir.Constant(v32i, list(range(32))))
                     ints = builder.sub(builder.zext(both, v32i), c32(8))
                 y = builder.fmul(_llvm_splat(builder, d, 32), builder.sitofp(ints, v32f))
-                _llvm_store_values(context, builder, out_ty, oa, o, y, kind_v, False)
+                _llvm_store_values(context, builder, out_ty, oa, o, y, kind_a, False)
         return builder.zext(bad, i64)
     return types.int64(q, qoff, out, ooff, scale, fmt, kind, nb), codegen
 
 
-def _llvm_store_values(context, builder, out_ty, oa, o, y, kind_v, may_be_nan):
+def _llvm_store_values(context, builder, out_ty, oa, o, y, kind_a, may_be_nan):
     """Store the ``<32 x float>`` ``y`` at element ``o`` of ``out``: as they are (a float32
-    ``out``), or rounded to nearest even to float16 bits (``kind_v`` 1, ``vcvtps2ph``) or
-    bfloat16 bits (2, :func:`.f32_to_bf16_bits`' integer rounding). ``may_be_nan``: a NaN
-    lane gets the element form's bits (:func:`.f32_to_f16_bits`: its sign and 0x7E00;
-    bfloat16: its top half with the quiet bit) instead of the hardware's."""
+    ``out``), or rounded to nearest even to float16 bits (``kind_a``, a run-time value, 1:
+    ``vcvtps2ph``) or bfloat16 bits (2: :func:`.f32_to_bf16_bits`' integer rounding), a
+    branch a call that goes the same way for the whole get. ``may_be_nan``: a NaN lane gets
+    the element form's bits (:func:`.f32_to_f16_bits`: its sign and 0x7E00; bfloat16: its
+    top half with the quiet bit) instead of the hardware's."""
     from llvmlite import ir
     f32, i16, i32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
     v32i = ir.VectorType(i32, 32)
@@ -1789,45 +1790,43 @@ def _llvm_store_values(context, builder, out_ty, oa, o, y, kind_v, may_be_nan):
         builder.store(y, _vector_ptr(context, builder, out_ty, oa, o, f32, 32), align=4)
         return
     bits = builder.bitcast(y, v32i)
-    if kind_v == 1:
-        h = builder.zext(builder.bitcast(builder.fptrunc(y, ir.VectorType(ir.HalfType(), 32)),
-                                         ir.VectorType(i16, 32)), v32i)
-        nan_bits = builder.or_(builder.and_(builder.lshr(bits, c32(16)), c32(0x8000)),
-                               c32(0x7E00))
-    else:
-        h = builder.lshr(builder.add(bits, builder.add(builder.and_(
-            builder.lshr(bits, c32(16)), c32(1)), c32(0x7FFF))), c32(16))
-        nan_bits = builder.or_(builder.lshr(bits, c32(16)), c32(0x40))
-    if may_be_nan:
-        nan = builder.icmp_unsigned(">", builder.and_(bits, c32(0x7FFFFFFF)), c32(0x7F800000))
-        h = builder.select(nan, nan_bits, h)
-    builder.store(builder.trunc(h, ir.VectorType(i16, 32)),
-                  _vector_ptr(context, builder, out_ty, oa, o, i16, 32), align=2)
+    is_bf16 = builder.icmp_signed("==", kind_a, _int_const(kind_a, 2))
+    with builder.if_else(is_bf16) as (bf16_arm, f16_arm):
+        for arm, bf16 in ((bf16_arm, True), (f16_arm, False)):
+            with arm:
+                if bf16:
+                    h = builder.lshr(builder.add(bits, builder.add(builder.and_(
+                        builder.lshr(bits, c32(16)), c32(1)), c32(0x7FFF))), c32(16))
+                    nan_bits = builder.or_(builder.lshr(bits, c32(16)), c32(0x40))
+                else:
+                    h = builder.zext(builder.bitcast(builder.fptrunc(
+                        y, ir.VectorType(ir.HalfType(), 32)), ir.VectorType(i16, 32)), v32i)
+                    nan_bits = builder.or_(builder.and_(builder.lshr(bits, c32(16)),
+                                                        c32(0x8000)), c32(0x7E00))
+                if may_be_nan:
+                    nan = builder.icmp_unsigned(">", builder.and_(bits, c32(0x7FFFFFFF)),
+                                                c32(0x7F800000))
+                    h = builder.select(nan, nan_bits, h)
+                builder.store(builder.trunc(h, ir.VectorType(i16, 32)),
+                              _vector_ptr(context, builder, out_ty, oa, o, i16, 32), align=2)
+
+
+@njit(inline="always")
+def _get_call_nb(q, qoff, out, ooff, scale, fmt, kind, nb):
+    if nb == 4:
+        return _fused_get_chunk(q, qoff, out, ooff, scale, fmt, kind, 4)
+    return _fused_get_chunk(q, qoff, out, ooff, scale, fmt, kind, 1)
 
 
 @njit(inline="always")
 def _get_call(q, qoff, out, ooff, scale, fmt, kind, nb):
-    """One :func:`_fused_get_chunk` call, its literal format, kind and block count picked by
+    """One :func:`_fused_get_chunk` call, its literal format and block count picked by
     branches that go the same way for the whole get."""
     if fmt == 1:
-        if kind == 2:
-            if nb == 4:
-                return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 2, 4)
-            return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 2, 1)
-        if nb == 4:
-            return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 1, 4)
-        return _fused_get_chunk(q, qoff, out, ooff, scale, 1, 1, 1)
+        return _get_call_nb(q, qoff, out, ooff, scale, 1, kind, nb)
     if fmt == 2:
-        if kind == 2:
-            if nb == 4:
-                return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 2, 4)
-            return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 2, 1)
-        if nb == 4:
-            return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 1, 4)
-        return _fused_get_chunk(q, qoff, out, ooff, scale, 2, 1, 1)
-    if kind == 2:
-        return _fused_get_chunk(q, qoff, out, ooff, scale, 3, 2, 1)
-    return _fused_get_chunk(q, qoff, out, ooff, scale, 3, 1, 1)
+        return _get_call_nb(q, qoff, out, ooff, scale, 2, kind, nb)
+    return _fused_get_chunk(q, qoff, out, ooff, scale, 3, kind, 1)
 
 
 @njit(inline="always")
