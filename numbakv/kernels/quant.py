@@ -1037,10 +1037,12 @@ _STAGED_LANES = 8
 
 
 @intrinsic(prefer_literal=True)
-def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot, neox):
-    """The rotary shift of one q8_0/q4_0 (``fmt`` 1/2) key row of ``n`` values (64 or 128, a
-    literal) at byte ``qoff`` of ``q``'s data, in registers: the blocks dequantized
-    (:func:`dequantize_block`'s ``d * q``, the scale widened by ``fpext``), turned back from
+def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot, neox, scale):
+    """The rotary shift of one q8_0/q4_0/float8_e4m3 (``fmt`` 1/2/3) key row of ``n`` values
+    (64 or 128, a literal) at byte ``qoff`` of ``q``'s data, in registers: the blocks
+    dequantized (:func:`dequantize_block`'s ``d * q``, the scale widened by ``fpext``; float8:
+    :func:`e4m3_to_f32` times ``scale``, stored back divided by it as :func:`f32_to_e4m3`
+    -- :func:`_llvm_from_e4m3`, :func:`_llvm_e4m3_bits`), turned back from
     the Walsh-Hadamard basis when ``rot`` (a literal: 0 or ``n``; scaled by ``rscale``), the
     RoPE pairs (``neox`` a literal; :func:`.rope.rotate_pair`'s float32 math with the cos/sin
     table row at element ``toff``), forward again, requantized by
@@ -1057,6 +1059,7 @@ def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot,
         f32, i32, i16, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8)
         q_ty = sig.args[0]
         qa, qoff_v, cos_a, sin_a, toff_v, rs, fmt_a = args[:7]
+        scale_v = args[10]
         nb = n_v // 32
         v32f, v32i = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
 
@@ -1092,15 +1095,25 @@ def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot,
             return parts[0]
 
         is_q8 = builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 1))
+        is_f8 = builder.icmp_signed("==", fmt_a, _int_const(fmt_a, 3))
         deq8 = builder.append_basic_block("rope_deq_q8_0")
         deq4 = builder.append_basic_block("rope_deq_q4_0")
+        deqf8 = builder.append_basic_block("rope_deq_f8")
+        ggml = builder.append_basic_block("rope_deq_ggml")
         merged = builder.append_basic_block("rope_dequantized")
-        builder.cbranch(is_q8, deq8, deq4)   # (each reads only its own format's bytes)
+        builder.cbranch(is_f8, deqf8, ggml)   # (each reads only its own format's bytes)
+        builder.position_at_end(ggml)
+        builder.cbranch(is_q8, deq8, deq4)
         ends = []
         for block, fmt_v in ((deq8, 1), (deq4, 2)):
             builder.position_at_end(block)
             ends.append((dequantized(fmt_v), builder.block))
             builder.branch(merged)
+        builder.position_at_end(deqf8)
+        raw = builder.load(_vector_ptr(context, builder, q_ty, qa, qoff_v, i8, n_v), align=1)
+        ends.append((builder.fmul(_llvm_from_e4m3(builder, raw),
+                                  _llvm_splat(builder, scale_v, n_v)), builder.block))
+        builder.branch(merged)
         builder.position_at_end(merged)
         v = builder.phi(ir.VectorType(f32, n_v))
         for value, block in ends:
@@ -1126,8 +1139,27 @@ def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot,
         if rot_v:
             v = wht_stages(builder, builder.fmul(v, _llvm_splat(builder, rs, n_v)), n_v,
                            cpu_fma_lanes(context))
-        return _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8, "rope")
-    return types.int64(q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot, neox), codegen
+        store_f8 = builder.append_basic_block("rope_store_f8")
+        store_ggml = builder.append_basic_block("rope_store_ggml")
+        done = builder.append_basic_block("rope_stored")
+        builder.cbranch(is_f8, store_f8, store_ggml)
+        builder.position_at_end(store_f8)   # float8: every value has a code (NaN 0x7F)
+        bits = _llvm_e4m3_bits(builder, builder.fdiv(v, _llvm_splat(builder, scale_v, n_v)))
+        builder.store(builder.trunc(bits, ir.VectorType(i8, n_v)),
+                      _vector_ptr(context, builder, q_ty, qa, qoff_v, i8, n_v), align=1)
+        f8_end = builder.block
+        builder.branch(done)
+        builder.position_at_end(store_ggml)
+        flag_ggml = _llvm_store_quantized(context, builder, v, nb, q_ty, qa, qoff_v, is_q8,
+                                          "rope")
+        ggml_end = builder.block
+        builder.branch(done)
+        builder.position_at_end(done)
+        flag = builder.phi(flag_ggml.type)
+        flag.add_incoming(ir.Constant(flag_ggml.type, 0), f8_end)
+        flag.add_incoming(flag_ggml, ggml_end)
+        return flag
+    return types.int64(q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot, neox, scale), codegen
 
 @njit(inline="always")
 def rotate_row_cpu(q, work, dim, fmt, scale, cos_t, sin_t, u, neox, rot, rscale):
@@ -2039,6 +2071,7 @@ def _rope_rows_fused(q, col, cells, tab, layers, cos_t, sin_t, neox, dim, scales
     t_row = cos_t.strides[0] // 4
     for z in range(layers.shape[0]):
         layer = layers[z]
+        scale = scales[layer]
         for c in prange(cells.shape[0]):   # threads in the _par twin only; distinct cells
             cell = cells[c]
             base = layer * q.strides[0] + cell * q.strides[1] + col
@@ -2049,24 +2082,32 @@ def _rope_rows_fused(q, col, cells, tab, layers, cos_t, sin_t, neox, dim, scales
                 if dim == 64:
                     if rot:
                         if neox:
-                            bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 64, 1)
+                            bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 64, 1,
+                                                  scale)
                         else:
-                            bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 64, 0)
+                            bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 64, 0,
+                                                  scale)
                     elif neox:
-                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 0, 1)
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 0, 1,
+                                              scale)
                     else:
-                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 0, 0)
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 64, 0, 0,
+                                              scale)
                 elif rot:
                     if neox:
-                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 128, 1)
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 128, 1,
+                                              scale)
                     else:
-                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 128, 0)
+                        bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 128, 0,
+                                              scale)
                 elif neox:
-                    bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 0, 1)
+                    bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 0, 1,
+                                          scale)
                 else:
-                    bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 0, 0)
+                    bad = _fused_rope_row(q, qo, cos_t, sin_t, toff, rscale, fmt, 128, 0, 0,
+                                          scale)
                 if bad != 0:
-                    _rope_row_work(q, layer, cell, h, col, dim, fmt, scales[layer], cos_t,
+                    _rope_row_work(q, layer, cell, h, col, dim, fmt, scale, cos_t,
                                    sin_t, tab[c], neox, rot, rscale)
 
 
@@ -2268,8 +2309,8 @@ def rope_launch(device: str, q, dim: int, cells, deltas, inv_freq, neox: bool, f
     if plan is None:
         return
     cells, layers, tab, cos_t, sin_t = plan
-    if (device == "cpu" and _F16C and fmt != FMT_F8 and dim in (64, 128)
-            and rot in (0, dim) and cos_t.shape[1] * 2 == dim and q.strides[3] == 1):
+    if (device == "cpu" and _F16C and dim in (64, 128) and rot in (0, dim)
+            and cos_t.shape[1] * 2 == dim and q.strides[3] == 1):
         # each row in registers, addressed in the whole storage (no strided views)
         launch = _cpu_twin(quant_rope_fused_cpu, quant_rope_fused_cpu_par,
                            cells.size * layers.size * q.shape[2] * int(dim), cells.size)
