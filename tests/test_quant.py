@@ -774,6 +774,35 @@ def test_cpu_vector_float8_put_and_get_match_the_element_form(src):
                 np.testing.assert_array_equal(back.view(np.uint8), ref.view(np.uint8))
 
 
+def test_cpu_float8_shift_in_registers_matches_the_element_form():
+    """The float8_e4m3 rotary shift in registers (quant_rope_fused_cpu, what rope_launch runs
+    for rows of 64 and 128 values) writes the element form's bytes (quant_rope_cpu) for
+    random codes -- NaN codes, subnormals and saturating results included -- NeoX and
+    interleaved pairs, two layers with different scales, cells listed twice."""
+    from numbakv.kernels import quant as Q
+    from numbakv.kernels.rope import _merge, tables
+    if not Q._F16C:
+        pytest.skip("the in-register shift needs F16C")
+    rng = np.random.default_rng(4)
+    scales = np.array([1.0, 0.37], np.float32)
+    layers = np.array([0, 1], np.int32)
+    for dim in (64, 128):
+        q = rng.integers(0, 256, (2, 300, 2, dim), dtype=np.uint8)
+        cells = np.concatenate([rng.permutation(300)[:200], [5, 5]]).astype(np.int32)
+        deltas = rng.integers(-9, 9, cells.size).astype(np.int32)
+        inv_freq = 1e4 ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
+        merged, summed = _merge(cells, deltas)
+        tab, cos_t, sin_t = tables(summed, inv_freq)
+        for neox in (0, 1):
+            got, want = q.copy(), q.copy()
+            Q.quant_rope_fused_cpu(got, 0, merged, tab, layers, cos_t, sin_t, neox, dim, scales,
+                                   Q.FMT_F8, 0, np.float32(1.0))
+            Q.quant_rope_cpu(want, merged, tab, layers, cos_t, sin_t, neox, dim, scales,
+                             Q.FMT_F8)
+            np.testing.assert_array_equal(got, want)
+            assert (got != q).any()
+
+
 def test_cpu_fused_rope_rows_match_the_work_row_form():
     """The CPU's in-register quantized shift (rows of 64 values: an MLA latent's rope blocks
     after two latent blocks, Walsh-Hadamard-rotated or not, NeoX or interleaved pairs) writes
