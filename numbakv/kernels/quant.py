@@ -1565,7 +1565,13 @@ def quant_put_rot_cpu_par(q, x, slots, start, layer, fmt, kind, rot, rscale):
 
 def _llvm_e4m3_bits(builder, y):
     """The float8_e4m3fn bits (``<n x i32>``, one byte's worth each) of the ``<n x float>``
-    ``y``: :func:`f32_to_e4m3`'s arms as vector selects."""
+    ``y``, :func:`f32_to_e4m3`'s results by cheaper vector forms of its arms: the normal
+    arm's round to nearest even as one integer add on the magnitude's bits (``+ 0x7FFFF`` and
+    the kept mantissa's low bit: a carry out of the 20 dropped bits exactly when they exceed
+    half, or equal it with the kept bit odd; a mantissa carry moves into the exponent), the
+    subnormal arm's (``k * 2**-9``) as the float add of ``2**23`` to ``|y| * 512`` (< 8 there:
+    the sum's last bit is the integer, rounded to nearest even). Both arms are computed for
+    every lane and picked by selects, with the saturation to 0x7E and NaN's 0x7F."""
     from llvmlite import ir
     n = y.type.count
     vi = ir.VectorType(ir.IntType(32), n)
@@ -1577,24 +1583,14 @@ def _llvm_e4m3_bits(builder, y):
         return ir.Constant(y.type, [v] * n)
     b = builder.bitcast(y, vi)
     sign = builder.and_(builder.lshr(b, ci(24)), ci(0x80))
-    a = builder.bitcast(builder.and_(b, ci(0x7FFFFFFF)), y.type)
-    keep = builder.lshr(builder.and_(b, ci(0x7FFFFF)), ci(20))
-    rem = builder.and_(b, ci(0xFFFFF))
-    up = builder.or_(builder.icmp_unsigned(">", rem, ci(0x80000)), builder.and_(
-        builder.icmp_unsigned("==", rem, ci(0x80000)),
-        builder.icmp_unsigned("!=", builder.and_(keep, ci(1)), ci(0))))
-    normal = builder.add(builder.add(builder.shl(builder.sub(
-        builder.and_(builder.lshr(b, ci(23)), ci(0xFF)), ci(120)), ci(3)), keep),
-        builder.zext(up, vi))
-    small = builder.fcmp_ordered("<", a, cf(0.015625))
-    ys = builder.fmul(builder.select(small, a, cf(0.015625)), cf(512.0))
-    k = builder.fptosi(ys, vi)
-    r = builder.fsub(ys, builder.sitofp(k, y.type))
-    upk = builder.or_(builder.fcmp_ordered(">", r, cf(0.5)), builder.and_(
-        builder.fcmp_ordered("==", r, cf(0.5)),
-        builder.icmp_unsigned("!=", builder.and_(k, ci(1)), ci(0))))
-    out = builder.select(builder.fcmp_ordered(">=", a, cf(0.015625)), normal,
-                         builder.add(k, builder.zext(upk, vi)))
+    mag = builder.and_(b, ci(0x7FFFFFFF))
+    a = builder.bitcast(mag, y.type)
+    odd = builder.and_(builder.lshr(mag, ci(20)), ci(1))
+    normal = builder.sub(builder.lshr(builder.add(mag, builder.add(odd, ci(0x7FFFF))), ci(20)),
+                         ci(120 << 3))
+    magic = builder.fadd(builder.fmul(a, cf(512.0)), cf(8388608.0))
+    sub = builder.sub(builder.bitcast(magic, vi), ci(0x4B000000))
+    out = builder.select(builder.fcmp_ordered(">=", a, cf(0.015625)), normal, sub)
     out = builder.select(builder.fcmp_ordered(">=", a, cf(448.0)), ci(0x7E), out)
     out = builder.select(builder.fcmp_unordered("uno", a, a), ci(0x7F), out)
     return builder.or_(sign, out)
