@@ -89,10 +89,10 @@ _FLT_MAX = np.float32(3.4028234663852886e38)
 @element
 def f32_to_e4m3(x):
     """float32 to float8_e4m3fn bits: round to nearest even, saturate to +-448, NaN kept.
-    Written with conditional expressions, not branches: LLVM makes them selects, and the CPU
-    twins' loops over a row vectorise (with branches a put took ~3 ns a value). Every arm is
-    computed; the subnormal arm's input is clamped so its integer conversion stays defined
-    for values the other arms take."""
+    Written with conditional expressions, not branches (LLVM makes them selects: the element
+    put of 4096 x 8 x 128 float16 K+V took 27 -> 17 ms; the CPU's vector put is
+    :func:`_fused_f8_put_chunk`). Every arm is computed; the subnormal arm's input is clamped
+    so its integer conversion stays defined for values the other arms take."""
     b = np.int64(np.float32(x).view(np.uint32))
     sign = (b >> 24) & 0x80
     a = abs(np.float32(x))
@@ -594,6 +594,42 @@ def _llvm_quantize_blocks(context, builder, q_ty, qa, qoff, blocks, mags, amax, 
             builder.store(packed, _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1)
 
 
+def _llvm_block_values(context, builder, q_ty, qa, qoff, fmt_v):
+    """The 32 values (``<32 x float>``) of the q8_0 (``fmt_v`` 1) or q4_0 (2) block at byte
+    ``qoff`` of ``q``'s data: :func:`dequantize_block`'s ``d * q``, the scale widened by
+    ``fpext`` (F16C: exact), the quants sign-extended (q8_0) or split into nibbles less 8
+    (q4_0: value ``i`` the low nibble of byte ``i``, value ``i + 16`` its high nibble) and
+    converted exactly. Shared by the vector get and the in-register shift."""
+    from llvmlite import ir
+    i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+    v32i = ir.VectorType(i32, 32)
+    d = builder.fpext(builder.bitcast(builder.load(
+        _elem_ptr(context, builder, q_ty, qa, qoff, ir.IntType(16)), align=1), ir.HalfType()),
+        f32)
+    at = builder.add(qoff, _int_const(qoff, 2))
+    if fmt_v == 1:
+        ints = builder.sext(builder.load(_vector_ptr(context, builder, q_ty, qa, at, i8, 32),
+                                         align=1), v32i)
+    else:
+        v16 = ir.VectorType(i8, 16)
+        raw = builder.load(_vector_ptr(context, builder, q_ty, qa, at, i8, 16), align=1)
+        both = builder.shuffle_vector(builder.and_(raw, ir.Constant(v16, [15] * 16)),
+                                      builder.lshr(raw, ir.Constant(v16, [4] * 16)),
+                                      ir.Constant(v32i, list(range(32))))
+        ints = builder.sub(builder.zext(both, v32i), ir.Constant(v32i, [8] * 32))
+    return builder.fmul(_llvm_splat(builder, d, 32),
+                        builder.sitofp(ints, ir.VectorType(f32, 32)))
+
+
+def _llvm_f8_values(context, builder, q_ty, qa, qoff, scale, n):
+    """The ``n`` values (``<n x float>``) of the float8_e4m3fn bytes at byte ``qoff`` of
+    ``q``'s data: :func:`e4m3_to_f32` times ``scale`` (:func:`_llvm_from_e4m3`). Shared by
+    the vector get and the in-register shift."""
+    from llvmlite import ir
+    raw = builder.load(_vector_ptr(context, builder, q_ty, qa, qoff, ir.IntType(8), n), align=1)
+    return builder.fmul(_llvm_from_e4m3(builder, raw), _llvm_splat(builder, scale, n))
+
+
 def _llvm_x86(builder, name, ret, args):
     """A call of the x86 intrinsic ``name`` (LLVM's ``llvm.x86.*``) returning ``ret``."""
     from llvmlite import ir
@@ -1056,38 +1092,19 @@ def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot,
     from llvmlite import ir
 
     def codegen(context, builder, sig, args):
-        f32, i32, i16, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8)
+        f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
         q_ty = sig.args[0]
         qa, qoff_v, cos_a, sin_a, toff_v, rs, fmt_a = args[:7]
         scale_v = args[10]
         nb = n_v // 32
-        v32f, v32i = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
 
         def shuffle(a, b, idx):
             return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
 
         def dequantized(fmt_v):
             nbytes = 34 if fmt_v == 1 else 18
-            parts = []
-            for k in range(nb):
-                at = builder.add(qoff_v, _int_const(qoff_v, k * nbytes))
-                d = builder.fpext(builder.bitcast(builder.load(
-                    _elem_ptr(context, builder, q_ty, qa, at, i16), align=1), ir.HalfType()), f32)
-                qat = builder.add(qoff_v, _int_const(qoff_v, k * nbytes + 2))
-                if fmt_v == 1:
-                    ints = builder.sext(builder.load(
-                        _vector_ptr(context, builder, q_ty, qa, qat, i8, 32), align=1), v32i)
-                else:   # element j: low nibble of byte j, element j + 16: its high nibble
-                    b = builder.zext(builder.load(
-                        _vector_ptr(context, builder, q_ty, qa, qat, i8, 16), align=1),
-                        ir.VectorType(i32, 16))
-                    h16 = ir.VectorType(i32, 16)
-                    lo = builder.and_(b, ir.Constant(h16, [15] * 16))
-                    hi = builder.lshr(b, ir.Constant(h16, [4] * 16))
-                    ints = builder.sub(shuffle(lo, hi, list(range(32))),
-                                       ir.Constant(v32i, [8] * 32))
-                parts.append(builder.fmul(_llvm_splat(builder, d, 32),
-                                          builder.sitofp(ints, v32f)))
+            parts = [_llvm_block_values(context, builder, q_ty, qa, builder.add(
+                qoff_v, _int_const(qoff_v, k * nbytes)), fmt_v) for k in range(nb)]
             while len(parts) > 1:   # joined pairwise (shuffles take equal types)
                 w = parts[0].type.count
                 parts = [shuffle(a, b, list(range(2 * w)))
@@ -1110,9 +1127,8 @@ def _fused_rope_row(typingctx, q, qoff, cos_t, sin_t, toff, rscale, fmt, n, rot,
             ends.append((dequantized(fmt_v), builder.block))
             builder.branch(merged)
         builder.position_at_end(deqf8)
-        raw = builder.load(_vector_ptr(context, builder, q_ty, qa, qoff_v, i8, n_v), align=1)
-        ends.append((builder.fmul(_llvm_from_e4m3(builder, raw),
-                                  _llvm_splat(builder, scale_v, n_v)), builder.block))
+        ends.append((_llvm_f8_values(context, builder, q_ty, qa, qoff_v, scale_v, n_v),
+                     builder.block))
         builder.branch(merged)
         builder.position_at_end(merged)
         v = builder.phi(ir.VectorType(f32, n_v))
@@ -1557,9 +1573,6 @@ def quant_put_rot_cpu_par(q, x, slots, start, layer, fmt, kind, rot, rscale):
 
 
 # --------------------------------------------------------------------------------------------
-# get: dequantize cells lo .. lo + n - 1 of one layer into out [n, heads, dim]
-
-# --------------------------------------------------------------------------------------------
 # float8_e4m3fn on the CPU in vector form (the put and the get; the same math as
 # f32_to_e4m3 / e4m3_to_f32, lane by lane)
 
@@ -1728,7 +1741,8 @@ def quant_put_f8_cpu_par(q, x, slots, start, layer, scales, kind):
 
 
 # --------------------------------------------------------------------------------------------
-# the CPU's q8_0/q4_0 get in vector form
+# get: dequantize cells lo .. lo + n - 1 of one layer into out [n, heads, dim]; first the
+# CPU's vector form (q8_0, q4_0, float8), then the CUDA kernel and its element twin
 
 @intrinsic(prefer_literal=True)
 def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
@@ -1737,11 +1751,10 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
     :func:`e4m3_to_f32` times ``scale``, a NaN given the element form's NaN bits) into the
     ``32 * nb`` values at element ``ooff`` of ``out``'s data: float32 when ``out`` is, else
     float16 bits (``kind`` 1) or bfloat16 bits (2; :func:`_llvm_store_values`).
-    :func:`dequantize_block`'s math as LLVM vectors: each block's scale
-    widened by F16C (exact), the quants sign-extended (q8_0) or split into nibbles less 8
-    (q4_0) and converted exactly, ``d * q`` in float32, then rounded to nearest even -- by
-    ``fptrunc`` (``vcvtps2ph``) for float16, by :func:`.f32_to_bf16_bits`' integer rounding
-    for bfloat16. A finite scale makes every product finite (``|d * q| <= 65504 * 128``),
+    :func:`dequantize_block`'s math as LLVM vectors (:func:`_llvm_block_values`,
+    :func:`_llvm_f8_values`), then rounded to nearest even -- by ``fptrunc``
+    (``vcvtps2ph``) for float16, by :func:`.f32_to_bf16_bits`' integer rounding for
+    bfloat16. A finite scale makes every product finite (``|d * q| <= 65504 * 128``),
     where the hardware conversion gives the software one's bits (subnormal and overflowing
     halves included); a block whose scale is an infinity or NaN makes the call store
     nothing and return 1, and the caller dequantizes those blocks by
@@ -1755,15 +1768,10 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
     from llvmlite import ir
 
     def codegen(context, builder, sig, args):
-        i8, i16, i32, i64 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64))
-        f32 = ir.FloatType()
+        i16 = ir.IntType(16)
         q_ty, out_ty = sig.args[0], sig.args[2]
         qa, qoff_v, oa, ooff_v, scale_v, _, kind_a = args[:7]
-        v32i, v32f = ir.VectorType(i32, 32), ir.VectorType(f32, 32)
         nbytes = {1: 34, 2: 18, 3: 32}[fmt_v]
-
-        def c32(v):
-            return ir.Constant(v32i, [v] * 32)
         scale_bits = [builder.load(_elem_ptr(context, builder, q_ty, qa, builder.add(
             qoff_v, _int_const(qoff_v, k * nbytes)), i16), align=1)
             for k in range(nb_v if fmt_v != 3 else 0)]
@@ -1773,31 +1781,15 @@ def _fused_get_chunk(typingctx, q, qoff, out, ooff, scale, fmt, kind, nb):
                 "==", builder.and_(sb, ir.Constant(i16, 0x7C00)), ir.Constant(i16, 0x7C00)))
         with builder.if_then(builder.not_(bad), likely=True):
             for k in range(nb_v):
-                o = builder.add(ooff_v, _int_const(ooff_v, 32 * k))
+                at = builder.add(qoff_v, _int_const(qoff_v, k * nbytes))
                 if fmt_v == 3:
-                    raw = builder.load(_vector_ptr(context, builder, q_ty, qa, builder.add(
-                        qoff_v, _int_const(qoff_v, 32 * k)), i8, 32), align=1)
-                    y = builder.fmul(_llvm_from_e4m3(builder, raw),
-                                     _llvm_splat(builder, scale_v, 32))
-                    _llvm_store_values(context, builder, out_ty, oa, o, y, kind_a, True)
-                    continue
-                d = builder.fpext(builder.bitcast(scale_bits[k], ir.HalfType()), f32)
-                at = builder.add(qoff_v, _int_const(qoff_v, k * nbytes + 2))
-                if fmt_v == 1:
-                    raw = builder.load(_vector_ptr(context, builder, q_ty, qa, at, i8, 32),
-                                       align=1)
-                    ints = builder.sext(raw, v32i)
-                else:   # value i: the low nibble of byte i; value i + 16: its high nibble
-                    raw = builder.load(_vector_ptr(context, builder, q_ty, qa, at, i8, 16),
-                                       align=1)
-                    v16 = ir.VectorType(i8, 16)
-                    lo = builder.and_(raw, ir.Constant(v16, [15] * 16))
-                    hi = builder.lshr(raw, ir.Constant(v16, [4] * 16))
-                    both = builder.shuffle_vector(lo, hi, ir.Constant(v32i, list(range(32))))
-                    ints = builder.sub(builder.zext(both, v32i), c32(8))
-                y = builder.fmul(_llvm_splat(builder, d, 32), builder.sitofp(ints, v32f))
-                _llvm_store_values(context, builder, out_ty, oa, o, y, kind_a, False)
-        return builder.zext(bad, i64)
+                    y = _llvm_f8_values(context, builder, q_ty, qa, at, scale_v, 32)
+                else:
+                    y = _llvm_block_values(context, builder, q_ty, qa, at, fmt_v)
+                _llvm_store_values(context, builder, out_ty, oa,
+                                   builder.add(ooff_v, _int_const(ooff_v, 32 * k)), y, kind_a,
+                                   fmt_v == 3)
+        return builder.zext(bad, ir.IntType(64))
     return types.int64(q, qoff, out, ooff, scale, fmt, kind, nb), codegen
 
 
@@ -1860,9 +1852,10 @@ def _get_call(q, qoff, out, ooff, scale, fmt, kind, nb):
 @njit(inline="always")
 def _get_rows_fused_cpu(q, layer, lo, fmt, scale, out, kind):
     """Cells ``lo ..`` of layer ``layer`` of ``q`` (last axis contiguous) dequantized into
-    ``out [n, heads, dim]`` (last axis contiguous) by :func:`_fused_get_chunk`, four blocks a
-    call while four remain; a call that met a non-finite scale is redone block by block by
-    :func:`dequantize_block`."""
+    ``out [n, heads, dim]`` (last axis contiguous) by :func:`_fused_get_chunk`: q8_0/q4_0
+    four blocks a call while four remain (a call that met a non-finite scale is redone block
+    by block by :func:`dequantize_block`), float8 32 values a call and a row's last ``dim %
+    32`` by :func:`dequantize_block`."""
     nbytes = 34 if fmt == 1 else (18 if fmt == 2 else 32)
     nblk = out.shape[2] // 32
     os0 = out.strides[0] // out.itemsize
@@ -1888,7 +1881,8 @@ def _get_rows_fused_cpu(q, layer, lo, fmt, scale, out, kind):
 
 @njit(cache=True)
 def quant_get_fused_cpu(q, layer, lo, fmt, scales, out, kind):
-    """The CPU's q8_0/q4_0 get (``fmt`` 1/2) in vector form (:func:`_get_rows_fused_cpu`):
+    """The CPU's q8_0/q4_0/float8 get (``fmt`` 1/2/3) in vector form
+    (:func:`_get_rows_fused_cpu`):
     cells ``lo .. lo + len(out) - 1`` of layer ``layer`` of ``q [n_layers, n_cells, heads,
     row_bytes]`` into ``out [n, heads, dim]`` (float32, or float16 / bfloat16 bits by
     ``kind`` 1 / 2), the same bits as :func:`quant_get_cpu`."""
