@@ -42,6 +42,7 @@ a note, never replaced by something else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -589,21 +590,31 @@ class NumbakvContender(_Contender):
         self.cache = None
 
 
+@contextlib.contextmanager
+def _one_numba_thread():
+    """numba's parallel CPU kernels held to one thread (``numba.set_num_threads``) inside."""
+    import numba
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(threads)
+
+
 class NumbakvOneThreadContender(NumbakvContender):
-    """numbakv with numba's parallel CPU kernels held to one thread (``numba.set_num_threads``):
+    """numbakv with numba's parallel CPU kernels held to one thread (:func:`_one_numba_thread`):
     shows what the multi-threaded kernel paths (big masks, big puts) gain or, on a busy
     machine, lose to waiting for a core."""
 
     name = "numbakv 1 thread"
 
     def begin(self) -> None:
-        import numba
-        self._threads = numba.get_num_threads()
-        numba.set_num_threads(1)
+        self._held = _one_numba_thread()
+        self._held.__enter__()
 
     def end(self) -> None:
-        import numba
-        numba.set_num_threads(self._threads)
+        self._held.__exit__(None, None, None)
 
 
 class _AppendContender(_Contender):
@@ -1301,14 +1312,10 @@ def run_quant(s: BenchSettings, dev: _Device, notes: List[str],
             if _numba_threads_matter(dev):
                 # the put spreads its tokens over numba's threads, np.copyto runs on one: the
                 # same put held to one thread is the like-for-like figure
-                one = NumbakvOneThreadContender.__new__(NumbakvOneThreadContender)
-                one.begin()
-                try:
+                with _one_numba_thread():
                     res, base = measure_pair(lambda: st.put_range(0, 0, x, x),
                                              _copy_pair(dev, float_bytes), dev, s.budget,
                                              s.min_reps)
-                finally:
-                    one.end()
                 rows.append(_kernel_row(f"{kind} put rotated", f"{tokens} tok, 1 thread",
                                         float_bytes, res, base))
                 rows[-1]["threads"] = 1
